@@ -1,0 +1,46 @@
+"""`prfaas`: dispatch to one module per subcommand.
+
+Each subcommand module defines `HELP: str`, `add_arguments(parser)` and `run(args) -> int`,
+and imports anything heavy (torch, transformers) inside `run`, so `prfaas plan` starts fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+
+# name -> module; add a line here to add a subcommand.
+SUBCOMMANDS: dict[str, str] = {
+    "plan": "prfaas.cli.plan",
+}
+
+
+def _load(name: str) -> ModuleType:
+    return importlib.import_module(SUBCOMMANDS[name])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="prfaas", description="Prefill-as-a-Service for hybrid-attention LLMs."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in SUBCOMMANDS:
+        module = _load(name)
+        module.add_arguments(sub.add_parser(name, help=module.HELP, description=module.HELP))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        code: int = _load(args.command).run(args)
+    except KeyboardInterrupt:
+        return 130
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

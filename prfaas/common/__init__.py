@@ -1,0 +1,1 @@
+"""Small pieces shared by the gateway and the engines (block hashing, wire formats)."""

@@ -1,0 +1,1 @@
+"""Engines and engine clients: reference CPU engine, SGLang plugin, KV transport, simulation."""

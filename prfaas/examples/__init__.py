@@ -1,0 +1,1 @@
+"""Example deployment profiles shipped with the package."""

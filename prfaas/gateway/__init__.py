@@ -1,0 +1,1 @@
+"""HTTP front door and the request path (OpenAI API, KV index, dispatch)."""

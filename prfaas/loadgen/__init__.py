@@ -1,0 +1,1 @@
+"""Workloads, the streaming benchmark client, reports, and the virtual-clock runner."""

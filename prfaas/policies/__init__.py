@@ -1,0 +1,1 @@
+"""Pure decisions: deployment profiles, the throughput model, the planner, routing policies."""

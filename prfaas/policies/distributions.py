@@ -1,0 +1,131 @@
+"""Input-length distributions with the partial moments the throughput model needs.
+
+Every method is vectorised over its threshold arguments. Lengths are treated as continuous;
+a request with length `l` goes to PrfaaS when `l > t` and stays in the PD cluster when
+`l <= t`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+Array = NDArray[np.float64]
+
+_erf = np.frompyfunc(math.erf, 1, 1)
+
+
+def _std_normal_cdf(z: ArrayLike) -> Array:
+    return 0.5 * (1.0 + np.asarray(_erf(np.asarray(z, dtype=np.float64) / math.sqrt(2.0)), float))
+
+
+class LengthDistribution(Protocol):
+    """What the throughput model asks of a length distribution."""
+
+    @property
+    def lo(self) -> float:
+        """Smallest possible length."""
+        ...
+
+    @property
+    def hi(self) -> float:
+        """Largest possible length."""
+        ...
+
+    def cdf(self, x: ArrayLike) -> Array:
+        """P(L <= x)."""
+        ...
+
+    def partial_mean(self, x: ArrayLike) -> Array:
+        """E[L * 1{L <= x}]."""
+        ...
+
+    def mean(self) -> float:
+        """E[L]."""
+        ...
+
+
+@dataclass(frozen=True)
+class TruncatedLogNormal:
+    """ln L ~ Normal(mu, sigma), conditioned on lo <= L <= hi; closed-form partial moments."""
+
+    mu: float
+    sigma: float
+    lo: float
+    hi: float
+
+    def __post_init__(self) -> None:
+        if not self.sigma > 0:
+            raise ValueError(f"sigma must be > 0, got {self.sigma}")
+        if not 0 < self.lo < self.hi:
+            raise ValueError(f"need 0 < min < max, got min={self.lo}, max={self.hi}")
+
+    def _raw_cdf(self, x: Array) -> Array:
+        return _std_normal_cdf((np.log(x) - self.mu) / self.sigma)
+
+    def _raw_partial(self, x: Array) -> Array:
+        scale = math.exp(self.mu + self.sigma**2 / 2)
+        return scale * _std_normal_cdf((np.log(x) - self.mu - self.sigma**2) / self.sigma)
+
+    def _norm(self) -> tuple[float, float, float, float]:
+        ends = np.array([self.lo, self.hi])
+        c_lo, c_hi = self._raw_cdf(ends)
+        m_lo, m_hi = self._raw_partial(ends)
+        return float(c_lo), float(c_hi - c_lo), float(m_lo), float(m_hi - m_lo)
+
+    def cdf(self, x: ArrayLike) -> Array:
+        c_lo, z, _, _ = self._norm()
+        xc = np.clip(np.asarray(x, dtype=np.float64), self.lo, self.hi)
+        return (self._raw_cdf(xc) - c_lo) / z
+
+    def partial_mean(self, x: ArrayLike) -> Array:
+        _, z, m_lo, _ = self._norm()
+        xc = np.clip(np.asarray(x, dtype=np.float64), self.lo, self.hi)
+        return (self._raw_partial(xc) - m_lo) / z
+
+    def mean(self) -> float:
+        _, z, _, m = self._norm()
+        return m / z
+
+
+@dataclass(frozen=True)
+class EmpiricalLengths:
+    """The distribution of observed lengths (e.g. recent incremental lengths)."""
+
+    samples: Sequence[float]
+    _sorted: Array = field(init=False, repr=False, compare=False)
+    _cumsum: Array = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        s = np.sort(np.asarray(self.samples, dtype=np.float64))
+        if s.size == 0:
+            raise ValueError("an empirical distribution needs at least one sample")
+        if s[0] < 0:
+            raise ValueError(f"lengths must be >= 0, got {s[0]}")
+        object.__setattr__(self, "_sorted", s)
+        object.__setattr__(self, "_cumsum", np.concatenate([[0.0], np.cumsum(s)]))
+
+    @property
+    def lo(self) -> float:
+        return float(self._sorted[0])
+
+    @property
+    def hi(self) -> float:
+        return float(self._sorted[-1])
+
+    def _count(self, x: ArrayLike) -> NDArray[np.intp]:
+        return np.searchsorted(self._sorted, np.asarray(x, dtype=np.float64), side="right")
+
+    def cdf(self, x: ArrayLike) -> Array:
+        return self._count(x) / self._sorted.size
+
+    def partial_mean(self, x: ArrayLike) -> Array:
+        return self._cumsum[self._count(x)] / self._sorted.size
+
+    def mean(self) -> float:
+        return float(self._cumsum[-1] / self._sorted.size)
