@@ -67,8 +67,14 @@ _ROWS: list[tuple[str, str]] = [
     ("link utilisation", "link_utilisation"),
 ]
 
-_FORMATS = {"threshold_tokens": ",.0f", "l_long": ",.0f", "l_short": ",.0f", "p_offload": ".1%",
-            "link_utilisation": ".1%", "egress_gbps": ".2f"}  # fmt: skip
+_FORMATS = {
+    "threshold_tokens": ",.0f",
+    "l_long": ",.0f",
+    "l_short": ",.0f",
+    "p_offload": ".1%",
+    "link_utilisation": ".1%",
+    "egress_gbps": ".2f",
+}
 
 
 def _cell(result: DeploymentResult | None, key: str) -> str:
@@ -90,12 +96,18 @@ def render(report: PlanReport, *, profile_name: str) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = [f"PrfaaS plan for {profile_name}", ""]
     for n, row in enumerate(rows):
-        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
+        cells = [row[0].ljust(widths[0])] + [
+            c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)
+        ]
         lines.append("  ".join(cells))
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))
-    lines += ["", f"PrfaaS-PD vs homogeneous: {_fmt(report.ratio_vs_homogeneous, '.2f', 'x')}"
-              f"   vs naive heterogeneous: {_fmt(report.ratio_vs_naive, '.2f', 'x')}", ""]  # fmt: skip
+    lines += [
+        "",
+        f"PrfaaS-PD vs homogeneous: {_fmt(report.ratio_vs_homogeneous, '.2f', 'x')}"
+        f"   vs naive heterogeneous: {_fmt(report.ratio_vs_naive, '.2f', 'x')}",
+        "",
+    ]
     if report.exact_expectation:
         lines.append("Evaluation: exact expectation, each class costs E[T(L) | class].")
     else:

@@ -25,7 +25,8 @@ def _std_normal_cdf(z: ArrayLike) -> Array:
 
 
 class LengthDistribution(Protocol):
-    """What the throughput model asks of a length distribution."""
+    """What the throughput model asks of a length distribution. `cdf` and `partial_mean`
+    accept any real x, ±inf included (they clamp to the support)."""
 
     @property
     def lo(self) -> float:

@@ -96,6 +96,11 @@ def _finite_or_none(v: Any) -> Any:
     return float(v) if isinstance(v, np.floating) else v
 
 
+def _argmin(stages: dict[str, Any]) -> str:
+    """The name of the stage with the lowest throughput bound."""
+    return min(stages, key=stages.__getitem__)
+
+
 def _ratio(a: DeploymentResult, b: DeploymentResult | None) -> float | None:
     return a.lambda_max / b.lambda_max if b is not None and b.lambda_max > 0 else None
 
@@ -142,9 +147,14 @@ def _plan_prfaas_pd(
     assert pf.egress_gbps is not None
     link_bps = tp.gbps_to_bytes_per_s(pf.egress_gbps)
     split = tp.split_at(dist, threshold_grid(dist, t_step))
-    costs = tp.class_costs(dist, split, long_prefill=pf.hardware.prefill_seconds,
-                           short_prefill=pd.hardware.prefill_seconds,
-                           kv_bytes=profile.model.kv_bytes, exact=exact)  # fmt: skip
+    costs = tp.class_costs(
+        dist,
+        split,
+        long_prefill=pf.hardware.prefill_seconds,
+        short_prefill=pd.hardware.prefill_seconds,
+        kv_bytes=profile.model.kv_bytes,
+        exact=exact,
+    )
     n_p = np.arange(1, pd.instances, dtype=np.float64)  # (K,)
     theta_p = tp.theta_prfaas(pf.instances, costs.long_prefill_s, link_bps, costs.long_kv_bytes)
     theta_pdp = tp.theta_pd_prefill(n_p[:, None], costs.short_prefill_s[None, :])  # (K, T)
@@ -154,22 +164,30 @@ def _plan_prfaas_pd(
     k, j = _best(lam, np.fmin(bound_p[None, :], bound_pdp))
     grid = PlanGrid(split.t, n_p, lam, bound_p, bound_pdp, theta_pdd)
     rate = float(lam[k, j])
-    egress = float(tp.bytes_per_s_to_gbps(rate * split.p[j] * np.nan_to_num(costs.long_kv_bytes[j])))
-    compute_bound = pf.instances / costs.long_prefill_s[j] if split.p[j] > 0 else np.inf
-    stages = {
-        "prfaas_prefill" if compute_bound <= link_bps / costs.long_kv_bytes[j] else "prfaas_link":
-        bound_p[j],
-        "pd_prefill": bound_pdp[k, j],
-        "pd_decode": theta_pdd[k],
-    }  # fmt: skip
+    egress = float(
+        tp.bytes_per_s_to_gbps(rate * split.p[j] * np.nan_to_num(costs.long_kv_bytes[j]))
+    )
+    link_bound = link_bps / costs.long_kv_bytes[j]
+    compute_bound = pf.instances / costs.long_prefill_s[j]
+    prfaas_stage = "prfaas_prefill" if not compute_bound > link_bound else "prfaas_link"
+    stages = {prfaas_stage: bound_p[j], "pd_prefill": bound_pdp[k, j], "pd_decode": theta_pdd[k]}
     result = DeploymentResult(
-        name="prfaas_pd", lambda_max=rate, theta_prfaas=float(theta_p[j]),
-        theta_pd_p=float(theta_pdp[k, j]), theta_pd_d=float(theta_pdd[k]),
-        n_prfaas=pf.instances, n_p=int(n_p[k]), n_d=int(pd.instances - n_p[k]),
-        threshold_tokens=float(split.t[j]), p_offload=float(split.p[j]),
-        l_long=float(split.l_long[j]), l_short=float(split.l_short[j]),
-        egress_gbps=egress, link_gbps=pf.egress_gbps, bottleneck=min(stages, key=stages.__getitem__),
-    )  # fmt: skip
+        name="prfaas_pd",
+        lambda_max=rate,
+        theta_prfaas=float(theta_p[j]),
+        theta_pd_p=float(theta_pdp[k, j]),
+        theta_pd_d=float(theta_pdd[k]),
+        n_prfaas=pf.instances,
+        n_p=int(n_p[k]),
+        n_d=int(pd.instances - n_p[k]),
+        threshold_tokens=float(split.t[j]),
+        p_offload=float(split.p[j]),
+        l_long=float(split.l_long[j]),
+        l_short=float(split.l_short[j]),
+        egress_gbps=egress,
+        link_gbps=pf.egress_gbps,
+        bottleneck=_argmin(stages),
+    )
     return grid, result
 
 
@@ -191,12 +209,22 @@ def _plan_homogeneous(profile: DeploymentProfile, exact: bool) -> DeploymentResu
     lam = np.fmin(theta_pdp, theta_pdd)
     (k,) = _best(lam, theta_pdp)
     return DeploymentResult(
-        name="homogeneous", lambda_max=float(lam[k]), theta_prfaas=None,
-        theta_pd_p=float(theta_pdp[k]), theta_pd_d=float(theta_pdd[k]), n_prfaas=0,
-        n_p=int(n_p[k]), n_d=int(base.instances - n_p[k]), threshold_tokens=None,
-        p_offload=0.0, l_long=None, l_short=dist.mean(), egress_gbps=None, link_gbps=None,
+        name="homogeneous",
+        lambda_max=float(lam[k]),
+        theta_prfaas=None,
+        theta_pd_p=float(theta_pdp[k]),
+        theta_pd_d=float(theta_pdd[k]),
+        n_prfaas=0,
+        n_p=int(n_p[k]),
+        n_d=int(base.instances - n_p[k]),
+        threshold_tokens=None,
+        p_offload=0.0,
+        l_long=None,
+        l_short=dist.mean(),
+        egress_gbps=None,
+        link_gbps=None,
         bottleneck="pd_prefill" if theta_pdp[k] <= theta_pdd[k] else "pd_decode",
-    )  # fmt: skip
+    )
 
 
 def _plan_naive(profile: DeploymentProfile, exact: bool) -> DeploymentResult | None:
@@ -205,17 +233,32 @@ def _plan_naive(profile: DeploymentProfile, exact: bool) -> DeploymentResult | N
         return None
     dist, link = profile.workload.lengths, profile.prfaas.egress_gbps
     assert link is not None
-    mean_kv = (float(tp.partial_cost(dist, profile.model.kv_bytes, np.inf)) if exact
-               else float(profile.model.kv_bytes(dist.mean())))  # fmt: skip
+    mean_kv = (
+        float(tp.partial_cost(dist, profile.model.kv_bytes, np.inf))
+        if exact
+        else float(profile.model.kv_bytes(dist.mean()))
+    )
     compute = base.prefill_instances / _whole_cost(dist, base.prefill, exact)
     link_rate = tp.gbps_to_bytes_per_s(link) / mean_kv
-    theta_d = float(_decode_rate(base.decode, base.decode_instances, profile.workload.output_tokens))
+    theta_d = float(
+        _decode_rate(base.decode, base.decode_instances, profile.workload.output_tokens)
+    )
     stages = {"prfaas_prefill": compute, "prfaas_link": link_rate, "pd_decode": theta_d}
     rate = min(stages.values())
     return DeploymentResult(
-        name="naive_heterogeneous", lambda_max=rate, theta_prfaas=min(compute, link_rate),
-        theta_pd_p=None, theta_pd_d=theta_d, n_prfaas=base.prefill_instances, n_p=0,
-        n_d=base.decode_instances, threshold_tokens=None, p_offload=1.0, l_long=dist.mean(),
-        l_short=None, egress_gbps=float(tp.bytes_per_s_to_gbps(rate * mean_kv)), link_gbps=link,
-        bottleneck=min(stages, key=stages.__getitem__),
-    )  # fmt: skip
+        name="naive_heterogeneous",
+        lambda_max=rate,
+        theta_prfaas=min(compute, link_rate),
+        theta_pd_p=None,
+        theta_pd_d=theta_d,
+        n_prfaas=base.prefill_instances,
+        n_p=0,
+        n_d=base.decode_instances,
+        threshold_tokens=None,
+        p_offload=1.0,
+        l_long=dist.mean(),
+        l_short=None,
+        egress_gbps=float(tp.bytes_per_s_to_gbps(rate * mean_kv)),
+        link_gbps=link,
+        bottleneck=_argmin(stages),
+    )

@@ -6,6 +6,7 @@ Unknown keys are errors, so a typo never passes silently.
 
 from __future__ import annotations
 
+import itertools
 import math
 import tomllib
 from collections.abc import Mapping
@@ -160,8 +161,8 @@ class _Table:
 
     def increasing_axis(self, name: str) -> tuple[float, ...]:
         axis = self.axis(name)
-        if any(b <= a for a, b in zip(axis, axis[1:], strict=False)):
-            raise self.error(name, "must be strictly increasing", list(axis))
+        if any(b <= a for a, b in itertools.pairwise(axis)):
+            raise self.error(name, "must be strictly increasing", self.data[name])
         return axis
 
     def close(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,7 +23,7 @@ class PiecewiseLinear:
     def __post_init__(self) -> None:
         if len(self.xs) != len(self.ys) or len(self.xs) < 2:
             raise ValueError(f"need >= 2 knots of equal length, got {self.xs!r} / {self.ys!r}")
-        if any(b <= a for a, b in zip(self.xs, self.xs[1:], strict=False)):
+        if any(b <= a for a, b in itertools.pairwise(self.xs)):
             raise ValueError(f"knots must be strictly increasing, got {self.xs!r}")
 
     def __call__(self, x: ArrayLike) -> NDArray[np.float64]:

@@ -29,9 +29,9 @@ def bytes_per_s_to_gbps(rate: ArrayLike) -> Array:
     return np.asarray(rate, dtype=np.float64) * BITS_PER_BYTE / 1e9
 
 
-def kv_throughput(kv_bytes: PiecewiseLinear, prefill_s: PiecewiseLinear, l: ArrayLike) -> Array:
-    """Eq. 1: Phi_kv(l) = S_kv(l) / T_prefill(l), bytes/s of KV one prefill instance emits."""
-    return kv_bytes(l) / prefill_s(l)
+def kv_throughput(kv_bytes: PiecewiseLinear, prefill_s: PiecewiseLinear, n: ArrayLike) -> Array:
+    """Eq. 1: Phi_kv(n) = S_kv(n) / T_prefill(n), the KV bytes/s one prefill instance emits."""
+    return kv_bytes(n) / prefill_s(n)
 
 
 def egress_needed(n_instances: int, phi_kv_bytes_per_s: ArrayLike) -> Array:
@@ -117,9 +117,8 @@ def partial_cost(dist: LengthDistribution, f: PiecewiseLinear, x: ArrayLike) -> 
     total = np.zeros(xa.shape)
     for k in range(slope.size):
         lo, hi = np.minimum(edges[k], xa), np.minimum(edges[k + 1], xa)
-        lo_c, hi_c = np.clip(lo, dist.lo, dist.hi), np.clip(hi, dist.lo, dist.hi)
-        mass = dist.partial_mean(hi_c) - dist.partial_mean(lo_c)
-        prob = dist.cdf(hi_c) - dist.cdf(lo_c)
+        mass = dist.partial_mean(hi) - dist.partial_mean(lo)
+        prob = dist.cdf(hi) - dist.cdf(lo)
         total += slope[k] * mass + intercept[k] * prob
     return total
 
@@ -144,8 +143,9 @@ def class_costs(
 ) -> ClassCosts:
     """Cost each class at the representative length, or as an exact conditional expectation."""
     if not exact:
-        return ClassCosts(long_prefill(split.l_long), kv_bytes(split.l_long),
-                          short_prefill(split.l_short))  # fmt: skip
+        return ClassCosts(
+            long_prefill(split.l_long), kv_bytes(split.l_long), short_prefill(split.l_short)
+        )
 
     def cond_long(f: PiecewiseLinear) -> Array:
         whole = partial_cost(dist, f, np.inf)
