@@ -1,0 +1,145 @@
+"""Built-in tiny hybrid models and loading of any local checkpoint of a supported architecture.
+
+A preset is a `transformers` config with a 3:1 linear:full layer pattern and seeded random
+weights. It is materialised once (`save_pretrained`) under the cache directory and then loaded
+like any checkpoint, so presets and real checkpoints take one code path. Nothing here touches
+the network: `from_pretrained` only ever sees a local directory.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from prfaas.common.tokenizer import ByteTokenizer
+
+SUPPORTED_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "kimi_linear")
+DEFAULT_PRESET = "qwen3-next-tiny"
+PRESET_SEED = 1234
+_PATTERN = ["linear_attention"] * 3 + ["full_attention"]
+_BYTE = ByteTokenizer()
+_SPECIALS: dict[str, Any] = {
+    "vocab_size": _BYTE.vocab_size,
+    "bos_token_id": _BYTE.bos_token_id,
+    "eos_token_id": _BYTE.eos_token_id,
+    "pad_token_id": _BYTE.pad_token_id,
+    "tie_word_embeddings": False,
+}
+
+
+def _qwen3_next(layers: int) -> PretrainedConfig:
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32,
+        linear_value_head_dim=32, num_experts=0, layer_types=_PATTERN * (layers // 4),
+        max_position_embeddings=65536, **_SPECIALS,
+    )  # fmt: skip
+
+
+def _qwen3_5(layers: int) -> PretrainedConfig:
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32,
+        linear_value_head_dim=32, layer_types=_PATTERN * (layers // 4),
+        max_position_embeddings=65536, **_SPECIALS,
+    )  # fmt: skip
+
+
+def _kimi_linear(layers: int) -> PretrainedConfig:
+    from transformers import KimiLinearConfig
+
+    return KimiLinearConfig(
+        hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
+        kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+        num_local_experts=4, num_experts_per_tok=2, linear_head_dim=32, linear_num_heads=4,
+        layer_types=_PATTERN * (layers // 4), max_position_embeddings=65536, **_SPECIALS,
+    )  # fmt: skip
+
+
+PRESETS: dict[str, Callable[[], PretrainedConfig]] = {
+    "qwen3-next-tiny": lambda: _qwen3_next(8),
+    "qwen3-next-mini": lambda: _qwen3_next(4),
+    "qwen3.5-tiny": lambda: _qwen3_5(8),
+    "kimi-linear-tiny": lambda: _kimi_linear(8),
+}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from: a preset name (materialised under `path`) or a local path."""
+
+    name: str
+    path: Path
+    preset: bool
+
+
+def default_cache_dir() -> Path:
+    """`$PRFAAS_MODEL_CACHE`, else `~/.cache/prfaas/models`."""
+    env = os.environ.get("PRFAAS_MODEL_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "prfaas" / "models"
+
+
+def resolve(model: str, cache_dir: Path | None = None) -> ModelSource:
+    """Resolve a preset name or a local checkpoint directory.
+
+    Raises:
+        ValueError: if `model` is neither a preset nor an existing directory with config.json.
+    """
+    if model in PRESETS:
+        return ModelSource(model, (cache_dir or default_cache_dir()) / model, preset=True)
+    path = Path(model).expanduser()
+    if (path / "config.json").is_file():
+        return ModelSource(path.name, path, preset=False)
+    raise ValueError(
+        f"model {model!r} is neither a preset ({', '.join(PRESETS)}) "
+        "nor a local checkpoint directory containing config.json"
+    )
+
+
+def materialise(name: str, path: Path) -> None:
+    """Write preset `name` (seeded random weights) to `path` unless already there."""
+    if (path / "config.json").is_file():
+        return
+    torch.manual_seed(PRESET_SEED)
+    config = PRESETS[name]()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    if path.exists():  # another process won the race; its copy is identical (same seed)
+        return
+    tmp.replace(path)
+
+
+def load_model(source: ModelSource) -> PreTrainedModel:
+    """Load the model in float32 eval mode from a local directory (materialising a preset).
+
+    Raises:
+        ValueError: if the checkpoint's architecture is not a supported hybrid model.
+    """
+    if source.preset:
+        source.path.parent.mkdir(parents=True, exist_ok=True)
+        materialise(source.name, source.path)
+    config = AutoConfig.from_pretrained(source.path, local_files_only=True)
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"unsupported model_type {config.model_type!r} in {source.path}; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    model = AutoModelForCausalLM.from_pretrained(
+        source.path, dtype=torch.float32, local_files_only=True, attn_implementation="sdpa"
+    )
+    model.eval()  # type: ignore[no-untyped-call]
+    return model
