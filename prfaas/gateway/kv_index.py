@@ -1,0 +1,137 @@
+"""The global KV index: which instance caches which prefix blocks, fed by engines' KV events.
+
+Engines publish `BlockStored` with their own block hashes plus the token ids; the index
+re-hashes the tokens with PrfaaS's chained xxh3-64 (`prfaas.common.hashing`) so lookups never
+depend on an engine's hash function. Each instance keeps a map engine-hash -> our hash to
+resolve parents and removals. Memory is bounded: past `max_blocks` entries the oldest
+insertions are forgotten (the index may then under-report a cache, never over-report it).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from prfaas.common.hashing import hash_block
+from prfaas.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _InstanceBlocks:
+    ours: dict[int, int] = field(default_factory=dict)  # engine hash -> our hash
+
+
+class KVIndexManager:
+    """Per-instance prefix-block index with longest-prefix lookups across instances."""
+
+    def __init__(self, *, block_size: int, max_blocks: int = 4_000_000) -> None:
+        if block_size <= 0 or max_blocks <= 0:
+            raise ValueError(
+                f"block_size and max_blocks must be > 0, got {block_size}, {max_blocks}"
+            )
+        self.block_size = block_size
+        self.max_blocks = max_blocks
+        self._instances: dict[str, _InstanceBlocks] = {}
+        self._holders: dict[int, set[str]] = {}  # our hash -> instances holding it
+        self._fifo: OrderedDict[tuple[str, int], None] = OrderedDict()  # (instance, engine hash)
+        self.rejected_events = 0
+
+    def __len__(self) -> int:
+        """Number of (instance, block) entries held."""
+        return len(self._fifo)
+
+    def instances(self) -> list[str]:
+        return list(self._instances)
+
+    def apply(self, instance_id: str, events: Iterable[KVEvent]) -> None:
+        """Apply one engine's events in order (mutates the index)."""
+        for event in events:
+            if isinstance(event, BlockStored):
+                self._stored(instance_id, event)
+            elif isinstance(event, BlockRemoved):
+                self._remove(instance_id, event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                self.clear_instance(instance_id)
+
+    def clear_instance(self, instance_id: str) -> None:
+        """Forget everything an instance caches (restart, flush, or a lost event stream)."""
+        blocks = self._instances.pop(instance_id, None)
+        if blocks is not None:
+            self._remove_known(instance_id, blocks, list(blocks.ours))
+
+    def _stored(self, instance_id: str, event: BlockStored) -> None:
+        n = len(event.block_hashes)
+        if event.block_size != self.block_size or len(event.token_ids) != n * self.block_size:
+            self.rejected_events += 1
+            logger.warning(
+                "%s: BlockStored with block_size %d / %d tokens for %d blocks does "
+                "not match the index's block size %d; ignored",
+                instance_id,
+                event.block_size,
+                len(event.token_ids),
+                n,
+                self.block_size,
+            )
+            return
+        blocks = self._instances.setdefault(instance_id, _InstanceBlocks())
+        parent: int | None = None
+        if event.parent_block_hash is not None:
+            parent = blocks.ours.get(event.parent_block_hash)
+            if parent is None:  # parent unknown (evicted from the index or a missed event)
+                self.rejected_events += 1
+                return
+        for i, engine_hash in enumerate(event.block_hashes):
+            tokens = event.token_ids[i * self.block_size : (i + 1) * self.block_size]
+            parent = hash_block(parent, tokens)
+            self._add(instance_id, blocks, engine_hash, parent)
+
+    def _add(self, instance_id: str, blocks: _InstanceBlocks, engine_hash: int, ours: int) -> None:
+        key = (instance_id, engine_hash)
+        if key in self._fifo:
+            self._fifo.move_to_end(key)
+            return
+        blocks.ours[engine_hash] = ours
+        self._holders.setdefault(ours, set()).add(instance_id)
+        self._fifo[key] = None
+        while len(self._fifo) > self.max_blocks:
+            (old_instance, old_hash), _ = self._fifo.popitem(last=False)
+            self._remove(old_instance, (old_hash,))
+
+    def _remove(self, instance_id: str, engine_hashes: Sequence[int]) -> None:
+        blocks = self._instances.get(instance_id)
+        if blocks is not None:
+            self._remove_known(instance_id, blocks, engine_hashes)
+
+    def _remove_known(
+        self, instance_id: str, blocks: _InstanceBlocks, engine_hashes: Sequence[int]
+    ) -> None:
+        for engine_hash in engine_hashes:
+            ours = blocks.ours.pop(engine_hash, None)
+            if ours is None:
+                continue
+            self._fifo.pop((instance_id, engine_hash), None)
+            holders = self._holders.get(ours)
+            if holders is not None:
+                holders.discard(instance_id)
+                if not holders:
+                    del self._holders[ours]
+
+    def longest_prefix(self, block_hashes: Sequence[int]) -> dict[str, int]:
+        """Cached prefix length in tokens per instance for a request's chained block hashes
+        (every known instance appears, 0 where nothing matches). Pure read."""
+        result = dict.fromkeys(self._instances, 0)
+        alive = set(self._instances)
+        for k, h in enumerate(block_hashes):
+            still = alive & self._holders.get(h, set())
+            for gone in alive - still:
+                result[gone] = k * self.block_size
+            alive = still
+            if not alive:
+                return result
+        for inst in alive:
+            result[inst] = len(block_hashes) * self.block_size
+        return result

@@ -1,0 +1,67 @@
+"""The instance registry: every engine instance the gateway can dispatch to, with its
+cluster, role, health and in-flight load."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+from prfaas.engines.client import BaseEngineClient, Role
+from prfaas.policies.routing import InstanceView, Route
+
+
+@dataclass
+class InstanceState:
+    """One registered instance. `bootstrap_host/port` are set for prefill-capable instances."""
+
+    instance_id: str
+    cluster: Route
+    role: Role
+    client: BaseEngineClient
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    healthy: bool = True
+    in_flight: int = 0
+    queued: int = 0  # waiting requests the engine last reported
+
+
+class InstanceManager:
+    """Owns the instance table; the Router reads it, health checks and stats polls update it."""
+
+    def __init__(self) -> None:
+        self._instances: dict[str, InstanceState] = {}
+
+    def add(self, state: InstanceState) -> None:
+        if state.instance_id in self._instances:
+            raise ValueError(f"instance {state.instance_id!r} is already registered")
+        self._instances[state.instance_id] = state
+
+    def remove(self, instance_id: str) -> InstanceState:
+        return self._instances.pop(instance_id)
+
+    def __getitem__(self, instance_id: str) -> InstanceState:
+        return self._instances[instance_id]
+
+    def __iter__(self) -> Iterator[InstanceState]:
+        return iter(list(self._instances.values()))
+
+    def __len__(self) -> int:
+        return len(self._instances)
+
+    def set_role(self, instance_id: str, role: Role) -> None:
+        """Record a converted instance (long-term rebalancing, `POST /admin/role`)."""
+        self._instances[instance_id].role = role
+
+    def views(self, cached: Mapping[str, int]) -> tuple[InstanceView, ...]:
+        """Policy views of every instance, with this request's cached prefix per instance."""
+        return tuple(
+            InstanceView(
+                instance_id=s.instance_id,
+                cluster=s.cluster,
+                role=s.role,
+                cached_tokens=cached.get(s.instance_id, 0),
+                load=s.in_flight + s.queued,
+                healthy=s.healthy,
+            )
+            for s in self._instances.values()
+        )

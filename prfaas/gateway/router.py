@@ -1,0 +1,188 @@
+"""The request path, independent of aiohttp: hash, look up, decide, dispatch, relay.
+
+`Router` is driven by the HTTP app in production and by the simulator on a virtual clock,
+so it reads time only through the running loop and does no I/O of its own beyond the engine
+clients it is given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prfaas.common.hashing import hash_blocks
+from prfaas.engines.client import (
+    Bootstrap,
+    EngineError,
+    GenerateChunk,
+    GenerateRequest,
+    SamplingParams,
+)
+from prfaas.gateway.kv_index import KVIndexManager
+from prfaas.gateway.registry import InstanceManager, InstanceState
+from prfaas.policies.routing import (
+    BaseRoutingPolicy,
+    NoInstanceAvailable,
+    Regime,
+    RouteDecision,
+    RoutingSnapshot,
+)
+
+MAX_ATTEMPTS = 2
+
+
+@dataclass
+class RoutingState:
+    """The knobs the schedulers move: threshold on incremental tokens and bandwidth regime."""
+
+    threshold: float
+    regime: Regime = "bandwidth_scarce"
+
+
+@dataclass(frozen=True)
+class RouteEvent:
+    """What the Router reports about one finished request (for metrics and the simulator)."""
+
+    rid: str
+    decision: RouteDecision
+    prompt_tokens: int
+    completion_tokens: int
+    error: str | None = None
+
+
+@dataclass
+class Router:
+    """Routes and dispatches requests with SGLang's PD protocol.
+
+    `on_event` (optional) receives a `RouteEvent` per finished or failed request.
+    `room_source` draws bootstrap rooms (random 63-bit by default; seeded in simulation).
+    """
+
+    instances: InstanceManager
+    index: KVIndexManager
+    policy: BaseRoutingPolicy
+    state: RoutingState
+    on_event: Callable[[RouteEvent], None] | None = None
+    room_source: Callable[[], int] = field(default=lambda: random.getrandbits(63))
+
+    def decide(self, input_ids: Sequence[int]) -> RouteDecision:
+        """Route one prompt: chained block hashes, longest cached prefix per instance, policy.
+
+        Raises:
+            NoInstanceAvailable: no healthy instance for a needed role.
+        """
+        cached = self.index.longest_prefix(hash_blocks(input_ids, self.index.block_size))
+        snapshot = RoutingSnapshot(
+            total_tokens=len(input_ids),
+            instances=self.instances.views(cached),
+            threshold=self.state.threshold,
+            regime=self.state.regime,
+        )
+        return self.policy.decide(snapshot)
+
+    async def generate(
+        self, rid: str, input_ids: Sequence[int], sampling: SamplingParams
+    ) -> AsyncIterator[tuple[RouteDecision, GenerateChunk]]:
+        """Decide, dispatch to the prefill and decode instances at once, yield decode output.
+
+        A failure before any output retries once on a fresh decision with the failed
+        instance marked unhealthy; after output has started, it raises.
+
+        Raises:
+            NoInstanceAvailable: nowhere to run the request.
+            EngineError: the request failed on an engine and could not be retried.
+        """
+        ids = tuple(input_ids)
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            decision = self.decide(ids)
+            started = False
+            try:
+                async for chunk in self._dispatch(rid, ids, sampling, decision):
+                    started = True
+                    yield decision, chunk
+                return
+            except EngineError as exc:
+                self._report(rid, decision, len(ids), 0, str(exc))
+                if started or not exc.retryable or attempt == MAX_ATTEMPTS:
+                    raise
+
+    async def _dispatch(
+        self, rid: str, ids: tuple[int, ...], sampling: SamplingParams, decision: RouteDecision
+    ) -> AsyncIterator[GenerateChunk]:
+        prefill = self.instances[decision.prefill_instance]
+        decode = self.instances[decision.decode_instance]
+        request = GenerateRequest(rid, ids, sampling, True, self._bootstrap(prefill))
+        prefill.in_flight += 1
+        decode.in_flight += 1
+        last: GenerateChunk | None = None
+        try:
+            async for chunk in _relay(prefill, decode, request):
+                last = chunk
+                yield chunk
+        finally:
+            prefill.in_flight -= 1
+            decode.in_flight -= 1
+        self._report(rid, decision, len(ids), last.completion_tokens if last else 0, None)
+
+    def _bootstrap(self, prefill: InstanceState) -> Bootstrap:
+        if prefill.bootstrap_host is None or prefill.bootstrap_port is None:
+            raise NoInstanceAvailable(f"prefill instance {prefill.instance_id} has no bootstrap")
+        return Bootstrap(prefill.bootstrap_host, prefill.bootstrap_port, self.room_source())
+
+    def _report(
+        self, rid: str, decision: RouteDecision, prompt: int, completion: int, error: str | None
+    ) -> None:
+        if self.on_event is not None:
+            self.on_event(RouteEvent(rid, decision, prompt, completion, error))
+
+
+async def _drain_prefill(prefill: InstanceState, request: GenerateRequest) -> None:
+    async for _ in prefill.client.generate(request):
+        pass
+
+
+async def _relay(
+    prefill: InstanceState, decode: InstanceState, request: GenerateRequest
+) -> AsyncIterator[GenerateChunk]:
+    """Yield the decode stream while watching the prefill call: if prefill fails first,
+    abort decode (it would only wait for KV that never comes) and raise."""
+    prefill_task = asyncio.ensure_future(_drain_prefill(prefill, request))
+    stream = decode.client.generate(request)
+    try:
+        while True:
+            next_chunk = asyncio.ensure_future(anext(stream))
+            waiting: set[asyncio.Future[Any]] = {next_chunk}
+            if not prefill_task.done():
+                waiting.add(prefill_task)
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            _raise_if_prefill_failed(prefill, prefill_task, next_chunk)
+            if not next_chunk.done():
+                await asyncio.wait({next_chunk})
+            try:
+                yield next_chunk.result()
+            except StopAsyncIteration:
+                break
+        await prefill_task  # decode finished; surface a late prefill failure, if any
+    finally:
+        prefill_task.cancel()
+        with contextlib.suppress(BaseException):
+            await prefill_task
+        await stream.aclose()
+
+
+def _raise_if_prefill_failed(
+    prefill: InstanceState, task: asyncio.Future[None], pending: asyncio.Future[GenerateChunk]
+) -> None:
+    if not task.done() or task.cancelled() or task.exception() is None:
+        return
+    pending.cancel()
+    exc = task.exception()
+    if isinstance(exc, EngineError):
+        if exc.retryable:
+            prefill.healthy = False
+        raise exc
+    raise EngineError(f"prefill on {prefill.instance_id} failed: {exc!r}") from exc

@@ -1,0 +1,187 @@
+"""Routing policies: a snapshot of one request and the instances in, a `RouteDecision` out.
+
+Pure: no I/O, no clock. The gateway's Router and the simulator build the snapshot (cached
+prefix per instance from the global KV index, load from engine stats, the current threshold
+and bandwidth regime) and dispatch what the policy decides.
+
+The PrfaaS rule (DESIGN.md section 2, paper 3.4.3) is applied to the *incremental* length,
+never the raw prompt length:
+- bandwidth-scarce: PD-prefill if `l_total - l_pd <= t`, else PrfaaS;
+- bandwidth-abundant: with `l_prefix = max(l_prfaas, l_pd)`, PD-prefill if
+  `l_total - l_prefix <= t`, else PrfaaS; when the longer cache sits in the other cluster,
+  that prefix is transferred to the computing cluster first.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+Route = Literal["prfaas", "pd"]
+Regime = Literal["bandwidth_scarce", "bandwidth_abundant"]
+PRFAAS: Route = "prfaas"
+PD: Route = "pd"
+# A prefix cached on this share of the prompt makes affinity beat load (SGLang router style).
+AFFINITY_SHARE = 0.5
+
+
+class NoInstanceAvailable(RuntimeError):
+    """No healthy instance can take the request (names the missing role and cluster)."""
+
+
+@dataclass(frozen=True)
+class InstanceView:
+    """One instance as the policy sees it for this request."""
+
+    instance_id: str
+    cluster: Route
+    role: Literal["prefill", "decode", "both"]
+    cached_tokens: int = 0
+    load: int = 0
+    healthy: bool = True
+
+    def serves(self, role: str) -> bool:
+        return self.healthy and self.role in (role, "both")
+
+
+@dataclass(frozen=True)
+class RoutingSnapshot:
+    """Everything a policy may look at for one request."""
+
+    total_tokens: int
+    instances: tuple[InstanceView, ...]
+    threshold: float
+    regime: Regime = "bandwidth_scarce"
+
+    def candidates(self, cluster: Route | None, role: str) -> list[InstanceView]:
+        return [i for i in self.instances if i.serves(role) and cluster in (None, i.cluster)]
+
+    def cached_in(self, cluster: Route) -> int:
+        """The longest prefix any healthy instance of `cluster` caches (0 if none)."""
+        return max(
+            (i.cached_tokens for i in self.instances if i.healthy and i.cluster == cluster),
+            default=0,
+        )
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    """Where to prefill and decode one request, and why."""
+
+    route: Route
+    prefill_instance: str
+    decode_instance: str
+    incremental_tokens: int
+    cached_tokens: int
+    prefix_transfer_from: Route | None = None
+    reason: str = ""
+
+
+def pick_instance(candidates: Iterable[InstanceView], total_tokens: int) -> InstanceView:
+    """Prefix affinity when an instance caches a large share of the prompt, else least load
+    (ties broken by longer prefix, then by id for determinism)."""
+    pool = list(candidates)
+    if not pool:
+        raise NoInstanceAvailable("no healthy instance")
+    best_cached = max(i.cached_tokens for i in pool)
+    if total_tokens and best_cached >= AFFINITY_SHARE * total_tokens:
+        return min(pool, key=lambda i: (-i.cached_tokens, i.load, i.instance_id))
+    return min(pool, key=lambda i: (i.load, -i.cached_tokens, i.instance_id))
+
+
+def _pick(snapshot: RoutingSnapshot, cluster: Route | None, role: str) -> InstanceView:
+    try:
+        return pick_instance(snapshot.candidates(cluster, role), snapshot.total_tokens)
+    except NoInstanceAvailable:
+        where = f"the {cluster} cluster" if cluster else "any cluster"
+        raise NoInstanceAvailable(f"no healthy {role} instance in {where}") from None
+
+
+class BaseRoutingPolicy(ABC):
+    """A routing policy. Subclasses set `name` and implement `decide`; third-party policies
+    register under the entry-point group `prfaas.policies` (name -> class)."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def decide(self, snapshot: RoutingSnapshot) -> RouteDecision:
+        """Choose prefill and decode instances for one request. Pure; does not mutate.
+
+        Raises:
+            NoInstanceAvailable: no healthy instance for a needed role.
+        """
+
+    def _decision(
+        self,
+        snapshot: RoutingSnapshot,
+        prefill: InstanceView,
+        reason: str,
+        prefix_from: Route | None = None,
+    ) -> RouteDecision:
+        decode = _pick(snapshot, PD, "decode")
+        cached = prefill.cached_tokens
+        if prefix_from is not None:
+            cached = max(cached, snapshot.cached_in(prefix_from))
+        return RouteDecision(
+            route=prefill.cluster,
+            prefill_instance=prefill.instance_id,
+            decode_instance=decode.instance_id,
+            cached_tokens=cached,
+            incremental_tokens=snapshot.total_tokens - cached,
+            prefix_transfer_from=prefix_from,
+            reason=reason,
+        )
+
+
+class PrfaasPolicy(BaseRoutingPolicy):
+    """Threshold on the incremental length, with the two bandwidth regimes."""
+
+    name = "prfaas"
+
+    def decide(self, snapshot: RoutingSnapshot) -> RouteDecision:
+        abundant = snapshot.regime == "bandwidth_abundant"
+        l_pd = snapshot.cached_in(PD)
+        prefix = max(l_pd, snapshot.cached_in(PRFAAS)) if abundant else l_pd
+        uncached, t = snapshot.total_tokens - prefix, snapshot.threshold
+        reason = f"{snapshot.regime}: {uncached} uncached {'<=' if uncached <= t else '>'} t={t:g}"
+        route: Route = PRFAAS if uncached > t else PD
+        if route == PRFAAS and not snapshot.candidates(PRFAAS, "prefill"):
+            route, reason = PD, reason + "; no healthy PrfaaS prefill, fell back to PD"
+        other: Route = PRFAAS if route == PD else PD
+        longer_elsewhere = snapshot.cached_in(other) > snapshot.cached_in(route)
+        prefix_from = other if abundant and longer_elsewhere else None
+        return self._decision(snapshot, _pick(snapshot, route, "prefill"), reason, prefix_from)
+
+
+class HomogeneousPolicy(BaseRoutingPolicy):
+    """Every prefill in the PD cluster (the homogeneous PD baseline)."""
+
+    name = "homogeneous"
+
+    def decide(self, snapshot: RoutingSnapshot) -> RouteDecision:
+        return self._decision(snapshot, _pick(snapshot, PD, "prefill"), "homogeneous")
+
+
+class NaivePolicy(BaseRoutingPolicy):
+    """Every prefill in the PrfaaS cluster, no threshold (the naive heterogeneous baseline)."""
+
+    name = "naive"
+
+    def decide(self, snapshot: RoutingSnapshot) -> RouteDecision:
+        return self._decision(snapshot, _pick(snapshot, PRFAAS, "prefill"), "naive")
+
+
+class CacheAwarePolicy(BaseRoutingPolicy):
+    """Longest cached prefix across every prefill instance, else least load (SGLang router)."""
+
+    name = "cache-aware"
+
+    def decide(self, snapshot: RoutingSnapshot) -> RouteDecision:
+        return self._decision(snapshot, _pick(snapshot, None, "prefill"), "cache-aware")
+
+
+BUILTIN_POLICIES: dict[str, type[BaseRoutingPolicy]] = {
+    cls.name: cls for cls in (PrfaasPolicy, HomogeneousPolicy, NaivePolicy, CacheAwarePolicy)
+}

@@ -1,0 +1,79 @@
+"""The global KV index: re-hashing of engine events, longest prefix per instance, removal,
+clears, rejected events and the memory bound."""
+
+from __future__ import annotations
+
+from prfaas.common.hashing import hash_blocks
+from prfaas.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from prfaas.gateway.kv_index import KVIndexManager
+
+BS = 4
+
+
+def _stored(tokens: list[int], engine_hashes: list[int], parent: int | None = None) -> BlockStored:
+    return BlockStored(tuple(engine_hashes), parent, tuple(tokens), BS)
+
+
+def test_rehashes_engine_events_with_our_hash() -> None:
+    """Engine hashes are arbitrary; lookups use our chained hash of the token ids, and a
+    chain continued in a second event (parent given by engine hash) resolves."""
+    index = KVIndexManager(block_size=BS)
+    tokens = list(range(12))
+    index.apply("e0", [_stored(tokens[:8], [111, 222]), _stored(tokens[8:], [333], parent=222)])
+    ours = hash_blocks([*tokens, 99, 98], BS)
+    assert index.longest_prefix(ours) == {"e0": 12}
+    assert index.longest_prefix(hash_blocks([5, 5, 5, 5], BS)) == {"e0": 0}
+
+
+def test_longest_prefix_per_instance() -> None:
+    """Each instance reports its own longest chained prefix."""
+    index = KVIndexManager(block_size=BS)
+    tokens = list(range(16))
+    index.apply("a", [_stored(tokens[:4], [1])])
+    index.apply("b", [_stored(tokens, [1, 2, 3, 4])])
+    assert index.longest_prefix(hash_blocks(tokens, BS)) == {"a": 4, "b": 16}
+
+
+def test_removed_and_cleared() -> None:
+    """BlockRemoved cuts the chain at the removed block; AllBlocksCleared empties one
+    instance only."""
+    index = KVIndexManager(block_size=BS)
+    tokens = list(range(12))
+    index.apply("a", [_stored(tokens, [1, 2, 3])])
+    index.apply("b", [_stored(tokens, [7, 8, 9])])
+    index.apply("a", [BlockRemoved((2,))])
+    assert index.longest_prefix(hash_blocks(tokens, BS)) == {"a": 4, "b": 12}
+    index.apply("b", [AllBlocksCleared()])
+    assert index.longest_prefix(hash_blocks(tokens, BS)) == {"a": 4}
+    assert len(index) == 2
+
+
+def test_rejects_mismatched_block_size_and_unknown_parent() -> None:
+    """Events the index cannot re-hash are counted and ignored, never half-applied."""
+    index = KVIndexManager(block_size=BS)
+    index.apply("a", [BlockStored((1,), None, (1, 2, 3, 4, 5, 6, 7, 8), 8)])
+    index.apply("a", [_stored([1, 2, 3, 4], [5], parent=404)])
+    assert index.rejected_events == 2 and len(index) == 0
+
+
+def test_memory_bound_forgets_oldest() -> None:
+    """Past max_blocks the oldest entries go; the index never over-reports."""
+    index = KVIndexManager(block_size=BS, max_blocks=3)
+    tokens = list(range(20))
+    index.apply("a", [_stored(tokens, [1, 2, 3, 4, 5])])
+    assert len(index) == 3
+    assert index.longest_prefix(hash_blocks(tokens, BS)) == {"a": 0}
+
+
+def test_lookup_with_many_blocks() -> None:
+    """128K-token chains over 100k+ indexed blocks resolve exactly (timings live in
+    benchmarks/gateway.py)."""
+    index = KVIndexManager(block_size=64)
+    for inst in range(4):
+        tokens = [inst * 1_000_000 + i for i in range(64 * 30_000)]
+        hashes = list(range(inst * 10**6, inst * 10**6 + 30_000))
+        index.apply(f"e{inst}", [BlockStored(tuple(hashes), None, tuple(tokens), 64)])
+    assert len(index) == 120_000
+    query = hash_blocks([i for i in range(64 * 2048)], 64)
+    result = index.longest_prefix(query)
+    assert result == {"e0": 64 * 2048, "e1": 0, "e2": 0, "e3": 0}
