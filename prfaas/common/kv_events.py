@@ -1,17 +1,18 @@
 """KV cache events in SGLang's ZMQ wire format: dataclasses, codec, publisher, subscriber.
 
 Wire format (byte-compatible with SGLang's `ZmqEventPublisher`, which encodes msgspec
-structs declared `array_like=True, omit_defaults=True` with `tag=True` on the events):
+structs declared `array_like=True` with `tag=True` on the events):
 
 * a ZMQ multipart message `[topic, seq, payload]`: `topic` the UTF-8 topic (often empty),
   `seq` the batch sequence number as 8 bytes big-endian (0, 1, 2, ... per publisher),
   `payload` one msgpack `KVEventBatch`;
-* `KVEventBatch` = array `[ts, events]` or `[ts, events, attn_dp_rank]` (a trailing field
-  equal to its default, None, is omitted);
+* `KVEventBatch` = array `[ts, events, attn_dp_rank]` (msgspec writes every field of an
+  array-like struct, nil included; SGLang's publisher stamps its DP rank, 0 by default);
+  the decoder also takes SGLang's older two-field `[ts, events]`;
 * each event is an array whose first element is the class name as the tag:
   `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id]`
-  (plus a trailing `medium` only when set), `["BlockRemoved", block_hashes]` (plus
-  `medium` when set), `["AllBlocksCleared"]`.
+  and `["BlockRemoved", block_hashes]`, each followed by `medium` only when it is set (a
+  vLLM field SGLang lacks), and `["AllBlocksCleared"]`.
 
 The decoder also accepts the map form vLLM uses for events (`{"type": "BlockStored", ...}`)
 and ignores unknown trailing fields, so newer publishers stay readable.
@@ -20,11 +21,15 @@ and ignores unknown trailing fields, so newer publishers stay readable.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any
 
 import msgpack
+import zmq
+import zmq.asyncio
 
 logger = logging.getLogger(__name__)
 
@@ -98,9 +103,7 @@ def _event_to_wire(event: KVEvent) -> list[Any]:
 
 def encode_batch(batch: KVEventBatch) -> bytes:
     """msgpack payload of `batch`, byte-identical to SGLang's msgspec encoding."""
-    wire: list[Any] = [float(batch.ts), [_event_to_wire(e) for e in batch.events]]
-    if batch.attn_dp_rank is not None:
-        wire.append(batch.attn_dp_rank)
+    wire = [float(batch.ts), [_event_to_wire(e) for e in batch.events], batch.attn_dp_rank]
     return msgpack.packb(wire, use_bin_type=True)  # type: ignore[no-any-return]
 
 
@@ -204,3 +207,160 @@ def decode_frames(frames: Sequence[bytes]) -> tuple[str, int, KVEventBatch]:
     except UnicodeDecodeError as exc:
         raise KVEventDecodeError(f"topic is not UTF-8: {topic!r:.80}") from exc
     return name, int.from_bytes(seq, "big"), decode_batch(payload)
+
+
+# ---------------------------------------------------------------------------- ZMQ PUB / SUB
+
+
+class KVEventPublisher:
+    """Binds a ZMQ PUB socket and publishes event batches with sequence numbers 0, 1, ...
+
+    `publish` never blocks (ZMQ queues up to `hwm` messages per subscriber, then drops), so
+    it is safe to call from the event loop. Not thread-safe: use it from one thread.
+    `endpoint` may use a wildcard port (`tcp://127.0.0.1:*`); `.endpoint` gives the bound one.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        topic: str = "",
+        hwm: int = 100_000,
+        clock: Callable[[], float] = time.time,
+        attn_dp_rank: int | None = 0,
+    ) -> None:
+        if hwm <= 0:
+            raise ValueError(f"hwm must be positive, got {hwm}")
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.PUB)
+        self._sock.setsockopt(zmq.SNDHWM, hwm)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        try:
+            self._sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            self.close()
+            raise ValueError(f"cannot bind KV event publisher to {endpoint!r}: {exc}") from exc
+        self._endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._topic = topic
+        self._clock = clock
+        self._rank = attn_dp_rank
+        self._seq = 0
+        self.num_dropped = 0
+
+    @property
+    def endpoint(self) -> str:
+        """The bound endpoint, wildcard port resolved."""
+        return self._endpoint
+
+    @property
+    def next_seq(self) -> int:
+        """Sequence number the next published batch will carry."""
+        return self._seq
+
+    def publish(self, events: Sequence[KVEvent]) -> int | None:
+        """Send `events` as one batch stamped with the clock; returns its sequence number.
+
+        Nothing is sent for an empty `events` (returns None).
+        """
+        if not events:
+            return None
+        seq = self._seq
+        batch = KVEventBatch(self._clock(), tuple(events), self._rank)
+        try:
+            self._sock.send_multipart(encode_frames(self._topic, seq, batch), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self.num_dropped += 1  # the sequence gap tells subscribers
+        self._seq += 1
+        return seq
+
+    def close(self) -> None:
+        """Close the socket and its context (idempotent)."""
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    def __enter__(self) -> KVEventPublisher:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class ReceivedBatch:
+    """One batch as a subscriber saw it, with what the sequence numbers say was lost.
+
+    `missed`: batches skipped just before this one (slow join, HWM drop, reconnect).
+    `restarted`: the sequence went backwards, so the publisher restarted; any state built
+    from its earlier events is stale. Either way the consumer should resynchronise.
+    """
+
+    topic: str
+    seq: int
+    batch: KVEventBatch
+    missed: int
+    restarted: bool
+
+
+class KVEventSubscriber:
+    """Connects a ZMQ SUB socket to a publisher and yields decoded batches (asyncio).
+
+    ZMQ reconnects by itself when the publisher goes away and comes back; the sequence
+    numbers expose what was lost meanwhile (`ReceivedBatch.missed` / `.restarted`).
+    Malformed messages are logged, counted in `num_decode_errors` and skipped.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        topic: str = "",
+        reconnect_ivl_ms: int = 100,
+        reconnect_ivl_max_ms: int = 5_000,
+    ) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RECONNECT_IVL, reconnect_ivl_ms)
+        self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, reconnect_ivl_max_ms)
+        self._sock.setsockopt(zmq.SUBSCRIBE, topic.encode("utf-8"))
+        try:
+            self._sock.connect(endpoint)
+        except zmq.ZMQError as exc:
+            self.close()
+            raise ValueError(f"cannot connect KV event subscriber to {endpoint!r}: {exc}") from exc
+        self._last_seq: int | None = None
+        self.num_decode_errors = 0
+        self.num_missed = 0
+
+    async def recv(self) -> ReceivedBatch:
+        """The next well-formed batch (bound the wait with `asyncio.timeout`)."""
+        while True:
+            frames = await self._sock.recv_multipart()
+            try:
+                topic, seq, batch = decode_frames(frames)
+            except KVEventDecodeError as exc:
+                self.num_decode_errors += 1
+                logger.warning("dropping malformed KV event message: %s", exc)
+                continue
+            return self._track(topic, seq, batch)
+
+    def _track(self, topic: str, seq: int, batch: KVEventBatch) -> ReceivedBatch:
+        expected = 0 if self._last_seq is None else self._last_seq + 1
+        restarted = self._last_seq is not None and seq <= self._last_seq
+        missed = seq if restarted else seq - expected
+        self._last_seq = seq
+        self.num_missed += missed
+        return ReceivedBatch(topic, seq, batch, missed, restarted)
+
+    def __aiter__(self) -> KVEventSubscriber:
+        return self
+
+    async def __anext__(self) -> ReceivedBatch:
+        return await self.recv()
+
+    def close(self) -> None:
+        """Close the socket and its context (idempotent)."""
+        self._sock.close(linger=0)
+        self._ctx.term()
