@@ -15,6 +15,7 @@ from types import ModuleType
 # name -> module; add a line here to add a subcommand.
 SUBCOMMANDS: dict[str, str] = {
     "plan": "prfaas.cli.plan",
+    "bench": "prfaas.cli.bench",
 }
 
 
