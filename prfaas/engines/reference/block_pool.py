@@ -133,6 +133,10 @@ class BlockPool:
         """How many leading blocks of the request are in the prefix index."""
         return self._request(request_id).num_indexed
 
+    def is_cached(self, block_hash: int) -> bool:
+        """Whether a block with this chained hash is in the prefix index."""
+        return block_hash in self._index
+
     def has_request(self, request_id: str) -> bool:
         """Whether `request_id` holds blocks."""
         return request_id in self._requests

@@ -92,10 +92,16 @@ def _check_index(v: PoolView) -> None:
 
 
 def _check_lru(v: PoolView) -> None:
-    """LRU ticks strictly increase front to back and come from the counter's past."""
+    """LRU ticks increase front to back; an evictable child is older than its parent."""
     ticks = list(v.lru.values())
     _require(all(a < b for a, b in itertools.pairwise(ticks)), f"LRU order {ticks}")
     _require(all(t < v.tick for t in ticks), "LRU tick from the future")
+    for b, tick in v.lru.items():
+        parent = v.parent[b]
+        pb = None if parent is None else v.index[parent]
+        if pb is not None and pb in v.lru:
+            # Releases go deepest first, so LRU order is already leaves-first.
+            _require(v.lru[pb] > tick, f"evictable block {b} is newer than its parent {pb}")
 
 
 def _check_request(v: PoolView, request_id: str, req: RequestBlocks) -> None:
