@@ -84,11 +84,18 @@ class ReceiverConfig:
     """Reading pauses while delivered-but-unconsumed layer bytes exceed this."""
     max_frame_bytes: int = 64 * MIB
     """Frames announcing a larger payload are a protocol error (garbage protection)."""
+    max_message_bytes: int = 8 * 1024 * MIB
+    """A message (one layer) announcing more bytes fails its transfer."""
 
     def __post_init__(self) -> None:
         _positive("connect_timeout_s", self.connect_timeout_s)
         if self.max_buffered_bytes < MIB:
             raise ValueError(f"max_buffered_bytes must be >= {MIB}, got {self.max_buffered_bytes}")
+        if self.max_message_bytes < self.max_frame_bytes:
+            raise ValueError(
+                f"max_message_bytes ({self.max_message_bytes}) must be >= max_frame_bytes "
+                f"({self.max_frame_bytes})"
+            )
         if not 4096 <= self.max_frame_bytes <= 1024 * MIB:
             raise ValueError(
                 f"max_frame_bytes must be in 4096..{1024 * MIB}, got {self.max_frame_bytes}"

@@ -1,9 +1,10 @@
 """Frame layout of the KV transport wire protocol (see PROTOCOL.md for the byte table).
 
-Every frame is a 48-byte little-endian header followed by `length` payload bytes. The
+Every frame is a 64-byte little-endian header followed by `length` payload bytes. The
 header names the transfer (`room`), the message ordinal within it (`msg`), the model
-`layer`, the part of a message split into several frames, and the xxh3-64 of the payload;
-its own last 4 bytes check the first 44, so garbage never passes as a frame.
+`layer`, which part of the message this is (`part` of `parts`, at byte `offset` of a
+`total`-byte message, so a receiver can place it without copying), and the xxh3-64 of the
+payload; its own last 4 bytes check the first 60, so garbage never passes as a frame.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from prfaas.engines.transport.errors import ProtocolError
 
 MAGIC = b"PKV1"
 VERSION = 1
-HEADER = struct.Struct("<4sBBHQIIIIIQI")
-HEADER_SIZE = HEADER.size  # 48
+HEADER = struct.Struct("<4sBBHQIIIIQQIQI")
+HEADER_SIZE = HEADER.size  # 64
+CHECKED = HEADER_SIZE - 4
 NO_LAYER = 0xFFFFFFFF
 ABORT_MSG = 0xFFFFFFFF  # ABORT frames bypass message ordering
 
@@ -55,12 +57,14 @@ class Header:
     layer: int
     part: int
     parts: int
+    offset: int
+    total: int
     length: int
     checksum: int
 
 
-def _head_check(head44: bytes) -> int:
-    return xxhash.xxh3_64_intdigest(head44) & 0xFFFFFFFF
+def _head_check(head: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(head) & 0xFFFFFFFF
 
 
 def checksum(pieces: Sequence[bytes | memoryview]) -> int:
@@ -72,25 +76,31 @@ def checksum(pieces: Sequence[bytes | memoryview]) -> int:
 
 
 def pack_header(
-    kind: Kind, room: int, msg: int, layer: int, part: int, parts: int, length: int, sum64: int
+    kind: Kind,
+    room: int,
+    msg: int,
+    layer: int,
+    part: tuple[int, int],
+    span: tuple[int, int, int],
+    sum64: int,
 ) -> bytes:
-    """Encode a header; the header check covers everything before it."""
-    head = HEADER.pack(MAGIC, VERSION, kind, 0, room, msg, layer, part, parts, length, sum64, 0)
-    return head[:44] + _head_check(head[:44]).to_bytes(4, "little")
+    """Encode a header: `part` is (part, parts), `span` is (offset, total, length)."""
+    head = HEADER.pack(MAGIC, VERSION, kind, 0, room, msg, layer, *part, *span, sum64, 0)
+    return head[:CHECKED] + _head_check(head[:CHECKED]).to_bytes(4, "little")
 
 
-def unpack_header(data: bytes, max_length: int) -> Header:
-    """Decode and validate a 48-byte header.
+def unpack_header(data: bytes | bytearray, max_length: int) -> Header:
+    """Decode and validate a 64-byte header.
 
     Raises:
         ProtocolError: bad magic, version, header check, kind, part numbering or length.
     """
-    magic, version, kind, _flags, room, msg, layer, part, parts, length, sum64, check = (
-        HEADER.unpack(data)
-    )
+    fields = HEADER.unpack(data)
+    magic, version, kind, _flags, room, msg, layer, part, parts = fields[:9]
+    offset, total, length, sum64, check = fields[9:]
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {magic!r}, expected {MAGIC!r}")
-    if check != _head_check(data[:44]):
+    if check != _head_check(bytes(data[:CHECKED])):
         raise ProtocolError("header check mismatch (corrupted or garbage header)")
     if version != VERSION:
         raise ProtocolError(f"unsupported protocol version {version}, expected {VERSION}")
@@ -102,7 +112,11 @@ def unpack_header(data: bytes, max_length: int) -> Header:
         raise ProtocolError(f"bad part {part} of {parts}")
     if length > max_length:
         raise ProtocolError(f"frame length {length} exceeds the limit {max_length}")
-    return Header(kind_, room, msg, layer, part, parts, length, sum64)
+    if offset + length > total:
+        raise ProtocolError(
+            f"frame bytes {offset}..{offset + length} overrun the message ({total})"
+        )
+    return Header(kind_, room, msg, layer, part, parts, offset, total, length, sum64)
 
 
 @dataclass(slots=True)
@@ -128,7 +142,7 @@ def make_frame(
 ) -> Frame:
     """A single-part frame (control frames, small messages)."""
     length = sum(len(p) for p in pieces)
-    header = pack_header(kind, room, msg, layer, 0, 1, length, checksum(pieces))
+    header = pack_header(kind, room, msg, layer, (0, 1), (0, length, length), checksum(pieces))
     return Frame(kind, room, msg, 0, header, pieces, length)
 
 
@@ -153,9 +167,13 @@ def split_message(
             chunks[-1].append(take)
             room_left -= len(take)
             view = view[len(take) :]
+    total = sum(memoryview(p).nbytes for p in pieces)
     frames = []
+    offset = 0
     for part, chunk in enumerate(chunks):
         length = sum(len(p) for p in chunk)
-        header = pack_header(kind, room, msg, layer, part, len(chunks), length, checksum(chunk))
+        span = (offset, total, length)
+        header = pack_header(kind, room, msg, layer, (part, len(chunks)), span, checksum(chunk))
         frames.append(Frame(kind, room, msg, part, header, chunk, length))
+        offset += length
     return frames

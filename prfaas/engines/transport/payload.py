@@ -71,11 +71,11 @@ def encode_named(desc: dict[str, Any], payload: bytes = b"") -> list[bytes | mem
     return _with_descriptor(desc, [memoryview(payload)] if payload else [])
 
 
-def split_body(body: bytes | bytearray) -> tuple[dict[str, Any], memoryview]:
+def split_body(body: bytes | bytearray | memoryview) -> tuple[dict[str, Any], memoryview]:
     """(descriptor, data) of a reassembled message body; ValueError if malformed."""
     if len(body) < 4:
         raise ValueError(f"message body of {len(body)} bytes is shorter than its length prefix")
-    size = int.from_bytes(body[:4], "little")
+    size = int.from_bytes(bytes(body[:4]), "little")
     if size > len(body) - 4:
         raise ValueError(f"descriptor length {size} exceeds the body ({len(body)} bytes)")
     desc = orjson.loads(bytes(body[4 : 4 + size]))

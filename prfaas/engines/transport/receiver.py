@@ -1,62 +1,15 @@
-"""Decode side: `KVReceiver` (connections to prefill senders) and `Transfer`."""
+"""Decode side: `KVReceiver` keeps one connection pool (`ReceiverLink`) per prefill sender."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import NamedTuple
+import math
 
 from prfaas.engines.transport.config import ReceiverConfig
-from prfaas.engines.transport.frames import Kind
-from prfaas.engines.transport.payload import LayerArrays
+from prfaas.engines.transport.receiver_link import ReceiverLink
+from prfaas.engines.transport.receiver_transfer import LayerItem, Transfer, TransferResult
+from prfaas.engines.transport.sender_room import MAX_ROOM
 
-
-class LayerItem(NamedTuple):
-    """One received layer: unpacks as `(layer, kind, arrays)`; `arrays.blocks` is the range."""
-
-    layer: int
-    kind: Kind
-    arrays: LayerArrays
-
-
-@dataclass(frozen=True)
-class TransferResult:
-    """A complete, verified transfer: layers in the order sent, and aux payloads by name."""
-
-    room: int
-    layers: tuple[LayerItem, ...]
-    aux: dict[str, bytes]
-    nbytes: int
-
-
-class Transfer:
-    """One room being fetched. Iterate it for layers as they arrive, or await `complete()`."""
-
-    room: int
-
-    def __aiter__(self) -> AsyncIterator[LayerItem]:
-        """Layers in the order the prefill side sent them, each as soon as it is verified.
-
-        Raises (from iteration):
-            TransferError: timeout, abort, corruption, or unrecoverable connection loss.
-        """
-        raise NotImplementedError
-
-    async def complete(self) -> TransferResult:
-        """Wait for every layer and aux message and END; includes layers already iterated.
-
-        Raises:
-            TransferError: as for iteration.
-        """
-        raise NotImplementedError
-
-    def aux(self, name: str) -> bytes | None:
-        """An aux payload received so far (None if not yet)."""
-        raise NotImplementedError
-
-    def cancel(self, reason: str = "cancelled by decode") -> None:
-        """Give up: the prefill side's `wait()` raises; iteration raises TransferError."""
-        raise NotImplementedError
+__all__ = ["KVReceiver", "LayerItem", "Transfer", "TransferResult"]
 
 
 class KVReceiver:
@@ -64,6 +17,7 @@ class KVReceiver:
 
     def __init__(self, config: ReceiverConfig | None = None) -> None:
         self.config = config or ReceiverConfig()
+        self._links: dict[tuple[str, int], ReceiverLink] = {}
 
     async def fetch(
         self, bootstrap_host: str, bootstrap_port: int, room: int, *, timeout_s: float = 60.0
@@ -75,10 +29,26 @@ class KVReceiver:
         with TransferError on both sides.
 
         Raises:
-            ValueError: bad room or timeout, or the room is already being fetched.
+            ValueError: bad address, room or timeout, or the room is already being fetched.
         """
-        raise NotImplementedError
+        if not isinstance(room, int) or not 0 <= room <= MAX_ROOM:
+            raise ValueError(f"room must be an integer in 0..2**64-1, got {room!r}")
+        if not (math.isfinite(timeout_s) and timeout_s > 0):
+            raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+        if not 0 < bootstrap_port <= 65535:
+            raise ValueError(f"bootstrap_port must be in 1..65535, got {bootstrap_port}")
+        key = (bootstrap_host, bootstrap_port)
+        link = self._links.get(key)
+        if link is None or link.closed:
+            link = self._links[key] = ReceiverLink(bootstrap_host, bootstrap_port, self.config)
+        if room in link.transfers:
+            raise ValueError(f"room {room} is already being fetched from {key}")
+        transfer = Transfer(room, link, timeout_s)
+        link.add(transfer)
+        return transfer
 
     async def close(self) -> None:
         """Fail open transfers and close all connections; idempotent."""
-        raise NotImplementedError
+        for link in list(self._links.values()):
+            await link.close()
+        self._links.clear()

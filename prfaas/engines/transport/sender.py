@@ -1,60 +1,39 @@
-"""Prefill side: `KVSender` (bootstrap listener, peers, rooms) and `SendHandle`."""
+"""Prefill side: `KVSender` owns the bootstrap listener, the decode peers and the rooms.
+
+A decode peer connects N times to the bootstrap port (HELLO names the peer and the
+connection slot), then REGISTERs rooms. A room may be opened before or after its peer
+registers: early registrations are parked until `open()` or `register_timeout_s`.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
-import numpy as np
+import asyncio
+import contextlib
+import threading
+from collections import OrderedDict
+from collections.abc import Coroutine
+from typing import Any
 
 from prfaas.engines.transport.config import SenderConfig
+from prfaas.engines.transport.errors import ProtocolError
 from prfaas.engines.transport.frames import Kind
-from prfaas.engines.transport.telemetry import TransportTelemetry
+from prfaas.engines.transport.pacing import TokenBucket
+from prfaas.engines.transport.sender_peer import SenderPeer
+from prfaas.engines.transport.sender_room import MAX_ROOM, SendHandle
+from prfaas.engines.transport.telemetry import EgressMeter, TransportTelemetry
+from prfaas.engines.transport.wire import (
+    CONTROL_MAX,
+    json_frame,
+    parse_json,
+    read_frame,
+    reason_frame,
+    write_frame,
+)
 
+__all__ = ["KVSender", "SendHandle"]
 
-class SendHandle:
-    """One transfer (room) on the prefill side. Every method but `wait` is thread-safe and
-    returns immediately; the event loop that started the sender owns the sockets."""
-
-    room: int
-
-    def send_layer(
-        self,
-        layer: int,
-        kind: Kind,
-        arrays: Mapping[str, np.ndarray],
-        *,
-        blocks: tuple[int, int] | None = None,
-    ) -> None:
-        """Queue one layer's arrays (FULL_KV, LINEAR_STATE or SWA_KV) for sending.
-
-        The arrays are referenced, not copied (non-contiguous ones are made contiguous):
-        do not modify them until `wait()` returns. `blocks` is the [start, end) block-index
-        range a FULL_KV message covers. Layers arrive at the decode side in the order sent.
-
-        Raises:
-            ValueError: bad kind, duplicate layer, unsendable array, or after finish/abort.
-        """
-        raise NotImplementedError
-
-    def send_aux(self, name: str, payload: bytes) -> None:
-        """Queue named bytes (first token, JSON metadata); ordered with the layers."""
-        raise NotImplementedError
-
-    def finish(self) -> None:
-        """No more messages; queue END. In non-pipelined mode this releases everything."""
-        raise NotImplementedError
-
-    def abort(self, reason: str) -> None:
-        """Give up the transfer: the decode side's fetch raises TransferError(reason)."""
-        raise NotImplementedError
-
-    async def wait(self) -> None:
-        """Return once the decode side confirmed delivery (all checksums verified).
-
-        Raises:
-            TransferError: aborted, timed out, peer lost, or the decode side reported an error.
-        """
-        raise NotImplementedError
+HELLO_TIMEOUT_S = 5.0
+TOMBSTONES = 4096
 
 
 class KVSender:
@@ -62,28 +41,225 @@ class KVSender:
 
     def __init__(self, config: SenderConfig | None = None) -> None:
         self.config = config or SenderConfig()
+        self._server: asyncio.Server | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()
+        self._rooms: dict[int, SendHandle] = {}
+        self._peers: dict[str, SenderPeer] = {}
+        self._parked: dict[int, tuple[SenderPeer, asyncio.TimerHandle]] = {}
+        self._tombstones: OrderedDict[int, str] = OrderedDict()
+        self._meter = EgressMeter()
+        self._bucket: TokenBucket | None = None
+        self._handshakes: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         """Bind the bootstrap listener (config.host, config.port)."""
-        raise NotImplementedError
+        self._loop = asyncio.get_running_loop()
+        rate = self.config.process_rate_bytes_per_s
+        if rate:
+            self._bucket = TokenBucket(rate, max(self.config.chunk_bytes, rate * 0.005))
+        self._server = await asyncio.start_server(
+            self._on_connection, self.config.host, self.config.port
+        )
 
     @property
     def bootstrap_port(self) -> int:
         """The listening port (after `start`)."""
-        raise NotImplementedError
+        if self._server is None:
+            raise RuntimeError("KVSender.start() has not been awaited")
+        port: int = self._server.sockets[0].getsockname()[1]
+        return port
+
+    # -- rooms -------------------------------------------------------------------------
 
     def open(self, room: int) -> SendHandle:
         """Start a transfer for `room` (a u64); thread-safe; the peer may register later.
 
         Raises:
             ValueError: room out of range or already open.
+            RuntimeError: the sender is not started.
         """
-        raise NotImplementedError
+        if self._loop is None or self._server is None:
+            raise RuntimeError("KVSender.start() has not been awaited")
+        if not isinstance(room, int) or not 0 <= room <= MAX_ROOM:
+            raise ValueError(f"room must be an integer in 0..2**64-1, got {room!r}")
+        handle = SendHandle(
+            room, self._loop, self.config.chunk_bytes, self.config.pipelined, self._closed
+        )
+        with self._lock:
+            if room in self._rooms:
+                raise ValueError(f"room {room} is already open")
+            self._rooms[room] = handle
+        self._loop.call_soon_threadsafe(self._start_room, handle)
+        return handle
+
+    def _start_room(self, handle: SendHandle) -> None:
+        assert self._loop is not None
+        cfg = self.config
+        handle.timers = [
+            self._loop.call_later(cfg.register_timeout_s, self._register_expired, handle),
+            self._loop.call_later(
+                cfg.transfer_timeout_s,
+                handle.fail,
+                f"not delivered within transfer_timeout_s={cfg.transfer_timeout_s}",
+            ),
+        ]
+        self._tombstones.pop(handle.room, None)
+        parked = self._parked.pop(handle.room, None)
+        if parked is not None:
+            parked[1].cancel()
+            handle.bind(parked[0])
+
+    def _register_expired(self, handle: SendHandle) -> None:
+        if handle.peer is None:
+            handle.fail(
+                f"no decode peer registered within register_timeout_s="
+                f"{self.config.register_timeout_s}"
+            )
+
+    def _closed(self, handle: SendHandle, reason: str | None) -> None:
+        with self._lock:
+            if self._rooms.get(handle.room) is handle:
+                del self._rooms[handle.room]
+        self._tombstones[handle.room] = reason or "already delivered"
+        while len(self._tombstones) > TOMBSTONES:
+            self._tombstones.popitem(last=False)
+
+    # -- peer events (PeerEvents) ----------------------------------------------------------
+
+    def on_register(self, peer: SenderPeer, room: int) -> None:
+        handle = self._rooms.get(room)
+        if handle is not None and handle.peer is None and not handle.done:
+            handle.bind(peer)
+        elif handle is not None and handle.peer is not peer:
+            peer.push_control(reason_frame(Kind.ABORT, room, "room is fetched by another peer"))
+        elif handle is None and room in self._tombstones:
+            peer.push_control(reason_frame(Kind.ABORT, room, self._tombstones[room]))
+        elif handle is None and room not in self._parked:
+            assert self._loop is not None
+            timer = self._loop.call_later(
+                self.config.register_timeout_s, self._parked_expired, room
+            )
+            self._parked[room] = (peer, timer)
+
+    def _parked_expired(self, room: int) -> None:
+        peer, _ = self._parked.pop(room)
+        reason = (
+            f"room was not opened on the prefill side within {self.config.register_timeout_s} s"
+        )
+        peer.push_control(reason_frame(Kind.ABORT, room, reason))
+
+    def on_done(self, peer: SenderPeer, room: int) -> None:
+        handle = self._rooms.get(room)
+        if handle is not None and handle.peer is peer:
+            handle.complete()
+
+    def on_cancel(self, peer: SenderPeer, room: int, reason: str) -> None:
+        handle = self._rooms.get(room)
+        if handle is not None and handle.peer is peer:
+            handle.fail(f"decode side failed the transfer: {reason}", tell_peer=False)
+        parked = self._parked.pop(room, None)
+        if parked is not None:
+            parked[1].cancel()
+
+    def on_peer_lost(self, peer: SenderPeer) -> None:
+        for handle in [h for h in self._rooms.values() if h.peer is peer]:
+            handle.fail(
+                f"decode peer lost: no connection for peer_timeout_s={self.config.peer_timeout_s}",
+                tell_peer=False,
+            )
+        if self._peers.get(peer.peer_id) is peer:
+            del self._peers[peer.peer_id]
+        self._spawn(peer.close())
+
+    # -- connections -----------------------------------------------------------------------
+
+    async def _on_connection(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        try:
+            header, payload = await asyncio.wait_for(
+                read_frame(reader, CONTROL_MAX), HELLO_TIMEOUT_S
+            )
+            if header.kind is not Kind.HELLO:
+                raise ProtocolError(f"expected HELLO, got {header.kind.name}")
+            hello = parse_json(header, payload)
+            peer_id, index = str(hello["peer"]), int(hello["index"])
+            if not 0 <= index < self.config.connections:
+                raise ProtocolError(
+                    f"connection index {index} out of 0..{self.config.connections - 1}"
+                )
+        except (
+            ProtocolError,
+            KeyError,
+            ValueError,
+            TypeError,
+            OSError,
+            TimeoutError,
+            asyncio.IncompleteReadError,
+        ):
+            writer.close()
+            return
+        welcome = {
+            "connections": self.config.connections,
+            "window_bytes": self.config.window_bytes,
+            "chunk_bytes": self.config.chunk_bytes,
+        }
+        write_frame(writer, json_frame(Kind.WELCOME, 0, welcome))
+        peer = self._peers.get(peer_id)
+        if peer is None or peer.closed:
+            peer = SenderPeer(peer_id, self.config, self, self._meter, self._bucket)
+            self._peers[peer_id] = peer
+        peer.attach(index, reader, writer)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._handshakes.add(task)
+        task.add_done_callback(self._handshakes.discard)
+
+    # -- telemetry and shutdown --------------------------------------------------------------
 
     def telemetry(self) -> TransportTelemetry:
         """A snapshot of egress rate, utilisation and per-connection TCP_INFO samples."""
-        raise NotImplementedError
+        now = self._loop.time() if self._loop is not None else 0.0
+        conns = tuple(c for p in self._peers.values() for c in p.telemetry())
+        rate = self._meter.rate(now)
+        capacity = self.config.capacity
+        segs = sum(c.segments_out or 0 for c in conns)
+        retrans = sum(c.retransmits or 0 for c in conns)
+        rtts = [c.rtt_s for c in conns if c.rtt_s is not None]
+        return TransportTelemetry(
+            at=now,
+            egress_bytes_per_s=rate,
+            window_s=self._meter.window_s,
+            bytes_total=self._meter.total,
+            capacity_bytes_per_s=capacity,
+            utilisation=rate / capacity if capacity else None,
+            retransmission_rate=retrans / segs if segs else 0.0,
+            rtt_s=sum(rtts) / len(rtts) if rtts else None,
+            peers=len(self._peers),
+            active_transfers=len(self._rooms),
+            connections=conns,
+        )
 
     async def close(self) -> None:
         """Fail open transfers, close connections and the listener; idempotent."""
-        raise NotImplementedError
+        handles = list(self._rooms.values())
+        for handle in handles:
+            handle.fail("sender closed")
+        if handles:
+            await asyncio.sleep(0.01)  # let the writers flush the ABORT frames
+        for _, timer in self._parked.values():
+            timer.cancel()
+        self._parked.clear()
+        if self._server is not None:
+            self._server.close()
+        for peer in list(self._peers.values()):
+            await peer.close()
+        self._peers.clear()
+        for task in list(self._handshakes):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 1.0)
