@@ -49,7 +49,8 @@ class HttpRunner:
     async def run(self, plan: BenchPlan, progress: Progress) -> RunResult:
         connector = aiohttp.TCPConnector(limit=self.options.max_connections, force_close=False)
         async with aiohttp.ClientSession(connector=connector) as http:
-            model = self.options.model or await self._discover_model(http)
+            listed = await self._discover_model(http)  # also proves the server is reachable
+            model = self.options.model or listed
             started_at = datetime.now(UTC).isoformat(timespec="seconds")
             origin = time.perf_counter()
             client = StreamingClient(

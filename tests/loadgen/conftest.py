@@ -73,15 +73,18 @@ async def _behave(request: web.Request, body: dict[str, Any]) -> web.StreamRespo
             return resp
     if mode == "truncated":
         return resp
-    usage = {"prompt_tokens": 7, "completion_tokens": 2 * n,
-             "prompt_tokens_details": {"cached_tokens": 3}}  # fmt: skip
+    usage = {
+        "prompt_tokens": 7,
+        "completion_tokens": 2 * n,
+        "prompt_tokens_details": {"cached_tokens": 3},
+    }
     await resp.write(b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\n")
     await resp.write(b"data: [DONE]\n\n")
     return resp
 
 
 async def _start(app: web.Application) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(app, access_log=None)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=1)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -113,8 +116,9 @@ def null_process() -> Iterator[str]:
     """Base URL of `python -m prfaas.engines.null` in its own process."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "prfaas.engines.null", "--port", "0"],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()

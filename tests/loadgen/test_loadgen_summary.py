@@ -8,16 +8,36 @@ from prfaas.loadgen.records import RequestRecord
 from prfaas.loadgen.summary import Slo, summarize
 
 
-def _rec(i: int, ttft: float, e2e: float, *, n_out: int = 11, ok: bool = True,
-         route: str | None = None, cached: int | None = None, error: str | None = None,
-         ) -> RequestRecord:  # fmt: skip
+def _rec(
+    i: int,
+    ttft: float,
+    e2e: float,
+    *,
+    n_out: int = 11,
+    ok: bool = True,
+    route: str | None = None,
+    cached: int | None = None,
+    error: str | None = None,
+) -> RequestRecord:
     return RequestRecord(
-        request_id=f"r{i}", session_id=i, turn=0, scheduled_s=float(i), start_s=float(i),
-        ok=ok, error=error, status=200 if ok else 500, ttft_s=ttft if ok else None,
-        e2e_s=e2e if ok else None, itl_s=(0.01,) * (n_out - 1) if ok else (), sent_tokens=100,
-        prompt_tokens=100 if ok else None, completion_tokens=n_out if ok else None,
-        cached_tokens=cached, route=route, incremental_tokens=None,
-    )  # fmt: skip
+        request_id=f"r{i}",
+        session_id=i,
+        turn=0,
+        scheduled_s=float(i),
+        start_s=float(i),
+        ok=ok,
+        error=error,
+        status=200 if ok else 500,
+        ttft_s=ttft if ok else None,
+        e2e_s=e2e if ok else None,
+        itl_s=(0.01,) * (n_out - 1) if ok else (),
+        sent_tokens=100,
+        prompt_tokens=100 if ok else None,
+        completion_tokens=n_out if ok else None,
+        cached_tokens=cached,
+        route=route,
+        incremental_tokens=None,
+    )
 
 
 def test_slo_parse_units_and_errors() -> None:
@@ -27,7 +47,7 @@ def test_slo_parse_units_and_errors() -> None:
         Slo.parse("latency=2s")
     with pytest.raises(ValueError, match="bad SLO 'ttft=fast'"):
         Slo.parse("ttft=fast")
-    with pytest.raises(ValueError, match="SLO ttft must be > 0 s, got 0.0"):
+    with pytest.raises(ValueError, match=r"SLO ttft must be > 0 s, got 0\.0"):
         Slo.parse("ttft=0")
 
 
@@ -56,8 +76,11 @@ def test_goodput_counts_requests_meeting_every_slo() -> None:
 
 
 def test_route_split_and_prefix_hit_rate() -> None:
-    records = [_rec(0, 0.1, 1, route="prfaas", cached=50), _rec(1, 0.1, 1, route="pd", cached=0),
-               _rec(2, 0.1, 1, route="pd", cached=None)]  # fmt: skip
+    records = [
+        _rec(0, 0.1, 1, route="prfaas", cached=50),
+        _rec(1, 0.1, 1, route="pd", cached=0),
+        _rec(2, 0.1, 1, route="pd", cached=None),
+    ]
     s = summarize(records, duration_s=1.0, slo=None)
     assert s.routes == {"prfaas": 1, "pd": 2}
     assert s.prefix_hit_rate == pytest.approx(50 / 200)  # over requests that report it

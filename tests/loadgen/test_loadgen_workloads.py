@@ -83,14 +83,15 @@ def test_trace_timestamps_and_output_lengths() -> None:
 @pytest.mark.parametrize(
     ("line", "needle"),
     [
-        (b'{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1]}',
-         "input_length 600 does not fit 1 blocks"),
-        (b'{"timestamp": -1, "input_length": 5, "output_length": 5, "hash_ids": [1]}',
-         "timestamp"),
+        (
+            b'{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1]}',
+            "input_length 600 does not fit 1 blocks",
+        ),
+        (b'{"timestamp": -1, "input_length": 5, "output_length": 5, "hash_ids": [1]}', "timestamp"),
         (b'{"timestamp": 0, "input_length": 5, "output_length": 5, "hash_ids": []}', "hash_ids"),
         (b"not json", ":2:"),
     ],
-)  # fmt: skip
+)
 def test_bad_trace_line_is_named(tmp_path: Path, line: bytes, needle: str) -> None:
     """A broken trace fails loudly with the file and line in the message."""
     path = tmp_path / "t.jsonl"
@@ -123,7 +124,9 @@ def test_lognormal_workload_is_reproducible_and_fresh() -> None:
     w = create_workload("lognormal", WorkloadOptions(inputs=LogNormalLengths(lo=128, hi=4096)))
     a = list(itertools.islice(w.sessions(_rng(3)), 20))
     b = list(itertools.islice(w.sessions(_rng(3)), 20))
-    assert all(np.array_equal(x.turns[0].tokens, y.turns[0].tokens) for x, y in zip(a, b))
+    assert all(
+        np.array_equal(x.turns[0].tokens, y.turns[0].tokens) for x, y in zip(a, b, strict=True)
+    )
     assert len({tuple(s.turns[0].tokens[:8]) for s in a}) == 20
     assert {s.turns[0].max_tokens for s in a} == {1024}
 
