@@ -58,7 +58,8 @@ def render_table(result: RunResult, summary: Summary, header: dict[str, str]) ->
     table.add_section()
     total = sum(summary.routes.values()) or 1
     routes = ", ".join(f"{k} {v} ({v / total:.0%})" for k, v in sorted(summary.routes.items()))
-    table.add_row("routes (x-prfaas-route)", routes or "-")
+    reported = set(summary.routes) - {"-"}
+    table.add_row("routes (x-prfaas-route)", routes if reported else "not reported")
     hit = summary.prefix_hit_rate
     table.add_row("prefix hit rate", "not reported" if hit is None else f"{hit:.1%}")
     for kind, count in summary.errors.items():
