@@ -1,0 +1,256 @@
+"""HTTP engine client: SGLang's `/generate` PD protocol, for the reference engine and real
+SGLang servers alike.
+
+One `aiohttp.ClientSession` is shared by every client of a gateway (its owner creates and
+closes it); each call carries explicit timeouts. Output is streamed (`stream: true`); SGLang
+streams cumulative `text` / `output_ids`, which this client turns into deltas. Cancelling a
+`generate` iteration closes the connection and posts `/abort_request` for the rid, so the
+engine frees the request's slot and KV at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+from prfaas.engines.client import (
+    BaseEngineClient,
+    EngineError,
+    EngineInfo,
+    EngineStats,
+    GenerateChunk,
+    GenerateRequest,
+    Role,
+)
+
+logger = logging.getLogger(__name__)
+STATS_PATHS = ("/stats", "/get_load")
+_ROLES: dict[str, Role] = {"prefill": "prefill", "decode": "decode", "null": "both"}
+
+
+@dataclass(frozen=True)
+class HttpClientConfig:
+    """Timeouts of the engine calls, in seconds."""
+
+    connect_timeout_s: float = 5.0
+    """Opening a connection to an engine."""
+    read_timeout_s: float = 300.0
+    """Longest silence between two chunks of a generate stream (covers a long prefill)."""
+    total_timeout_s: float = 3600.0
+    """Whole generate call."""
+    control_timeout_s: float = 5.0
+    """Whole `/health`, `/server_info`, `/get_load` and `/abort_request` calls."""
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+
+    def generate_timeout(self) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(
+            total=self.total_timeout_s,
+            connect=self.connect_timeout_s,
+            sock_read=self.read_timeout_s,
+        )
+
+    def control_timeout(self) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=self.control_timeout_s, connect=self.connect_timeout_s)
+
+
+def request_body(request: GenerateRequest) -> dict[str, Any]:
+    """The `/generate` body: identical for the prefill and the decode instance."""
+    body: dict[str, Any] = {
+        "rid": request.rid,
+        "input_ids": list(request.input_ids),
+        "sampling_params": request.sampling.to_sglang(),
+        "stream": request.stream,
+    }
+    if request.bootstrap is not None:
+        body["bootstrap_host"] = request.bootstrap.host
+        body["bootstrap_port"] = request.bootstrap.port
+        body["bootstrap_room"] = request.bootstrap.room
+    return body
+
+
+def _parse_load(load: Any) -> EngineStats:
+    if isinstance(load, dict) and "waiting" in load:  # the reference engine's /stats
+        return EngineStats(
+            waiting=int(load["waiting"]),
+            running=int(load.get("running", 0)),
+            kv_blocks_used=int(load.get("kv_blocks_used", 0)),
+            kv_blocks_total=int(load.get("kv_blocks_total", 0)),
+        )
+    ranks = load if isinstance(load, list) else [load or {}]  # SGLang: one entry per DP rank
+    return EngineStats(
+        waiting=sum(int(r.get("num_waiting_reqs", 0)) for r in ranks),
+        running=sum(int(r.get("num_reqs", 0)) for r in ranks),
+    )
+
+
+class _Deltas:
+    """Turns SGLang's cumulative stream objects into `GenerateChunk` deltas."""
+
+    def __init__(self) -> None:
+        self.text_len = 0
+        self.ids_len = 0
+
+    def chunk(self, obj: dict[str, Any]) -> GenerateChunk:
+        if "error" in obj:
+            raise EngineError(f"engine reported an error: {str(obj['error'])[:300]}")
+        meta = obj.get("meta_info") or {}
+        text, ids = str(obj.get("text") or ""), list(obj.get("output_ids") or [])
+        delta_text, delta_ids = text[self.text_len :], ids[self.ids_len :]
+        self.text_len, self.ids_len = max(self.text_len, len(text)), max(self.ids_len, len(ids))
+        finish = meta.get("finish_reason")
+        reason = finish.get("type") if isinstance(finish, dict) else finish
+        return GenerateChunk(
+            token_ids=tuple(int(i) for i in delta_ids),
+            text=delta_text,
+            prompt_tokens=int(meta.get("prompt_tokens") or 0),
+            completion_tokens=int(meta.get("completion_tokens") or len(ids)),
+            cached_tokens=int(meta.get("cached_tokens") or 0),
+            finish_reason=str(reason) if reason is not None else None,
+        )
+
+
+class HttpEngineClient(BaseEngineClient):
+    """A client of one SGLang-compatible engine at `base_url` (no trailing slash)."""
+
+    def __init__(
+        self,
+        instance_id: str,
+        base_url: str,
+        session: aiohttp.ClientSession,
+        config: HttpClientConfig | None = None,
+    ) -> None:
+        self.instance_id = instance_id
+        self.base_url = base_url.rstrip("/")
+        self._session = session
+        self._config = config or HttpClientConfig()
+        self._aborts: set[asyncio.Task[None]] = set()
+        self._stats_path: str | None = None
+
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
+        accepted = finished = False
+        try:
+            async with self._post_generate(request) as resp:
+                accepted = resp.status == 200
+                await self._check_status(resp)
+                async for chunk in self._read(resp, request.stream):
+                    finished = chunk.finish_reason is not None
+                    yield chunk
+        except aiohttp.ClientConnectorError as exc:
+            raise EngineError(f"{self.instance_id}: unreachable: {exc}", retryable=True) from exc
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise EngineError(f"{self.instance_id}: generate failed: {exc!r}") from exc
+        finally:
+            if accepted and not finished:
+                self._abort_later(request.rid)
+
+    def _post_generate(self, request: GenerateRequest) -> Any:
+        return self._session.post(
+            f"{self.base_url}/generate",
+            data=orjson.dumps(request_body(request)),
+            headers={"Content-Type": "application/json"},
+            timeout=self._config.generate_timeout(),
+        )
+
+    async def _check_status(self, resp: aiohttp.ClientResponse) -> None:
+        if resp.status == 200:
+            return
+        detail = (await resp.text())[:300]
+        raise EngineError(
+            f"{self.instance_id}: /generate answered {resp.status}: {detail}",
+            status=503 if resp.status in (429, 503) else 502,
+            retryable=resp.status in (429, 503),
+        )
+
+    async def _read(
+        self, resp: aiohttp.ClientResponse, stream: bool
+    ) -> AsyncGenerator[GenerateChunk, None]:
+        deltas = _Deltas()
+        if not stream:
+            yield deltas.chunk(orjson.loads(await resp.read()))
+            return
+        async for line in resp.content:
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                return
+            try:
+                obj = orjson.loads(payload)
+            except orjson.JSONDecodeError as exc:
+                raise EngineError(f"{self.instance_id}: bad stream line {payload[:80]!r}") from exc
+            yield deltas.chunk(obj)
+
+    def _abort_later(self, rid: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._abort(rid))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+
+    async def _abort(self, rid: str) -> None:
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            await self._control("POST", "/abort_request", {"rid": rid})
+
+    async def _control(self, method: str, path: str, body: Any = None) -> Any:
+        async with self._session.request(
+            method,
+            f"{self.base_url}{path}",
+            data=None if body is None else orjson.dumps(body),
+            headers={"Content-Type": "application/json"},
+            timeout=self._config.control_timeout(),
+        ) as resp:
+            raw = await resp.read()
+            if resp.status != 200:
+                raise EngineError(f"{self.instance_id}: {path} answered {resp.status}")
+            return orjson.loads(raw) if raw else None
+
+    async def health(self) -> bool:
+        """True when `/health` answers 200 within the control timeout."""
+        try:
+            await self._control("GET", "/health")
+        except (aiohttp.ClientError, TimeoutError, EngineError, orjson.JSONDecodeError):
+            return False
+        return True
+
+    async def stats(self) -> EngineStats:
+        """Load from `/stats` (reference engine) or `/get_load` (SGLang), whichever answers."""
+        paths = [self._stats_path] if self._stats_path else list(STATS_PATHS)
+        for path in paths:
+            try:
+                load = await self._control("GET", path)
+            except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
+                raise EngineError(f"{self.instance_id}: {path} failed: {exc!r}") from exc
+            except EngineError:
+                continue
+            self._stats_path = path
+            return _parse_load(load)
+        raise EngineError(f"{self.instance_id}: no load endpoint among {paths}")
+
+    async def info(self) -> EngineInfo:
+        try:
+            info = await self._control("GET", "/server_info")
+        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
+            raise EngineError(f"{self.instance_id}: /server_info failed: {exc!r}") from exc
+        mode = str(info.get("disaggregation_mode") or "null")
+        port = info.get("disaggregation_bootstrap_port")
+        return EngineInfo(
+            role=_ROLES.get(mode, "both"),
+            page_size=int(info.get("page_size") or 1),
+            bootstrap_host=info.get("disaggregation_bootstrap_host") or info.get("host"),
+            bootstrap_port=int(port) if port is not None else None,
+            model=str(info.get("served_model_name") or info.get("model_path") or ""),
+        )
+
+    async def close(self) -> None:
+        """Wait for pending aborts; the shared session belongs to the caller."""
+        if self._aborts:
+            await asyncio.gather(*self._aborts, return_exceptions=True)

@@ -1,0 +1,223 @@
+"""Deployment configuration: one TOML file -> frozen, validated dataclasses.
+
+```toml
+[model]                      # what is served
+name = "qwen3-next-tiny"
+tokenizer = "byte-level"     # or a directory with tokenizer.json
+context_length = 8192
+block_size = 64              # the engines' page size: KV-index block
+
+[gateway]                    # optional; defaults shown in GatewayConfig
+policy = "prfaas"
+threshold = 1024
+regime = "bandwidth_scarce"
+api_keys = []
+
+[[instances]]                # running engines (SGLang-compatible)
+id = "prfaas-p0"
+cluster = "prfaas"           # prfaas | pd
+role = "prefill"             # prefill | decode | both
+url = "http://127.0.0.1:30000"
+bootstrap_port = 8998        # prefill instances: where decode fetches KV
+kv_events = "tcp://127.0.0.1:5557"   # optional ZMQ KV event publisher
+```
+
+Errors raise `ConfigError` naming the file, the key and the bad value.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from types import UnionType
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+from urllib.parse import urlparse
+
+from prfaas.engines.client import Role
+from prfaas.policies.routing import Regime, Route
+
+_ROUTES = get_args(Route)
+_ROLES = get_args(Role)
+_REGIMES = get_args(Regime)
+
+
+class ConfigError(ValueError):
+    """A deployment file that cannot be used; the message names file, key and value."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The served model."""
+
+    name: str = "qwen3-next-tiny"
+    tokenizer: str = "byte-level"
+    """`byte-level` or a directory holding the model's `tokenizer.json`."""
+    context_length: int = 8192
+    block_size: int = 64
+    """Engines' page size; the KV index hashes blocks of this many tokens."""
+    vocab_size: int | None = 260
+
+    def __post_init__(self) -> None:
+        _check(bool(self.name), "name", self.name, "must not be empty")
+        _check(self.context_length >= 2, "context_length", self.context_length, "must be >= 2")
+        _check(self.block_size >= 1, "block_size", self.block_size, "must be >= 1")
+        ok = self.vocab_size is None or self.vocab_size >= 1
+        _check(ok, "vocab_size", self.vocab_size, "must be >= 1")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """The front door's policy and limits."""
+
+    policy: str = "prfaas"
+    threshold: float = 1024.0
+    """Incremental-length threshold t, in tokens."""
+    regime: Regime = "bandwidth_scarce"
+    api_keys: tuple[str, ...] = ()
+    """Accepted `Authorization: Bearer` keys; empty disables authentication."""
+    max_running: int = 256
+    """Requests dispatched to engines at once."""
+    max_queued: int = 1024
+    """Requests waiting for a slot; beyond this the gateway answers 429."""
+    max_body_bytes: int = 16 * 1024 * 1024
+    health_interval_s: float = 1.0
+    retry_after_s: int = 1
+    kv_index_max_blocks: int = 4_000_000
+
+    def __post_init__(self) -> None:
+        _check(bool(self.policy), "policy", self.policy, "must not be empty")
+        _check(self.threshold >= 0, "threshold", self.threshold, "must be >= 0")
+        _check(self.regime in _REGIMES, "regime", self.regime, f"must be one of {_REGIMES}")
+        for name in ("max_running", "max_queued", "max_body_bytes", "kv_index_max_blocks"):
+            _check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        _check(self.health_interval_s > 0, "health_interval_s", self.health_interval_s, "> 0")
+        _check(self.retry_after_s >= 1, "retry_after_s", self.retry_after_s, "must be >= 1")
+        ok = all(isinstance(k, str) and k for k in self.api_keys)
+        _check(ok, "api_keys", self.api_keys, "must be non-empty strings")
+
+
+@dataclass(frozen=True)
+class InstanceConfig:
+    """One running SGLang-compatible engine."""
+
+    id: str
+    cluster: Route
+    role: Role
+    url: str
+    bootstrap_host: str | None = None
+    """Defaults to the URL's host for prefill-capable instances."""
+    bootstrap_port: int | None = None
+    kv_events: str | None = None
+    """ZMQ endpoint of the engine's KV event publisher (`tcp://host:port`)."""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.id), "id", self.id, "must not be empty")
+        _check(self.cluster in _ROUTES, "cluster", self.cluster, f"must be one of {_ROUTES}")
+        _check(self.role in _ROLES, "role", self.role, f"must be one of {_ROLES}")
+        parsed = urlparse(self.url)
+        ok = parsed.scheme in ("http", "https") and bool(parsed.hostname)
+        _check(ok, "url", self.url, "must be http(s)://host:port")
+        port = self.bootstrap_port
+        _check(port is None or 0 < port < 65536, "bootstrap_port", port, "must be a port")
+        if self.role != "decode":
+            _check(port is not None, "bootstrap_port", port, "is required for a prefill role")
+        ok = self.kv_events is None or self.kv_events.startswith(("tcp://", "ipc://"))
+        _check(ok, "kv_events", self.kv_events, "must be a tcp:// or ipc:// endpoint")
+
+    @property
+    def bootstrap_address(self) -> str | None:
+        return self.bootstrap_host or urlparse(self.url).hostname
+
+
+@dataclass(frozen=True)
+class DeploymentConfig:
+    """A whole deployment: model, gateway, instances."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    instances: tuple[InstanceConfig, ...] = ()
+
+    def __post_init__(self) -> None:
+        ids = [i.id for i in self.instances]
+        dupes = sorted({i for i in ids if ids.count(i) > 1})
+        _check(not dupes, "instances.id", dupes, "must be unique")
+        roles = {(i.cluster, i.role) for i in self.instances}
+        has_decode = any(c == "pd" and r in ("decode", "both") for c, r in roles)
+        _check(has_decode or not self.instances, "instances", ids, "need a decode in 'pd'")
+
+
+def _check(ok: bool, key: str, value: object, why: str) -> None:
+    if not ok:
+        raise ValueError(f"{key} = {value!r} {why}")
+
+
+def _build(cls: type[Any], table: Any, where: str) -> Any:
+    if not isinstance(table, dict):
+        raise ConfigError(f"{where} must be a table, got {table!r}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown} (known: {sorted(known)})")
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in table.items()}
+    hints = get_type_hints(cls)
+    for key, value in values.items():
+        if not _fits(value, hints[key]):
+            raise ConfigError(f"{where}: {key} = {value!r} is not of type {hints[key]}")
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    origin = get_origin(hint)
+    if origin is UnionType or str(origin) == "typing.Union":
+        return any(_fits(value, h) for h in get_args(hint))
+    if origin is Literal:
+        return value in get_args(hint)
+    if origin is tuple:
+        return isinstance(value, tuple) and all(_fits(v, get_args(hint)[0]) for v in value)
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def parse_deployment(data: dict[str, Any], source: str = "<config>") -> DeploymentConfig:
+    """Build a `DeploymentConfig` from a parsed TOML document.
+
+    Raises:
+        ConfigError: unknown or invalid keys (the message names `source`, key and value).
+    """
+    unknown = sorted(set(data) - {"model", "gateway", "instances"})
+    if unknown:
+        raise ConfigError(f"{source}: unknown table(s) {unknown}")
+    model = _build(ModelConfig, data.get("model", {}), f"{source} [model]")
+    gateway = _build(GatewayConfig, data.get("gateway", {}), f"{source} [gateway]")
+    raw = data.get("instances", [])
+    if not isinstance(raw, list) or not raw:
+        raise ConfigError(f"{source}: [[instances]] must list at least one engine")
+    instances = tuple(
+        _build(InstanceConfig, t, f"{source} [[instances]] #{n}") for n, t in enumerate(raw)
+    )
+    try:
+        return DeploymentConfig(model, gateway, instances)
+    except ValueError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+
+
+def load_deployment(path: str | Path) -> DeploymentConfig:
+    """Read and validate a deployment TOML file.
+
+    Raises:
+        ConfigError: unreadable file, bad TOML, or invalid values.
+    """
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    return parse_deployment(data, str(path))

@@ -1,0 +1,71 @@
+"""KV-event subscriber glue: one ZMQ SUB per engine feeding the global KV index.
+
+A lost stretch of events (sequence gap: slow join, high-water-mark drop, reconnect) or a
+publisher restart (sequence going backwards) makes that instance's index entries stale, so
+they are dropped before the new batch is applied: the index may under-report a cache after
+that, never over-report one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+from prfaas.common.kv_events import KVEventSubscriber, ReceivedBatch
+from prfaas.gateway.kv_index import KVIndexManager
+
+logger = logging.getLogger(__name__)
+
+
+class KVEventFeed:
+    """Owns the subscriber tasks; `start` once, `stop` cancels and awaits them."""
+
+    def __init__(
+        self,
+        index: KVIndexManager,
+        endpoints: dict[str, str],
+        on_resync: Callable[[str, str], None] | None = None,
+    ) -> None:
+        self._index = index
+        self._endpoints = dict(endpoints)
+        self._on_resync = on_resync
+        self._tasks: list[asyncio.Task[None]] = []
+        self.batches = 0
+
+    def start(self) -> None:
+        for instance_id, endpoint in self._endpoints.items():
+            subscriber = KVEventSubscriber(endpoint)
+            task = asyncio.get_running_loop().create_task(self._run(instance_id, subscriber))
+            self._tasks.append(task)
+
+    async def _run(self, instance_id: str, subscriber: KVEventSubscriber) -> None:
+        try:
+            while True:
+                self.apply(instance_id, await subscriber.recv())
+        finally:
+            subscriber.close()
+
+    def apply(self, instance_id: str, received: ReceivedBatch) -> None:
+        """Apply one received batch, resynchronising first after a gap or a restart."""
+        if received.restarted or received.missed:
+            reason = "restart" if received.restarted else "gap"
+            logger.info("%s: KV events %s (seq %d); clearing", instance_id, reason, received.seq)
+            self.resync(instance_id, reason)
+        self._index.apply(instance_id, received.batch.events)
+        self.batches += 1
+
+    def resync(self, instance_id: str, reason: str) -> None:
+        """Drop an instance's entries (also used when its health check fails)."""
+        self._index.clear_instance(instance_id)
+        if self._on_resync is not None:
+            self._on_resync(instance_id, reason)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()

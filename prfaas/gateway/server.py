@@ -1,0 +1,49 @@
+"""Run the gateway app on a TCP port until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from prfaas.gateway.app import GATEWAY, create_app
+from prfaas.gateway.config import DeploymentConfig
+from prfaas.gateway.gateway import Gateway
+
+
+async def wait_for_signal() -> None:
+    """Return on the first SIGINT or SIGTERM."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+async def serve_gateway(
+    config: DeploymentConfig,
+    host: str,
+    port: int,
+    *,
+    setup: Callable[[Gateway], Awaitable[None]] | None = None,
+    on_ready: Callable[[Gateway, int], None] | None = None,
+) -> None:
+    """Serve until a signal arrives; `on_ready(gateway, bound_port)` runs once listening."""
+    app = create_app(config, setup)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        if on_ready is not None:
+            on_ready(app[GATEWAY], bound)
+        await wait_for_signal()
+    finally:
+        await runner.cleanup()

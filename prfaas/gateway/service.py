@@ -1,0 +1,169 @@
+"""The OpenAI completion handlers: authenticate, parse, admit, route, relay (SSE or JSON).
+
+The routing itself lives in `Router` (no aiohttp there); this module only adapts HTTP to it
+and keeps the metrics. A client that disconnects cancels the handler, which closes the
+Router's stream and so aborts the request on both the prefill and the decode engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import orjson
+from aiohttp import web
+
+from prfaas.engines.client import EngineError, GenerateChunk
+from prfaas.gateway.admission import AdmissionManager, QueueFull
+from prfaas.gateway.errors import APIError
+from prfaas.gateway.metrics import GatewayMetrics
+from prfaas.gateway.openai_request import Api, CompletionCall, ModelLimits, load_json, parse_call
+from prfaas.gateway.openai_response import Accumulator
+from prfaas.gateway.router import Router
+from prfaas.gateway.tokenization import GatewayTokenizer
+from prfaas.policies.routing import NoInstanceAvailable, RouteDecision
+
+Stream = AsyncIterator[tuple[RouteDecision, GenerateChunk]]
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+@dataclass
+class _Timing:
+    start: float
+    route: str = "none"
+    status: int = 200
+
+
+@dataclass
+class CompletionService:
+    """Serves `/v1/completions` and `/v1/chat/completions` through a `Router`."""
+
+    router: Router
+    tokenizer: GatewayTokenizer
+    limits: ModelLimits
+    admission: AdmissionManager
+    metrics: GatewayMetrics
+    api_keys: frozenset[str] = frozenset()
+    retry_after_s: int = 1
+    clock: Callable[[], float] = field(default=lambda: asyncio.get_running_loop().time())
+
+    def check_auth(self, request: web.Request) -> None:
+        """Raises APIError(401) unless API keys are off or the bearer key is one of them."""
+        if not self.api_keys:
+            return
+        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or key.strip() not in self.api_keys:
+            raise APIError(401, "invalid or missing API key", code="invalid_api_key")
+
+    async def handle(self, request: web.Request, api: Api) -> web.StreamResponse:
+        timing = _Timing(self.clock())
+        try:
+            return await self._handle(request, api, timing)
+        except APIError as exc:
+            timing.status = exc.status
+            raise
+        except asyncio.CancelledError:
+            timing.status = 499  # the client went away
+            raise
+        finally:
+            self.metrics.requests.inc(api, timing.route, str(timing.status))
+            if timing.status == 200:
+                self.metrics.e2e.observe(self.clock() - timing.start, timing.route)
+
+    async def _handle(self, request: web.Request, api: Api, timing: _Timing) -> web.StreamResponse:
+        self.check_auth(request)
+        call = parse_call(load_json(await request.read()), api, self.limits, self.tokenizer)
+        self.metrics.prompt.observe(len(call.input_ids))
+        try:
+            async with self.admission.slot():
+                return await self._serve(request, call, timing)
+        except QueueFull as exc:
+            raise APIError(
+                429,
+                f"the gateway is at capacity ({exc}); retry later",
+                code="queue_full",
+                headers={"Retry-After": str(self.retry_after_s)},
+            ) from None
+
+    async def _serve(
+        self, request: web.Request, call: CompletionCall, timing: _Timing
+    ) -> web.StreamResponse:
+        prefix = "chatcmpl" if call.api == "chat" else "cmpl"
+        acc = Accumulator(call, f"{prefix}-{uuid.uuid4().hex}", int(time.time()))
+        stream = self.router.generate(acc.rid, call.input_ids, call.sampling)
+        try:
+            decision, first = await _first(stream)
+            self._routed(decision, acc, timing)
+            headers = route_headers(decision)
+            if call.stream:
+                return await self._sse(request, acc, first, stream, headers)
+            acc.add(first)
+            async for _, chunk in stream:
+                acc.add(chunk)
+            return web.Response(
+                body=orjson.dumps(acc.final()), content_type="application/json", headers=headers
+            )
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+    def _routed(self, decision: RouteDecision, acc: Accumulator, timing: _Timing) -> None:
+        timing.route = decision.route
+        acc.index_cached_tokens = decision.cached_tokens
+        self.metrics.ttft.observe(self.clock() - timing.start, decision.route)
+        self.metrics.incremental.observe(decision.incremental_tokens, decision.route)
+
+    async def _sse(
+        self,
+        request: web.Request,
+        acc: Accumulator,
+        first: GenerateChunk,
+        stream: Stream,
+        headers: dict[str, str],
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={**SSE_HEADERS, **headers})
+        await resp.prepare(request)
+        acc.add(first)
+        await resp.write(_sse(acc.chunk(first)))
+        try:
+            async for _, chunk in stream:
+                acc.add(chunk)
+                await resp.write(_sse(acc.chunk(chunk)))
+        except EngineError as exc:  # too late for a status: tell the client in-band
+            await resp.write(_sse(_engine_error(exc).body()))
+        else:
+            if acc.call.include_usage:
+                await resp.write(_sse(acc.usage_chunk()))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+async def _first(stream: Stream) -> tuple[RouteDecision, GenerateChunk]:
+    try:
+        return await anext(stream)
+    except NoInstanceAvailable as exc:
+        raise APIError(503, str(exc), code="no_instance_available") from None
+    except EngineError as exc:
+        raise _engine_error(exc) from None
+    except StopAsyncIteration:
+        raise APIError(502, "the engine returned no output", code="engine_error") from None
+
+
+def _engine_error(exc: EngineError) -> APIError:
+    status = exc.status if exc.status in (502, 503, 504) else 502
+    return APIError(status, f"engine failure: {exc}", code="engine_error")
+
+
+def route_headers(decision: RouteDecision) -> dict[str, str]:
+    """`x-prfaas-route` and `x-prfaas-incremental-tokens` for a routed request."""
+    return {
+        "x-prfaas-route": decision.route,
+        "x-prfaas-incremental-tokens": str(decision.incremental_tokens),
+    }
+
+
+def _sse(obj: object) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
