@@ -1,0 +1,243 @@
+"""The engine step: admit one request (prefill, or a received hand-off), then one batched
+decode step over every running request. Runs on one worker thread; other threads only
+`submit`, set `Request.aborted`, queue `flush`, and read counters.
+
+Capacity is reserved up front for prompt + `max_new_tokens`, so a running request never runs
+out of KV mid-decode: when the pool cannot hold a new request, it waits (back-pressure).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+from prfaas.common.hashing import hash_blocks
+from prfaas.common.kv_events import KVEvent
+from prfaas.engines.reference.block_pool import BlockPool, BlockPoolConfig, OutOfKVCapacity
+from prfaas.engines.reference.config import EngineConfig
+from prfaas.engines.reference.handoff import HandoffError
+from prfaas.engines.reference.hybrid_cache import HybridCache, SeqState
+from prfaas.engines.reference.metrics import EngineCounters
+from prfaas.engines.reference.prefill import run_prefill, send_meta, state_from_handoff
+from prfaas.engines.reference.request import Phase, Request, TokenEvent
+from prfaas.engines.reference.runner import ModelRunner
+from prfaas.engines.reference.sampling import sample
+from prfaas.engines.reference.stopping import stop_reason
+from prfaas.engines.reference.storage import KVStorage
+
+Detokenize = Callable[[list[int]], str]
+
+
+class EngineCore:
+    """Scheduler + executor of one engine. `step()` only on the engine thread."""
+
+    def __init__(self, runner: ModelRunner, config: EngineConfig, detokenize: Detokenize) -> None:
+        self.runner, self.config, self.detokenize = runner, config, detokenize
+        self.role = config.role
+        pool_config = BlockPoolConfig(config.num_blocks, config.block_size, config.num_state_slots)
+        self.pool = BlockPool(pool_config)
+        self.storage = KVStorage(config.num_blocks, config.block_size, config.num_state_slots)
+        self.counters = EngineCounters()
+        self.event_sink: Callable[[list[KVEvent]], None] | None = None
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._inbox: deque[Request] = deque()
+        self._flush = threading.Event()
+        self._batch: HybridCache | None = None
+        self._batch_reqs: list[Request] = []
+
+    # --- any thread ------------------------------------------------------------------------
+
+    def submit(self, req: Request) -> None:
+        """Queue a request (thread-safe); it is admitted at a later step."""
+        self._inbox.append(req)
+
+    def request_flush(self) -> None:
+        """Clear the prefix cache at the start of the next step (thread-safe)."""
+        self._flush.set()
+
+    def has_work(self) -> bool:
+        return bool(self._inbox or self.waiting or self.running or self._flush.is_set())
+
+    # --- engine thread ---------------------------------------------------------------------
+
+    def step(self) -> None:
+        """Admit at most one request, then run one decode step."""
+        while self._inbox:
+            self.waiting.append(self._inbox.popleft())
+        if self._flush.is_set():
+            self._flush.clear()
+            self.pool.clear()
+        self._reap_aborted()
+        if self.waiting and len(self.running) < self.config.max_batch:
+            self._admit(self.waiting[0])
+        if self.running:
+            self._decode_step()
+        events = self.pool.take_events()
+        if events and self.event_sink is not None:
+            self.event_sink(events)
+
+    def fail_all(self, message: str) -> None:
+        """End every request with an abort event after a failed step (engine thread idle)."""
+        reqs = [*self._inbox, *self.waiting, *self.running]
+        self._inbox.clear()
+        self.waiting.clear()
+        self.running.clear()
+        self._batch, self._batch_reqs = None, []
+        for req in reqs:
+            if self.pool.has_request(req.rid):
+                self.pool.free(req.rid)
+            if req.outbox is not None:
+                req.outbox.abort(message)
+            req.phase = Phase.FINISHED
+            req.emit(TokenEvent((), {"type": "abort", "message": message, "status_code": 500}))
+
+    def _reap_aborted(self) -> None:
+        aborted = [r for r in (*self.waiting, *self.running) if r.aborted]
+        for req in aborted:
+            if req in self.waiting:
+                self.waiting.remove(req)
+            self._finish(req, cache=False)
+            if req.outbox is not None:
+                req.outbox.abort("request aborted")
+            req.emit(TokenEvent((), {"type": "abort", "message": "request aborted"}))
+
+    def _admit(self, req: Request) -> None:
+        try:
+            admitted = self._admit_handoff(req) if req.received else self._admit_prefill(req)
+        except HandoffError as exc:
+            self.waiting.popleft()
+            req.phase = Phase.FINISHED
+            message = f"KV hand-off failed: {exc}"
+            req.emit(TokenEvent((), {"type": "abort", "message": message, "status_code": 502}))
+            return
+        if admitted:
+            self.waiting.popleft()
+
+    def _admit_prefill(self, req: Request) -> bool:
+        bs, prompt = self.config.block_size, req.prompt
+        match = self.pool.match_prefix(hash_blocks(prompt[:-1], bs))
+        extra = 0 if req.outbox is not None else req.params.max_new_tokens
+        try:
+            table = self.pool.allocate(req.rid, len(prompt) + extra, match)
+        except OutOfKVCapacity:
+            return False
+        prefix = (match.block_ids, match.state_slot)
+        with torch.inference_mode():
+            result = run_prefill(self.runner, self.storage, prompt, prefix, req.outbox)
+        req.cached_tokens = match.num_tokens
+        self.counters.prefilled(len(prompt), match.num_tokens)
+        full, first = len(prompt) // bs, len(match.block_ids)
+        self.storage.write_blocks(result.state, table[first:full], first)
+        req.prompt_blocks_written = full
+        self.pool.cache_full_blocks(req.rid, prompt[: full * bs])
+        if result.boundary_state is not None:
+            self._save_state(req, result.boundary, result.boundary_state)
+        token = sample(result.logits, req.params, req.generator)
+        if req.outbox is not None:
+            send_meta(req.outbox, token, len(prompt), match.num_tokens)
+            req.outbox.finish()
+            req.output.append(token)
+            self._finish(req, cache=False)
+            req.emit(TokenEvent((token,), {"type": "length", "length": 1}, req.cached_tokens))
+            return True
+        req.state = result.state
+        self._start_decoding(req, token)
+        return True
+
+    def _admit_handoff(self, req: Request) -> bool:
+        assert req.received is not None
+        handed = state_from_handoff(req.received, self.runner.shape.layer_types)
+        if handed.state.length != len(req.prompt):
+            raise HandoffError(f"{handed.state.length} tokens received for a prompt of "
+                               f"{len(req.prompt)}")  # fmt: skip
+        try:
+            self.pool.allocate(req.rid, len(req.prompt) + req.params.max_new_tokens, transfer=True)
+        except OutOfKVCapacity:
+            return False
+        req.state, req.cached_tokens, req.received = handed.state, handed.cached_tokens, None
+        self._start_decoding(req, handed.first_token)
+        return True
+
+    def _start_decoding(self, req: Request, token: int) -> None:
+        req.output.append(token)
+        reason = stop_reason(req, self.runner.shape.eos_token_id, self.detokenize)
+        req.emit(TokenEvent((token,), reason, req.cached_tokens))
+        if reason is not None:
+            self._finish(req, cache=True)
+            return
+        req.phase = Phase.RUNNING
+        self.running.append(req)
+
+    def _decode_step(self) -> None:
+        if self._batch_reqs != self.running:
+            self._rebatch()
+        assert self._batch is not None
+        batch, reqs = self._batch, list(self.running)
+        ids = torch.tensor([[r.output[-1]] for r in reqs])
+        logits = self.runner.forward(batch, ids)
+        self.counters.generated(len(reqs))
+        eos, bs = self.runner.shape.eos_token_id, self.config.block_size
+        for i, req in enumerate(reqs):
+            token = sample(logits[i], req.params, req.generator)
+            req.output.append(token)
+            if batch.lengths[i] % bs == 0:
+                req.boundary = _linear_row(batch, i)
+            reason = stop_reason(req, eos, self.detokenize)
+            req.emit(TokenEvent((token,), reason, req.cached_tokens))
+            if reason is not None:
+                self._finish(req, cache=True)
+
+    def _rebatch(self) -> None:
+        """Re-stack the decode batch after requests joined or left."""
+        if self._batch is not None:
+            for i, req in enumerate(self._batch_reqs):
+                if req.phase is Phase.RUNNING and req.state is None:
+                    req.state = self._batch.row(i)
+        states = [r.state for r in self.running]
+        self._batch = HybridCache([s for s in states if s is not None])
+        for req in self.running:
+            req.state = None  # the batch holds it now
+        self._batch_reqs = list(self.running)
+
+    def _finish(self, req: Request, *, cache: bool) -> None:
+        """Take `req` out of the batch and free its blocks (indexing them first if `cache`)."""
+        if req in self.running:
+            if req.state is None and self._batch is not None and req in self._batch_reqs:
+                req.state = self._batch.row(self._batch_reqs.index(req))
+            self.running.remove(req)
+        req.phase = Phase.FINISHED
+        if self.pool.has_request(req.rid):
+            if cache and req.state is not None:
+                self._cache_finished(req, req.state)
+            self.pool.free(req.rid)
+        req.state = None
+
+    def _cache_finished(self, req: Request, state: SeqState) -> None:
+        """Index the blocks decode filled, and the latest block-aligned linear state."""
+        bs = self.config.block_size
+        full = state.length // bs
+        table = self.pool.block_table(req.rid)
+        first = req.prompt_blocks_written
+        if full > first:
+            self.storage.write_blocks(state, table[first:full], first)
+        self.pool.cache_full_blocks(req.rid, req.tokens_with_kv()[: full * bs])
+        if req.boundary is not None and req.boundary.length > first * bs:
+            self._save_state(req, req.boundary.length, req.boundary)
+
+    def _save_state(self, req: Request, num_tokens: int, state: SeqState) -> None:
+        slot = self.pool.save_state(req.rid, num_tokens)
+        if slot is not None:
+            self.storage.save_state(slot, state)
+
+
+def _linear_row(batch: HybridCache, i: int) -> SeqState:
+    """Copy of row i's linear states (no KV), tagged with its length."""
+    return SeqState(
+        length=batch.lengths[i],
+        conv={k: v[i : i + 1].clone() for k, v in batch.conv.items()},
+        rec={k: v[i : i + 1].clone() for k, v in batch.rec.items()},
+    )
