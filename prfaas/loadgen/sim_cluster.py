@@ -1,0 +1,109 @@
+"""Wire the real gateway request path to simulated engines for one deployment.
+
+`SimCluster` owns, on the running loop: the bootstrap rooms, the cross-cluster link (PrfaaS
+prefill -> PD decode, `egress_gbps`, one-way delay) and the intra-cluster RDMA link (PD-P ->
+PD-D), one `SimulatedPrefillEngine`/`SimulatedDecodeEngine` per instance registered in the
+gateway's real `InstanceManager`, the real `KVIndexManager` fed by the simulated caches' KV
+events, and the real `Router` with the deployment's routing policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Sequence
+
+from prfaas.common.kv_events import KVEvent
+from prfaas.engines.sim import (
+    PrefillTiming,
+    SimRooms,
+    SimulatedDecodeEngine,
+    SimulatedPrefillEngine,
+)
+from prfaas.engines.sim_cache import SimPrefixCache
+from prfaas.engines.sim_link import LinkConfig, SimLink
+from prfaas.gateway.kv_index import KVIndexManager
+from prfaas.gateway.registry import InstanceManager, InstanceState
+from prfaas.gateway.router import RouteEvent, Router, RoutingState
+from prfaas.loadgen.sim_config import Deployment, SimOptions
+from prfaas.policies.profile import DeploymentProfile, HardwareProfile
+from prfaas.policies.registry import create_policy
+from prfaas.policies.routing import Route
+
+
+class SimCluster:
+    """One deployment, simulated. Build inside the loop that will run it."""
+
+    def __init__(
+        self, profile: DeploymentProfile, deployment: Deployment, options: SimOptions, seed: int = 0
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        self.deployment, self.options = deployment, options
+        self.rooms = SimRooms(loop)
+        self.egress = SimLink(
+            LinkConfig(deployment.egress_gbps, options.link_delay_s, "cross-cluster"), loop
+        )
+        self.intra = SimLink(LinkConfig(options.intra_gbps, 0.0, "pd-rdma"), loop)
+        self.index = KVIndexManager(block_size=options.block_size)
+        self.instances = InstanceManager()
+        self.prefill: dict[str, SimulatedPrefillEngine] = {}
+        self.decode: dict[str, SimulatedDecodeEngine] = {}
+        self.route_events: list[RouteEvent] = []
+        self._add_prefills(profile, deployment)
+        self._add_decodes(deployment)
+        rooms = random.Random(seed)
+        self.router = Router(
+            instances=self.instances,
+            index=self.index,
+            policy=create_policy(deployment.policy),
+            state=RoutingState(threshold=deployment.threshold, regime=options.regime),
+            on_event=self.route_events.append,
+            room_source=lambda: rooms.getrandbits(63),
+        )
+
+    def _add_prefills(self, profile: DeploymentProfile, d: Deployment) -> None:
+        if d.n_prfaas:
+            assert d.prfaas_hw is not None  # validated by Deployment
+            for i in range(d.n_prfaas):
+                self._add_prefill(f"prfaas-p{i}", "prfaas", d.prfaas_hw, self.egress, profile)
+        for i in range(d.n_p):
+            self._add_prefill(f"pd-p{i}", "pd", d.pd_hw, self.intra, profile)
+
+    def _add_prefill(
+        self,
+        iid: str,
+        cluster: Route,
+        hw: HardwareProfile,
+        link: SimLink,
+        profile: DeploymentProfile,
+    ) -> None:
+        timing = PrefillTiming(hw.prefill_seconds, profile.model.kv_bytes, self.options.pipelined)
+        cache = SimPrefixCache(self.options.block_size, self.options.cache_blocks)
+        engine = SimulatedPrefillEngine(
+            iid, timing=timing, link=link, cache=cache, rooms=self.rooms, publish=self._publish
+        )
+        self.prefill[iid] = engine
+        self.instances.add(InstanceState(iid, cluster, "prefill", engine, iid, 0))
+
+    def _add_decodes(self, d: Deployment) -> None:
+        hw = d.decode_hw
+        assert hw.decode_batch_max is not None and hw.decode_step_seconds is not None
+        for i in range(d.n_d):
+            iid = f"pd-d{i}"
+            engine = SimulatedDecodeEngine(
+                iid,
+                batch_max=hw.decode_batch_max,
+                step_s=hw.decode_step_seconds,
+                rooms=self.rooms,
+                page_size=self.options.block_size,
+            )
+            self.decode[iid] = engine
+            self.instances.add(InstanceState(iid, "pd", "decode", engine))
+
+    def _publish(self, instance_id: str, events: Sequence[KVEvent]) -> None:
+        if events:
+            self.index.apply(instance_id, events)
+
+    def prefills_in(self, cluster: Route) -> list[SimulatedPrefillEngine]:
+        """The prefill engines of one cluster."""
+        return [e for iid, e in self.prefill.items() if self.instances[iid].cluster == cluster]
