@@ -197,7 +197,8 @@ class HttpEngineClient(BaseEngineClient):
         task.add_done_callback(self._aborts.discard)
 
     async def _abort(self, rid: str) -> None:
-        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+        # RuntimeError: the shared session closed first (gateway shutting down).
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError, EngineError, RuntimeError):
             await self._control("POST", "/abort_request", {"rid": rid})
 
     async def _control(self, method: str, path: str, body: Any = None) -> Any:

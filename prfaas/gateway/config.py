@@ -89,8 +89,9 @@ class GatewayConfig:
         _check(bool(self.policy), "policy", self.policy, "must not be empty")
         _check(self.threshold >= 0, "threshold", self.threshold, "must be >= 0")
         _check(self.regime in _REGIMES, "regime", self.regime, f"must be one of {_REGIMES}")
-        for name in ("max_running", "max_queued", "max_body_bytes", "kv_index_max_blocks"):
+        for name in ("max_running", "max_body_bytes", "kv_index_max_blocks"):
             _check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        _check(self.max_queued >= 0, "max_queued", self.max_queued, "must be >= 0")
         _check(self.health_interval_s > 0, "health_interval_s", self.health_interval_s, "> 0")
         _check(self.retry_after_s >= 1, "retry_after_s", self.retry_after_s, "must be >= 1")
         ok = all(isinstance(k, str) and k for k in self.api_keys)

@@ -152,6 +152,7 @@ async def _relay(
     abort decode (it would only wait for KV that never comes) and raise."""
     prefill_task = asyncio.ensure_future(_drain_prefill(prefill, request))
     stream = decode.client.generate(request)
+    next_chunk: asyncio.Future[GenerateChunk] | None = None
     try:
         while True:
             next_chunk = asyncio.ensure_future(anext(stream))
@@ -171,6 +172,10 @@ async def _relay(
         prefill_task.cancel()
         with contextlib.suppress(BaseException):
             await prefill_task
+        if next_chunk is not None and not next_chunk.done():
+            next_chunk.cancel()  # the decode stream must be idle before it can be closed
+            with contextlib.suppress(BaseException):
+                await next_chunk
         await stream.aclose()
 
 

@@ -1,0 +1,42 @@
+"""Fixtures for the gateway tests (helpers live in gateway_helpers.py)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+from aiohttp import web
+from gateway_helpers import BLOCK, Engines, GatewayFactory, start_app
+
+from prfaas.engines.null import NullConfig, NullServer
+from prfaas.gateway.app import GATEWAY, create_app
+from prfaas.gateway.config import DeploymentConfig
+from prfaas.gateway.gateway import Gateway
+
+
+@pytest.fixture
+async def null_engines() -> AsyncIterator[Engines]:
+    servers, runners, urls = {}, [], {}
+    for name in ("prfaas-p0", "pd-p0", "pd-d0"):
+        servers[name] = NullServer(NullConfig(output_tokens=8, block_size=BLOCK, model="tiny"))
+        runner, urls[name] = await start_app(servers[name].app())
+        runners.append(runner)
+    yield Engines(urls, servers)
+    for runner in runners:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def gateway_factory() -> AsyncIterator[GatewayFactory]:
+    """`await factory(config)` -> (base URL, Gateway); every gateway stops at teardown."""
+    runners: list[web.AppRunner] = []
+
+    async def factory(config: DeploymentConfig) -> tuple[str, Gateway]:
+        app = create_app(config)
+        runner, url = await start_app(app)
+        runners.append(runner)
+        return url, app[GATEWAY]
+
+    yield factory
+    for runner in runners:
+        await runner.cleanup()

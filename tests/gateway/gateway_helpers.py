@@ -1,0 +1,53 @@
+"""Helpers: null engines and a gateway, all real aiohttp servers on 127.0.0.1 ephemeral
+ports in the test's event loop (the null server answers `/generate` instantly; it stands in
+for engines only where the test is about the gateway, not about model output)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from aiohttp import web
+
+from prfaas.engines.null import NullServer
+from prfaas.gateway.config import DeploymentConfig, GatewayConfig, InstanceConfig, ModelConfig
+from prfaas.gateway.gateway import Gateway
+
+BLOCK = 16
+
+
+async def start_app(app: web.Application) -> tuple[web.AppRunner, str]:
+    """Serve `app` on an ephemeral port; returns the runner and the base URL."""
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+GatewayFactory = Callable[..., Awaitable[tuple[str, Gateway]]]
+
+
+@dataclass
+class Engines:
+    """Three null engines: PrfaaS prefill, PD prefill, PD decode."""
+
+    urls: dict[str, str]
+    servers: dict[str, NullServer]
+
+
+def deployment(
+    urls: dict[str, str], kv_events: dict[str, str] | None = None, **gateway: Any
+) -> DeploymentConfig:
+    """A deployment over `urls` (ids prfaas-p0, pd-p0, pd-d0); threshold 100 by default."""
+    events = kv_events or {}
+    instances = (
+        InstanceConfig("prfaas-p0", "prfaas", "prefill", urls["prfaas-p0"], None, 9001,
+                       events.get("prfaas-p0")),
+        InstanceConfig("pd-p0", "pd", "prefill", urls["pd-p0"], None, 9002, events.get("pd-p0")),
+        InstanceConfig("pd-d0", "pd", "decode", urls["pd-d0"]),
+    )  # fmt: skip
+    gw = replace(GatewayConfig(threshold=100, health_interval_s=0.2), **gateway)
+    return DeploymentConfig(ModelConfig(name="tiny", block_size=BLOCK), gw, instances)
