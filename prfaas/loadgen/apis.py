@@ -86,10 +86,13 @@ class CompletionsApi:
     def consume(self, chunk: dict[str, Any], state: StreamState) -> bool:
         state.error = _error(chunk) or state.error
         _usage(chunk.get("usage"), state)
-        choices = chunk.get("choices") or ()
-        text = "".join(c.get("text") or "" for c in choices)
-        state.text.append(text)
-        return bool(text)
+        new = False
+        for choice in chunk.get("choices") or ():
+            text = choice.get("text") or ""
+            state.text.append(text)
+            # an empty text mid-stream is still a token (e.g. half of a UTF-8 character)
+            new = new or bool(text) or choice.get("finish_reason") is None
+        return new
 
 
 class ChatApi:
@@ -109,7 +112,10 @@ class ChatApi:
             delta = choice.get("delta") or {}
             text = delta.get("content") or ""
             state.text.append(text)
-            new = new or bool(text) or bool(delta.get("reasoning_content"))
+            # an empty content mid-stream is still a token, unless it is the role preamble
+            empty_token = "content" in delta and "role" not in delta
+            new = new or bool(text or delta.get("reasoning_content"))
+            new = new or (empty_token and choice.get("finish_reason") is None)
         return new
 
 

@@ -154,6 +154,5 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: Slo | No
 
 
 def _error_kind(error: str | None) -> str:
-    """Group errors by their first clause so the table shows a few kinds, not every text."""
-    text = error or "unknown"
-    return text.split(":")[0] if text.startswith(("HTTP", "connection")) else text[:60]
+    """Errors grouped by their first 80 characters (status and the server's message)."""
+    return (error or "unknown")[:80]

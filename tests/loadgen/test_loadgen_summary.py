@@ -62,7 +62,7 @@ def test_summary_counts_rates_and_percentiles() -> None:
     assert s.ttft is not None and s.ttft.median == pytest.approx(0.55)
     assert s.ttft.p90 == pytest.approx(0.91)
     assert s.tpot is not None and s.tpot.mean == pytest.approx(0.1)  # (e2e - ttft) / 10
-    assert s.errors == {"HTTP 500": 1}
+    assert s.errors == {"HTTP 500: engine exploded": 1}
     assert s.goodput is None and s.prefix_hit_rate is None
 
 
