@@ -105,7 +105,8 @@ def _check_lru(v: PoolView) -> None:
 
 
 def _check_request(v: PoolView, request_id: str, req: RequestBlocks) -> None:
-    """A request's indexed blocks form its chain; the rest are private (ref 1, unindexed)."""
+    """A request's indexed blocks form its chain; the rest are unindexed (and unshared,
+    unless a flush unindexed a shared prefix)."""
     _require(0 <= req.num_indexed <= len(req.blocks), f"{request_id!r} num_indexed out of range")
     parent: int | None = None
     for b in req.blocks[: req.num_indexed]:
@@ -115,7 +116,9 @@ def _check_request(v: PoolView, request_id: str, req: RequestBlocks) -> None:
     _require(req.last_hash == parent, f"{request_id!r} last_hash is not its chain's end")
     for b in req.blocks[req.num_indexed :]:
         _require(b not in v.hash_of, f"{request_id!r} private block {b} is indexed")
-        _require(v.ref[b] == 1, f"{request_id!r} private block {b} is shared")
+        # A flush turns a shared cached prefix into blocks still shared but unindexed.
+        shared_ok = req.chain_broken
+        _require(shared_ok or v.ref[b] == 1, f"{request_id!r} private block {b} is shared")
     if req.state_slot is not None:
         key = v.slots.key_of(req.state_slot)
         chain = {v.hash_of[b] for b in req.blocks[: req.num_indexed]}

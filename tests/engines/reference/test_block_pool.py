@@ -366,3 +366,18 @@ def test_save_state_returns_nothing_to_write_when_saved_or_unindexed() -> None:
     assert pool.save_state("a", 8) == 0
     assert pool.save_state("a", 8) is None
     assert pool.save_state("a", 4) == 1
+
+
+def test_clear_with_a_shared_prefix_frees_it_after_the_last_holder() -> None:
+    """A prefix two running requests share survives a flush until both have finished."""
+    pool = make_pool()
+    prompt = toks(9)
+    run_prefill(pool, "a", prompt)
+    pool.allocate("b", 10, match(pool, [*prompt, 1]).without_state())
+    pool.clear()
+    pool.free("a")
+    assert pool.free_block_ids() == (4, 5, 6, 7, 2)  # blocks 0 and 1 are still b's
+    pool.check_integrity()
+    pool.free("b")
+    assert pool.free_block_ids() == (4, 5, 6, 7, 2, 3, 1, 0)
+    pool.check_integrity()
