@@ -54,7 +54,7 @@ def encode_arrays(
             raise ValueError(f"array {name!r} is a {type(array).__name__}, not a numpy array")
         if array.dtype.hasobject or array.dtype.fields is not None:
             raise ValueError(f"array {name!r} has unsupported dtype {array.dtype}")
-        contiguous = np.ascontiguousarray(array)
+        contiguous = array if array.flags.c_contiguous else np.ascontiguousarray(array)
         entries.append({"name": name, "dtype": contiguous.dtype.str, "shape": contiguous.shape})
         if contiguous.nbytes:
             data.append(contiguous.reshape(-1).view(np.uint8).data)

@@ -42,6 +42,7 @@ class ReceiverLink:
         self.transfers: dict[int, Transfer] = {}
         self._dead: OrderedDict[int, None] = OrderedDict()
         self.conns: dict[int, FrameProtocol] = {}
+        self._protocols: set[FrameProtocol] = set()  # every open connection, attached or not
         self._welcomes: dict[FrameProtocol, asyncio.Future[dict[str, Any]]] = {}
         self._slots: dict[int, asyncio.Task[None]] = {}
         self._wanted: int | None = None
@@ -128,11 +129,8 @@ class ReceiverLink:
 
     async def _connect(self, index: int) -> FrameProtocol:
         timeout = self._config.connect_timeout_s
-        max_frame = self._config.max_frame_bytes
         _, conn = await asyncio.wait_for(
-            self._loop.create_connection(
-                lambda: FrameProtocol(self, index, max_frame), self.host, self.port
-            ),
+            self._loop.create_connection(lambda: self._protocol(index), self.host, self.port),
             timeout,
         )
         welcome = self._welcomes[conn] = self._loop.create_future()
@@ -147,7 +145,15 @@ class ReceiverLink:
         self._attach(index, conn)
         return conn
 
+    def _protocol(self, index: int) -> FrameProtocol:
+        conn = FrameProtocol(self, index, self._config.max_frame_bytes)
+        self._protocols.add(conn)
+        return conn
+
     def _attach(self, index: int, conn: FrameProtocol) -> None:
+        if self.closed:  # close() ran while we connected (wait_for may swallow its cancel)
+            conn.fail(ConnectionError("receiver closed"))
+            return
         self.conns[index] = conn
         self._connected_once = True
         self._lost_since = None
@@ -161,6 +167,7 @@ class ReceiverLink:
 
     def connection_closed(self, conn: FrameProtocol, error: BaseException | None) -> None:
         """FrameSink: a connection ended."""
+        self._protocols.discard(conn)
         if error is not None:
             self.last_error = f"connection {conn.index}: {type(error).__name__}: {error}"
         welcome = self._welcomes.get(conn)
@@ -222,7 +229,7 @@ class ReceiverLink:
         self.closed = True
         for transfer in list(self.transfers.values()):
             transfer.fail("receiver closed")
-        for conn in list(self.conns.values()):
+        for conn in list(self._protocols):
             conn.fail(ConnectionError("receiver closed"))
         tasks = list(self._slots.values())
         for task in tasks:
