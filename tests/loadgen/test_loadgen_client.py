@@ -95,3 +95,21 @@ async def test_every_api_against_the_null_server(null_url: str, api: str) -> Non
         assert (rec.prompt_tokens, rec.completion_tokens) == (12, 6)
         assert len(rec.itl_s) == 5
     assert (first.cached_tokens, again.cached_tokens) == (0, 12)
+
+
+def test_token_events_in_chunks() -> None:
+    """Empty text mid-stream is a token (half a UTF-8 char); preambles and finish-only are not."""
+    from prfaas.loadgen.apis import StreamState
+
+    comp, chat, state = create_api("completions"), create_api("chat"), StreamState()
+    assert comp.consume({"choices": [{"text": "", "finish_reason": None}]}, state)
+    assert not comp.consume({"choices": [{"text": "", "finish_reason": "length"}]}, state)
+    assert not comp.consume({"choices": [], "usage": {"completion_tokens": 3}}, state)
+    assert state.completion_tokens == 3
+    preamble = {"choices": [{"delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+    assert not chat.consume(preamble, state)
+    assert chat.consume({"choices": [{"delta": {"content": ""}, "finish_reason": None}]}, state)
+    assert chat.consume({"choices": [{"delta": {"reasoning_content": "hm"}}]}, state)
+    gen, state = create_api("generate"), StreamState()
+    assert gen.consume({"text": "a", "meta_info": {"completion_tokens": 1}}, state)
+    assert not gen.consume({"text": "a", "meta_info": {"completion_tokens": 1}}, state)
