@@ -81,13 +81,19 @@ def _arrivals(args: argparse.Namespace, trace: bool) -> Arrivals:
 
     if args.rate is not None and args.concurrency is not None:
         raise ValueError("give --rate or --concurrency, not both")
+    if args.speedup != 1.0 and (args.rate is not None or args.concurrency is not None):
+        raise ValueError("--speedup replays trace timestamps; drop it with --rate/--concurrency")
     if args.rate is not None:
         return RateArrivals(args.rate, args.burstiness)
     if args.burstiness != 1.0:
         raise ValueError("--burstiness shapes --rate arrivals; give --rate too")
     if args.concurrency is not None:
         return ClosedLoop(args.concurrency)
-    return TraceArrivals(args.speedup) if trace else ClosedLoop(1)
+    if trace:
+        return TraceArrivals(args.speedup)
+    if args.speedup != 1.0:
+        raise ValueError("--speedup replays trace timestamps; use it with mooncake:PATH")
+    return ClosedLoop(1)
 
 
 def _workload(args: argparse.Namespace) -> Workload:

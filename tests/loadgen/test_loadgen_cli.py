@@ -72,6 +72,7 @@ def test_bench_against_null_process(
         (["--target", "http://127.0.0.1:9", "--slo", "ttft=soon"], "bad SLO"),
         (["--target", "http://127.0.0.1:9", "--rate", "-3"], "rate must be > 0 req/s, got -3"),
         (["--target", "http://127.0.0.1:9", "--burstiness", "0.5"], "give --rate too"),
+        (["--target", "http://127.0.0.1:9", "--speedup", "5"], "use it with mooncake:PATH"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_clear_message(
