@@ -42,7 +42,7 @@ def _free_port() -> int:
 
 
 async def test_open_loop_sends_exactly_n_on_schedule(null_url: str) -> None:
-    """N requests, unique ids, sent when the Poisson schedule says (median lag < 20 ms)."""
+    """N requests, unique ids, sent when the Poisson schedule says (median lag < 50 ms)."""
     plan = BenchPlan(_small(), RateArrivals(rate=100.0), num_requests=60, seed=1)
     result = await _run(null_url, plan)
     recs = result.records
@@ -51,7 +51,7 @@ async def test_open_loop_sends_exactly_n_on_schedule(null_url: str) -> None:
     scheduled = sorted(r.scheduled_s for r in recs)
     assert scheduled[0] == 0.0 and 0.2 < scheduled[-1] < 1.5  # ~59 gaps of 10 ms
     lags = [r.start_s - r.scheduled_s for r in recs]
-    assert min(lags) > -0.005 and statistics.median(lags) < 0.02
+    assert min(lags) > -0.005 and statistics.median(lags) < 0.05
     assert result.duration_s >= max(r.start_s for r in recs)
 
 
@@ -121,7 +121,7 @@ async def test_trace_arrivals_replay_timestamps(tmp_path: Path, null_url: str) -
     plan = BenchPlan(workload, TraceArrivals(speedup=2.0), num_requests=3)
     recs = sorted((await _run(null_url, plan)).records, key=lambda r: r.scheduled_s)
     assert [r.scheduled_s for r in recs] == [0.0, 0.1, 0.2]
-    assert all(abs(r.start_s - r.scheduled_s) < 0.03 for r in recs)
+    assert all(abs(r.start_s - r.scheduled_s) < 0.1 for r in recs)
 
 
 async def test_same_seed_same_requests(scripted: tuple[str, Script]) -> None:
