@@ -1,0 +1,169 @@
+"""ZMQ PUB side of the KV event stream, with SGLang's optional replay endpoint."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from types import TracebackType
+
+import zmq
+
+from prfaas.common.kv_events.codec import SEQ_BYTES, KVEvent, KVEventBatch, encode_frames
+
+logger = logging.getLogger(__name__)
+
+END_SEQ = (-1).to_bytes(SEQ_BYTES, "big", signed=True)  # SGLang's end-of-replay marker
+
+
+class _ReplayServer:
+    """SGLang's replay endpoint: a ROUTER socket serving recent batches from a buffer.
+
+    A request is `[identity, b"", start_seq]`; the reply is one `[identity, b"", seq,
+    payload]` per buffered batch with `seq >= start_seq`, then `[identity, b"", END_SEQ,
+    b""]`. Served from a daemon thread that owns the ROUTER socket.
+    """
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, steps: int) -> None:
+        if steps <= 0:
+            raise ValueError(f"buffer_steps must be positive, got {steps}")
+        self._sock = ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        try:
+            self._sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            self._sock.close()
+            raise ValueError(f"cannot bind KV event replay to {endpoint!r}: {exc}") from exc
+        self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=steps)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="kv-event-replay", daemon=True)
+        self._thread.start()
+
+    def record(self, seq: int, payload: bytes) -> None:
+        with self._lock:
+            self._buffer.append((seq, payload))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _serve(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if self._sock.poll(50):
+                    self._answer(self._sock.recv_multipart())
+        finally:
+            self._sock.close(linger=0)
+
+    def _answer(self, frames: list[bytes]) -> None:
+        if len(frames) != 3 or len(frames[2]) != SEQ_BYTES:
+            logger.warning("ignoring malformed KV event replay request (%d frames)", len(frames))
+            return
+        identity, start = frames[0], int.from_bytes(frames[2], "big")
+        with self._lock:
+            batches = [(seq, payload) for seq, payload in self._buffer if seq >= start]
+        for seq, payload in batches:
+            self._sock.send_multipart([identity, b"", seq.to_bytes(SEQ_BYTES, "big"), payload])
+        self._sock.send_multipart([identity, b"", END_SEQ, b""])
+
+
+class KVEventPublisher:
+    """Binds a ZMQ PUB socket and publishes event batches with sequence numbers 0, 1, ...
+
+    `publish` never blocks (ZMQ queues up to `hwm` messages per subscriber, then drops), so
+    it is safe to call from the event loop. Not thread-safe: use it from one thread.
+    `endpoint` may use a wildcard port (`tcp://127.0.0.1:*`); `.endpoint` gives the bound one.
+    With `replay_endpoint`, the last `buffer_steps` batches are also served on SGLang's
+    replay protocol, so a subscriber can fill a sequence gap (`KVEventSubscriber`).
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        topic: str = "",
+        hwm: int = 100_000,
+        clock: Callable[[], float] = time.time,
+        attn_dp_rank: int | None = 0,
+        replay_endpoint: str | None = None,
+        buffer_steps: int = 10_000,
+    ) -> None:
+        if hwm <= 0:
+            raise ValueError(f"hwm must be positive, got {hwm}")
+        self._ctx = zmq.Context()
+        self._replay: _ReplayServer | None = None
+        self._sock = self._ctx.socket(zmq.PUB)
+        self._sock.setsockopt(zmq.SNDHWM, hwm)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        try:
+            self._sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            self.close()
+            raise ValueError(f"cannot bind KV event publisher to {endpoint!r}: {exc}") from exc
+        self._endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if replay_endpoint is not None:
+            try:
+                self._replay = _ReplayServer(self._ctx, replay_endpoint, buffer_steps)
+            except ValueError:
+                self.close()
+                raise
+        self._topic = topic
+        self._clock = clock
+        self._rank = attn_dp_rank
+        self._seq = 0
+        self.num_dropped = 0
+
+    @property
+    def endpoint(self) -> str:
+        """The bound endpoint, wildcard port resolved."""
+        return self._endpoint
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        """The bound replay endpoint, if replay is on."""
+        return None if self._replay is None else self._replay.endpoint
+
+    @property
+    def next_seq(self) -> int:
+        """Sequence number the next published batch will carry."""
+        return self._seq
+
+    def publish(self, events: Sequence[KVEvent]) -> int | None:
+        """Send `events` as one batch stamped with the clock; returns its sequence number.
+
+        Nothing is sent for an empty `events` (returns None).
+        """
+        if not events:
+            return None
+        seq = self._seq
+        frames = encode_frames(
+            self._topic, seq, KVEventBatch(self._clock(), tuple(events), self._rank)
+        )
+        if self._replay is not None:
+            self._replay.record(seq, frames[2])
+        try:
+            self._sock.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self.num_dropped += 1  # the sequence gap tells subscribers
+        self._seq += 1
+        return seq
+
+    def close(self) -> None:
+        """Stop replay, close the sockets and the context (idempotent)."""
+        if self._replay is not None:
+            self._replay.close()
+            self._replay = None
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    def __enter__(self) -> KVEventPublisher:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
