@@ -51,6 +51,7 @@ class KVSender:
         self._meter = EgressMeter()
         self._bucket: TokenBucket | None = None
         self._handshakes: set[asyncio.Task[None]] = set()
+        self._resent_closed = 0  # resent bytes of peers already gone
 
     async def start(self) -> None:
         """Bind the bootstrap listener (config.host, config.port)."""
@@ -170,6 +171,7 @@ class KVSender:
             )
         if self._peers.get(peer.peer_id) is peer:
             del self._peers[peer.peer_id]
+            self._resent_closed += peer.resent_bytes
         self._spawn(peer.close())
 
     # -- connections -----------------------------------------------------------------------
@@ -237,6 +239,7 @@ class KVSender:
             utilisation=rate / capacity if capacity else None,
             retransmission_rate=retrans / segs if segs else 0.0,
             rtt_s=sum(rtts) / len(rtts) if rtts else None,
+            resent_bytes=self._resent_closed + sum(p.resent_bytes for p in self._peers.values()),
             peers=len(self._peers),
             active_transfers=len(self._rooms),
             connections=conns,

@@ -85,6 +85,7 @@ class SenderPeer:
         self._control: deque[Frame] = deque()
         self._unacked: dict[tuple[int, int, int], _InFlight] = {}
         self._sent = 0
+        self.resent_bytes = 0
         self._wake = asyncio.Event()
         self._lost_timer: asyncio.TimerHandle | None = None
         self.closed = False
@@ -223,6 +224,7 @@ class SenderPeer:
         for key, _ in lost:
             del self._unacked[key]
         self._queue.extendleft(_Queued(0.0, f.frame) for _, f in reversed(lost))
+        self.resent_bytes += sum(f.frame.length for _, f in lost)
         self._wake.set()
         if not self.connections and not self.closed and self._lost_timer is None:
             self._lost_timer = self._loop.call_later(self._config.peer_timeout_s, self._lost)

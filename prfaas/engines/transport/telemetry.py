@@ -43,6 +43,8 @@ class TransportTelemetry:
     """Retransmitted / sent TCP segments over all live connections (0 with none)."""
     rtt_s: float | None
     """Mean smoothed RTT of live connections, None with none."""
+    resent_bytes: int
+    """Payload bytes queued again because their connection died before the ACK."""
     peers: int
     active_transfers: int
     connections: tuple[ConnectionTelemetry, ...]
