@@ -15,7 +15,10 @@ from types import ModuleType
 # name -> module; add a line here to add a subcommand.
 SUBCOMMANDS: dict[str, str] = {
     "plan": "prfaas.cli.plan",
+    "serve": "prfaas.cli.serve",
     "bench": "prfaas.cli.bench",
+    "simulate": "prfaas.cli.simulate",
+    "engine": "prfaas.cli.engine",
 }
 
 

@@ -1,0 +1,121 @@
+"""Reference engines as child processes: start, wait for readiness, stop (children included).
+
+Each child runs `python -m prfaas.cli.main engine ...` and prints one line once it listens:
+`prfaas engine ready: http://HOST:PORT role=ROLE bootstrap_port=B`. Its stderr goes to a log
+file so a failed start can be diagnosed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+READY = re.compile(rb"prfaas engine ready: (http://\S+) role=(\w+) bootstrap_port=(\d+)")
+STOP_GRACE_S = 5.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free right now (for endpoints a child must bind itself, e.g. ZMQ PUB)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One engine to start."""
+
+    name: str
+    role: str
+    model: str = "qwen3-next-tiny"
+    page_size: int = 64
+    threads: int = 1
+    kv_events_port: int | None = None
+    extra_args: tuple[str, ...] = ()
+
+    def argv(self, host: str) -> list[str]:
+        args = [sys.executable, "-m", "prfaas.cli.main", "engine", "--role", self.role]
+        args += ["--model", self.model, "--host", host, "--port", "0", "--bootstrap-port", "0"]
+        args += ["--page-size", str(self.page_size), "--threads", str(self.threads)]
+        if self.kv_events_port is not None:
+            args += ["--kv-events", f"tcp://{host}:{self.kv_events_port}"]
+        return [*args, *self.extra_args]
+
+
+@dataclass
+class EngineProcess:
+    """A started engine child."""
+
+    spec: EngineSpec
+    process: asyncio.subprocess.Process
+    url: str
+    bootstrap_port: int
+    log: Path
+    drain: asyncio.Task[None]
+
+    @property
+    def kv_events(self) -> str | None:
+        port = self.spec.kv_events_port
+        return None if port is None else f"tcp://127.0.0.1:{port}"
+
+    async def stop(self) -> None:
+        """SIGTERM, then SIGKILL after a grace period; always reaps the child."""
+        await stop_process(self.process)
+        self.drain.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.drain
+
+
+async def stop_process(process: asyncio.subprocess.Process) -> None:
+    if process.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(process.wait(), STOP_GRACE_S)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            await process.wait()
+
+
+async def _drain(stream: asyncio.StreamReader) -> None:
+    while await stream.readline():
+        pass
+
+
+async def start_engine(
+    spec: EngineSpec, log_dir: Path, host: str = "127.0.0.1", timeout_s: float = 180.0
+) -> EngineProcess:
+    """Start one engine and wait for its ready line.
+
+    Raises:
+        RuntimeError: it exited or did not become ready in time (names its log file).
+    """
+    log = log_dir / f"{spec.name}.log"
+    with log.open("wb") as err:
+        process = await asyncio.create_subprocess_exec(
+            *spec.argv(host), stdout=asyncio.subprocess.PIPE, stderr=err
+        )
+    assert process.stdout is not None
+    try:
+        match = await asyncio.wait_for(_ready_line(process.stdout), timeout_s)
+    except (TimeoutError, EOFError):
+        await stop_process(process)
+        tail = log.read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"engine {spec.name} did not start (log {log}):\n{tail}") from None
+    drain = asyncio.get_running_loop().create_task(_drain(process.stdout))
+    url, port = match.group(1).decode(), int(match.group(3))
+    return EngineProcess(spec, process, url, port, log, drain)
+
+
+async def _ready_line(stdout: asyncio.StreamReader) -> re.Match[bytes]:
+    while line := await stdout.readline():
+        if match := READY.search(line):
+            return match
+    raise EOFError("engine exited before it was ready")
