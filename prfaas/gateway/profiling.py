@@ -25,7 +25,7 @@ from prfaas.gateway.link import LinkEmulator
 from prfaas.policies.planner import PlanReport, plan
 from prfaas.policies.profile import parse_profile
 
-PROFILE_LENGTHS = (256, 1024, 2048, 4096)
+PROFILE_LENGTHS = (256, 1024, 3072)
 DECODE_TOKENS = 16
 MIB = 2**20
 

@@ -1,0 +1,210 @@
+"""End to end: `prfaas serve` (embedded default: three reference engines as children, the
+paced link, start-up profiling and the planner's `t`) through the official `openai` client.
+
+Short prompts route pd, long uncached prompts route prfaas, a long prompt whose prefix the
+PD cluster caches routes pd (the incremental rule, fed by the engines' real KV events), and
+greedy outputs equal a direct aggregated (`--role both`) reference engine's. SIGTERM stops
+the gateway and every child within seconds."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+import pytest
+
+from prfaas.common.tokenizer import ByteTokenizer, ChatMessage
+
+MODEL = "qwen3-next-tiny"
+START_TIMEOUT_S = 240
+LISTENING = re.compile(r"PrfaaS gateway listening on (http://\S+)")
+SUMMARY_END = re.compile(r"(Ctrl-C) stops")
+ENGINE_READY = re.compile(r"prfaas engine ready: (http://\S+)")
+
+
+@dataclass
+class Running:
+    gateway: subprocess.Popen[str]
+    direct: subprocess.Popen[str]
+    gateway_url: str
+    direct_url: str
+    threshold: float
+    output: list[str]
+
+
+def _wait_line(proc: subprocess.Popen[str], pattern: re.Pattern[str], seen: list[str]) -> str:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"process exited before ready:\n{''.join(seen)}")
+        seen.append(line)
+        if match := pattern.search(line):
+            return match.group(1)
+    raise AssertionError(f"not ready in {START_TIMEOUT_S}s:\n{''.join(seen)}")
+
+
+def _spawn(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "prfaas.cli.main", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+@pytest.fixture(scope="module")
+def running() -> Iterator[Running]:
+    gateway = _spawn("serve", "--port", "0")
+    direct = _spawn("engine", "--role", "both", "--port", "0", "--threads", "1")
+    seen: list[str] = []
+    try:
+        _wait_line(gateway, SUMMARY_END, seen)
+        match = LISTENING.search("".join(seen))
+        assert match is not None, seen
+        url = match.group(1)
+        direct_url = _wait_line(direct, ENGINE_READY, [])
+        with urllib.request.urlopen(f"{url}/admin/state", timeout=10) as reply:
+            state = json.load(reply)
+        yield Running(gateway, direct, url, direct_url, float(state["threshold"]), seen)
+    finally:
+        for proc in (gateway, direct):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+
+
+def _words(n_tokens: int, seed: int) -> str:
+    rng = random.Random(seed)
+    text = ""
+    while len(text) < n_tokens:
+        text += "".join(rng.choice("abcdefghij") for _ in range(rng.randint(2, 7))) + " "
+    return text[:n_tokens]
+
+
+def _gateway(r: Running) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{r.gateway_url}/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def _direct_text(r: Running, ids: list[int], max_tokens: int) -> str:
+    client = openai.OpenAI(base_url=f"{r.direct_url}/v1", api_key="x", max_retries=0, timeout=120)
+    done = client.completions.create(model=MODEL, prompt=ids, max_tokens=max_tokens, temperature=0)
+    return done.choices[0].text
+
+
+def test_summary_shows_planner_threshold(running: Running) -> None:
+    """The start-up summary names the clusters, the link, the profile and the planner's t,
+    and t leaves both routes in use for prompts of a few hundred to a few thousand tokens."""
+    summary = "".join(running.output)
+    for needle in ("prfaas-p0 (prefill)", "pd-d0 (decode)", "link ", "profile ", "planner "):
+        assert needle in summary
+    assert 256 <= running.threshold <= 4096
+
+
+def test_short_prompt_routes_pd_and_matches_direct(running: Running) -> None:
+    prompt = _words(120, seed=1)
+    raw = _gateway(running).completions.with_raw_response.create(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=0
+    )
+    assert raw.headers["x-prfaas-route"] == "pd"
+    done = raw.parse()
+    assert done.usage is not None and done.usage.completion_tokens == 12
+    ids = ByteTokenizer().encode(prompt)
+    assert done.choices[0].text == _direct_text(running, ids, 12)
+
+
+def test_long_uncached_prompt_routes_prfaas_streaming_matches_direct(running: Running) -> None:
+    """A prompt t+300 tokens long, nothing cached: computed in the PrfaaS cluster, its KV
+    crosses the paced link to the PD decode engine, output equals the aggregated engine's."""
+    prompt = _words(int(running.threshold) + 300, seed=2)
+    with _gateway(running).completions.with_streaming_response.create(
+        model=MODEL, prompt=prompt, max_tokens=10, temperature=0, stream=True
+    ) as response:
+        assert response.headers["x-prfaas-route"] == "prfaas"
+        assert int(response.headers["x-prfaas-incremental-tokens"]) == len(prompt)
+        text = "".join(c.choices[0].text for c in response.parse())
+    assert text == _direct_text(running, ByteTokenizer().encode(prompt), 10)
+
+
+def test_long_prompt_with_prefix_cached_in_pd_routes_pd(running: Running) -> None:
+    """Incremental rule: prompt A (< t) runs in PD and its blocks reach the KV index through
+    the engine's KV events; A + extra (> t in total, but <= t uncached) then routes pd."""
+    t = int(running.threshold)
+    first = _words(t - 100, seed=3)
+    extra = _words(min(400, t // 2), seed=4)
+    client = _gateway(running)
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt=first, max_tokens=2)
+    assert raw.headers["x-prfaas-route"] == "pd"
+    time.sleep(0.5)  # KV events are asynchronous
+    raw = client.completions.with_raw_response.create(
+        model=MODEL, prompt=first + extra, max_tokens=2, temperature=0
+    )
+    assert len(first + extra) > t
+    assert raw.headers["x-prfaas-route"] == "pd"
+    incremental = int(raw.headers["x-prfaas-incremental-tokens"])
+    assert incremental <= t and incremental < len(first + extra)
+    usage = raw.parse().usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens >= len(first) // 64 * 64 - 64
+
+
+def test_chat_streaming_and_not_match_direct(running: Running) -> None:
+    """Chat (both modes) uses the byte-level chat template; output equals the direct engine's
+    on the same template ids."""
+    messages = [{"role": "user", "content": _words(200, seed=5)}]
+    client = _gateway(running)
+    whole = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=8,
+        temperature=0,  # type: ignore[arg-type]
+    )
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        stream=True,  # type: ignore[arg-type]
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    ids = ByteTokenizer().apply_chat_template([ChatMessage("user", messages[0]["content"])])
+    assert whole.choices[0].message.content == streamed == _direct_text(running, ids, 8)
+
+
+def test_sigterm_stops_gateway_and_engines(running: Running) -> None:
+    """SIGTERM: the gateway and its three engine children are gone within seconds."""
+    pid = running.gateway.pid
+    children = _children(pid)
+    assert len(children) == 3
+    start = time.monotonic()
+    os.kill(pid, signal.SIGTERM)
+    assert running.gateway.wait(20) == 0
+    assert time.monotonic() - start < 15
+    assert not [c for c in children if Path(f"/proc/{c}").exists()]
