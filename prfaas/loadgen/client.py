@@ -86,6 +86,10 @@ class StreamingClient:
         self._origin = origin
         self._clock = clock
 
+    def mark_origin(self) -> None:
+        """Measure `start_s` offsets from now (the run's schedule time 0). Mutates."""
+        self._origin = self._clock()
+
     async def send(self, spec: RequestSpec, conv: Conversation) -> tuple[RequestRecord, Answer]:
         """Send `conv` as one streaming request and measure it. Never raises on server faults."""
         body = orjson.dumps(

@@ -7,7 +7,7 @@ runs unchanged under a virtual-clock loop.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import numpy as np
@@ -37,10 +37,18 @@ def plan_rngs(seed: int) -> tuple[np.random.Generator, np.random.Generator]:
 class Driver:
     """Runs one plan once. Mutates its own records list; not reusable."""
 
-    def __init__(self, plan: BenchPlan, sender: Sender, progress: Progress) -> None:
+    def __init__(
+        self,
+        plan: BenchPlan,
+        sender: Sender,
+        progress: Progress,
+        on_start: Callable[[], None] | None = None,
+    ) -> None:
+        """`on_start` is called at the instant schedule time 0 is taken (to align clocks)."""
         self._plan = plan
         self._sender = sender
         self._progress = progress
+        self._on_start = on_start
         self._left = plan.num_requests  # requests not yet reserved; None = unlimited
         self._loop = asyncio.get_running_loop()
         self._start = self._loop.time()
@@ -51,6 +59,8 @@ class Driver:
         workload_rng, arrival_rng = plan_rngs(self._plan.seed)
         sessions = self._plan.workload.sessions(workload_rng)
         self._start = self._loop.time()
+        if self._on_start is not None:
+            self._on_start()
         if isinstance(self._plan.arrivals, ClosedLoop):
             await self._closed(sessions, self._plan.arrivals.concurrency)
         else:

@@ -52,7 +52,7 @@ class HttpRunner:
             listed = await self._discover_model(http)  # also proves the server is reachable
             model = self.options.model or listed
             started_at = datetime.now(UTC).isoformat(timespec="seconds")
-            origin = time.perf_counter()
+            origin = time.perf_counter()  # re-marked when the schedule starts
             client = StreamingClient(
                 http,
                 self.base_url,
@@ -63,7 +63,7 @@ class HttpRunner:
             )
             progress.start(plan.num_requests, plan.duration_s)
             try:
-                records = await Driver(plan, client, progress).run()
+                records = await Driver(plan, client, progress, client.mark_origin).run()
             finally:
                 progress.stop()
             ends = [r.end_s for r in records if r.end_s is not None]
