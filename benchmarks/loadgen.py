@@ -144,23 +144,27 @@ def ttft_overhead(runs: int, rates: tuple[float, ...], seconds: float) -> list[d
             for s in range(runs):  # interleaved: both see the same machine noise
                 ours.append(uvloop.run(loadgen_run(url, RateArrivals(rate), n, s)))
                 raw.append(uvloop.run(raw_run(url, rate, n, s)))
-            ttft, base = _median(ours, "ttft_median_ms"), _median(raw, "ttft_median_ms")
-            diffs = [
-                a["ttft_median_ms"] - b["ttft_median_ms"] for a, b in zip(ours, raw, strict=True)
-            ]
+            mine = [r["ttft_median_ms"] for r in ours]
+            base = [r["ttft_median_ms"] for r in raw]
+            diffs = [x - y for x, y in zip(mine, base, strict=True)]
             rows.append(
                 {
                     "rate": rate,
                     "requests": n,
                     "runs": runs,
                     "server_first_token_delay_ms": FIRST_TOKEN_DELAY_S * 1e3,
-                    "loadgen_ttft_median_ms": ttft,
-                    "raw_ttft_median_ms": base,
+                    "loadgen_ttft_median_ms_runs": mine,
+                    "raw_ttft_median_ms_runs": base,
+                    "overhead_ms_runs": diffs,
                     "overhead_ms_median": statistics.median(diffs),
-                    "ttft_ratio": ttft / base,
+                    "loadgen_send_lag_p99_ms_median": _median(ours, "lag_p99_ms"),
                 }
             )
     return rows
+
+
+def _runs(values: list[float], spec: str = ".2f") -> str:
+    return " ".join(f"{v:{spec}}" for v in values)
 
 
 def render(tp: list[dict[str, Any]], oh: list[dict[str, Any]]) -> None:
@@ -180,18 +184,28 @@ def render(tp: list[dict[str, Any]], oh: list[dict[str, Any]]) -> None:
     console.print(t)
     t = Table(
         title=f"TTFT: load generator vs raw aiohttp (server delay "
-        f"{FIRST_TOKEN_DELAY_S * 1e3:.0f} ms), medians"
+        f"{FIRST_TOKEN_DELAY_S * 1e3:.0f} ms): each run's median TTFT, runs paired"
     )
-    for col in ("rate req/s", "requests", "loadgen ms", "raw ms", "overhead ms", "ratio"):
+    cols = (
+        "rate req/s",
+        "requests",
+        "loadgen TTFT ms",
+        "raw TTFT ms",
+        "overhead ms",
+        "median overhead ms",
+        "p99 send lag ms",
+    )
+    for col in cols:
         t.add_column(col)
     for r in oh:
         t.add_row(
             f"{r['rate']:.0f}",
             str(r["requests"]),
-            f"{r['loadgen_ttft_median_ms']:.2f}",
-            f"{r['raw_ttft_median_ms']:.2f}",
+            _runs(r["loadgen_ttft_median_ms_runs"]),
+            _runs(r["raw_ttft_median_ms_runs"]),
+            _runs(r["overhead_ms_runs"], "+.2f"),
             f"{r['overhead_ms_median']:+.2f}",
-            f"{r['ttft_ratio']:.3f}",
+            f"{r['loadgen_send_lag_p99_ms_median']:.1f}",
         )
     console.print(t)
     console.print(

@@ -42,7 +42,7 @@ def _free_port() -> int:
 
 
 async def test_open_loop_sends_exactly_n_on_schedule(null_url: str) -> None:
-    """N requests, unique ids, sent when the Poisson schedule says (median lag < 50 ms)."""
+    """N requests, unique ids, sent when the Poisson schedule says (median lag < 15 ms)."""
     plan = BenchPlan(_small(), RateArrivals(rate=100.0), num_requests=60, seed=1)
     result = await _run(null_url, plan)
     recs = result.records
@@ -51,7 +51,7 @@ async def test_open_loop_sends_exactly_n_on_schedule(null_url: str) -> None:
     scheduled = sorted(r.scheduled_s for r in recs)
     assert scheduled[0] == 0.0 and 0.2 < scheduled[-1] < 1.5  # ~59 gaps of 10 ms
     lags = [r.start_s - r.scheduled_s for r in recs]
-    assert min(lags) > -0.005 and statistics.median(lags) < 0.05
+    assert min(lags) > -0.005 and statistics.median(lags) < 0.015
     assert result.duration_s >= max(r.start_s for r in recs)
 
 
