@@ -1,0 +1,92 @@
+"""Deployment TOML -> frozen dataclasses; every error names the file, the key and the value."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from prfaas.gateway.config import ConfigError, load_deployment
+
+GOOD = """
+[model]
+name = "tiny"
+block_size = 16
+
+[gateway]
+policy = "cache-aware"
+threshold = 2048
+api_keys = ["k1"]
+
+[[instances]]
+id = "prfaas-p0"
+cluster = "prfaas"
+role = "prefill"
+url = "http://10.0.0.5:30000"
+bootstrap_port = 8998
+kv_events = "tcp://10.0.0.5:5557"
+
+[[instances]]
+id = "pd-d0"
+cluster = "pd"
+role = "decode"
+url = "http://127.0.0.1:30001"
+"""
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "deploy.toml"
+    path.write_text(text)
+    return path
+
+
+def test_loads_a_valid_file(tmp_path: Path) -> None:
+    """Values land in the dataclasses; lists become tuples; bootstrap host defaults to the
+    URL's host."""
+    config = load_deployment(_write(tmp_path, GOOD))
+    assert config.model.name == "tiny" and config.model.block_size == 16
+    assert config.gateway.policy == "cache-aware" and config.gateway.threshold == 2048
+    assert config.gateway.api_keys == ("k1",)
+    prfaas, decode = config.instances
+    assert prfaas.bootstrap_address == "10.0.0.5" and prfaas.bootstrap_port == 8998
+    assert decode.role == "decode" and decode.kv_events is None
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "needles"),
+    [
+        ("block_size = 16", 'block_size = "16"', ["[model]", "block_size", "'16'"]),
+        ("block_size = 16", "block_size = 0", ["[model]", "block_size = 0"]),
+        ("threshold = 2048", "threshold = -5", ["[gateway]", "threshold = -5"]),
+        ('policy = "cache-aware"', 'polcy = "x"', ["[gateway]", "polcy"]),
+        ('role = "decode"', 'role = "decoder"', ["#1", "role", "'decoder'"]),
+        ('url = "http://127.0.0.1:30001"', 'url = "127.0.0.1:30001"', ["#1", "url"]),
+        ("bootstrap_port = 8998", "bootstrap_port = 70000", ["#0", "bootstrap_port = 70000"]),
+        ("bootstrap_port = 8998\n", "", ["#0", "bootstrap_port = None", "prefill"]),
+        ('kv_events = "tcp://10.0.0.5:5557"', 'kv_events = "10.0.0.5:5557"', ["#0", "kv_events"]),
+        ('id = "pd-d0"', 'id = "prfaas-p0"', ["instances.id", "prfaas-p0", "unique"]),
+        ('cluster = "pd"', 'cluster = "prfaas"', ["decode", "'pd'"]),
+    ],
+)
+def test_errors_name_file_key_and_value(
+    tmp_path: Path, old: str, new: str, needles: list[str]
+) -> None:
+    assert old in GOOD
+    path = _write(tmp_path, GOOD.replace(old, new, 1))
+    with pytest.raises(ConfigError) as err:
+        load_deployment(path)
+    message = str(err.value)
+    assert str(path) in message
+    for needle in needles:
+        assert needle in message, message
+
+
+def test_bad_toml_missing_file_and_no_instances(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"deploy\.toml"):
+        load_deployment(_write(tmp_path, "[model\nname = 1"))
+    with pytest.raises(ConfigError, match=r"nope\.toml"):
+        load_deployment(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match=r"\[\[instances\]\] must list"):
+        load_deployment(_write(tmp_path, "[model]\nname = 'x'\n"))
+    with pytest.raises(ConfigError, match="unknown table"):
+        load_deployment(_write(tmp_path, GOOD + "\n[extra]\na = 1\n"))
