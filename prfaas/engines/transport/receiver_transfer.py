@@ -191,20 +191,17 @@ class Transfer:
         if partial.count < len(partial.received):
             return
         del self._partials[header.msg]
+        self._complete_message(header.msg, partial)
+
+    def _complete_message(self, msg: int, partial: _Partial) -> None:
         if partial.size != len(partial.body):
-            self.fail(
-                f"message {header.msg}: parts cover {partial.size} of {len(partial.body)} bytes"
-            )
+            self.fail(f"message {msg}: parts cover {partial.size} of {len(partial.body)} bytes")
             return
         self.nbytes += partial.size
         try:
-            self._ready[header.msg] = (
-                partial.kind,
-                partial.layer,
-                _decode(partial.kind, partial.body),
-            )
+            self._ready[msg] = (partial.kind, partial.layer, _decode(partial.kind, partial.body))
         except (ValueError, KeyError, TypeError, IndexError) as exc:
-            self.fail(f"message {header.msg} ({partial.kind.name}) is malformed: {exc}")
+            self.fail(f"message {msg} ({partial.kind.name}) is malformed: {exc}")
             return
         while self._next in self._ready and not self.finished:
             self._deliver(self._next, *self._ready.pop(self._next))

@@ -27,6 +27,7 @@ from prfaas.engines.transport.wire import (
     parse_json,
     read_frame,
     reason_frame,
+    verify,
     write_frame,
 )
 
@@ -180,17 +181,7 @@ class KVSender:
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         try:
-            header, payload = await asyncio.wait_for(
-                read_frame(reader, CONTROL_MAX), HELLO_TIMEOUT_S
-            )
-            if header.kind is not Kind.HELLO:
-                raise ProtocolError(f"expected HELLO, got {header.kind.name}")
-            hello = parse_json(header, payload)
-            peer_id, index = str(hello["peer"]), int(hello["index"])
-            if not 0 <= index < self.config.connections:
-                raise ProtocolError(
-                    f"connection index {index} out of 0..{self.config.connections - 1}"
-                )
+            peer_id, index = await self._read_hello(reader)
         except (
             ProtocolError,
             KeyError,
@@ -213,6 +204,17 @@ class KVSender:
             peer = SenderPeer(peer_id, self.config, self, self._meter, self._bucket)
             self._peers[peer_id] = peer
         peer.attach(index, reader, writer)
+
+    async def _read_hello(self, reader: asyncio.StreamReader) -> tuple[str, int]:
+        """(peer id, slot index) from a new connection's HELLO; ProtocolError if invalid."""
+        header, payload = await asyncio.wait_for(read_frame(reader, CONTROL_MAX), HELLO_TIMEOUT_S)
+        if header.kind is not Kind.HELLO or not verify(header, payload):
+            raise ProtocolError(f"expected a valid HELLO, got {header.kind.name}")
+        hello = parse_json(header, payload)
+        peer_id, index = str(hello["peer"]), int(hello["index"])
+        if not 0 <= index < self.config.connections:
+            raise ProtocolError(f"connection index {index} out of 0..{self.config.connections - 1}")
+        return peer_id, index
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
