@@ -40,9 +40,7 @@ class SimCluster:
         loop = asyncio.get_running_loop()
         self.deployment, self.options = deployment, options
         self.rooms = SimRooms(loop)
-        self.egress = SimLink(
-            LinkConfig(deployment.egress_gbps, options.link_delay_s, "cross-cluster"), loop
-        )
+        self.egress = self._egress_links(loop, deployment, options)
         self.intra = SimLink(LinkConfig(options.intra_gbps, 0.0, "pd-rdma"), loop)
         self.index = KVIndexManager(block_size=options.block_size)
         self.instances = InstanceManager()
@@ -61,11 +59,27 @@ class SimCluster:
             room_source=lambda: rooms.getrandbits(63),
         )
 
+    @staticmethod
+    def _egress_links(
+        loop: asyncio.AbstractEventLoop, d: Deployment, options: SimOptions
+    ) -> list[SimLink]:
+        """One shared cross-cluster link, or one 1/N slice per PrfaaS instance."""
+        if not (options.partition_egress and d.n_prfaas > 1):
+            return [SimLink(LinkConfig(d.egress_gbps, options.link_delay_s, "cross-cluster"), loop)]
+        share = LinkConfig(d.egress_gbps / d.n_prfaas, options.link_delay_s, "cross-cluster/N")
+        return [SimLink(share, loop) for _ in range(d.n_prfaas)]
+
+    @property
+    def egress_bytes(self) -> float:
+        """Bytes sent over the cross-cluster link so far."""
+        return sum(link.bytes_sent for link in self.egress)
+
     def _add_prefills(self, profile: DeploymentProfile, d: Deployment) -> None:
         if d.n_prfaas:
             assert d.prfaas_hw is not None  # validated by Deployment
             for i in range(d.n_prfaas):
-                self._add_prefill(f"prfaas-p{i}", "prfaas", d.prfaas_hw, self.egress, profile)
+                link = self.egress[i % len(self.egress)]
+                self._add_prefill(f"prfaas-p{i}", "prfaas", d.prfaas_hw, link, profile)
         for i in range(d.n_p):
             self._add_prefill(f"pd-p{i}", "pd", d.pd_hw, self.intra, profile)
 

@@ -34,6 +34,9 @@ class SimOptions:
     """PD-cluster RDMA bandwidth (PD-P -> PD-D transfers)."""
     egress_gbps: float | None = None
     """Override the profile's cross-cluster link capacity."""
+    partition_egress: bool = False
+    """Give each PrfaaS instance a fixed 1/N slice of the link (static per-instance pacing)
+    instead of fair sharing; the paper's non-pipelined model (T + S*N/B) assumes this."""
     threshold: float | None = None
     """Override the planner's threshold t (tokens of incremental length)."""
     regime: Regime = "bandwidth_scarce"

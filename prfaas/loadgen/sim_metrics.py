@@ -43,6 +43,9 @@ class SimMetrics:
     theta_pd_p: float | None
     theta_pd_d: float | None
     p_offload: float
+    lambda_capacity: float | None
+    """min over stages of theta / (share of requests visiting the stage): the arrival rate
+    at which the busiest simulated stage saturates (queueing-free stability limit)."""
     threshold_tokens: float | None
     prefix_hit_rate: float | None
     mean_incremental_tokens: float | None
@@ -71,6 +74,12 @@ def measure(
     e2e = [r.e2e_s for r in steady if r.e2e_s is not None]
     prompt = sum(r.prompt_tokens or 0 for r in ok)
     incremental = [r.incremental_tokens for r in ok if r.incremental_tokens is not None]
+    p = sum(r.route == "prfaas" for r in ok) / len(ok) if ok else 0.0
+    thetas = (
+        _capacity([e.counters for e in cluster.prefills_in("prfaas")]),
+        _capacity([e.counters for e in cluster.prefills_in("pd")]),
+        _decode_capacity(cluster),
+    )
     return SimMetrics(
         offered_rate=offered,
         served_rate=served,
@@ -81,16 +90,22 @@ def measure(
         ttft_p90_s=float(np.percentile(ttft, 90)) if ttft else None,
         tpot_mean_s=_mean(tpot),
         e2e_mean_s=_mean(e2e),
-        egress_gbps=cluster.egress.bytes_sent * 8 / 1e9 / end_s if end_s > 0 else 0.0,
+        egress_gbps=cluster.egress_bytes * 8 / 1e9 / end_s if end_s > 0 else 0.0,
         link_gbps=deployment.egress_gbps,
-        theta_prfaas=_capacity([e.counters for e in cluster.prefills_in("prfaas")]),
-        theta_pd_p=_capacity([e.counters for e in cluster.prefills_in("pd")]),
-        theta_pd_d=_decode_capacity(cluster),
-        p_offload=sum(r.route == "prfaas" for r in ok) / len(ok) if ok else 0.0,
+        theta_prfaas=thetas[0],
+        theta_pd_p=thetas[1],
+        theta_pd_d=thetas[2],
+        p_offload=p,
+        lambda_capacity=_saturation(thetas, (p, 1.0 - p, 1.0)),
         threshold_tokens=deployment.threshold if deployment.policy == "prfaas" else None,
         prefix_hit_rate=sum(r.cached_tokens or 0 for r in ok) / prompt if prompt else None,
         mean_incremental_tokens=_mean([float(x) for x in incremental]),
     )
+
+
+def _saturation(thetas: Sequence[float | None], shares: Sequence[float]) -> float | None:
+    bounds = [t / s for t, s in zip(thetas, shares, strict=True) if t is not None and s > 0]
+    return min(bounds) if bounds else None
 
 
 def _mean(values: Sequence[float]) -> float | None:

@@ -5,13 +5,41 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
+
 from prfaas.engines.client import EngineError, GenerateChunk, SamplingParams
 from prfaas.engines.sim import SIM_TOKEN
 from prfaas.gateway.router import Router
 from prfaas.loadgen.client import Answer, RequestSpec
 from prfaas.loadgen.conversation import Conversation
 from prfaas.loadgen.records import RequestRecord
+from prfaas.loadgen.tokens import TokenArray
 from prfaas.policies.routing import NoInstanceAvailable, RouteDecision
+
+
+class TokenInterner:
+    """Prompts as tuples of shared int objects, one per token id.
+
+    A 27K-token prompt made by `ndarray.tolist()` is 27K fresh int objects scattered over
+    the heap; every later pass over it (the Router's block hashes, the simulated cache, the
+    KV index re-hashing its events) then misses the CPU cache on each token and costs ~8x
+    more. Mapping ids to one shared object per id keeps those passes cache-friendly. Equal
+    ids give equal ints, so hashes and every result are unchanged.
+    """
+
+    def __init__(self) -> None:
+        self._table = np.empty(0, dtype=object)
+
+    def tokens(self, ids: TokenArray) -> tuple[int, ...]:
+        """`ids` as a tuple of shared ints (ids must be >= 0)."""
+        if ids.size == 0:
+            return ()
+        top = int(ids.max())
+        if top >= self._table.size:
+            grown = np.empty(max(top + 1, 2 * self._table.size), dtype=object)
+            grown[:] = range(grown.size)
+            self._table = grown
+        return tuple(self._table[ids].tolist())
 
 
 class SimSender:
@@ -25,11 +53,12 @@ class SimSender:
         self._router = router
         self._origin = origin
         self._loop = asyncio.get_running_loop()
+        self._interner = TokenInterner()
 
     async def send(self, spec: RequestSpec, conv: Conversation) -> tuple[RequestRecord, Answer]:
         """Route and run one request; failures become records, never exceptions."""
         ids = conv.token_ids()
-        tokens: tuple[int, ...] = () if ids is None else tuple(ids.tolist())
+        tokens = () if ids is None else self._interner.tokens(ids)
         sent = self._loop.time()
         first: float | None = None
         decision: RouteDecision | None = None

@@ -17,7 +17,7 @@ from prfaas.loadgen.sim_config import DeploymentName, SimOptions, deployments
 from prfaas.loadgen.sim_findmax import FindMaxOptions, FindMaxResult, find_max
 from prfaas.loadgen.sim_runner import SimPlan, SimResult, simulate
 from prfaas.loadgen.workload import Workload
-from prfaas.policies.planner import DeploymentResult, plan
+from prfaas.policies.planner import DeploymentResult, PlanReport, plan
 from prfaas.policies.profile import DeploymentProfile
 
 LOAD_SHARE = 0.9
@@ -104,7 +104,7 @@ def run_table6(
 ) -> Table6:
     """Simulate the profile's three deployments (those it defines)."""
     report, exact = plan(profile), plan(profile, exact=True)
-    models = _by_name(report), _by_name(exact)
+    models = models_by_name(report), models_by_name(exact)
     found: dict[DeploymentName, FindMaxResult] = {}
     deps = deployments(profile, report, options)
 
@@ -133,8 +133,9 @@ def run_table6(
     return Table6(tuple(rows), common)
 
 
-def _by_name(report: Any) -> dict[DeploymentName, DeploymentResult]:
-    out: dict[DeploymentName, DeploymentResult] = {"prfaas_pd": report.prfaas_pd}
+def models_by_name(report: PlanReport) -> dict[str, DeploymentResult]:
+    """The planner's deployments keyed like `sim_config.deployments`."""
+    out: dict[str, DeploymentResult] = {"prfaas_pd": report.prfaas_pd}
     if report.homogeneous is not None:
         out["homogeneous"] = report.homogeneous
     if report.naive_heterogeneous is not None:

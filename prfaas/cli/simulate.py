@@ -1,0 +1,235 @@
+"""`prfaas simulate`: the real Router and policies on a virtual clock against simulated
+engines driven by a deployment profile. Every number it prints is SIMULATED."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from prfaas.loadgen.sim_config import Deployment, SimOptions
+    from prfaas.loadgen.workload import Workload
+    from prfaas.policies.profile import DeploymentProfile
+
+HELP = "Simulate a deployment profile on a virtual clock (real Router, simulated engines)."
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "examples" / "paper_case_study.toml"
+POLICY_DEPLOYMENT = {
+    "prfaas": "prfaas_pd",
+    "homogeneous": "homogeneous",
+    "naive": "naive_heterogeneous",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a(
+        "--config",
+        type=Path,
+        default=DEFAULT_CONFIG,
+        help="deployment profile TOML (default: the paper's case study)",
+    )
+    a(
+        "--policy",
+        default="prfaas",
+        help="prfaas | homogeneous | naive run their own deployment; any other policy "
+        "(cache-aware, plug-ins) runs on the PrfaaS-PD instances",
+    )
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--rate",
+        type=float,
+        help="Poisson arrivals, req/s (default: 90%% of the model's Lambda_max)",
+    )
+    mode.add_argument(
+        "--find-max", action="store_true", help="bisect the highest sustained rate (lambda_max)"
+    )
+    mode.add_argument(
+        "--table6", action="store_true", help="the paper's Table 6: paper vs model vs simulation"
+    )
+    a(
+        "--duration",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="simulated seconds of arrivals (default 600)",
+    )
+    a(
+        "--workload",
+        default="lognormal",
+        help="lognormal (the profile's lengths) | mooncake:PATH | shared-prefix | multi-turn",
+    )
+    a(
+        "--speedup",
+        type=float,
+        default=1.0,
+        help="mooncake without --rate: trace timestamps sped up by this",
+    )
+    a("--seed", type=int, default=0)
+    a(
+        "--json",
+        nargs="?",
+        const="-",
+        metavar="OUT",
+        help="print the JSON document (or write it to OUT)",
+    )
+    a("--plot", type=Path, metavar="DIR", help="write the load generator's PNG plots into DIR")
+    s = parser.add_argument_group("simulator")
+    s.add_argument("--threshold", type=float, help="override the planner's threshold t (tokens)")
+    s.add_argument(
+        "--regime", default="bandwidth_scarce", choices=("bandwidth_scarce", "bandwidth_abundant")
+    )
+    s.add_argument("--egress-gbps", type=float, help="override the profile's cross-cluster link")
+    s.add_argument(
+        "--link-delay", type=float, default=0.005, metavar="S", help="one-way delay (default 5 ms)"
+    )
+    s.add_argument(
+        "--partition-egress",
+        action="store_true",
+        help="give each PrfaaS instance a fixed 1/N of the link instead of fair sharing",
+    )
+    s.add_argument("--intra-gbps", type=float, default=800.0, help="PD-cluster RDMA (default 800)")
+    s.add_argument(
+        "--no-pipeline", action="store_true", help="ship KV after the prefill, not layer-wise"
+    )
+    s.add_argument(
+        "--block-size",
+        type=int,
+        default=512,
+        help="KV page size in tokens (default 512 = Mooncake hash block)",
+    )
+    s.add_argument(
+        "--cache-blocks",
+        type=int,
+        default=32768,
+        help="prefix-cache blocks per prefill instance (0: unbounded)",
+    )
+
+
+def _options(args: argparse.Namespace) -> SimOptions:
+    from prfaas.loadgen.sim_config import SimOptions
+
+    return SimOptions(
+        block_size=args.block_size,
+        cache_blocks=args.cache_blocks or None,
+        pipelined=not args.no_pipeline,
+        link_delay_s=args.link_delay,
+        intra_gbps=args.intra_gbps,
+        egress_gbps=args.egress_gbps,
+        partition_egress=args.partition_egress,
+        threshold=args.threshold,
+        regime=args.regime,
+    )
+
+
+def _workload(args: argparse.Namespace, profile: DeploymentProfile) -> Workload:
+    from prfaas.loadgen.workloads import WorkloadOptions, create_workload
+    from prfaas.loadgen.workloads.lengths import LogNormalLengths
+
+    d = profile.workload.lengths
+    inputs = LogNormalLengths(d.mu, d.sigma, round(d.lo), round(d.hi))
+    options = WorkloadOptions(
+        inputs=inputs,
+        output_tokens=profile.workload.output_tokens if args.workload == "lognormal" else None,
+        block_size=args.block_size,
+        seed=args.seed,
+    )
+    return create_workload(args.workload, options)
+
+
+def _deployment(
+    args: argparse.Namespace, profile: DeploymentProfile, options: SimOptions
+) -> tuple[Deployment, float]:
+    """The deployment to simulate and the model's Lambda_max for it (exact costing)."""
+    from prfaas.loadgen.sim_config import deployments, with_policy
+    from prfaas.loadgen.sim_table6 import models_by_name
+    from prfaas.policies.planner import plan
+    from prfaas.policies.registry import create_policy
+
+    create_policy(args.policy)  # unknown names fail here, listing the known ones
+    name = POLICY_DEPLOYMENT.get(args.policy, "prfaas_pd")
+    report = plan(profile)
+    deps: dict[str, Deployment] = {
+        str(k): v for k, v in deployments(profile, report, options).items()
+    }
+    if name not in deps:
+        raise ValueError(
+            f"{args.config}: the profile defines no {name} baseline for --policy {args.policy}"
+        )
+    model = models_by_name(plan(profile, exact=True))[name].lambda_max
+    return with_policy(deps[name], args.policy), model
+
+
+def run(args: argparse.Namespace) -> int:
+    from prfaas.policies.profile import ProfileError, load_profile
+
+    try:
+        profile = load_profile(args.config)
+        options = _options(args)
+        workload = _workload(args, profile)
+        if args.table6:
+            return _table6(args, profile, workload, options)
+        return _single(args, profile, workload, options)
+    except (ProfileError, ValueError, RuntimeError) as exc:  # TraceError is a ValueError
+        print(f"prfaas simulate: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _single(
+    args: argparse.Namespace, profile: DeploymentProfile, workload: Workload, options: SimOptions
+) -> int:
+    from prfaas.loadgen.arrivals import RateArrivals, TraceArrivals
+    from prfaas.loadgen.sim_findmax import FindMaxOptions, find_max
+    from prfaas.loadgen.sim_report import print_table, run_json, run_table
+    from prfaas.loadgen.sim_runner import SimPlan, simulate
+
+    deployment, model_max = _deployment(args, profile, options)
+    trace = workload.has_timestamps and args.rate is None and not args.find_max
+    arrivals = TraceArrivals(args.speedup) if trace else RateArrivals(args.rate or 0.9 * model_max)
+    plan = SimPlan(deployment, workload, arrivals, args.duration, seed=args.seed)
+    found = None
+    if args.find_max:
+        found = find_max(
+            plan,
+            lambda p: simulate(profile, p, options),
+            FindMaxOptions(0.8 * model_max, 1.15 * model_max),
+        )
+        result = found.best
+    else:
+        result = simulate(profile, plan, options)
+    _emit(args, run_json(result, found), lambda: print_table(run_table(result, found)))
+    if args.plot is not None:
+        from prfaas.loadgen.plots import write_plots
+
+        for path in write_plots(result.records, args.plot, f"SIMULATED {deployment.name}"):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0 if result.metrics.completed else 1
+
+
+def _table6(
+    args: argparse.Namespace, profile: DeploymentProfile, workload: Workload, options: SimOptions
+) -> int:
+    from prfaas.loadgen.sim_report import print_table, table6_table
+    from prfaas.loadgen.sim_table6 import Table6Options, run_table6
+
+    t6 = run_table6(profile, workload, options, Table6Options(args.duration, args.seed))
+    _emit(args, t6.to_json(), lambda: print_table(table6_table(t6)))
+    return 0
+
+
+def _emit(args: argparse.Namespace, doc: dict[str, Any], show: Callable[[], None]) -> None:
+    import orjson
+
+    if args.json != "-":
+        show()
+    if args.json is None:
+        return
+    data = orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY)
+    if args.json == "-":
+        sys.stdout.write(data.decode() + "\n")
+    else:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_bytes(data)
+        print(f"wrote {args.json}", file=sys.stderr)
