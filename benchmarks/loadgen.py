@@ -168,7 +168,7 @@ def _runs(values: list[float], spec: str = ".2f") -> str:
 
 
 def render(tp: list[dict[str, Any]], oh: list[dict[str, Any]]) -> None:
-    console = Console(width=110)
+    console = Console(width=140)
     t = Table(title="load generator throughput vs null server (tiny requests, target >= 500)")
     for col in ("mode", "requests", "median req/s", "runs req/s", "p99 send lag ms", "failed"):
         t.add_column(col)

@@ -44,10 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     stop.add_argument("--num-requests", type=int, help="requests (turns) to send")
     stop.add_argument("--duration", type=float, metavar="S", help="seconds to keep sending")
     w = parser.add_argument_group("workload shape")
-    w.add_argument("--input-mu", type=float, default=9.90)
-    w.add_argument("--input-sigma", type=float, default=1.00)
-    w.add_argument("--input-min", type=int, default=128)
-    w.add_argument("--input-max", type=int, default=131072)
+    w.add_argument("--input-mu", type=float, default=9.90, help="lognormal: mean of ln L")
+    w.add_argument("--input-sigma", type=float, default=1.00, help="lognormal: sd of ln L")
+    w.add_argument("--input-min", type=int, default=128, help="lognormal: shortest input")
+    w.add_argument("--input-max", type=int, default=131072, help="lognormal: longest input")
     w.add_argument(
         "--output-len",
         type=int,
@@ -66,7 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--first-len", type=int, default=1024, help="multi-turn: first prompt")
     w.add_argument("--turn-len", type=int, default=256, help="multi-turn: each new turn")
     w.add_argument("--think-time", type=float, default=1.0, help="multi-turn: mean seconds")
-    w.add_argument("--vocab-size", type=int, default=10_000, help="token ids stay below this")
+    w.add_argument(
+        "--vocab-size",
+        type=int,
+        default=10_000,
+        help="token ids stay in [100, this); at most the model's vocabulary (260 for the "
+        "reference engine's byte-level tiny model)",
+    )
     o = parser.add_argument_group("run and output")
     o.add_argument("--seed", type=int, default=0, help="seeds prompts and arrivals")
     o.add_argument("--timeout", type=float, default=600.0, help="per-request seconds")

@@ -150,3 +150,12 @@ def test_plan_validation_names_values() -> None:
         BenchPlan(_small(), ClosedLoop(1), num_requests=-2)
     with pytest.raises(ValueError, match="unknown API 'grpc'"):
         HttpOptions(api="grpc")
+
+
+async def test_closed_loop_duration_stops_new_sessions(null_url: str) -> None:
+    """With a duration and no count, a closed loop sends until the deadline, then drains."""
+    plan = BenchPlan(_small(), ClosedLoop(2), duration_s=0.3, seed=0)
+    result = await _run(null_url, plan)
+    assert len(result.records) > 10 and all(r.ok for r in result.records)
+    assert all(r.scheduled_s <= 0.3 for r in result.records)
+    assert result.duration_s < 1.0
