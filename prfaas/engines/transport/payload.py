@@ -1,10 +1,12 @@
 """Message bodies: numpy arrays, aux bytes, END and ABORT, to and from wire pieces.
 
-A message body is `u32 descriptor length | descriptor (JSON) | data`. For layer kinds the
+A message body is `u32 descriptor length | descriptor (JSON) | zero padding | data`. Data
+starts at the first multiple of 64 bytes after the descriptor. For layer kinds the
 descriptor lists each array's name, dtype (numpy `dtype.str`, e.g. "<f2", "<u2" for bf16
 bits) and shape, plus the optional block range; data is the arrays' C-order bytes in the
-listed order. Encoding takes views (no copy of contiguous arrays); decoding makes writable
-arrays over one buffer.
+listed order, each array starting at a multiple of 64 bytes from the start of the body
+(zero padding between them), so received arrays are aligned. Encoding takes views (no copy
+of contiguous arrays); decoding makes writable arrays over one buffer.
 """
 
 from __future__ import annotations
@@ -38,9 +40,28 @@ class LayerArrays(Mapping[str, np.ndarray]):
         return f"LayerArrays({shapes}, blocks={self.blocks})"
 
 
+ALIGN = 64
+
+
+def align(offset: int) -> int:
+    """`offset` rounded up to a multiple of ALIGN."""
+    return -(-offset // ALIGN) * ALIGN
+
+
 def _with_descriptor(desc: dict[str, Any], data: list[memoryview]) -> list[bytes | memoryview]:
+    """Descriptor, then each data view at the next ALIGN boundary (zero padding between)."""
     head = orjson.dumps(desc)
-    return [len(head).to_bytes(4, "little") + head, *data]
+    first = len(head).to_bytes(4, "little") + head
+    first += bytes(align(len(first)) - len(first))
+    pieces: list[bytes | memoryview] = [first]
+    position = len(first)
+    for view in data:
+        if position != align(position):
+            pieces.append(bytes(align(position) - position))
+            position = align(position)
+        pieces.append(view)
+        position += view.nbytes
+    return pieces
 
 
 def encode_arrays(
@@ -56,8 +77,7 @@ def encode_arrays(
             raise ValueError(f"array {name!r} has unsupported dtype {array.dtype}")
         contiguous = array if array.flags.c_contiguous else np.ascontiguousarray(array)
         entries.append({"name": name, "dtype": contiguous.dtype.str, "shape": contiguous.shape})
-        if contiguous.nbytes:
-            data.append(contiguous.reshape(-1).view(np.uint8).data)
+        data.append(contiguous.reshape(-1).view(np.uint8).data)
     if blocks is not None and not (0 <= blocks[0] <= blocks[1]):
         raise ValueError(
             f"blocks must be a [start, end) range with 0 <= start <= end, got {blocks}"
@@ -71,34 +91,38 @@ def encode_named(desc: dict[str, Any], payload: bytes = b"") -> list[bytes | mem
     return _with_descriptor(desc, [memoryview(payload)] if payload else [])
 
 
-def split_body(body: bytes | bytearray | memoryview) -> tuple[dict[str, Any], memoryview]:
-    """(descriptor, data) of a reassembled message body; ValueError if malformed."""
-    if len(body) < 4:
-        raise ValueError(f"message body of {len(body)} bytes is shorter than its length prefix")
-    size = int.from_bytes(bytes(body[:4]), "little")
-    if size > len(body) - 4:
-        raise ValueError(f"descriptor length {size} exceeds the body ({len(body)} bytes)")
-    desc = orjson.loads(bytes(body[4 : 4 + size]))
+def split_body(body: bytes | bytearray | memoryview) -> tuple[dict[str, Any], memoryview, int]:
+    """(descriptor, the body as a byte view, offset of its data); ValueError if malformed."""
+    view = memoryview(body).cast("B")
+    if len(view) < 4:
+        raise ValueError(f"message body of {len(view)} bytes is shorter than its length prefix")
+    size = int.from_bytes(bytes(view[:4]), "little")
+    if align(4 + size) > len(view):
+        raise ValueError(f"descriptor length {size} exceeds the body ({len(view)} bytes)")
+    desc = orjson.loads(bytes(view[4 : 4 + size]))
     if not isinstance(desc, dict):
         raise ValueError("message descriptor is not a JSON object")
-    return desc, memoryview(body)[4 + size :]
+    return desc, view, align(4 + size)
 
 
-def decode_arrays(desc: dict[str, Any], data: memoryview) -> LayerArrays:
-    """Arrays described by `desc` over `data` (writable if `data` is); ValueError on mismatch."""
+def decode_arrays(desc: dict[str, Any], body: memoryview, offset: int) -> LayerArrays:
+    """Arrays described by `desc` in `body` from `offset` on (writable if `body` is).
+
+    Raises:
+        ValueError: the arrays do not exactly fill the body, or the descriptor is malformed.
+    """
     arrays: dict[str, np.ndarray] = {}
-    offset = 0
     for entry in desc["arrays"]:
         dtype = np.dtype(entry["dtype"])
         shape = tuple(int(n) for n in entry["shape"])
         count = int(np.prod(shape, dtype=np.int64))
-        nbytes = count * dtype.itemsize
-        if offset + nbytes > len(data):
+        offset = align(offset)
+        if offset + count * dtype.itemsize > len(body):
             raise ValueError(f"array {entry['name']!r} overruns the message data")
-        flat = np.frombuffer(data, dtype=dtype, count=count, offset=offset)
+        flat = np.frombuffer(body, dtype=dtype, count=count, offset=offset)
         arrays[str(entry["name"])] = flat.reshape(shape)
-        offset += nbytes
-    if offset != len(data):
-        raise ValueError(f"message has {len(data) - offset} trailing bytes")
+        offset += count * dtype.itemsize
+    if offset != len(body):
+        raise ValueError(f"message has {len(body) - offset} trailing bytes")
     blocks = desc.get("blocks")
     return LayerArrays(arrays, (int(blocks[0]), int(blocks[1])) if blocks else None)

@@ -61,8 +61,11 @@ class _Partial:
     def __init__(self, header: Header) -> None:
         self.kind = header.kind
         self.layer = header.layer
-        # uninitialised: the kernel writes every byte before anything reads it
-        self.body = np.empty(header.total, dtype=np.uint8).data
+        # uninitialised (the kernel writes every byte before anything reads it) and
+        # 64-byte aligned, so the arrays the payload places at 64-byte offsets are too
+        raw = np.empty(header.total + 63, dtype=np.uint8)
+        start = -raw.ctypes.data % 64
+        self.body = raw[start : start + header.total].data
         self.received = bytearray(header.parts)
         self.count = 0
         self.size = 0
@@ -248,11 +251,11 @@ class Transfer:
 
 
 def _decode(kind: Kind, body: memoryview) -> object:
-    desc, data = split_body(body)
+    desc, view, offset = split_body(body)
     if kind in LAYER_KINDS:
-        return decode_arrays(desc, data)
+        return decode_arrays(desc, view, offset)
     if kind is Kind.AUX:
-        return (str(desc["name"]), bytes(data))
+        return (str(desc["name"]), bytes(view[offset:]))
     if kind is Kind.END:
         return int(desc["messages"])
     raise ValueError(f"{kind.name} is not a transfer message kind")

@@ -87,11 +87,13 @@ def test_arrays_round_trip_bit_exact_for_every_dtype() -> None:
     """Encode/decode keeps names, order, dtypes, shapes, bytes and the block range."""
     arrays = random_arrays(np.random.default_rng(0), scale=3)
     body = np.frombuffer(_join(encode_arrays(arrays, (2, 9))), dtype=np.uint8).copy()
-    desc, data = split_body(body.data)
-    decoded = decode_arrays(desc, data)
+    decoded = decode_arrays(*split_body(body.data))
     assert_same(arrays, decoded)
     assert decoded.blocks == (2, 9)
     assert all(a.flags.writeable for a in decoded.values())
+    # every array starts at a multiple of 64 bytes from the body start (aligned arrays)
+    starts = [a.__array_interface__["data"][0] - body.ctypes.data for a in decoded.values()]
+    assert all(start % 64 == 0 for start in starts)
     assert len(decoded) == len(SPECS)
 
 
@@ -99,8 +101,7 @@ def test_non_contiguous_and_big_endian_arrays() -> None:
     """Strided views are sent as their logical contents; byte order is kept."""
     base = np.arange(60, dtype=np.float32).reshape(6, 10)
     arrays = {"t": base.T, "s": base[::2, 1::3], "be": np.arange(5, dtype=">i4")}
-    desc, data = split_body(_join(encode_arrays(arrays, None)))
-    decoded = decode_arrays(desc, data)
+    decoded = decode_arrays(*split_body(_join(encode_arrays(arrays, None))))
     assert_same({k: np.ascontiguousarray(v) for k, v in arrays.items()}, decoded)
     assert decoded["be"].dtype.str == ">i4" and decoded.blocks is None
 
@@ -116,11 +117,11 @@ def test_unsendable_arrays_are_rejected() -> None:
 
 def test_malformed_bodies_are_value_errors() -> None:
     """A body whose descriptor disagrees with its data never decodes."""
-    desc, data = split_body(_join(encode_arrays({"x": np.zeros(4, np.int32)}, None)))
+    desc, body, offset = split_body(_join(encode_arrays({"x": np.zeros(4, np.int32)}, None)))
     with pytest.raises(ValueError, match="overruns"):
-        decode_arrays(desc, data[:-1])
+        decode_arrays(desc, body[:-1], offset)
     with pytest.raises(ValueError, match="trailing"):
-        decode_arrays(desc, memoryview(bytes(data) + b"\0"))
+        decode_arrays(desc, memoryview(bytes(body) + b"\0"), offset)
     with pytest.raises(ValueError, match="length prefix"):
         split_body(b"\1")
     with pytest.raises(ValueError, match="exceeds the body"):

@@ -36,6 +36,8 @@ async def test_every_kind_round_trips_bit_exact(connections: int) -> None:
         assert [(i.layer, i.kind) for i in result.layers] == list(enumerate(kinds))
         for item, arrays in zip(result.layers, sent, strict=True):
             assert_same(arrays, item.arrays)
+            for array in item.arrays.values():
+                assert array.flags.writeable and array.ctypes.data % 64 == 0
         assert result.layers[0].arrays.blocks == (3, 3)
         assert result.layers[1].arrays.blocks is None
         assert result.aux == {"meta": b'{"first_token": 42}', "empty": b""}
