@@ -28,6 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     a("--api", default="completions", choices=("completions", "chat", "generate"))
     a("--model", help="model name for OpenAI APIs (default: the server's first /v1/models)")
+    _arrival_arguments(parser)
+    _workload_arguments(parser.add_argument_group("workload shape"))
+    _output_arguments(parser.add_argument_group("run and output"))
+
+
+def _arrival_arguments(parser: argparse.ArgumentParser) -> None:
     arr = parser.add_argument_group(
         "arrivals (default: trace timestamps for mooncake, else closed loop at concurrency 1)"
     )
@@ -43,7 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     stop = parser.add_argument_group("stopping (default: 100 requests)")
     stop.add_argument("--num-requests", type=int, help="requests (turns) to send")
     stop.add_argument("--duration", type=float, metavar="S", help="seconds to keep sending")
-    w = parser.add_argument_group("workload shape")
+
+
+def _workload_arguments(w: argparse._ArgumentGroup) -> None:
     w.add_argument("--input-mu", type=float, default=9.90, help="lognormal: mean of ln L")
     w.add_argument("--input-sigma", type=float, default=1.00, help="lognormal: sd of ln L")
     w.add_argument("--input-min", type=int, default=128, help="lognormal: shortest input")
@@ -73,7 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="token ids stay in [100, this); at most the model's vocabulary (260 for the "
         "reference engine's byte-level tiny model)",
     )
-    o = parser.add_argument_group("run and output")
+
+
+def _output_arguments(o: argparse._ArgumentGroup) -> None:
     o.add_argument("--seed", type=int, default=0, help="seeds prompts and arrivals")
     o.add_argument("--timeout", type=float, default=600.0, help="per-request seconds")
     o.add_argument("--slo", help="goodput objectives, e.g. ttft=2s,tpot=50ms")
