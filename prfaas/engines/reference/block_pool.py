@@ -33,7 +33,7 @@ Typical engine use for one request:
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence
 
 from prfaas.common.hashing import hash_block
@@ -48,6 +48,7 @@ from prfaas.engines.reference.pool_types import (
     RequestBlocks,
     StaleMatch,
 )
+from prfaas.engines.reference.prefix_index import PrefixIndex
 from prfaas.engines.reference.state_slots import StateSlotPool
 
 __all__ = [
@@ -71,12 +72,7 @@ class BlockPool:
         self._config = config
         self._free: deque[int] = deque(range(config.num_blocks))
         self._ref = [0] * config.num_blocks
-        self._index: dict[int, int] = {}  # block hash -> block id
-        self._hash_of: dict[int, int] = {}  # indexed block id -> its hash
-        self._parent: dict[int, int | None] = {}  # indexed block id -> parent hash
-        self._num_children = [0] * config.num_blocks  # indexed children of an indexed block
-        self._lru: OrderedDict[int, int] = OrderedDict()  # unreferenced indexed block -> tick
-        self._tick = 0
+        self._index = PrefixIndex(config.num_blocks)
         self._slots = StateSlotPool(config.num_state_slots)
         self._requests: dict[str, RequestBlocks] = {}
         self._events: list[KVEvent] = []
@@ -89,7 +85,7 @@ class BlockPool:
     @property
     def num_available_blocks(self) -> int:
         """Blocks an allocation could get now: free plus evictable."""
-        return len(self._free) + len(self._lru)
+        return len(self._free) + self._index.num_evictable
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         """Blocks needed to hold `num_tokens` tokens."""
@@ -109,7 +105,7 @@ class BlockPool:
         """
         ids: list[int] = []
         for block_hash in block_hashes:
-            block = self._index.get(block_hash)
+            block = self._index.lookup(block_hash)
             if block is None:
                 break
             ids.append(block)
@@ -135,7 +131,7 @@ class BlockPool:
 
     def is_cached(self, block_hash: int) -> bool:
         """Whether a block with this chained hash is in the prefix index."""
-        return block_hash in self._index
+        return self._index.lookup(block_hash) is not None
 
     def has_request(self, request_id: str) -> bool:
         """Whether `request_id` holds blocks."""
@@ -165,7 +161,7 @@ class BlockPool:
         prefix = prefix or self.match_prefix(())
         self._check_new_request(request_id, num_tokens, prefix)
         need = self.blocks_for_tokens(num_tokens) - len(prefix.block_ids)
-        pinned_now = sum(1 for b in prefix.block_ids if b in self._lru)
+        pinned_now = sum(1 for b in prefix.block_ids if self._index.is_evictable(b))
         self._check_capacity(need, self.num_available_blocks - pinned_now)
         for block in prefix.block_ids:
             self._acquire(block)
@@ -229,10 +225,10 @@ class BlockPool:
         hashes: list[int] = []
         for i in range(first, full):
             block_hash = hash_block(req.last_hash, token_ids[i * bs : (i + 1) * bs])
-            if block_hash in self._index:
+            if self._index.lookup(block_hash) is not None:
                 req.chain_broken = True
                 break
-            self._insert(req.blocks[i], block_hash, req.last_hash)
+            self._index.insert(req.blocks[i], block_hash, req.last_hash)
             req.num_indexed, req.last_hash = i + 1, block_hash
             hashes.append(block_hash)
         if hashes:
@@ -255,7 +251,8 @@ class BlockPool:
         n = num_tokens // bs
         if n > req.num_indexed:
             return None
-        return self._slots.save(self._hash_of[req.blocks[n - 1]])
+        block_hash = self._index.hash_of(req.blocks[n - 1])
+        return None if block_hash is None else self._slots.save(block_hash)
 
     def clear(self) -> None:
         """Flush the prefix index and every snapshot; records `AllBlocksCleared`.
@@ -263,14 +260,7 @@ class BlockPool:
         Unreferenced cached blocks return to the free list (LRU order); blocks running
         requests hold stay theirs as private blocks, and those requests index nothing more.
         """
-        for block in self._lru:
-            self._free.append(block)
-        for block in self._hash_of:
-            self._num_children[block] = 0
-        self._lru.clear()
-        self._index.clear()
-        self._hash_of.clear()
-        self._parent.clear()
+        self._free.extend(self._index.clear())
         self._slots.clear()
         for req in self._requests.values():
             req.num_indexed, req.last_hash, req.chain_broken = 0, None, True
@@ -290,8 +280,8 @@ class BlockPool:
             num_blocks=self._config.num_blocks,
             free_blocks=len(self._free),
             cached_blocks=len(self._index),
-            evictable_blocks=len(self._lru),
-            used_blocks=self._config.num_blocks - len(self._free) - len(self._lru),
+            evictable_blocks=self._index.num_evictable,
+            used_blocks=self._config.num_blocks - self.num_available_blocks,
             num_state_slots=self._slots.num_slots,
             held_state_slots=self._slots.num_held,
             num_requests=len(self._requests),
@@ -303,7 +293,7 @@ class BlockPool:
 
     def evictable_block_ids(self) -> tuple[int, ...]:
         """Unreferenced cached blocks, least recently used first."""
-        return tuple(self._lru)
+        return self._index.evictable()
 
     def check_integrity(self) -> None:
         """Verify every invariant; raise `RuntimeError` naming the first broken one."""
@@ -314,11 +304,6 @@ class BlockPool:
                 free=self._free,
                 ref=self._ref,
                 index=self._index,
-                hash_of=self._hash_of,
-                parent=self._parent,
-                num_children=self._num_children,
-                lru=self._lru,
-                tick=self._tick,
                 requests=self._requests,
                 slots=self._slots,
             )
@@ -344,7 +329,7 @@ class BlockPool:
                 f"match block_size {prefix.block_size} != pool {self._config.block_size}"
             )
         for block, block_hash in zip(prefix.block_ids, prefix.block_hashes, strict=True):
-            if self._index.get(block_hash) != block:
+            if self._index.lookup(block_hash) != block:
                 raise StaleMatch(f"block {block} no longer cached under {block_hash:#x}")
         slot = prefix.state_slot
         if slot is not None and (
@@ -359,12 +344,11 @@ class BlockPool:
 
     def _acquire(self, block: int) -> None:
         self._ref[block] += 1
-        self._lru.pop(block, None)
+        self._index.pin(block)
 
     def _release(self, block: int) -> None:
-        if block in self._hash_of:
-            self._lru[block] = self._tick
-            self._tick += 1
+        if self._index.hash_of(block) is not None:
+            self._index.unpin(block)
         else:
             self._free.append(block)
 
@@ -380,21 +364,8 @@ class BlockPool:
         return taken
 
     def _evict_one(self) -> int:
-        """Evict the least recently used unreferenced leaf; returns its hash."""
-        block = next(b for b in self._lru if self._num_children[b] == 0)
-        del self._lru[block]
-        block_hash = self._hash_of.pop(block)
-        del self._index[block_hash]
-        parent = self._parent.pop(block)
-        if parent is not None:
-            self._num_children[self._index[parent]] -= 1
+        """Evict one cached block (and its snapshot) to the free list; returns its hash."""
+        block, block_hash = self._index.evict()
         self._slots.drop(block_hash)
         self._free.append(block)
         return block_hash
-
-    def _insert(self, block: int, block_hash: int, parent: int | None) -> None:
-        self._index[block_hash] = block
-        self._hash_of[block] = block_hash
-        self._parent[block] = parent
-        if parent is not None:
-            self._num_children[self._index[parent]] += 1
