@@ -165,3 +165,15 @@ def test_bad_endpoint_is_a_clear_error() -> None:
     """Binding to a malformed endpoint raises ValueError naming it."""
     with pytest.raises(ValueError, match="not-an-endpoint"):
         KVEventPublisher("not-an-endpoint")
+
+
+async def test_closed_endpoints_refuse_use_clearly() -> None:
+    """After close (idempotent), publish and recv raise RuntimeError, not a ZMQ error."""
+    pub = KVEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
+    sub = KVEventSubscriber(pub.endpoint)
+    for closeable in (pub, sub, pub, sub):
+        closeable.close()
+    with pytest.raises(RuntimeError, match="publisher is closed"):
+        pub.publish(PROBE)
+    with pytest.raises(RuntimeError, match="subscriber is closed"):
+        await sub.recv()

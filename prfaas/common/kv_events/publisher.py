@@ -136,7 +136,12 @@ class KVEventPublisher:
         """Send `events` as one batch stamped with the clock; returns its sequence number.
 
         Nothing is sent for an empty `events` (returns None).
+
+        Raises:
+            RuntimeError: the publisher is closed.
         """
+        if self._sock.closed:
+            raise RuntimeError("KV event publisher is closed")
         if not events:
             return None
         seq = self._seq

@@ -78,7 +78,13 @@ class KVEventSubscriber:
         self.num_replayed = 0
 
     async def recv(self) -> ReceivedBatch:
-        """The next well-formed batch (bound the wait with `asyncio.timeout`)."""
+        """The next well-formed batch (bound the wait with `asyncio.timeout`).
+
+        Raises:
+            RuntimeError: the subscriber is closed.
+        """
+        if self._sock.closed:
+            raise RuntimeError("KV event subscriber is closed")
         while not self._ready:
             topic, seq, batch = await self._next_message()
             first_lost = self._first_lost(seq)
