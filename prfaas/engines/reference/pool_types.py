@@ -17,6 +17,10 @@ class BlockPoolConfig:
     """Linear-state snapshot slots (0: no hybrid prefix reuse)."""
 
     def __post_init__(self) -> None:
+        for name in ("num_blocks", "block_size", "num_state_slots"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
         if self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
         if self.block_size <= 0:

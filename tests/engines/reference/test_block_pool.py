@@ -46,7 +46,8 @@ def snapshot(pool: BlockPool) -> tuple[object, ...]:
 @pytest.mark.parametrize(
     ("kwargs", "bad"),
     [({"num_blocks": 0}, "0"), ({"num_blocks": 4, "block_size": -1}, "-1"),
-     ({"num_blocks": 4, "num_state_slots": -2}, "-2")],
+     ({"num_blocks": 4, "num_state_slots": -2}, "-2"), ({"num_blocks": 2.5}, "2.5"),
+     ({"num_blocks": 4, "block_size": True}, "True")],
 )  # fmt: skip
 def test_config_rejects_bad_sizes_naming_the_value(kwargs: dict[str, int], bad: str) -> None:
     """Invalid sizes fail at construction with the bad value in the message."""
