@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
 HELP = "Simulate a deployment profile on a virtual clock (real Router, simulated engines)."
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "examples" / "paper_case_study.toml"
+MIN_SEARCH_DURATION_S = 300.0  # find-max needs the system filled and a window to judge it
 POLICY_DEPLOYMENT = {
     "prfaas": "prfaas_pd",
     "homogeneous": "homogeneous",
@@ -169,6 +170,11 @@ def run(args: argparse.Namespace) -> int:
         profile = load_profile(args.config)
         options = _options(args)
         workload = _workload(args, profile)
+        if (args.find_max or args.table6) and args.duration < MIN_SEARCH_DURATION_S:
+            raise ValueError(
+                f"--find-max/--table6 need --duration >= {MIN_SEARCH_DURATION_S:g} simulated "
+                f"seconds to tell overload from warm-up, got {args.duration:g}"
+            )
         if args.table6:
             return _table6(args, profile, workload, options)
         return _single(args, profile, workload, options)

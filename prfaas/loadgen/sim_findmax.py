@@ -16,6 +16,7 @@ from prfaas.loadgen.arrivals import RateArrivals
 from prfaas.loadgen.sim_runner import SimPlan, SimResult
 
 Simulate = Callable[[SimPlan], SimResult]
+LOWER_STEP = 0.8  # an unsustainable low bound moves down by 20% (one noisy probe is not 2x off)
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,7 @@ class FindMaxOptions:
     """Bisection bounds and stopping rule."""
 
     low: float
-    """A rate believed sustainable (checked; halved until it is)."""
+    """A rate believed sustainable (checked; lowered by 20% until it is)."""
     high: float
     """A rate believed unsustainable (checked; doubled until it is)."""
     rel_tol: float = 0.01
@@ -66,7 +67,7 @@ def find_max(base: SimPlan, simulate: Simulate, options: FindMaxOptions) -> Find
     best = probe(low)
     while not best.metrics.stable:
         _budget(probes, options)
-        low, high = low / 2, low
+        low, high = low * LOWER_STEP, low
         best = probe(low)
     while (above := probe(high)).metrics.stable:
         _budget(probes, options)

@@ -31,6 +31,8 @@ class SimMetrics:
     offered_rate: float
     served_rate: float
     stable: bool
+    window_start_s: float
+    """Measurement window [window_start_s, duration]: arrivals and completions counted in it."""
     completed: int
     failed: int
     ttft_mean_s: float | None
@@ -84,6 +86,7 @@ def measure(
         offered_rate=offered,
         served_rate=served,
         stable=served >= (1 - STABLE_TOLERANCE) * offered,
+        window_start_s=lo,
         completed=len(ok),
         failed=len(records) - len(ok),
         ttft_mean_s=_mean(ttft),

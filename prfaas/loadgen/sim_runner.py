@@ -10,8 +10,11 @@ so `served >= (1 - tolerance) * offered` means the queues did not grow.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from prfaas.loadgen.arrivals import Arrivals
 from prfaas.loadgen.driver import Driver
@@ -40,7 +43,7 @@ class SimPlan:
     num_requests: int | None = None
     seed: int = 0
     warmup_s: float | None = None
-    """Start of the measurement window; None: 20% of the duration."""
+    """Start of the measurement window; None: automatic (see `settle_window`)."""
 
     def __post_init__(self) -> None:
         if not self.duration_s > 0:
@@ -50,11 +53,15 @@ class SimPlan:
                 f"warmup must be in [0, duration={self.duration_s:g}) s, got {self.warmup_s}"
             )
 
-    @property
-    def window(self) -> tuple[float, float]:
-        start = (
-            self.warmup_s if self.warmup_s is not None else DEFAULT_WARMUP_SHARE * self.duration_s
-        )
+    def settle_window(self, records: Sequence[RequestRecord]) -> tuple[float, float]:
+        """The measurement window [warmup, duration]. Automatic warm-up: 20% of the duration,
+        but at least twice the median request latency (the system must have filled up, or
+        completions lag arrivals for a reason that is not overload), at most half of it."""
+        if self.warmup_s is not None:
+            return self.warmup_s, self.duration_s
+        e2e = [r.e2e_s for r in records if r.e2e_s is not None]
+        settle = 2 * float(np.median(e2e)) if e2e else 0.0
+        start = min(max(DEFAULT_WARMUP_SHARE * self.duration_s, settle), 0.5 * self.duration_s)
         return start, self.duration_s
 
 
@@ -91,7 +98,7 @@ def simulate(
     wall = time.perf_counter()
     bench = BenchPlan(plan.workload, plan.arrivals, plan.num_requests, plan.duration_s, plan.seed)
     records, cluster, end = run_bench(profile, plan.deployment, options, bench, progress)
-    metrics = measure(plan.deployment, records, cluster, plan.window, end)
+    metrics = measure(plan.deployment, records, cluster, plan.settle_window(records), end)
     return SimResult(plan, tuple(records), metrics, end, time.perf_counter() - wall)
 
 

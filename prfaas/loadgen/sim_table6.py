@@ -9,6 +9,7 @@ arrival rate (90% of the lowest simulated Lambda_max, so every deployment is sta
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,7 +59,8 @@ class Table6:
         return next(r for r in self.rows if r.name == name)
 
     def ratio(self, name: DeploymentName, of: str = "sim") -> float:
-        """Lambda_max of `name` over homogeneous's, for `of` in sim | model | model_exact."""
+        """Lambda_max of `name` over homogeneous's; `of`: sim (bisection), capacity (the
+        simulated stage limit at 90% load), model (T(E[L])) or model_exact (E[T(L)])."""
         return _lambda(self.row(name), of) / _lambda(self.row("homogeneous"), of)
 
     def to_json(self) -> dict[str, Any]:
@@ -72,6 +74,8 @@ class Table6:
 def _lambda(row: Table6Row, of: str) -> float:
     if of == "sim":
         return row.sim.lambda_max
+    if of == "capacity":
+        return row.at_own.metrics.lambda_capacity or math.nan
     return (row.model if of == "model" else row.model_exact).lambda_max
 
 
@@ -84,6 +88,8 @@ def _row_json(table: Table6, r: Table6Row) -> dict[str, Any]:
         "model_exact_ratio": table.ratio(r.name, "model_exact"),
         "lambda_max": r.sim.lambda_max,
         "ratio": table.ratio(r.name),
+        "lambda_capacity": r.at_own.metrics.lambda_capacity,
+        "ratio_capacity": table.ratio(r.name, "capacity"),
         "probes": [list(p) for p in r.sim.probes],
         "at_common_rate": r.at_common.to_json(),
         "at_90pct_own": r.at_own.to_json(),
