@@ -8,6 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prfaas.common.kv_events import (
     AllBlocksCleared,
@@ -89,3 +91,35 @@ def test_sglang_payload_decodes_and_ours_decodes_in_sglang(rank: int | None) -> 
     assert decode_batch(msgspec.msgpack.encode(_sglang_batch(rank))) == _our_batch(rank)
     decoded = msgspec.msgpack.decode(encode_batch(_our_batch(rank)), type=SgKVEventBatch)
     assert decoded == _sglang_batch(rank)
+
+
+hashes = st.lists(st.integers(-(2**63), 2**64 - 1), max_size=4)
+stored = st.builds(
+    lambda h, p, t, bs, lora: (
+        BlockStored(tuple(h), p, tuple(t), bs, lora),
+        SgBlockStored(h, p, t, bs, lora),
+    ),
+    hashes,
+    st.none() | st.integers(-(2**63), 2**64 - 1),
+    st.lists(st.integers(0, 2**32 - 1), max_size=8),
+    st.integers(1, 2**16),
+    st.none() | st.integers(0, 2**31),
+)
+removed = st.builds(lambda h: (BlockRemoved(tuple(h)), SgBlockRemoved(h)), hashes)
+cleared = st.just((AllBlocksCleared(), SgAllBlocksCleared()))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ts=st.floats(allow_nan=False),
+    pairs=st.lists(stored | removed | cleared, max_size=6),
+    rank=st.none() | st.integers(0, 1024),
+)
+def test_random_batches_match_msgspec_byte_for_byte(
+    ts: float, pairs: list[tuple[Any, Any]], rank: int | None
+) -> None:
+    """For any batch, our bytes equal msgspec's and decode back to the same batch."""
+    ours = KVEventBatch(ts, tuple(p[0] for p in pairs), rank)
+    theirs = SgKVEventBatch(ts=ts, events=[p[1] for p in pairs], attn_dp_rank=rank)
+    assert encode_batch(ours) == msgspec.msgpack.encode(theirs)
+    assert decode_batch(encode_batch(ours)) == ours
