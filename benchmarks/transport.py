@@ -25,7 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -215,8 +215,14 @@ def bench_shaped(runs: int) -> list[dict[str, Any]] | str:
 # -- overlap ---------------------------------------------------------------------------------------
 
 
+OnLayer = Callable[[int, Kind, dict[str, np.ndarray]], None]
+
+
 class LayerLoop:
-    """A forward-pass stand-in: per layer, matmuls of a (tokens, hidden) activation."""
+    """A forward-pass stand-in: per layer, matmuls of a (tokens, hidden) activation, then
+    that layer's `kv_mib` MiB of KV."""
+
+    name = "matmul-loop"
 
     def __init__(self, layers: int, tokens: int, hidden: int, kv_mib: int) -> None:
         import torch
@@ -227,18 +233,67 @@ class LayerLoop:
         self.x = torch.randn(tokens, hidden, generator=gen)
         self.w = [torch.randn(hidden, hidden, generator=gen) / hidden**0.5 for _ in range(4)]
         self.layers = layers
-        self.kv = [_payload(kv_mib) for _ in range(layers)]
+        self.messages = [(i, Kind.FULL_KV, {"kv": _payload(kv_mib)}) for i in range(layers)]
 
-    def run(self, on_layer: Any = None) -> None:
+    def run(self, on_layer: OnLayer | None = None) -> None:
         h = self.x
         for layer in range(self.layers):
             for w in self.w:
                 h = self.torch.tanh(h @ w)  # (tokens, hidden)
             if on_layer is not None:
-                on_layer(layer, self.kv[layer])
+                on_layer(*self.messages[layer])
 
 
-async def _overlap_once(model: LayerLoop, rate: float, mode: str) -> tuple[float, float]:
+class ReferencePrefill:
+    """A real prefill: the reference engine's ModelRunner on a Qwen3-Next-style hybrid
+    (random weights, 3 linear : 1 full attention), each layer's KV or linear state taken
+    from the engine's cache in the layer's forward hook, as the reference engine ships it."""
+
+    name = "reference-prefill"
+
+    def __init__(self, layers: int, tokens: int) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, Qwen3NextConfig
+
+        from prfaas.engines.reference.runner import ModelRunner
+
+        torch.set_num_threads(1)
+        torch.manual_seed(0)
+        config = Qwen3NextConfig(
+            hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+            linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32,
+            linear_value_head_dim=32, num_experts=0, vocab_size=512,
+            layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (layers // 4),
+        )  # fmt: skip
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        self.runner = ModelRunner(model)
+        self.ids = torch.randint(0, 512, (1, tokens))
+        self.layers = layers
+        self.messages: list[tuple[int, Kind, dict[str, np.ndarray]]] = []
+        self.run(lambda *message: self.messages.append(message))
+
+    def run(self, on_layer: OnLayer | None = None) -> None:
+        from prfaas.engines.reference.hybrid_cache import HybridCache, SeqState
+        from prfaas.engines.reference.runner import FULL
+
+        def listener(idx: int, kind: str, cache: Any) -> None:
+            if on_layer is None:
+                return
+            if kind == FULL:
+                k, v = cache.keys[idx][0].numpy(), cache.values[idx][0].numpy()
+                on_layer(idx, Kind.FULL_KV, {"k": k.copy(), "v": v.copy()})
+            else:
+                conv, rec = cache.conv[idx][0].numpy(), cache.rec[idx][0].numpy()
+                on_layer(idx, Kind.LINEAR_STATE, {"conv": conv.copy(), "rec": rec.copy()})
+
+        self.runner.forward(HybridCache([SeqState()]), self.ids, listener)
+
+
+Workload = LayerLoop | ReferencePrefill
+
+
+async def _overlap_once(model: Workload, rate: float, mode: str) -> tuple[float, float]:
     """(end-to-end seconds, seconds the compute loop itself took in this run)."""
     config = SenderConfig(
         rate_bytes_per_s=rate,
@@ -260,12 +315,12 @@ async def _overlap_once(model: LayerLoop, rate: float, mode: str) -> tuple[float
         handle = sender.open(1)
         start = time.perf_counter()
 
-        def send(layer: int, kv: np.ndarray) -> None:
-            handle.send_layer(layer, Kind.FULL_KV, {"kv": kv})
+        def send(layer: int, kind: Kind, arrays: dict[str, np.ndarray]) -> None:
+            handle.send_layer(layer, kind, arrays)
 
         if mode == "transfer":
-            for layer, kv in enumerate(model.kv):
-                send(layer, kv)
+            for message in model.messages:
+                send(*message)
         else:
             await asyncio.to_thread(model.run, send)  # the forward pass runs off the loop
         compute = time.perf_counter() - start if mode != "transfer" else 0.0
@@ -283,11 +338,10 @@ def _timed(fn: Any) -> float:
     return time.perf_counter() - start
 
 
-def bench_overlap(runs: int) -> dict[str, Any]:
-    model = LayerLoop(layers=16, tokens=512, hidden=1024, kv_mib=2)
+def bench_overlap(runs: int, model: Workload) -> dict[str, Any]:
     model.run()  # warm-up
     compute_s = statistics.median(_timed(model.run) for _ in range(3))
-    total = sum(kv.nbytes for kv in model.kv)
+    total = sum(a.nbytes for _, _, arrays in model.messages for a in arrays.values())
     rate = total / compute_s  # a link that needs as long as the compute
     modes = ("compute", "transfer", "pipelined", "sequential")
     wall: dict[str, list[float]] = {mode: [] for mode in modes}
@@ -311,6 +365,7 @@ def bench_overlap(runs: int) -> dict[str, Any]:
         for s, c in zip(wall["sequential"], in_run["sequential"], strict=True)
     ]
     return {
+        "workload": model.name,
         "layers": model.layers,
         "bytes": total,
         "link_rate_bytes_per_s": rate,
@@ -346,6 +401,9 @@ def main() -> int:
     parser.add_argument("--parts", default="loopback,shaped,overlap")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--json", dest="json_out", default=None)
+    parser.add_argument(
+        "--overlap", default="loop,reference", help="overlap workloads: loop, reference"
+    )
     parser.add_argument("--role", choices=["sender", "receiver"], help=argparse.SUPPRESS)
     for name in ("host", "port", "connections", "layers", "layer-mib", "rooms"):
         parser.add_argument(
@@ -373,10 +431,16 @@ def main() -> int:
             cols = ["link", "connections", "goodput_gbps", "fraction_of_shaped", "cpu_s_per_GB"]
             console.print(_table("shaped link (tc tbf over veth, median)", shaped, cols))
     if "overlap" in parts:
-        overlap = report["overlap"] = bench_overlap(args.runs)
-        cols = ["compute_s", "transfer_s", "pipelined_s", "sequential_s", "pipelined_over_max",
-                "pipelined_over_max_in_run", "sequential_over_sum"]  # fmt: skip
-        console.print(_table("layer-wise overlap (median)", [overlap], cols))
+        workloads = {
+            "loop": lambda: LayerLoop(layers=16, tokens=512, hidden=1024, kv_mib=2),
+            "reference": lambda: ReferencePrefill(layers=32, tokens=1024),
+        }
+        rows = [bench_overlap(args.runs, workloads[w]()) for w in args.overlap.split(",")]
+        report["overlap"] = rows
+        cols = ["workload", "compute_s", "transfer_s", "pipelined_s", "sequential_s",
+                "pipelined_over_max", "pipelined_over_max_in_run",
+                "sequential_over_sum"]  # fmt: skip
+        console.print(_table("layer-wise overlap (median)", rows, cols))
     if args.json_out:
         with open(args.json_out, "wb") as out:
             out.write(orjson.dumps(report, option=orjson.OPT_INDENT_2))
