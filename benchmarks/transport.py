@@ -5,14 +5,16 @@
 2. shaped: two network namespaces joined by a veth pair, `tc tbf` on the sender's side at
    1 Gbit/s and 200 Mbit/s; goodput with 1 and 4 connections as a fraction of the shaped
    rate (target >= 0.90). Needs root (ip netns); skipped with a message otherwise.
-3. overlap: a per-layer compute loop (torch matmuls in a worker thread, like a forward
-   pass) streaming each layer's arrays as it finishes, on a paced link sized so transfer
-   time ~= compute time. Reports compute_s, transfer_s, pipelined_s and sequential_s
-   (pipelined=False: everything after the loop). Target: pipelined <= 1.15 x max(compute,
-   transfer), sequential ~ compute + transfer.
+3. overlap: a prefill in a worker thread streams each layer's arrays as the layer finishes,
+   on a paced link sized so transfer time ~= compute time. Two workloads: a real
+   reference-engine prefill (its ModelRunner's layer hooks on a 32-layer Qwen3-Next-style
+   hybrid, 1024 tokens) and a matmul loop stand-in. Reports compute_s, transfer_s,
+   pipelined_s and sequential_s (pipelined=False: everything after the forward). Target:
+   pipelined <= 1.15 x max(compute, transfer), sequential ~ compute + transfer.
 Every figure is the median of --runs runs. The machine is shared and noisy (2 cores): read
 ratios measured side by side, not absolute numbers.
-Usage: python benchmarks/transport.py [--parts loopback,shaped,overlap] [--runs 3] [--json OUT]
+Usage: python benchmarks/transport.py [--parts loopback,shaped,overlap] [--runs 3]
+       [--overlap reference,loop] [--json OUT]
 """
 
 from __future__ import annotations
