@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -19,8 +20,6 @@ from prfaas.common.kv_events import (
     decode_batch,
     encode_batch,
 )
-
-msgspec = pytest.importorskip("msgspec")
 
 
 class SgEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[misc, call-arg]
