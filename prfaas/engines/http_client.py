@@ -136,6 +136,8 @@ class HttpEngineClient(BaseEngineClient):
         self._config = config or HttpClientConfig()
         self._aborts: set[asyncio.Task[None]] = set()
         self._stats_path: str | None = None
+        self._generate_timeout = self._config.generate_timeout()
+        self._control_timeout = self._config.control_timeout()
 
     async def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
         accepted = finished = False
@@ -159,7 +161,7 @@ class HttpEngineClient(BaseEngineClient):
             f"{self.base_url}/generate",
             data=orjson.dumps(request_body(request)),
             headers={"Content-Type": "application/json"},
-            timeout=self._config.generate_timeout(),
+            timeout=self._generate_timeout,
         )
 
     async def _check_status(self, resp: aiohttp.ClientResponse) -> None:
@@ -207,7 +209,7 @@ class HttpEngineClient(BaseEngineClient):
             f"{self.base_url}{path}",
             data=None if body is None else orjson.dumps(body),
             headers={"Content-Type": "application/json"},
-            timeout=self._config.control_timeout(),
+            timeout=self._control_timeout,
         ) as resp:
             raw = await resp.read()
             if resp.status != 200:

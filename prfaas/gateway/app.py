@@ -91,7 +91,11 @@ def _gateway_ctx(
 ) -> Callable[[web.Application], AsyncIterator[None]]:
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         connector = aiohttp.TCPConnector(limit=SESSION_LIMIT, ttl_dns_cache=300)
-        async with aiohttp.ClientSession(connector=connector) as session:
+        # No cookie jar, no decompression: engine calls need neither, and both cost per call.
+        session = aiohttp.ClientSession(
+            connector=connector, cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False
+        )
+        async with session:
             gateway = build_gateway(config, session)
             if setup is not None:
                 await setup(gateway)

@@ -12,7 +12,6 @@ import contextlib
 import random
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from prfaas.common.hashing import hash_blocks
 from prfaas.engines.client import (
@@ -85,9 +84,12 @@ class Router:
         return self.policy.decide(snapshot)
 
     async def generate(
-        self, rid: str, input_ids: Sequence[int], sampling: SamplingParams
+        self, rid: str, input_ids: Sequence[int], sampling: SamplingParams, *, stream: bool = True
     ) -> AsyncIterator[tuple[RouteDecision, GenerateChunk]]:
         """Decide, dispatch to the prefill and decode instances at once, yield decode output.
+
+        With `stream=False` the engines answer in one piece (one chunk per call): cheaper
+        when the client does not stream either.
 
         A failure before any output retries once on a fresh decision with the failed
         instance marked unhealthy; after output has started, it raises.
@@ -101,7 +103,7 @@ class Router:
             decision = self.decide(ids)
             started = False
             try:
-                async for chunk in self._dispatch(rid, ids, sampling, decision):
+                async for chunk in self._dispatch(rid, ids, sampling, decision, stream):
                     started = True
                     yield decision, chunk
                 return
@@ -111,11 +113,16 @@ class Router:
                     raise
 
     async def _dispatch(
-        self, rid: str, ids: tuple[int, ...], sampling: SamplingParams, decision: RouteDecision
+        self,
+        rid: str,
+        ids: tuple[int, ...],
+        sampling: SamplingParams,
+        decision: RouteDecision,
+        stream: bool = True,
     ) -> AsyncIterator[GenerateChunk]:
         prefill = self.instances[decision.prefill_instance]
         decode = self.instances[decision.decode_instance]
-        request = GenerateRequest(rid, ids, sampling, True, self._bootstrap(prefill))
+        request = GenerateRequest(rid, ids, sampling, stream, self._bootstrap(prefill))
         prefill.in_flight += 1
         decode.in_flight += 1
         last: GenerateChunk | None = None
@@ -149,24 +156,27 @@ async def _relay(
     prefill: InstanceState, decode: InstanceState, request: GenerateRequest
 ) -> AsyncIterator[GenerateChunk]:
     """Yield the decode stream while watching the prefill call: if prefill fails first,
-    abort decode (it would only wait for KV that never comes) and raise."""
+    abort decode (it would only wait for KV that never comes) and raise. Once prefill has
+    succeeded, the decode stream is read directly (no per-chunk task)."""
     prefill_task = asyncio.ensure_future(_drain_prefill(prefill, request))
     stream = decode.client.generate(request)
     next_chunk: asyncio.Future[GenerateChunk] | None = None
     try:
-        while True:
+        while not prefill_task.done():
             next_chunk = asyncio.ensure_future(anext(stream))
-            waiting: set[asyncio.Future[Any]] = {next_chunk}
-            if not prefill_task.done():
-                waiting.add(prefill_task)
-            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({next_chunk, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
             _raise_if_prefill_failed(prefill, prefill_task, next_chunk)
             if not next_chunk.done():
                 await asyncio.wait({next_chunk})
             try:
-                yield next_chunk.result()
+                chunk = next_chunk.result()
             except StopAsyncIteration:
                 break
+            yield chunk
+        else:
+            _raise_if_prefill_failed(prefill, prefill_task, None)
+            async for chunk in stream:
+                yield chunk
         await prefill_task  # decode finished; surface a late prefill failure, if any
     finally:
         prefill_task.cancel()
@@ -180,11 +190,14 @@ async def _relay(
 
 
 def _raise_if_prefill_failed(
-    prefill: InstanceState, task: asyncio.Future[None], pending: asyncio.Future[GenerateChunk]
+    prefill: InstanceState,
+    task: asyncio.Future[None],
+    pending: asyncio.Future[GenerateChunk] | None,
 ) -> None:
     if not task.done() or task.cancelled() or task.exception() is None:
         return
-    pending.cancel()
+    if pending is not None:
+        pending.cancel()
     exc = task.exception()
     if isinstance(exc, EngineError):
         if exc.retryable:

@@ -93,7 +93,7 @@ class CompletionService:
     ) -> web.StreamResponse:
         prefix = "chatcmpl" if call.api == "chat" else "cmpl"
         acc = Accumulator(call, f"{prefix}-{uuid.uuid4().hex}", int(time.time()))
-        stream = self.router.generate(acc.rid, call.input_ids, call.sampling)
+        stream = self.router.generate(acc.rid, call.input_ids, call.sampling, stream=call.stream)
         try:
             decision, first = await _first(stream)
             self._routed(decision, acc, timing)

@@ -1,0 +1,289 @@
+"""Benchmark: the gateway's routing-decision cost and its added latency / maximum rate.
+
+Part 1 (in process): cost of one routing decision at 1K, 32K and 128K prompt tokens, split
+into parse (JSON + fields), tokenize (byte-level), hash (chained xxh3-64 blocks), index
+lookup (global KV index holding 150K blocks over 3 instances, half the prompt cached) and
+policy (snapshot + PrfaaS rule). Medians of repeated calls.
+
+Part 2 (real processes, loopback): the same OpenAI `/v1/completions` request straight to a
+null engine, through `prfaas serve`, and through SGLang's router (`sglang-router` from
+PyPI, PD mode, own virtual environment) over the same null engines (2 prefill + 1 decode;
+the null server answers instantly: it measures overhead only). Added latency = p50/p99 of
+a target minus the direct p50/p99 in the same round; max rate = completed requests per
+second with 64 concurrent closed-loop clients. Rounds interleave the targets so noise hits
+all of them; the table shows medians over rounds. The machine is shared and noisy.
+
+Usage: python benchmarks/gateway.py [--rounds 3] [--requests 200] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+from prfaas.common.hashing import hash_blocks
+from prfaas.common.kv_events import BlockStored
+from prfaas.common.tokenizer import ByteTokenizer
+from prfaas.gateway.engine_procs import free_port
+from prfaas.gateway.kv_index import KVIndexManager
+from prfaas.gateway.openai_request import load_json, parse_sampling
+from prfaas.gateway.registry import InstanceManager, InstanceState
+from prfaas.policies.routing import PrfaasPolicy, RoutingSnapshot
+
+BLOCK = 64
+SGLANG_VENV = Path(os.environ.get("PRFAAS_SGLANG_ROUTER_VENV", "/tmp/sglang-router-venv"))
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 12  # ~540 tokens
+
+
+# ------------------------------------------------------------------ part 1: decision cost
+
+
+def _median_us(fn: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def _index_with_blocks(ids: list[int]) -> KVIndexManager:
+    index = KVIndexManager(block_size=BLOCK)
+    filler = [7] * (50_000 * BLOCK)  # 50K blocks per instance of unrelated prefixes
+    for n, inst in enumerate(("prfaas-p0", "pd-p0", "pd-d0")):
+        tokens = [n + 1, *filler[1:]]
+        index.apply(inst, [BlockStored(tuple(range(1, 50_001)), None, tuple(tokens), BLOCK)])
+    half = len(ids) // 2 // BLOCK * BLOCK
+    hashes = tuple(range(10**9, 10**9 + half // BLOCK))
+    index.apply("pd-p0", [BlockStored(hashes, None, tuple(ids[:half]), BLOCK)])
+    return index
+
+
+def _instances() -> InstanceManager:
+    manager = InstanceManager()
+    for inst, cluster, role in (
+        ("prfaas-p0", "prfaas", "prefill"), ("pd-p0", "pd", "prefill"), ("pd-d0", "pd", "decode")
+    ):  # fmt: skip
+        manager.add(InstanceState(inst, cluster, role, client=None))  # type: ignore[arg-type]
+    return manager
+
+
+def decision_cost(tokens: int, repeats: int) -> dict[str, Any]:
+    text = ("abcdefgh" * (tokens // 8 + 1))[:tokens]
+    raw = orjson.dumps({"model": "m", "prompt": text, "max_tokens": 16, "temperature": 0})
+    tok = ByteTokenizer()
+    ids = tok.encode(text)
+    hashes = hash_blocks(ids, BLOCK)
+    index, instances, policy = _index_with_blocks(ids), _instances(), PrfaasPolicy()
+    cached = index.longest_prefix(hashes)
+
+    def decide() -> object:
+        snap = RoutingSnapshot(len(ids), instances.views(cached), threshold=4096.0)
+        return policy.decide(snap)
+
+    stages = {
+        "parse": lambda: parse_sampling(load_json(raw)),
+        "tokenize": lambda: tok.encode(text),
+        "hash": lambda: hash_blocks(ids, BLOCK),
+        "index_lookup": lambda: index.longest_prefix(hashes),
+        "policy": decide,
+    }
+    row: dict[str, Any] = {"prompt_tokens": tokens, "index_blocks": len(index)}
+    for name, fn in stages.items():
+        row[f"{name}_us"] = _median_us(fn, repeats)
+    row["total_us"] = sum(row[f"{n}_us"] for n in stages)
+    return row
+
+
+# ------------------------------------------------------------------ part 2: overhead
+
+
+def _spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+
+
+def _gateway_config(path: Path, urls: list[str]) -> Path:
+    rows = [
+        ("prfaas-p0", "prfaas", "prefill"),
+        ("pd-p0", "pd", "prefill"),
+        ("pd-d0", "pd", "decode"),
+    ]
+    text = '[model]\nname = "null"\nblock_size = 16\ncontext_length = 65536\n'
+    text += "[gateway]\nthreshold = 256\nmax_running = 1024\n"
+    for (inst, cluster, role), url in zip(rows, urls, strict=True):
+        text += f'[[instances]]\nid = "{inst}"\ncluster = "{cluster}"\nrole = "{role}"\n'
+        text += f'url = "{url}"\n' + ("bootstrap_port = 8998\n" if role == "prefill" else "")
+    path.write_text(text)
+    return path
+
+
+def ensure_sglang_router() -> Path | None:
+    """The sglang-router venv's python, creating the venv if missing (needs PyPI)."""
+    python = SGLANG_VENV / "bin" / "python"
+    if not python.exists():
+        print(f"creating {SGLANG_VENV} and installing sglang-router from PyPI ...", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(SGLANG_VENV)], check=True)
+        done = subprocess.run([str(python), "-m", "pip", "install", "-q", "sglang-router"])
+        if done.returncode != 0:
+            print("could not install sglang-router; skipping it", flush=True)
+            return None
+    return python
+
+
+async def _wait_ready(session: aiohttp.ClientSession, url: str, timeout_s: float = 60) -> None:
+    body = {"model": "null", "prompt": "warm up", "max_tokens": 2}
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            async with session.post(f"{url}/v1/completions", json=body) as r:
+                if r.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.25)
+    raise RuntimeError(f"{url} did not become ready")
+
+
+async def _one(session: aiohttp.ClientSession, url: str, body: bytes) -> float:
+    start = time.perf_counter()
+    async with session.post(f"{url}/v1/completions", data=body,
+                            headers={"Content-Type": "application/json"}) as r:  # fmt: skip
+        await r.read()
+        if r.status != 200:
+            raise RuntimeError(f"{url}: HTTP {r.status}")
+    return time.perf_counter() - start
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def _latency(session: aiohttp.ClientSession, url: str, n: int) -> tuple[float, float]:
+    body = orjson.dumps({"model": "null", "prompt": PROMPT, "max_tokens": 8, "temperature": 0})
+    lat = [await _one(session, url, body) for _ in range(n)]
+    return _pct(lat, 0.5), _pct(lat, 0.99)
+
+
+async def _max_rate(session: aiohttp.ClientSession, url: str, seconds: float) -> float:
+    body = orjson.dumps({"model": "null", "prompt": PROMPT, "max_tokens": 8})
+    done = 0
+    stop = time.perf_counter() + seconds
+
+    async def worker() -> None:
+        nonlocal done
+        while time.perf_counter() < stop:
+            await _one(session, url, body)
+            done += 1
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(64)))
+    return done / (time.perf_counter() - start)
+
+
+async def overhead(
+    targets: dict[str, str], rounds: int, n: int, seconds: float
+) -> list[dict[str, Any]]:
+    rows: dict[str, dict[str, list[float]]] = {t: {} for t in targets}
+    connector = aiohttp.TCPConnector(limit=256)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        for url in targets.values():
+            await _wait_ready(session, url)
+        for _ in range(rounds):
+            base = None
+            for name, url in targets.items():
+                p50, p99 = await _latency(session, url, n)
+                base = base or (p50, p99)
+                rate = await _max_rate(session, url, seconds)
+                ms = {"p50_ms": p50, "p99_ms": p99, "added_p50_ms": p50 - base[0],
+                      "added_p99_ms": p99 - base[1]}  # fmt: skip
+                for key, value in {**{k: v * 1e3 for k, v in ms.items()}, "max_rps": rate}.items():
+                    rows[name].setdefault(key, []).append(value)
+    return [
+        {"target": t, **{k: statistics.median(v) for k, v in m.items()}} for t, m in rows.items()
+    ]
+
+
+def run_overhead(rounds: int, n: int, seconds: float) -> tuple[list[dict[str, Any]], str | None]:
+    logs = Path(tempfile.mkdtemp(prefix="prfaas-bench-gw-"))
+    ports = [free_port() for _ in range(3)]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    null = [sys.executable, "-m", "prfaas.engines.null", "--port"]
+    procs = [_spawn([*null, str(p)], logs / f"null{p}.log") for p in ports]
+    gw_port = free_port()
+    config = _gateway_config(logs / "deploy.toml", urls)
+    procs.append(_spawn([sys.executable, "-m", "prfaas.cli.main", "serve", "--config", str(config),
+                         "--port", str(gw_port)], logs / "gateway.log"))  # fmt: skip
+    targets = {"direct": urls[2], "prfaas-gateway": f"http://127.0.0.1:{gw_port}"}
+    note = None
+    python = ensure_sglang_router()
+    if python is not None:
+        sr_port = free_port()
+        argv = [str(python), "-m", "sglang_router.launch_router", "--pd-disaggregation",
+                "--prefill", urls[0], "8998", "--prefill", urls[1], "8999", "--decode", urls[2],
+                "--host", "127.0.0.1", "--port", str(sr_port), "--log-level", "warn"]  # fmt: skip
+        procs.append(_spawn(argv, logs / "sglang-router.log"))
+        targets["sglang-router"] = f"http://127.0.0.1:{sr_port}"
+    else:
+        note = "sglang-router unavailable (see message above)"
+    try:
+        return asyncio.run(overhead(targets, rounds, n, seconds)), note
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(10)
+
+
+# ------------------------------------------------------------------ report
+
+
+def _table(title: str, rows: list[dict[str, Any]]) -> None:
+    print(f"\n{title}")
+    keys = list(rows[0])
+    print("  ".join(f"{k:>14}" for k in keys))
+    for row in rows:
+        cells = (f"{v:>14.3f}" if isinstance(v, float) else f"{v!s:>14}" for v in row.values())
+        print("  ".join(cells))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=200, help="sequential, per target/round")
+    parser.add_argument("--rate-seconds", type=float, default=4.0)
+    parser.add_argument("--skip-overhead", action="store_true")
+    parser.add_argument("--json", type=Path, metavar="OUT")
+    args = parser.parse_args()
+    decisions = [decision_cost(n, 30 if n < 100_000 else 10) for n in (1024, 32768, 131072)]
+    _table("Part 1: routing decision cost (median us)", decisions)
+    result: dict[str, Any] = {"decision_cost": decisions}
+    if not args.skip_overhead:
+        rows, note = run_overhead(args.rounds, args.requests, args.rate_seconds)
+        _table("Part 2: overhead over null engines (medians over rounds; ms, req/s)", rows)
+        by = {r["target"]: r for r in rows}
+        if "sglang-router" in by:
+            ratio = by["prfaas-gateway"]["added_p50_ms"] / max(
+                by["sglang-router"]["added_p50_ms"], 1e-9
+            )
+            print(f"\nadded p50, ours / sglang-router: {ratio:.2f} (goal <= 1)")
+            result["added_p50_ratio_vs_sglang_router"] = ratio
+        result.update(overhead=rows, overhead_note=note, rounds=args.rounds, requests=args.requests)
+    if args.json:
+        args.json.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+
+
+if __name__ == "__main__":
+    main()
