@@ -75,7 +75,10 @@ class SendHandle:
 
         The arrays are referenced, not copied (non-contiguous ones are made contiguous):
         do not modify them until `wait()` returns. `blocks` is the [start, end) block-index
-        range a FULL_KV message covers. Layers arrive at the decode side in the order sent.
+        range a FULL_KV message covers. Layers arrive at the decode side in the order sent;
+        each layer number at most once per room. Once the transfer has failed (see `done`,
+        `wait()`), further sends are dropped silently so a running forward pass is not
+        interrupted.
 
         Raises:
             ValueError: bad kind or layer, duplicate layer, unsendable array, or after

@@ -42,7 +42,11 @@ TCP_ESTABLISHED = 1
 
 @dataclass(frozen=True)
 class TcpInfo:
-    """A TCP_INFO sample. Rates in bytes/s, times in seconds; None where the kernel lacks it."""
+    """A TCP_INFO sample. Rates in bytes/s, times in seconds; None where the kernel lacks it.
+
+    `bytes_acked` counts the acknowledged SYN too (RFC 4898), so it is one more than the
+    payload bytes acknowledged.
+    """
 
     state: int
     rtt_s: float
