@@ -145,7 +145,16 @@ class Transfer:
         return self._ended or self._error is not None
 
     def cancel(self, reason: str = "cancelled by decode") -> None:
-        """Give up: the prefill side's `wait()` raises; iteration raises TransferError."""
+        """Give up: the prefill side's `wait()` raises; iteration raises TransferError.
+
+        On a transfer that already completed this just drops the layers not yet taken
+        (a consumer that stops early must call it, or its layers keep the buffer full).
+        """
+        if self._ended:
+            self._items.clear()
+            self._owner.buffer_changed(-self._buffered)
+            self._buffered = 0
+            return
         self.fail(reason)
 
     def _take(self) -> LayerItem:

@@ -57,6 +57,24 @@ async def test_slow_consumer_stalls_the_sender_within_bounds() -> None:
         await pair.sender.close()
 
 
+async def test_cancel_after_completion_releases_the_buffer() -> None:
+    """A consumer that walks away from a completed transfer frees the receiver's buffer."""
+    pair = await make_pair()
+    try:
+        handle = pair.sender.open(9)
+        transfer = await pair.receiver.fetch("127.0.0.1", pair.port, 9, timeout_s=10)
+        handle.send_layer(0, Kind.FULL_KV, {"x": np.zeros(100_000, np.uint8)})
+        handle.finish()
+        await handle.wait()
+        link = next(iter(pair.receiver._links.values()))
+        assert link._buffered == 100_000
+        transfer.cancel()
+        assert link._buffered == 0 and (await transfer.complete()).layers == ()
+    finally:
+        await pair.receiver.close()
+        await pair.sender.close()
+
+
 async def test_window_bounds_in_flight_on_a_paced_link() -> None:
     """Paced at 4 MB/s with a 128 KiB window: in-flight never exceeds the window."""
     pair = await make_pair(
