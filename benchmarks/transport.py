@@ -434,7 +434,7 @@ def main() -> int:
             console.print(_table("shaped link (tc tbf over veth, median)", shaped, cols))
     if "overlap" in parts:
         workloads = {
-            "loop": lambda: LayerLoop(layers=16, tokens=512, hidden=1024, kv_mib=2),
+            "loop": lambda: LayerLoop(layers=16, tokens=1024, hidden=1024, kv_mib=4),
             "reference": lambda: ReferencePrefill(layers=32, tokens=1024),
         }
         rows = [bench_overlap(args.runs, workloads[w]()) for w in args.overlap.split(",")]
