@@ -8,7 +8,7 @@ so a layer's bytes are copied once, socket to final array memory.
 from __future__ import annotations
 
 import asyncio
-from typing import Protocol
+from typing import Protocol, cast
 
 from prfaas.engines.transport.errors import ProtocolError
 from prfaas.engines.transport.frames import HEADER_SIZE, Header, unpack_header
@@ -47,8 +47,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # a stream transport (uvloop's is not an asyncio.Transport subclass, same interface)
+        self.transport = cast(asyncio.Transport, transport)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self._target[self._filled :]
