@@ -165,12 +165,12 @@ class EngineCore:
     def _start_decoding(self, req: Request, token: int) -> None:
         req.output.append(token)
         reason = stop_reason(req, self.runner.shape.eos_token_id, self.detokenize)
+        if reason is None:
+            req.phase = Phase.RUNNING
+            self.running.append(req)
+        else:
+            self._finish(req, cache=True)  # before the event: a reply implies freed blocks
         req.emit(TokenEvent((token,), reason, req.cached_tokens))
-        if reason is not None:
-            self._finish(req, cache=True)
-            return
-        req.phase = Phase.RUNNING
-        self.running.append(req)
 
     def _decode_step(self) -> None:
         if self._batch_reqs != self.running:
@@ -187,9 +187,9 @@ class EngineCore:
             if batch.lengths[i] % bs == 0:
                 req.boundary = _linear_row(batch, i)
             reason = stop_reason(req, eos, self.detokenize)
-            req.emit(TokenEvent((token,), reason, req.cached_tokens))
             if reason is not None:
                 self._finish(req, cache=True)
+            req.emit(TokenEvent((token,), reason, req.cached_tokens))
 
     def _rebatch(self) -> None:
         """Re-stack the decode batch after requests joined or left."""

@@ -9,6 +9,7 @@ layers still compute.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -72,14 +73,19 @@ def _full_mask(cache: HybridCache, n: int) -> torch.Tensor | None:
     return (cols <= query_abs) & (cols >= starts)
 
 
+class _Active(threading.local):
+    listener: LayerListener | None = None
+    cache: HybridCache | None = None
+
+
 class ModelRunner:
-    """Runs a hybrid model on engine-owned `HybridCache`s; one call at a time (not thread-safe)."""
+    """Runs a hybrid model on engine-owned `HybridCache`s. Several runners may share one
+    model and run on different threads: the listener in force is per thread."""
 
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
         self.shape = model_shape(model)
-        self._listener: LayerListener | None = None
-        self._cache: HybridCache | None = None
+        self._active = _Active()
         for idx, layer in enumerate(model.model.layers):
             layer.register_forward_hook(self._hook(idx))
 
@@ -87,8 +93,9 @@ class ModelRunner:
         kind = self.shape.layer_types[idx]
 
         def hook(module: Any, args: Any, output: Any) -> None:
-            if self._listener is not None and self._cache is not None:
-                self._listener(idx, kind, self._cache)
+            listener, cache = self._active.listener, self._active.cache
+            if listener is not None and cache is not None:
+                listener(idx, kind, cache)
 
         return hook
 
@@ -101,14 +108,14 @@ class ModelRunner:
         n = input_ids.shape[1]
         positions = torch.tensor(cache.lengths).view(-1, 1) + torch.arange(n).view(1, n)
         masks = {FULL: _full_mask(cache, n), LINEAR: None}
-        self._listener, self._cache = listener, cache
+        self._active.listener, self._active.cache = listener, cache
         try:
             out = self.model(
                 input_ids=input_ids, attention_mask=masks, position_ids=positions,
                 cache=cache, use_cache=True, logits_to_keep=1,
             )  # fmt: skip
         finally:
-            self._listener, self._cache = None, None
+            self._active.listener, self._active.cache = None, None
         cache.advance(n)
         logits: torch.Tensor = out.logits[:, -1, :].float()
         return logits

@@ -46,9 +46,13 @@ def hf_greedy(model: PreTrainedModel, prompt: list[int], n: int) -> list[int]:
     """Plain `transformers` greedy generation of n tokens (EOS ignored): the reference."""
     ids = torch.tensor([prompt])
     out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-        eos_token_id=None, pad_token_id=model.config.pad_token_id,
-    )  # fmt: skip
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=n,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=model.config.pad_token_id,
+    )
     return [int(t) for t in out[0, len(prompt) :]]
 
 
