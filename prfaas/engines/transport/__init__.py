@@ -3,6 +3,24 @@
 Torch-free. Prefill side: `KVSender` + `SendHandle` (thread-safe `send_layer`); decode side:
 `KVReceiver` + `Transfer` (async iterator of layers, `complete()`). Frames carry an xxh3-64
 checksum; wire format in PROTOCOL.md. Pacing, added delay and TCP_INFO telemetry included.
+
+Prefill (one `KVSender` per process, started on the event loop)::
+
+    sender = KVSender(SenderConfig(connections=4))
+    await sender.start()                       # bootstrap_port goes into the request
+    handle = sender.open(room)                 # before or after the decode side fetches
+    # inside the forward pass, on a worker thread, right after layer i:
+    handle.send_layer(i, Kind.FULL_KV, {"k": k.numpy(), "v": v.numpy()}, blocks=(0, 8))
+    handle.send_aux("meta", orjson.dumps({"first_token": tok}))
+    handle.finish()
+    await handle.wait()                        # delivered, or TransferError
+
+Decode (one `KVReceiver` per process)::
+
+    transfer = await receiver.fetch(host, bootstrap_port, room, timeout_s=60)
+    async for layer, kind, arrays in transfer:  # in send order, each verified
+        ...
+    result = await transfer.complete()         # remaining layers + every aux payload
 """
 
 from __future__ import annotations

@@ -115,7 +115,7 @@ class ReceiverLink:
 
     async def _maintain(self, index: int) -> None:
         backoff = BACKOFF_S[0]
-        while self.transfers and not self.closed:
+        while self.transfers and not self.closed and index < (self._wanted or 1):
             try:
                 conn = await self._connect(index)
             except (OSError, TimeoutError, ProtocolError, KeyError, ValueError) as exc:
