@@ -67,5 +67,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"prfaas serve: error: {exc}", file=sys.stderr)
         return 2
     ready = functools.partial(print_ready, host=args.host)
+    if config.launch:
+        from prfaas.gateway.launched import serve_launched
+
+        return uvloop.run(serve_launched(config, args.host, args.port, on_ready=ready))
     uvloop.run(serve_gateway(config, args.host, args.port, on_ready=ready))
     return 0

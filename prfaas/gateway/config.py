@@ -13,13 +13,19 @@ threshold = 1024
 regime = "bandwidth_scarce"
 api_keys = []
 
-[[instances]]                # running engines (SGLang-compatible)
+[[instances]]                # running engines (SGLang-compatible), and/or ...
 id = "prfaas-p0"
 cluster = "prfaas"           # prfaas | pd
 role = "prefill"             # prefill | decode | both
 url = "http://127.0.0.1:30000"
 bootstrap_port = 8998        # prefill instances: where decode fetches KV
 kv_events = "tcp://127.0.0.1:5557"   # optional ZMQ KV event publisher
+
+[[launch]]                   # ... reference engines `prfaas serve` starts as children
+id = "pd-d0"
+cluster = "pd"
+role = "decode"
+model = "qwen3-next-tiny"
 ```
 
 Errors raise `ConfigError` naming the file, the key and the bad value.
@@ -132,20 +138,41 @@ class InstanceConfig:
 
 
 @dataclass(frozen=True)
+class LaunchConfig:
+    """A reference engine `prfaas serve` starts as a child process (page size = the model's
+    block size; KV events on a free local port)."""
+
+    id: str
+    cluster: Route
+    role: Role
+    model: str = "qwen3-next-tiny"
+    """Preset name or local checkpoint directory."""
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        _check(bool(self.id), "id", self.id, "must not be empty")
+        _check(self.cluster in _ROUTES, "cluster", self.cluster, f"must be one of {_ROUTES}")
+        _check(self.role in _ROLES, "role", self.role, f"must be one of {_ROLES}")
+        _check(self.threads >= 1, "threads", self.threads, "must be >= 1")
+
+
+@dataclass(frozen=True)
 class DeploymentConfig:
-    """A whole deployment: model, gateway, instances."""
+    """A whole deployment: model, gateway, running instances and engines to launch."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     instances: tuple[InstanceConfig, ...] = ()
+    launch: tuple[LaunchConfig, ...] = ()
 
     def __post_init__(self) -> None:
-        ids = [i.id for i in self.instances]
+        members: list[InstanceConfig | LaunchConfig] = [*self.instances, *self.launch]
+        ids = [i.id for i in members]
         dupes = sorted({i for i in ids if ids.count(i) > 1})
         _check(not dupes, "instances.id", dupes, "must be unique")
-        roles = {(i.cluster, i.role) for i in self.instances}
+        roles = {(i.cluster, i.role) for i in members}
         has_decode = any(c == "pd" and r in ("decode", "both") for c, r in roles)
-        _check(has_decode or not self.instances, "instances", ids, "need a decode in 'pd'")
+        _check(has_decode or not members, "instances", ids, "need a decode in 'pd'")
 
 
 def _check(ok: bool, key: str, value: object, why: str) -> None:
@@ -188,25 +215,29 @@ def _fits(value: Any, hint: Any) -> bool:
     return isinstance(value, hint)
 
 
+def _tables(cls: type[Any], raw: Any, where: str) -> tuple[Any, ...]:
+    if not isinstance(raw, list):
+        raise ConfigError(f"{where} must be an array of tables, got {raw!r}")
+    return tuple(_build(cls, t, f"{where} #{n}") for n, t in enumerate(raw))
+
+
 def parse_deployment(data: dict[str, Any], source: str = "<config>") -> DeploymentConfig:
     """Build a `DeploymentConfig` from a parsed TOML document.
 
     Raises:
         ConfigError: unknown or invalid keys (the message names `source`, key and value).
     """
-    unknown = sorted(set(data) - {"model", "gateway", "instances"})
+    unknown = sorted(set(data) - {"model", "gateway", "instances", "launch"})
     if unknown:
         raise ConfigError(f"{source}: unknown table(s) {unknown}")
     model = _build(ModelConfig, data.get("model", {}), f"{source} [model]")
     gateway = _build(GatewayConfig, data.get("gateway", {}), f"{source} [gateway]")
-    raw = data.get("instances", [])
-    if not isinstance(raw, list) or not raw:
-        raise ConfigError(f"{source}: [[instances]] must list at least one engine")
-    instances = tuple(
-        _build(InstanceConfig, t, f"{source} [[instances]] #{n}") for n, t in enumerate(raw)
-    )
+    instances = _tables(InstanceConfig, data.get("instances", []), f"{source} [[instances]]")
+    launch = _tables(LaunchConfig, data.get("launch", []), f"{source} [[launch]]")
+    if not instances and not launch:
+        raise ConfigError(f"{source}: [[instances]] or [[launch]] must list at least one engine")
     try:
-        return DeploymentConfig(model, gateway, instances)
+        return DeploymentConfig(model, gateway, instances, launch)
     except ValueError as exc:
         raise ConfigError(f"{source}: {exc}") from None
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from prfaas.common.hashing import hash_blocks
@@ -122,14 +122,18 @@ class Router:
     ) -> AsyncIterator[GenerateChunk]:
         prefill = self.instances[decision.prefill_instance]
         decode = self.instances[decision.decode_instance]
-        request = GenerateRequest(rid, ids, sampling, stream, self._bootstrap(prefill))
+        aggregated = prefill is decode  # one "both" instance: no hand-off, one call
+        bootstrap = None if aggregated else self._bootstrap(prefill)
+        request = GenerateRequest(rid, ids, sampling, stream, bootstrap)
         prefill.in_flight += 1
         decode.in_flight += 1
         last: GenerateChunk | None = None
+        chunks = decode.client.generate(request) if aggregated else _relay(prefill, decode, request)
         try:
-            async for chunk in _relay(prefill, decode, request):
-                last = chunk
-                yield chunk
+            async with contextlib.aclosing(chunks):  # closing aborts on the engines at once
+                async for chunk in chunks:
+                    last = chunk
+                    yield chunk
         finally:
             prefill.in_flight -= 1
             decode.in_flight -= 1
@@ -154,7 +158,7 @@ async def _drain_prefill(prefill: InstanceState, request: GenerateRequest) -> No
 
 async def _relay(
     prefill: InstanceState, decode: InstanceState, request: GenerateRequest
-) -> AsyncIterator[GenerateChunk]:
+) -> AsyncGenerator[GenerateChunk, None]:
     """Yield the decode stream while watching the prefill call: if prefill fails first,
     abort decode (it would only wait for KV that never comes) and raise. Once prefill has
     succeeded, the decode stream is read directly (no per-chunk task)."""

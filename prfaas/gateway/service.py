@@ -101,8 +101,11 @@ class CompletionService:
             if call.stream:
                 return await self._sse(request, acc, first, stream, headers)
             acc.add(first)
-            async for _, chunk in stream:
-                acc.add(chunk)
+            try:
+                async for _, chunk in stream:
+                    acc.add(chunk)
+            except EngineError as exc:
+                raise _engine_error(exc) from None
             return web.Response(
                 body=orjson.dumps(acc.final()), content_type="application/json", headers=headers
             )

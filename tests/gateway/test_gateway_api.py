@@ -5,6 +5,7 @@ Engines are null servers: these tests are about the gateway, not model output.""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import aiohttp
 import openai
@@ -172,3 +173,25 @@ async def test_models_metrics_and_admin_state(
     assert [i["id"] for i in state["clusters"]["pd"]] == ["pd-p0", "pd-d0"]
     assert all(i["healthy"] for i in state["clusters"]["prfaas"])
     assert health.status == 200
+
+
+async def test_aggregated_instance_gets_one_call(
+    null_engines: Engines, gateway_factory: GatewayFactory
+) -> None:
+    """When the PD cluster's prefill and decode are one `both` instance, the request goes
+    to it once, without a hand-off; long prompts still prefill in PrfaaS."""
+    urls = null_engines.urls
+    config = deployment(urls)
+    pd_both = replace(config.instances[2], id="pd-b0", role="both", bootstrap_port=9003)
+    config = replace(config, instances=(config.instances[0], pd_both))
+    url, _ = await gateway_factory(config)
+    client = _client(url)
+    raw = await client.completions.with_raw_response.create(model="tiny", prompt="hi", max_tokens=2)
+    assert raw.headers["x-prfaas-route"] == "pd"
+    assert raw.parse().choices[0].text == " t0 t1"
+    assert null_engines.servers["pd-d0"].served == 1
+    assert null_engines.servers["prfaas-p0"].served == 0
+    raw = await client.completions.with_raw_response.create(model="tiny", prompt=LONG, max_tokens=2)
+    assert raw.headers["x-prfaas-route"] == "prfaas"
+    assert null_engines.servers["prfaas-p0"].served == 1
+    assert null_engines.servers["pd-d0"].served == 2

@@ -86,7 +86,19 @@ def test_bad_toml_missing_file_and_no_instances(tmp_path: Path) -> None:
         load_deployment(_write(tmp_path, "[model\nname = 1"))
     with pytest.raises(ConfigError, match=r"nope\.toml"):
         load_deployment(tmp_path / "nope.toml")
-    with pytest.raises(ConfigError, match=r"\[\[instances\]\] must list"):
+    with pytest.raises(ConfigError, match=r"\[\[instances\]\] or \[\[launch\]\] must list"):
         load_deployment(_write(tmp_path, "[model]\nname = 'x'\n"))
     with pytest.raises(ConfigError, match="unknown table"):
         load_deployment(_write(tmp_path, GOOD + "\n[extra]\na = 1\n"))
+
+
+def test_launch_entries(tmp_path: Path) -> None:
+    """`[[launch]]` engines count toward the deployment (a launched decode suffices) and are
+    validated like instances."""
+    text = '[[launch]]\nid = "pd-d0"\ncluster = "pd"\nrole = "decode"\nthreads = 2\n'
+    config = load_deployment(_write(tmp_path, text))
+    assert config.instances == () and config.launch[0].threads == 2
+    with pytest.raises(ConfigError, match="threads = 0"):
+        load_deployment(_write(tmp_path, text.replace("threads = 2", "threads = 0")))
+    with pytest.raises(ConfigError, match="unique"):
+        load_deployment(_write(tmp_path, text + text))

@@ -9,6 +9,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 from conftest import start_app
 from gateway_helpers import Engines, GatewayFactory, deployment
 
@@ -150,3 +151,29 @@ async def test_engine_failure_after_health_is_502_or_503(
     assert not gateway.instances["pd-p0"].healthy  # the Router marked it down
     status, reply = await _post(f"{url}/v1/completions", {**OK_BODY, "prompt": "z" * 200})
     assert status == 200
+
+
+async def test_late_prefill_failure_is_502(
+    null_engines: Engines, gateway_factory: GatewayFactory
+) -> None:
+    """Decode answered but the prefill call then fails: a JSON 502, not a 500 traceback."""
+
+    async def failing(request: web.Request) -> web.Response:
+        await asyncio.sleep(0.2)
+        return web.json_response({"error": {"message": "hand-off failed"}}, status=500)
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    app = web.Application()
+    app.router.add_post("/generate", failing)
+    app.router.add_get("/health", ok)
+    runner, bad_url = await start_app(app)
+    try:
+        url, _ = await gateway_factory(deployment({**null_engines.urls, "pd-p0": bad_url}))
+        status, reply = await _post(f"{url}/v1/completions", OK_BODY)
+        _assert_error(status, reply, 502)
+        assert "hand-off failed" in reply["error"]["message"]
+        assert (await _post(f"{url}/v1/completions", {**OK_BODY, "prompt": "q" * 200}))[0] == 200
+    finally:
+        await runner.cleanup()
