@@ -19,6 +19,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+from yarl import URL
 
 from prfaas.engines.client import (
     BaseEngineClient,
@@ -32,6 +33,7 @@ from prfaas.engines.client import (
 
 logger = logging.getLogger(__name__)
 STATS_PATHS = ("/stats", "/get_load")
+JSON_HEADERS = {"Content-Type": "application/json"}
 _ROLES: dict[str, Role] = {"prefill": "prefill", "decode": "decode", "null": "both"}
 
 
@@ -132,6 +134,7 @@ class HttpEngineClient(BaseEngineClient):
     ) -> None:
         self.instance_id = instance_id
         self.base_url = base_url.rstrip("/")
+        self._generate_url = URL(f"{self.base_url}/generate")  # parsed once, not per call
         self._session = session
         self._config = config or HttpClientConfig()
         self._aborts: set[asyncio.Task[None]] = set()
@@ -158,9 +161,9 @@ class HttpEngineClient(BaseEngineClient):
 
     def _post_generate(self, request: GenerateRequest) -> Any:
         return self._session.post(
-            f"{self.base_url}/generate",
+            self._generate_url,
             data=orjson.dumps(request_body(request)),
-            headers={"Content-Type": "application/json"},
+            headers=JSON_HEADERS,
             timeout=self._generate_timeout,
         )
 
@@ -208,7 +211,7 @@ class HttpEngineClient(BaseEngineClient):
             method,
             f"{self.base_url}{path}",
             data=None if body is None else orjson.dumps(body),
-            headers={"Content-Type": "application/json"},
+            headers=JSON_HEADERS,
             timeout=self._control_timeout,
         ) as resp:
             raw = await resp.read()
