@@ -100,18 +100,18 @@ def _kv_events(
 async def serve(options: LaunchOptions) -> None:
     """Run the engine until SIGINT/SIGTERM."""
     app, service = build_app(options)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
     site = web.TCPSite(runner, options.host, options.port)
     await site.start()
-    port = runner.addresses[0][1]
-    print(f"prfaas engine ready: http://{options.host}:{port} role={service.core.role} "
-          f"bootstrap_port={service.sender.bootstrap_port}", flush=True)  # fmt: skip
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
+    port = runner.addresses[0][1]
+    print(f"prfaas engine ready: http://{options.host}:{port} role={service.core.role} "
+          f"bootstrap_port={service.sender.bootstrap_port}", flush=True)  # fmt: skip
     try:
         await stop.wait()
     finally:

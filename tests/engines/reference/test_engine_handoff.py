@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from pathlib import Path
 
 import aiohttp
 import numpy as np
@@ -21,6 +22,7 @@ from prfaas.engines.reference.handoff import (
     InProcessReceiver,
     InProcessSender,
 )
+from prfaas.engines.reference.presets import load_model, resolve
 from prfaas.engines.reference.runner import ModelRunner
 from prfaas.engines.reference.transport_handoff import TransportReceiver, TransportSender
 from prfaas.engines.transport import SenderConfig
@@ -166,3 +168,24 @@ async def test_in_process_sender_rejects_reuse_of_a_room() -> None:
     box.finish()
     with pytest.raises(ValueError, match="already"):
         sender.open(1)
+
+
+@pytest.mark.parametrize("preset", ["qwen3.5-tiny", "kimi-linear-tiny"])
+async def test_in_process_disaggregation_other_architectures(
+    engine_model_cache: Path, preset: str
+) -> None:
+    """The hand-off is architecture-generic: Qwen3.5 (GQA KV) and Kimi-Linear (MLA latents
+    and KDA states) decode exactly after a prefix hit on the prefill side."""
+    model = load_model(resolve(preset, engine_model_cache))
+    runner, hub = ModelRunner(model), InProcessHub()
+    prompt = random_prompt(5, 40)
+    async with (
+        engine_server(runner, hub, role="prefill") as pre,
+        engine_server(runner, hub, role="decode") as dec,
+        aiohttp.ClientSession() as s,
+    ):
+        port = pre.service.sender.bootstrap_port
+        await pd_generate(s, pre.url, dec.url, port, prompt, 5)
+        p, d = await pd_generate(s, pre.url, dec.url, port, prompt, 5)
+    assert p["meta_info"]["cached_tokens"] == 32  # type: ignore[index]
+    assert d["output_ids"] == hf_greedy(model, prompt, 5)
