@@ -68,8 +68,11 @@ async def test_connection_killed_mid_transfer_is_replaced_and_resent(side: str) 
         await eventually(lambda: transfer.nbytes > 200_000)
         peer = next(iter(pair.sender._peers.values()))
         link = next(iter(pair.receiver._links.values()))
+        # kill at a moment some frames are in flight (so something must be re-sent)
+        await eventually(lambda: bool(peer._unacked), timeout_s=10)
         if side == "sender":
-            peer.connections[1].writer.transport.abort()
+            busy = next(iter(peer._unacked.values())).conn
+            busy.writer.transport.abort()
         else:
             for conn in list(link.conns.values()):
                 assert conn.transport is not None
