@@ -67,8 +67,13 @@ async def _run_sender(args: argparse.Namespace) -> None:
         handle.finish()
         await handle.wait()
         runs.append({"wall_s": time.perf_counter() - wall0, "cpu_s": time.process_time() - cpu0})
-    telemetry = sender.telemetry()
-    print("RESULT " + orjson.dumps({"runs": runs, "resent": telemetry.resent_bytes}).decode())
+    telemetry = sender.telemetry()  # connections still up: TCP_INFO of the whole run
+    stats = {
+        "resent_bytes": telemetry.resent_bytes,
+        "retransmission_rate": telemetry.retransmission_rate,
+        "rtt_ms": (telemetry.rtt_s or 0.0) * 1e3,
+    }
+    print("RESULT " + orjson.dumps({"runs": runs, "tcp": stats}).decode())
     await sender.close()
 
 
@@ -110,7 +115,7 @@ def _result(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
 
 def transfer_runs(
     connections: int, layers: int, layer_mib: int, rooms: int, netns: tuple[str, str] | None
-) -> list[dict[str, float]]:
+) -> tuple[list[dict[str, float]], dict[str, float]]:
     """Start a sender and a receiver process; per-room goodput and CPU (first room: warm-up)."""
     host_s, host_r = ("10.77.0.1", "10.77.0.1") if netns else ("127.0.0.1", "127.0.0.1")
     sender = subprocess.Popen(
@@ -141,7 +146,7 @@ def transfer_runs(
             "receiver_cpu_s_per_GB": r["cpu_s"] / (nbytes / GB),
         }
         for s, r in zip(sent["runs"][1:], got["runs"][1:], strict=True)
-    ]
+    ], sent["tcp"]
 
 
 def _median(runs: list[dict[str, float]]) -> dict[str, float]:
@@ -151,8 +156,8 @@ def _median(runs: list[dict[str, float]]) -> dict[str, float]:
 def bench_loopback(runs: int) -> list[dict[str, Any]]:
     rows = []
     for connections in (1, 2, 4, 8):
-        measured = transfer_runs(connections, layers=32, layer_mib=8, rooms=runs, netns=None)
-        rows.append({"connections": connections, **_median(measured), "runs": measured})
+        measured, tcp = transfer_runs(connections, 32, 8, runs, None)
+        rows.append({"connections": connections, **_median(measured), **tcp, "runs": measured})
     return rows
 
 
@@ -196,7 +201,7 @@ def bench_shaped(runs: int) -> list[dict[str, Any]] | str:
         for connections in (1, 4):
             try:
                 with shaped_link(rate_bits) as namespaces:
-                    measured = transfer_runs(connections, 8, layer_mib, runs, namespaces)
+                    measured, tcp = transfer_runs(connections, 8, layer_mib, runs, namespaces)
             except subprocess.CalledProcessError as exc:
                 return f"skipped: could not build the shaped link: {exc.stderr.strip()}"
             med = _median(measured)
@@ -208,6 +213,7 @@ def bench_shaped(runs: int) -> list[dict[str, Any]] | str:
                     "shaped_gbps": shaped_gbps,
                     "fraction_of_shaped": med["goodput_gbps"] / shaped_gbps,
                     **med,
+                    **tcp,
                     "runs": measured,
                 }
             )
@@ -430,7 +436,8 @@ def main() -> int:
         if isinstance(shaped, str):
             console.print(f"shaped link: {shaped}")
         else:
-            cols = ["link", "connections", "goodput_gbps", "fraction_of_shaped", "cpu_s_per_GB"]
+            cols = ["link", "connections", "goodput_gbps", "fraction_of_shaped", "cpu_s_per_GB",
+                    "rtt_ms", "retransmission_rate", "resent_bytes"]  # fmt: skip
             console.print(_table("shaped link (tc tbf over veth, median)", shaped, cols))
     if "overlap" in parts:
         workloads = {
