@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from transport_helpers import assert_same, eventually, make_pair
 
-from prfaas.engines.transport import Kind, ReceiverConfig, SenderConfig
+from prfaas.engines.transport import Kind, KVReceiver, ReceiverConfig, SenderConfig
 
 pytestmark = pytest.mark.timeout(60)
 MIB = 2**20
@@ -156,5 +156,33 @@ async def test_added_delay_shifts_but_does_not_serialise() -> None:
         elapsed = loop.time() - start
         assert 0.2 <= elapsed < 1.5
     finally:
+        await pair.receiver.close()
+        await pair.sender.close()
+
+
+async def test_process_rate_caps_all_peers_together() -> None:
+    """Two decode peers share one process-wide 5 MB/s cap: 2 MB in total take >= ~0.37 s,
+    and per-peer telemetry adds up."""
+    pair = await make_pair(SenderConfig(process_rate_bytes_per_s=5e6, chunk_bytes=65536))
+    second = KVReceiver()
+    loop = asyncio.get_running_loop()
+    try:
+        handles = [pair.sender.open(room) for room in (1, 2)]
+        transfers = [
+            await receiver.fetch("127.0.0.1", pair.port, room, timeout_s=30)
+            for receiver, room in ((pair.receiver, 1), (second, 2))
+        ]
+        await eventually(lambda: sum(len(p.connections) for p in pair.sender._peers.values()) == 8)
+        start = loop.time()
+        for handle in handles:
+            handle.send_layer(0, Kind.FULL_KV, {"x": np.ones(1_000_000, np.uint8)})
+            handle.finish()
+        await asyncio.gather(*(t.complete() for t in transfers))
+        assert loop.time() - start >= 0.37
+        telemetry = pair.sender.telemetry()
+        assert telemetry.peers == 2 and telemetry.capacity_bytes_per_s == 5e6
+        assert len({c.peer for c in telemetry.connections}) == 2
+    finally:
+        await second.close()
         await pair.receiver.close()
         await pair.sender.close()
