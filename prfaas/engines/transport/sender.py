@@ -53,6 +53,7 @@ class KVSender:
         self._bucket: TokenBucket | None = None
         self._handshakes: set[asyncio.Task[None]] = set()
         self._resent_closed = 0  # resent bytes of peers already gone
+        self._closing = False
 
     async def start(self) -> None:
         """Bind the bootstrap listener (config.host, config.port)."""
@@ -83,6 +84,8 @@ class KVSender:
         """
         if self._loop is None or self._server is None:
             raise RuntimeError("KVSender.start() has not been awaited")
+        if self._closing:
+            raise RuntimeError("KVSender is closed")
         if not isinstance(room, int) or not 0 <= room <= MAX_ROOM:
             raise ValueError(f"room must be an integer in 0..2**64-1, got {room!r}")
         handle = SendHandle(
@@ -193,6 +196,9 @@ class KVSender:
         ):
             writer.close()
             return
+        if self._closing:
+            writer.close()
+            return
         welcome = {
             "connections": self.config.connections,
             "window_bytes": self.config.window_bytes,
@@ -249,6 +255,7 @@ class KVSender:
 
     async def close(self) -> None:
         """Fail open transfers, close connections and the listener; idempotent."""
+        self._closing = True
         handles = list(self._rooms.values())
         for handle in handles:
             handle.fail("sender closed")
