@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -195,6 +196,8 @@ def shaped_link(rate_bits: str) -> Iterator[tuple[str, str]]:
 def bench_shaped(runs: int) -> list[dict[str, Any]] | str:
     if os.geteuid() != 0:
         return "skipped: needs root for ip netns / tc"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "skipped: iproute2 (ip, tc) is not installed"
     rows = []
     for rate_bits, rate in SHAPED_RATES.items():
         layer_mib = 4 if rate < 1e8 else 16  # ~1.3 s (200 Mbit) / ~1.1 s (1 Gbit) per run
