@@ -9,6 +9,7 @@ the network: `from_pretrained` only ever sees a local directory.
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,17 +111,24 @@ def resolve(model: str, cache_dir: Path | None = None) -> ModelSource:
 
 
 def materialise(name: str, path: Path) -> None:
-    """Write preset `name` (seeded random weights) to `path` unless already there."""
+    """Write preset `name` (seeded random weights) to `path` unless already there.
+
+    Safe against concurrent engines: each writes a private temporary directory and renames
+    it into place; a loser of the race discards its identical copy.
+    """
     if (path / "config.json").is_file():
         return
-    torch.manual_seed(PRESET_SEED)
-    config = PRESETS[name]()
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
+    with torch.random.fork_rng():  # do not disturb the caller's global RNG
+        torch.manual_seed(PRESET_SEED)
+        model = AutoModelForCausalLM.from_config(PRESETS[name](), dtype=torch.float32)  # type: ignore[no-untyped-call]
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     model.save_pretrained(tmp)
-    if path.exists():  # another process won the race; its copy is identical (same seed)
-        return
-    tmp.replace(path)
+    try:
+        tmp.rename(path)
+    except OSError:
+        if not (path / "config.json").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def load_model(source: ModelSource) -> PreTrainedModel:

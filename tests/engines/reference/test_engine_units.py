@@ -1,0 +1,143 @@
+"""Small pure pieces: sampling parameters and sampling, `/generate` parsing, engine config,
+byte tokenizer, KV page storage."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prfaas.common.tokenizer import ByteTokenizer, ChatMessage
+from prfaas.engines.reference.config import EngineConfig
+from prfaas.engines.reference.hybrid_cache import SeqState
+from prfaas.engines.reference.protocol import parse_generate
+from prfaas.engines.reference.sampling import (
+    InvalidRequest,
+    SamplingParams,
+    make_generator,
+    sample,
+)
+from prfaas.engines.reference.storage import KVStorage
+
+
+def test_sampling_params_parse_sglang_json() -> None:
+    params = SamplingParams.from_json(
+        {
+            "max_new_tokens": 5,
+            "temperature": 0,
+            "stop": "x",
+            "stop_token_ids": [3],
+            "top_k": 4,
+            "seed": 1,
+            "ignore_eos": True,
+        }
+    )
+    assert params == SamplingParams(5, 0.0, 1.0, 4, 0.0, ("x",), (3,), True, 1)
+    assert params.greedy and SamplingParams.from_json(None) == SamplingParams()
+
+
+@pytest.mark.parametrize(
+    ("raw", "needle"),
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"max_new_tokens": True}, "max_new_tokens"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"stop": [1]}, "stop"),
+        ({"stop": [""]}, "stop"),
+        ({"ignore_eos": "yes"}, "ignore_eos"),
+        ({"beam": 2}, "unknown sampling_params field(s): beam"),
+        ([1], "must be an object"),
+    ],
+)
+def test_sampling_params_reject_bad_values_by_name(raw: object, needle: str) -> None:
+    with pytest.raises(InvalidRequest, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        SamplingParams.from_json(raw)
+
+
+def test_sample_respects_top_k_top_p_and_seed() -> None:
+    logits = torch.tensor([0.0, 5.0, 4.9, -3.0, 1.0])
+    greedy = SamplingParams(temperature=0)
+    assert sample(logits, greedy, make_generator(greedy)) == 1
+    top2 = SamplingParams(top_k=2, seed=3)
+    picks = {sample(logits, top2, make_generator(top2)) for _ in range(20)}
+    assert picks <= {1, 2}
+    nucleus = SamplingParams(top_p=0.01, seed=3)
+    assert sample(logits, nucleus, make_generator(nucleus)) == 1
+    seeded = SamplingParams(seed=42)
+    a, b = make_generator(seeded), make_generator(seeded)
+    assert [sample(logits, seeded, a) for _ in range(8)] == [
+        sample(logits, seeded, b) for _ in range(8)
+    ]
+
+
+def test_parse_generate_and_bootstrap() -> None:
+    inp = parse_generate(
+        {
+            "input_ids": [1, 2],
+            "stream": True,
+            "rid": "r",
+            "bootstrap_host": "h",
+            "bootstrap_port": 9,
+            "bootstrap_room": 2**64 - 1,
+        }
+    )
+    assert inp.input_ids == [1, 2] and inp.stream and inp.rid == "r"
+    assert inp.bootstrap is not None and inp.bootstrap.room == 2**64 - 1
+    for bad in (
+        {"text": 1},
+        {"text": "a", "stream": "no"},
+        {"text": "a", "bootstrap_room": -1, "bootstrap_host": "h", "bootstrap_port": 1},
+        {"input_ids": [1.5]},
+        "text",
+    ):
+        with pytest.raises(InvalidRequest):
+            parse_generate(bad)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"role": "router"}, "role"),
+        ({"max_batch": 0}, "max_batch"),
+        ({"kv_capacity_tokens": 10}, "kv_capacity_tokens"),
+        ({"block_size": 0}, "block_size"),
+        ({"handoff_timeout_s": 0}, "handoff_timeout_s"),
+    ],
+)
+def test_engine_config_names_the_bad_value(kwargs: dict[str, object], needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        EngineConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_byte_tokenizer_round_trip_and_chat() -> None:
+    tok = ByteTokenizer()
+    text = "héllo, 世界"
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.decode([*tok.encode("a"), tok.eos_token_id, 300, *tok.encode("b")]) == "ab"
+    ids = tok.apply_chat_template([ChatMessage("user", "hi")])
+    assert ids[0] == tok.bos_token_id and tok.decode(ids).endswith("<|assistant|>\n")
+    assert max(ids) < tok.vocab_size
+
+
+def test_storage_round_trips_pages_and_state_slots() -> None:
+    """KV written into arbitrary pages and gathered back equals the original; state slots
+    copy in and out."""
+    storage = KVStorage(num_blocks=8, block_size=4, num_slots=2)
+    keys = torch.arange(2 * 12 * 3, dtype=torch.float32).reshape(1, 2, 12, 3)
+    state = SeqState(
+        length=12,
+        keys={3: keys},
+        values={3: -keys},
+        conv={0: torch.ones(1, 5, 4)},
+        rec={0: torch.full((1, 2, 3, 3), 7.0)},
+    )
+    storage.write_blocks(state, [6, 1, 4], first=0)
+    got = storage.gather([6, 1])
+    assert got.length == 8 and torch.equal(got.keys[3], keys[..., :8, :])
+    assert torch.equal(got.values[3], -keys[..., :8, :])
+    storage.save_state(1, state)
+    storage.load_state(1, got)
+    assert torch.equal(got.conv[0], state.conv[0]) and torch.equal(got.rec[0], state.rec[0])
+    with pytest.raises(ValueError, match="sequence has 12"):
+        storage.write_blocks(state, [0, 2, 3, 5], first=0)
