@@ -46,7 +46,11 @@ def run_json(result: SimResult, found: FindMaxResult | None = None) -> dict[str,
 def _fmt(value: Any, spec: str = ".3g") -> str:
     if value is None:
         return "-"
-    return format(value, spec) if isinstance(value, float | int) else str(value)
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, int) or (isinstance(value, float) and abs(value) >= 1000):
+        return f"{value:,.0f}"
+    return format(value, spec) if isinstance(value, float) else str(value)
 
 
 def run_table(result: SimResult, found: FindMaxResult | None = None) -> Table:

@@ -148,3 +148,24 @@ def test_bisection_agrees_with_capacity(
     assert 0.92 * capacity <= found.lambda_max <= 1.02 * capacity
     assert found.best.metrics.stable
     assert any(not ok for _, ok in found.probes)
+
+
+def test_light_load_ttft_is_the_papers_prefill_only_ttft(
+    profile: DeploymentProfile,
+    deps: dict[str, Deployment],
+    workload: Workload,
+    paper: dict[str, dict[str, float]],
+) -> None:
+    """At 0.2 req/s nothing queues, and simulated TTFT (prefill + transfer tail + one decode
+    step) lands on the paper's Table 6 TTFT, which is prefill time without queueing."""
+    keys = {
+        "prfaas_pd": "prfaas_pd",
+        "homogeneous": "homogeneous_pd",
+        "naive_heterogeneous": "naive_heterogeneous_pd",
+    }
+    for name, key in keys.items():
+        plan_ = SimPlan(deps[name], workload, RateArrivals(0.2), 1500.0)
+        m = simulate(profile, plan_, SimOptions()).metrics
+        print(f"{name}: light-load TTFT {m.ttft_mean_s:.2f} / {m.ttft_p90_s:.2f}")
+        assert m.ttft_mean_s == pytest.approx(paper[key]["ttft_mean_s"], rel=0.15), name
+        assert m.ttft_p90_s == pytest.approx(paper[key]["ttft_p90_s"], rel=0.2), name
