@@ -46,6 +46,22 @@ def _left_pad(tensors: Sequence[torch.Tensor], lengths: Sequence[int]) -> torch.
     return torch.cat(padded, dim=0)
 
 
+def _append(cached: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """`cat([cached, new], dim=-2)`, in place when `cached` is a view of a buffer with room.
+
+    The result is a view `buffer[..., :width, :]`; the buffer's spare positions past the
+    view are never read (masks and `row` only look at real positions)."""
+    width, n = cached.shape[-2], new.shape[-2]
+    base = cached._base if cached._base is not None else cached
+    room = base.shape[-2] if base.shape[:-2] == cached.shape[:-2] else width
+    if width + n > room or base.data_ptr() != cached.data_ptr() or not base.is_contiguous():
+        room = max(2 * width, width + n, 64)
+        base = cached.new_empty((*cached.shape[:-2], room, cached.shape[-1]))
+        base[..., :width, :] = cached
+    base[..., width : width + n, :] = new
+    return base[..., : width + n, :]
+
+
 class HybridCache:
     """Batched hybrid state for one forward pass; mutated in place by the model's layers."""
 
@@ -93,12 +109,16 @@ class HybridCache:
     def update(
         self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append this step's keys/values of a full-attention layer; return the whole KV."""
-        if layer_idx in self.keys:
-            key = torch.cat([self.keys[layer_idx], key], dim=-2)
-            value = torch.cat([self.values[layer_idx], value], dim=-2)
-        self.keys[layer_idx], self.values[layer_idx] = key, value
-        return key, value
+        """Append this step's keys/values of a full-attention layer; return the whole KV.
+
+        Appends go into a buffer with spare room (doubling when full), so a decode step
+        writes one position instead of copying the whole cache."""
+        if layer_idx not in self.keys:
+            self.keys[layer_idx], self.values[layer_idx] = key, value
+            return key, value
+        self.keys[layer_idx] = _append(self.keys[layer_idx], key)
+        self.values[layer_idx] = _append(self.values[layer_idx], value)
+        return self.keys[layer_idx], self.values[layer_idx]
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         return self.conv.get(layer_idx)
