@@ -12,6 +12,12 @@ import argparse
 import dataclasses
 import functools
 import sys
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from prfaas.gateway.config import DeploymentConfig
+    from prfaas.gateway.gateway import Gateway
 
 HELP = "Run the OpenAI-compatible PrfaaS gateway (embedded default deployment without --config)."
 
@@ -44,32 +50,60 @@ def _overrides(args: argparse.Namespace) -> dict[str, object]:
 def run(args: argparse.Namespace) -> int:
     import logging
 
-    import uvloop
-
-    from prfaas.gateway.config import ConfigError, load_deployment
-    from prfaas.gateway.server import serve_gateway
-    from prfaas.gateway.summary import print_ready
-
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    if args.config is None:
-        from prfaas.gateway.embedded import EmbeddedOptions, serve_embedded
-
-        options = EmbeddedOptions.from_args(args, _overrides(args))
-        return uvloop.run(serve_embedded(options, args.host, args.port))
     try:
-        config = load_deployment(args.config)
-        gateway = dataclasses.replace(config.gateway, **_overrides(args))  # type: ignore[arg-type]
-        config = dataclasses.replace(config, gateway=gateway)
-        from prfaas.policies.registry import create_policy
-
-        create_policy(config.gateway.policy)
-    except (ConfigError, ValueError) as exc:
+        main = _embedded(args) if args.config is None else _configured(args)
+    except ValueError as exc:  # ConfigError included
         print(f"prfaas serve: error: {exc}", file=sys.stderr)
         return 2
+    return _run(main)
+
+
+def _embedded(args: argparse.Namespace) -> Coroutine[Any, Any, int]:
+    from prfaas.gateway.embedded import EmbeddedOptions, serve_embedded
+    from prfaas.policies.registry import create_policy
+
+    options = EmbeddedOptions.from_args(args, _overrides(args))
+    create_policy(options.gateway.policy)
+    return serve_embedded(options, args.host, args.port)
+
+
+def _configured(args: argparse.Namespace) -> Coroutine[Any, Any, int]:
+    from prfaas.gateway.config import load_deployment
+    from prfaas.gateway.summary import print_ready
+    from prfaas.policies.registry import create_policy
+
+    config = load_deployment(args.config)
+    gateway = dataclasses.replace(config.gateway, **_overrides(args))  # type: ignore[arg-type]
+    config = dataclasses.replace(config, gateway=gateway)
+    create_policy(config.gateway.policy)
     ready = functools.partial(print_ready, host=args.host)
     if config.launch:
         from prfaas.gateway.launched import serve_launched
 
-        return uvloop.run(serve_launched(config, args.host, args.port, on_ready=ready))
-    uvloop.run(serve_gateway(config, args.host, args.port, on_ready=ready))
+        return serve_launched(config, args.host, args.port, on_ready=ready)
+    return _served(config, args.host, args.port, ready)
+
+
+async def _served(
+    config: DeploymentConfig, host: str, port: int, ready: Callable[[Gateway, int], None]
+) -> int:
+    from prfaas.gateway.server import serve_gateway
+
+    await serve_gateway(config, host, port, on_ready=ready)
     return 0
+
+
+def _run(main: Coroutine[Any, Any, int]) -> int:
+    import asyncio
+
+    import uvloop
+
+    try:
+        return uvloop.run(main)
+    except asyncio.CancelledError:
+        print("prfaas serve: stopped during start-up; engines stopped", file=sys.stderr)
+        return 130
+    except (RuntimeError, OSError) as exc:
+        print(f"prfaas serve: error: {exc}", file=sys.stderr)
+        return 1

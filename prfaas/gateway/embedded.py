@@ -25,7 +25,7 @@ from prfaas.gateway.engine_procs import EngineProcess, EngineSpec, free_port, st
 from prfaas.gateway.gateway import Gateway
 from prfaas.gateway.link import LinkConfig, LinkEmulator
 from prfaas.gateway.profiling import MeasuredProfile, Pair, Workload, measure, plan_threshold
-from prfaas.gateway.server import serve_gateway
+from prfaas.gateway.server import serve_gateway, signals_cancel_current_task
 from prfaas.gateway.summary import summary_lines
 
 DEFAULT_LINK_MBPS = 10.0
@@ -167,14 +167,16 @@ async def serve_embedded(options: EmbeddedOptions, host: str, port: int) -> int:
     """Run the embedded deployment until a signal; returns an exit code."""
     log_dir = Path(tempfile.mkdtemp(prefix="prfaas-serve-"))
     print(f"starting 3 reference engines ({options.model}); logs in {log_dir}", flush=True)
-    cluster = await start_cluster(options, log_dir)
+    with signals_cancel_current_task():
+        cluster = await start_cluster(options, log_dir)
     telemetry: asyncio.Task[None] | None = None
     try:
         assert cluster.link is not None
         if options.threshold_override is not None:
             t, lines = options.threshold_override, ["  planner    skipped (--threshold given)"]
         else:
-            t, lines = await profile_and_plan(cluster, options)
+            with signals_cancel_current_task():
+                t, lines = await profile_and_plan(cluster, options)
         link_state: dict[str, Any] = {
             "rate_bytes_per_s": options.link.rate_bytes_per_s,
             "delay_s": options.link.delay_s,

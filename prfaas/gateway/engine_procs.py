@@ -109,6 +109,9 @@ async def start_engine(
         await stop_process(process)
         tail = log.read_text(errors="replace")[-2000:]
         raise RuntimeError(f"engine {spec.name} did not start (log {log}):\n{tail}") from None
+    except BaseException:  # cancelled while starting: never leave the child behind
+        await asyncio.shield(stop_process(process))
+        raise
     drain = asyncio.get_running_loop().create_task(_drain(process.stdout))
     url, port = match.group(1).decode(), int(match.group(3))
     return EngineProcess(spec, process, url, port, log, drain)

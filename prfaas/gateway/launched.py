@@ -12,7 +12,7 @@ from pathlib import Path
 from prfaas.gateway.config import DeploymentConfig, InstanceConfig, LaunchConfig
 from prfaas.gateway.engine_procs import EngineProcess, EngineSpec, free_port, start_engine
 from prfaas.gateway.gateway import Gateway
-from prfaas.gateway.server import serve_gateway
+from prfaas.gateway.server import serve_gateway, signals_cancel_current_task
 
 
 def _spec(launch: LaunchConfig, page_size: int) -> EngineSpec:
@@ -49,7 +49,8 @@ async def serve_launched(
     """Start the `[[launch]]` engines, serve the whole deployment, stop them on exit."""
     log_dir = Path(tempfile.mkdtemp(prefix="prfaas-serve-"))
     print(f"starting {len(config.launch)} reference engine(s); logs in {log_dir}", flush=True)
-    engines = await start_launched(config, log_dir)
+    with signals_cancel_current_task():
+        engines = await start_launched(config, log_dir)
     try:
         started = tuple(_instance(la, e) for la, e in zip(config.launch, engines, strict=True))
         full = dataclasses.replace(config, instances=config.instances + started, launch=())

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 
 from aiohttp import web
 
@@ -26,6 +28,22 @@ async def wait_for_signal() -> None:
             loop.remove_signal_handler(sig)
 
 
+@contextlib.contextmanager
+def signals_cancel_current_task() -> Iterator[None]:
+    """While starting up (engines, profiling), SIGINT/SIGTERM cancel the current task, so
+    its cleanup (stopping children) runs instead of the process dying mid-way."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, task.cancel)
+    try:
+        yield
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
 async def serve_gateway(
     config: DeploymentConfig,
     host: str,
@@ -42,6 +60,7 @@ async def serve_gateway(
         site = web.TCPSite(runner, host, port)
         await site.start()
         bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        gc.freeze()  # start-up objects never die: keep them out of every later collection
         if on_ready is not None:
             on_ready(app[GATEWAY], bound)
         await wait_for_signal()

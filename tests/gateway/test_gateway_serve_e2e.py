@@ -208,3 +208,24 @@ def test_sigterm_stops_gateway_and_engines(running: Running) -> None:
     assert running.gateway.wait(20) == 0
     assert time.monotonic() - start < 15
     assert not [c for c in children if Path(f"/proc/{c}").exists()]
+
+
+def test_sigterm_during_startup_stops_the_children() -> None:
+    """SIGTERM while the engines are still loading: the started children are stopped too,
+    and the gateway exits with a message instead of leaving orphans."""
+    gateway = _spawn("serve", "--port", "0")
+    try:
+        deadline = time.monotonic() + 60
+        while len(_children(gateway.pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        children = _children(gateway.pid)
+        assert len(children) == 3
+        time.sleep(1.0)
+        gateway.send_signal(signal.SIGTERM)
+        out, _ = gateway.communicate(timeout=20)
+    finally:
+        if gateway.poll() is None:
+            gateway.kill()
+    assert gateway.returncode == 130, out
+    assert "stopped during start-up" in out
+    assert not [c for c in children if Path(f"/proc/{c}").exists()]
