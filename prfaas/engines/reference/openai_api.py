@@ -26,6 +26,7 @@ from prfaas.engines.reference.streaming import (
     read_json,
     send_sse,
     stable_text,
+    visible_text,
 )
 
 _COMMON = frozenset({
@@ -124,7 +125,7 @@ async def _serve(
         usage = isinstance(options, Mapping) and bool(options.get("include_usage"))
         return await _stream(request, events, head, usage)
     result = await collect(events)
-    text = request.app[TOKENIZER].decode(result.output_ids)
+    text = visible_text(request.app[TOKENIZER].decode(result.output_ids), result.finish_reason)
     finish = openai_finish(result.finish_reason)
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
     choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
@@ -175,7 +176,7 @@ async def _stream(
             response = response or await open_sse(request)
             ids.extend(event.token_ids)
             final = event.finish_reason is not None
-            text = stable_text(decode(ids), final)
+            text = visible_text(stable_text(decode(ids), final), event.finish_reason)
             finish = openai_finish(event.finish_reason)
             await send_sse(response, head.chunk(text[len(sent) :], finish, first))
             sent, first = text, False

@@ -56,6 +56,12 @@ class SamplingParams:
             return cls()
         if not isinstance(raw, Mapping):
             raise InvalidRequest(f"sampling_params must be an object, got {raw!r}")
+        raw = dict(raw)
+        if "sampling_seed" in raw:  # SGLang's name for the seed
+            if raw.get("seed") is not None:
+                raise InvalidRequest("give either seed or sampling_seed, not both")
+            raw["seed"] = raw.pop("sampling_seed")
+        raw.pop("no_stop_trim", None)  # accepted for SGLang compatibility; text is trimmed
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:

@@ -28,6 +28,7 @@ from prfaas.engines.reference.streaming import (
     read_json,
     send_sse,
     stable_text,
+    visible_text,
 )
 from prfaas.engines.reference.tokenizers import EngineTokenizer
 
@@ -53,6 +54,7 @@ def _result(
     tok: EngineTokenizer, inp: GenerateInput, rid: str, r: Collected, n: int, start: float
 ) -> dict[str, Any]:
     text = stable_text(tok.decode(r.output_ids), final=r.finish_reason is not None)
+    text = visible_text(text, r.finish_reason)
     return generate_json(
         rid=rid, text=text, output_ids=list(r.output_ids), finish_reason=r.finish_reason,
         prompt_tokens=n, cached_tokens=r.cached_tokens, e2e_latency=time.monotonic() - start,
@@ -103,7 +105,13 @@ async def server_info(request: web.Request) -> web.Response:
         "num_state_slots": pool.num_state_slots,
         "max_batch": core.config.max_batch,
         "bootstrap_port": service.sender.bootstrap_port,
+        # SGLang's names, read by PD routers:
+        "served_model_name": info.model,
+        "host": request.url.host,
+        "port": request.url.port,
         "disaggregation_mode": core.role if core.role != "both" else "null",
+        "disaggregation_bootstrap_host": request.url.host,
+        "disaggregation_bootstrap_port": service.sender.bootstrap_port,
         "last_role_switch_s": service.last_switch_s,
     }
     return web.json_response(body)
@@ -134,6 +142,18 @@ async def stats(request: web.Request) -> web.Response:
 async def flush_cache(request: web.Request) -> web.Response:
     request.app[SERVICE].flush_cache()
     return web.json_response({"status": "ok", "message": "prefix cache flush queued"})
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    """SGLang `/abort_request {"rid": ...}`: abort one request (200 even if already done)."""
+    try:
+        body = await read_json(request)
+        if not isinstance(body, dict) or not isinstance(body.get("rid"), str):
+            raise InvalidRequest('the body must be {"rid": "<request id>"}')
+    except InvalidRequest as exc:
+        return error_for(exc)
+    found = request.app[SERVICE].abort(body["rid"])
+    return web.json_response({"rid": body["rid"], "aborted": found})
 
 
 async def admin_role(request: web.Request) -> web.Response:
@@ -170,5 +190,6 @@ def create_app(
     app.router.add_get("/stats", stats)
     app.router.add_post("/flush_cache", flush_cache)
     app.router.add_post("/admin/role", admin_role)
+    app.router.add_post("/abort_request", abort_request)
     add_openai_routes(app)
     return app

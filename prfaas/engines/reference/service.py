@@ -53,6 +53,7 @@ class EngineService:
         self._idle = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._draining = False
+        self._active: dict[str, Request] = {}
         self.last_switch_s: float | None = None
 
     async def start(self) -> None:
@@ -136,6 +137,7 @@ class EngineService:
 
         req.emit = emit
         finished = False
+        self._active[req.rid] = req
         try:
             if role == "prefill" and bootstrap is not None:
                 req.outbox = self.sender.open(bootstrap.room)
@@ -152,11 +154,23 @@ class EngineService:
                     await req.outbox.wait()
                 yield event
         finally:
+            if self._active.get(req.rid) is req:
+                del self._active[req.rid]
             if not finished:
                 req.aborted = True
                 if req.outbox is not None:
                     req.outbox.abort("request aborted")
                 self._poke()
+
+    def abort(self, rid: str) -> bool:
+        """Abort the running or queued request `rid` (SGLang's `/abort_request`); False if
+        there is none."""
+        req = self._active.get(rid)
+        if req is None:
+            return False
+        req.aborted = True
+        self._poke()
+        return True
 
     def _submit(self, req: Request) -> None:
         self.core.submit(req)

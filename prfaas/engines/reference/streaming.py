@@ -80,6 +80,15 @@ async def send_sse(response: web.StreamResponse, payload: Any) -> None:
     await response.write(b"data: " + data + b"\n\n")
 
 
+def visible_text(text: str, reason: dict[str, object] | None) -> str:
+    """The output text as SGLang shows it: cut before a matched stop string."""
+    matched = reason.get("matched") if reason is not None else None
+    if isinstance(matched, str) and reason is not None and reason.get("type") == "stop":
+        cut = text.find(matched)
+        return text if cut < 0 else text[:cut]
+    return text
+
+
 def stable_text(text: str, final: bool) -> str:
     """Hold back a trailing replacement character (an incomplete UTF-8 sequence) until the
     end, so streamed deltas never need to be retracted."""

@@ -184,3 +184,51 @@ async def test_stats_flush_and_role_switch(tiny_runner: ModelRunner) -> None:
     assert info["layer_types"][3] == "full_attention" and info["tokenizer"] == "byte-level"
     assert refused == 400 and "bootstrap" in err["error"]["message"]
     assert bad == 400
+
+
+async def test_sglang_compat_abort_request_seed_alias_and_info(
+    tiny_model: PreTrainedModel, tiny_runner: ModelRunner
+) -> None:
+    """`/abort_request` ends a running request by rid; `sampling_seed` is SGLang's seed;
+    a matched stop string is cut from the text; `/server_info` has SGLang's PD keys."""
+    prompt = random_prompt(97, 20)
+    stop = ByteTokenizer().decode(hf_greedy(tiny_model, prompt, 3)[2:3])
+    long_body = {
+        "input_ids": prompt,
+        "rid": "long",
+        "sampling_params": {"max_new_tokens": 3000, **GREEDY},
+    }
+    async with engine_server(tiny_runner, InProcessHub()) as eng, aiohttp.ClientSession() as s:
+        running = asyncio.create_task(post(s, f"{eng.url}/generate", long_body))
+        for _ in range(1000):
+            if eng.service.core.running:
+                break
+            await asyncio.sleep(0.01)
+        status, aborted = await post(s, f"{eng.url}/abort_request", {"rid": "long"})
+        _, result = await running
+        seeded = {"temperature": 1.0, "max_new_tokens": 6, "ignore_eos": True}
+        _, a = await post(
+            s,
+            f"{eng.url}/generate",
+            {"input_ids": prompt, "sampling_params": {**seeded, "sampling_seed": 5}},
+        )
+        _, b = await post(
+            s,
+            f"{eng.url}/generate",
+            {"input_ids": prompt, "sampling_params": {**seeded, "seed": 5}},
+        )
+        _, stopped = await post(
+            s,
+            f"{eng.url}/generate",
+            {"input_ids": prompt, "sampling_params": {"max_new_tokens": 8, "stop": stop, **GREEDY}},
+        )
+        async with s.get(f"{eng.url}/server_info") as r:
+            info = await r.json()
+    assert status == 200 and aborted == {"rid": "long", "aborted": True}
+    assert result["meta_info"]["finish_reason"]["type"] == "abort"
+    assert a["output_ids"] == b["output_ids"]
+    if stop and stop != "\ufffd":
+        assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+        assert stop not in stopped["text"]
+    assert info["disaggregation_mode"] == "null" and info["served_model_name"] == "qwen3-next-tiny"
+    assert info["disaggregation_bootstrap_port"] == info["bootstrap_port"]
