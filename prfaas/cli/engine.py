@@ -33,7 +33,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--state-slots", type=int, default=256, help="linear-state snapshots kept for prefix reuse"
     )
     parser.add_argument("--model-cache", type=Path, help="where presets are materialised")
-    parser.add_argument("--threads", type=int, help="torch CPU threads")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (default 1: on shared or busy cores OpenMP spinning "
+        "makes more threads much slower; raise it on a dedicated machine)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
