@@ -48,6 +48,10 @@ class SenderConfig:
     """A room not delivered within this (from `open`) fails with TransferError."""
     peer_timeout_s: float = 10.0
     """A peer with no live connection for this long fails all its transfers."""
+    tcp_user_timeout_s: float | None = 20.0
+    """Linux TCP_USER_TIMEOUT of data connections: a connection whose sent data stays
+    unacknowledged this long is reset (a silent partition), so its frames are re-sent on
+    the others instead of stalling the window. None leaves the kernel default."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -67,6 +71,7 @@ class SenderConfig:
             raise ValueError(f"delay_s must be in [0, 10], got {self.delay_s!r}")
         for name in ("register_timeout_s", "transfer_timeout_s", "peer_timeout_s"):
             _positive(name, getattr(self, name))
+        _optional_rate("tcp_user_timeout_s", self.tcp_user_timeout_s)
 
     @property
     def capacity(self) -> float | None:

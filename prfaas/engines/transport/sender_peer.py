@@ -20,7 +20,7 @@ from prfaas.engines.transport.config import SenderConfig
 from prfaas.engines.transport.errors import ProtocolError
 from prfaas.engines.transport.frames import Frame, Kind
 from prfaas.engines.transport.pacing import TokenBucket
-from prfaas.engines.transport.tcp_info import sample_tcp_info
+from prfaas.engines.transport.tcp_info import sample_tcp_info, set_user_timeout
 from prfaas.engines.transport.telemetry import ConnectionTelemetry, EgressMeter
 from prfaas.engines.transport.wire import (
     CONTROL_MAX,
@@ -152,6 +152,7 @@ class SenderPeer:
         if old is not None:
             self._drop(old)
         conn = _Conn(index, reader, writer)
+        set_user_timeout(writer.get_extra_info("socket"), self._config.tcp_user_timeout_s)
         self.connections[index] = conn
         conn.tasks = [
             asyncio.create_task(self._write_loop(conn)),

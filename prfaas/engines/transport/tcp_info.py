@@ -1,4 +1,5 @@
-"""Linux TCP_INFO sampling: RTT, retransmits, delivery rate of a connected TCP socket.
+"""Linux TCP socket introspection and tuning: TCP_INFO sampling (RTT, retransmits, delivery
+rate of a connected socket) and TCP_USER_TIMEOUT.
 
 Offsets follow `struct tcp_info` in include/uapi/linux/tcp.h. The kernel fills at most the
 buffer it is given and at most its own struct size, so fields past the returned length
@@ -125,3 +126,15 @@ def sample_tcp_info(sock: socket.socket) -> TcpInfo | None:
     except OSError:
         return None
     return parse_tcp_info(raw)
+
+
+def set_user_timeout(sock: socket.socket, timeout_s: float | None) -> bool:
+    """Set TCP_USER_TIMEOUT (Linux); returns whether it was applied."""
+    option = getattr(socket, "TCP_USER_TIMEOUT", None)
+    if timeout_s is None or option is None or sock.fileno() < 0:
+        return False
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, option, int(timeout_s * 1000))
+    except OSError:
+        return False
+    return True

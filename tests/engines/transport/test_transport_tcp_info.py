@@ -7,11 +7,14 @@ import struct
 import sys
 
 import pytest
+from transport_helpers import eventually, make_pair
 
+from prfaas.engines.transport import SenderConfig
 from prfaas.engines.transport.tcp_info import (
     TCP_ESTABLISHED,
     parse_tcp_info,
     sample_tcp_info,
+    set_user_timeout,
 )
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="TCP_INFO is Linux-only")
@@ -86,3 +89,29 @@ def test_synthetic_buffer_fields_at_documented_offsets() -> None:
     assert old_kernel.delivery_rate is None
     with pytest.raises(ValueError, match="shorter than 104"):
         parse_tcp_info(bytes(50))
+
+
+def test_user_timeout_is_applied() -> None:
+    server, client, accepted = _connected_pair()
+    try:
+        assert set_user_timeout(client, 2.5)
+        assert client.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 2500
+        assert not set_user_timeout(client, None)
+    finally:
+        for sock in (client, accepted, server):
+            sock.close()
+
+
+async def test_sender_connections_carry_the_user_timeout() -> None:
+    pair = await make_pair(SenderConfig(tcp_user_timeout_s=7.0))
+    try:
+        await pair.receiver.fetch("127.0.0.1", pair.port, 1, timeout_s=5)
+        await eventually(lambda: bool(pair.sender._peers))
+        peer = next(iter(pair.sender._peers.values()))
+        await eventually(lambda: len(peer.connections) == 4)
+        for conn in peer.connections.values():
+            sock = conn.writer.get_extra_info("socket")
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 7000
+    finally:
+        await pair.receiver.close()
+        await pair.sender.close()
