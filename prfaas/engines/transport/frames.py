@@ -24,7 +24,6 @@ HEADER = struct.Struct("<4sBBHQIIIIQQIQI")
 HEADER_SIZE = HEADER.size  # 64
 CHECKED = HEADER_SIZE - 4
 NO_LAYER = 0xFFFFFFFF
-ABORT_MSG = 0xFFFFFFFF  # ABORT frames bypass message ordering
 
 
 class Kind(enum.IntEnum):
