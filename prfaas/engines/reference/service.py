@@ -118,13 +118,16 @@ class EngineService:
         if self._draining:
             raise Unavailable("engine is switching roles")
         self.validate(prompt, params)
+        if rid in self._active:
+            raise InvalidRequest(f"rid {rid!r} is already in use by a running request")
         role = self.core.role
         if role != "both" and bootstrap is None:
             raise InvalidRequest(
                 f"a {role} engine needs bootstrap_host, bootstrap_port and bootstrap_room"
             )
-        return self._events(Request(rid, prompt, params, emit=_no_emit,
-                                    generator=make_generator(params)), role, bootstrap)  # fmt: skip
+        req = Request(rid, prompt, params, emit=_no_emit, generator=make_generator(params))
+        self._active[rid] = req  # released when the iteration ends (callers always iterate)
+        return self._events(req, role, bootstrap)
 
     async def _events(
         self, req: Request, role: str, bootstrap: Bootstrap | None
@@ -137,7 +140,6 @@ class EngineService:
 
         req.emit = emit
         finished = False
-        self._active[req.rid] = req
         try:
             if role == "prefill" and bootstrap is not None:
                 req.outbox = self.sender.open(bootstrap.room)

@@ -232,3 +232,26 @@ async def test_sglang_compat_abort_request_seed_alias_and_info(
         assert stop not in stopped["text"]
     assert info["disaggregation_mode"] == "null" and info["served_model_name"] == "qwen3-next-tiny"
     assert info["disaggregation_bootstrap_port"] == info["bootstrap_port"]
+
+
+async def test_a_rid_in_use_is_refused(tiny_runner: ModelRunner) -> None:
+    """A second request with the rid of a running one gets a 400; the first is unaffected."""
+    body = {
+        "input_ids": [1, 2, 3],
+        "rid": "dup",
+        "sampling_params": {"max_new_tokens": 40, **GREEDY},
+    }
+    async with engine_server(tiny_runner, InProcessHub()) as eng, aiohttp.ClientSession() as s:
+        first = asyncio.create_task(post(s, f"{eng.url}/generate", body))
+        for _ in range(1000):
+            if eng.service.core.running:
+                break
+            await asyncio.sleep(0.01)
+        status, err = await post(s, f"{eng.url}/generate", body)
+        done, result = await first
+        again, _ = await post(
+            s, f"{eng.url}/generate", {**body, "sampling_params": {"max_new_tokens": 1}}
+        )
+    assert status == 400 and "already in use" in err["error"]["message"]
+    assert done == 200 and len(result["output_ids"]) == 40
+    assert again == 200
