@@ -104,39 +104,57 @@ class Table6Options:
     seed: int = 0
     rel_tol: float = 0.01
 
+    def __post_init__(self) -> None:
+        if not self.duration_s > 0:
+            raise ValueError(f"duration must be > 0 simulated seconds, got {self.duration_s}")
+        if not 0 < self.rel_tol < 1:
+            raise ValueError(f"rel_tol must be in (0, 1), got {self.rel_tol}")
+
 
 def run_table6(
     profile: DeploymentProfile, workload: Workload, options: SimOptions, t6: Table6Options
 ) -> Table6:
-    """Simulate the profile's three deployments (those it defines)."""
-    report, exact = plan(profile), plan(profile, exact=True)
-    models = models_by_name(report), models_by_name(exact)
-    found: dict[DeploymentName, FindMaxResult] = {}
+    """Simulate the profile's three deployments.
+
+    Raises:
+        ValueError: the profile lacks one of the two baselines.
+    """
+    if profile.homogeneous is None or profile.naive is None:
+        raise ValueError(
+            f"{profile.source}: --table6 needs [baselines.homogeneous] and "
+            "[baselines.naive_heterogeneous]"
+        )
+    report = plan(profile)
+    model, exact = models_by_name(report), models_by_name(plan(profile, exact=True))
     deps = deployments(profile, report, options)
 
-    def run(plan_: SimPlan) -> SimResult:
-        return simulate(profile, plan_, options)
+    def sim(sim_plan: SimPlan) -> SimResult:
+        return simulate(profile, sim_plan, options)
 
-    for name, dep in deps.items():
-        base = SimPlan(dep, workload, RateArrivals(1.0), t6.duration_s, seed=t6.seed)
-        guess = models[1][name].lambda_max
-        bounds = FindMaxOptions(0.85 * guess, 1.1 * models[0][name].lambda_max, t6.rel_tol)
-        found[name] = find_max(base, run, bounds)
+    def at(name: DeploymentName, rate: float) -> SimPlan:
+        return SimPlan(deps[name], workload, RateArrivals(rate), t6.duration_s, seed=t6.seed)
+
+    found = {
+        name: find_max(at(name, 1.0), sim, _bounds(model[name], exact[name], t6)) for name in deps
+    }
     common = LOAD_SHARE * min(f.lambda_max for f in found.values())
-    rows = []
-    for name, dep in deps.items():
-        base = SimPlan(dep, workload, RateArrivals(common), t6.duration_s, seed=t6.seed)
-        own = SimPlan(
-            dep,
-            workload,
-            RateArrivals(LOAD_SHARE * found[name].lambda_max),
-            t6.duration_s,
-            seed=t6.seed,
+    rows = tuple(
+        Table6Row(
+            name,
+            model[name],
+            exact[name],
+            found[name],
+            sim(at(name, common)),
+            sim(at(name, LOAD_SHARE * found[name].lambda_max)),
         )
-        rows.append(
-            Table6Row(name, models[0][name], models[1][name], found[name], run(base), run(own))
-        )
-    return Table6(tuple(rows), common)
+        for name in deps
+    )
+    return Table6(rows, common)
+
+
+def _bounds(model: DeploymentResult, exact: DeploymentResult, t6: Table6Options) -> FindMaxOptions:
+    """Bisect from just under the exact-expectation model to just over the paper's costing."""
+    return FindMaxOptions(0.85 * exact.lambda_max, 1.1 * model.lambda_max, t6.rel_tol)
 
 
 def models_by_name(report: PlanReport) -> dict[str, DeploymentResult]:
