@@ -55,7 +55,7 @@ def _fmt(value: Any, spec: str = ".3g") -> str:
 
 def run_table(result: SimResult, found: FindMaxResult | None = None) -> Table:
     """One run as a two-column table."""
-    table = Table(title="prfaas simulate  [SIMULATED, not measured]", show_header=False)
+    table = Table(title="prfaas simulate (SIMULATED, not measured)", show_header=False)
     table.add_column("metric", style="bold")
     table.add_column("value")
     d = result.plan.deployment
@@ -78,7 +78,7 @@ def run_table(result: SimResult, found: FindMaxResult | None = None) -> Table:
 def table6_table(t6: Table6) -> Table:
     """Table 6 side by side, one column per deployment: paper (published), model
     (representative T(E[L]) and exact E[T(L)] costing), simulation (SIMULATED)."""
-    table = Table(title="Table 6: paper vs model vs simulation  [sim rows: SIMULATED]")
+    table = Table(title="Table 6: paper vs model vs simulation (sim rows: SIMULATED)")
     table.add_column("")
     for r in t6.rows:
         table.add_column(r.name, justify="right")
