@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pytest
-from conftest import hf_greedy, random_prompt
+from engine_helpers import hf_greedy, random_prompt
 from transformers import PreTrainedModel
 
 from prfaas.common.kv_events import AllBlocksCleared, BlockStored, KVEvent

@@ -10,8 +10,8 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 import pytest
-from conftest import hf_greedy, random_prompt
 from engine_harness import engine_server
+from engine_helpers import hf_greedy, random_prompt
 from transformers import PreTrainedModel
 
 from prfaas.engines.reference.handoff import (

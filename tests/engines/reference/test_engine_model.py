@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import hf_greedy, random_prompt
+from engine_helpers import hf_greedy, random_prompt
 from transformers import PreTrainedModel
 
 from prfaas.engines.reference.hybrid_cache import HybridCache, SeqState

@@ -20,7 +20,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from conftest import hf_greedy, random_prompt
+from engine_helpers import hf_greedy, random_prompt
 from transformers import PreTrainedModel
 
 from prfaas.common.kv_events import BlockStored, KVEventSubscriber

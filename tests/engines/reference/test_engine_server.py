@@ -10,8 +10,8 @@ import aiohttp
 import openai
 import orjson
 import pytest
-from conftest import hf_greedy, random_prompt
 from engine_harness import engine_server
+from engine_helpers import hf_greedy, random_prompt
 from transformers import PreTrainedModel
 
 from prfaas.common.tokenizer import ByteTokenizer
