@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from prfaas.common.kv_events import KVEvent
 from prfaas.engines.client import (
@@ -60,11 +60,13 @@ class SimRooms:
         return len(self._rooms)
 
     def get(self, room: int) -> _Room:
+        """The room's state, created by whichever side asks first."""
         if room not in self._rooms:
             self._rooms[room] = _Room(self._loop.create_future())
         return self._rooms[room]
 
     def discard(self, room: int) -> None:
+        """Forget a room once its decode side is done with it."""
         self._rooms.pop(room, None)
 
 
@@ -77,7 +79,6 @@ class StageCounters:
     tokens: int = 0
     cached_tokens: int = 0
     kv_bytes: float = 0.0
-    finish_times: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,9 @@ class SimulatedPrefillEngine(BaseEngineClient):
 
     async def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
         if request.bootstrap is None:
-            raise ValueError(f"{self.instance_id}: a prefill request needs a bootstrap room")
+            raise EngineError(
+                f"{self.instance_id}: a prefill request needs a bootstrap room", status=400
+            )
         room = self.rooms.get(request.bootstrap.room)
         try:
             cached = await self._run(request, room)
@@ -163,7 +166,6 @@ class SimulatedPrefillEngine(BaseEngineClient):
         c.tokens += tokens
         c.cached_tokens += cached
         c.kv_bytes += nbytes
-        c.finish_times.append(asyncio.get_running_loop().time())
 
     async def stats(self) -> EngineStats:
         return EngineStats(waiting=self._waiting, running=self._running)
@@ -206,7 +208,9 @@ class SimulatedDecodeEngine(BaseEngineClient):
 
     async def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
         if request.bootstrap is None:
-            raise ValueError(f"{self.instance_id}: a decode request needs a bootstrap room")
+            raise EngineError(
+                f"{self.instance_id}: a decode request needs a bootstrap room", status=400
+            )
         room_id = request.bootstrap.room
         room = self.rooms.get(room_id)
         try:
@@ -245,7 +249,6 @@ class SimulatedDecodeEngine(BaseEngineClient):
         c.completed += 1
         c.tokens += n
         c.busy_s += asyncio.get_running_loop().time() - start
-        c.finish_times.append(asyncio.get_running_loop().time())
 
     async def stats(self) -> EngineStats:
         return EngineStats(waiting=self._waiting, running=self._running)

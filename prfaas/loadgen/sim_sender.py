@@ -69,7 +69,7 @@ class SimSender:
             async for routed, chunk in self._router.generate(spec.request_id, tokens, sampling):
                 first = self._loop.time() if first is None else first
                 decision, last = routed, chunk
-        except (EngineError, NoInstanceAvailable, ValueError) as exc:
+        except (EngineError, NoInstanceAvailable) as exc:
             error = f"{type(exc).__name__}: {exc}"
         end = self._loop.time()
         ok = error is None and first is not None

@@ -9,7 +9,13 @@ import asyncio
 import pytest
 
 from prfaas.common.kv_events import KVEvent
-from prfaas.engines.client import Bootstrap, GenerateChunk, GenerateRequest, SamplingParams
+from prfaas.engines.client import (
+    Bootstrap,
+    EngineError,
+    GenerateChunk,
+    GenerateRequest,
+    SamplingParams,
+)
 from prfaas.engines.sim import (
     PrefillTiming,
     SimRooms,
@@ -136,5 +142,5 @@ def test_a_request_without_bootstrap_is_refused() -> None:
         async for _ in rig.decode.generate(GenerateRequest("x", (1, 2))):
             pass
 
-    with pytest.raises(ValueError, match="bootstrap room"):
+    with pytest.raises(EngineError, match="bootstrap room"):
         run_virtual(main())
