@@ -3,12 +3,16 @@ byte tokenizer, KV page storage."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
 from prfaas.common.tokenizer import ByteTokenizer, ChatMessage
 from prfaas.engines.reference.config import EngineConfig
 from prfaas.engines.reference.hybrid_cache import SeqState
+from prfaas.engines.reference.presets import load_model, resolve
 from prfaas.engines.reference.protocol import parse_generate
 from prfaas.engines.reference.sampling import (
     InvalidRequest,
@@ -17,6 +21,7 @@ from prfaas.engines.reference.sampling import (
     sample,
 )
 from prfaas.engines.reference.storage import KVStorage
+from prfaas.engines.reference.tokenizers import load_tokenizer
 
 
 def test_sampling_params_parse_sglang_json() -> None:
@@ -141,3 +146,25 @@ def test_storage_round_trips_pages_and_state_slots() -> None:
     assert torch.equal(got.conv[0], state.conv[0]) and torch.equal(got.rec[0], state.rec[0])
     with pytest.raises(ValueError, match="sequence has 12"):
         storage.write_blocks(state, [0, 2, 3, 5], first=0)
+
+
+def test_a_checkpoint_directory_with_tokenizer_json(
+    engine_model_cache: Path, tmp_path: Path
+) -> None:
+    """A local checkpoint directory loads by path, and its tokenizer.json replaces the byte
+    tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    source = resolve("qwen3-next-mini", engine_model_cache)
+    load_model(source)  # materialise
+    ckpt = tmp_path / "my-hybrid"
+    shutil.copytree(source.path, ckpt)
+    assert isinstance(load_tokenizer(ckpt), ByteTokenizer)
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(ckpt / "tokenizer.json"))
+    loaded = load_tokenizer(ckpt)
+    assert loaded.encode("hello world") == [1, 2] and "tokenizer.json" in loaded.name
+    assert loaded.decode([1, 2]) == "hello world"
+    checkpoint = resolve(str(ckpt))
+    assert not checkpoint.preset and load_model(checkpoint).config.model_type == "qwen3_next"
