@@ -136,7 +136,7 @@ class EngineCore:
         self.pool.cache_full_blocks(req.rid, prompt[: full * bs])
         if result.boundary_state is not None:
             self._save_state(req, result.boundary, result.boundary_state)
-        token = sample(result.logits, req.params, req.generator)
+        token = sample(result.logits, req.params, req.seed, 0)
         if req.outbox is not None:
             send_meta(req.outbox, token, len(prompt), match.num_tokens)
             req.outbox.finish()
@@ -182,7 +182,7 @@ class EngineCore:
         self.counters.generated(len(reqs))
         eos, bs = self.runner.shape.eos_token_id, self.config.block_size
         for i, req in enumerate(reqs):
-            token = sample(logits[i], req.params, req.generator)
+            token = sample(logits[i], req.params, req.seed, len(req.output))
             req.output.append(token)
             if batch.lengths[i] % bs == 0:
                 req.boundary = _linear_row(batch, i)

@@ -6,8 +6,6 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from prfaas.engines.reference.handoff import Outbox, Received
 from prfaas.engines.reference.hybrid_cache import SeqState
 from prfaas.engines.reference.sampling import SamplingParams
@@ -37,7 +35,7 @@ class Request:
     prompt: list[int]
     params: SamplingParams
     emit: Callable[[TokenEvent], None]
-    generator: torch.Generator | None = None
+    seed: int = 0  # sampling seed (resolved: given or random)
     outbox: Outbox | None = None  # prefill role: where KV goes
     received: Received | None = None  # decode role: the KV that came in
     output: list[int] = field(default_factory=list)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -102,17 +103,17 @@ def _check(ok: bool, key: str, value: Any, rule: str) -> None:
         raise InvalidRequest(f"sampling_params.{key} {rule}, got {value!r}")
 
 
-def make_generator(params: SamplingParams) -> torch.Generator | None:
-    """A per-request generator for seeded sampling (None for greedy or unseeded)."""
-    if params.greedy:
-        return None
-    gen = torch.Generator()
-    gen.manual_seed(params.seed if params.seed is not None else torch.seed())
-    return gen
+def resolve_seed(params: SamplingParams) -> int:
+    """The request's sampling seed: the given one, else a fresh random one."""
+    return params.seed if params.seed is not None else secrets.randbits(63)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
-    """Pick one token from float32 `logits` (vocab,) under `params`."""
+def sample(logits: torch.Tensor, params: SamplingParams, seed: int, step: int) -> int:
+    """Pick output token number `step` from float32 `logits` (vocab,) under `params`.
+
+    Randomness comes from (seed, step) alone, so a seeded request samples the same tokens
+    whether it is batched or not, and whether its first token came from a prefill engine.
+    """
     if params.greedy:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits / params.temperature, dim=-1)
@@ -125,4 +126,5 @@ def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | 
         probs = probs.scatter(0, order[drop], 0.0)
     if params.min_p > 0:
         probs = torch.where(probs >= params.min_p * probs.max(), probs, 0.0)
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + step) % 2**63)
     return int(torch.multinomial(probs / probs.sum(), 1, generator=gen))

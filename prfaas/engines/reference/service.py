@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from prfaas.engines.reference.core import EngineCore
 from prfaas.engines.reference.handoff import HandoffReceiver, HandoffSender
 from prfaas.engines.reference.request import Request, TokenEvent
-from prfaas.engines.reference.sampling import InvalidRequest, SamplingParams, make_generator
+from prfaas.engines.reference.sampling import InvalidRequest, SamplingParams, resolve_seed
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class EngineService:
             raise InvalidRequest(
                 f"a {role} engine needs bootstrap_host, bootstrap_port and bootstrap_room"
             )
-        req = Request(rid, prompt, params, emit=_no_emit, generator=make_generator(params))
+        req = Request(rid, prompt, params, emit=_no_emit, seed=resolve_seed(params))
         self._active[rid] = req  # released when the iteration ends (callers always iterate)
         return self._events(req, role, bootstrap)
 

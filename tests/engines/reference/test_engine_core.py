@@ -15,7 +15,7 @@ from prfaas.engines.reference.config import EngineConfig
 from prfaas.engines.reference.core import EngineCore
 from prfaas.engines.reference.request import Request, TokenEvent
 from prfaas.engines.reference.runner import ModelRunner
-from prfaas.engines.reference.sampling import SamplingParams, make_generator
+from prfaas.engines.reference.sampling import SamplingParams, resolve_seed
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
@@ -42,7 +42,7 @@ def submit(
 ) -> tuple[Request, Outcome]:
     outcome = Outcome()
     sp = SamplingParams(**{"max_new_tokens": 8, **GREEDY, **params})  # type: ignore[arg-type]
-    req = Request(rid, prompt, sp, emit=outcome.add, generator=make_generator(sp))
+    req = Request(rid, prompt, sp, emit=outcome.add, seed=resolve_seed(sp))
     core.submit(req)
     return req, outcome
 

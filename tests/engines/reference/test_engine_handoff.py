@@ -189,3 +189,28 @@ async def test_in_process_disaggregation_other_architectures(
         p, d = await pd_generate(s, pre.url, dec.url, port, prompt, 5)
     assert p["meta_info"]["cached_tokens"] == 32  # type: ignore[index]
     assert d["output_ids"] == hf_greedy(model, prompt, 5)
+
+
+async def test_seeded_sampling_is_the_same_disaggregated(tiny_runner: ModelRunner) -> None:
+    """With a seed, sampled output does not depend on where each token was sampled: the
+    prefill engine's first token plus the decode engine's rest equal the aggregated run."""
+    hub = InProcessHub()
+    prompt = random_prompt(9, 30)
+    sp = {"max_new_tokens": 10, "temperature": 1.0, "seed": 11, "ignore_eos": True}
+    body = {"input_ids": prompt, "sampling_params": sp, "bootstrap_host": "h", "bootstrap_room": 3}
+    async with (
+        engine_server(tiny_runner, hub, role="prefill") as pre,
+        engine_server(tiny_runner, hub, role="decode") as dec,
+        engine_server(tiny_runner, hub) as both,
+        aiohttp.ClientSession() as s,
+    ):
+        body["bootstrap_port"] = pre.service.sender.bootstrap_port
+
+        async def call(url: str, payload: dict[str, object]) -> list[int]:
+            async with s.post(f"{url}/generate", json=payload) as resp:
+                ids: list[int] = (await resp.json())["output_ids"]
+                return ids
+
+        _, pd_ids = await asyncio.gather(call(pre.url, body), call(dec.url, body))
+        agg = await call(both.url, {"input_ids": prompt, "sampling_params": sp})
+    assert pd_ids == agg and len(agg) == 10

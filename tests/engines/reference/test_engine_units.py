@@ -17,7 +17,7 @@ from prfaas.engines.reference.protocol import parse_generate
 from prfaas.engines.reference.sampling import (
     InvalidRequest,
     SamplingParams,
-    make_generator,
+    resolve_seed,
     sample,
 )
 from prfaas.engines.reference.storage import KVStorage
@@ -62,18 +62,16 @@ def test_sampling_params_reject_bad_values_by_name(raw: object, needle: str) -> 
 
 def test_sample_respects_top_k_top_p_and_seed() -> None:
     logits = torch.tensor([0.0, 5.0, 4.9, -3.0, 1.0])
-    greedy = SamplingParams(temperature=0)
-    assert sample(logits, greedy, make_generator(greedy)) == 1
-    top2 = SamplingParams(top_k=2, seed=3)
-    picks = {sample(logits, top2, make_generator(top2)) for _ in range(20)}
-    assert picks <= {1, 2}
-    nucleus = SamplingParams(top_p=0.01, seed=3)
-    assert sample(logits, nucleus, make_generator(nucleus)) == 1
+    assert sample(logits, SamplingParams(temperature=0), 9, 0) == 1
+    top2 = SamplingParams(top_k=2)
+    assert {sample(logits, top2, 3, step) for step in range(40)} == {1, 2}
+    assert {sample(logits, SamplingParams(top_p=0.01), 3, step) for step in range(10)} == {1}
+    flat = torch.zeros(50)
     seeded = SamplingParams(seed=42)
-    a, b = make_generator(seeded), make_generator(seeded)
-    assert [sample(logits, seeded, a) for _ in range(8)] == [
-        sample(logits, seeded, b) for _ in range(8)
-    ]
+    draws = [sample(flat, seeded, resolve_seed(seeded), step) for step in range(8)]
+    assert draws == [sample(flat, seeded, 42, step) for step in range(8)]
+    assert draws != [sample(flat, seeded, 43, step) for step in range(8)]
+    assert resolve_seed(SamplingParams()) != resolve_seed(SamplingParams())
 
 
 def test_parse_generate_and_bootstrap() -> None:
