@@ -79,6 +79,7 @@ class StageCounters:
     tokens: int = 0
     cached_tokens: int = 0
     kv_bytes: float = 0.0
+    prefix_fetches: int = 0
 
 
 @dataclass(frozen=True)
@@ -90,8 +91,18 @@ class PrefillTiming:
     pipelined: bool = True
 
 
+RemotePrefix = Callable[[Sequence[int]], tuple[int, SimLink] | None]
+"""Where a longer cached prefix of a prompt sits in the other cluster: (tokens, the link to
+fetch it over), or None."""
+
+
 class SimulatedPrefillEngine(BaseEngineClient):
-    """A simulated prefill instance (see the module docstring)."""
+    """A simulated prefill instance (see the module docstring).
+
+    With `remote_prefix` (the bandwidth-abundant regime), a prompt whose longer prefix is
+    cached in the other cluster first pulls that prefix's KV, `S_kv(remote) - S_kv(local)`
+    bytes, over the given link, then computes only the rest.
+    """
 
     def __init__(
         self,
@@ -102,10 +113,12 @@ class SimulatedPrefillEngine(BaseEngineClient):
         cache: SimPrefixCache,
         rooms: SimRooms,
         publish: Callable[[str, Sequence[KVEvent]], None],
+        remote_prefix: RemotePrefix | None = None,
     ) -> None:
         self.instance_id = instance_id
         self.timing, self.link, self.cache, self.rooms = timing, link, cache, rooms
         self._publish = publish
+        self._remote_prefix = remote_prefix
         self._slot = asyncio.Semaphore(1)
         self._waiting = 0
         self._running = 0
@@ -141,7 +154,7 @@ class SimulatedPrefillEngine(BaseEngineClient):
         loop = asyncio.get_running_loop()
         start = loop.time()
         keys = self.cache.keys(ids)
-        cached = self.cache.match(keys) * self.cache.block_size
+        cached = await self._fetch_prefix(ids, self.cache.match(keys) * self.cache.block_size)
         tokens = max(len(ids) - cached, MIN_PREFILL_TOKENS)
         compute_s = float(self.timing.prefill_s(tokens))
         nbytes = float(self.timing.kv_bytes(tokens))
@@ -158,6 +171,17 @@ class SimulatedPrefillEngine(BaseEngineClient):
             room.delivered.set_result(None)
         self._count(loop.time() - start, len(ids), cached, nbytes)
         return cached
+
+    async def _fetch_prefix(self, ids: Sequence[int], cached: int) -> int:
+        """Pull a longer prefix cached in the other cluster, if any; the tokens now cached."""
+        found = self._remote_prefix(ids) if self._remote_prefix is not None else None
+        if found is None or found[0] <= cached:
+            return cached
+        remote, link = found
+        nbytes = float(self.timing.kv_bytes(remote)) - float(self.timing.kv_bytes(cached))
+        await asyncio.shield(link.transfer(max(nbytes, 0.0)))
+        self.counters.prefix_fetches += 1
+        return remote
 
     def _count(self, busy_s: float, tokens: int, cached: int, nbytes: float) -> None:
         c = self.counters

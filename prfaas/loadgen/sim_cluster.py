@@ -13,9 +13,11 @@ import asyncio
 import random
 from collections.abc import Sequence
 
+from prfaas.common.hashing import hash_blocks
 from prfaas.common.kv_events import KVEvent
 from prfaas.engines.sim import (
     PrefillTiming,
+    RemotePrefix,
     SimRooms,
     SimulatedDecodeEngine,
     SimulatedPrefillEngine,
@@ -41,6 +43,9 @@ class SimCluster:
         self.deployment, self.options = deployment, options
         self.rooms = SimRooms(loop)
         self.egress = self._egress_links(loop, deployment, options)
+        self.ingress = SimLink(
+            LinkConfig(deployment.egress_gbps, options.link_delay_s, "cross-cluster reverse"), loop
+        )
         self.intra = SimLink(LinkConfig(options.intra_gbps, 0.0, "pd-rdma"), loop)
         self.index = KVIndexManager(block_size=options.block_size)
         self.instances = InstanceManager()
@@ -94,7 +99,13 @@ class SimCluster:
         timing = PrefillTiming(hw.prefill_seconds, profile.model.kv_bytes, self.options.pipelined)
         cache = SimPrefixCache(self.options.block_size, self.options.cache_blocks)
         engine = SimulatedPrefillEngine(
-            iid, timing=timing, link=link, cache=cache, rooms=self.rooms, publish=self._publish
+            iid,
+            timing=timing,
+            link=link,
+            cache=cache,
+            rooms=self.rooms,
+            publish=self._publish,
+            remote_prefix=self._remote_finder(cluster),
         )
         self.prefill[iid] = engine
         self.instances.add(InstanceState(iid, cluster, "prefill", engine, iid, 0))
@@ -113,6 +124,23 @@ class SimCluster:
             )
             self.decode[iid] = engine
             self.instances.add(InstanceState(iid, "pd", "decode", engine))
+
+    def _remote_finder(self, cluster: Route) -> RemotePrefix | None:
+        """Bandwidth-abundant regime only: the longest prefix of a prompt cached by the other
+        cluster's prefill instances (from the real KV index), and the link it comes over
+        (PrfaaS -> PD on the egress link, PD -> PrfaaS on the reverse direction)."""
+        if self.options.regime != "bandwidth_abundant":
+            return None
+        other: Route = "pd" if cluster == "prfaas" else "prfaas"
+        link = self.egress[0] if other == "prfaas" else self.ingress
+
+        def find(ids: Sequence[int]) -> tuple[int, SimLink] | None:
+            members = [e.instance_id for e in self.prefills_in(other)]
+            cached = self.index.longest_prefix(hash_blocks(ids, self.index.block_size))
+            best = max((cached.get(iid, 0) for iid in members), default=0)
+            return (best, link) if best else None
+
+        return find
 
     def _publish(self, instance_id: str, events: Sequence[KVEvent]) -> None:
         if events:

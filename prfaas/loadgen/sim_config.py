@@ -15,6 +15,7 @@ from prfaas.policies.routing import Regime
 DeploymentName = Literal["prfaas_pd", "homogeneous", "naive_heterogeneous"]
 DEPLOYMENTS: tuple[DeploymentName, ...] = ("prfaas_pd", "homogeneous", "naive_heterogeneous")
 PAPER_BLOCK_SIZE = 512  # Mooncake traces hash 512-token blocks: one hash id = one KV block
+REGIMES: tuple[Regime, ...] = ("bandwidth_scarce", "bandwidth_abundant")
 DEFAULT_CACHE_BLOCKS = 32768  # ~280 GB of this model's KV per 8-GPU instance (8.5 MB/block)
 
 
@@ -53,6 +54,8 @@ class SimOptions:
             _positive("egress_gbps", self.egress_gbps)
         if not (math.isfinite(self.link_delay_s) and self.link_delay_s >= 0):
             raise ValueError(f"link_delay_s must be >= 0, got {self.link_delay_s}")
+        if self.regime not in REGIMES:
+            raise ValueError(f"regime must be one of {REGIMES}, got {self.regime!r}")
         if self.threshold is not None and not self.threshold >= 0:
             raise ValueError(f"threshold must be >= 0 tokens, got {self.threshold}")
 
