@@ -30,6 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-capacity-tokens", type=int, default=65536)
     parser.add_argument("--page-size", type=int, default=64, help="tokens per KV block")
     parser.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=1024,
+        help="prompt tokens per engine step (long prompts interleave with decode steps)",
+    )
+    parser.add_argument(
         "--state-slots", type=int, default=256, help="linear-state snapshots kept for prefix reuse"
     )
     parser.add_argument("--model-cache", type=Path, help="where presets are materialised")
@@ -52,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
             max_batch=args.max_batch,
             kv_capacity_tokens=args.kv_capacity_tokens,
             block_size=args.page_size,
+            max_prefill_tokens=args.max_prefill_tokens,
             num_state_slots=args.state_slots,
         )
         options = LaunchOptions(

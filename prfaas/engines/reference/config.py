@@ -21,6 +21,9 @@ class EngineConfig:
     """Tokens per KV block; prefix reuse and state snapshots are block-aligned."""
     num_state_slots: int = 256
     """Linear-state snapshots kept for prefix reuse."""
+    max_prefill_tokens: int = 1024
+    """Prompt tokens computed per engine step (rounded down to whole blocks): a long prompt
+    is prefilled over several steps, interleaved with decode steps of running requests."""
     handoff_timeout_s: float = 60.0
     """How long a decode engine waits for a prefill engine's KV."""
 
@@ -35,6 +38,11 @@ class EngineConfig:
             raise ValueError(
                 f"kv_capacity_tokens must hold at least one block of {self.block_size}, "
                 f"got {self.kv_capacity_tokens}"
+            )
+        if self.max_prefill_tokens < self.block_size:
+            raise ValueError(
+                f"max_prefill_tokens must be >= block_size ({self.block_size}), "
+                f"got {self.max_prefill_tokens}"
             )
         if self.num_state_slots < 0:
             raise ValueError(f"num_state_slots must be >= 0, got {self.num_state_slots}")

@@ -21,7 +21,7 @@ from prfaas.engines.reference.config import EngineConfig
 from prfaas.engines.reference.handoff import HandoffError
 from prfaas.engines.reference.hybrid_cache import HybridCache, SeqState
 from prfaas.engines.reference.metrics import EngineCounters
-from prfaas.engines.reference.prefill import run_prefill, send_meta, state_from_handoff
+from prfaas.engines.reference.prefill import PrefillRun, send_meta, state_from_handoff
 from prfaas.engines.reference.request import Phase, Request, TokenEvent
 from prfaas.engines.reference.runner import ModelRunner
 from prfaas.engines.reference.sampling import sample
@@ -44,6 +44,7 @@ class EngineCore:
         self.event_sink: Callable[[list[KVEvent]], None] | None = None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.prefilling: Request | None = None  # one prompt at a time, a piece per step
         self._inbox: deque[Request] = deque()
         self._flush = threading.Event()
         self._batch: HybridCache | None = None
@@ -60,7 +61,8 @@ class EngineCore:
         self._flush.set()
 
     def has_work(self) -> bool:
-        return bool(self._inbox or self.waiting or self.running or self._flush.is_set())
+        busy = self.waiting or self.running or self.prefilling is not None
+        return bool(self._inbox or busy or self._flush.is_set())
 
     # --- engine thread ---------------------------------------------------------------------
 
@@ -72,8 +74,11 @@ class EngineCore:
             self._flush.clear()
             self.pool.clear()
         self._reap_aborted()
-        if self.waiting and len(self.running) < self.config.max_batch:
+        room = len(self.running) < self.config.max_batch
+        if self.prefilling is None and self.waiting and room:
             self._admit(self.waiting[0])
+        if self.prefilling is not None:
+            self._prefill_step(self.prefilling)
         if self.running:
             self._decode_step()
         events = self.pool.take_events()
@@ -82,7 +87,9 @@ class EngineCore:
 
     def fail_all(self, message: str) -> None:
         """End every request with an abort event after a failed step (engine thread idle)."""
-        reqs = [*self._inbox, *self.waiting, *self.running]
+        prefilling = [self.prefilling] if self.prefilling is not None else []
+        reqs = [*self._inbox, *self.waiting, *prefilling, *self.running]
+        self.prefilling = None
         self._inbox.clear()
         self.waiting.clear()
         self.running.clear()
@@ -96,10 +103,13 @@ class EngineCore:
             req.emit(TokenEvent((), {"type": "abort", "message": message, "status_code": 500}))
 
     def _reap_aborted(self) -> None:
-        aborted = [r for r in (*self.waiting, *self.running) if r.aborted]
+        prefilling = [self.prefilling] if self.prefilling is not None else []
+        aborted = [r for r in (*self.waiting, *prefilling, *self.running) if r.aborted]
         for req in aborted:
             if req in self.waiting:
                 self.waiting.remove(req)
+            if req is self.prefilling:
+                self.prefilling, req.prefill = None, None
             self._finish(req, cache=False)
             if req.outbox is not None:
                 req.outbox.abort("request aborted")
@@ -118,35 +128,52 @@ class EngineCore:
             self.waiting.popleft()
 
     def _admit_prefill(self, req: Request) -> bool:
+        """Reserve blocks (reusing the longest cached prefix) and start the prefill."""
         bs, prompt = self.config.block_size, req.prompt
         match = self.pool.match_prefix(hash_blocks(prompt[:-1], bs))
         extra = 0 if req.outbox is not None else req.params.max_new_tokens
         try:
-            table = self.pool.allocate(req.rid, len(prompt) + extra, match)
+            self.pool.allocate(req.rid, len(prompt) + extra, match)
         except OutOfKVCapacity:
             return False
         prefix = (match.block_ids, match.state_slot)
-        with torch.inference_mode():
-            result = run_prefill(self.runner, self.storage, prompt, prefix, req.outbox)
+        budget = self.config.max_prefill_tokens
+        req.prefill = PrefillRun(self.storage, prompt, prefix, req.outbox, budget)
+        req.prompt_blocks_written = len(match.block_ids)
         req.cached_tokens = match.num_tokens
         self.counters.prefilled(len(prompt), match.num_tokens)
-        full, first = len(prompt) // bs, len(match.block_ids)
-        self.storage.write_blocks(result.state, table[first:full], first)
-        req.prompt_blocks_written = full
-        self.pool.cache_full_blocks(req.rid, prompt[: full * bs])
-        if result.boundary_state is not None:
-            self._save_state(req, result.boundary, result.boundary_state)
-        token = sample(result.logits, req.params, req.seed, 0)
-        if req.outbox is not None:
-            send_meta(req.outbox, token, len(prompt), match.num_tokens)
-            req.outbox.finish()
-            req.output.append(token)
-            self._finish(req, cache=False)
-            req.emit(TokenEvent((token,), {"type": "length", "length": 1}, req.cached_tokens))
-            return True
-        req.state = result.state
-        self._start_decoding(req, token)
+        self.prefilling = req
         return True
+
+    def _prefill_step(self, req: Request) -> None:
+        """One piece of the current prefill; index its full blocks and save its state."""
+        assert req.prefill is not None
+        run, bs = req.prefill, self.config.block_size
+        with torch.inference_mode():
+            _, end = run.step(self.runner)
+        full, first = end // bs, req.prompt_blocks_written
+        if full > first:
+            table = self.pool.block_table(req.rid)
+            self.storage.write_blocks(run.state, table[first:full], first)
+            req.prompt_blocks_written = full
+            self.pool.cache_full_blocks(req.rid, req.prompt[: full * bs])
+        if end % bs == 0:
+            self._save_state(req, end, run.state)
+        if run.done:
+            self.prefilling, req.prefill = None, None
+            assert run.logits is not None
+            self._first_token(req, run.state, sample(run.logits, req.params, req.seed, 0))
+
+    def _first_token(self, req: Request, state: SeqState, token: int) -> None:
+        if req.outbox is None:
+            req.state = state
+            self._start_decoding(req, token)
+            return
+        send_meta(req.outbox, token, len(req.prompt), req.cached_tokens)
+        req.outbox.finish()
+        req.output.append(token)
+        self._finish(req, cache=False)
+        req.emit(TokenEvent((token,), {"type": "length", "length": 1}, req.cached_tokens))
 
     def _admit_handoff(self, req: Request) -> bool:
         assert req.received is not None

@@ -29,16 +29,6 @@ from prfaas.engines.reference.storage import KVStorage
 META = "meta"
 
 
-@dataclass(frozen=True)
-class PrefillResult:
-    """Logits after the last prompt token, the state after it, and the state at `boundary`."""
-
-    logits: torch.Tensor
-    state: SeqState
-    boundary: int
-    boundary_state: SeqState | None
-
-
 class LayerShipper:
     """Turns layer-finished callbacks into `send_layer` calls: each full layer's KV in block
     ranges as pieces complete (the first range includes the cached prefix), each linear
@@ -71,31 +61,57 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(t.detach().numpy())
 
 
-def run_prefill(
-    runner: ModelRunner,
-    storage: KVStorage,
-    prompt: list[int],
-    prefix: tuple[tuple[int, ...], int | None],
-    outbox: Outbox | None,
-) -> PrefillResult:
-    """Compute `prompt` after the cached prefix (`(block_ids, state_slot)`)."""
-    block_ids, slot = prefix
-    state = storage.gather(block_ids)
-    if slot is not None:
-        storage.load_state(slot, state)
-    bs, start, n = storage.block_size, state.length, len(prompt)
-    boundary = max(start, (n - 1) // bs * bs)
-    pieces = [(s, e) for s, e in ((start, boundary), (boundary, n)) if e > s]
-    shipper = LayerShipper(outbox, bs) if outbox is not None else None
-    boundary_state, logits = None, torch.empty(0)
-    for s, e in pieces:
-        cache = HybridCache([state])
-        listener = shipper.listener(final=e == n) if shipper else None
-        logits = runner.forward(cache, torch.tensor([prompt[s:e]]), listener)
-        state = cache.row(0)
-        if e == boundary and boundary > start:
-            boundary_state = state
-    return PrefillResult(logits[0], state, boundary, boundary_state)
+class PrefillRun:
+    """A prompt being computed piece by piece, one piece per engine step.
+
+    Pieces end on block boundaries (`budget` tokens at most), and the last one starts at the
+    last boundary before the final token: [m, m+budget), ..., [b, n) with b = the last
+    multiple of the block size below n. Every piece but the last ends block-aligned, so the
+    linear states there can be saved for exact prefix reuse.
+    """
+
+    def __init__(
+        self,
+        storage: KVStorage,
+        prompt: list[int],
+        prefix: tuple[tuple[int, ...], int | None],
+        outbox: Outbox | None,
+        budget: int,
+    ) -> None:
+        block_ids, slot = prefix
+        self.prompt, self.bs = prompt, storage.block_size
+        self.budget = max(self.bs, budget // self.bs * self.bs)
+        self.state = storage.gather(block_ids)
+        if slot is not None:
+            storage.load_state(slot, self.state)
+        n = len(prompt)
+        self.last_boundary = max(self.state.length, (n - 1) // self.bs * self.bs)
+        self.shipper = LayerShipper(outbox, self.bs) if outbox is not None else None
+        self.logits: torch.Tensor | None = None
+
+    @property
+    def pos(self) -> int:
+        """Tokens computed (cached prefix included)."""
+        return self.state.length
+
+    @property
+    def done(self) -> bool:
+        return self.pos == len(self.prompt)
+
+    def step(self, runner: ModelRunner) -> tuple[int, int]:
+        """Compute the next piece; returns its [start, end)."""
+        start = self.pos
+        end = min(start + self.budget, self.last_boundary)
+        if end <= start:
+            end = len(self.prompt)
+        cache = HybridCache([self.state])
+        final = end == len(self.prompt)
+        listener = self.shipper.listener(final=final) if self.shipper else None
+        logits = runner.forward(cache, torch.tensor([self.prompt[start:end]]), listener)
+        self.state = cache.row(0)
+        if final:
+            self.logits = logits[0]
+        return start, end
 
 
 def send_meta(outbox: Outbox, first_token: int, prompt_len: int, cached: int) -> None:

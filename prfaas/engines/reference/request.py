@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from prfaas.engines.reference.handoff import Outbox, Received
 from prfaas.engines.reference.hybrid_cache import SeqState
+from prfaas.engines.reference.prefill import PrefillRun
 from prfaas.engines.reference.sampling import SamplingParams
 
 
@@ -41,6 +42,7 @@ class Request:
     output: list[int] = field(default_factory=list)
     phase: Phase = Phase.WAITING
     state: SeqState | None = None
+    prefill: PrefillRun | None = None  # while the prompt is being computed
     cached_tokens: int = 0
     prompt_blocks_written: int = 0  # leading blocks whose KV pages are written
     boundary: SeqState | None = None  # linear states at the latest block boundary (decode)

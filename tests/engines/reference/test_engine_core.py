@@ -116,8 +116,10 @@ def test_requests_wait_for_kv_capacity_instead_of_failing(tiny_runner: ModelRunn
     core = make_core(tiny_runner, kv_capacity_tokens=128)  # 8 blocks; each request needs 5
     _, a = submit(core, "a", random_prompt(30, 40), max_new_tokens=30)
     _, b = submit(core, "b", random_prompt(31, 40), max_new_tokens=30)
-    core.step()
+    for _ in range(3):  # prefill pieces [0, 32), [32, 40), then a decode step
+        core.step()
     assert [r.rid for r in core.running] == ["a"] and [r.rid for r in core.waiting] == ["b"]
+    assert core.prefilling is None
     drain(core)
     assert len(a.tokens) == len(b.tokens) == 30
 
@@ -188,3 +190,30 @@ def test_kv_events_follow_prefix_cache_inserts_and_flush(tiny_runner: ModelRunne
     drain(core)
     assert any(isinstance(e, AllBlocksCleared) for e in events)
     assert again.cached == 0
+
+
+def test_long_prompts_are_prefilled_in_pieces_between_decode_steps(
+    tiny_model: PreTrainedModel, tiny_runner: ModelRunner
+) -> None:
+    """With a 32-token budget a 100-token prompt takes four steps ([0,32), [32,64), [64,96),
+    [96,100)) while a running request keeps decoding; a state is saved at every piece end,
+    so a prompt sharing only the first 70 tokens reuses 64 of them. Outputs stay exact."""
+    core = make_core(tiny_runner, max_prefill_tokens=32)
+    short, long_prompt = random_prompt(80, 5), random_prompt(81, 100)
+    _, s = submit(core, "s", short, max_new_tokens=12)
+    core.step()
+    _, long_out = submit(core, "l", long_prompt)
+    progress = []
+    for _ in range(5):
+        core.step()
+        progress.append((len(s.tokens), len(long_out.tokens)))
+    # the short request decodes at every step; the long one's first token comes with its
+    # fourth piece (then it joins that step's decode batch)
+    assert progress == [(3, 0), (4, 0), (5, 0), (6, 2), (7, 3)]
+    drain(core)
+    other = long_prompt[:70] + random_prompt(82, 20)
+    _, o = submit(core, "o", other)
+    drain(core)
+    assert s.tokens == hf_greedy(tiny_model, short, 12)
+    assert long_out.tokens == hf_greedy(tiny_model, long_prompt, 8)
+    assert (o.tokens, o.cached) == (hf_greedy(tiny_model, other, 8), 64)
