@@ -20,7 +20,7 @@ HELP = "Benchmark an OpenAI-compatible endpoint with a workload; print a table, 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
-    a("--target", required=True, help="http(s)://HOST:PORT, or sim:CONFIG (simulator, later)")
+    a("--target", required=True, help="http(s)://HOST:PORT, or sim:CONFIG (simulator)")
     a(
         "--workload",
         default="lognormal",

@@ -95,8 +95,7 @@ def create_runner(target: str, options: HttpOptions) -> BenchRunner:
         TargetError: malformed target, or `sim:` while the simulator does not exist yet.
     """
     if target.startswith(SIM_PREFIX):
-        raise TargetError(
-            f"target {target!r}: the simulator (virtual-clock runner) is not built yet, so "
-            "sim:CONFIG targets cannot run; bench a live server with --target http://HOST:PORT"
-        )
+        from prfaas.loadgen.sim_target import SimBenchRunner
+
+        return SimBenchRunner.from_target(target)
     return HttpRunner(target, options)

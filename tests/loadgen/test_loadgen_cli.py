@@ -63,7 +63,7 @@ def test_bench_against_null_process(
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
-        (["--target", "sim:x.toml"], "simulator (virtual-clock runner) is not built yet"),
+        (["--target", "sim:/nonexistent/x.toml"], "x.toml: cannot read"),
         (["--target", "http://127.0.0.1:9", "--rate", "1", "--concurrency", "2"], "not both"),
         (
             ["--target", "http://127.0.0.1:9", "--workload", "mooncake:/nonexistent.jsonl"],

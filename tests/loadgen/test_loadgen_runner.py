@@ -133,8 +133,8 @@ async def test_same_seed_same_requests(scripted: tuple[str, Script]) -> None:
 
 
 async def test_targets_rejected_clearly() -> None:
-    with pytest.raises(TargetError, match=r"simulator .* not built yet"):
-        create_runner("sim:prfaas/examples/paper_case_study.toml", HttpOptions())
+    with pytest.raises(TargetError, match=r"x\.toml: cannot read"):
+        create_runner("sim:/nonexistent/x.toml", HttpOptions())
     with pytest.raises(TargetError, match="must be an http"):
         create_runner("localhost:8000", HttpOptions())
     port = _free_port()
