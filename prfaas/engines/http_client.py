@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,7 @@ from prfaas.engines.client import (
     GenerateRequest,
     Role,
 )
+from prfaas.engines.http_wire import ConnectFailed, WireError, WirePool, WireResponse
 
 logger = logging.getLogger(__name__)
 STATS_PATHS = ("/stats", "/get_load")
@@ -134,67 +135,79 @@ class HttpEngineClient(BaseEngineClient):
     ) -> None:
         self.instance_id = instance_id
         self.base_url = base_url.rstrip("/")
-        self._generate_url = URL(f"{self.base_url}/generate")  # parsed once, not per call
+        url = URL(self.base_url)
+        if url.scheme not in ("http", "https") or url.host is None or url.port is None:
+            raise ValueError(f"engine URL must be http(s)://host[:port], got {base_url!r}")
+        self._generate_path = f"{url.path.rstrip('/')}/generate"
+        self._wire = WirePool(url.host, url.port, tls=url.scheme == "https")
         self._session = session
         self._config = config or HttpClientConfig()
         self._aborts: set[asyncio.Task[None]] = set()
         self._stats_path: str | None = None
-        self._generate_timeout = self._config.generate_timeout()
         self._control_timeout = self._config.control_timeout()
 
     async def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
         accepted = finished = False
+        resp: WireResponse | None = None
         try:
-            async with self._post_generate(request) as resp:
-                accepted = resp.status == 200
-                await self._check_status(resp)
-                async for chunk in self._read(resp, request.stream):
-                    finished = chunk.finish_reason is not None
-                    yield chunk
-        except aiohttp.ClientConnectorError as exc:
+            resp = await self._post_generate(request)
+            accepted = resp.status == 200
+            await self._check_status(resp)
+            async for chunk in self._read(resp, request.stream):
+                finished = chunk.finish_reason is not None
+                yield chunk
+        except ConnectFailed as exc:
             raise EngineError(f"{self.instance_id}: unreachable: {exc}", retryable=True) from exc
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (WireError, OSError, TimeoutError) as exc:
             raise EngineError(f"{self.instance_id}: generate failed: {exc!r}") from exc
         finally:
+            if resp is not None:
+                resp.close()  # no-op once the body was read to its end
             if accepted and not finished:
                 self._abort_later(request.rid)
 
-    def _post_generate(self, request: GenerateRequest) -> Any:
-        return self._session.post(
-            self._generate_url,
-            data=orjson.dumps(request_body(request)),
-            headers=JSON_HEADERS,
-            timeout=self._generate_timeout,
+    def _post_generate(self, request: GenerateRequest) -> Awaitable[WireResponse]:
+        cfg = self._config
+        return self._wire.post(
+            self._generate_path,
+            orjson.dumps(request_body(request)),
+            connect_s=cfg.connect_timeout_s,
+            read_s=cfg.read_timeout_s,
+            total_s=cfg.total_timeout_s,
         )
 
-    async def _check_status(self, resp: aiohttp.ClientResponse) -> None:
+    async def _check_status(self, resp: WireResponse) -> None:
         if resp.status == 200:
             return
-        detail = (await resp.text())[:300]
+        detail = (await resp.read())[:300].decode(errors="replace")
         raise EngineError(
             f"{self.instance_id}: /generate answered {resp.status}: {detail}",
             status=503 if resp.status in (429, 503) else 502,
             retryable=resp.status in (429, 503),
         )
 
-    async def _read(
-        self, resp: aiohttp.ClientResponse, stream: bool
-    ) -> AsyncGenerator[GenerateChunk, None]:
+    async def _read(self, resp: WireResponse, stream: bool) -> AsyncGenerator[GenerateChunk, None]:
         deltas = _Deltas()
         if not stream:
-            yield deltas.chunk(orjson.loads(await resp.read()))
+            yield deltas.chunk(self._json(await resp.read()))
             return
-        async for line in resp.content:
-            if not line.startswith(b"data:"):
+        done = False
+        async for line in resp.lines():  # read to the body's end: the connection is reused
+            if done or not line.startswith(b"data:"):
                 continue
             payload = line[5:].strip()
-            if payload == b"[DONE]":
-                return
-            try:
-                obj = orjson.loads(payload)
-            except orjson.JSONDecodeError as exc:
-                raise EngineError(f"{self.instance_id}: bad stream line {payload[:80]!r}") from exc
-            yield deltas.chunk(obj)
+            done = payload == b"[DONE]"
+            if not done:
+                yield deltas.chunk(self._json(payload))
+
+    def _json(self, payload: bytes) -> dict[str, Any]:
+        try:
+            obj = orjson.loads(payload)
+        except orjson.JSONDecodeError as exc:
+            raise EngineError(f"{self.instance_id}: bad response {payload[:80]!r}") from exc
+        if not isinstance(obj, dict):
+            raise EngineError(f"{self.instance_id}: response is not an object: {payload[:80]!r}")
+        return obj
 
     def _abort_later(self, rid: str) -> None:
         task = asyncio.get_running_loop().create_task(self._abort(rid))
@@ -257,6 +270,8 @@ class HttpEngineClient(BaseEngineClient):
         )
 
     async def close(self) -> None:
-        """Wait for pending aborts; the shared session belongs to the caller."""
+        """Wait for pending aborts, close pooled generate connections; the shared session
+        belongs to the caller."""
         if self._aborts:
             await asyncio.gather(*self._aborts, return_exceptions=True)
+        self._wire.close()

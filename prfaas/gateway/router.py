@@ -156,55 +156,80 @@ async def _drain_prefill(prefill: InstanceState, request: GenerateRequest) -> No
         pass
 
 
-async def _relay(
-    prefill: InstanceState, decode: InstanceState, request: GenerateRequest
-) -> AsyncGenerator[GenerateChunk, None]:
-    """Yield the decode stream while watching the prefill call: if prefill fails first,
-    abort decode (it would only wait for KV that never comes) and raise. Once prefill has
-    succeeded, the decode stream is read directly (no per-chunk task)."""
-    prefill_task = asyncio.ensure_future(_drain_prefill(prefill, request))
-    stream = decode.client.generate(request)
-    next_chunk: asyncio.Future[GenerateChunk] | None = None
-    try:
-        while not prefill_task.done():
-            next_chunk = asyncio.ensure_future(anext(stream))
-            await asyncio.wait({next_chunk, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
-            _raise_if_prefill_failed(prefill, prefill_task, next_chunk)
-            if not next_chunk.done():
-                await asyncio.wait({next_chunk})
-            try:
-                chunk = next_chunk.result()
-            except StopAsyncIteration:
-                break
-            yield chunk
-        else:
-            _raise_if_prefill_failed(prefill, prefill_task, None)
-            async for chunk in stream:
-                yield chunk
-        await prefill_task  # decode finished; surface a late prefill failure, if any
-    finally:
-        prefill_task.cancel()
-        with contextlib.suppress(BaseException):
-            await prefill_task
-        if next_chunk is not None and not next_chunk.done():
-            next_chunk.cancel()  # the decode stream must be idle before it can be closed
-            with contextlib.suppress(BaseException):
-                await next_chunk
-        await stream.aclose()
-
-
-def _raise_if_prefill_failed(
-    prefill: InstanceState,
-    task: asyncio.Future[None],
-    pending: asyncio.Future[GenerateChunk] | None,
-) -> None:
-    if not task.done() or task.cancelled() or task.exception() is None:
-        return
-    if pending is not None:
-        pending.cancel()
-    exc = task.exception()
+def _prefill_error(prefill: InstanceState, exc: BaseException) -> EngineError:
+    """The error to raise for a failed prefill call (marks the instance unhealthy when
+    the failure says it never accepted the work)."""
     if isinstance(exc, EngineError):
         if exc.retryable:
             prefill.healthy = False
-        raise exc
-    raise EngineError(f"prefill on {prefill.instance_id} failed: {exc!r}") from exc
+        return exc
+    error = EngineError(f"prefill on {prefill.instance_id} failed: {exc!r}")
+    error.__cause__ = exc
+    return error
+
+
+class _PrefillWatch:
+    """Watches the prefill task while the consumer awaits decode output.
+
+    If prefill fails during such a wait, the waiting task is cancelled (as `asyncio.timeout`
+    does) and the cancellation turned into the prefill's error: decode would only wait for
+    KV that never comes. This costs one callback per request instead of a future per chunk.
+    """
+
+    def __init__(self, prefill: InstanceState, task: asyncio.Task[None]) -> None:
+        self.prefill, self.task = prefill, task
+        self._consumer: asyncio.Task[object] | None = None
+        self._interrupted = False
+        task.add_done_callback(self._on_done)
+
+    def _on_done(self, task: asyncio.Task[None]) -> None:
+        if self._consumer is not None and not task.cancelled() and task.exception() is not None:
+            self._interrupted = True
+            self._consumer.cancel()
+
+    def check(self) -> None:
+        """Raise the prefill's error if it has failed."""
+        task = self.task
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            raise _prefill_error(self.prefill, task.exception())  # type: ignore[arg-type]
+
+    async def next(self, stream: AsyncIterator[GenerateChunk]) -> GenerateChunk:
+        """The next decode chunk. Raises StopAsyncIteration at its end, or the prefill error."""
+        self.check()
+        self._consumer = asyncio.current_task()
+        try:
+            return await anext(stream)
+        except asyncio.CancelledError:
+            if self._interrupted and self._consumer is not None:
+                self._interrupted = False
+                if self._consumer.uncancel() == 0:  # nobody else cancelled: prefill failed
+                    self.check()
+            raise
+        finally:
+            self._consumer = None
+
+
+async def _relay(
+    prefill: InstanceState, decode: InstanceState, request: GenerateRequest
+) -> AsyncGenerator[GenerateChunk, None]:
+    """Yield the decode stream while the prefill call runs in its own task; if prefill
+    fails first, abort decode and raise the prefill's error; once decode ends, surface a
+    late prefill failure."""
+    watch = _PrefillWatch(prefill, asyncio.ensure_future(_drain_prefill(prefill, request)))
+    stream = decode.client.generate(request)
+    try:
+        while True:
+            try:
+                chunk = await watch.next(stream)
+            except StopAsyncIteration:
+                break
+            yield chunk
+        try:
+            await watch.task
+        except Exception as exc:
+            raise _prefill_error(prefill, exc)  # noqa: B904 - the cause is set inside
+    finally:
+        watch.task.cancel()
+        with contextlib.suppress(BaseException):
+            await watch.task
+        await stream.aclose()
