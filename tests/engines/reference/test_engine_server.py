@@ -255,3 +255,26 @@ async def test_a_rid_in_use_is_refused(tiny_runner: ModelRunner) -> None:
     assert status == 400 and "already in use" in err["error"]["message"]
     assert done == 200 and len(result["output_ids"]) == 40
     assert again == 200
+
+
+async def test_role_switch_drains_running_work_first(tiny_runner: ModelRunner) -> None:
+    """`/admin/role` waits for the running request to finish (it completes normally), new
+    requests meanwhile get 503, and the reported switch time covers the drain."""
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 60, **GREEDY}}
+    async with engine_server(tiny_runner, InProcessHub()) as eng, aiohttp.ClientSession() as s:
+        running = asyncio.create_task(post(s, f"{eng.url}/generate", body))
+        for _ in range(1000):
+            if eng.service.core.running:
+                break
+            await asyncio.sleep(0.01)
+        switch = asyncio.create_task(post(s, f"{eng.url}/admin/role", {"role": "decode"}))
+        await asyncio.sleep(0.05)
+        refused, err = await post(s, f"{eng.url}/generate", body)
+        (status, result), (switched, report) = await asyncio.gather(running, switch)
+    assert status == 200 and len(result["output_ids"]) == 60
+    assert refused == 503 and "switching" in err["error"]["message"]
+    assert switched == 200 and report == {
+        "role": "decode",
+        "switch_seconds": report["switch_seconds"],
+    }
+    assert report["switch_seconds"] > 0.04 and eng.service.core.role == "decode"
