@@ -1,6 +1,7 @@
-"""The engine step: admit one request (prefill, or a received hand-off), then one batched
-decode step over every running request. Runs on one worker thread; other threads only
-`submit`, set `Request.aborted`, queue `flush`, and read counters.
+"""The engine step: admit one request (start its prefill, or take a received hand-off), run
+one prefill piece (at most `max_prefill_tokens`), then one batched decode step over every
+running request. Runs on one worker thread; other threads only `submit`, set
+`Request.aborted`, queue `flush`, and read counters.
 
 Capacity is reserved up front for prompt + `max_new_tokens`, so a running request never runs
 out of KV mid-decode: when the pool cannot hold a new request, it waits (back-pressure).
@@ -67,7 +68,7 @@ class EngineCore:
     # --- engine thread ---------------------------------------------------------------------
 
     def step(self) -> None:
-        """Admit at most one request, then run one decode step."""
+        """Admit at most one request, run one prefill piece, then one decode step."""
         while self._inbox:
             self.waiting.append(self._inbox.popleft())
         if self._flush.is_set():
