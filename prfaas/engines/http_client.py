@@ -71,7 +71,7 @@ def request_body(request: GenerateRequest) -> dict[str, Any]:
     """The `/generate` body: identical for the prefill and the decode instance."""
     body: dict[str, Any] = {
         "rid": request.rid,
-        "input_ids": list(request.input_ids),
+        "input_ids": request.input_ids,  # a tuple: orjson writes it as an array, no copy
         "sampling_params": request.sampling.to_sglang(),
         "stream": request.stream,
     }
@@ -114,7 +114,7 @@ class _Deltas:
         finish = meta.get("finish_reason")
         reason = finish.get("type") if isinstance(finish, dict) else finish
         return GenerateChunk(
-            token_ids=tuple(int(i) for i in delta_ids),
+            token_ids=tuple(map(int, delta_ids)),
             text=delta_text,
             prompt_tokens=int(meta.get("prompt_tokens") or 0),
             completion_tokens=int(meta.get("completion_tokens") or len(ids)),
@@ -147,23 +147,31 @@ class HttpEngineClient(BaseEngineClient):
         self._control_timeout = self._config.control_timeout()
 
     async def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
-        accepted = finished = False
+        # Abort unless the call finished or the engine refused it: a call cancelled while
+        # the engine computes (no response head yet) is aborted too.
+        refused = finished = False
         resp: WireResponse | None = None
         try:
             resp = await self._post_generate(request)
-            accepted = resp.status == 200
+            refused = resp.status != 200
             await self._check_status(resp)
-            async for chunk in self._read(resp, request.stream):
+            if not request.stream:  # one piece: no line splitting, no inner generator
+                chunk = _Deltas().chunk(self._json(await resp.read()))
+                finished = chunk.finish_reason is not None
+                yield chunk
+                return
+            async for chunk in self._stream(resp):
                 finished = chunk.finish_reason is not None
                 yield chunk
         except ConnectFailed as exc:
+            refused = True
             raise EngineError(f"{self.instance_id}: unreachable: {exc}", retryable=True) from exc
         except (WireError, OSError, TimeoutError) as exc:
             raise EngineError(f"{self.instance_id}: generate failed: {exc!r}") from exc
         finally:
             if resp is not None:
                 resp.close()  # no-op once the body was read to its end
-            if accepted and not finished:
+            if not (refused or finished):
                 self._abort_later(request.rid)
 
     def _post_generate(self, request: GenerateRequest) -> Awaitable[WireResponse]:
@@ -186,11 +194,8 @@ class HttpEngineClient(BaseEngineClient):
             retryable=resp.status in (429, 503),
         )
 
-    async def _read(self, resp: WireResponse, stream: bool) -> AsyncGenerator[GenerateChunk, None]:
+    async def _stream(self, resp: WireResponse) -> AsyncGenerator[GenerateChunk, None]:
         deltas = _Deltas()
-        if not stream:
-            yield deltas.chunk(self._json(await resp.read()))
-            return
         done = False
         async for line in resp.lines():  # read to the body's end: the connection is reused
             if done or not line.startswith(b"data:"):

@@ -112,6 +112,25 @@ class Router:
                 if started or not exc.retryable or attempt == MAX_ATTEMPTS:
                     raise
 
+    async def complete(
+        self, rid: str, input_ids: Sequence[int], sampling: SamplingParams
+    ) -> tuple[RouteDecision, list[GenerateChunk]]:
+        """`generate` for a client that does not stream: the engines answer in one piece and
+        all output comes back at once, with no generator between the caller and the
+        dispatch (cheaper per request). Same routing, retry and errors as `generate`."""
+        ids = tuple(input_ids)
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            decision = self.decide(ids)
+            try:
+                chunks = [c async for c in self._dispatch(rid, ids, sampling, decision, False)]
+            except EngineError as exc:
+                self._report(rid, decision, len(ids), 0, str(exc))
+                if not exc.retryable or attempt == MAX_ATTEMPTS:
+                    raise
+                continue
+            return decision, chunks
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
     async def _dispatch(
         self,
         rid: str,
@@ -130,13 +149,15 @@ class Router:
         last: GenerateChunk | None = None
         chunks = decode.client.generate(request) if aggregated else _relay(prefill, decode, request)
         try:
-            async with contextlib.aclosing(chunks):  # closing aborts on the engines at once
-                async for chunk in chunks:
-                    last = chunk
-                    yield chunk
+            async for chunk in chunks:
+                last = chunk
+                yield chunk
         finally:
-            prefill.in_flight -= 1
-            decode.in_flight -= 1
+            try:
+                await chunks.aclose()  # closing aborts on the engines at once
+            finally:
+                prefill.in_flight -= 1
+                decode.in_flight -= 1
         self._report(rid, decision, len(ids), last.completion_tokens if last else 0, None)
 
     def _bootstrap(self, prefill: InstanceState) -> Bootstrap:

@@ -8,8 +8,8 @@ Router's stream and so aborts the request on both the prefill and the decode eng
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -92,25 +92,33 @@ class CompletionService:
         self, request: web.Request, call: CompletionCall, timing: _Timing
     ) -> web.StreamResponse:
         prefix = "chatcmpl" if call.api == "chat" else "cmpl"
-        acc = Accumulator(call, f"{prefix}-{uuid.uuid4().hex}", int(time.time()))
-        stream = self.router.generate(acc.rid, call.input_ids, call.sampling, stream=call.stream)
+        acc = Accumulator(call, f"{prefix}-{secrets.token_hex(16)}", int(time.time()))
+        if not call.stream:
+            return await self._whole(acc, timing)
+        stream = self.router.generate(acc.rid, call.input_ids, call.sampling)
         try:
             decision, first = await _first(stream)
             self._routed(decision, acc, timing)
-            headers = route_headers(decision)
-            if call.stream:
-                return await self._sse(request, acc, first, stream, headers)
-            acc.add(first)
-            try:
-                async for _, chunk in stream:
-                    acc.add(chunk)
-            except EngineError as exc:
-                raise _engine_error(exc) from None
-            return web.Response(
-                body=orjson.dumps(acc.final()), content_type="application/json", headers=headers
-            )
+            return await self._sse(request, acc, first, stream, route_headers(decision))
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
+
+    async def _whole(self, acc: Accumulator, timing: _Timing) -> web.Response:
+        """A non-streaming request: the engines answer in one piece, so does the gateway."""
+        call = acc.call
+        try:
+            decision, chunks = await self.router.complete(acc.rid, call.input_ids, call.sampling)
+        except NoInstanceAvailable as exc:
+            raise APIError(503, str(exc), code="no_instance_available") from None
+        except EngineError as exc:
+            raise _engine_error(exc) from None
+        if not chunks:
+            raise APIError(502, "the engine returned no output", code="engine_error")
+        self._routed(decision, acc, timing)
+        for chunk in chunks:
+            acc.add(chunk)
+        headers = {"Content-Type": "application/json", **route_headers(decision)}
+        return web.Response(body=orjson.dumps(acc.final()), headers=headers)
 
     def _routed(self, decision: RouteDecision, acc: Accumulator, timing: _Timing) -> None:
         timing.route = decision.route
