@@ -142,7 +142,10 @@ class EngineService:
         finished = False
         try:
             if role == "prefill" and bootstrap is not None:
-                req.outbox = self.sender.open(bootstrap.room)
+                try:
+                    req.outbox = self.sender.open(bootstrap.room)
+                except ValueError as exc:  # room already open (or out of range)
+                    raise InvalidRequest(f"bootstrap_room {bootstrap.room}: {exc}") from exc
             elif role == "decode" and bootstrap is not None:
                 req.received = await self.receiver.fetch(
                     bootstrap.host, bootstrap.port, bootstrap.room,
@@ -151,9 +154,9 @@ class EngineService:
             self._submit(req)
             while not finished:
                 event = await queue.get()
+                if event.finish_reason is not None and req.outbox is not None:
+                    await req.outbox.wait()  # SGLang's prefill answers once KV is delivered
                 finished = event.finish_reason is not None
-                if finished and req.outbox is not None:
-                    await req.outbox.wait()
                 yield event
         finally:
             if self._active.get(req.rid) is req:

@@ -214,3 +214,24 @@ async def test_seeded_sampling_is_the_same_disaggregated(tiny_runner: ModelRunne
         _, pd_ids = await asyncio.gather(call(pre.url, body), call(dec.url, body))
         agg = await call(both.url, {"input_ids": prompt, "sampling_params": sp})
     assert pd_ids == agg and len(agg) == 10
+
+
+async def test_a_bootstrap_room_in_use_is_a_400(tiny_runner: ModelRunner) -> None:
+    """A prefill request for a room whose transfer is still open is refused with 400."""
+    hub = InProcessHub()
+    async with engine_server(tiny_runner, hub, role="prefill") as pre, aiohttp.ClientSession() as s:
+        body = {
+            "input_ids": [1, 2, 3],
+            "bootstrap_host": "h",
+            "bootstrap_room": 42,
+            "bootstrap_port": pre.service.sender.bootstrap_port,
+        }
+        waiting = asyncio.create_task(s.post(f"{pre.url}/generate", json=body))  # no decode
+        for _ in range(1000):
+            if pre.service.core.counters.snapshot().prompt_tokens:
+                break
+            await asyncio.sleep(0.01)
+        async with s.post(f"{pre.url}/generate", json=body) as again:
+            status, err = again.status, await again.json()
+        waiting.cancel()
+    assert status == 400 and "bootstrap_room 42" in err["error"]["message"]
