@@ -123,7 +123,9 @@ async def stats(request: web.Request) -> web.Response:
     body = {
         "role": core.role,
         "waiting": len(core.waiting),
-        "running": len(core.running),
+        "running": len(core.running) + (core.prefilling is not None),  # prefill + decode
+        "prefilling": int(core.prefilling is not None),
+        "decoding": len(core.running),
         "kv_blocks_used": pool.used_blocks,
         "kv_blocks_cached": pool.cached_blocks,
         "kv_blocks_free": pool.free_blocks,
