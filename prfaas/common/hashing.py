@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import array
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import xxhash
@@ -48,15 +48,25 @@ def hash_blocks(token_ids: Sequence[int] | np.ndarray, block_size: int) -> list[
     Raises:
         ValueError: if `block_size` is not positive.
     """
+    return list(iter_block_hashes(token_ids, block_size))
+
+
+def iter_block_hashes(token_ids: Sequence[int] | np.ndarray, block_size: int) -> Iterator[int]:
+    """`hash_blocks`, lazily: a prefix lookup that stops at the first uncached block never
+    hashes the rest of the prompt (the ids are still packed once, up front).
+
+    Raises:
+        ValueError: if `block_size` is not positive (at the call, not at the first hash).
+    """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    data = _u32_bytes(token_ids)
-    step = 4 * block_size
+    return _chain(_u32_bytes(token_ids), 4 * block_size)
+
+
+def _chain(data: bytes, step: int) -> Iterator[int]:
     digest = xxhash.xxh3_64_intdigest
-    hashes: list[int] = []
-    parent: int | None = None
+    parent = None
     for start in range(0, len(data) - step + 1, step):
         block = data[start : start + step]
-        parent = int(digest(block if parent is None else parent.to_bytes(8, "little") + block))
-        hashes.append(parent)
-    return hashes
+        parent = digest(block if parent is None else parent.to_bytes(8, "little") + block)
+        yield parent

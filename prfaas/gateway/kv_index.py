@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from prfaas.common.hashing import hash_block
 from prfaas.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
+_NONE: frozenset[str] = frozenset()  # holders of an unknown block
+
 logger = logging.getLogger(__name__)
 
 
@@ -120,18 +122,22 @@ class KVIndexManager:
                 if not holders:
                     del self._holders[ours]
 
-    def longest_prefix(self, block_hashes: Sequence[int]) -> dict[str, int]:
+    def longest_prefix(self, block_hashes: Iterable[int]) -> dict[str, int]:
         """Cached prefix length in tokens per instance for a request's chained block hashes
-        (every known instance appears, 0 where nothing matches). Pure read."""
+        (every known instance appears, 0 where nothing matches). Pure read. Stops reading
+        `block_hashes` once no instance matches (pass `iter_block_hashes` to hash lazily).
+        """
         result = dict.fromkeys(self._instances, 0)
         alive = set(self._instances)
-        for k, h in enumerate(block_hashes):
-            still = alive & self._holders.get(h, set())
+        matched = 0  # blocks every instance in `alive` holds
+        for h in block_hashes if alive else ():
+            still = alive & self._holders.get(h, _NONE)
             for gone in alive - still:
-                result[gone] = k * self.block_size
+                result[gone] = matched * self.block_size
             alive = still
             if not alive:
                 return result
+            matched += 1
         for inst in alive:
-            result[inst] = len(block_hashes) * self.block_size
+            result[inst] = matched * self.block_size
         return result

@@ -13,7 +13,7 @@ import random
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
-from prfaas.common.hashing import hash_blocks
+from prfaas.common.hashing import iter_block_hashes
 from prfaas.engines.client import (
     Bootstrap,
     EngineError,
@@ -74,7 +74,8 @@ class Router:
         Raises:
             NoInstanceAvailable: no healthy instance for a needed role.
         """
-        cached = self.index.longest_prefix(hash_blocks(input_ids, self.index.block_size))
+        # Lazy hashes: the lookup stops at the first block no instance holds.
+        cached = self.index.longest_prefix(iter_block_hashes(input_ids, self.index.block_size))
         snapshot = RoutingSnapshot(
             total_tokens=len(input_ids),
             instances=self.instances.views(cached),

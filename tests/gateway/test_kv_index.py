@@ -3,7 +3,9 @@ clears, rejected events and the memory bound."""
 
 from __future__ import annotations
 
-from prfaas.common.hashing import hash_blocks
+from collections.abc import Iterator
+
+from prfaas.common.hashing import hash_blocks, iter_block_hashes
 from prfaas.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from prfaas.gateway.kv_index import KVIndexManager
 
@@ -32,6 +34,30 @@ def test_longest_prefix_per_instance() -> None:
     index.apply("a", [_stored(tokens[:4], [1])])
     index.apply("b", [_stored(tokens, [1, 2, 3, 4])])
     assert index.longest_prefix(hash_blocks(tokens, BS)) == {"a": 4, "b": 16}
+
+
+def _counting(hashes: Iterator[int], seen: list[int]) -> Iterator[int]:
+    for h in hashes:
+        seen.append(h)
+        yield h
+
+
+def test_lazy_hashes_stop_at_the_first_uncached_block() -> None:
+    """`iter_block_hashes` equals `hash_blocks`; a lookup reads hashes only up to the first
+    block no instance holds, and none at all from an empty index."""
+    tokens = list(range(40))
+    assert list(iter_block_hashes(tokens, BS)) == hash_blocks(tokens, BS)
+    index = KVIndexManager(block_size=BS)
+    seen: list[int] = []
+    assert index.longest_prefix(_counting(iter_block_hashes(tokens, BS), seen)) == {}
+    assert seen == []
+    index.apply("a", [_stored(tokens[:8], [1, 2])])
+    index.apply("b", [_stored(tokens[:12], [1, 2, 3])])
+    assert index.longest_prefix(_counting(iter_block_hashes(tokens, BS), seen)) == {
+        "a": 8,
+        "b": 12,
+    }
+    assert seen == hash_blocks(tokens, BS)[:4]  # blocks 0-2 matched, block 3 missed
 
 
 def test_removed_and_cleared() -> None:
