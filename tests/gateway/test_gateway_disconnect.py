@@ -10,8 +10,7 @@ import asyncio
 import aiohttp
 import orjson
 from aiohttp import web
-from conftest import start_app
-from gateway_helpers import GatewayFactory, deployment
+from gateway_helpers import GatewayFactory, deployment, start_app
 
 
 class SlowEngine:

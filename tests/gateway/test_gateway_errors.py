@@ -10,8 +10,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from conftest import start_app
-from gateway_helpers import Engines, GatewayFactory, deployment
+from gateway_helpers import Engines, GatewayFactory, deployment, start_app
 
 from prfaas.engines.null import NullConfig, NullServer
 

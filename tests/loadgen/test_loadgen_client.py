@@ -8,7 +8,7 @@ import time
 import aiohttp
 import numpy as np
 import pytest
-from conftest import FIRST_DELAY_S, TOKEN_DELAY_S, Script
+from loadgen_helpers import FIRST_DELAY_S, TOKEN_DELAY_S, Script
 
 from prfaas.loadgen.apis import create_api
 from prfaas.loadgen.client import RequestSpec, StreamingClient

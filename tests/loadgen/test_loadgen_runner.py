@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import Script
+from loadgen_helpers import Script
 
 from prfaas.loadgen.arrivals import ClosedLoop, RateArrivals, TraceArrivals
 from prfaas.loadgen.driver import plan_rngs
