@@ -1,11 +1,14 @@
 """HTTP engine client: SGLang's `/generate` PD protocol, for the reference engine and real
 SGLang servers alike.
 
-One `aiohttp.ClientSession` is shared by every client of a gateway (its owner creates and
-closes it); each call carries explicit timeouts. Output is streamed (`stream: true`); SGLang
-streams cumulative `text` / `output_ids`, which this client turns into deltas. Cancelling a
-`generate` iteration closes the connection and posts `/abort_request` for the rid, so the
-engine frees the request's slot and KV at once.
+`/generate` goes over a lean keep-alive HTTP/1.1 connection pool per engine
+(`http_wire.py`: the gateway's hot path, two calls per request); the control calls
+(`/health`, `/get_load`, `/server_info`, `/abort_request`) use the one `aiohttp.ClientSession`
+shared by every client of a gateway (its owner creates and closes it). Every call carries
+explicit timeouts. Output is streamed (`stream: true`) or whole; SGLang streams cumulative
+`text` / `output_ids`, which this client turns into deltas. Cancelling a `generate`
+iteration closes its connection and posts `/abort_request` for the rid, so the engine frees
+the request's slot and KV at once.
 """
 
 from __future__ import annotations

@@ -143,7 +143,9 @@ class WireResponse:
         self._chunks = (
             ChunkedDecoder() if b"chunked" in head.get(b"transfer-encoding", b"") else None
         )
-        self._left = int(length) if length is not None and self._chunks is None else None
+        self._left = _length(length) if length is not None and self._chunks is None else None
+        if status in (204, 304) or status < 200:
+            self._chunks, self._left = None, 0  # these never carry a body
         self._keep_alive = head.get(b"connection", b"").lower() != b"close" and (
             self._chunks is not None or self._left is not None
         )
@@ -220,6 +222,12 @@ class WireResponse:
             self._left -= take
             self._done = self._left == 0
         return True
+
+
+def _length(value: bytes) -> int:
+    if not value.isdigit():
+        raise WireError(f"bad Content-Length {value[:40]!r}")
+    return int(value)
 
 
 def _parse_head(head: bytes) -> tuple[int, dict[bytes, bytes]]:

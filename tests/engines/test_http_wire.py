@@ -154,10 +154,15 @@ async def test_stale_idle_connection_is_retried_once() -> None:
     pool.close()
 
 
-async def test_body_until_close_and_bad_status_line() -> None:
-    """No length and no chunking: the body ends with the connection. A garbage status
-    line is a WireError."""
-    replies = [b"HTTP/1.0 200 OK\r\n\r\nall of it", b"SPAM\r\n\r\n"]
+async def test_body_until_close_no_content_and_bad_heads() -> None:
+    """No length and no chunking: the body ends with the connection; a 204 has no body;
+    a garbage status line or Content-Length is a WireError."""
+    replies = [
+        b"HTTP/1.0 200 OK\r\n\r\nall of it",
+        b"HTTP/1.1 204 No Content\r\n\r\n",
+        b"SPAM\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: -5\r\n\r\n",
+    ]
 
     async def reply(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await _read_request(reader)
@@ -169,7 +174,11 @@ async def test_body_until_close_and_bad_status_line() -> None:
     async with server:
         resp = await pool.post("/x", b"{}", **TIMEOUTS)
         assert await resp.read() == b"all of it"
+        resp = await pool.post("/x", b"{}", **TIMEOUTS)
+        assert resp.status == 204 and await resp.read() == b""
         with pytest.raises(WireError, match="status line"):
+            await pool.post("/x", b"{}", **TIMEOUTS)
+        with pytest.raises(WireError, match="Content-Length"):
             await pool.post("/x", b"{}", **TIMEOUTS)
 
 
