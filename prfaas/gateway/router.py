@@ -123,7 +123,7 @@ class Router:
         for attempt in range(1, MAX_ATTEMPTS + 1):
             decision = self.decide(ids)
             try:
-                chunks = [c async for c in self._dispatch(rid, ids, sampling, decision, False)]
+                chunks = await self._dispatch_whole(rid, ids, sampling, decision)
             except EngineError as exc:
                 self._report(rid, decision, len(ids), 0, str(exc))
                 if not exc.retryable or attempt == MAX_ATTEMPTS:
@@ -140,11 +140,8 @@ class Router:
         decision: RouteDecision,
         stream: bool = True,
     ) -> AsyncIterator[GenerateChunk]:
-        prefill = self.instances[decision.prefill_instance]
-        decode = self.instances[decision.decode_instance]
+        prefill, decode, request = self._request(rid, ids, sampling, decision, stream)
         aggregated = prefill is decode  # one "both" instance: no hand-off, one call
-        bootstrap = None if aggregated else self._bootstrap(prefill)
-        request = GenerateRequest(rid, ids, sampling, stream, bootstrap)
         prefill.in_flight += 1
         decode.in_flight += 1
         last: GenerateChunk | None = None
@@ -160,6 +157,40 @@ class Router:
                 prefill.in_flight -= 1
                 decode.in_flight -= 1
         self._report(rid, decision, len(ids), last.completion_tokens if last else 0, None)
+
+    async def _dispatch_whole(
+        self, rid: str, ids: tuple[int, ...], sampling: SamplingParams, decision: RouteDecision
+    ) -> list[GenerateChunk]:
+        """`_dispatch` of a non-streaming request, as one coroutine (no generator of its
+        own); cancelling it aborts on the engines like closing `_dispatch` does."""
+        prefill, decode, request = self._request(rid, ids, sampling, decision, False)
+        aggregated = prefill is decode
+        prefill.in_flight += 1
+        decode.in_flight += 1
+        chunks = decode.client.generate(request) if aggregated else _relay(prefill, decode, request)
+        try:
+            out = [chunk async for chunk in chunks]
+        finally:
+            try:
+                await chunks.aclose()
+            finally:
+                prefill.in_flight -= 1
+                decode.in_flight -= 1
+        self._report(rid, decision, len(ids), out[-1].completion_tokens if out else 0, None)
+        return out
+
+    def _request(
+        self,
+        rid: str,
+        ids: tuple[int, ...],
+        sampling: SamplingParams,
+        decision: RouteDecision,
+        stream: bool,
+    ) -> tuple[InstanceState, InstanceState, GenerateRequest]:
+        prefill = self.instances[decision.prefill_instance]
+        decode = self.instances[decision.decode_instance]
+        bootstrap = None if prefill is decode else self._bootstrap(prefill)
+        return prefill, decode, GenerateRequest(rid, ids, sampling, stream, bootstrap)
 
     def _bootstrap(self, prefill: InstanceState) -> Bootstrap:
         if prefill.bootstrap_host is None or prefill.bootstrap_port is None:
