@@ -46,10 +46,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch intra-op threads (default 1: on shared or busy cores OpenMP spinning "
         "makes more threads much slower; raise it on a dedicated machine)",
     )
+    _add_transfer_arguments(parser.add_argument_group("KV transfer (prefill side)"))
+
+
+def _add_transfer_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--transfer-connections", type=int, default=4, help="TCP connections per decode peer"
+    )
+    group.add_argument(
+        "--transfer-chunk-kib",
+        type=int,
+        default=1024,
+        help="largest KV frame; also the pacing burst (use ~64 on a slow paced link)",
+    )
+    group.add_argument(
+        "--egress-rate-mbps",
+        type=float,
+        help="cap this process's whole KV egress (all decode peers together) at this many "
+        "Mbit/s with a token bucket: emulates a cross-DC link, or enforces an egress cap",
+    )
+    group.add_argument(
+        "--egress-delay-ms", type=float, default=0.0, help="added one-way delay of KV frames"
+    )
+    group.add_argument(
+        "--egress-capacity-mbps",
+        type=float,
+        help="link capacity for the utilisation in /transfer_stats (default: the egress rate)",
+    )
+
+
+def _mbps(flag: str, value: float | None) -> float | None:
+    """Mbit/s -> bytes/s; a non-positive rate is an error naming the flag."""
+    if value is not None and not value > 0:
+        raise ValueError(f"{flag} must be > 0 Mbit/s, got {value}")
+    return None if value is None else value * 1e6 / 8
 
 
 def run(args: argparse.Namespace) -> int:
-    from prfaas.engines.reference.config import EngineConfig
+    from prfaas.engines.reference.config import EngineConfig, TransferConfig
     from prfaas.engines.reference.launch import LaunchOptions, serve
 
     try:
@@ -61,6 +95,15 @@ def run(args: argparse.Namespace) -> int:
             max_prefill_tokens=args.max_prefill_tokens,
             num_state_slots=args.state_slots,
         )
+        if not 0 <= args.egress_delay_ms <= 10_000:
+            raise ValueError(f"--egress-delay-ms must be in [0, 10000], got {args.egress_delay_ms}")
+        transfer = TransferConfig(
+            connections=args.transfer_connections,
+            chunk_bytes=args.transfer_chunk_kib * 1024,
+            egress_rate_bytes_per_s=_mbps("--egress-rate-mbps", args.egress_rate_mbps),
+            egress_delay_s=args.egress_delay_ms / 1000,
+            capacity_bytes_per_s=_mbps("--egress-capacity-mbps", args.egress_capacity_mbps),
+        )
         options = LaunchOptions(
             model=args.model,
             host=args.host,
@@ -70,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
             cache_dir=args.model_cache,
             threads=args.threads,
             engine=engine,
+            transfer=transfer,
         )
         asyncio.run(serve(options))
     except (ValueError, OSError) as exc:

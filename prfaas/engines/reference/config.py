@@ -1,10 +1,14 @@
-"""Engine configuration: role, batch and KV capacity, page size."""
+"""Engine configuration: role, batch and KV capacity, page size; the KV transport's egress."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from prfaas.engines.transport import SenderConfig
+
 ROLES = ("prefill", "decode", "both")
+MIB = 2**20
 
 
 @dataclass(frozen=True)
@@ -52,3 +56,53 @@ class EngineConfig:
     @property
     def num_blocks(self) -> int:
         return self.kv_capacity_tokens // self.block_size
+
+
+def _optional_positive(name: str, value: float | None) -> None:
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a positive finite number or unset, got {value!r}")
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """The prefill side's KV transport: connections, frame size and the egress link.
+
+    The egress rate caps the whole process (every decode peer together), not each peer: a
+    PrfaaS prefill instance's KV leaves its cluster through one shared egress link, so the
+    emulated cross-DC link (or a scheduler's egress cap) is a per-process token bucket.
+    """
+
+    connections: int = 4
+    """TCP connections each decode peer opens to this engine's bootstrap port."""
+    chunk_bytes: int = MIB
+    """Largest frame payload; also the pacing burst, so keep it small on a slow paced link."""
+    egress_rate_bytes_per_s: float | None = None
+    """Token-bucket cap of this process's KV egress (None: unpaced)."""
+    egress_delay_s: float = 0.0
+    """Added one-way delay of every KV frame (link emulation)."""
+    capacity_bytes_per_s: float | None = None
+    """Link capacity that telemetry utilisation is measured against (default: the rate)."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.connections <= 64:
+            raise ValueError(f"transfer connections must be in 1..64, got {self.connections}")
+        if not 4096 <= self.chunk_bytes <= 64 * MIB:
+            raise ValueError(f"transfer chunk_bytes must be in 4096..{64 * MIB}, "
+                             f"got {self.chunk_bytes}")  # fmt: skip
+        _optional_positive("egress_rate_bytes_per_s", self.egress_rate_bytes_per_s)
+        _optional_positive("capacity_bytes_per_s", self.capacity_bytes_per_s)
+        if not (math.isfinite(self.egress_delay_s) and 0 <= self.egress_delay_s <= 10):
+            raise ValueError(f"egress_delay_s must be in [0, 10] s, got {self.egress_delay_s}")
+
+    def sender_config(self, host: str, port: int) -> SenderConfig:
+        """The transport's `SenderConfig` for a bootstrap listener on `host:port`."""
+        return SenderConfig(
+            host=host,
+            port=port,
+            connections=self.connections,
+            chunk_bytes=self.chunk_bytes,
+            window_bytes=max(32 * MIB, self.chunk_bytes),
+            process_rate_bytes_per_s=self.egress_rate_bytes_per_s,
+            capacity_bytes_per_s=self.capacity_bytes_per_s,
+            delay_s=self.egress_delay_s,
+        )

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from prfaas.common.kv_events import KVEvent, KVEventPublisher
 from prfaas.engines.reference.app_keys import ModelInfo
-from prfaas.engines.reference.config import EngineConfig
+from prfaas.engines.reference.config import EngineConfig, TransferConfig
 from prfaas.engines.reference.core import EngineCore
 from prfaas.engines.reference.presets import load_model, resolve
 from prfaas.engines.reference.runner import ModelRunner
@@ -24,7 +24,6 @@ from prfaas.engines.reference.server import create_app
 from prfaas.engines.reference.service import EngineService
 from prfaas.engines.reference.tokenizers import load_tokenizer
 from prfaas.engines.reference.transport_handoff import TransportReceiver, TransportSender
-from prfaas.engines.transport import SenderConfig
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +40,8 @@ class LaunchOptions:
     cache_dir: Path | None = None
     threads: int | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    """KV transport of the prefill side (connections, egress pacing and delay)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -60,7 +61,7 @@ def build_app(options: LaunchOptions) -> tuple[web.Application, EngineService]:
     runner = ModelRunner(model)
     tokenizer = load_tokenizer(source.path)
     core = EngineCore(runner, options.engine, tokenizer.decode)
-    sender = TransportSender(SenderConfig(host=options.host, port=options.bootstrap_port))
+    sender = TransportSender(options.transfer.sender_config(options.host, options.bootstrap_port))
     service = EngineService(core, sender, TransportReceiver())
     info = ModelInfo(
         model=source.name,

@@ -31,6 +31,8 @@ from prfaas.engines.reference.streaming import (
     visible_text,
 )
 from prfaas.engines.reference.tokenizers import EngineTokenizer
+from prfaas.engines.reference.transport_handoff import TransportSender
+from prfaas.engines.transport import KVSender, TransportTelemetry
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -138,6 +140,46 @@ async def stats(request: web.Request) -> web.Response:
         "prompt_tokens_per_s": counters.prompt_tokens_per_s,
         "generation_tokens_per_s": counters.generation_tokens_per_s,
     }
+    transport = _transport(request.app[SERVICE])
+    if transport is not None:
+        body.update(_egress_fields(transport.telemetry()))
+    return web.json_response(body)
+
+
+def _transport(service: EngineService) -> KVSender | None:
+    """The engine's KV transport sender (None with an in-process hand-off)."""
+    return service.sender.transport if isinstance(service.sender, TransportSender) else None
+
+
+def _egress_fields(t: TransportTelemetry) -> dict[str, Any]:
+    """The transport's key numbers, as flat `/stats` fields."""
+    return {
+        "kv_egress_bytes_per_s": t.egress_bytes_per_s,
+        "kv_egress_bytes_total": t.bytes_total,
+        "kv_egress_capacity_bytes_per_s": t.capacity_bytes_per_s,
+        "kv_egress_utilisation": t.utilisation,
+        "kv_transfer_rtt_s": t.rtt_s,
+        "kv_retransmission_rate": t.retransmission_rate,
+        "kv_transfers_active": t.active_transfers,
+    }
+
+
+async def transfer_stats(request: web.Request) -> web.Response:
+    """`GET /transfer_stats`: the KV transport's telemetry (egress rate, utilisation of the
+    configured capacity, retransmission rate, RTT, per-connection TCP_INFO samples) and its
+    pacing settings. `at` is the engine's event-loop clock, for rates between two samples."""
+    service = request.app[SERVICE]
+    transport = _transport(service)
+    if transport is None:
+        return json_error(404, "this engine's KV hand-off has no transport", code="no_transport")
+    cfg = transport.config
+    body = {
+        **asdict(transport.telemetry()),
+        "role": service.core.role,
+        "connections_per_peer": cfg.connections,
+        "egress_rate_bytes_per_s": cfg.process_rate_bytes_per_s,
+        "egress_delay_s": cfg.delay_s,
+    }
     return web.json_response(body)
 
 
@@ -190,6 +232,7 @@ def create_app(
     app.router.add_get("/server_info", server_info)
     app.router.add_get("/get_server_info", server_info)
     app.router.add_get("/stats", stats)
+    app.router.add_get("/transfer_stats", transfer_stats)
     app.router.add_post("/flush_cache", flush_cache)
     app.router.add_post("/admin/role", admin_role)
     app.router.add_post("/abort_request", abort_request)
