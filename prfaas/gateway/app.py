@@ -13,9 +13,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from prfaas.gateway.config import DeploymentConfig
-from prfaas.gateway.errors import invalid, json_errors
+from prfaas.gateway.errors import invalid, method_not_allowed, not_found, with_json_errors
 from prfaas.gateway.gateway import Gateway, build_gateway
 from prfaas.gateway.openai_request import load_json
 
@@ -115,14 +116,29 @@ def create_app(
     """The gateway's aiohttp application (serve it with `handler_cancellation=True` so a
     client disconnect aborts the request on the engines). `setup` runs on the built
     gateway before it starts (e.g. to attach link telemetry)."""
-    app = web.Application(client_max_size=config.gateway.max_body_bytes, middlewares=[json_errors])
+    app = web.Application(client_max_size=config.gateway.max_body_bytes)
     app[CONFIG] = config
     app.cleanup_ctx.append(_gateway_ctx(config, setup))
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/admin/state", admin_state)
-    app.router.add_post("/admin/state", set_admin_state)
+    _add_routes(app)
     return app
+
+
+def _add_routes(app: web.Application) -> None:
+    """Every route wrapped in `with_json_errors`; JSON 405s and 404s from catch-all routes
+    (no middleware: it would cost every request its wrapper chain)."""
+    routes: dict[str, dict[str, Handler]] = {
+        "/v1/completions": {"POST": completions},
+        "/v1/chat/completions": {"POST": chat},
+        "/v1/models": {"GET": models},
+        "/health": {"GET": health},
+        "/metrics": {"GET": metrics},
+        "/admin/state": {"GET": admin_state, "POST": set_admin_state},
+    }
+    for path, methods in routes.items():
+        for method, handler in methods.items():
+            if method == "GET":
+                app.router.add_get(path, with_json_errors(handler))  # and HEAD
+            else:
+                app.router.add_route(method, path, with_json_errors(handler))
+        app.router.add_route("*", path, method_not_allowed)
+    app.router.add_route("*", "/{tail:.*}", not_found)  # last: any other path

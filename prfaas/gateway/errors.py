@@ -2,7 +2,9 @@
 
 Every HTTP error the gateway returns is `{"error": {"message", "type", "param", "code"}}`
 with the matching status; `json_errors` turns aiohttp's own HTTP exceptions and anything
-unexpected into that shape, so no traceback ever reaches a client.
+unexpected into that shape, so no traceback ever reaches a client. The gateway applies it
+per route (`with_json_errors`), not as a middleware: aiohttp's middleware chain costs every
+request a few wrappers, and the gateway's added latency is measured in tens of us.
 """
 
 from __future__ import annotations
@@ -106,3 +108,22 @@ def _from_http(exc: web.HTTPException, request: web.Request) -> APIError:
             405, f"method {request.method} not allowed on {request.path}", code="method_not_allowed"
         )
     return APIError(exc.status, exc.reason, code=exc.reason.lower().replace(" ", "_"))
+
+
+def with_json_errors(handler: Handler) -> Handler:
+    """`handler` wrapped in `json_errors` (for routes registered without middleware)."""
+
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        return await json_errors(request, handler)
+
+    return wrapped
+
+
+async def method_not_allowed(request: web.Request) -> web.StreamResponse:
+    """A catch-all route of a known path: the JSON 405."""
+    return _from_http(web.HTTPMethodNotAllowed(request.method, ()), request).response()
+
+
+async def not_found(request: web.Request) -> web.StreamResponse:
+    """The catch-all route of every unknown path: the JSON 404."""
+    return _from_http(web.HTTPNotFound(), request).response()

@@ -85,6 +85,12 @@ async def test_unknown_path_method_and_body_too_large(
             _assert_error(r.status, await r.json(), 404)
         async with s.get(f"{url}/v1/completions") as r:
             _assert_error(r.status, await r.json(), 405)
+        async with s.post(f"{url}/health") as r:
+            _assert_error(r.status, await r.json(), 405)
+        async with s.delete(f"{url}/a/b/c") as r:
+            _assert_error(r.status, await r.json(), 404)
+        async with s.head(f"{url}/health") as r:
+            assert r.status == 200
     status, reply = await _post(f"{url}/v1/completions", {**OK_BODY, "prompt": "y" * 4096})
     _assert_error(status, reply, 413)
     assert (await _post(f"{url}/v1/completions", OK_BODY))[0] == 200
