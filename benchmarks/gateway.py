@@ -12,16 +12,19 @@ the null server answers instantly: it measures overhead only). What is compared,
 - the request: non-streaming `/v1/completions`, a ~540-token text prompt, `max_tokens` 8,
   from one Python aiohttp client process (same session, same keep-alive pool) to each;
 - `direct`: the decode null engine itself (one hop, no prefill call): the base;
-- `prfaas-gateway`: tokenizes, hashes, looks up the KV index, routes by threshold 256
-  (this prompt goes to the PrfaaS prefill instance), then POSTs SGLang's `/generate` with
+- `prfaas-gateway`: tokenizes, looks up the KV index (hashing blocks lazily, up to the first
+  block no engine caches; the null engines publish no KV events, so here the index is empty
+  and no block is hashed: part 1 prices a full hash), routes by threshold 256 (this
+  prompt goes to the PrfaaS prefill instance), then POSTs SGLang's `/generate` with
   `input_ids` and bootstrap fields to that prefill engine and to the decode engine at once,
   waits for both, answers in OpenAI form;
 - `sglang-router`: its PD mode with default policies: picks one of the 2 prefill engines,
   forwards the OpenAI body plus bootstrap fields to it and to the decode engine at once,
   waits for both, answers with the decode engine's body.
 Added latency = p50/p99 of a target minus the `direct` p50/p99 of the same round (sequential
-requests); max rate = completed requests per second with 64 concurrent closed-loop clients.
-Every round measures all targets, in an order that rotates from round to round; the table
+requests, interleaved request by request across the targets); max rate = completed requests
+per second with 64 concurrent closed-loop clients, one target after the other. Every round
+measures all targets, in an order that rotates from round to round; the table
 shows medians over rounds, and the ratio ours / sglang-router is given both of the medians
 and per round. The machine is shared and noisy (2 cores for client, router and 3 engines):
 compare within one run only.
@@ -184,10 +187,18 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def _latency(session: aiohttp.ClientSession, url: str, n: int) -> tuple[float, float]:
+async def _latency(
+    session: aiohttp.ClientSession, urls: dict[str, str], order: list[str], n: int
+) -> dict[str, tuple[float, float]]:
+    """p50 and p99 of `n` sequential requests per target, interleaved request by request
+    (one to each target in `order`, then again), so a burst of noise from other processes
+    hits every target alike."""
     body = orjson.dumps({"model": "null", "prompt": PROMPT, "max_tokens": 8, "temperature": 0})
-    lat = [await _one(session, url, body) for _ in range(n)]
-    return _pct(lat, 0.5), _pct(lat, 0.99)
+    lat: dict[str, list[float]] = {name: [] for name in order}
+    for _ in range(n):
+        for name in order:
+            lat[name].append(await _one(session, urls[name], body))
+    return {name: (_pct(v, 0.5), _pct(v, 0.99)) for name, v in lat.items()}
 
 
 async def _max_rate(session: aiohttp.ClientSession, url: str, seconds: float) -> float:
@@ -210,9 +221,10 @@ async def _round(
     session: aiohttp.ClientSession, targets: dict[str, str], order: list[str], n: int, sec: float
 ) -> dict[str, dict[str, float]]:
     """One round: every target in `order`; added latency against `direct` of this round."""
+    latency = await _latency(session, targets, order, n)
     measured = {}
     for name in order:
-        p50, p99 = await _latency(session, targets[name], n)
+        p50, p99 = latency[name]
         measured[name] = {"p50_ms": p50 * 1e3, "p99_ms": p99 * 1e3,
                           "max_rps": await _max_rate(session, targets[name], sec)}  # fmt: skip
     base = measured["direct"]
@@ -233,8 +245,7 @@ async def overhead(
     async with aiohttp.ClientSession(connector=connector) as session:
         for url in targets.values():
             await _wait_ready(session, url)
-        for name in names:  # warm every path (connections, caches) before measuring
-            await _latency(session, targets[name], 50)
+        await _latency(session, targets, names, 50)  # warm every path before measuring
         for r in range(rounds):
             order = names[r % len(names) :] + names[: r % len(names)]
             per_round.append(await _round(session, targets, order, n, seconds))
