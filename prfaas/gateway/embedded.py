@@ -1,18 +1,21 @@
 """The embedded default deployment of `prfaas serve` (no config file).
 
 Starts three reference engines as child processes (PrfaaS cluster: one prefill; PD cluster:
-one prefill, one decode), puts an emulated cross-DC link (paced rate, one-way delay) between
-the PrfaaS prefill and the decode engine, profiles the engines, runs the planner to choose
-`t`, and serves the gateway until SIGINT/SIGTERM, when everything stops, children included.
+one prefill, one decode). The cross-DC link is emulated by the PrfaaS prefill engine's own
+KV transport: its whole egress is paced to the link rate (a per-process token bucket: one
+cluster egress link shared by every decode peer) with an added one-way delay, so KV goes
+engine to engine and never through the gateway. Profiles the engines (the link's bandwidth
+measured over that transport), runs the planner to choose `t`, polls the transport's
+telemetry for `/metrics` and `/admin/state`, and serves until SIGINT/SIGTERM, when
+everything stops, children included.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -23,7 +26,7 @@ from prfaas.engines.http_client import HttpEngineClient
 from prfaas.gateway.config import DeploymentConfig, GatewayConfig, InstanceConfig, ModelConfig
 from prfaas.gateway.engine_procs import EngineProcess, EngineSpec, free_port, start_engine
 from prfaas.gateway.gateway import Gateway
-from prfaas.gateway.link import LinkConfig, LinkEmulator
+from prfaas.gateway.link import EgressSample, egress_setup, fetch_sample
 from prfaas.gateway.profiling import MeasuredProfile, Pair, Workload, measure, plan_threshold
 from prfaas.gateway.server import serve_gateway, signals_cancel_current_task
 from prfaas.gateway.summary import summary_lines
@@ -32,6 +35,7 @@ DEFAULT_LINK_MBPS = 10.0
 DEFAULT_DELAY_MS = 5.0
 ENGINE_MAX_BATCH = 32  # the engine CLI's default --max-batch
 T_RANGE = (256.0, 4096.0)  # keep both routes in use for a newcomer's prompts
+LINK_CHUNK_KIB = 64  # frame size = pacing burst: small, so a slow link is paced smoothly
 
 
 @dataclass(frozen=True)
@@ -64,9 +68,19 @@ class EmbeddedOptions:
             threshold_override=overrides.get("threshold"),
         )
 
-    @property
-    def link(self) -> LinkConfig:
-        return LinkConfig(self.link_mbps * 1e6 / 8, self.link_delay_ms / 1000)
+    def link_args(self) -> tuple[str, ...]:
+        """`prfaas engine` flags that make the PrfaaS prefill's transport the link."""
+        return ("--egress-rate-mbps", f"{self.link_mbps:g}",
+                "--egress-delay-ms", f"{self.link_delay_ms:g}",
+                "--transfer-chunk-kib", str(LINK_CHUNK_KIB))  # fmt: skip
+
+    def link_state(self) -> dict[str, Any]:
+        """The emulated link's settings, for `/admin/state`."""
+        return {
+            "emulated_rate_bytes_per_s": self.link_mbps * 1e6 / 8,
+            "delay_s": self.link_delay_ms / 1000,
+            "paced_by": "prfaas-p0 KV transport (per-process token bucket)",
+        }
 
 
 @dataclass
@@ -74,15 +88,15 @@ class Cluster:
     """The started pieces, for cleanup."""
 
     engines: dict[str, EngineProcess]
-    link: LinkEmulator | None = None
 
 
 async def start_cluster(options: EmbeddedOptions, log_dir: Path) -> Cluster:
-    """Start the three engines (concurrently) and the link in front of the PrfaaS prefill."""
+    """Start the three engines concurrently; the PrfaaS prefill paces its own egress."""
     specs = [
-        EngineSpec(name, role, options.model, options.page_size, options.threads, free_port())
+        EngineSpec(name, role, options.model, options.page_size, options.threads, free_port(),
+                   options.link_args() if name == "prfaas-p0" else ())
         for name, role in (("prfaas-p0", "prefill"), ("pd-p0", "prefill"), ("pd-d0", "decode"))
-    ]
+    ]  # fmt: skip
     results = await asyncio.gather(
         *(start_engine(s, log_dir) for s in specs), return_exceptions=True
     )
@@ -92,27 +106,21 @@ async def start_cluster(options: EmbeddedOptions, log_dir: Path) -> Cluster:
     if failures:
         await stop_cluster(cluster)
         raise failures[0]
-    upstream = ("127.0.0.1", started["prfaas-p0"].bootstrap_port)
-    cluster.link = LinkEmulator(upstream, options.link)
-    await cluster.link.start()
     return cluster
 
 
 async def stop_cluster(cluster: Cluster) -> None:
-    if cluster.link is not None:
-        await cluster.link.close()
     await asyncio.gather(*(e.stop() for e in cluster.engines.values()))
 
 
 def deployment_for(
     cluster: Cluster, options: EmbeddedOptions, threshold: float
 ) -> DeploymentConfig:
-    """The gateway's view: PrfaaS prefill reached (for KV) through the link's port."""
-    e, link = cluster.engines, cluster.link
-    assert link is not None
+    """The gateway's view: every engine at its own HTTP and bootstrap address."""
+    e = cluster.engines
     instances = (
         InstanceConfig("prfaas-p0", "prfaas", "prefill", e["prfaas-p0"].url, "127.0.0.1",
-                       link.port, e["prfaas-p0"].kv_events),
+                       e["prfaas-p0"].bootstrap_port, e["prfaas-p0"].kv_events),
         InstanceConfig("pd-p0", "pd", "prefill", e["pd-p0"].url, "127.0.0.1",
                        e["pd-p0"].bootstrap_port, e["pd-p0"].kv_events),
         InstanceConfig("pd-d0", "pd", "decode", e["pd-d0"].url, kv_events=e["pd-d0"].kv_events),
@@ -123,13 +131,17 @@ def deployment_for(
 
 async def profile_and_plan(cluster: Cluster, options: EmbeddedOptions) -> tuple[float, list[str]]:
     """Measure the engines, run the planner; returns `t` and summary lines."""
-    e, link = cluster.engines, cluster.link
-    assert link is not None
+    e = cluster.engines
     async with aiohttp.ClientSession() as session:
         client = {n: HttpEngineClient(n, p.url, session) for n, p in e.items()}
         pd = Pair(client["pd-p0"], ("127.0.0.1", e["pd-p0"].bootstrap_port), client["pd-d0"])
-        pf = Pair(client["prfaas-p0"], ("127.0.0.1", link.port), client["pd-d0"])
-        measured = await measure(pd, pf, link, ENGINE_MAX_BATCH)
+        pf = Pair(client["prfaas-p0"], ("127.0.0.1", e["prfaas-p0"].bootstrap_port),
+                  client["pd-d0"])  # fmt: skip
+
+        def stats() -> Awaitable[EgressSample]:
+            return fetch_sample(session, e["prfaas-p0"].url)
+
+        measured = await measure(pd, pf, stats, ENGINE_MAX_BATCH)
         for c in client.values():
             await c.close()
     planned, report = plan_threshold(measured, options.workload)
@@ -151,16 +163,9 @@ def _profile_lines(m: MeasuredProfile) -> list[str]:
     return [
         f"  profile    prefill latency / KV bytes by prompt tokens: {cells}",
         f"             decode step {m.decode_step_s * 1000:.1f} ms (measured at start-up)",
+        f"             link {m.link_bytes_per_s * 8 / 1e6:.2f} Mbit/s (measured: a cached "
+        "prompt's KV over the paced transport)",
     ]
-
-
-async def _telemetry(link: LinkEmulator, state: dict[str, Any], interval_s: float = 1.0) -> None:
-    while True:
-        rate = link.egress_rate()
-        state["egress_bytes_per_s"] = rate
-        state["egress_bytes_total"] = link.egress_bytes
-        state["egress_utilisation"] = rate / link.config.rate_bytes_per_s
-        await asyncio.sleep(interval_s)
 
 
 async def serve_embedded(options: EmbeddedOptions, host: str, port: int) -> int:
@@ -169,43 +174,24 @@ async def serve_embedded(options: EmbeddedOptions, host: str, port: int) -> int:
     print(f"starting 3 reference engines ({options.model}); logs in {log_dir}", flush=True)
     with signals_cancel_current_task():
         cluster = await start_cluster(options, log_dir)
-    telemetry: asyncio.Task[None] | None = None
     try:
-        assert cluster.link is not None
         if options.threshold_override is not None:
             t, lines = options.threshold_override, ["  planner    skipped (--threshold given)"]
         else:
             with signals_cancel_current_task():
                 t, lines = await profile_and_plan(cluster, options)
-        link_state: dict[str, Any] = {
-            "rate_bytes_per_s": options.link.rate_bytes_per_s,
-            "delay_s": options.link.delay_s,
-            "relay_port": cluster.link.port,
-        }
-        telemetry = asyncio.get_running_loop().create_task(_telemetry(cluster.link, link_state))
         lines.insert(0, f"  link       {options.link_mbps:g} Mbit/s, {options.link_delay_ms:g} ms"
-                        f" one-way (PrfaaS -> PD, relay :{cluster.link.port})")  # fmt: skip
+                        " one-way (PrfaaS -> PD, paced by prfaas-p0's KV transport)")  # fmt: skip
         await serve_gateway(
             deployment_for(cluster, options, t),
             host,
             port,
-            setup=_attach(link_state),
+            setup=egress_setup(options.link_state()),
             on_ready=_printer(host, [*lines, f"  logs       {log_dir}"]),
         )
     finally:
-        if telemetry is not None:
-            telemetry.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await telemetry
         await stop_cluster(cluster)
     return 0
-
-
-def _attach(link_state: dict[str, Any]) -> Callable[[Gateway], Any]:
-    async def setup(gateway: Gateway) -> None:
-        gateway.link = link_state
-
-    return setup
 
 
 def _printer(host: str, extra: list[str]) -> Callable[[Gateway, int], None]:

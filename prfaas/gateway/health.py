@@ -1,4 +1,5 @@
-"""Health and load polling: every interval, ask each instance for `/health` and its load.
+"""Health and load polling: every interval, ask each instance for `/health` and its load,
+then run the added pollers (e.g. the link's egress telemetry, `link.EgressMonitor`).
 
 An instance that stops answering is marked unhealthy (the policies skip it) and its KV-index
 entries are dropped, since a restarted engine comes back with an empty cache; it is marked
@@ -11,12 +12,21 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
+from typing import Protocol
 
 from prfaas.engines.client import EngineError
 from prfaas.engines.http_client import HttpEngineClient
 from prfaas.gateway.registry import InstanceManager, InstanceState
 
 logger = logging.getLogger(__name__)
+
+
+class Poller(Protocol):
+    """Something polled on the health cadence and closed when polling stops."""
+
+    async def poll(self) -> None: ...
+
+    async def close(self) -> None: ...
 
 
 class HealthMonitor:
@@ -34,7 +44,12 @@ class HealthMonitor:
         self._interval_s = interval_s
         self._on_down = on_down
         self._task: asyncio.Task[None] | None = None
+        self._pollers: list[Poller] = []
         self.polls = 0
+
+    def add_poller(self, poller: Poller) -> None:
+        """Poll `poller` after every round of health checks; `stop()` closes it."""
+        self._pollers.append(poller)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop())
@@ -47,6 +62,11 @@ class HealthMonitor:
     async def poll_once(self) -> None:
         """Check every instance once (mutates health and queue depth)."""
         await asyncio.gather(*(self._poll(s) for s in self._instances))
+        for poller in self._pollers:
+            try:
+                await poller.poll()
+            except Exception:  # a telemetry failure must never stop health checks
+                logger.exception("poller %r failed", poller)
         self.polls += 1
 
     async def _poll(self, state: InstanceState) -> None:
@@ -71,3 +91,5 @@ class HealthMonitor:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        for poller in self._pollers:
+            await poller.close()

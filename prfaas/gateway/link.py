@@ -1,151 +1,184 @@
-"""An emulated cross-datacenter link: a TCP relay in front of a prefill engine's bootstrap
-port that paces the prefill->decode direction (KV egress) to a rate and delays both
-directions by a one-way latency.
+"""The cross-cluster link as the gateway sees it: egress telemetry of the PrfaaS prefill
+instances' KV transports, polled from each engine's `GET /transfer_stats`.
 
-The embedded deployment points decode engines at the relay instead of the PrfaaS prefill's
-bootstrap port, so every KV byte that crosses "clusters" really goes through a paced link,
-whatever the engine's own transport settings; the relay counts those bytes, which gives
-the gateway a measured egress rate and utilisation.
+The link itself lives in the engines: a PrfaaS prefill engine paces its own KV egress (the
+transport's per-process token bucket, `prfaas engine --egress-rate-mbps`), so KV bytes
+never pass through the gateway. `EgressMonitor` keeps the latest sample per instance and
+publishes their sum for `/admin/state` (`link`) and `/metrics` (`prfaas_egress_*`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
-from collections import deque
-from collections.abc import Coroutine
-from dataclasses import dataclass
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import asdict, dataclass
 from typing import Any
 
-CHUNK = 64 * 1024
-QUEUE_CHUNKS = 64
-RATE_WINDOW = 5  # samples in egress_rate()'s window
+import aiohttp
+
+from prfaas.engines.http_client import HttpEngineClient
+from prfaas.gateway.gateway import Gateway
+from prfaas.gateway.metrics import Gauge
+
+logger = logging.getLogger(__name__)
+TRANSFER_STATS_PATH = "/transfer_stats"
+
+
+class NoTelemetry(ValueError):
+    """The engine has no `/transfer_stats` (404): it does not run our transport."""
 
 
 @dataclass(frozen=True)
-class LinkConfig:
-    """The emulated link."""
+class EgressSample:
+    """One instance's transport telemetry (the fields of `/transfer_stats` the gateway uses)."""
 
-    rate_bytes_per_s: float
-    """Egress capacity shared by every connection (prefill -> decode)."""
-    delay_s: float = 0.0
-    """One-way delay added to every chunk in both directions (does not cut throughput)."""
+    at: float
+    """The engine's loop clock when sampled (differences between samples are durations)."""
+    egress_bytes_per_s: float
+    bytes_total: int
+    capacity_bytes_per_s: float | None
+    utilisation: float | None
+    retransmission_rate: float
+    rtt_s: float | None
+    active_transfers: int
 
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.rate_bytes_per_s) and self.rate_bytes_per_s > 0):
-            raise ValueError(f"rate_bytes_per_s must be > 0, got {self.rate_bytes_per_s}")
-        if not (math.isfinite(self.delay_s) and 0 <= self.delay_s <= 10):
-            raise ValueError(f"delay_s must be in [0, 10], got {self.delay_s}")
-
-
-class TokenBucket:
-    """Shared pacing: `take(n)` returns once `n` bytes fit the rate (burst = one chunk)."""
-
-    def __init__(self, rate: float, burst: float) -> None:
-        self.rate, self.burst = rate, burst
-        self._tokens = burst
-        self._stamp: float | None = None
-        self._lock = asyncio.Lock()
-
-    async def take(self, n: int) -> None:
-        async with self._lock:
-            loop = asyncio.get_running_loop()
-            now = loop.time()
-            if self._stamp is not None:
-                self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.rate)
-            self._stamp = now
-            self._tokens -= n
-            if self._tokens < 0:
-                await asyncio.sleep(-self._tokens / self.rate)
+    @classmethod
+    def from_json(cls, body: Any) -> EgressSample:
+        """Parse a `/transfer_stats` body. Raises ValueError if a field is missing or mistyped."""
+        try:
+            return cls(
+                at=float(body["at"]),
+                egress_bytes_per_s=float(body["egress_bytes_per_s"]),
+                bytes_total=int(body["bytes_total"]),
+                capacity_bytes_per_s=_opt(body["capacity_bytes_per_s"]),
+                utilisation=_opt(body["utilisation"]),
+                retransmission_rate=float(body["retransmission_rate"]),
+                rtt_s=_opt(body["rtt_s"]),
+                active_transfers=int(body["active_transfers"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"bad {TRANSFER_STATS_PATH} body: {exc!r}") from exc
 
 
-class LinkEmulator:
-    """Relays `listen port -> upstream host:port`. Start with `start()`, stop with `close()`.
+def _opt(value: Any) -> float | None:
+    return None if value is None else float(value)
 
-    `egress_bytes` counts bytes delivered upstream -> client; `egress_rate()` is the rate
-    over a sliding window, on the loop's clock.
+
+async def fetch_sample(session: aiohttp.ClientSession, base_url: str) -> EgressSample:
+    """GET `base_url/transfer_stats`. Raises aiohttp.ClientError, TimeoutError, ValueError."""
+    timeout = aiohttp.ClientTimeout(total=2.0)
+    async with session.get(f"{base_url}{TRANSFER_STATS_PATH}", timeout=timeout) as resp:
+        if resp.status == 404:
+            raise NoTelemetry(f"{base_url} has no {TRANSFER_STATS_PATH}")
+        if resp.status != 200:
+            raise ValueError(f"{TRANSFER_STATS_PATH} answered {resp.status}")
+        return EgressSample.from_json(await resp.json())
+
+
+class EgressMonitor:
+    """Polls the PrfaaS prefill instances' `/transfer_stats` (`urls`: instance id -> base
+    URL); `state` is the live JSON for `/admin/state`, `gauges()` the `/metrics` gauges.
+
+    An instance that answers 404 (an engine without the transport, e.g. SGLang) is skipped
+    from then on; any other failure keeps its last sample out of the sums until it answers.
     """
 
-    def __init__(self, upstream: tuple[str, int], config: LinkConfig, host: str = "127.0.0.1"):
-        self.upstream, self.config, self.host = upstream, config, host
-        self.port = 0
-        self.egress_bytes = 0
-        self._bucket = TokenBucket(config.rate_bytes_per_s, CHUNK)
-        self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._samples: deque[tuple[float, int]] = deque(maxlen=RATE_WINDOW)
+    def __init__(self, urls: Mapping[str, str], static: Mapping[str, Any] | None = None) -> None:
+        self._urls = dict(urls)
+        self._session: aiohttp.ClientSession | None = None
+        self.samples: dict[str, EgressSample] = {}
+        self.state: dict[str, Any] = {**(static or {}), "instances": {}}
 
-    async def start(self) -> int:
-        """Listen on an ephemeral port; returns it."""
-        self._server = await asyncio.start_server(self._accept, self.host, 0)
-        self.port = int(self._server.sockets[0].getsockname()[1])
-        return self.port
+    async def poll(self) -> None:
+        """Sample every instance once (mutates `samples` and `state`)."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        await asyncio.gather(*(self._poll(i, u) for i, u in list(self._urls.items())))
+        self._publish()
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _poll(self, instance_id: str, url: str) -> None:
+        assert self._session is not None
         try:
-            up_reader, up_writer = await asyncio.open_connection(*self.upstream)
-        except OSError:
-            writer.close()
-            return
-        egress = self._spawn(self._pump(up_reader, writer, paced=True))
-        ingress = self._spawn(self._pump(reader, up_writer, paced=False))
-        await asyncio.wait({egress, ingress}, return_when=asyncio.FIRST_COMPLETED)
-        for task in (egress, ingress):
-            task.cancel()
-        for w in (writer, up_writer):
-            w.close()
+            self.samples[instance_id] = await fetch_sample(self._session, url)
+        except NoTelemetry:
+            logger.info("%s has no transport telemetry; not polled again", instance_id)
+            del self._urls[instance_id]
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            self.samples.pop(instance_id, None)
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+    def _publish(self) -> None:
+        s = list(self.samples.values())
+        rate = sum(x.egress_bytes_per_s for x in s)
+        caps = [x.capacity_bytes_per_s for x in s if x.capacity_bytes_per_s]
+        rtts = [x.rtt_s for x in s if x.rtt_s is not None]
+        self.state.update(
+            egress_bytes_per_s=rate,
+            egress_bytes_total=sum(x.bytes_total for x in s),
+            capacity_bytes_per_s=sum(caps) if caps else None,
+            egress_utilisation=rate / sum(caps) if caps else None,
+            retransmission_rate=max((x.retransmission_rate for x in s), default=0.0),
+            rtt_s=sum(rtts) / len(rtts) if rtts else None,
+            active_transfers=sum(x.active_transfers for x in s),
+            instances={i: asdict(x) for i, x in self.samples.items()},
+        )
+        if self.state["egress_utilisation"] is None:
+            del self.state["egress_utilisation"]  # Gateway.gauges() reads it when present
 
-    async def _pump(
-        self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, *, paced: bool
-    ) -> None:
-        queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue(QUEUE_CHUNKS)
-        sender = self._spawn(self._deliver(queue, dst, paced))
-        loop = asyncio.get_running_loop()
-        try:
-            while data := await src.read(CHUNK):
-                if paced:
-                    await self._bucket.take(len(data))
-                await queue.put((loop.time() + self.config.delay_s, data))
-            await queue.put((loop.time() + self.config.delay_s, b""))
-            await sender
-        finally:
-            sender.cancel()
+    def gauges(self) -> dict[str, Gauge]:
+        """`prfaas_egress_*` and `prfaas_link_*` gauges from the latest samples."""
 
-    async def _deliver(
-        self, queue: asyncio.Queue[tuple[float, bytes]], dst: asyncio.StreamWriter, paced: bool
-    ) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            due, data = await queue.get()
-            if (wait := due - loop.time()) > 0:
-                await asyncio.sleep(wait)
-            if not data:
-                with contextlib.suppress(OSError):
-                    dst.write_eof()
-                return
-            dst.write(data)
-            await dst.drain()
-            if paced:
-                self.egress_bytes += len(data)
+        def per(field: str) -> tuple[tuple[tuple[tuple[str, str], ...], float], ...]:
+            return tuple(
+                ((("instance", i),), float(getattr(x, field) or 0.0))
+                for i, x in sorted(self.samples.items())
+            )
 
-    def egress_rate(self) -> float:
-        """Delivered egress bytes/s over the last few calls (call it periodically)."""
-        now = asyncio.get_running_loop().time()
-        self._samples.append((now, self.egress_bytes))
-        (t0, b0), (t1, b1) = self._samples[0], self._samples[-1]
-        return (b1 - b0) / (t1 - t0) if t1 > t0 else 0.0
+        st = self.state
+        return {
+            "prfaas_egress_bytes_per_second": Gauge(
+                "PrfaaS prefill KV egress per instance (transport telemetry).",
+                per("egress_bytes_per_s"),
+            ),
+            "prfaas_egress_bytes_sent": Gauge(
+                "KV bytes sent per instance since it started.", per("bytes_total")
+            ),
+            "prfaas_egress_utilisation": Gauge.one(
+                "PrfaaS egress / configured link capacity.",
+                float(st.get("egress_utilisation") or 0.0),
+            ),
+            "prfaas_link_rtt_seconds": Gauge(
+                "Mean smoothed TCP RTT of KV connections.", per("rtt_s")
+            ),
+            "prfaas_link_retransmission_rate": Gauge(
+                "Retransmitted / sent TCP segments of KV connections.", per("retransmission_rate")
+            ),
+        }
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._session is not None:
+            with contextlib.suppress(Exception):
+                await self._session.close()
+            self._session = None
+
+
+def egress_setup(static: Mapping[str, Any] | None = None) -> Callable[[Gateway], Awaitable[None]]:
+    """A `serve_gateway(setup=...)` hook: poll the egress telemetry of every prefill-capable
+    PrfaaS-cluster instance on the health cadence, publish it as the gateway's `link` state
+    (with the `static` facts, e.g. the emulated rate) and as `/metrics` gauges."""
+
+    async def setup(gateway: Gateway) -> None:
+        urls = {
+            s.instance_id: s.client.base_url
+            for s in gateway.instances
+            if s.cluster == "prfaas"
+            and s.role != "decode"
+            and isinstance(s.client, HttpEngineClient)
+        }
+        monitor = EgressMonitor(urls, static)
+        gateway.link = monitor.state
+        gateway.metrics.gauge_sources.append(monitor.gauges)
+        gateway.health.add_poller(monitor)
+
+    return setup

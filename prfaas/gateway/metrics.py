@@ -7,7 +7,7 @@ KV-index size, egress) are sampled when `/metrics` is scraped, so they are never
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -114,6 +114,8 @@ class GatewayMetrics:
             "Times an instance's index entries were dropped (restart, gap, reconnect).",
             ("instance", "reason"),
         )
+        self.gauge_sources: list[Callable[[], Mapping[str, Gauge]]] = []
+        """More gauges sampled at scrape time (e.g. link telemetry); they win on a name clash."""
 
     def render(self, gauges: Mapping[str, Gauge]) -> str:
         """The exposition text: counters, histograms, then the sampled `gauges` by name."""
@@ -122,7 +124,10 @@ class GatewayMetrics:
             lines.extend(metric.render())
         for hist in (self.ttft, self.e2e, self.incremental, self.prompt):
             lines.extend(hist.render())
-        for name, gauge in gauges.items():
+        merged = dict(gauges)
+        for source in self.gauge_sources:
+            merged.update(source())
+        for name, gauge in merged.items():
             lines += [f"# HELP {name} {gauge.help}", f"# TYPE {name} gauge"]
             for labels, value in gauge.samples:
                 lines.append(f"{name}{_labels(labels)} {value:g}")

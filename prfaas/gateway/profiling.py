@@ -1,10 +1,11 @@
 """Start-up profiling of the embedded deployment and the planner run that chooses `t`.
 
 Measured on the live engines: prefill latency at a few prompt lengths (a PD pair, one
-output token), KV bytes per prefill (bytes that crossed the emulated link), decode step
-time. These fill a deployment profile (the `prfaas plan` format) whose workload is a
-log-normal of prompts from a few hundred to a few thousand tokens; the planner's optimum
-threshold is the gateway's `t`.
+output token), KV bytes per prefill (what the PrfaaS prefill's transport sent, from its
+`/transfer_stats`), the link's bandwidth (a KV transfer of known size over the real paced
+transport, timed on the sender's clock), decode step time. These fill a deployment profile
+(the `prfaas plan` format) whose workload is a log-normal of prompts from a few hundred to
+a few thousand tokens; the planner's optimum threshold is the gateway's `t`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,13 +23,16 @@ from prfaas.engines.client import (
     GenerateRequest,
     SamplingParams,
 )
-from prfaas.gateway.link import LinkEmulator
+from prfaas.gateway.link import EgressSample
 from prfaas.policies.planner import PlanReport, plan
 from prfaas.policies.profile import parse_profile
 
 PROFILE_LENGTHS = (256, 1024, 3072)
 DECODE_TOKENS = 16
 MIB = 2**20
+PROBE_SAMPLE_S = 0.01
+PROBE_MIN_BUSY_S = 0.25  # a shorter probe is too coarse for 10 ms samples: probe longer
+StatsReader = Callable[[], Awaitable[EgressSample]]
 
 
 @dataclass(frozen=True)
@@ -60,10 +65,11 @@ class MeasuredProfile:
     prfaas_s: tuple[float, ...]
     """Same through the PrfaaS prefill and the emulated link."""
     kv_bytes: tuple[int, ...]
-    """Bytes that crossed the link per prefill."""
+    """Bytes the PrfaaS prefill's transport sent per prefill (frame headers included)."""
     decode_step_s: float
     decode_batch_max: int
     link_bytes_per_s: float
+    """Measured: a cached prompt's KV (no compute to wait for) over the real transport."""
 
 
 async def _run_pair(pair: Pair, ids: list[int], max_new_tokens: int) -> float:
@@ -90,24 +96,60 @@ def _prompt(length: int, rng: random.Random) -> list[int]:
 
 
 async def measure(
-    pd: Pair, prfaas: Pair, link: LinkEmulator, batch_max: int, seed: int = 0
+    pd: Pair, prfaas: Pair, stats: StatsReader, batch_max: int, seed: int = 0
 ) -> MeasuredProfile:
-    """Profile the engines (a few seconds; runs requests one at a time)."""
+    """Profile the engines (a few seconds; runs requests one at a time). `stats` reads the
+    PrfaaS prefill's transport telemetry."""
     rng = random.Random(seed)
     await _run_pair(pd, _prompt(64, rng), 1)  # warm-up
-    pd_s, pf_s, kv = [], [], []
+    pd_s, pf_s, kv, prompts = [], [], [], []
     for n in PROFILE_LENGTHS:
         pd_s.append(await _run_pair(pd, _prompt(n, rng), 1))
-        before = link.egress_bytes
-        pf_s.append(await _run_pair(prfaas, _prompt(n, rng), 1))
-        kv.append(link.egress_bytes - before)
+        prompts.append(_prompt(n, rng))
+        before = (await stats()).bytes_total
+        pf_s.append(await _run_pair(prfaas, prompts[-1], 1))
+        kv.append((await stats()).bytes_total - before)
+    link = await probe_link(prfaas, stats, prompts[1:])
     one = await _run_pair(pd, _prompt(64, rng), 1)
     many = await _run_pair(pd, _prompt(64, rng), DECODE_TOKENS)
     step = max((many - one) / (DECODE_TOKENS - 1), 1e-4)
     return MeasuredProfile(
-        PROFILE_LENGTHS, tuple(pd_s), tuple(pf_s), tuple(kv), step, batch_max,
-        link.config.rate_bytes_per_s,
-    )  # fmt: skip
+        PROFILE_LENGTHS, tuple(pd_s), tuple(pf_s), tuple(kv), step, batch_max, link
+    )
+
+
+async def probe_link(prfaas: Pair, stats: StatsReader, prompts: list[list[int]]) -> float:
+    """Egress bytes/s of the PrfaaS prefill: re-send prompts it has cached (their KV leaves
+    at once, so the link, not compute, sets the pace) while sampling its telemetry every
+    10 ms; the busy span is timed on the engine's clock. Tries longer prompts until a probe
+    is busy for PROBE_MIN_BUSY_S. Raises ValueError if no byte was sent."""
+    rate = 0.0
+    for ids in prompts:
+        samples: list[EgressSample] = [await stats()]
+        run = asyncio.ensure_future(_run_pair(prfaas, ids, 1))
+        while not run.done():
+            await asyncio.wait({run}, timeout=PROBE_SAMPLE_S)
+            samples.append(await stats())
+        await run
+        rate, busy_s = busy_rate(samples)
+        if busy_s >= PROBE_MIN_BUSY_S:
+            break
+    if rate <= 0:
+        raise ValueError("the link probe sent no KV bytes")
+    return rate
+
+
+def busy_rate(samples: list[EgressSample]) -> tuple[float, float]:
+    """(bytes/s, seconds) over the span in which `bytes_total` grew: from the last sample
+    before it moved to the first at its final value (so the span errs long by < 2 samples
+    and the rate low)."""
+    first, last = samples[0].bytes_total, samples[-1].bytes_total
+    if last == first:
+        return 0.0, 0.0
+    start = max((s.at for s in samples if s.bytes_total == first), default=samples[0].at)
+    end = min((s.at for s in samples if s.bytes_total == last), default=samples[-1].at)
+    busy = end - start
+    return ((last - first) / busy if busy > 0 else 0.0), busy
 
 
 def _increasing(values: tuple[float, ...]) -> list[float]:

@@ -1,63 +1,157 @@
-"""The emulated link: bytes arrive intact, egress is paced to the rate and delayed by the
-one-way delay (lower bounds only: a slow machine can make it slower, never faster)."""
+"""The link as the gateway sees it: egress telemetry of a real, paced KV transport (a
+`KVSender` streaming to a `KVReceiver` over loopback TCP), served at `/transfer_stats` the
+way the reference engine serves it, polled by `EgressMonitor` on the health cadence, and
+measured by the start-up link probe's `busy_rate`."""
 
 from __future__ import annotations
 
 import asyncio
-import os
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass
 
-from prfaas.gateway.link import LinkConfig, LinkEmulator
+import numpy as np
+import pytest
+from aiohttp import web
+from gateway_helpers import start_app
 
-PAYLOAD = os.urandom(600_000)
+from prfaas.engines.transport import Kind, KVReceiver, KVSender, SenderConfig
+from prfaas.gateway.health import HealthMonitor
+from prfaas.gateway.link import EgressMonitor, EgressSample
+from prfaas.gateway.metrics import GatewayMetrics
+from prfaas.gateway.profiling import busy_rate
+from prfaas.gateway.registry import InstanceManager
 
-
-async def _upstream() -> tuple[asyncio.Server, int, list[bytes]]:
-    """Sends PAYLOAD to whoever connects; records what the client sent."""
-    received: list[bytes] = []
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        received.append(await reader.readexactly(5))
-        writer.write(PAYLOAD)
-        await writer.drain()
-        writer.close()
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    return server, int(server.sockets[0].getsockname()[1]), received
+RATE = 2e6  # bytes/s
+CHUNK = 64 * 1024
+LAYER_BYTES = 256 * 1024
 
 
-async def test_paced_delayed_and_intact() -> None:
-    """600 kB at 2 MB/s takes >= (600k - one chunk burst) / 2M seconds; the first byte
-    waits >= 2 x delay (request there, answer back); bytes arrive intact and are counted."""
-    server, port, received = await _upstream()
-    link = LinkEmulator(("127.0.0.1", port), LinkConfig(rate_bytes_per_s=2e6, delay_s=0.05))
-    await link.start()
-    loop = asyncio.get_running_loop()
+@dataclass
+class Paced:
+    sender: KVSender
+    receiver: KVReceiver
+    url: str
+
+
+def _transfer_stats_app(sender: KVSender) -> web.Application:
+    async def handler(request: web.Request) -> web.Response:
+        return web.json_response(asdict(sender.telemetry()))
+
+    app = web.Application()
+    app.router.add_get("/transfer_stats", handler)
+    return app
+
+
+@pytest.fixture
+async def paced() -> AsyncIterator[Paced]:
+    """A sender paced at 2 MB/s per process (64 KiB burst) with its `/transfer_stats`."""
+    config = SenderConfig(process_rate_bytes_per_s=RATE, chunk_bytes=CHUNK, connections=2)
+    sender, receiver = KVSender(config), KVReceiver()
+    await sender.start()
+    runner, url = await start_app(_transfer_stats_app(sender))
+    yield Paced(sender, receiver, url)
+    await runner.cleanup()
+    await receiver.close()
+    await sender.close()
+
+
+async def _transfer(p: Paced, room: int, layers: int) -> None:
+    handle = p.sender.open(room)
+    arrays = {"k": np.ones(LAYER_BYTES // 4, dtype=np.float32)}
+    for layer in range(layers):
+        handle.send_layer(layer, Kind.FULL_KV, arrays, blocks=(0, 1))
+    handle.finish()
+    port = p.sender.bootstrap_port
+    transfer = await p.receiver.fetch("127.0.0.1", port, room, timeout_s=30)
+    await transfer.complete()
+    await handle.wait()
+
+
+async def test_busy_rate_measures_the_paced_rate(paced: Paced) -> None:
+    """Samples every 10 ms during a 1 MiB transfer: the busy-span rate is the pacing rate
+    (never above it beyond the one-chunk burst; a busy machine can only make it lower)."""
+    samples = [EgressSample.from_json(asdict(paced.sender.telemetry()))]
+    run = asyncio.ensure_future(_transfer(paced, 1, layers=4))
+    while not run.done():
+        await asyncio.sleep(0.01)
+        samples.append(EgressSample.from_json(asdict(paced.sender.telemetry())))
+    await run
+    rate, busy = busy_rate(samples)
+    sent = samples[-1].bytes_total - samples[0].bytes_total
+    assert sent > 4 * LAYER_BYTES
+    assert busy >= (sent - CHUNK) / RATE * 0.97
+    assert 0.6 * RATE <= rate <= RATE * sent / (sent - CHUNK) * 1.03
+
+
+def test_busy_rate_spans_from_last_idle_to_first_final_sample() -> None:
+    """Exact arithmetic: bytes moved 100 -> 400 between t=1.0 (last at 100) and t=3.0."""
+
+    def s(at: float, total: int) -> EgressSample:
+        return EgressSample(at, 0.0, total, None, None, 0.0, None, 0)
+
+    samples = [s(0.0, 100), s(1.0, 100), s(2.0, 250), s(3.0, 400), s(4.0, 400)]
+    assert busy_rate(samples) == (150.0, 2.0)
+    assert busy_rate([s(0.0, 5), s(1.0, 5)]) == (0.0, 0.0)
+
+
+async def test_monitor_publishes_state_and_gauges(paced: Paced) -> None:
+    """After a transfer, the monitor's state and `/metrics` gauges carry the sender's byte
+    count, capacity and utilisation; an instance answering 404 is dropped, not retried."""
+    calls = 0
+
+    async def not_found(request: web.Request) -> web.Response:
+        nonlocal calls
+        calls += 1
+        return web.json_response({"error": {"message": "no transport"}}, status=404)
+
+    app = web.Application()
+    app.router.add_get("/transfer_stats", not_found)
+    missing, missing_url = await start_app(app)
     try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", link.port)
-        start = loop.time()
-        writer.write(b"hello")
-        first = await reader.readexactly(1)
-        first_at = loop.time() - start
-        rest = await reader.readexactly(len(PAYLOAD) - 1)
-        elapsed = loop.time() - start
-        writer.close()
+        monitor = EgressMonitor({"p0": paced.url, "sglang": missing_url}, {"delay_s": 0.005})
+        await _transfer(paced, 2, layers=2)
+        await monitor.poll()
+        await monitor.poll()
+        total = paced.sender.telemetry().bytes_total
+        assert set(monitor.samples) == {"p0"} and calls == 1
+        st = monitor.state
+        assert st["egress_bytes_total"] == total > 2 * LAYER_BYTES
+        assert st["capacity_bytes_per_s"] == RATE and st["delay_s"] == 0.005
+        assert 0 < st["egress_utilisation"] <= 1.5 and st["egress_bytes_per_s"] > 0
+        assert st["rtt_s"] is not None and st["instances"]["p0"]["bytes_total"] == total
+        metrics = GatewayMetrics()
+        metrics.gauge_sources.append(monitor.gauges)
+        text = metrics.render({})
+        assert f'prfaas_egress_bytes_sent{{instance="p0"}} {total:g}' in text
+        assert "prfaas_egress_utilisation " in text and "prfaas_link_rtt_seconds{" in text
     finally:
-        await link.close()
-        server.close()
-    assert received == [b"hello"]
-    assert first + rest == PAYLOAD
-    assert first_at >= 0.1 - 0.005
-    assert elapsed >= (len(PAYLOAD) - 64 * 1024) / 2e6
-    assert link.egress_bytes == len(PAYLOAD)
+        await monitor.close()
+        await missing.cleanup()
 
 
-async def test_upstream_down_closes_the_client() -> None:
-    """With nothing behind the link, a client connection is closed, not left hanging."""
-    link = LinkEmulator(("127.0.0.1", 1), LinkConfig(rate_bytes_per_s=1e6))
-    await link.start()
-    try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", link.port)
-        assert await asyncio.wait_for(reader.read(), 5) == b""
-        writer.close()
-    finally:
-        await link.close()
+class _CountingPoller:
+    def __init__(self, fail: bool = False) -> None:
+        self.polls, self.closed, self.fail = 0, False, fail
+
+    async def poll(self) -> None:
+        self.polls += 1
+        if self.fail:
+            raise RuntimeError("telemetry broke")
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+async def test_health_monitor_runs_and_closes_pollers() -> None:
+    """Pollers run after each health round; one that raises does not stop the others or the
+    health checks; `stop()` closes them all."""
+    monitor = HealthMonitor(InstanceManager(), interval_s=0.01)
+    broken, good = _CountingPoller(fail=True), _CountingPoller()
+    monitor.add_poller(broken)
+    monitor.add_poller(good)
+    await monitor.poll_once()
+    monitor.start()
+    await asyncio.sleep(0.05)
+    await monitor.stop()
+    assert good.polls >= 2 and broken.polls == good.polls and monitor.polls == good.polls
+    assert good.closed and broken.closed
