@@ -2,8 +2,10 @@
 
 With `--config FILE`, route over the running engines the deployment file lists. Without it,
 start the embedded default: reference engines for a PrfaaS cluster (1 prefill) and a PD
-cluster (1 prefill + 1 decode) as child processes, an emulated cross-DC link, profiled at
-start-up to choose the threshold.
+cluster (1 prefill + 1 decode) as child processes, the cross-DC link emulated by the PrfaaS
+prefill's own KV transport (paced egress, added delay), profiled at start-up to choose the
+threshold. Either way the gateway polls the PrfaaS prefill instances' transport telemetry
+(`/transfer_stats`, where an engine has it) into `/metrics` and `/admin/state`.
 """
 
 from __future__ import annotations
@@ -30,9 +32,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threshold", type=float, help="threshold t in tokens (overrides)")
     parser.add_argument("--api-key", action="append", default=None, help="accepted API key")
     parser.add_argument(
-        "--link-gbps", type=float, default=None, help="embedded: emulated link rate"
+        "--link-gbps",
+        type=float,
+        default=None,
+        help="embedded: emulated cross-DC link rate (the PrfaaS prefill's paced egress; "
+        "default 0.01)",
     )
-    parser.add_argument("--link-delay-ms", type=float, default=None, help="embedded: one-way")
+    parser.add_argument(
+        "--link-delay-ms", type=float, default=None, help="embedded: one-way delay (default 5)"
+    )
     parser.add_argument("--log-level", default="WARNING")
 
 
@@ -88,9 +96,10 @@ def _configured(args: argparse.Namespace) -> Coroutine[Any, Any, int]:
 async def _served(
     config: DeploymentConfig, host: str, port: int, ready: Callable[[Gateway, int], None]
 ) -> int:
+    from prfaas.gateway.link import egress_setup
     from prfaas.gateway.server import serve_gateway
 
-    await serve_gateway(config, host, port, on_ready=ready)
+    await serve_gateway(config, host, port, setup=egress_setup(), on_ready=ready)
     return 0
 
 

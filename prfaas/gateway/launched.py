@@ -1,5 +1,6 @@
 """`prfaas serve --config` with `[[launch]]` entries: start those reference engines as child
-processes, add them to the deployment as running instances, serve, stop them on exit."""
+processes, add them to the deployment as running instances, serve (with the PrfaaS prefill
+instances' egress telemetry polled, `link.egress_setup`), stop them on exit."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 from prfaas.gateway.config import DeploymentConfig, InstanceConfig, LaunchConfig
 from prfaas.gateway.engine_procs import EngineProcess, EngineSpec, free_port, start_engine
 from prfaas.gateway.gateway import Gateway
+from prfaas.gateway.link import egress_setup
 from prfaas.gateway.server import serve_gateway, signals_cancel_current_task
 
 
@@ -54,7 +56,7 @@ async def serve_launched(
     try:
         started = tuple(_instance(la, e) for la, e in zip(config.launch, engines, strict=True))
         full = dataclasses.replace(config, instances=config.instances + started, launch=())
-        await serve_gateway(full, host, port, on_ready=on_ready)
+        await serve_gateway(full, host, port, setup=egress_setup(), on_ready=on_ready)
     finally:
         await asyncio.gather(*(e.stop() for e in engines))
     return 0

@@ -9,14 +9,16 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 
+import aiohttp
 import numpy as np
 import pytest
 from aiohttp import web
-from gateway_helpers import start_app
+from gateway_helpers import deployment, start_app
 
 from prfaas.engines.transport import Kind, KVReceiver, KVSender, SenderConfig
+from prfaas.gateway.app import create_app
 from prfaas.gateway.health import HealthMonitor
-from prfaas.gateway.link import EgressMonitor, EgressSample
+from prfaas.gateway.link import EgressMonitor, EgressSample, egress_setup
 from prfaas.gateway.metrics import GatewayMetrics
 from prfaas.gateway.profiling import busy_rate
 from prfaas.gateway.registry import InstanceManager
@@ -155,3 +157,30 @@ async def test_health_monitor_runs_and_closes_pollers() -> None:
     await monitor.stop()
     assert good.polls >= 2 and broken.polls == good.polls and monitor.polls == good.polls
     assert good.closed and broken.closed
+
+
+async def test_egress_setup_polls_prfaas_prefill_instances(paced: Paced) -> None:
+    """`egress_setup()` on a gateway: only the PrfaaS-cluster prefill instance is polled
+    (here a real paced sender behind `/transfer_stats`), `/admin/state` shows its link
+    telemetry, and `/metrics` its egress gauges, refreshed on the health cadence."""
+    urls = {"prfaas-p0": paced.url, "pd-p0": paced.url, "pd-d0": paced.url}
+    app = create_app(deployment(urls), setup=egress_setup({"note": "test"}))
+    runner, url = await start_app(app)
+    try:
+        await _transfer(paced, 3, layers=2)
+        total = paced.sender.telemetry().bytes_total
+        async with aiohttp.ClientSession() as s:
+            for _ in range(50):  # health interval 0.2 s
+                async with s.get(f"{url}/admin/state") as resp:
+                    link = (await resp.json())["link"]
+                if link["egress_bytes_total"] == total:
+                    break
+                await asyncio.sleep(0.1)
+            async with s.get(f"{url}/metrics") as resp:
+                text = await resp.text()
+    finally:
+        await runner.cleanup()
+    assert link["egress_bytes_total"] == total and link["note"] == "test"
+    assert set(link["instances"]) == {"prfaas-p0"}
+    assert f'prfaas_egress_bytes_sent{{instance="prfaas-p0"}} {total:g}' in text
+    assert "pd-p0" not in "".join(ln for ln in text.splitlines() if "egress" in ln)
