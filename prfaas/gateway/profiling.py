@@ -98,8 +98,10 @@ def _prompt(length: int, rng: random.Random) -> list[int]:
 async def measure(
     pd: Pair, prfaas: Pair, stats: StatsReader, batch_max: int, seed: int = 0
 ) -> MeasuredProfile:
-    """Profile the engines (a few seconds; runs requests one at a time). `stats` reads the
-    PrfaaS prefill's transport telemetry."""
+    """Profile the engines (a few seconds). Requests run one at a time, except that the link
+    probe's paced, CPU-light tail overlaps the decode-step measurement (different engines
+    but the decode one, which only receives KV meanwhile). `stats` reads the PrfaaS
+    prefill's transport telemetry."""
     rng = random.Random(seed)
     await _run_pair(pd, _prompt(64, rng), 1)  # warm-up
     pd_s, pf_s, kv, prompts = [], [], [], []
@@ -109,31 +111,49 @@ async def measure(
         before = (await stats()).bytes_total
         pf_s.append(await _run_pair(prfaas, prompts[-1], 1))
         kv.append((await stats()).bytes_total - before)
-    link = await probe_link(prfaas, stats, prompts[1:])
-    one = await _run_pair(pd, _prompt(64, rng), 1)
-    many = await _run_pair(pd, _prompt(64, rng), DECODE_TOKENS)
-    step = max((many - one) / (DECODE_TOKENS - 1), 1e-4)
+    moving = asyncio.Event()
+    probe = asyncio.ensure_future(probe_link(prfaas, stats, prompts[1:], moving))
+    try:
+        await moving.wait()  # the probe's compute is done; its paced tail is CPU-light
+        step = await _decode_step(pd, rng)
+        link = await probe
+    finally:
+        probe.cancel()
     return MeasuredProfile(
         PROFILE_LENGTHS, tuple(pd_s), tuple(pf_s), tuple(kv), step, batch_max, link
     )
 
 
-async def probe_link(prfaas: Pair, stats: StatsReader, prompts: list[list[int]]) -> float:
+async def _decode_step(pd: Pair, rng: random.Random) -> float:
+    one = await _run_pair(pd, _prompt(64, rng), 1)
+    many = await _run_pair(pd, _prompt(64, rng), DECODE_TOKENS)
+    return max((many - one) / (DECODE_TOKENS - 1), 1e-4)
+
+
+async def probe_link(
+    prfaas: Pair, stats: StatsReader, prompts: list[list[int]], moving: asyncio.Event
+) -> float:
     """Egress bytes/s of the PrfaaS prefill: re-send prompts it has cached (their KV leaves
     at once, so the link, not compute, sets the pace) while sampling its telemetry every
     10 ms; the busy span is timed on the engine's clock. Tries longer prompts until a probe
-    is busy for PROBE_MIN_BUSY_S. Raises ValueError if no byte was sent."""
+    is busy for PROBE_MIN_BUSY_S. Sets `moving` once bytes flow (or the probe ends).
+    Raises ValueError if no byte was sent."""
     rate = 0.0
-    for ids in prompts:
-        samples: list[EgressSample] = [await stats()]
-        run = asyncio.ensure_future(_run_pair(prfaas, ids, 1))
-        while not run.done():
-            await asyncio.wait({run}, timeout=PROBE_SAMPLE_S)
-            samples.append(await stats())
-        await run
-        rate, busy_s = busy_rate(samples)
-        if busy_s >= PROBE_MIN_BUSY_S:
-            break
+    try:
+        for ids in prompts:
+            samples: list[EgressSample] = [await stats()]
+            run = asyncio.ensure_future(_run_pair(prfaas, ids, 1))
+            while not run.done():
+                await asyncio.wait({run}, timeout=PROBE_SAMPLE_S)
+                samples.append(await stats())
+                if samples[-1].bytes_total > samples[0].bytes_total:
+                    moving.set()
+            await run
+            rate, busy_s = busy_rate(samples)
+            if busy_s >= PROBE_MIN_BUSY_S:
+                break
+    finally:
+        moving.set()
     if rate <= 0:
         raise ValueError("the link probe sent no KV bytes")
     return rate
