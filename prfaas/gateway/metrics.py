@@ -22,6 +22,13 @@ def _labels(pairs: Sequence[tuple[str, str]]) -> str:
     return "{" + ",".join(escaped) + "}"
 
 
+def _number(value: float) -> str:
+    """A sample value without `:g`'s 6-digit rounding (byte totals need every digit)."""
+    if float(value).is_integer() and abs(value) < 2**53:
+        return str(int(value))
+    return repr(float(value))
+
+
 @dataclass
 class Counter:
     """A counter with labels."""
@@ -130,5 +137,5 @@ class GatewayMetrics:
         for name, gauge in merged.items():
             lines += [f"# HELP {name} {gauge.help}", f"# TYPE {name} gauge"]
             for labels, value in gauge.samples:
-                lines.append(f"{name}{_labels(labels)} {value:g}")
+                lines.append(f"{name}{_labels(labels)} {_number(value)}")
         return "\n".join(lines) + "\n"

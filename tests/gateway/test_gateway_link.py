@@ -124,7 +124,7 @@ async def test_monitor_publishes_state_and_gauges(paced: Paced) -> None:
         metrics = GatewayMetrics()
         metrics.gauge_sources.append(monitor.gauges)
         text = metrics.render({})
-        assert f'prfaas_egress_bytes_sent{{instance="p0"}} {total:g}' in text
+        assert f'prfaas_egress_bytes_sent{{instance="p0"}} {total}' in text
         assert "prfaas_egress_utilisation " in text and "prfaas_link_rtt_seconds{" in text
     finally:
         await monitor.close()
@@ -182,5 +182,5 @@ async def test_egress_setup_polls_prfaas_prefill_instances(paced: Paced) -> None
         await runner.cleanup()
     assert link["egress_bytes_total"] == total and link["note"] == "test"
     assert set(link["instances"]) == {"prfaas-p0"}
-    assert f'prfaas_egress_bytes_sent{{instance="prfaas-p0"}} {total:g}' in text
+    assert f'prfaas_egress_bytes_sent{{instance="prfaas-p0"}} {total}' in text
     assert "pd-p0" not in "".join(ln for ln in text.splitlines() if "egress" in ln)

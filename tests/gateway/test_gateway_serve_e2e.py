@@ -126,6 +126,11 @@ def test_summary_shows_planner_threshold(running: Running) -> None:
     for needle in ("prfaas-p0 (prefill)", "pd-d0 (decode)", "link ", "profile ", "planner "):
         assert needle in summary
     assert 256 <= running.threshold <= 4096
+    measured = re.search(r"link ([0-9.]+) Mbit/s \(measured", summary)
+    assert measured is not None, summary
+    # probed over the PrfaaS prefill's transport, paced at the default 10 Mbit/s: a busy
+    # machine can only slow it; the one-frame pacing burst lets it read a little high
+    assert 5.0 <= float(measured.group(1)) <= 11.0
 
 
 def test_short_prompt_routes_pd_and_matches_direct(running: Running) -> None:
