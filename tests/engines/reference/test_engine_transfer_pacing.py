@@ -22,6 +22,7 @@ import aiohttp
 import pytest
 from transformers import PreTrainedModel
 
+from prfaas.cli.main import main
 from prfaas.engines.reference.config import TransferConfig
 from prfaas.engines.reference.handoff import InProcessHub
 from prfaas.engines.reference.runner import ModelRunner
@@ -165,13 +166,13 @@ async def test_in_process_handoff_has_no_transfer_stats(tiny_runner: ModelRunner
     [("--egress-rate-mbps", "0"), ("--egress-capacity-mbps", "-1"),
      ("--egress-delay-ms", "20000"), ("--transfer-connections", "0")],
 )  # fmt: skip
-def test_bad_transfer_flags_exit_2_naming_the_value(flag: str, value: str) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "prfaas.cli.main", "engine", flag, value],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert done.returncode == 2
-    assert "prfaas engine: error" in done.stderr and value.lstrip("-") in done.stderr
+def test_bad_transfer_flags_exit_2_naming_the_value(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Rejected before the model loads: exit code 2 and a message naming flag and value."""
+    assert main(["engine", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert "prfaas engine: error" in err and value.lstrip("-") in err
 
 
 def test_transfer_config_maps_to_a_process_wide_sender_config() -> None:
