@@ -111,13 +111,15 @@ class EgressMonitor:
     def _publish(self) -> None:
         s = list(self.samples.values())
         rate = sum(x.egress_bytes_per_s for x in s)
-        caps = [x.capacity_bytes_per_s for x in s if x.capacity_bytes_per_s]
+        capped = [x for x in s if x.capacity_bytes_per_s]  # utilisation of known capacity
+        caps = [x.capacity_bytes_per_s or 0.0 for x in capped]
         rtts = [x.rtt_s for x in s if x.rtt_s is not None]
+        util = sum(x.egress_bytes_per_s for x in capped) / sum(caps) if caps else None
         self.state.update(
             egress_bytes_per_s=rate,
             egress_bytes_total=sum(x.bytes_total for x in s),
             capacity_bytes_per_s=sum(caps) if caps else None,
-            egress_utilisation=rate / sum(caps) if caps else None,
+            egress_utilisation=util,
             retransmission_rate=max((x.retransmission_rate for x in s), default=0.0),
             rtt_s=sum(rtts) / len(rtts) if rtts else None,
             active_transfers=sum(x.active_transfers for x in s),
