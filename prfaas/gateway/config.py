@@ -26,6 +26,8 @@ id = "pd-d0"
 cluster = "pd"
 role = "decode"
 model = "qwen3-next-tiny"
+# egress_rate_mbps = 10      # prefill roles: pace this engine's KV egress (emulated link)
+# egress_delay_ms = 5        # prefill roles: added one-way delay
 ```
 
 Errors raise `ConfigError` naming the file, the key and the bad value.
@@ -148,12 +150,30 @@ class LaunchConfig:
     model: str = "qwen3-next-tiny"
     """Preset name or local checkpoint directory."""
     threads: int = 1
+    egress_rate_mbps: float | None = None
+    """Prefill roles: cap (emulate) this engine's whole KV egress, in Mbit/s."""
+    egress_delay_ms: float = 0.0
+    """Prefill roles: added one-way delay of its KV transfers (emulated distance)."""
 
     def __post_init__(self) -> None:
         _check(bool(self.id), "id", self.id, "must not be empty")
         _check(self.cluster in _ROUTES, "cluster", self.cluster, f"must be one of {_ROUTES}")
         _check(self.role in _ROLES, "role", self.role, f"must be one of {_ROLES}")
         _check(self.threads >= 1, "threads", self.threads, "must be >= 1")
+        rate = self.egress_rate_mbps
+        _check(rate is None or rate > 0, "egress_rate_mbps", rate, "must be > 0")
+        _check(self.egress_delay_ms >= 0, "egress_delay_ms", self.egress_delay_ms, "must be >= 0")
+        paced = rate is not None or self.egress_delay_ms > 0
+        _check(not paced or self.role != "decode", "role", self.role, "has no KV egress to pace")
+
+    def engine_args(self) -> tuple[str, ...]:
+        """Extra `prfaas engine` flags for the link emulation, if any."""
+        args: list[str] = []
+        if self.egress_rate_mbps is not None:
+            args += ["--egress-rate-mbps", f"{self.egress_rate_mbps:g}"]
+        if self.egress_delay_ms > 0:
+            args += ["--egress-delay-ms", f"{self.egress_delay_ms:g}"]
+        return tuple(args)
 
 
 @dataclass(frozen=True)

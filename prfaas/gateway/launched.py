@@ -18,7 +18,15 @@ from prfaas.gateway.server import serve_gateway, signals_cancel_current_task
 
 
 def _spec(launch: LaunchConfig, page_size: int) -> EngineSpec:
-    return EngineSpec(launch.id, launch.role, launch.model, page_size, launch.threads, free_port())
+    return EngineSpec(
+        launch.id,
+        launch.role,
+        launch.model,
+        page_size,
+        launch.threads,
+        free_port(),
+        extra_args=launch.engine_args(),
+    )
 
 
 def _instance(launch: LaunchConfig, engine: EngineProcess) -> InstanceConfig:

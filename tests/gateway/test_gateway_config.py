@@ -102,3 +102,23 @@ def test_launch_entries(tmp_path: Path) -> None:
         load_deployment(_write(tmp_path, text.replace("threads = 2", "threads = 0")))
     with pytest.raises(ConfigError, match="unique"):
         load_deployment(_write(tmp_path, text + text))
+
+
+def test_launch_link_emulation(tmp_path: Path) -> None:
+    """A launched prefill engine can pace its KV egress (the emulated cross-DC link): the
+    fields become `prfaas engine` flags; a decode has no egress to pace; bad values name
+    the key."""
+    text = (
+        '[[launch]]\nid = "pf-0"\ncluster = "prfaas"\nrole = "prefill"\n'
+        "egress_rate_mbps = 25\negress_delay_ms = 5\n"
+        '[[launch]]\nid = "pd-d0"\ncluster = "pd"\nrole = "decode"\n'
+    )
+    config = load_deployment(_write(tmp_path, text))
+    prefill, decode = config.launch
+    assert prefill.engine_args() == ("--egress-rate-mbps", "25", "--egress-delay-ms", "5")
+    assert decode.engine_args() == ()
+    with pytest.raises(ConfigError, match="egress_rate_mbps = -1"):
+        load_deployment(_write(tmp_path, text.replace("= 25", "= -1")))
+    paced_decode = text.replace('role = "decode"\n', 'role = "decode"\negress_delay_ms = 3\n')
+    with pytest.raises(ConfigError, match="no KV egress to pace"):
+        load_deployment(_write(tmp_path, paced_decode))
