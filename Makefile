@@ -6,7 +6,7 @@ PYTHON ?= python3
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench clean
+.PHONY: run plan test lint bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -14,8 +14,12 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
-# The main job. Until `prfaas serve` lands this is the planner on the paper's case study.
+# The main job: the gateway with its embedded deployment (three reference engines on this
+# machine, an emulated cross-DC link), OpenAI API on http://127.0.0.1:8000. Ctrl-C stops it.
 run: $(STAMP)
+	$(BIN)/prfaas serve
+
+plan: $(STAMP)
 	$(BIN)/prfaas plan --config prfaas/examples/paper_case_study.toml
 
 test: $(STAMP)
@@ -28,8 +32,14 @@ lint: $(STAMP)
 	$(BIN)/ruff check prfaas tests benchmarks
 	$(BIN)/mypy
 
+# Every benchmark, one after the other (about 15 minutes); JSON lands in results/.
 bench: $(STAMP)
 	$(BIN)/python benchmarks/planner.py --json results/planner.json
+	$(BIN)/python benchmarks/engine.py --json results/engine.json
+	$(BIN)/python benchmarks/transport.py --json results/transport.json
+	$(BIN)/python benchmarks/gateway.py --json results/gateway.json
+	$(BIN)/python benchmarks/loadgen.py --json results/loadgen.json
+	$(BIN)/python benchmarks/simulator.py --json results/simulator.json
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
