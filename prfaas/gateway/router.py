@@ -150,6 +150,10 @@ class Router:
             async for chunk in chunks:
                 last = chunk
                 yield chunk
+        except EngineError as exc:
+            if aggregated:
+                _mark_refusal(decode, exc)
+            raise
         finally:
             try:
                 await chunks.aclose()  # closing aborts on the engines at once
@@ -170,6 +174,10 @@ class Router:
         chunks = decode.client.generate(request) if aggregated else _relay(prefill, decode, request)
         try:
             out = [chunk async for chunk in chunks]
+        except EngineError as exc:
+            if aggregated:
+                _mark_refusal(decode, exc)
+            raise
         finally:
             try:
                 await chunks.aclose()
@@ -209,12 +217,18 @@ async def _drain_prefill(prefill: InstanceState, request: GenerateRequest) -> No
         pass
 
 
+def _mark_refusal(instance: InstanceState, exc: EngineError) -> None:
+    """An engine that refused the work (unreachable: retryable) is marked unhealthy until the
+    health poll sees it again, so the retry goes elsewhere."""
+    if exc.retryable:
+        instance.healthy = False
+
+
 def _prefill_error(prefill: InstanceState, exc: BaseException) -> EngineError:
     """The error to raise for a failed prefill call (marks the instance unhealthy when
     the failure says it never accepted the work)."""
     if isinstance(exc, EngineError):
-        if exc.retryable:
-            prefill.healthy = False
+        _mark_refusal(prefill, exc)
         return exc
     error = EngineError(f"prefill on {prefill.instance_id} failed: {exc!r}")
     error.__cause__ = exc
@@ -240,11 +254,16 @@ class _PrefillWatch:
             self._interrupted = True
             self._consumer.cancel()
 
+    @property
+    def failed(self) -> bool:
+        """Whether the prefill call has failed."""
+        task = self.task
+        return task.done() and not task.cancelled() and task.exception() is not None
+
     def check(self) -> None:
         """Raise the prefill's error if it has failed."""
-        task = self.task
-        if task.done() and not task.cancelled() and task.exception() is not None:
-            raise _prefill_error(self.prefill, task.exception())  # type: ignore[arg-type]
+        if self.failed:
+            raise _prefill_error(self.prefill, self.task.exception())  # type: ignore[arg-type]
 
     async def next(self, stream: AsyncIterator[GenerateChunk]) -> GenerateChunk:
         """The next decode chunk. Raises StopAsyncIteration at its end, or the prefill error."""
@@ -276,6 +295,10 @@ async def _relay(
                 chunk = await watch.next(stream)
             except StopAsyncIteration:
                 break
+            except EngineError as exc:
+                if not watch.failed:  # the decode call itself failed
+                    _mark_refusal(decode, exc)
+                raise
             yield chunk
         try:
             await watch.task

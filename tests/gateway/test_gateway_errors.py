@@ -158,6 +158,21 @@ async def test_engine_failure_after_health_is_502_or_503(
     assert status == 200
 
 
+async def test_unreachable_decode_is_marked_down(
+    null_engines: Engines, gateway_factory: GatewayFactory
+) -> None:
+    """A decode engine that died between health checks is marked unhealthy by the Router
+    (so a retry cannot pick it again); the client gets a JSON engine error, not a hang."""
+    urls = {**null_engines.urls, "pd-d0": f"http://127.0.0.1:{_closed_port()}"}
+    url, gateway = await gateway_factory(deployment(urls, health_interval_s=60))
+    gateway.instances["pd-d0"].healthy = True  # as if it died right after the last poll
+    for stream in (False, True):
+        gateway.instances["pd-d0"].healthy = True
+        status, reply = await _post(f"{url}/v1/completions", {**OK_BODY, "stream": stream})
+        _assert_error(status, reply, 503)
+        assert not gateway.instances["pd-d0"].healthy
+
+
 async def test_late_prefill_failure_is_502(
     null_engines: Engines, gateway_factory: GatewayFactory
 ) -> None:
