@@ -139,7 +139,7 @@ class Router:
         sampling: SamplingParams,
         decision: RouteDecision,
         stream: bool = True,
-    ) -> AsyncIterator[GenerateChunk]:
+    ) -> AsyncGenerator[GenerateChunk, None]:
         prefill, decode, request = self._request(rid, ids, sampling, decision, stream)
         aggregated = prefill is decode  # one "both" instance: no hand-off, one call
         prefill.in_flight += 1
@@ -165,27 +165,10 @@ class Router:
     async def _dispatch_whole(
         self, rid: str, ids: tuple[int, ...], sampling: SamplingParams, decision: RouteDecision
     ) -> list[GenerateChunk]:
-        """`_dispatch` of a non-streaming request, as one coroutine (no generator of its
-        own); cancelling it aborts on the engines like closing `_dispatch` does."""
-        prefill, decode, request = self._request(rid, ids, sampling, decision, False)
-        aggregated = prefill is decode
-        prefill.in_flight += 1
-        decode.in_flight += 1
-        chunks = decode.client.generate(request) if aggregated else _relay(prefill, decode, request)
-        try:
-            out = [chunk async for chunk in chunks]
-        except EngineError as exc:
-            if aggregated:
-                _mark_refusal(decode, exc)
-            raise
-        finally:
-            try:
-                await chunks.aclose()
-            finally:
-                prefill.in_flight -= 1
-                decode.in_flight -= 1
-        self._report(rid, decision, len(ids), out[-1].completion_tokens if out else 0, None)
-        return out
+        """`_dispatch` of a non-streaming request, closed promptly: cancelling it aborts on
+        the engines like closing `_dispatch` does."""
+        async with contextlib.aclosing(self._dispatch(rid, ids, sampling, decision, False)) as it:
+            return [chunk async for chunk in it]
 
     def _request(
         self,
