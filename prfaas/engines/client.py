@@ -9,6 +9,7 @@ decode call streams the output.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator
@@ -140,6 +141,18 @@ class BaseEngineClient(ABC):
         Raises:
             EngineError: the engine failed or could not be reached.
         """
+
+    async def complete(self, request: GenerateRequest) -> list[GenerateChunk]:
+        """`generate` for a request the caller does not stream: every chunk at once.
+
+        Cancelling the call aborts the request on the engine. Clients override it where one
+        awaitable call is cheaper than an iteration (HTTP: one response, no generator).
+
+        Raises:
+            EngineError: the engine failed or could not be reached.
+        """
+        async with contextlib.aclosing(self.generate(request)) as chunks:
+            return [chunk async for chunk in chunks]
 
     @abstractmethod
     async def stats(self) -> EngineStats:

@@ -85,6 +85,24 @@ def request_body(request: GenerateRequest) -> dict[str, Any]:
     return body
 
 
+class _BodyCache:
+    """The encoded `/generate` body of the latest request: the prefill and the decode call
+    of one request send the same body, so it is encoded once (an identity check; requests
+    are immutable)."""
+
+    def __init__(self) -> None:
+        self._request: GenerateRequest | None = None
+        self._body = b""
+
+    def encode(self, request: GenerateRequest) -> bytes:
+        if request is not self._request:
+            self._request, self._body = request, orjson.dumps(request_body(request))
+        return self._body
+
+
+_BODIES = _BodyCache()
+
+
 def _parse_load(load: Any) -> EngineStats:
     if isinstance(load, dict) and "waiting" in load:  # the reference engine's /stats
         return EngineStats(
@@ -168,20 +186,52 @@ class HttpEngineClient(BaseEngineClient):
                 yield chunk
         except ConnectFailed as exc:
             refused = True
-            raise EngineError(f"{self.instance_id}: unreachable: {exc}", retryable=True) from exc
+            raise self._unreachable(exc) from exc
         except (WireError, OSError, TimeoutError) as exc:
-            raise EngineError(f"{self.instance_id}: generate failed: {exc!r}") from exc
+            raise self._failed(exc) from exc
         finally:
             if resp is not None:
                 resp.close()  # no-op once the body was read to its end
             if not (refused or finished):
                 self._abort_later(request.rid)
 
+    async def complete(self, request: GenerateRequest) -> list[GenerateChunk]:
+        """A non-streaming request (`request.stream` False) in one awaitable call: the
+        gateway's hot path, with no generator between it and the response. Same errors and
+        abort-on-cancel as `generate`."""
+        if request.stream:
+            return await super().complete(request)
+        done = False  # the engine refused the work or answered in full: nothing to abort
+        resp: WireResponse | None = None
+        try:
+            resp = await self._post_generate(request)
+            done = resp.status != 200
+            await self._check_status(resp)
+            chunk = _Deltas().chunk(self._json(await resp.read()))
+            done = True
+            return [chunk]
+        except ConnectFailed as exc:
+            done = True
+            raise self._unreachable(exc) from exc
+        except (WireError, OSError, TimeoutError) as exc:
+            raise self._failed(exc) from exc
+        finally:
+            if resp is not None:
+                resp.close()  # no-op once the body was read to its end
+            if not done:
+                self._abort_later(request.rid)
+
+    def _unreachable(self, exc: Exception) -> EngineError:
+        return EngineError(f"{self.instance_id}: unreachable: {exc}", retryable=True)
+
+    def _failed(self, exc: Exception) -> EngineError:
+        return EngineError(f"{self.instance_id}: generate failed: {exc!r}")
+
     def _post_generate(self, request: GenerateRequest) -> Awaitable[WireResponse]:
         cfg = self._config
         return self._wire.post(
             self._generate_path,
-            orjson.dumps(request_body(request)),
+            _BODIES.encode(request),
             connect_s=cfg.connect_timeout_s,
             read_s=cfg.read_timeout_s,
             total_s=cfg.total_timeout_s,

@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from prfaas.common.hashing import iter_block_hashes
 from prfaas.engines.client import (
@@ -32,6 +33,7 @@ from prfaas.policies.routing import (
 )
 
 MAX_ATTEMPTS = 2
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -165,10 +167,25 @@ class Router:
     async def _dispatch_whole(
         self, rid: str, ids: tuple[int, ...], sampling: SamplingParams, decision: RouteDecision
     ) -> list[GenerateChunk]:
-        """`_dispatch` of a non-streaming request, closed promptly: cancelling it aborts on
-        the engines like closing `_dispatch` does."""
-        async with contextlib.aclosing(self._dispatch(rid, ids, sampling, decision, False)) as it:
-            return [chunk async for chunk in it]
+        """`_dispatch` of a non-streaming request as plain awaits (no generators): the
+        gateway's hot path. Cancelling it aborts on the engines like closing `_dispatch`."""
+        prefill, decode, request = self._request(rid, ids, sampling, decision, False)
+        prefill.in_flight += 1
+        decode.in_flight += 1
+        try:
+            if prefill is decode:  # one "both" instance: no hand-off, one call
+                try:
+                    chunks = await decode.client.complete(request)
+                except EngineError as exc:
+                    _mark_refusal(decode, exc)
+                    raise
+            else:
+                chunks = await _complete_pd(prefill, decode, request)
+        finally:
+            prefill.in_flight -= 1
+            decode.in_flight -= 1
+        self._report(rid, decision, len(ids), chunks[-1].completion_tokens if chunks else 0, None)
+        return chunks
 
     def _request(
         self,
@@ -251,9 +268,13 @@ class _PrefillWatch:
     async def next(self, stream: AsyncIterator[GenerateChunk]) -> GenerateChunk:
         """The next decode chunk. Raises StopAsyncIteration at its end, or the prefill error."""
         self.check()
+        return await self.run(anext(stream))
+
+    async def run(self, call: Awaitable[_T]) -> _T:
+        """Await a decode call; raises the prefill's error instead if prefill fails first."""
         self._consumer = asyncio.current_task()
         try:
-            return await anext(stream)
+            return await call
         except asyncio.CancelledError:
             if self._interrupted and self._consumer is not None:
                 self._interrupted = False
@@ -262,6 +283,35 @@ class _PrefillWatch:
             raise
         finally:
             self._consumer = None
+
+
+async def _complete_pd(
+    prefill: InstanceState, decode: InstanceState, request: GenerateRequest
+) -> list[GenerateChunk]:
+    """The non-streaming `_relay`: the decode call awaited while the prefill call runs in
+    its own task; the first failure wins and the other call is aborted."""
+    watch = _PrefillWatch(prefill, asyncio.ensure_future(_complete_prefill(prefill, request)))
+    try:
+        try:
+            chunks = await watch.run(decode.client.complete(request))
+        except EngineError as exc:
+            if not watch.failed:  # the decode call itself failed
+                _mark_refusal(decode, exc)
+            raise
+        try:
+            await watch.task
+        except Exception as exc:
+            raise _prefill_error(prefill, exc)  # noqa: B904 - the cause is set inside
+        return chunks
+    finally:
+        if not watch.task.done():
+            watch.task.cancel()
+            with contextlib.suppress(BaseException):
+                await watch.task
+
+
+async def _complete_prefill(prefill: InstanceState, request: GenerateRequest) -> None:
+    await prefill.client.complete(request)
 
 
 async def _relay(
