@@ -90,7 +90,7 @@ def _token_ids(values: list[object]) -> bool:
     check costs ~20 us per 500 ids, more than the text path's whole work, which would bias
     overhead measurements against clients that send token ids."""
     try:
-        array.array("I", values)  # type: ignore[arg-type]
+        array.array("I", values)  # type: ignore[type-var]
     except (TypeError, OverflowError):
         return False
     return True
