@@ -1,0 +1,493 @@
+"""The gateway's HTTP/1.1 server: an asyncio protocol over llhttp (`httptools`).
+
+Why not aiohttp's server: on our machines its per-request machinery (request and response
+objects, a task switch, header preparation) costs about 90 us of CPU per request, which
+alone is as much as SGLang's whole Rust router adds; the gateway's added latency is a
+benchmark target. This server does what the gateway's routes need and no more, with the
+same parser aiohttp uses (llhttp):
+
+- keep-alive and pipelining (responses in request order), HTTP/1.0 and `Connection: close`;
+- request bodies by `Content-Length` or chunked, `Expect: 100-continue`, a body limit (413,
+  answered as soon as the declared length is known), a head limit (431), malformed requests
+  (400) and requests too slow to arrive (408), each answered by `error_response`, then the
+  connection is closed;
+- whole responses in one write; streamed responses with chunked encoding and write
+  back-pressure; `HEAD` answered without a body;
+- one task per request: a client that disconnects cancels its handler (so the gateway
+  aborts the request on the engines), and a handler that raises gets a 500 without a
+  traceback; idle keep-alive connections close after `keepalive_timeout_s`;
+- `stop()` stops listening, lets requests in flight finish for a grace period, then
+  cancels them and closes every connection.
+
+Handlers return an `HttpResponse`, or start a stream on the `Exchange` and return None.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from email.utils import formatdate
+from http import HTTPStatus
+
+import httptools
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """Bounds on what one client may send, and how long connections may idle."""
+
+    max_body_bytes: int = 64 * 1024 * 1024
+    max_head_bytes: int = 64 * 1024
+    """Request line plus headers."""
+    keepalive_timeout_s: float = 75.0
+    """An idle keep-alive connection is closed after this long."""
+    request_timeout_s: float = 60.0
+    """A request whose first byte arrived must be complete within this long (408)."""
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+
+
+@dataclass(frozen=True)
+class HttpRequest:
+    """One complete request. Header names are lower case; repeated headers are joined
+    with ", "."""
+
+    method: str
+    path: str
+    query: str
+    headers: Mapping[str, str]
+    body: bytes
+    http_version: str = "1.1"
+
+
+@dataclass
+class HttpResponse:
+    """A whole response. `Content-Length`, `Date` and `Connection` are the server's."""
+
+    status: int = 200
+    body: bytes = b""
+    content_type: str = "application/json"
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+Handler = Callable[[HttpRequest, "Exchange"], Awaitable[HttpResponse | None]]
+ErrorRenderer = Callable[[int, str], HttpResponse]
+
+_REASONS = {s.value: s.phrase for s in HTTPStatus}
+_REASONS[499] = "Client Closed Request"
+_FORBIDDEN_HEADERS = frozenset(("content-length", "transfer-encoding", "connection", "date"))
+
+
+class _DateCache:
+    """The `Date` header value, formatted at most once a second."""
+
+    def __init__(self) -> None:
+        self._second = -1
+        self._value = b""
+
+    def get(self) -> bytes:
+        now = int(time.time())
+        if now != self._second:
+            self._second, self._value = now, formatdate(now, usegmt=True).encode()
+        return self._value
+
+
+_DATE = _DateCache()
+
+
+def _head(status: int, content_type: str | None, headers: Mapping[str, str]) -> list[bytes]:
+    """Status line and headers (each line with its CRLF), without the framing headers."""
+    lines = [
+        b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, "Unknown").encode()),
+        b"Date: " + _DATE.get() + b"\r\n",
+    ]
+    if content_type is not None:
+        lines.append(b"Content-Type: " + content_type.encode("latin-1") + b"\r\n")
+    for name, value in headers.items():
+        if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
+            raise ValueError(f"header {name!r} contains a line break")
+        if name.lower() in _FORBIDDEN_HEADERS:
+            raise ValueError(f"header {name!r} is set by the server")
+        lines.append(f"{name}: {value}\r\n".encode("latin-1"))
+    return lines
+
+
+class ResponseStream:
+    """A response body sent piece by piece (chunked, or until close for HTTP/1.0)."""
+
+    def __init__(self, exchange: Exchange, head: bytes) -> None:
+        self._exchange = exchange
+        self._head: bytes | None = head  # sent with the first piece (one write)
+        self._chunked = exchange.request.http_version != "1.0"
+        self._no_body = exchange.request.method == "HEAD"
+        self.ended = False
+
+    async def write(self, data: bytes) -> None:
+        """Send one piece; waits while the client reads slower than we write.
+
+        Raises:
+            ConnectionResetError: the client has gone away.
+        """
+        if self.ended:
+            raise RuntimeError("write after end()")
+        if not data and self._head is None:
+            return
+        out = self._take_head()
+        if data and not self._no_body:
+            out += b"%x\r\n%s\r\n" % (len(data), data) if self._chunked else data
+        conn = self._exchange.conn
+        conn.send(out)
+        await conn.drain()
+
+    async def end(self) -> None:
+        """Finish the body (the last chunk); the connection then serves its next request."""
+        if self.ended:
+            return
+        self.ended = True
+        out = self._take_head()
+        if self._chunked and not self._no_body:
+            out += b"0\r\n\r\n"
+        if out:
+            self._exchange.conn.send(out)
+
+    def _take_head(self) -> bytes:
+        head, self._head = self._head, None
+        return head or b""
+
+
+class Exchange:
+    """One request's side of the connection: where a handler starts a streamed response."""
+
+    def __init__(self, conn: _HttpProtocol, request: HttpRequest, keep_alive: bool) -> None:
+        self.conn = conn
+        self.request = request
+        self.keep_alive = keep_alive
+        self.stream: ResponseStream | None = None
+
+    def start_stream(
+        self, status: int, headers: Mapping[str, str], content_type: str | None = None
+    ) -> ResponseStream:
+        """Begin a streamed response (its head goes out with the first write)."""
+        if self.stream is not None:
+            raise RuntimeError("the response has already started")
+        lines = _head(status, content_type, headers)
+        if self.request.http_version == "1.0":
+            self.keep_alive = False  # an HTTP/1.0 body ends with the connection
+        else:
+            lines.append(b"Transfer-Encoding: chunked\r\n")
+        if not self.keep_alive:
+            lines.append(b"Connection: close\r\n")
+        lines.append(b"\r\n")
+        self.stream = ResponseStream(self, b"".join(lines))
+        return self.stream
+
+    def whole(self, resp: HttpResponse) -> bytes:
+        """The bytes of a whole response to this request."""
+        lines = _head(resp.status, resp.content_type, resp.headers)
+        lines.append(b"Content-Length: %d\r\n" % len(resp.body))
+        if not self.keep_alive:
+            lines.append(b"Connection: close\r\n")
+        lines.append(b"\r\n")
+        if self.request.method != "HEAD":
+            lines.append(resp.body)
+        return b"".join(lines)
+
+
+class _BadRequest(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class _HttpProtocol(asyncio.Protocol):
+    """One client connection: parses requests, runs one handler task at a time."""
+
+    def __init__(self, server: HttpServer) -> None:
+        self.server = server
+        self.limits = server.limits
+        self.loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.closed = False
+        self._pending: deque[tuple[HttpRequest, bool]] = deque()
+        self._task: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._drain: asyncio.Future[None] | None = None
+        self._paused = False
+        self._upgraded = False  # the parser stopped at an Upgrade: serve it, then close
+        self._eof = False  # the client half-closed: close once its requests are answered
+        self._new_message()
+
+    # -- transport callbacks ----------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # a stream transport
+        self.server.connections.add(self)
+        self._arm(self.limits.keepalive_timeout_s)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.server.connections.discard(self)
+        self._disarm()
+        self._pending.clear()
+        if self._task is not None:
+            self._task.cancel()  # the client went away: stop its handler
+        self._wake_drain()
+
+    def data_received(self, data: bytes) -> None:
+        if self._upgraded or self.closed:
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._upgraded = True  # served as plain HTTP/1.1, then the connection closes
+        except httptools.HttpParserError as exc:
+            cause = exc.__context__  # a callback's own error (HttpParserCallbackError)
+            if isinstance(cause, _BadRequest):
+                self._fail(cause.status, str(cause))
+            else:
+                if cause is not None:
+                    logger.error("HTTP parser callback failed", exc_info=cause)
+                self._fail(400, f"malformed HTTP request: {exc}")
+
+    def eof_received(self) -> bool:
+        # A half-closed client may still read the answers to what it sent.
+        self._eof = True
+        return self.busy
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        self._wake_drain()
+
+    # -- parser callbacks -------------------------------------------------------------
+
+    def _new_message(self) -> None:
+        self._url = b""
+        self._headers: dict[str, str] = {}
+        self._head_bytes = 0
+        self._body: list[bytes] = []
+        self._body_bytes = 0
+
+    def on_message_begin(self) -> None:
+        self._new_message()
+        if self._task is None and not self._pending:
+            self._arm(self.limits.request_timeout_s, 408)
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        self._count_head(len(url))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_head(len(name) + len(value) + 4)
+        key = name.decode("latin-1").lower()
+        text = value.decode("latin-1")
+        self._headers[key] = f"{self._headers[key]}, {text}" if key in self._headers else text
+
+    def on_headers_complete(self) -> None:
+        length = self._headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.limits.max_body_bytes:
+            raise _BadRequest(413, f"request body over {self.limits.max_body_bytes} bytes")
+        if self._headers.get("expect", "").lower() == "100-continue" and self.transport:
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def on_body(self, body: bytes) -> None:
+        self._body_bytes += len(body)
+        if self._body_bytes > self.limits.max_body_bytes:
+            raise _BadRequest(413, f"request body over {self.limits.max_body_bytes} bytes")
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        parser = self.parser
+        url = httptools.parse_url(self._url) if self._url else None
+        path = url.path.decode("latin-1") if url and url.path else "/"
+        request = HttpRequest(
+            method=parser.get_method().decode("latin-1"),
+            path=path,
+            query=url.query.decode("latin-1") if url and url.query else "",
+            headers=self._headers,
+            body=b"".join(self._body),
+            http_version=parser.get_http_version(),
+        )
+        self._pending.append((request, parser.should_keep_alive()))
+        if self._task is None:
+            self._disarm()
+            self._next()
+
+    def _count_head(self, n: int) -> None:
+        self._head_bytes += n
+        if self._head_bytes > self.limits.max_head_bytes:
+            raise _BadRequest(431, f"request head over {self.limits.max_head_bytes} bytes")
+
+    # -- running handlers -------------------------------------------------------------
+
+    def _next(self) -> None:
+        """Start the handler of the next queued request, or wait for one."""
+        if self.closed:
+            return
+        if not self._pending:
+            if self._upgraded or self._eof:
+                self.close()
+            else:
+                self._arm(self.limits.keepalive_timeout_s)
+            return
+        request, keep_alive = self._pending.popleft()
+        exchange = Exchange(self, request, keep_alive and not self._upgraded)
+        self._task = self.loop.create_task(self._run(exchange))
+
+    async def _run(self, exchange: Exchange) -> None:
+        try:
+            resp = await self.server.handler(exchange.request, exchange)
+        except asyncio.CancelledError:
+            self._task = None
+            if not self.closed:  # cancelled by stop(), not by the client leaving
+                self.close()
+            raise
+        except Exception:
+            logger.exception(
+                "unhandled error serving %s %s", exchange.request.method, exchange.request.path
+            )
+            resp = self.server.error_response(500, "internal error")
+            if exchange.stream is not None:  # too late for a status: cut the response
+                self._task = None
+                self.close()
+                return
+        self._task = None
+        try:
+            if exchange.stream is not None:
+                await exchange.stream.end()
+            else:
+                self.send(exchange.whole(resp or self.server.error_response(500, "no response")))
+        except ConnectionError:
+            self.close()  # the client left while we answered
+            return
+        if not exchange.keep_alive:
+            self.close()
+            return
+        self._next()
+
+    # -- writing ----------------------------------------------------------------------
+
+    def send(self, data: bytes) -> None:
+        """Write bytes to the client (dropped once the connection is closed).
+
+        Raises:
+            ConnectionResetError: the client has gone away.
+        """
+        if self.closed or self.transport is None:
+            raise ConnectionResetError("the client closed the connection")
+        self.transport.write(data)
+
+    async def drain(self) -> None:
+        """Wait until the transport's write buffer is below its high-water mark."""
+        while self._paused and not self.closed:
+            self._drain = self.loop.create_future()
+            try:
+                await self._drain
+            finally:
+                self._drain = None
+        if self.closed:
+            raise ConnectionResetError("the client closed the connection")
+
+    def _wake_drain(self) -> None:
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+
+    def _fail(self, status: int, message: str) -> None:
+        """Answer a request that cannot be served (if no answer is under way) and close."""
+        if self._task is None and not self._pending and not self.closed:
+            resp = self.server.error_response(status, message)
+            request = HttpRequest("GET", "/", "", {}, b"")
+            with contextlib.suppress(ConnectionError):
+                self.send(Exchange(self, request, keep_alive=False).whole(resp))
+        self.close()
+
+    def close(self) -> None:
+        self._disarm()
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+        self.closed = True
+
+    # -- timers -----------------------------------------------------------------------
+
+    def _arm(self, seconds: float, status: int | None = None) -> None:
+        self._disarm()
+        self._timer = self.loop.call_later(seconds, self._expire, status)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expire(self, status: int | None) -> None:
+        self._timer = None
+        if status is None:
+            self.close()  # idle keep-alive connection
+        else:
+            self._fail(status, "the request did not arrive in time")
+
+    @property
+    def busy(self) -> bool:
+        return self._task is not None or bool(self._pending)
+
+
+class HttpServer:
+    """Serves `handler` on one listening socket."""
+
+    def __init__(
+        self,
+        handler: Handler,
+        error_response: ErrorRenderer,
+        limits: HttpLimits | None = None,
+    ) -> None:
+        self.handler = handler
+        self.error_response = error_response
+        self.limits = limits or HttpLimits()
+        self.connections: set[_HttpProtocol] = set()
+        self._server: asyncio.AbstractServer | None = None
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on `host:port` (0: any free port); returns the bound port."""
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: _HttpProtocol(self), host, port, reuse_address=True
+        )
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        """Stop listening; close idle connections now and busy ones once their requests
+        finish or `grace_s` passes (then their handlers are cancelled)."""
+        if self._server is not None:
+            self._server.close()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while True:
+            for conn in list(self.connections):
+                if not conn.busy:
+                    conn.close()
+            busy = [c for c in self.connections if c.busy]
+            if not busy or loop.time() >= deadline:
+                break
+            await asyncio.sleep(0.02)
+        tasks = [c._task for c in self.connections if c._task is not None]
+        for conn in list(self.connections):
+            if conn._task is not None:
+                conn._task.cancel()
+            conn.close()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 1.0)
