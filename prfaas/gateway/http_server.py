@@ -225,7 +225,6 @@ class _HttpProtocol(asyncio.Protocol):
         self._drain: asyncio.Future[None] | None = None
         self._paused = False
         self._upgraded = False  # the parser stopped at an Upgrade: serve it, then close
-        self._eof = False  # the client half-closed: close once its requests are answered
         self._new_message()
 
     # -- transport callbacks ----------------------------------------------------------
@@ -261,9 +260,9 @@ class _HttpProtocol(asyncio.Protocol):
                 self._fail(400, f"malformed HTTP request: {exc}")
 
     def eof_received(self) -> bool:
-        # A half-closed client may still read the answers to what it sent.
-        self._eof = True
-        return self.busy
+        # The client closed its side: treat it as gone (as aiohttp does), so its handler is
+        # cancelled and the engines abort the request. Half-closed clients get no answer.
+        return False
 
     def pause_writing(self) -> None:
         self._paused = True
@@ -338,7 +337,7 @@ class _HttpProtocol(asyncio.Protocol):
         if self.closed:
             return
         if not self._pending:
-            if self._upgraded or self._eof:
+            if self._upgraded:
                 self.close()
             else:
                 self._arm(self.limits.keepalive_timeout_s)
