@@ -8,9 +8,7 @@ import gc
 import signal
 from collections.abc import Awaitable, Callable, Iterator
 
-from aiohttp import web
-
-from prfaas.gateway.app import GATEWAY, create_app
+from prfaas.gateway.app import GatewayApp
 from prfaas.gateway.config import DeploymentConfig
 from prfaas.gateway.gateway import Gateway
 
@@ -53,16 +51,12 @@ async def serve_gateway(
     on_ready: Callable[[Gateway, int], None] | None = None,
 ) -> None:
     """Serve until a signal arrives; `on_ready(gateway, bound_port)` runs once listening."""
-    app = create_app(config, setup)
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
-    await runner.setup()
+    app = GatewayApp(config, setup)
+    bound = await app.start(host, port)
     try:
-        site = web.TCPSite(runner, host, port)
-        await site.start()
-        bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         gc.freeze()  # start-up objects never die: keep them out of every later collection
         if on_ready is not None:
-            on_ready(app[GATEWAY], bound)
+            on_ready(app.gateway, bound)
         await wait_for_signal()
     finally:
-        await runner.cleanup()
+        await app.stop()

@@ -1,6 +1,6 @@
 """The OpenAI completion handlers: authenticate, parse, admit, route, relay (SSE or JSON).
 
-The routing itself lives in `Router` (no aiohttp there); this module only adapts HTTP to it
+The routing itself lives in `Router` (no HTTP there); this module only adapts HTTP to it
 and keeps the metrics. A client that disconnects cancels the handler, which closes the
 Router's stream and so aborts the request on both the prefill and the decode engine.
 """
@@ -8,17 +8,17 @@ Router's stream and so aborts the request on both the prefill and the decode eng
 from __future__ import annotations
 
 import asyncio
-import secrets
+import random
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import orjson
-from aiohttp import web
 
 from prfaas.engines.client import EngineError, GenerateChunk
 from prfaas.gateway.admission import AdmissionManager, QueueFull
 from prfaas.gateway.errors import APIError
+from prfaas.gateway.http_server import Exchange, HttpRequest, HttpResponse
 from prfaas.gateway.metrics import GatewayMetrics
 from prfaas.gateway.openai_request import Api, CompletionCall, ModelLimits, load_json, parse_call
 from prfaas.gateway.openai_response import Accumulator
@@ -27,7 +27,7 @@ from prfaas.gateway.tokenization import GatewayTokenizer
 from prfaas.policies.routing import NoInstanceAvailable, RouteDecision
 
 Stream = AsyncIterator[tuple[RouteDecision, GenerateChunk]]
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+SSE_HEADERS = {"Cache-Control": "no-cache"}
 
 
 @dataclass
@@ -50,36 +50,45 @@ class CompletionService:
     retry_after_s: int = 1
     clock: Callable[[], float] = field(default=lambda: asyncio.get_running_loop().time())
 
-    def check_auth(self, request: web.Request) -> None:
+    def check_auth(self, request: HttpRequest) -> None:
         """Raises APIError(401) unless API keys are off or the bearer key is one of them."""
         if not self.api_keys:
             return
-        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or key.strip() not in self.api_keys:
             raise APIError(401, "invalid or missing API key", code="invalid_api_key")
 
-    async def handle(self, request: web.Request, api: Api) -> web.StreamResponse:
+    async def handle(
+        self, request: HttpRequest, exchange: Exchange, api: Api
+    ) -> HttpResponse | None:
+        """Serve one completion request: a whole JSON response, or None once an SSE stream
+        was written to `exchange`."""
         timing = _Timing(self.clock())
         try:
-            return await self._handle(request, api, timing)
+            return await self._handle(request, exchange, api, timing)
         except APIError as exc:
             timing.status = exc.status
             raise
         except asyncio.CancelledError:
             timing.status = 499  # the client went away
             raise
+        except ConnectionError:
+            timing.status = 499  # ... while we were streaming to it
+            return None
         finally:
             self.metrics.requests.inc(api, timing.route, str(timing.status))
             if timing.status == 200:
                 self.metrics.e2e.observe(self.clock() - timing.start, timing.route)
 
-    async def _handle(self, request: web.Request, api: Api, timing: _Timing) -> web.StreamResponse:
+    async def _handle(
+        self, request: HttpRequest, exchange: Exchange, api: Api, timing: _Timing
+    ) -> HttpResponse | None:
         self.check_auth(request)
-        call = parse_call(load_json(await request.read()), api, self.limits, self.tokenizer)
+        call = parse_call(load_json(request.body), api, self.limits, self.tokenizer)
         self.metrics.prompt.observe(len(call.input_ids))
         try:
             async with self.admission.slot():
-                return await self._serve(request, call, timing)
+                return await self._serve(exchange, call, timing)
         except QueueFull as exc:
             raise APIError(
                 429,
@@ -89,21 +98,23 @@ class CompletionService:
             ) from None
 
     async def _serve(
-        self, request: web.Request, call: CompletionCall, timing: _Timing
-    ) -> web.StreamResponse:
+        self, exchange: Exchange, call: CompletionCall, timing: _Timing
+    ) -> HttpResponse | None:
         prefix = "chatcmpl" if call.api == "chat" else "cmpl"
-        acc = Accumulator(call, f"{prefix}-{secrets.token_hex(16)}", int(time.time()))
+        # An id, not a secret: 128 random bits without a getrandom() call per request.
+        acc = Accumulator(call, f"{prefix}-{random.getrandbits(128):032x}", int(time.time()))
         if not call.stream:
             return await self._whole(acc, timing)
         stream = self.router.generate(acc.rid, call.input_ids, call.sampling)
         try:
             decision, first = await _first(stream)
             self._routed(decision, acc, timing)
-            return await self._sse(request, acc, first, stream, route_headers(decision))
+            await self._sse(exchange, acc, first, stream, route_headers(decision))
+            return None
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
 
-    async def _whole(self, acc: Accumulator, timing: _Timing) -> web.Response:
+    async def _whole(self, acc: Accumulator, timing: _Timing) -> HttpResponse:
         """A non-streaming request: the engines answer in one piece, so does the gateway."""
         call = acc.call
         try:
@@ -117,8 +128,7 @@ class CompletionService:
         self._routed(decision, acc, timing)
         for chunk in chunks:
             acc.add(chunk)
-        headers = {"Content-Type": "application/json", **route_headers(decision)}
-        return web.Response(body=orjson.dumps(acc.final()), headers=headers)
+        return HttpResponse(200, orjson.dumps(acc.final()), headers=route_headers(decision))
 
     def _routed(self, decision: RouteDecision, acc: Accumulator, timing: _Timing) -> None:
         timing.route = decision.route
@@ -128,14 +138,13 @@ class CompletionService:
 
     async def _sse(
         self,
-        request: web.Request,
+        exchange: Exchange,
         acc: Accumulator,
         first: GenerateChunk,
         stream: Stream,
         headers: dict[str, str],
-    ) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={**SSE_HEADERS, **headers})
-        await resp.prepare(request)
+    ) -> None:
+        resp = exchange.start_stream(200, {**SSE_HEADERS, **headers}, "text/event-stream")
         acc.add(first)
         await resp.write(_sse(acc.chunk(first)))
         try:
@@ -148,8 +157,7 @@ class CompletionService:
             if acc.call.include_usage:
                 await resp.write(_sse(acc.usage_chunk()))
         await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
+        await resp.end()
 
 
 async def _first(stream: Stream) -> tuple[RouteDecision, GenerateChunk]:

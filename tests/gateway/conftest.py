@@ -5,11 +5,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import pytest
-from aiohttp import web
 from gateway_helpers import BLOCK, Engines, GatewayFactory, start_app
 
 from prfaas.engines.null import NullConfig, NullServer
-from prfaas.gateway.app import GATEWAY, create_app
+from prfaas.gateway.app import GatewayApp
 from prfaas.gateway.config import DeploymentConfig
 from prfaas.gateway.gateway import Gateway
 
@@ -29,14 +28,14 @@ async def null_engines() -> AsyncIterator[Engines]:
 @pytest.fixture
 async def gateway_factory() -> AsyncIterator[GatewayFactory]:
     """`await factory(config)` -> (base URL, Gateway); every gateway stops at teardown."""
-    runners: list[web.AppRunner] = []
+    apps: list[GatewayApp] = []
 
     async def factory(config: DeploymentConfig) -> tuple[str, Gateway]:
-        app = create_app(config)
-        runner, url = await start_app(app)
-        runners.append(runner)
-        return url, app[GATEWAY]
+        app = GatewayApp(config)
+        apps.append(app)
+        port = await app.start("127.0.0.1", 0)
+        return f"http://127.0.0.1:{port}", app.gateway
 
     yield factory
-    for runner in runners:
-        await runner.cleanup()
+    for app in apps:
+        await app.stop()

@@ -16,7 +16,7 @@ from aiohttp import web
 from gateway_helpers import deployment, start_app
 
 from prfaas.engines.transport import Kind, KVReceiver, KVSender, SenderConfig
-from prfaas.gateway.app import create_app
+from prfaas.gateway.app import GatewayApp
 from prfaas.gateway.health import HealthMonitor
 from prfaas.gateway.link import EgressMonitor, EgressSample, egress_setup
 from prfaas.gateway.metrics import GatewayMetrics
@@ -164,8 +164,8 @@ async def test_egress_setup_polls_prfaas_prefill_instances(paced: Paced) -> None
     (here a real paced sender behind `/transfer_stats`), `/admin/state` shows its link
     telemetry, and `/metrics` its egress gauges, refreshed on the health cadence."""
     urls = {"prfaas-p0": paced.url, "pd-p0": paced.url, "pd-d0": paced.url}
-    app = create_app(deployment(urls), setup=egress_setup({"note": "test"}))
-    runner, url = await start_app(app)
+    app = GatewayApp(deployment(urls), setup=egress_setup({"note": "test"}))
+    url = f"http://127.0.0.1:{await app.start('127.0.0.1', 0)}"
     try:
         await _transfer(paced, 3, layers=2)
         total = paced.sender.telemetry().bytes_total
@@ -179,7 +179,7 @@ async def test_egress_setup_polls_prfaas_prefill_instances(paced: Paced) -> None
             async with s.get(f"{url}/metrics") as resp:
                 text = await resp.text()
     finally:
-        await runner.cleanup()
+        await app.stop()
     assert link["egress_bytes_total"] == total and link["note"] == "test"
     assert set(link["instances"]) == {"prfaas-p0"}
     assert f'prfaas_egress_bytes_sent{{instance="prfaas-p0"}} {total}' in text
