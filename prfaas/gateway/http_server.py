@@ -368,7 +368,7 @@ class _HttpProtocol(asyncio.Protocol):
             if exchange.stream is not None:
                 await exchange.stream.end()
             else:
-                self.send(exchange.whole(resp or self.server.error_response(500, "no response")))
+                self.send(self._whole(exchange, resp))
         except ConnectionError:
             self.close()  # the client left while we answered
             return
@@ -376,6 +376,16 @@ class _HttpProtocol(asyncio.Protocol):
             self.close()
             return
         self._next()
+
+    def _whole(self, exchange: Exchange, resp: HttpResponse | None) -> bytes:
+        """The response's bytes, or a 500 when its headers cannot be sent."""
+        try:
+            return exchange.whole(resp or self.server.error_response(500, "no response"))
+        except ValueError:  # a line break in a header, a server-owned header, not latin-1
+            logger.exception(
+                "bad response to %s %s", exchange.request.method, exchange.request.path
+            )
+            return exchange.whole(self.server.error_response(500, "internal error"))
 
     # -- writing ----------------------------------------------------------------------
 
