@@ -7,8 +7,9 @@ Only fully populated blocks are hashed: a partial tail block is never a prefix-c
 
 Speed matters (the gateway hashes every prompt; the simulator hashes ~300M tokens an hour):
 Python int sequences are packed with `array.array` (3x faster than numpy for tuples and
-lists), hashed one-shot, and a prompt is packed once, not once per block. Values are
-bit-identical to the definition above (tests/common/test_hashing.py pins them).
+lists), hashed one-shot; `hash_blocks` packs a prompt once, `iter_block_hashes` in a few
+growing slices, never once per block. Values are bit-identical to the definition above
+(tests/common/test_hashing.py pins them).
 """
 
 from __future__ import annotations
@@ -43,24 +44,51 @@ def hash_block(parent: int | None, token_ids: Sequence[int] | np.ndarray) -> int
 
 
 def hash_blocks(token_ids: Sequence[int] | np.ndarray, block_size: int) -> list[int]:
-    """Chained hashes of every fully populated block of `token_ids`, in order.
+    """Chained hashes of every fully populated block of `token_ids`, in order (the ids are
+    packed once, up front).
 
     Raises:
         ValueError: if `block_size` is not positive.
     """
-    return list(iter_block_hashes(token_ids, block_size))
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    return list(_chain(_u32_bytes(token_ids), 4 * block_size))
 
 
 def iter_block_hashes(token_ids: Sequence[int] | np.ndarray, block_size: int) -> Iterator[int]:
     """`hash_blocks`, lazily: a prefix lookup that stops at the first uncached block never
-    hashes the rest of the prompt (the ids are still packed once, up front).
+    hashes, nor packs, the rest of the prompt. Ids are packed in slices that double from one
+    block up to `_MAX_SLICE_TOKENS` (a few packing calls per prompt, at most one slice packed
+    beyond what is read); an id that cannot be packed raises when its slice is reached.
 
     Raises:
         ValueError: if `block_size` is not positive (at the call, not at the first hash).
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    return _chain(_u32_bytes(token_ids), 4 * block_size)
+    return _lazy_chain(token_ids, block_size)
+
+
+# Largest slice packed at once by `iter_block_hashes`: the per-slice overhead stays ~1% of
+# the packing, and a lookup packs at most this many ids it does not hash.
+_MAX_SLICE_TOKENS = 8192
+
+
+def _lazy_chain(token_ids: Sequence[int] | np.ndarray, block_size: int) -> Iterator[int]:
+    digest = xxhash.xxh3_64_intdigest
+    step = 4 * block_size
+    end = len(token_ids) - len(token_ids) % block_size
+    max_size = max(block_size, _MAX_SLICE_TOKENS // block_size * block_size)
+    parent = None
+    start, size = 0, block_size
+    while start < end:
+        stop = min(start + size, end)
+        data = _u32_bytes(token_ids[start:stop])
+        for offset in range(0, len(data), step):
+            block = data[offset : offset + step]
+            parent = digest(block if parent is None else parent.to_bytes(8, "little") + block)
+            yield parent
+        start, size = stop, min(2 * size, max_size)
 
 
 def _chain(data: bytes, step: int) -> Iterator[int]:

@@ -127,11 +127,18 @@ class KVIndexManager:
         (every known instance appears, 0 where nothing matches). Pure read. Stops reading
         `block_hashes` once no instance matches (pass `iter_block_hashes` to hash lazily).
         """
+        if not self._instances:
+            return {}
         result = dict.fromkeys(self._instances, 0)
         alive = set(self._instances)
+        holders_of = self._holders.get
         matched = 0  # blocks every instance in `alive` holds
-        for h in block_hashes if alive else ():
-            still = alive & self._holders.get(h, _NONE)
+        for h in block_hashes:
+            holders = holders_of(h, _NONE)
+            if alive <= holders:  # the common case: no instance drops out at this block
+                matched += 1
+                continue
+            still = alive & holders
             for gone in alive - still:
                 result[gone] = matched * self.block_size
             alive = still

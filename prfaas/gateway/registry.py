@@ -54,14 +54,17 @@ class InstanceManager:
 
     def views(self, cached: Mapping[str, int]) -> tuple[InstanceView, ...]:
         """Policy views of every instance, with this request's cached prefix per instance."""
+        get = cached.get
         return tuple(
-            InstanceView(
-                instance_id=s.instance_id,
-                cluster=s.cluster,
-                role=s.role,
-                cached_tokens=cached.get(s.instance_id, 0),
-                load=s.in_flight + s.queued,
-                healthy=s.healthy,
-            )
-            for s in self._instances.values()
+            [
+                InstanceView(
+                    s.instance_id,
+                    s.cluster,
+                    s.role,
+                    get(s.instance_id, 0),
+                    s.in_flight + s.queued,
+                    s.healthy,
+                )
+                for s in self._instances.values()
+            ]
         )

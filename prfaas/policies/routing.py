@@ -15,7 +15,7 @@ never the raw prompt length:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -25,6 +25,12 @@ PRFAAS: Route = "prfaas"
 PD: Route = "pd"
 # A prefix cached on this share of the prompt makes affinity beat load (SGLang router style).
 AFFINITY_SHARE = 0.5
+
+# The three per-request dataclasses below are frozen but write their own `__init__` (same
+# signature as the generated one, which a dataclass keeps): it stores the fields straight
+# into the instance's __dict__ instead of one `object.__setattr__` call per field, half the
+# cost, and the gateway builds several of them per request. Equality, hash, repr,
+# `dataclasses.replace` and `fields` are the dataclass ones.
 
 
 class NoInstanceAvailable(RuntimeError):
@@ -42,8 +48,25 @@ class InstanceView:
     load: int = 0
     healthy: bool = True
 
+    def __init__(
+        self,
+        instance_id: str,
+        cluster: Route,
+        role: Literal["prefill", "decode", "both"],
+        cached_tokens: int = 0,
+        load: int = 0,
+        healthy: bool = True,
+    ) -> None:
+        d = self.__dict__
+        d["instance_id"] = instance_id
+        d["cluster"] = cluster
+        d["role"] = role
+        d["cached_tokens"] = cached_tokens
+        d["load"] = load
+        d["healthy"] = healthy
+
     def serves(self, role: str) -> bool:
-        return self.healthy and self.role in (role, "both")
+        return self.healthy and (self.role == role or self.role == "both")
 
 
 @dataclass(frozen=True)
@@ -55,15 +78,50 @@ class RoutingSnapshot:
     threshold: float
     regime: Regime = "bandwidth_scarce"
 
+    def __init__(
+        self,
+        total_tokens: int,
+        instances: tuple[InstanceView, ...],
+        threshold: float,
+        regime: Regime = "bandwidth_scarce",
+    ) -> None:
+        d = self.__dict__
+        d["total_tokens"] = total_tokens
+        d["instances"] = instances
+        d["threshold"] = threshold
+        d["regime"] = regime
+
+    # A snapshot is immutable (frozen, a tuple of frozen views), so what the policies ask of
+    # it repeatedly is computed once, on first use, and kept in the instance's __dict__ (not
+    # a field: equality, hash and repr are unchanged).
+
     def candidates(self, cluster: Route | None, role: str) -> list[InstanceView]:
-        return [i for i in self.instances if i.serves(role) and cluster in (None, i.cluster)]
+        """Healthy instances serving `role` in `cluster` (any cluster for None), in order."""
+        return list(self._pool(cluster, role))
 
     def cached_in(self, cluster: Route) -> int:
         """The longest prefix any healthy instance of `cluster` caches (0 if none)."""
-        return max(
-            (i.cached_tokens for i in self.instances if i.healthy and i.cluster == cluster),
-            default=0,
-        )
+        maxima: dict[str, int] | None = self.__dict__.get("_maxima")
+        if maxima is None:
+            maxima = self.__dict__["_maxima"] = {}
+            for i in self.instances:
+                if i.healthy and (i.cluster not in maxima or i.cached_tokens > maxima[i.cluster]):
+                    maxima[i.cluster] = i.cached_tokens
+        return maxima.get(cluster, 0)
+
+    def _pool(self, cluster: Route | None, role: str) -> tuple[InstanceView, ...]:
+        pools: dict[tuple[str | None, str], tuple[InstanceView, ...]] | None
+        pools = self.__dict__.get("_pools")
+        if pools is None:
+            pools = self.__dict__["_pools"] = {}
+        pool = pools.get((cluster, role))
+        if pool is None:
+            if cluster is None:
+                pool = tuple([i for i in self.instances if i.serves(role)])
+            else:
+                pool = tuple([i for i in self.instances if i.cluster == cluster and i.serves(role)])
+            pools[cluster, role] = pool
+        return pool
 
 
 @dataclass(frozen=True)
@@ -78,6 +136,40 @@ class RouteDecision:
     prefix_transfer_from: Route | None = None
     reason: str = ""
 
+    def __init__(
+        self,
+        route: Route,
+        prefill_instance: str,
+        decode_instance: str,
+        incremental_tokens: int,
+        cached_tokens: int,
+        prefix_transfer_from: Route | None = None,
+        reason: str = "",
+    ) -> None:
+        d = self.__dict__
+        d["route"] = route
+        d["prefill_instance"] = prefill_instance
+        d["decode_instance"] = decode_instance
+        d["incremental_tokens"] = incremental_tokens
+        d["cached_tokens"] = cached_tokens
+        d["prefix_transfer_from"] = prefix_transfer_from
+        d["reason"] = reason
+
+
+_last_g: tuple[object, str] = (object(), "")
+
+
+def _g(value: float) -> str:
+    """`format(value, "g")`, remembered for the last value object (the threshold changes
+    rarely and formatting a float is most of the cost of a decision's reason)."""
+    global _last_g
+    last = _last_g  # one read and one write of a tuple: safe across threads
+    if last[0] is value:
+        return last[1]
+    text = format(value, "g")
+    _last_g = (value, text)
+    return text
+
 
 def pick_instance(candidates: Iterable[InstanceView], total_tokens: int) -> InstanceView:
     """Prefix affinity when an instance caches a large share of the prompt, else least load
@@ -85,18 +177,33 @@ def pick_instance(candidates: Iterable[InstanceView], total_tokens: int) -> Inst
     pool = list(candidates)
     if not pool:
         raise NoInstanceAvailable("no healthy instance")
+    return _pick_from(pool, total_tokens)
+
+
+def _affinity_key(i: InstanceView) -> tuple[int, int, str]:
+    return -i.cached_tokens, i.load, i.instance_id
+
+
+def _load_key(i: InstanceView) -> tuple[int, int, str]:
+    return i.load, -i.cached_tokens, i.instance_id
+
+
+def _pick_from(pool: Sequence[InstanceView], total_tokens: int) -> InstanceView:
+    """`pick_instance` over a non-empty pool."""
+    if len(pool) == 1:
+        return pool[0]
     best_cached = max(i.cached_tokens for i in pool)
     if total_tokens and best_cached >= AFFINITY_SHARE * total_tokens:
-        return min(pool, key=lambda i: (-i.cached_tokens, i.load, i.instance_id))
-    return min(pool, key=lambda i: (i.load, -i.cached_tokens, i.instance_id))
+        return min(pool, key=_affinity_key)
+    return min(pool, key=_load_key)
 
 
 def _pick(snapshot: RoutingSnapshot, cluster: Route | None, role: str) -> InstanceView:
-    try:
-        return pick_instance(snapshot.candidates(cluster, role), snapshot.total_tokens)
-    except NoInstanceAvailable:
+    pool = snapshot._pool(cluster, role)
+    if not pool:
         where = f"the {cluster} cluster" if cluster else "any cluster"
-        raise NoInstanceAvailable(f"no healthy {role} instance in {where}") from None
+        raise NoInstanceAvailable(f"no healthy {role} instance in {where}")
+    return _pick_from(pool, snapshot.total_tokens)
 
 
 class BaseRoutingPolicy(ABC):
@@ -125,13 +232,13 @@ class BaseRoutingPolicy(ABC):
         if prefix_from is not None:
             cached = max(cached, snapshot.cached_in(prefix_from))
         return RouteDecision(
-            route=prefill.cluster,
-            prefill_instance=prefill.instance_id,
-            decode_instance=decode.instance_id,
-            cached_tokens=cached,
-            incremental_tokens=snapshot.total_tokens - cached,
-            prefix_transfer_from=prefix_from,
-            reason=reason,
+            prefill.cluster,
+            prefill.instance_id,
+            decode.instance_id,
+            snapshot.total_tokens - cached,
+            cached,
+            prefix_from,
+            reason,
         )
 
 
@@ -145,13 +252,16 @@ class PrfaasPolicy(BaseRoutingPolicy):
         l_pd = snapshot.cached_in(PD)
         prefix = max(l_pd, snapshot.cached_in(PRFAAS)) if abundant else l_pd
         uncached, t = snapshot.total_tokens - prefix, snapshot.threshold
-        reason = f"{snapshot.regime}: {uncached} uncached {'<=' if uncached <= t else '>'} t={t:g}"
+        sign = "<=" if uncached <= t else ">"
+        reason = f"{snapshot.regime}: {uncached} uncached {sign} t={_g(t)}"
         route: Route = PRFAAS if uncached > t else PD
-        if route == PRFAAS and not snapshot.candidates(PRFAAS, "prefill"):
+        if route == PRFAAS and not snapshot._pool(PRFAAS, "prefill"):
             route, reason = PD, reason + "; no healthy PrfaaS prefill, fell back to PD"
-        other: Route = PRFAAS if route == PD else PD
-        longer_elsewhere = snapshot.cached_in(other) > snapshot.cached_in(route)
-        prefix_from = other if abundant and longer_elsewhere else None
+        prefix_from: Route | None = None
+        if abundant:
+            other: Route = PRFAAS if route == PD else PD
+            if snapshot.cached_in(other) > snapshot.cached_in(route):
+                prefix_from = other
         return self._decision(snapshot, _pick(snapshot, route, "prefill"), reason, prefix_from)
 
 
