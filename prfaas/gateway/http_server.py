@@ -225,6 +225,7 @@ class _HttpProtocol(asyncio.Protocol):
         self._drain: asyncio.Future[None] | None = None
         self._paused = False
         self._upgraded = False  # the parser stopped at an Upgrade: serve it, then close
+        self._failure: tuple[int, str] | None = None  # answered after the requests before it
         self._new_message()
 
     # -- transport callbacks ----------------------------------------------------------
@@ -244,7 +245,7 @@ class _HttpProtocol(asyncio.Protocol):
         self._wake_drain()
 
     def data_received(self, data: bytes) -> None:
-        if self._upgraded or self.closed:
+        if self._upgraded or self._failure is not None or self.closed:
             return
         try:
             self.parser.feed_data(data)
@@ -337,7 +338,9 @@ class _HttpProtocol(asyncio.Protocol):
         if self.closed:
             return
         if not self._pending:
-            if self._upgraded:
+            if self._failure is not None:
+                self._fail(*self._failure)
+            elif self._upgraded:
                 self.close()
             else:
                 self._arm(self.limits.keepalive_timeout_s)
@@ -415,8 +418,12 @@ class _HttpProtocol(asyncio.Protocol):
             self._drain.set_result(None)
 
     def _fail(self, status: int, message: str) -> None:
-        """Answer a request that cannot be served (if no answer is under way) and close."""
-        if self._task is None and not self._pending and not self.closed:
+        """Answer a request that cannot be served and close (after answering the requests
+        pipelined before it)."""
+        if self._task is not None or self._pending:
+            self._failure = (status, message)  # _next() answers it once they are answered
+            return
+        if not self.closed:
             resp = self.server.error_response(status, message)
             request = HttpRequest("GET", "/", "", {}, b"")
             with contextlib.suppress(ConnectionError):
