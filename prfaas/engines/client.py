@@ -9,6 +9,7 @@ decode call streams the output.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
 from abc import ABC, abstractmethod
@@ -153,6 +154,14 @@ class BaseEngineClient(ABC):
         """
         async with contextlib.aclosing(self.generate(request)) as chunks:
             return [chunk async for chunk in chunks]
+
+    def begin(self, request: GenerateRequest) -> asyncio.Future[list[GenerateChunk]]:
+        """Start `complete` now and return its future (cancel it to abort on the engine).
+
+        Lets a caller run a prefill and a decode call at once and wake once for both; the
+        default runs `complete` in a task, the HTTP client sends at once with no task.
+        """
+        return asyncio.ensure_future(self.complete(request))
 
     @abstractmethod
     async def stats(self) -> EngineStats:

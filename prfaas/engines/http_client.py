@@ -34,6 +34,7 @@ from prfaas.engines.client import (
     Role,
 )
 from prfaas.engines.http_wire import ConnectFailed, WireError, WirePool, WireResponse
+from prfaas.engines.http_wire_whole import Outcome, WholeResponse, post_whole
 
 logger = logging.getLogger(__name__)
 STATS_PATHS = ("/stats", "/get_load")
@@ -196,35 +197,71 @@ class HttpEngineClient(BaseEngineClient):
                 self._abort_later(request.rid)
 
     async def complete(self, request: GenerateRequest) -> list[GenerateChunk]:
-        """A non-streaming request (`request.stream` False) in one awaitable call: the
-        gateway's hot path, with no generator between it and the response. Same errors and
-        abort-on-cancel as `generate`."""
+        """A non-streaming request (`request.stream` False) in one awaitable call. Same
+        errors and abort-on-cancel as `generate`."""
         if request.stream:
             return await super().complete(request)
-        done = False  # the engine refused the work or answered in full: nothing to abort
-        resp: WireResponse | None = None
-        try:
-            resp = await self._post_generate(request)
-            done = resp.status != 200
-            await self._check_status(resp)
-            chunk = _Deltas().chunk(self._json(await resp.read()))
-            done = True
-            return [chunk]
-        except ConnectFailed as exc:
-            done = True
-            raise self._unreachable(exc) from exc
-        except (WireError, OSError, TimeoutError) as exc:
-            raise self._failed(exc) from exc
-        finally:
-            if resp is not None:
-                resp.close()  # no-op once the body was read to its end
-            if not done:
+        return await self.begin(request)
+
+    def begin(self, request: GenerateRequest) -> asyncio.Future[list[GenerateChunk]]:
+        """Send a non-streaming `/generate` now; the future gets the output or the
+        `EngineError`. The connection's protocol reads the response (no task, no read
+        loop): the gateway's hot path. Cancelling the future drops the connection and, if
+        the engine had not answered yet, posts `/abort_request`."""
+        if request.stream:
+            return super().begin(request)
+        out: asyncio.Future[list[GenerateChunk]] = asyncio.get_running_loop().create_future()
+
+        def done(outcome: Outcome) -> None:
+            if out.done():
+                return
+            if isinstance(outcome, WholeResponse):
+                try:
+                    out.set_result(self._whole_output(outcome))
+                except EngineError as exc:
+                    out.set_exception(exc)
+            else:
+                error = self._unreachable(outcome) if isinstance(outcome, ConnectFailed) else (
+                    self._failed(outcome)
+                )  # fmt: skip
+                error.__cause__ = outcome
+                out.set_exception(error)
+
+        cfg = self._config
+        call = post_whole(
+            self._wire,
+            self._generate_path,
+            _BODIES.encode(request),
+            connect_s=cfg.connect_timeout_s,
+            read_s=cfg.read_timeout_s,
+            total_s=cfg.total_timeout_s,
+            on_done=done,
+        )
+
+        def cancelled(future: asyncio.Future[list[GenerateChunk]]) -> None:
+            if future.cancelled() and call.cancel():  # the engine may be computing it
                 self._abort_later(request.rid)
 
-    def _unreachable(self, exc: Exception) -> EngineError:
+        out.add_done_callback(cancelled)
+        return out
+
+    def _whole_output(self, resp: WholeResponse) -> list[GenerateChunk]:
+        if resp.status != 200:
+            raise self._status_error(resp.status, resp.body)
+        return [_Deltas().chunk(self._json(resp.body))]
+
+    def _status_error(self, status: int, body: bytes) -> EngineError:
+        detail = body[:300].decode(errors="replace")
+        return EngineError(
+            f"{self.instance_id}: /generate answered {status}: {detail}",
+            status=503 if status in (429, 503) else 502,
+            retryable=status in (429, 503),
+        )
+
+    def _unreachable(self, exc: BaseException) -> EngineError:
         return EngineError(f"{self.instance_id}: unreachable: {exc}", retryable=True)
 
-    def _failed(self, exc: Exception) -> EngineError:
+    def _failed(self, exc: BaseException) -> EngineError:
         return EngineError(f"{self.instance_id}: generate failed: {exc!r}")
 
     def _post_generate(self, request: GenerateRequest) -> Awaitable[WireResponse]:
@@ -238,14 +275,8 @@ class HttpEngineClient(BaseEngineClient):
         )
 
     async def _check_status(self, resp: WireResponse) -> None:
-        if resp.status == 200:
-            return
-        detail = (await resp.read())[:300].decode(errors="replace")
-        raise EngineError(
-            f"{self.instance_id}: /generate answered {resp.status}: {detail}",
-            status=503 if resp.status in (429, 503) else 502,
-            retryable=resp.status in (429, 503),
-        )
+        if resp.status != 200:
+            raise self._status_error(resp.status, await resp.read())
 
     async def _stream(self, resp: WireResponse) -> AsyncGenerator[GenerateChunk, None]:
         deltas = _Deltas()

@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from prfaas.engines.http_wire_whole import WholeCall
 
 MAX_HEAD_BYTES = 64 * 1024
 MAX_IDLE_PER_HOST = 256
@@ -28,29 +32,40 @@ class ConnectFailed(WireError):
 
 
 class _Connection(asyncio.Protocol):
-    """One TCP connection: buffers received bytes and wakes its single reader."""
+    """One TCP connection: buffers received bytes and wakes its single reader, or hands
+    them to the `WholeCall` it carries (http_wire_whole.py)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.transport: asyncio.WriteTransport | None = None
         self.buffer = bytearray()
         self.closed = False
+        self.whole: WholeCall | None = None
         self._waiter: asyncio.Future[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # a stream transport
 
     def data_received(self, data: bytes) -> None:
+        whole = self.whole
+        if whole is not None:
+            whole.feed(data)
+            return
         self.buffer += data
         self._wake()
 
     def eof_received(self) -> bool:
-        self.closed = True
-        self._wake()
+        self._lost()
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._lost()
+
+    def _lost(self) -> None:
         self.closed = True
+        whole = self.whole
+        if whole is not None:
+            whole.lost()
         self._wake()
 
     def _wake(self) -> None:
@@ -270,7 +285,7 @@ class WirePool:
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + total_s
-        request = self._request(path, body)
+        request = self.request_bytes(path, body)
         while True:
             conn, reused = await self._acquire(loop, connect_s)
             try:
@@ -286,7 +301,8 @@ class WirePool:
             resp.deadline, resp.read_s = deadline, read_s
             return resp
 
-    def _request(self, path: str, body: bytes) -> bytes:
+    def request_bytes(self, path: str, body: bytes) -> bytes:
+        """The bytes of `POST path` with a JSON body."""
         head = (
             b"POST " + path.encode() + b" HTTP/1.1\r\nHost: " + self._authority
             + b"\r\nContent-Type: application/json\r\nContent-Length: "
@@ -317,10 +333,25 @@ class WirePool:
     async def _acquire(
         self, loop: asyncio.AbstractEventLoop, connect_s: float
     ) -> tuple[_Connection, bool]:
+        conn = self.take_idle()
+        if conn is not None:
+            return conn, True
+        return await self.open(loop, connect_s), False
+
+    def take_idle(self) -> _Connection | None:
+        """An idle pooled connection that is still open, if any."""
         while self._idle:
             conn = self._idle.pop()
             if not conn.closed:
-                return conn, True
+                return conn
+        return None
+
+    async def open(self, loop: asyncio.AbstractEventLoop, connect_s: float) -> _Connection:
+        """A new connection.
+
+        Raises:
+            ConnectFailed: refused, unreachable, or past `connect_s`.
+        """
         try:
             _, conn = await asyncio.wait_for(
                 loop.create_connection(
@@ -330,7 +361,7 @@ class WirePool:
             )
         except (OSError, TimeoutError) as exc:
             raise ConnectFailed(f"cannot connect to {self.host}:{self.port}: {exc!r}") from exc
-        return conn, False
+        return conn
 
     def release(self, conn: _Connection) -> None:
         """Return a connection whose response was read to its end."""

@@ -10,9 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 from prfaas.common.hashing import iter_block_hashes
 from prfaas.engines.client import (
@@ -33,7 +32,6 @@ from prfaas.policies.routing import (
 )
 
 MAX_ATTEMPTS = 2
-_T = TypeVar("_T")
 
 
 @dataclass
@@ -268,13 +266,9 @@ class _PrefillWatch:
     async def next(self, stream: AsyncIterator[GenerateChunk]) -> GenerateChunk:
         """The next decode chunk. Raises StopAsyncIteration at its end, or the prefill error."""
         self.check()
-        return await self.run(anext(stream))
-
-    async def run(self, call: Awaitable[_T]) -> _T:
-        """Await a decode call; raises the prefill's error instead if prefill fails first."""
         self._consumer = asyncio.current_task()
         try:
-            return await call
+            return await anext(stream)
         except asyncio.CancelledError:
             if self._interrupted and self._consumer is not None:
                 self._interrupted = False
@@ -288,30 +282,48 @@ class _PrefillWatch:
 async def _complete_pd(
     prefill: InstanceState, decode: InstanceState, request: GenerateRequest
 ) -> list[GenerateChunk]:
-    """The non-streaming `_relay`: the decode call awaited while the prefill call runs in
-    its own task; the first failure wins and the other call is aborted."""
-    watch = _PrefillWatch(prefill, asyncio.ensure_future(_complete_prefill(prefill, request)))
+    """The non-streaming relay: both calls sent back to back, one wake-up when both have
+    answered or the first has failed; a failure aborts the other call. A prefill failure
+    wins (decode only waits for its KV), and a decode that refused the work is marked
+    unhealthy."""
+    prefill_call, decode_call = prefill.client.begin(request), decode.client.begin(request)
     try:
-        try:
-            chunks = await watch.run(decode.client.complete(request))
-        except EngineError as exc:
-            if not watch.failed:  # the decode call itself failed
-                _mark_refusal(decode, exc)
-            raise
-        try:
-            await watch.task
-        except Exception as exc:
-            raise _prefill_error(prefill, exc)  # noqa: B904 - the cause is set inside
-        return chunks
-    finally:
-        if not watch.task.done():
-            watch.task.cancel()
-            with contextlib.suppress(BaseException):
-                await watch.task
+        await _all_or_first_failure(prefill_call, decode_call)
+    except BaseException:
+        prefill_call.cancel()
+        decode_call.cancel()
+        raise
+    failed = _failure(prefill_call)
+    if failed is not None:
+        decode_call.cancel()
+        raise _prefill_error(prefill, failed)
+    failed = _failure(decode_call)
+    if failed is not None:
+        prefill_call.cancel()
+        if isinstance(failed, EngineError):
+            _mark_refusal(decode, failed)
+        raise failed
+    return decode_call.result()
 
 
-async def _complete_prefill(prefill: InstanceState, request: GenerateRequest) -> None:
-    await prefill.client.complete(request)
+def _failure(call: asyncio.Future[list[GenerateChunk]]) -> BaseException | None:
+    return call.exception() if call.done() and not call.cancelled() else None
+
+
+def _all_or_first_failure(*calls: asyncio.Future[list[GenerateChunk]]) -> asyncio.Future[None]:
+    """A future done when every call has succeeded or as soon as one fails."""
+    both: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    pending = len(calls)
+
+    def settled(call: asyncio.Future[list[GenerateChunk]]) -> None:
+        nonlocal pending
+        pending -= 1
+        if not both.done() and (pending == 0 or call.cancelled() or call.exception()):
+            both.set_result(None)
+
+    for call in calls:
+        call.add_done_callback(settled)
+    return both
 
 
 async def _relay(
