@@ -128,14 +128,15 @@ class WholeCall:
     def feed(self, data: bytes) -> None:
         if self.done:
             return
-        if self._complete:  # bytes after the response: the connection is not reusable
-            self._drop_connection()
-            return
         self._got_bytes = True
         self._last = self.loop.time()
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
+            if self._complete:  # a whole response, then bytes after it: deliver, do not reuse
+                self._keep_alive = False
+                self._finish()
+                return
             cause = exc.__context__
             self._fail(cause if isinstance(cause, WireError) else WireError(f"bad response: {exc}"))
             return
@@ -161,6 +162,10 @@ class WholeCall:
             self._fail(WireError("the engine closed the connection mid-response"))
 
     # -- parser callbacks ---------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self._complete:  # llhttp would parse a second response into this one's body
+            raise WireError("bytes after the response")
 
     def on_status(self, status: bytes) -> None:
         self._count(len(status))
