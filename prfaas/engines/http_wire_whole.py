@@ -71,6 +71,7 @@ class WholeCall:
         self._parser = httptools.HttpResponseParser(self)
         self._body: list[bytes] = []
         self._head_bytes = 0
+        self._fed = 0  # bytes fed to the parser (all of them head bytes until the head ends)
         self._got_bytes = False
         self._headers_done = False
         self._framed = False  # Content-Length or chunked: the body does not end with the close
@@ -130,6 +131,7 @@ class WholeCall:
             return
         self._got_bytes = True
         self._last = self.loop.time()
+        self._fed += len(data)
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -142,6 +144,9 @@ class WholeCall:
             return
         if self._complete:
             self._finish()
+        elif not self._headers_done and self._fed > MAX_HEAD_BYTES:
+            # httptools buffers a header until it ends, before `on_header` can count it
+            self._fail(WireError("response head too large"))
 
     def lost(self) -> None:
         """The connection closed (EOF or error) before the response was complete."""
