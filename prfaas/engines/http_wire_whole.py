@@ -193,6 +193,9 @@ class WholeCall:
         self._body.append(body)
 
     def on_message_complete(self) -> None:
+        if self._parser.get_status_code() < 200:  # interim (100, 103): the answer follows
+            self._headers_done = self._framed = False
+            return
         self._complete = True
         self._keep_alive = self._parser.should_keep_alive()  # reset once the call returns
 
