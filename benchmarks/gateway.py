@@ -275,7 +275,8 @@ def run_overhead(
         sr_port = free_port()
         argv = [str(python), "-m", "sglang_router.launch_router", "--pd-disaggregation",
                 "--prefill", urls[0], "8998", "--prefill", urls[1], "8999", "--decode", urls[2],
-                "--host", "127.0.0.1", "--port", str(sr_port), "--log-level", "warn"]  # fmt: skip
+                "--host", "127.0.0.1", "--port", str(sr_port), "--log-level", "warn",
+                "--prometheus-port", str(free_port())]  # fmt: skip
         procs.append(_spawn(argv, logs / "sglang-router.log"))
         targets["sglang-router"] = f"http://127.0.0.1:{sr_port}"
     else:

@@ -145,6 +145,24 @@ class _Deltas:
         )
 
 
+def _whole_chunk(obj: dict[str, Any]) -> GenerateChunk:
+    """`_Deltas().chunk(obj)` for a whole (non-streamed) response, with nothing to slice."""
+    if "error" in obj:
+        raise EngineError(f"engine reported an error: {str(obj['error'])[:300]}")
+    meta = obj.get("meta_info") or {}
+    ids = tuple(map(int, obj.get("output_ids") or ()))
+    finish = meta.get("finish_reason")
+    reason = finish.get("type") if isinstance(finish, dict) else finish
+    return GenerateChunk(
+        ids,
+        str(obj.get("text") or ""),
+        int(meta.get("prompt_tokens") or 0),
+        int(meta.get("completion_tokens") or len(ids)),
+        int(meta.get("cached_tokens") or 0),
+        str(reason) if reason is not None else None,
+    )
+
+
 class HttpEngineClient(BaseEngineClient):
     """A client of one SGLang-compatible engine at `base_url` (no trailing slash)."""
 
@@ -248,7 +266,7 @@ class HttpEngineClient(BaseEngineClient):
     def _whole_output(self, resp: WholeResponse) -> list[GenerateChunk]:
         if resp.status != 200:
             raise self._status_error(resp.status, resp.body)
-        return [_Deltas().chunk(self._json(resp.body))]
+        return [_whole_chunk(self._json(resp.body))]
 
     def _status_error(self, status: int, body: bytes) -> EngineError:
         detail = body[:300].decode(errors="replace")

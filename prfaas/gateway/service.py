@@ -32,9 +32,15 @@ SSE_HEADERS = {"Cache-Control": "no-cache"}
 
 @dataclass
 class _Timing:
+    """What one request's metrics record, gathered on the way and booked after the answer."""
+
+    api: Api
     start: float
     route: str = "none"
     status: int = 200
+    prompt_tokens: int | None = None
+    ttft: float | None = None
+    incremental_tokens: int = 0
 
 
 @dataclass
@@ -63,7 +69,7 @@ class CompletionService:
     ) -> HttpResponse | None:
         """Serve one completion request: a whole JSON response, or None once an SSE stream
         was written to `exchange`."""
-        timing = _Timing(self.clock())
+        timing = _Timing(api, self.clock())
         try:
             return await self._handle(request, exchange, api, timing)
         except APIError as exc:
@@ -76,16 +82,26 @@ class CompletionService:
             timing.status = 499  # ... while we were streaming to it
             return None
         finally:
-            self.metrics.requests.inc(api, timing.route, str(timing.status))
-            if timing.status == 200:
-                self.metrics.e2e.observe(self.clock() - timing.start, timing.route)
+            # Booked once the current step has written the answer: off the critical path.
+            asyncio.get_running_loop().call_soon(self._account, timing)
+
+    def _account(self, timing: _Timing) -> None:
+        metrics, route = self.metrics, timing.route
+        metrics.requests.inc(timing.api, route, str(timing.status))
+        if timing.prompt_tokens is not None:
+            metrics.prompt.observe(timing.prompt_tokens)
+        if timing.ttft is not None:
+            metrics.ttft.observe(timing.ttft, route)
+            metrics.incremental.observe(timing.incremental_tokens, route)
+        if timing.status == 200:
+            metrics.e2e.observe(self.clock() - timing.start, route)
 
     async def _handle(
         self, request: HttpRequest, exchange: Exchange, api: Api, timing: _Timing
     ) -> HttpResponse | None:
         self.check_auth(request)
         call = parse_call(load_json(request.body), api, self.limits, self.tokenizer)
-        self.metrics.prompt.observe(len(call.input_ids))
+        timing.prompt_tokens = len(call.input_ids)
         try:
             async with self.admission.slot():
                 return await self._serve(exchange, call, timing)
@@ -132,9 +148,9 @@ class CompletionService:
 
     def _routed(self, decision: RouteDecision, acc: Accumulator, timing: _Timing) -> None:
         timing.route = decision.route
+        timing.ttft = self.clock() - timing.start
+        timing.incremental_tokens = decision.incremental_tokens
         acc.index_cached_tokens = decision.cached_tokens
-        self.metrics.ttft.observe(self.clock() - timing.start, decision.route)
-        self.metrics.incremental.observe(decision.incremental_tokens, decision.route)
 
     async def _sse(
         self,
