@@ -1,9 +1,15 @@
 """Bounded admission: at most `max_running` requests dispatched at once, at most
-`max_queued` waiting for a slot; anything beyond is refused at once (HTTP 429)."""
+`max_queued` waiting for a slot; anything beyond is refused at once (HTTP 429).
+
+Waiters are served first come, first served: a finishing request hands its slot straight to
+the oldest waiter. A free slot with nobody waiting is taken without suspending (the common
+case, on every request's path).
+"""
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 
 
 class QueueFull(RuntimeError):
@@ -18,9 +24,13 @@ class AdmissionManager:
             raise ValueError(f"need max_running >= 1, max_queued >= 0: {max_running}, {max_queued}")
         self.max_running = max_running
         self.max_queued = max_queued
-        self._slots = asyncio.Semaphore(max_running)
         self.running = 0
-        self.waiting = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a slot."""
+        return len(self._waiters)
 
     def slot(self) -> _Slot:
         """`async with manager.slot():` waits for a running slot (mutates the counts).
@@ -31,18 +41,29 @@ class AdmissionManager:
         return _Slot(self)
 
     async def _acquire(self) -> None:
-        if self._slots.locked() and self.waiting >= self.max_queued:
+        if self.running < self.max_running and not self._waiters:
+            self.running += 1
+            return
+        if len(self._waiters) >= self.max_queued:
             raise QueueFull(f"{self.running} running and {self.waiting} queued requests")
-        self.waiting += 1
+        turn = asyncio.get_running_loop().create_future()
+        self._waiters.append(turn)
         try:
-            await self._slots.acquire()
-        finally:
-            self.waiting -= 1
-        self.running += 1
+            await turn  # a finishing request hands over its slot: `running` stays as is
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():
+                self._release()  # handed a slot while being cancelled: pass it on
+            elif turn in self._waiters:  # (a release may have skipped it already)
+                self._waiters.remove(turn)
+            raise
 
     def _release(self) -> None:
+        while self._waiters:
+            turn = self._waiters.popleft()
+            if not turn.done():
+                turn.set_result(None)
+                return
         self.running -= 1
-        self._slots.release()
 
 
 class _Slot:

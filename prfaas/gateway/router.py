@@ -282,48 +282,43 @@ class _PrefillWatch:
 async def _complete_pd(
     prefill: InstanceState, decode: InstanceState, request: GenerateRequest
 ) -> list[GenerateChunk]:
-    """The non-streaming relay: both calls sent back to back, one wake-up when both have
-    answered or the first has failed; a failure aborts the other call. A prefill failure
-    wins (decode only waits for its KV), and a decode that refused the work is marked
-    unhealthy."""
+    """The non-streaming relay: both calls sent back to back, then one wait on the decode
+    call. A prefill that fails first cancels that wait (decode only waits for its KV, and
+    the cancelled call is aborted on the engine) and its error wins; a decode that refused
+    the work is marked unhealthy; a prefill failure after decode finished still fails the
+    request."""
     prefill_call, decode_call = prefill.client.begin(request), decode.client.begin(request)
+    prefill_call.add_done_callback(lambda call: _stop_on_failure(call, decode_call))
     try:
-        await _all_or_first_failure(prefill_call, decode_call)
-    except BaseException:
+        chunks = await decode_call
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        failed = _failure(prefill_call)
+        if failed is None or (task is not None and task.cancelling()):
+            prefill_call.cancel()
+            raise
+        raise _prefill_error(prefill, failed) from None  # it cancelled the decode call
+    except BaseException as exc:
         prefill_call.cancel()
-        decode_call.cancel()
+        if isinstance(exc, EngineError):
+            _mark_refusal(decode, exc)
         raise
-    failed = _failure(prefill_call)
-    if failed is not None:
-        decode_call.cancel()
-        raise _prefill_error(prefill, failed)
-    failed = _failure(decode_call)
-    if failed is not None:
-        prefill_call.cancel()
-        if isinstance(failed, EngineError):
-            _mark_refusal(decode, failed)
-        raise failed
-    return decode_call.result()
+    try:
+        await prefill_call  # done by now as a rule: no suspension
+    except Exception as exc:
+        raise _prefill_error(prefill, exc)  # noqa: B904 - the cause is set inside
+    return chunks
 
 
 def _failure(call: asyncio.Future[list[GenerateChunk]]) -> BaseException | None:
     return call.exception() if call.done() and not call.cancelled() else None
 
 
-def _all_or_first_failure(*calls: asyncio.Future[list[GenerateChunk]]) -> asyncio.Future[None]:
-    """A future done when every call has succeeded or as soon as one fails."""
-    both: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-    pending = len(calls)
-
-    def settled(call: asyncio.Future[list[GenerateChunk]]) -> None:
-        nonlocal pending
-        pending -= 1
-        if not both.done() and (pending == 0 or call.cancelled() or call.exception()):
-            both.set_result(None)
-
-    for call in calls:
-        call.add_done_callback(settled)
-    return both
+def _stop_on_failure(
+    call: asyncio.Future[list[GenerateChunk]], other: asyncio.Future[list[GenerateChunk]]
+) -> None:
+    if _failure(call) is not None:
+        other.cancel()
 
 
 async def _relay(
