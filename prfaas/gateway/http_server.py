@@ -1,13 +1,17 @@
 """The gateway's HTTP/1.1 server: an asyncio protocol over llhttp (`httptools`).
 
-Why not aiohttp's server: on our machines its per-request machinery (request and response
-objects, a task switch, header preparation) costs about 90 us of CPU per request, which
-alone is as much as SGLang's whole Rust router adds; the gateway's added latency is a
-benchmark target. This server does what the gateway's routes need and no more, with the
+Why not aiohttp's server: its per-request machinery (request and response objects, a task
+switch, header preparation) cost about 90 us more CPU per small POST than a bare asyncio
+protocol on our 2-core machines (137-153 vs 43-57 us), and a bare aiohttp proxy making the
+gateway's two engine calls only tied SGLang's Rust router; the gateway's added latency is
+a benchmark target. This server does what the gateway's routes need and no more, with the
 same parser aiohttp uses (llhttp):
 
-- keep-alive and pipelining (responses in request order), HTTP/1.0 and `Connection: close`;
-- request bodies by `Content-Length` or chunked, `Expect: 100-continue`, a body limit (413,
+- keep-alive and pipelining (responses in request order; reading pauses while
+  `MAX_PIPELINED` requests wait), HTTP/1.0 and `Connection: close`; an `Upgrade` request
+  is answered as plain HTTP/1.1, then the connection closes;
+- request bodies by `Content-Length` or chunked, `Expect: 100-continue` (answered when no
+  earlier request is pending), a body limit (413,
   answered as soon as the declared length is known), a head limit (431), malformed requests
   (400) and requests too slow to arrive (408), each answered by `error_response`, then the
   connection is closed;
@@ -85,6 +89,8 @@ ErrorRenderer = Callable[[int, str], HttpResponse]
 
 _REASONS = {s.value: s.phrase for s in HTTPStatus}
 _REASONS[499] = "Client Closed Request"
+MAX_PIPELINED = 16
+"""Queued requests on one connection beyond which reading pauses until they are answered."""
 _FORBIDDEN_HEADERS = frozenset(("content-length", "transfer-encoding", "connection", "date"))
 
 
@@ -160,6 +166,11 @@ class ResponseStream:
         if out:
             self._exchange.conn.send(out)
 
+    @property
+    def started(self) -> bool:
+        """Whether any byte of the response (its head) has gone out."""
+        return self._head is None
+
     def _take_head(self) -> bytes:
         head, self._head = self._head, None
         return head or b""
@@ -226,6 +237,7 @@ class _HttpProtocol(asyncio.Protocol):
         self._paused = False
         self._upgraded = False  # the parser stopped at an Upgrade: serve it, then close
         self._failure: tuple[int, str] | None = None  # answered after the requests before it
+        self._reading_paused = False  # too many pipelined requests queued
         self._new_message()
 
     # -- transport callbacks ----------------------------------------------------------
@@ -300,7 +312,14 @@ class _HttpProtocol(asyncio.Protocol):
         length = self._headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.limits.max_body_bytes:
             raise _BadRequest(413, f"request body over {self.limits.max_body_bytes} bytes")
-        if self._headers.get("expect", "").lower() == "100-continue" and self.transport:
+        if self.parser.should_upgrade():
+            self._upgraded = True  # answered as plain HTTP/1.1 with `Connection: close`
+        if (
+            self._headers.get("expect", "").lower() == "100-continue"
+            and self.parser.get_http_version() == "1.1"
+            and not self.busy  # a pipelined request's 100 would overtake earlier answers
+            and self.transport is not None
+        ):
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
@@ -325,6 +344,9 @@ class _HttpProtocol(asyncio.Protocol):
         if self._task is None:
             self._disarm()
             self._next()
+        elif len(self._pending) >= MAX_PIPELINED and self.transport is not None:
+            self.transport.pause_reading()  # a client pipelining without reading: stop
+            self._reading_paused = True
 
     def _count_head(self, n: int) -> None:
         self._head_bytes += n
@@ -346,6 +368,9 @@ class _HttpProtocol(asyncio.Protocol):
                 self._arm(self.limits.keepalive_timeout_s)
             return
         request, keep_alive = self._pending.popleft()
+        if self._reading_paused and len(self._pending) < MAX_PIPELINED // 2 and self.transport:
+            self._reading_paused = False
+            self.transport.resume_reading()
         exchange = Exchange(self, request, keep_alive and not self._upgraded)
         self._task = self.loop.create_task(self._run(exchange))
 
@@ -362,10 +387,11 @@ class _HttpProtocol(asyncio.Protocol):
                 "unhandled error serving %s %s", exchange.request.method, exchange.request.path
             )
             resp = self.server.error_response(500, "internal error")
-            if exchange.stream is not None:  # too late for a status: cut the response
-                self._task = None
+            if exchange.stream is not None and exchange.stream.started:
+                self._task = None  # too late for a status: cut the response
                 self.close()
                 return
+            exchange.stream = None  # nothing went out yet: answer the 500 instead
         self._task = None
         try:
             if exchange.stream is not None:

@@ -82,6 +82,9 @@ class Probe:
             return _json({"slept": float(args["s"])})
         if request.path == "/raise":
             raise RuntimeError(SECRET)
+        if request.path == "/raise-after-start":  # a stream begun, nothing written yet
+            exchange.start_stream(200, {}, "text/plain")
+            raise RuntimeError(SECRET)
         if request.path == "/badheader":
             headers = {"X-Injected": "a\r\nSet-Cookie: evil=1"}
             if "stream" in args:

@@ -21,7 +21,7 @@ from http_server_helpers import (
     request,
 )
 
-from prfaas.gateway.http_server import HttpLimits, HttpServer
+from prfaas.gateway.http_server import MAX_PIPELINED, HttpLimits, HttpServer
 
 LIMITS = HttpLimits(max_body_bytes=64 * 1024, max_head_bytes=8 * 1024)
 
@@ -414,4 +414,49 @@ async def test_stop_cancels_a_handler_still_running_after_the_grace(served: Serv
     assert served.server.connections == set()
     with pytest.raises(OSError):
         await served.connect()
+    writer.close()
+
+
+async def test_raise_after_starting_a_stream_before_any_write_gets_500(served: Served) -> None:
+    """Nothing of the stream went out yet, so the client still gets a proper 500."""
+    reader, writer = await served.connect()
+    writer.write(request("GET", "/raise-after-start"))
+    resp = await read_response(reader)
+    assert resp.status == 500 and SECRET.encode() not in resp.body
+    writer.close()
+
+
+async def test_upgrade_request_is_answered_then_closed(served: Served) -> None:
+    """An `Upgrade` (h2c) is ignored: plain HTTP/1.1 answer saying `Connection: close`."""
+    reader, writer = await served.connect()
+    upgrade = {"Connection": "Upgrade, HTTP2-Settings", "Upgrade": "h2c", "HTTP2-Settings": "AA"}
+    writer.write(request("GET", "/echo", upgrade))
+    resp = await read_response(reader)
+    assert resp.status == 200 and resp.headers["connection"] == "close"
+    assert await read_eof(reader) == b""
+    writer.close()
+
+
+async def test_no_100_continue_for_a_request_pipelined_behind_another(served: Served) -> None:
+    """A 100 for the second request would overtake the first request's answer."""
+    reader, writer = await served.connect()
+    second = request("POST", "/echo", {"Expect": "100-continue", "Content-Length": "4"})
+    writer.write(request("GET", "/slow?s=0.2&tag=first") + second + b"body")
+    first = await read_response(reader)
+    assert first.status == 200 and first.json() == {"tag": "first"}
+    answer = await read_response(reader)
+    assert answer.status == 200 and answer.json()["body"] == "body"
+    writer.close()
+
+
+async def test_pipelining_past_the_cap_pauses_reading_and_loses_nothing(served: Served) -> None:
+    reader, writer = await served.connect()
+    n = MAX_PIPELINED + 8
+    rest = b"".join(request("GET", f"/slow?s=0&tag={i}") for i in range(1, n))
+    writer.write(request("GET", "/slow?s=0.3&tag=0") + rest)
+    await asyncio.sleep(0.15)  # the first handler still sleeps; the rest are queued
+    (conn,) = served.server.connections
+    assert conn._reading_paused and len(conn._pending) >= MAX_PIPELINED
+    tags = [(await read_response(reader)).json()["tag"] for _ in range(n)]
+    assert tags == [str(i) for i in range(n)]
     writer.close()
