@@ -315,20 +315,24 @@ class WirePool:
     ) -> WireResponse:
         assert conn.transport is not None
         conn.transport.write(request)
+        answered = False  # an interim 1xx head came: the connection was not stale
         while True:
             end = conn.buffer.find(b"\r\n\r\n")
-            if end >= 0:
-                break
-            if len(conn.buffer) > MAX_HEAD_BYTES:
-                raise WireError("response head too large")
-            if conn.closed:
-                if not conn.buffer:
-                    raise _StaleConnection
-                raise WireError("the engine closed the connection mid-head")
-            await conn.wait(deadline, read_s)
-        status, headers = _parse_head(bytes(conn.buffer[:end]))
-        del conn.buffer[: end + 4]
-        return WireResponse(self, conn, status, headers)
+            if end < 0:
+                if len(conn.buffer) > MAX_HEAD_BYTES:
+                    raise WireError("response head too large")
+                if conn.closed:
+                    if not conn.buffer and not answered:
+                        raise _StaleConnection
+                    raise WireError("the engine closed the connection mid-head")
+                await conn.wait(deadline, read_s)
+                continue
+            status, headers = _parse_head(bytes(conn.buffer[:end]))
+            del conn.buffer[: end + 4]
+            if 100 <= status < 200:  # interim (100 Continue, 103 Early Hints): skip it
+                answered = True
+                continue
+            return WireResponse(self, conn, status, headers)
 
     async def _acquire(
         self, loop: asyncio.AbstractEventLoop, connect_s: float
@@ -339,11 +343,13 @@ class WirePool:
         return await self.open(loop, connect_s), False
 
     def take_idle(self) -> _Connection | None:
-        """An idle pooled connection that is still open, if any."""
+        """An idle pooled connection that is still open and silent, if any (one that
+        received bytes while idle would mistake them for its next answer: it is closed)."""
         while self._idle:
             conn = self._idle.pop()
-            if not conn.closed:
+            if not conn.closed and not conn.buffer:
                 return conn
+            conn.close()
         return None
 
     async def open(self, loop: asyncio.AbstractEventLoop, connect_s: float) -> _Connection:

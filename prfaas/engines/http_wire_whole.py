@@ -84,9 +84,6 @@ class WholeCall:
     def start(self) -> None:
         """Send on an idle pooled connection, or open one first."""
         conn = self.pool.take_idle()
-        while conn is not None and conn.buffer:  # bytes came while it sat idle: unusable
-            conn.close()
-            conn = self.pool.take_idle()
         if conn is None:
             self._connect()
         else:

@@ -4,6 +4,7 @@ aiohttp apps for well-formed HTTP, raw asyncio servers for exact bytes on the wi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -180,6 +181,36 @@ async def test_body_until_close_no_content_and_bad_heads() -> None:
             await pool.post("/x", b"{}", **TIMEOUTS)
         with pytest.raises(WireError, match="Content-Length"):
             await pool.post("/x", b"{}", **TIMEOUTS)
+
+
+async def test_interim_1xx_heads_are_skipped_and_idle_bytes_retire_a_connection() -> None:
+    """A 100 Continue / 103 before the answer is not the answer; a pooled connection that
+    received bytes while idle is not reused (they would be read as the next answer)."""
+    connections = 0
+
+    async def reply(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: x\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nstale")  # unasked
+        await writer.drain()
+        with contextlib.suppress(ConnectionError):
+            await _read_request(reader)
+        writer.close()
+
+    server, pool = await _raw_server(reply)
+    async with server:
+        resp = await pool.post("/x", b"{}", **TIMEOUTS)
+        assert resp.status == 200 and await resp.read() == b"ok"
+        await asyncio.sleep(0.2)  # the unasked answer lands on the idle connection
+        resp = await pool.post("/x", b"{}", **TIMEOUTS)
+        assert resp.status == 200 and await resp.read() == b"ok"
+        assert connections == 2
+    pool.close()
 
 
 def test_chunked_decoder_byte_by_byte_with_extensions_and_trailers() -> None:
