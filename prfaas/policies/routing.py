@@ -156,21 +156,6 @@ class RouteDecision:
         d["reason"] = reason
 
 
-_last_g: tuple[object, str] = (object(), "")
-
-
-def _g(value: float) -> str:
-    """`format(value, "g")`, remembered for the last value object (the threshold changes
-    rarely and formatting a float is most of the cost of a decision's reason)."""
-    global _last_g
-    last = _last_g  # one read and one write of a tuple: safe across threads
-    if last[0] is value:
-        return last[1]
-    text = format(value, "g")
-    _last_g = (value, text)
-    return text
-
-
 def pick_instance(candidates: Iterable[InstanceView], total_tokens: int) -> InstanceView:
     """Prefix affinity when an instance caches a large share of the prompt, else least load
     (ties broken by longer prefix, then by id for determinism)."""
@@ -253,7 +238,7 @@ class PrfaasPolicy(BaseRoutingPolicy):
         prefix = max(l_pd, snapshot.cached_in(PRFAAS)) if abundant else l_pd
         uncached, t = snapshot.total_tokens - prefix, snapshot.threshold
         sign = "<=" if uncached <= t else ">"
-        reason = f"{snapshot.regime}: {uncached} uncached {sign} t={_g(t)}"
+        reason = f"{snapshot.regime}: {uncached} uncached {sign} t={t:g}"
         route: Route = PRFAAS if uncached > t else PD
         if route == PRFAAS and not snapshot._pool(PRFAAS, "prefill"):
             route, reason = PD, reason + "; no healthy PrfaaS prefill, fell back to PD"

@@ -1,6 +1,6 @@
 """The per-request routing dataclasses: their hand-written `__init__`s match the dataclass
-fields, a snapshot's remembered answers equal fresh ones, and the PrfaaS reason text (whose
-threshold formatting is remembered) equals the plain f-string."""
+fields, a snapshot's remembered answers equal fresh ones, and the PrfaaS reason text equals
+the plain f-string."""
 
 from __future__ import annotations
 
