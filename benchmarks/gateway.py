@@ -21,6 +21,8 @@ the null server answers instantly: it measures overhead only). What is compared,
 - `sglang-router`: its PD mode with default policies: picks one of the 2 prefill engines,
   forwards the OpenAI body plus bootstrap fields to it and to the decode engine at once,
   waits for both, answers with the decode engine's body.
+The null engines cost about the same CPU per request for either body (the id list is
+checked in C), so the engine side of both paths is alike.
 Added latency = p50/p99 of a target minus the `direct` p50/p99 of the same round (sequential
 requests, interleaved request by request across the targets); max rate = completed requests
 per second with 64 concurrent closed-loop clients, one target after the other. Every round
