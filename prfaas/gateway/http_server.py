@@ -61,17 +61,54 @@ class HttpLimits:
                 raise ValueError(f"{name} must be > 0, got {value}")
 
 
-@dataclass(frozen=True)
 class HttpRequest:
     """One complete request. Header names are lower case; repeated headers are joined
-    with ", "."""
+    with ", ". Read-only by convention (a plain slotted class: built once per request on
+    the hot path, where a frozen dataclass's `__init__` costs several times more)."""
 
-    method: str
-    path: str
-    query: str
-    headers: Mapping[str, str]
-    body: bytes
-    http_version: str = "1.1"
+    __slots__ = ("_headers", "_raw_headers", "body", "http_version", "method", "path", "query")
+
+    def __init__(
+        self,
+        method: str,
+        path: str,
+        query: str,
+        headers: Mapping[str, str],
+        body: bytes,
+        http_version: str = "1.1",
+    ) -> None:
+        self.method, self.path, self.query = method, path, query
+        self.body, self.http_version = body, http_version
+        self._headers: Mapping[str, str] | None = headers
+        self._raw_headers: list[tuple[bytes, bytes]] = []
+
+    @classmethod
+    def _from_wire(
+        cls,
+        method: str,
+        path: str,
+        query: str,
+        raw_headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        http_version: str,
+    ) -> HttpRequest:
+        request = cls(method, path, query, {}, body, http_version)
+        request._headers, request._raw_headers = None, raw_headers
+        return request
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        """The headers, decoded (latin-1) on first use."""
+        if self._headers is None:
+            headers: dict[str, str] = {}
+            for name, value in self._raw_headers:
+                key, text = name.decode("latin-1").lower(), value.decode("latin-1")
+                headers[key] = f"{headers[key]}, {text}" if key in headers else text
+            self._headers = headers
+        return self._headers
+
+    def __repr__(self) -> str:
+        return f"HttpRequest({self.method} {self.path}?{self.query} HTTP/{self.http_version})"
 
 
 @dataclass
@@ -288,7 +325,9 @@ class _HttpProtocol(asyncio.Protocol):
 
     def _new_message(self) -> None:
         self._url = b""
-        self._headers: dict[str, str] = {}
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._length = b""  # Content-Length as sent
+        self._expect = False  # Expect: 100-continue
         self._head_bytes = 0
         self._body: list[bytes] = []
         self._body_bytes = 0
@@ -304,18 +343,20 @@ class _HttpProtocol(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._count_head(len(name) + len(value) + 4)
-        key = name.decode("latin-1").lower()
-        text = value.decode("latin-1")
-        self._headers[key] = f"{self._headers[key]}, {text}" if key in self._headers else text
+        self._headers.append((name, value))  # decoded only if a handler reads them
+        if len(name) == 14 and name.lower() == b"content-length":
+            self._length = value
+        elif len(name) == 6 and name.lower() == b"expect":
+            self._expect = value.strip().lower() == b"100-continue"
 
     def on_headers_complete(self) -> None:
-        length = self._headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.limits.max_body_bytes:
+        length = self._length.strip()
+        if length.isdigit() and int(length) > self.limits.max_body_bytes:
             raise _BadRequest(413, f"request body over {self.limits.max_body_bytes} bytes")
         if self.parser.should_upgrade():
             self._upgraded = True  # answered as plain HTTP/1.1 with `Connection: close`
         if (
-            self._headers.get("expect", "").lower() == "100-continue"
+            self._expect
             and self.parser.get_http_version() == "1.1"
             and not self.busy  # a pipelined request's 100 would overtake earlier answers
             and self.transport is not None
@@ -332,13 +373,13 @@ class _HttpProtocol(asyncio.Protocol):
         parser = self.parser
         url = httptools.parse_url(self._url) if self._url else None
         path = url.path.decode("latin-1") if url and url.path else "/"
-        request = HttpRequest(
-            method=parser.get_method().decode("latin-1"),
-            path=path,
-            query=url.query.decode("latin-1") if url and url.query else "",
-            headers=self._headers,
-            body=b"".join(self._body),
-            http_version=parser.get_http_version(),
+        request = HttpRequest._from_wire(
+            parser.get_method().decode("latin-1"),
+            path,
+            url.query.decode("latin-1") if url and url.query else "",
+            self._headers,
+            b"".join(self._body),
+            parser.get_http_version(),
         )
         self._pending.append((request, parser.should_keep_alive()))
         if self._task is None:
