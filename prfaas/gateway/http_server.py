@@ -245,6 +245,8 @@ class Exchange:
         lines.append(b"Content-Length: %d\r\n" % len(resp.body))
         if not self.keep_alive:
             lines.append(b"Connection: close\r\n")
+        elif self.request.http_version == "1.0":
+            lines.append(b"Connection: keep-alive\r\n")  # HTTP/1.0 closes unless told
         lines.append(b"\r\n")
         if self.request.method != "HEAD":
             lines.append(resp.body)
@@ -275,6 +277,7 @@ class _HttpProtocol(asyncio.Protocol):
         self._upgraded = False  # the parser stopped at an Upgrade: serve it, then close
         self._failure: tuple[int, str] | None = None  # answered after the requests before it
         self._reading_paused = False  # too many pipelined requests queued
+        self._open_part: str | None = None  # "head" or "body" of an incomplete message
         self._new_message()
 
     # -- transport callbacks ----------------------------------------------------------
@@ -296,10 +299,14 @@ class _HttpProtocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._upgraded or self._failure is not None or self.closed:
             return
+        was_open = self._open_part is not None
         try:
             self.parser.feed_data(data)
+            self._bound_partial(len(data) if was_open else 0)
         except httptools.HttpParserUpgrade:
             self._upgraded = True  # served as plain HTTP/1.1, then the connection closes
+        except _BadRequest as exc:  # from _bound_partial
+            self._fail(exc.status, str(exc))
         except httptools.HttpParserError as exc:
             cause = exc.__context__  # a callback's own error (HttpParserCallbackError)
             if isinstance(cause, _BadRequest):
@@ -308,6 +315,21 @@ class _HttpProtocol(asyncio.Protocol):
                 if cause is not None:
                     logger.error("HTTP parser callback failed", exc_info=cause)
                 self._fail(400, f"malformed HTTP request: {exc}")
+
+    def _bound_partial(self, fed: int) -> None:
+        """Bound a message still incomplete after this read. llhttp buffers a header line,
+        or a chunked body's trailer, until it ends, and calls back only then: without this,
+        a line that never ends would grow in memory (and cost quadratic copying) until the
+        request timeout. The read in which the message began is not counted (part of it
+        may belong to earlier messages), so the bound is the limit plus one read."""
+        part = self._open_part
+        if part is None:
+            return
+        self._partial_bytes += fed
+        if part == "head" and self._partial_bytes > self.limits.max_head_bytes:
+            raise _BadRequest(431, f"request head over {self.limits.max_head_bytes} bytes")
+        if self._partial_bytes > self.limits.max_head_bytes + self.limits.max_body_bytes:
+            raise _BadRequest(413, f"request body over {self.limits.max_body_bytes} bytes")
 
     def eof_received(self) -> bool:
         # The client closed its side: treat it as gone (as aiohttp does), so its handler is
@@ -331,9 +353,12 @@ class _HttpProtocol(asyncio.Protocol):
         self._head_bytes = 0
         self._body: list[bytes] = []
         self._body_bytes = 0
+        self._framed_body = False  # Transfer-Encoding present (a body, maybe chunked)
+        self._partial_bytes = 0  # bytes read since this message began (see _bound_partial)
 
     def on_message_begin(self) -> None:
         self._new_message()
+        self._open_part = "head"
         if self._task is None and not self._pending:
             self._arm(self.limits.request_timeout_s, 408)
 
@@ -348,12 +373,19 @@ class _HttpProtocol(asyncio.Protocol):
             self._length = value
         elif len(name) == 6 and name.lower() == b"expect":
             self._expect = value.strip().lower() == b"100-continue"
+        elif len(name) == 17 and name.lower() == b"transfer-encoding":
+            self._framed_body = True
 
     def on_headers_complete(self) -> None:
+        self._open_part = "body"
         length = self._length.strip()
         if length.isdigit() and int(length) > self.limits.max_body_bytes:
             raise _BadRequest(413, f"request body over {self.limits.max_body_bytes} bytes")
         if self.parser.should_upgrade():
+            if self._framed_body or (length.isdigit() and int(length) > 0):
+                # llhttp hands an upgrading request's body to the new protocol, not to us:
+                # serving it without its body would be wrong, so refuse it.
+                raise _BadRequest(400, "an Upgrade request with a body is not supported")
             self._upgraded = True  # answered as plain HTTP/1.1 with `Connection: close`
         if (
             self._expect
@@ -370,8 +402,12 @@ class _HttpProtocol(asyncio.Protocol):
         self._body.append(body)
 
     def on_message_complete(self) -> None:
+        self._open_part = None
         parser = self.parser
-        url = httptools.parse_url(self._url) if self._url else None
+        try:
+            url = httptools.parse_url(self._url) if self._url else None
+        except httptools.HttpParserInvalidURLError:
+            raise _BadRequest(400, "unsupported request target") from None
         path = url.path.decode("latin-1") if url and url.path else "/"
         request = HttpRequest._from_wire(
             parser.get_method().decode("latin-1"),
@@ -434,11 +470,14 @@ class _HttpProtocol(asyncio.Protocol):
                 return
             exchange.stream = None  # nothing went out yet: answer the 500 instead
         self._task = None
+        if self.server.stopping:
+            exchange.keep_alive = False  # tell the client not to reuse the connection
         try:
             if exchange.stream is not None:
                 await exchange.stream.end()
             else:
                 self.send(self._whole(exchange, resp))
+            await self.drain()  # a client that does not read gets no further answers
         except ConnectionError:
             self.close()  # the client left while we answered
             return
@@ -539,6 +578,7 @@ class HttpServer:
         self.error_response = error_response
         self.limits = limits or HttpLimits()
         self.connections: set[_HttpProtocol] = set()
+        self.stopping = False  # answers say `Connection: close` from now on
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self, host: str, port: int) -> int:
@@ -552,6 +592,7 @@ class HttpServer:
     async def stop(self, grace_s: float = 2.0) -> None:
         """Stop listening; close idle connections now and busy ones once their requests
         finish or `grace_s` passes (then their handlers are cancelled)."""
+        self.stopping = True
         if self._server is not None:
             self._server.close()
         loop = asyncio.get_running_loop()

@@ -93,6 +93,8 @@ class Probe:
                 await stream.end()
                 return None
             return HttpResponse(body=b"{}", headers=headers)
+        if request.path == "/bigwhole":  # a whole (not streamed) answer of `kb` KiB
+            return HttpResponse(body=b"w" * (1024 * int(args["kb"])))
         if request.path == "/big":
             await self._big(exchange, int(args["pieces"]))
             return None

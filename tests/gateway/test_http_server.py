@@ -4,6 +4,7 @@ sockets: raw bytes for protocol details, aiohttp's client for ordinary use."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from collections.abc import AsyncIterator
 
@@ -398,6 +399,7 @@ async def test_stop_lets_a_request_in_flight_finish(served: Served) -> None:
     resp = await read_response(reader)
     assert resp.status == 200
     assert resp.json() == {"slept": 0.3}
+    assert resp.headers["connection"] == "close"  # answered while stopping: do not reuse
     await asyncio.wait_for(stopping, 2)
     assert not served.probe.sleep_cancelled.is_set()
     assert await read_eof(reader) == b""  # closed once its request was answered
@@ -459,4 +461,72 @@ async def test_pipelining_past_the_cap_pauses_reading_and_loses_nothing(served: 
     assert conn._reading_paused and len(conn._pending) >= MAX_PIPELINED
     tags = [(await read_response(reader)).json()["tag"] for _ in range(n)]
     assert tags == [str(i) for i in range(n)]
+    writer.close()
+
+
+async def test_a_header_line_that_never_ends_is_431_not_buffered(served: Served) -> None:
+    """llhttp reports a header only once its line ends; an endless line must still hit the
+    head limit (not grow in memory until the request timeout)."""
+    reader, writer = await served.connect()
+    writer.write(b"GET /echo HTTP/1.1\r\nHost: t\r\nX-Endless: ")
+    head = b""
+    for _ in range(64):  # 4 KiB at a time, never a line end; the limit here is 8 KiB
+        writer.write(b"a" * 4096)
+        await writer.drain()
+        with contextlib.suppress(TimeoutError):
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 0.02)
+            break  # answered: stop sending (the server hangs up next)
+    assert head.startswith(b"HTTP/1.1 431 ")
+    writer.close()
+
+
+async def test_pipelined_answers_wait_for_a_client_that_does_not_read(served: Served) -> None:
+    """Whole answers honour write back-pressure: a client pipelining requests for large
+    answers without reading stops getting handlers run (the write buffer stays bounded);
+    once it reads, every answer arrives, in order."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+    sock.connect(("127.0.0.1", served.port))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    n = 60
+    writer.write(b"".join(request("GET", f"/bigwhole?kb=512&i={i}") for i in range(n)))
+    await asyncio.sleep(0.5)
+    (conn,) = served.server.connections
+    assert conn.transport is not None
+    assert conn.transport.get_write_buffer_size() <= 2 * 1024 * 1024
+    assert len(served.probe.calls) < n  # the rest wait for the client to read
+    for _ in range(n):
+        resp = await read_response(reader)
+        assert resp.status == 200 and len(resp.body) == 512 * 1024
+    writer.close()
+
+
+async def test_upgrade_request_with_a_body_is_400(served: Served) -> None:
+    """llhttp would hand the body to the upgraded protocol: refuse rather than serve the
+    request without it."""
+    reader, writer = await served.connect()
+    upgrade = {"Connection": "Upgrade", "Upgrade": "h2c"}
+    writer.write(request("POST", "/echo", upgrade, body=b'{"prompt": "hello"}'))
+    resp = await read_response(reader)
+    assert resp.status == 400
+    writer.close()
+
+
+async def test_unparsable_request_target_is_400_without_an_error_log(
+    served: Served, caplog: pytest.LogCaptureFixture
+) -> None:
+    reader, writer = await served.connect()
+    writer.write(b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n")
+    resp = await read_response(reader)
+    assert resp.status == 400
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+    writer.close()
+
+
+async def test_http10_keep_alive_is_acknowledged_and_kept(served: Served) -> None:
+    reader, writer = await served.connect()
+    for _ in range(2):
+        writer.write(request("GET", "/echo", {"Connection": "keep-alive"}, version="1.0"))
+        resp = await read_response(reader)
+        assert resp.status == 200 and resp.headers["connection"] == "keep-alive"
     writer.close()
