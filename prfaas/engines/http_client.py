@@ -224,8 +224,9 @@ class HttpEngineClient(BaseEngineClient):
     def begin(self, request: GenerateRequest) -> asyncio.Future[list[GenerateChunk]]:
         """Send a non-streaming `/generate` now; the future gets the output or the
         `EngineError`. The connection's protocol reads the response (no task, no read
-        loop): the gateway's hot path. Cancelling the future drops the connection and, if
-        the engine had not answered yet, posts `/abort_request`."""
+        loop): the gateway's hot path. As with `generate`, `/abort_request` is posted when
+        the engine may still be working on it: the future is cancelled before the answer,
+        or the call failed after it was sent (timeout, cut-off response)."""
         if request.stream:
             return super().begin(request)
         out: asyncio.Future[list[GenerateChunk]] = asyncio.get_running_loop().create_future()
@@ -238,12 +239,19 @@ class HttpEngineClient(BaseEngineClient):
                     out.set_result(self._whole_output(outcome))
                 except EngineError as exc:
                     out.set_exception(exc)
-            else:
-                error = self._unreachable(outcome) if isinstance(outcome, ConnectFailed) else (
-                    self._failed(outcome)
-                )  # fmt: skip
+                except Exception as exc:  # an answer of the wrong shape (bad ids, counts)
+                    error = EngineError(f"{self.instance_id}: bad /generate answer: {exc!r}")
+                    error.__cause__ = exc
+                    out.set_exception(error)
+            elif isinstance(outcome, ConnectFailed):
+                error = self._unreachable(outcome)
                 error.__cause__ = outcome
                 out.set_exception(error)
+            else:
+                error = self._failed(outcome)
+                error.__cause__ = outcome
+                out.set_exception(error)
+                self._abort_later(request.rid)  # it may still be computing the request
 
         cfg = self._config
         call = post_whole(

@@ -1,4 +1,4 @@
-"""The request path, independent of aiohttp: hash, look up, decide, dispatch, relay.
+"""The request path, independent of HTTP: hash, look up, decide, dispatch, relay.
 
 `Router` is driven by the HTTP app in production and by the simulator on a virtual clock,
 so it reads time only through the running loop and does no I/O of its own beyond the engine
@@ -299,6 +299,9 @@ async def _complete_pd(
             raise
         raise _prefill_error(prefill, failed) from None  # it cancelled the decode call
     except BaseException as exc:
+        failed = _failure(prefill_call)
+        if failed is not None and isinstance(exc, Exception):  # both failed: prefill's wins
+            raise _prefill_error(prefill, failed) from None
         prefill_call.cancel()
         if isinstance(exc, EngineError):
             _mark_refusal(decode, exc)
