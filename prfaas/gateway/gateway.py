@@ -1,7 +1,7 @@
 """Assembly of one gateway from a deployment config: registry, KV index, router, feeds.
 
 `Gateway` owns every long-lived part of the request path and their background tasks;
-`start`/`stop` bracket them (the aiohttp app calls both from its cleanup context).
+`start`/`stop` bracket them (`GatewayApp` calls both around serving).
 """
 
 from __future__ import annotations
