@@ -127,6 +127,8 @@ ErrorRenderer = Callable[[int, str], HttpResponse]
 _REASONS = {s.value: s.phrase for s in HTTPStatus}
 _REASONS[499] = "Client Closed Request"
 MAX_PIPELINED = 16
+LINGER_S = 2.0
+"""After an error answer, how long input is still read (and dropped) before closing."""
 """Queued requests on one connection beyond which reading pauses until they are answered."""
 _FORBIDDEN_HEADERS = frozenset(("content-length", "transfer-encoding", "connection", "date"))
 
@@ -278,6 +280,7 @@ class _HttpProtocol(asyncio.Protocol):
         self._failure: tuple[int, str] | None = None  # answered after the requests before it
         self._reading_paused = False  # too many pipelined requests queued
         self._open_part: str | None = None  # "head" or "body" of an incomplete message
+        self._lingering = False  # answered an error: dropping input until the client leaves
         self._new_message()
 
     # -- transport callbacks ----------------------------------------------------------
@@ -297,7 +300,7 @@ class _HttpProtocol(asyncio.Protocol):
         self._wake_drain()
 
     def data_received(self, data: bytes) -> None:
-        if self._upgraded or self._failure is not None or self.closed:
+        if self._upgraded or self._failure is not None or self.closed or self._lingering:
             return
         was_open = self._open_part is not None
         try:
@@ -529,12 +532,31 @@ class _HttpProtocol(asyncio.Protocol):
         if self._task is not None or self._pending:
             self._failure = (status, message)  # _next() answers it once they are answered
             return
-        if not self.closed:
-            resp = self.server.error_response(status, message)
-            request = HttpRequest("GET", "/", "", {}, b"")
-            with contextlib.suppress(ConnectionError):
-                self.send(Exchange(self, request, keep_alive=False).whole(resp))
-        self.close()
+        if self.closed:
+            return
+        resp = self.server.error_response(status, message)
+        request = HttpRequest("GET", "/", "", {}, b"")
+        with contextlib.suppress(ConnectionError):
+            self.send(Exchange(self, request, keep_alive=False).whole(resp))
+        self._linger_close()
+
+    def _linger_close(self) -> None:
+        """Half-close after an error answer and drop what the client still sends, for up to
+        `LINGER_S`: closing outright would reset a connection the client is still
+        uploading to (a body over the limit), and it would see the reset, not the answer."""
+        transport = self.transport
+        if transport is None or not transport.can_write_eof():
+            self.close()
+            return
+        self._lingering = True
+        if self._reading_paused:
+            transport.resume_reading()
+        try:
+            transport.write_eof()  # after the answer: the client reads it, then EOF
+        except OSError:
+            self.close()
+            return
+        self._arm(LINGER_S)
 
     def close(self) -> None:
         self._disarm()

@@ -530,3 +530,18 @@ async def test_http10_keep_alive_is_acknowledged_and_kept(served: Served) -> Non
         resp = await read_response(reader)
         assert resp.status == 200 and resp.headers["connection"] == "keep-alive"
     writer.close()
+
+
+async def test_client_still_uploading_gets_the_413_not_a_reset(served: Served) -> None:
+    """The body goes on arriving after the 413: the server half-closes and drops it, so the
+    client finishes sending and then reads the answer (an outright close would reset)."""
+    reader, writer = await served.connect()
+    piece, pieces = b"x" * (256 * 1024), 64  # 16 MiB against a 64 KiB limit
+    writer.write(request("POST", "/echo", {"Content-Length": str(len(piece) * pieces)}))
+    for _ in range(pieces):
+        writer.write(piece)
+        await writer.drain()  # all of it accepted: nothing was reset
+    resp = await read_response(reader)
+    assert resp.status == 413
+    assert await read_eof(reader) == b""
+    writer.close()
