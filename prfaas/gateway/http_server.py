@@ -13,8 +13,8 @@ same parser aiohttp uses (llhttp):
 - request bodies by `Content-Length` or chunked, `Expect: 100-continue` (answered when no
   earlier request is pending), a body limit (413,
   answered as soon as the declared length is known), a head limit (431), malformed requests
-  (400) and requests too slow to arrive (408), each answered by `error_response`, then the
-  connection is closed;
+  (400) and requests too slow to arrive (408), each answered by `error_response`; then the
+  connection half-closes, drops what the client still sends for `LINGER_S`, and closes;
 - whole responses in one write; streamed responses with chunked encoding and write
   back-pressure; `HEAD` answered without a body;
 - one task per request: a client that disconnects cancels its handler (so the gateway
