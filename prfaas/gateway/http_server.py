@@ -157,6 +157,8 @@ def _head(status: int, content_type: str | None, headers: Mapping[str, str]) -> 
         b"Date: " + _DATE.get() + b"\r\n",
     ]
     if content_type is not None:
+        if "\r" in content_type or "\n" in content_type:
+            raise ValueError("the content type contains a line break")
         lines.append(b"Content-Type: " + content_type.encode("latin-1") + b"\r\n")
     for name, value in headers.items():
         if "\r" in value or "\n" in value or "\r" in name or "\n" in name:

@@ -92,6 +92,8 @@ class Probe:
                 await stream.write(b"never")
                 await stream.end()
                 return None
+            if "ctype" in args:
+                return HttpResponse(body=b"{}", content_type="text/plain\r\nSet-Cookie: evil=1")
             return HttpResponse(body=b"{}", headers=headers)
         if request.path == "/bigwhole":  # a whole (not streamed) answer of `kb` KiB
             return HttpResponse(body=b"w" * (1024 * int(args["kb"])))

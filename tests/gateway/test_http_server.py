@@ -290,7 +290,7 @@ async def test_streamed_response_to_http10_ends_with_the_connection(served: Serv
 
 
 async def test_crlf_in_a_response_header_is_refused_with_500(served: Served) -> None:
-    for target in ("/badheader", "/badheader?stream=1"):
+    for target in ("/badheader", "/badheader?stream=1", "/badheader?ctype=1"):
         reader, writer = await served.connect()
         writer.write(request("GET", target))
         resp = await read_response(reader)
