@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
@@ -119,34 +119,8 @@ def _parse_load(load: Any) -> EngineStats:
     )
 
 
-class _Deltas:
-    """Turns SGLang's cumulative stream objects into `GenerateChunk` deltas."""
-
-    def __init__(self) -> None:
-        self.text_len = 0
-        self.ids_len = 0
-
-    def chunk(self, obj: dict[str, Any]) -> GenerateChunk:
-        if "error" in obj:
-            raise EngineError(f"engine reported an error: {str(obj['error'])[:300]}")
-        meta = obj.get("meta_info") or {}
-        text, ids = str(obj.get("text") or ""), list(obj.get("output_ids") or [])
-        delta_text, delta_ids = text[self.text_len :], ids[self.ids_len :]
-        self.text_len, self.ids_len = max(self.text_len, len(text)), max(self.ids_len, len(ids))
-        finish = meta.get("finish_reason")
-        reason = finish.get("type") if isinstance(finish, dict) else finish
-        return GenerateChunk(
-            token_ids=tuple(map(int, delta_ids)),
-            text=delta_text,
-            prompt_tokens=int(meta.get("prompt_tokens") or 0),
-            completion_tokens=int(meta.get("completion_tokens") or len(ids)),
-            cached_tokens=int(meta.get("cached_tokens") or 0),
-            finish_reason=str(reason) if reason is not None else None,
-        )
-
-
 def _whole_chunk(obj: dict[str, Any]) -> GenerateChunk:
-    """`_Deltas().chunk(obj)` for a whole (non-streamed) response, with nothing to slice."""
+    """One SGLang `/generate` answer object as a chunk: all of its text and ids."""
     if "error" in obj:
         raise EngineError(f"engine reported an error: {str(obj['error'])[:300]}")
     meta = obj.get("meta_info") or {}
@@ -161,6 +135,21 @@ def _whole_chunk(obj: dict[str, Any]) -> GenerateChunk:
         int(meta.get("cached_tokens") or 0),
         str(reason) if reason is not None else None,
     )
+
+
+class _Deltas:
+    """Turns SGLang's cumulative stream objects into `GenerateChunk` deltas."""
+
+    def __init__(self) -> None:
+        self.text_len = 0
+        self.ids_len = 0
+
+    def chunk(self, obj: dict[str, Any]) -> GenerateChunk:
+        whole = _whole_chunk(obj)
+        text_len, ids_len = self.text_len, self.ids_len
+        self.text_len = max(text_len, len(whole.text))
+        self.ids_len = max(ids_len, len(whole.token_ids))
+        return replace(whole, token_ids=whole.token_ids[ids_len:], text=whole.text[text_len:])
 
 
 class HttpEngineClient(BaseEngineClient):
@@ -196,7 +185,7 @@ class HttpEngineClient(BaseEngineClient):
             refused = resp.status != 200
             await self._check_status(resp)
             if not request.stream:  # one piece: no line splitting, no inner generator
-                chunk = _Deltas().chunk(self._json(await resp.read()))
+                chunk = _whole_chunk(self._json(await resp.read()))
                 finished = chunk.finish_reason is not None
                 yield chunk
                 return
