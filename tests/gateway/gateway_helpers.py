@@ -4,10 +4,12 @@ for engines only where the test is about the gateway, not about model output).""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+import orjson
 from aiohttp import web
 
 from prfaas.engines.null import NullServer
@@ -51,3 +53,33 @@ def deployment(
     )  # fmt: skip
     gw = replace(GatewayConfig(threshold=100, health_interval_s=0.2), **gateway)
     return DeploymentConfig(ModelConfig(name="tiny", block_size=BLOCK), gw, instances)
+
+
+class RecordingEngine(ABC):
+    """A small real `/generate` engine for relay tests: records each rid it started, saw
+    dropped (handler cancelled) and got an `/abort_request` for. Subclasses write
+    `generate`."""
+
+    def __init__(self) -> None:
+        self.started: list[str] = []
+        self.dropped: list[str] = []
+        self.aborted: list[str] = []
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/generate", self.generate)
+        app.router.add_post("/abort_request", self.abort)
+        app.router.add_get("/health", _health)
+        return app
+
+    @abstractmethod
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        """Answer `/generate`, appending to `started` and `dropped`."""
+
+    async def abort(self, request: web.Request) -> web.Response:
+        self.aborted.append(orjson.loads(await request.read())["rid"])
+        return web.json_response({})
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})

@@ -10,23 +10,11 @@ import asyncio
 import aiohttp
 import orjson
 from aiohttp import web
-from gateway_helpers import GatewayFactory, deployment, start_app
+from gateway_helpers import GatewayFactory, RecordingEngine, deployment, start_app
 
 
-class SlowEngine:
+class SlowEngine(RecordingEngine):
     """Streams a token every 50 ms for 200 tokens; records dropped and aborted rids."""
-
-    def __init__(self) -> None:
-        self.started: list[str] = []
-        self.dropped: list[str] = []
-        self.aborted: list[str] = []
-
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_post("/generate", self.generate)
-        app.router.add_post("/abort_request", self.abort)
-        app.router.add_get("/health", _ok)
-        return app
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = orjson.loads(await request.read())
@@ -44,14 +32,6 @@ class SlowEngine:
             self.dropped.append(rid)
             raise
         return resp
-
-    async def abort(self, request: web.Request) -> web.Response:
-        self.aborted.append(orjson.loads(await request.read())["rid"])
-        return web.json_response({})
-
-
-async def _ok(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
 
 
 async def test_client_disconnect_aborts_prefill_and_decode(gateway_factory: GatewayFactory) -> None:

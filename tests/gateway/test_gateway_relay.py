@@ -10,25 +10,16 @@ import aiohttp
 import orjson
 import pytest
 from aiohttp import web
-from gateway_helpers import GatewayFactory, deployment, start_app
+from gateway_helpers import GatewayFactory, RecordingEngine, deployment, start_app
 
 
-class Engine:
+class Engine(RecordingEngine):
     """`/generate` waits `delay_s` (decode: for KV), then answers `status`; records each
     rid it started, saw dropped, or got an `/abort_request` for."""
 
     def __init__(self, delay_s: float, status: int = 200) -> None:
+        super().__init__()
         self.delay_s, self.status = delay_s, status
-        self.started: list[str] = []
-        self.dropped: list[str] = []
-        self.aborted: list[str] = []
-
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_post("/generate", self.generate)
-        app.router.add_post("/abort_request", self.abort)
-        app.router.add_get("/health", _ok)
-        return app
 
     async def generate(self, request: web.Request) -> web.Response:
         rid = orjson.loads(await request.read())["rid"]
@@ -42,14 +33,6 @@ class Engine:
             return web.json_response({"error": {"message": "KV hand-off failed"}}, status=500)
         meta = {"prompt_tokens": 2, "completion_tokens": 1, "finish_reason": {"type": "length"}}
         return web.json_response({"text": "a", "output_ids": [97], "meta_info": meta})
-
-    async def abort(self, request: web.Request) -> web.Response:
-        self.aborted.append(orjson.loads(await request.read())["rid"])
-        return web.json_response({})
-
-
-async def _ok(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
 
 
 async def _gateway(
