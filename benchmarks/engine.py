@@ -23,12 +23,12 @@ import orjson
 import torch
 
 from prfaas.common.tokenizer import ByteTokenizer
-from prfaas.engines.reference.config import EngineConfig
-from prfaas.engines.reference.core import EngineCore
-from prfaas.engines.reference.presets import load_model, resolve
-from prfaas.engines.reference.request import Request, TokenEvent
-from prfaas.engines.reference.runner import ModelRunner
-from prfaas.engines.reference.sampling import SamplingParams
+from prfaas.engines.reference.engine_config import EngineConfig
+from prfaas.engines.reference.model.presets import load_model, resolve
+from prfaas.engines.reference.model.runner import ModelRunner
+from prfaas.engines.reference.step.core import EngineCore
+from prfaas.engines.reference.step.request import Request, TokenEvent
+from prfaas.engines.reference.step.sampling import SamplingParams
 
 
 def prompt(seed: int, n: int) -> list[int]:

@@ -57,11 +57,11 @@ import orjson
 from prfaas.common.hashing import hash_blocks
 from prfaas.common.kv_events import BlockStored
 from prfaas.common.tokenizer import ByteTokenizer
-from prfaas.gateway.engine_procs import free_port
+from prfaas.gateway.instances import InstanceManager, InstanceState
 from prfaas.gateway.kv_index import KVIndexManager
-from prfaas.gateway.openai_request import load_json, parse_sampling
-from prfaas.gateway.registry import InstanceManager, InstanceState
 from prfaas.policies.routing import PrfaasPolicy, RoutingSnapshot
+from prfaas.protocol.openai_request import load_json, parse_sampling
+from prfaas.serve.processes import free_port
 
 BLOCK = 64
 SGLANG_VENV = Path(os.environ.get("PRFAAS_SGLANG_ROUTER_VENV", "/tmp/sglang-router-venv"))
@@ -277,7 +277,7 @@ def run_overhead(
     logs = Path(tempfile.mkdtemp(prefix="prfaas-bench-gw-"))
     ports = [free_port() for _ in range(3)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
-    null = [sys.executable, "-m", "prfaas.engines.null", "--port"]
+    null = [sys.executable, "-m", "prfaas.testing.null_server", "--port"]
     procs = [_spawn([*null, str(p)], logs / f"null{p}.log") for p in ports]
     gw_port = free_port()
     config = _gateway_config(logs / "deploy.toml", urls)

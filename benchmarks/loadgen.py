@@ -1,6 +1,6 @@
 """Benchmark: the load generator's own capacity and its overhead on TTFT.
 
-Against the null server (`python -m prfaas.engines.null`, its own process; it runs no model):
+Against the null server (`python -m prfaas.testing.null_server`, its own process; it runs no model):
 1. throughput: tiny requests (8-32 prompt tokens, 2 output tokens), closed loop at
    concurrency 64 and open loop (Poisson) at 600 req/s; target >= 500 req/s sustained.
 2. TTFT overhead: the server sleeps a known 20 ms before the first token. The load
@@ -33,7 +33,7 @@ from rich.console import Console
 from rich.table import Table
 
 from prfaas.loadgen.arrivals import Arrivals, ClosedLoop, RateArrivals
-from prfaas.loadgen.plan import BenchPlan, NoProgress
+from prfaas.loadgen.spec import BenchSpec, NoProgress
 from prfaas.loadgen.targets import HttpOptions, HttpRunner
 from prfaas.loadgen.workloads import WorkloadOptions, create_workload
 from prfaas.loadgen.workloads.lengths import LogNormalLengths
@@ -50,7 +50,7 @@ def null_server(first_token_delay: float) -> Iterator[str]:
     cmd = [
         sys.executable,
         "-m",
-        "prfaas.engines.null",
+        "prfaas.testing.null_server",
         "--port",
         "0",
         "--first-token-delay",
@@ -67,7 +67,7 @@ def null_server(first_token_delay: float) -> Iterator[str]:
 
 async def loadgen_run(url: str, arrivals: Arrivals, n: int, seed: int) -> dict[str, float]:
     """One load-generator run; req/s, TTFT median, and send lag behind the schedule."""
-    plan = BenchPlan(create_workload("lognormal", TINY), arrivals, num_requests=n, seed=seed)
+    plan = BenchSpec(create_workload("lognormal", TINY), arrivals, num_requests=n, seed=seed)
     result = await HttpRunner(url, HttpOptions(model="null")).run(plan, NoProgress())
     ok = [r for r in result.records if r.ok]
     lags = [r.start_s - r.scheduled_s for r in result.records]

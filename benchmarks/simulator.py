@@ -20,12 +20,12 @@ from typing import Any
 import orjson
 
 from prfaas.loadgen.arrivals import RateArrivals
-from prfaas.loadgen.sim_config import SimOptions, deployments
-from prfaas.loadgen.sim_runner import SimPlan, simulate
 from prfaas.loadgen.workloads import WorkloadOptions, create_workload
 from prfaas.loadgen.workloads.lengths import LogNormalLengths
 from prfaas.policies.planner import plan
 from prfaas.policies.profile import DeploymentProfile, load_profile
+from prfaas.sim.deployments import SimOptions, deployments
+from prfaas.sim.runner import SimSpec, simulate
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "prfaas/examples/paper_case_study.toml"
 TARGET_WALL_S = 60.0
@@ -41,7 +41,7 @@ def _workload(profile: DeploymentProfile) -> Any:
 def _one_run(profile: DeploymentProfile, rate: float, duration: float, seed: int) -> dict[str, Any]:
     options = SimOptions()
     deployment = deployments(profile, plan(profile), options)["prfaas_pd"]
-    sim_plan = SimPlan(deployment, _workload(profile), RateArrivals(rate), duration, seed=seed)
+    sim_plan = SimSpec(deployment, _workload(profile), RateArrivals(rate), duration, seed=seed)
     cpu = time.process_time()
     result = simulate(profile, sim_plan, options)
     m = result.metrics

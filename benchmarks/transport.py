@@ -266,7 +266,7 @@ class ReferencePrefill:
         import torch
         from transformers import AutoModelForCausalLM, Qwen3NextConfig
 
-        from prfaas.engines.reference.runner import ModelRunner
+        from prfaas.engines.reference.model.runner import ModelRunner
 
         torch.set_num_threads(1)
         torch.manual_seed(0)
@@ -285,8 +285,8 @@ class ReferencePrefill:
         self.run(lambda *message: self.messages.append(message))
 
     def run(self, on_layer: OnLayer | None = None) -> None:
-        from prfaas.engines.reference.hybrid_cache import HybridCache, SeqState
-        from prfaas.engines.reference.runner import FULL
+        from prfaas.engines.reference.model.hybrid_cache import HybridCache, SeqState
+        from prfaas.engines.reference.model.runner import FULL
 
         def listener(idx: int, kind: str, cache: Any) -> None:
             if on_layer is None:

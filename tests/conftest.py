@@ -1,10 +1,17 @@
-"""Project-wide fixtures: where the repo and the read-only shared data live."""
+"""Project-wide fixtures: where the repo and the read-only shared data live, and the null
+server (in process and as its own process)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from aiohttp_helpers import start_app
+
+from prfaas.testing.null_server import NullConfig, NullServer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
@@ -30,3 +37,29 @@ def case_study_path() -> Path:
     """The paper's case-study profile, read from the shared folder beside the repo."""
     assert CASE_STUDY.is_file(), f"shared data missing: {CASE_STUDY}"
     return CASE_STUDY
+
+
+@pytest.fixture
+async def null_url() -> AsyncIterator[str]:
+    """Base URL of an in-process null server on loopback (block size 4 for cache checks)."""
+    runner, url = await start_app(NullServer(NullConfig(block_size=4)).app())
+    yield url
+    await runner.cleanup()
+
+
+@pytest.fixture
+def null_process() -> Iterator[str]:
+    """Base URL of `python -m prfaas.testing.null_server` in its own process."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prfaas.testing.null_server", "--port", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert "listening on" in line, line
+        yield line.split()[-1]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

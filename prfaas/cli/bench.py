@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from prfaas.loadgen.arrivals import Arrivals
-    from prfaas.loadgen.plan import BenchPlan, RunResult
-    from prfaas.loadgen.summary import Slo
+    from prfaas.loadgen.spec import BenchSpec, RunResult
+    from prfaas.loadgen.stats import Slo
     from prfaas.loadgen.workload import Workload
 
 HELP = "Benchmark an OpenAI-compatible endpoint with a workload; print a table, write JSON/plots."
@@ -135,51 +135,51 @@ def _workload(args: argparse.Namespace) -> Workload:
     return create_workload(args.workload, options)
 
 
-def _plan(args: argparse.Namespace) -> BenchPlan:
-    from prfaas.loadgen.plan import BenchPlan
+def _spec(args: argparse.Namespace) -> BenchSpec:
+    from prfaas.loadgen.spec import BenchSpec
 
     workload = _workload(args)
     count = args.num_requests
     if count is None and args.duration is None:
         count = 100
     arrivals = _arrivals(args, workload.has_timestamps)
-    return BenchPlan(workload, arrivals, count, args.duration, args.seed)
+    return BenchSpec(workload, arrivals, count, args.duration, args.seed)
 
 
-def _header(args: argparse.Namespace, plan: BenchPlan, slo: Slo | None) -> dict[str, str]:
+def _header(args: argparse.Namespace, spec: BenchSpec, slo: Slo | None) -> dict[str, str]:
     limits = [
-        f"{plan.num_requests} requests" if plan.num_requests else "",
-        f"{plan.duration_s:g} s" if plan.duration_s else "",
+        f"{spec.num_requests} requests" if spec.num_requests else "",
+        f"{spec.duration_s:g} s" if spec.duration_s else "",
     ]
     return {
         "target": args.target,
         "api": args.api,
-        "workload": plan.workload.name,
-        "arrivals": plan.arrivals.describe(),
+        "workload": spec.workload.name,
+        "arrivals": spec.arrivals.describe(),
         "stop after": " or ".join(filter(None, limits)),
-        "seed": str(plan.seed),
+        "seed": str(spec.seed),
         "SLO": slo.describe() if slo else "none",
     }
 
 
 def run(args: argparse.Namespace) -> int:
-    from prfaas.loadgen.plan import NoProgress, TargetError
     from prfaas.loadgen.progress import RichProgress
     from prfaas.loadgen.report import print_report, report_json, write_json
-    from prfaas.loadgen.summary import Slo, summarize
+    from prfaas.loadgen.spec import NoProgress, TargetError
+    from prfaas.loadgen.stats import Slo, summarize
     from prfaas.loadgen.targets import HttpOptions, create_runner
 
     try:
         slo = Slo.parse(args.slo) if args.slo else None
-        plan = _plan(args)
+        spec = _spec(args)
         runner = create_runner(args.target, HttpOptions(args.api, args.model, args.timeout))
         progress = NoProgress() if args.no_progress else RichProgress()
-        result = _run_loop(runner.run(plan, progress))
+        result = _run_loop(runner.run(spec, progress))
     except (ValueError, TargetError) as exc:  # TraceError is a ValueError
         print(f"prfaas bench: error: {exc}", file=sys.stderr)
         return 2
     summary = summarize(result.records, result.duration_s, slo)
-    header = _header(args, plan, slo)
+    header = _header(args, spec, slo)
     print_report(result, summary, header)
     if args.json is not None:
         write_json(args.json, report_json(result, summary, header, slo))
@@ -187,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plot is not None:
         from prfaas.loadgen.plots import write_plots
 
-        for path in write_plots(result.records, args.plot, plan.workload.name):
+        for path in write_plots(result.records, args.plot, spec.workload.name):
             print(f"wrote {path}", file=sys.stderr)
     return 0 if summary.completed else 1
 

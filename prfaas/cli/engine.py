@@ -83,8 +83,8 @@ def _mbps(flag: str, value: float | None) -> float | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from prfaas.engines.reference.config import EngineConfig, TransferConfig
-    from prfaas.engines.reference.launch import LaunchOptions, serve
+    from prfaas.engines.reference.engine_config import EngineConfig, TransferConfig
+    from prfaas.engines.reference.server.main import LaunchOptions, serve
 
     try:
         engine = EngineConfig(

@@ -18,8 +18,8 @@ from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from prfaas.gateway.config import DeploymentConfig
-    from prfaas.gateway.gateway import Gateway
+    from prfaas.gateway.assembly import Gateway
+    from prfaas.serve.deployment import DeploymentConfig
 
 HELP = "Run the OpenAI-compatible PrfaaS gateway (embedded default deployment without --config)."
 
@@ -68,8 +68,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _embedded(args: argparse.Namespace) -> Coroutine[Any, Any, int]:
-    from prfaas.gateway.embedded import EmbeddedOptions, serve_embedded
     from prfaas.policies.registry import create_policy
+    from prfaas.serve.embedded import EmbeddedOptions, serve_embedded
 
     options = EmbeddedOptions.from_args(args, _overrides(args))
     create_policy(options.gateway.policy)
@@ -77,9 +77,9 @@ def _embedded(args: argparse.Namespace) -> Coroutine[Any, Any, int]:
 
 
 def _configured(args: argparse.Namespace) -> Coroutine[Any, Any, int]:
-    from prfaas.gateway.config import load_deployment
-    from prfaas.gateway.summary import print_ready
     from prfaas.policies.registry import create_policy
+    from prfaas.serve.deployment import load_deployment
+    from prfaas.serve.summary import print_ready
 
     config = load_deployment(args.config)
     gateway = dataclasses.replace(config.gateway, **_overrides(args))  # type: ignore[arg-type]
@@ -87,7 +87,7 @@ def _configured(args: argparse.Namespace) -> Coroutine[Any, Any, int]:
     create_policy(config.gateway.policy)
     ready = functools.partial(print_ready, host=args.host)
     if config.launch:
-        from prfaas.gateway.launched import serve_launched
+        from prfaas.serve.launched import serve_launched
 
         return serve_launched(config, args.host, args.port, on_ready=ready)
     return _served(config, args.host, args.port, ready)
@@ -97,7 +97,7 @@ async def _served(
     config: DeploymentConfig, host: str, port: int, ready: Callable[[Gateway, int], None]
 ) -> int:
     from prfaas.gateway.link import egress_setup
-    from prfaas.gateway.server import serve_gateway
+    from prfaas.serve.run import serve_gateway
 
     await serve_gateway(config, host, port, setup=egress_setup(), on_ready=ready)
     return 0

@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from prfaas.loadgen.sim_config import Deployment, SimOptions
     from prfaas.loadgen.workload import Workload
     from prfaas.policies.profile import DeploymentProfile
+    from prfaas.sim.deployments import Deployment, SimOptions
 
 HELP = "Simulate a deployment profile on a virtual clock (real Router, simulated engines)."
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "examples" / "paper_case_study.toml"
@@ -110,7 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _options(args: argparse.Namespace) -> SimOptions:
-    from prfaas.loadgen.sim_config import SimOptions
+    from prfaas.sim.deployments import SimOptions
 
     return SimOptions(
         block_size=args.block_size,
@@ -144,10 +144,10 @@ def _deployment(
     args: argparse.Namespace, profile: DeploymentProfile, options: SimOptions
 ) -> tuple[Deployment, float]:
     """The deployment to simulate and the model's Lambda_max for it (exact costing)."""
-    from prfaas.loadgen.sim_config import deployments, with_policy
-    from prfaas.loadgen.sim_table6 import models_by_name
     from prfaas.policies.planner import plan
     from prfaas.policies.registry import create_policy
+    from prfaas.sim.deployments import deployments, with_policy
+    from prfaas.sim.table6 import models_by_name
 
     create_policy(args.policy)  # unknown names fail here, listing the known ones
     name = POLICY_DEPLOYMENT.get(args.policy, "prfaas_pd")
@@ -187,24 +187,24 @@ def _single(
     args: argparse.Namespace, profile: DeploymentProfile, workload: Workload, options: SimOptions
 ) -> int:
     from prfaas.loadgen.arrivals import RateArrivals, TraceArrivals
-    from prfaas.loadgen.sim_findmax import FindMaxOptions, find_max
-    from prfaas.loadgen.sim_report import print_table, run_json, run_table
-    from prfaas.loadgen.sim_runner import SimPlan, simulate
+    from prfaas.sim.find_max import FindMaxOptions, find_max
+    from prfaas.sim.report import print_table, run_json, run_table
+    from prfaas.sim.runner import SimSpec, simulate
 
     deployment, model_max = _deployment(args, profile, options)
     trace = workload.has_timestamps and args.rate is None and not args.find_max
     arrivals = TraceArrivals(args.speedup) if trace else RateArrivals(args.rate or 0.9 * model_max)
-    plan = SimPlan(deployment, workload, arrivals, args.duration, seed=args.seed)
+    spec = SimSpec(deployment, workload, arrivals, args.duration, seed=args.seed)
     found = None
     if args.find_max:
         found = find_max(
-            plan,
+            spec,
             lambda p: simulate(profile, p, options),
             FindMaxOptions(0.8 * model_max, 1.15 * model_max),
         )
         result = found.best
     else:
-        result = simulate(profile, plan, options)
+        result = simulate(profile, spec, options)
     _emit(args, run_json(result, found), lambda: print_table(run_table(result, found)))
     if args.plot is not None:
         from prfaas.loadgen.plots import write_plots
@@ -217,8 +217,8 @@ def _single(
 def _table6(
     args: argparse.Namespace, profile: DeploymentProfile, workload: Workload, options: SimOptions
 ) -> int:
-    from prfaas.loadgen.sim_report import print_table, table6_table
-    from prfaas.loadgen.sim_table6 import Table6Options, run_table6
+    from prfaas.sim.report import print_table, table6_table
+    from prfaas.sim.table6 import Table6Options, run_table6
 
     t6 = run_table6(profile, workload, options, Table6Options(args.duration, args.seed))
     _emit(args, t6.to_json(), lambda: print_table(table6_table(t6)))

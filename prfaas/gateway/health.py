@@ -15,8 +15,8 @@ from collections.abc import Callable
 from typing import Protocol
 
 from prfaas.engines.client import EngineError
-from prfaas.engines.http_client import HttpEngineClient
-from prfaas.gateway.registry import InstanceManager, InstanceState
+from prfaas.engines.sglang_client import SGLangClient
+from prfaas.gateway.instances import InstanceManager, InstanceState
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class HealthMonitor:
 
     async def _poll(self, state: InstanceState) -> None:
         client = state.client
-        if not isinstance(client, HttpEngineClient):
+        if not isinstance(client, SGLangClient):
             return
         alive = await client.health()
         if state.healthy and not alive:

@@ -18,9 +18,9 @@ from typing import Any
 
 import aiohttp
 
-from prfaas.engines.http_client import HttpEngineClient
-from prfaas.gateway.gateway import Gateway
-from prfaas.gateway.metrics import Gauge
+from prfaas.engines.sglang_client import SGLangClient
+from prfaas.gateway.api.metrics import Gauge
+from prfaas.gateway.assembly import Gateway
 
 logger = logging.getLogger(__name__)
 TRANSFER_STATS_PATH = "/transfer_stats"
@@ -174,9 +174,7 @@ def egress_setup(static: Mapping[str, Any] | None = None) -> Callable[[Gateway],
         urls = {
             s.instance_id: s.client.base_url
             for s in gateway.instances
-            if s.cluster == "prfaas"
-            and s.role != "decode"
-            and isinstance(s.client, HttpEngineClient)
+            if s.cluster == "prfaas" and s.role != "decode" and isinstance(s.client, SGLangClient)
         }
         monitor = EgressMonitor(urls, static)
         gateway.link = monitor.state

@@ -21,8 +21,8 @@ from prfaas.engines.client import (
     GenerateRequest,
     SamplingParams,
 )
+from prfaas.gateway.instances import InstanceManager, InstanceState
 from prfaas.gateway.kv_index import KVIndexManager
-from prfaas.gateway.registry import InstanceManager, InstanceState
 from prfaas.policies.routing import (
     BaseRoutingPolicy,
     NoInstanceAvailable,

@@ -15,8 +15,8 @@ import numpy as np
 from prfaas.loadgen.arrivals import ClosedLoop, timed_sessions
 from prfaas.loadgen.client import Answer, RequestSpec
 from prfaas.loadgen.conversation import Conversation
-from prfaas.loadgen.plan import BenchPlan, Progress
 from prfaas.loadgen.records import RequestRecord
+from prfaas.loadgen.spec import BenchSpec, Progress
 from prfaas.loadgen.workload import Session
 
 
@@ -28,50 +28,50 @@ class Sender(Protocol):
         ...
 
 
-def plan_rngs(seed: int) -> tuple[np.random.Generator, np.random.Generator]:
+def spec_rngs(seed: int) -> tuple[np.random.Generator, np.random.Generator]:
     """Independent (workload, arrivals) generators: a new rate keeps the same prompts."""
     workload_seq, arrival_seq = np.random.SeedSequence(seed).spawn(2)
     return np.random.default_rng(workload_seq), np.random.default_rng(arrival_seq)
 
 
 class Driver:
-    """Runs one plan once. Mutates its own records list; not reusable."""
+    """Runs one spec once. Mutates its own records list; not reusable."""
 
     def __init__(
         self,
-        plan: BenchPlan,
+        spec: BenchSpec,
         sender: Sender,
         progress: Progress,
         on_start: Callable[[], None] | None = None,
     ) -> None:
         """`on_start` is called at the instant schedule time 0 is taken (to align clocks)."""
-        self._plan = plan
+        self._spec = spec
         self._sender = sender
         self._progress = progress
         self._on_start = on_start
-        self._left = plan.num_requests  # requests not yet reserved; None = unlimited
+        self._left = spec.num_requests  # requests not yet reserved; None = unlimited
         self._loop = asyncio.get_running_loop()
         self._start = self._loop.time()
         self.records: list[RequestRecord] = []
 
     async def run(self) -> list[RequestRecord]:
-        """Send the plan's requests; returns records in completion order."""
-        workload_rng, arrival_rng = plan_rngs(self._plan.seed)
-        sessions = self._plan.workload.sessions(workload_rng)
+        """Send the spec's requests; returns records in completion order."""
+        workload_rng, arrival_rng = spec_rngs(self._spec.seed)
+        sessions = self._spec.workload.sessions(workload_rng)
         self._start = self._loop.time()
         if self._on_start is not None:
             self._on_start()
-        if isinstance(self._plan.arrivals, ClosedLoop):
-            await self._closed(sessions, self._plan.arrivals.concurrency)
+        if isinstance(self._spec.arrivals, ClosedLoop):
+            await self._closed(sessions, self._spec.arrivals.concurrency)
         else:
-            await self._open(timed_sessions(self._plan.arrivals, sessions, arrival_rng))
+            await self._open(timed_sessions(self._spec.arrivals, sessions, arrival_rng))
         return self.records
 
     def _now(self) -> float:
         return self._loop.time() - self._start
 
     def _past_deadline(self, at: float) -> bool:
-        return self._plan.duration_s is not None and at > self._plan.duration_s
+        return self._spec.duration_s is not None and at > self._spec.duration_s
 
     def _reserve(self, wanted: int) -> int:
         """How many turns of a session may run (0: the request budget is spent)."""
@@ -114,7 +114,7 @@ class Driver:
                 if self._past_deadline(at):
                     break
             conv.add("user", turn.tokens)
-            rid = f"bench-{self._plan.seed}-{session.session_id}-{index}"
+            rid = f"bench-{self._spec.seed}-{session.session_id}-{index}"
             spec = RequestSpec(rid, session.session_id, index, at, turn.max_tokens)
             record, answer = await self._sender.send(spec, conv)
             self.records.append(record)

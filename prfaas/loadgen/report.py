@@ -9,8 +9,8 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
-from prfaas.loadgen.plan import RunResult
-from prfaas.loadgen.summary import LatencyStats, Slo, Summary
+from prfaas.loadgen.spec import RunResult
+from prfaas.loadgen.stats import LatencyStats, Slo, Summary
 
 JSON_VERSION = 1
 

@@ -11,7 +11,7 @@ import aiohttp
 from prfaas.loadgen.apis import create_api
 from prfaas.loadgen.client import StreamingClient
 from prfaas.loadgen.driver import Driver
-from prfaas.loadgen.plan import BenchPlan, BenchRunner, Progress, RunResult, TargetError
+from prfaas.loadgen.spec import BenchRunner, BenchSpec, Progress, RunResult, TargetError
 
 SIM_PREFIX = "sim:"
 
@@ -38,7 +38,7 @@ class HttpOptions:
 
 
 class HttpRunner:
-    """Runs a plan against an OpenAI-compatible (or SGLang) server over real HTTP."""
+    """Runs a spec against an OpenAI-compatible (or SGLang) server over real HTTP."""
 
     def __init__(self, base_url: str, options: HttpOptions) -> None:
         if not base_url.startswith(("http://", "https://")):
@@ -46,7 +46,7 @@ class HttpRunner:
         self.base_url = base_url.rstrip("/")
         self.options = options
 
-    async def run(self, plan: BenchPlan, progress: Progress) -> RunResult:
+    async def run(self, spec: BenchSpec, progress: Progress) -> RunResult:
         connector = aiohttp.TCPConnector(limit=self.options.max_connections, force_close=False)
         async with aiohttp.ClientSession(connector=connector) as http:
             listed = await self._discover_model(http)  # also proves the server is reachable
@@ -61,9 +61,9 @@ class HttpRunner:
                 timeout_s=self.options.timeout_s,
                 origin=origin,
             )
-            progress.start(plan.num_requests, plan.duration_s)
+            progress.start(spec.num_requests, spec.duration_s)
             try:
-                records = await Driver(plan, client, progress, client.mark_origin).run()
+                records = await Driver(spec, client, progress, client.mark_origin).run()
             finally:
                 progress.stop()
             ends = [r.end_s for r in records if r.end_s is not None]
@@ -95,7 +95,7 @@ def create_runner(target: str, options: HttpOptions) -> BenchRunner:
         TargetError: malformed target, or `sim:` while the simulator does not exist yet.
     """
     if target.startswith(SIM_PREFIX):
-        from prfaas.loadgen.sim_target import SimBenchRunner
+        from prfaas.sim.bench_target import SimBenchRunner
 
         return SimBenchRunner.from_target(target)
     return HttpRunner(target, options)

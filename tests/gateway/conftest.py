@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import pytest
-from gateway_helpers import BLOCK, Engines, GatewayFactory, start_app
+from aiohttp_helpers import start_app
+from gateway_helpers import BLOCK, Engines, GatewayFactory
 
-from prfaas.engines.null import NullConfig, NullServer
-from prfaas.gateway.app import GatewayApp
-from prfaas.gateway.config import DeploymentConfig
-from prfaas.gateway.gateway import Gateway
+from prfaas.gateway.api.app import GatewayApp
+from prfaas.gateway.assembly import Gateway
+from prfaas.serve.deployment import DeploymentConfig
+from prfaas.testing.null_server import NullConfig, NullServer
 
 
 @pytest.fixture

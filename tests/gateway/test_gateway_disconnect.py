@@ -10,7 +10,8 @@ import asyncio
 import aiohttp
 import orjson
 from aiohttp import web
-from gateway_helpers import GatewayFactory, RecordingEngine, deployment, start_app
+from aiohttp_helpers import start_app
+from gateway_helpers import GatewayFactory, RecordingEngine, deployment
 
 
 class SlowEngine(RecordingEngine):

@@ -13,15 +13,16 @@ import aiohttp
 import numpy as np
 import pytest
 from aiohttp import web
-from gateway_helpers import deployment, start_app
+from aiohttp_helpers import start_app
+from gateway_helpers import deployment
 
 from prfaas.engines.transport import Kind, KVReceiver, KVSender, SenderConfig
-from prfaas.gateway.app import GatewayApp
+from prfaas.gateway.api.app import GatewayApp
+from prfaas.gateway.api.metrics import GatewayMetrics
 from prfaas.gateway.health import HealthMonitor
+from prfaas.gateway.instances import InstanceManager
 from prfaas.gateway.link import EgressMonitor, EgressSample, egress_setup
-from prfaas.gateway.metrics import GatewayMetrics
-from prfaas.gateway.profiling import busy_rate
-from prfaas.gateway.registry import InstanceManager
+from prfaas.serve.profiling import busy_rate
 
 RATE = 2e6  # bytes/s
 CHUNK = 64 * 1024

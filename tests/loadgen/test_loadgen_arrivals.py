@@ -10,7 +10,7 @@ import pytest
 from scipy import stats
 
 from prfaas.loadgen.arrivals import ClosedLoop, RateArrivals, TraceArrivals, timed_sessions
-from prfaas.loadgen.driver import plan_rngs
+from prfaas.loadgen.driver import spec_rngs
 from prfaas.loadgen.workload import Session, Turn
 
 
@@ -49,9 +49,9 @@ def test_infinite_rate_sends_everything_at_once() -> None:
 
 
 def test_seed_makes_arrivals_reproducible_and_independent_of_workload() -> None:
-    a = list(itertools.islice(RateArrivals(3.0).times(plan_rngs(5)[1]), 50))
-    b = list(itertools.islice(RateArrivals(3.0).times(plan_rngs(5)[1]), 50))
-    c = list(itertools.islice(RateArrivals(3.0).times(plan_rngs(6)[1]), 50))
+    a = list(itertools.islice(RateArrivals(3.0).times(spec_rngs(5)[1]), 50))
+    b = list(itertools.islice(RateArrivals(3.0).times(spec_rngs(5)[1]), 50))
+    c = list(itertools.islice(RateArrivals(3.0).times(spec_rngs(6)[1]), 50))
     assert a == b != c
 
 

@@ -6,11 +6,11 @@ import io
 
 from rich.console import Console
 
-from prfaas.loadgen.plan import RunResult
 from prfaas.loadgen.progress import RichProgress
 from prfaas.loadgen.records import RequestRecord
 from prfaas.loadgen.report import print_report
-from prfaas.loadgen.summary import Slo, summarize
+from prfaas.loadgen.spec import RunResult
+from prfaas.loadgen.stats import Slo, summarize
 
 
 def _rec(i: int, ok: bool) -> RequestRecord:

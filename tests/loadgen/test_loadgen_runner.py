@@ -11,8 +11,8 @@ import pytest
 from loadgen_helpers import Script
 
 from prfaas.loadgen.arrivals import ClosedLoop, RateArrivals, TraceArrivals
-from prfaas.loadgen.driver import plan_rngs
-from prfaas.loadgen.plan import BenchPlan, NoProgress, RunResult, TargetError
+from prfaas.loadgen.driver import spec_rngs
+from prfaas.loadgen.spec import BenchSpec, NoProgress, RunResult, TargetError
 from prfaas.loadgen.targets import HttpOptions, HttpRunner, create_runner
 from prfaas.loadgen.tokens import render_text
 from prfaas.loadgen.workload import Workload
@@ -30,7 +30,7 @@ def _turns(turns: int, first: int, turn: int) -> WorkloadOptions:
     return replace(SMALL, turns=turns, first_len=first, turn_len=turn, think_time_s=0.0)
 
 
-async def _run(url: str, plan: BenchPlan, options: HttpOptions | None = None) -> RunResult:
+async def _run(url: str, plan: BenchSpec, options: HttpOptions | None = None) -> RunResult:
     runner = HttpRunner(url, options or HttpOptions(model="ok"))
     return await runner.run(plan, NoProgress())
 
@@ -43,7 +43,7 @@ def _free_port() -> int:
 
 async def test_open_loop_sends_exactly_n_on_schedule(null_url: str) -> None:
     """N requests, unique ids, sent when the Poisson schedule says (median lag < 15 ms)."""
-    plan = BenchPlan(_small(), RateArrivals(rate=100.0), num_requests=60, seed=1)
+    plan = BenchSpec(_small(), RateArrivals(rate=100.0), num_requests=60, seed=1)
     result = await _run(null_url, plan)
     recs = result.records
     assert len(recs) == 60 and all(r.ok for r in recs)
@@ -56,7 +56,7 @@ async def test_open_loop_sends_exactly_n_on_schedule(null_url: str) -> None:
 
 
 async def test_duration_stops_new_arrivals(null_url: str) -> None:
-    plan = BenchPlan(_small(), RateArrivals(rate=80.0), duration_s=0.5, seed=2)
+    plan = BenchSpec(_small(), RateArrivals(rate=80.0), duration_s=0.5, seed=2)
     recs = (await _run(null_url, plan)).records
     assert 15 < len(recs) < 80
     assert all(r.scheduled_s <= 0.5 for r in recs)
@@ -65,7 +65,7 @@ async def test_duration_stops_new_arrivals(null_url: str) -> None:
 async def test_closed_loop_holds_concurrency(scripted: tuple[str, Script]) -> None:
     """Exactly C requests in flight at the server, never more."""
     url, script = scripted
-    plan = BenchPlan(_small(), ClosedLoop(3), num_requests=12, seed=0)
+    plan = BenchSpec(_small(), ClosedLoop(3), num_requests=12, seed=0)
     recs = (await _run(url, plan)).records
     assert len(recs) == 12 and all(r.ok for r in recs)
     assert script.max_in_flight == 3
@@ -75,7 +75,7 @@ async def test_server_errors_and_timeouts_are_counted_not_fatal(
     scripted: tuple[str, Script],
 ) -> None:
     url, _ = scripted
-    plan = BenchPlan(_small(), RateArrivals(rate=200.0), num_requests=8, seed=0)
+    plan = BenchSpec(_small(), RateArrivals(rate=200.0), num_requests=8, seed=0)
     recs = (await _run(url, plan, HttpOptions(model="http500"))).records
     assert len(recs) == 8 and not any(r.ok for r in recs)
     recs = (await _run(url, plan, HttpOptions(model="hang", timeout_s=0.2))).records
@@ -88,11 +88,11 @@ async def test_multi_turn_prompt_is_history_plus_answer_plus_turn(
     """Turn 2 of a text conversation = turn-1 prompt + answer + new tokens (completions)."""
     url, script = scripted
     workload = _small("multi-turn", _turns(2, 6, 4))
-    plan = BenchPlan(workload, ClosedLoop(1), num_requests=2, seed=0)
+    plan = BenchSpec(workload, ClosedLoop(1), num_requests=2, seed=0)
     recs = (await _run(url, plan)).records
     assert [r.turn for r in recs] == [0, 1] and all(r.ok for r in recs)
     first, second = script.bodies
-    session = next(workload.sessions(plan_rngs(0)[0]))
+    session = next(workload.sessions(spec_rngs(0)[0]))
     answer = "".join(f" a{i} b{i}" for i in range(3))
     expected = " ".join(
         [render_text(session.turns[0].tokens), answer, render_text(session.turns[1].tokens)]
@@ -104,7 +104,7 @@ async def test_multi_turn_prompt_is_history_plus_answer_plus_turn(
 async def test_multi_turn_keeps_token_ids_with_generate(null_url: str) -> None:
     """With SGLang /generate the answer's output_ids extend the history: cache hits grow."""
     workload = _small("multi-turn", _turns(3, 16, 4))
-    plan = BenchPlan(workload, ClosedLoop(1), num_requests=3, seed=0)
+    plan = BenchSpec(workload, ClosedLoop(1), num_requests=3, seed=0)
     recs = (await _run(null_url, plan, HttpOptions(api="generate"))).records
     prompts = [r.prompt_tokens for r in recs]
     assert prompts == [16, 16 + 3 + 4, 16 + 3 + 4 + 3 + 4]
@@ -118,7 +118,7 @@ async def test_trace_arrivals_replay_timestamps(tmp_path: Path, null_url: str) -
     ]
     (tmp_path / "t.jsonl").write_text("\n".join(lines))
     workload = create_workload(f"mooncake:{tmp_path / 't.jsonl'}", SMALL)
-    plan = BenchPlan(workload, TraceArrivals(speedup=2.0), num_requests=3)
+    plan = BenchSpec(workload, TraceArrivals(speedup=2.0), num_requests=3)
     recs = sorted((await _run(null_url, plan)).records, key=lambda r: r.scheduled_s)
     assert [r.scheduled_s for r in recs] == [0.0, 0.1, 0.2]
     assert all(abs(r.start_s - r.scheduled_s) < 0.1 for r in recs)
@@ -126,7 +126,7 @@ async def test_trace_arrivals_replay_timestamps(tmp_path: Path, null_url: str) -
 
 async def test_same_seed_same_requests(scripted: tuple[str, Script]) -> None:
     url, script = scripted
-    plan = BenchPlan(_small(), ClosedLoop(1), num_requests=5, seed=9)
+    plan = BenchSpec(_small(), ClosedLoop(1), num_requests=5, seed=9)
     await _run(url, plan)
     await _run(url, plan)
     assert [b["prompt"] for b in script.bodies[:5]] == [b["prompt"] for b in script.bodies[5:]]
@@ -138,23 +138,23 @@ async def test_targets_rejected_clearly() -> None:
     with pytest.raises(TargetError, match="must be an http"):
         create_runner("localhost:8000", HttpOptions())
     port = _free_port()
-    plan = BenchPlan(_small(), ClosedLoop(1), num_requests=1)
+    plan = BenchSpec(_small(), ClosedLoop(1), num_requests=1)
     with pytest.raises(TargetError, match="cannot reach"):
         await _run(f"http://127.0.0.1:{port}", plan)
 
 
 def test_plan_validation_names_values() -> None:
     with pytest.raises(ValueError, match="request count or a duration"):
-        BenchPlan(_small(), ClosedLoop(1))
+        BenchSpec(_small(), ClosedLoop(1))
     with pytest.raises(ValueError, match="got -2"):
-        BenchPlan(_small(), ClosedLoop(1), num_requests=-2)
+        BenchSpec(_small(), ClosedLoop(1), num_requests=-2)
     with pytest.raises(ValueError, match="unknown API 'grpc'"):
         HttpOptions(api="grpc")
 
 
 async def test_closed_loop_duration_stops_new_sessions(null_url: str) -> None:
     """With a duration and no count, a closed loop sends until the deadline, then drains."""
-    plan = BenchPlan(_small(), ClosedLoop(2), duration_s=0.3, seed=0)
+    plan = BenchSpec(_small(), ClosedLoop(2), duration_s=0.3, seed=0)
     result = await _run(null_url, plan)
     assert len(result.records) > 10 and all(r.ok for r in result.records)
     assert all(r.scheduled_s <= 0.3 for r in result.records)

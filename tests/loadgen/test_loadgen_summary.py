@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from prfaas.loadgen.records import RequestRecord
-from prfaas.loadgen.summary import Slo, summarize
+from prfaas.loadgen.stats import Slo, summarize
 
 
 def _rec(

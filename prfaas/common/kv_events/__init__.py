@@ -28,7 +28,9 @@ replay). Everything is re-exported here.
 
 from __future__ import annotations
 
-from prfaas.common.kv_events.codec import (
+from prfaas.common.kv_events.publisher import END_SEQ, KVEventPublisher
+from prfaas.common.kv_events.subscriber import KVEventSubscriber, ReceivedBatch
+from prfaas.protocol.kv_events import (
     SEQ_BYTES,
     AllBlocksCleared,
     BlockRemoved,
@@ -42,8 +44,6 @@ from prfaas.common.kv_events.codec import (
     encode_batch,
     encode_frames,
 )
-from prfaas.common.kv_events.publisher import END_SEQ, KVEventPublisher
-from prfaas.common.kv_events.subscriber import KVEventSubscriber, ReceivedBatch
 
 __all__ = [
     "END_SEQ",

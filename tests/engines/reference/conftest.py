@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from prfaas.engines.reference.presets import load_model, resolve
-from prfaas.engines.reference.runner import ModelRunner
+from prfaas.engines.reference.model.presets import load_model, resolve
+from prfaas.engines.reference.model.runner import ModelRunner
 
 # One intra-op thread: the CI machine is shared, and OpenMP spinning on 2 busy cores makes
 # each tiny op 10-100x slower. Engine subprocesses get `--threads 1` for the same reason.

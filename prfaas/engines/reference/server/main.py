@@ -1,0 +1,119 @@
+"""Assemble and run one reference engine: model, core, service, hand-off endpoints, KV events
+and the HTTP server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from aiohttp import web
+
+from prfaas.common.kv_events import KVEvent, KVEventPublisher
+from prfaas.engines.reference.engine_config import EngineConfig, TransferConfig
+from prfaas.engines.reference.handoff.transport import TransportReceiver, TransportSender
+from prfaas.engines.reference.model.presets import load_model, resolve
+from prfaas.engines.reference.model.runner import ModelRunner
+from prfaas.engines.reference.server.app_keys import ModelInfo
+from prfaas.engines.reference.server.routes import create_app
+from prfaas.engines.reference.server.service import EngineService
+from prfaas.engines.reference.server.tokenizers import load_tokenizer
+from prfaas.engines.reference.step.core import EngineCore
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """Everything `prfaas engine` takes."""
+
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 30000
+    bootstrap_port: int = 0
+    kv_events: str | None = None
+    cache_dir: Path | None = None
+    threads: int | None = None
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    """KV transport of the prefill side (connections, egress pacing and delay)."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if not 0 <= self.bootstrap_port <= 65535:
+            raise ValueError(f"bootstrap_port must be in 0..65535, got {self.bootstrap_port}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+
+
+def build_app(options: LaunchOptions) -> tuple[web.Application, EngineService]:
+    """Load the model and wire the engine; nothing starts until the app runs."""
+    if options.threads is not None:
+        torch.set_num_threads(options.threads)
+    source = resolve(options.model, options.cache_dir)
+    model = load_model(source)
+    runner = ModelRunner(model)
+    tokenizer = load_tokenizer(source.path)
+    core = EngineCore(runner, options.engine, tokenizer.decode)
+    sender = TransportSender(options.transfer.sender_config(options.host, options.bootstrap_port))
+    service = EngineService(core, sender, TransportReceiver())
+    info = ModelInfo(
+        model=source.name,
+        model_path=str(source.path),
+        architecture=runner.shape.model_type,
+        layer_types=runner.shape.layer_types,
+        vocab_size=runner.shape.vocab_size,
+        tokenizer=tokenizer.name,
+    )
+    app = create_app(service, tokenizer, info)
+    if options.kv_events:
+        app.cleanup_ctx.append(_kv_events(service, options.kv_events))
+    return app, service
+
+
+def _kv_events(
+    service: EngineService, endpoint: str
+) -> Callable[[web.Application], AsyncIterator[None]]:
+    """Publish the pool's KV events on `endpoint` (ZMQ PUB) from the event loop thread."""
+
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        publisher = KVEventPublisher(endpoint)
+        loop = asyncio.get_running_loop()
+
+        def sink(events: list[KVEvent]) -> None:
+            loop.call_soon_threadsafe(publisher.publish, events)
+
+        service.core.event_sink = sink
+        logger.info("publishing KV events on %s", publisher.endpoint)
+        yield
+        service.core.event_sink = None
+        publisher.close()
+
+    return ctx
+
+
+async def serve(options: LaunchOptions) -> None:
+    """Run the engine until SIGINT/SIGTERM."""
+    app, service = build_app(options)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    site = web.TCPSite(runner, options.host, options.port)
+    await site.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    port = runner.addresses[0][1]
+    print(f"prfaas engine ready: http://{options.host}:{port} role={service.core.role} "
+          f"bootstrap_port={service.sender.bootstrap_port}", flush=True)  # fmt: skip
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,240 @@
+"""The engine's HTTP server (aiohttp): SGLang's `/generate` and admin routes, plus the OpenAI
+routes from `openai_api.py`. Every error is an OpenAI-style JSON error."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from contextlib import aclosing
+from dataclasses import asdict
+from typing import Any
+
+from aiohttp import web
+
+from prfaas.engines.reference.handoff.base import HandoffError
+from prfaas.engines.reference.handoff.transport import TransportSender
+from prfaas.engines.reference.server.app_keys import INFO, SERVICE, TOKENIZER, ModelInfo, error_for
+from prfaas.engines.reference.server.errors import error_middleware, json_error
+from prfaas.engines.reference.server.openai_routes import add_openai_routes
+from prfaas.engines.reference.server.service import EngineService, Unavailable
+from prfaas.engines.reference.server.streaming import (
+    MAX_BODY_BYTES,
+    Collected,
+    HandoffFailed,
+    check_abort,
+    collect,
+    open_sse,
+    read_json,
+    send_sse,
+    stable_text,
+    visible_text,
+)
+from prfaas.engines.reference.server.tokenizers import EngineTokenizer
+from prfaas.engines.reference.step.sampling import InvalidRequest
+from prfaas.engines.transport import KVSender, TransportTelemetry
+from prfaas.protocol.generate import GenerateInput, generate_json, parse_generate
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    """SGLang `/generate`: JSON result, or an SSE stream of cumulative results."""
+    service, tok = request.app[SERVICE], request.app[TOKENIZER]
+    start = time.monotonic()
+    try:
+        inp = parse_generate(await read_json(request))
+        prompt = inp.input_ids if inp.input_ids is not None else tok.encode(inp.text or "")
+        rid = inp.rid or uuid.uuid4().hex
+        events = service.generate(rid, prompt, inp.params, inp.bootstrap)
+        if inp.stream:
+            return await _stream_generate(request, events, rid, len(prompt), inp, start)
+        result = await collect(events)
+    except (InvalidRequest, Unavailable, HandoffError, HandoffFailed) as exc:
+        return error_for(exc)
+    return web.json_response(_result(tok, inp, rid, result, len(prompt), start))
+
+
+def _result(
+    tok: EngineTokenizer, inp: GenerateInput, rid: str, r: Collected, n: int, start: float
+) -> dict[str, Any]:
+    text = stable_text(tok.decode(r.output_ids), final=r.finish_reason is not None)
+    text = visible_text(text, r.finish_reason)
+    return generate_json(
+        rid=rid, text=text, output_ids=list(r.output_ids), finish_reason=r.finish_reason,
+        prompt_tokens=n, cached_tokens=r.cached_tokens, e2e_latency=time.monotonic() - start,
+    )  # fmt: skip
+
+
+async def _stream_generate(
+    request: web.Request, events: Any, rid: str, n: int, inp: GenerateInput, start: float
+) -> web.StreamResponse:
+    tok, acc = request.app[TOKENIZER], Collected()
+    async with aclosing(events) as it:
+        first = await anext(it)  # errors before the first event are still plain JSON errors
+        if first.finish_reason is not None:
+            check_abort(first.finish_reason)
+        response = await open_sse(request)
+        event = first
+        while True:
+            acc.add(event) if event.finish_reason is None else _add_final(acc, event)
+            await send_sse(response, _result(tok, inp, rid, acc, n, start))
+            if acc.finish_reason is not None:
+                break
+            event = await anext(it)
+    await send_sse(response, "[DONE]")
+    return response
+
+
+def _add_final(acc: Collected, event: Any) -> None:
+    """Add the last event without raising: a stream reports an abort in its last chunk."""
+    acc.output_ids.extend(event.token_ids)
+    acc.cached_tokens = event.cached_tokens or acc.cached_tokens
+    acc.finish_reason = event.finish_reason
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok", "role": request.app[SERVICE].core.role})
+
+
+async def server_info(request: web.Request) -> web.Response:
+    service, info = request.app[SERVICE], request.app[INFO]
+    core = service.core
+    pool = core.pool.config
+    body = {
+        **asdict(info),
+        "role": core.role,
+        "page_size": pool.block_size,
+        "kv_capacity_tokens": pool.num_blocks * pool.block_size,
+        "kv_capacity_blocks": pool.num_blocks,
+        "num_state_slots": pool.num_state_slots,
+        "max_batch": core.config.max_batch,
+        "bootstrap_port": service.sender.bootstrap_port,
+        # SGLang's names, read by PD routers:
+        "served_model_name": info.model,
+        "host": request.url.host,
+        "port": request.url.port,
+        "disaggregation_mode": core.role if core.role != "both" else "null",
+        "disaggregation_bootstrap_host": request.url.host,
+        "disaggregation_bootstrap_port": service.sender.bootstrap_port,
+        "last_role_switch_s": service.last_switch_s,
+    }
+    return web.json_response(body)
+
+
+async def stats(request: web.Request) -> web.Response:
+    core = request.app[SERVICE].core
+    counters, pool = core.counters.snapshot(), core.pool.stats()
+    body = {
+        "role": core.role,
+        "waiting": len(core.waiting),
+        "running": len(core.running) + (core.prefilling is not None),  # prefill + decode
+        "prefilling": int(core.prefilling is not None),
+        "decoding": len(core.running),
+        "kv_blocks_used": pool.used_blocks,
+        "kv_blocks_cached": pool.cached_blocks,
+        "kv_blocks_free": pool.free_blocks,
+        "kv_blocks_total": pool.num_blocks,
+        "state_slots_held": pool.held_state_slots,
+        "prefix_hit_rate": counters.prefix_hit_rate,
+        "prompt_tokens_total": counters.prompt_tokens,
+        "cached_prompt_tokens_total": counters.cached_prompt_tokens,
+        "generated_tokens_total": counters.generated_tokens,
+        "prompt_tokens_per_s": counters.prompt_tokens_per_s,
+        "generation_tokens_per_s": counters.generation_tokens_per_s,
+    }
+    transport = _transport(request.app[SERVICE])
+    if transport is not None:
+        body.update(_egress_fields(transport.telemetry()))
+    return web.json_response(body)
+
+
+def _transport(service: EngineService) -> KVSender | None:
+    """The engine's KV transport sender (None with an in-process hand-off)."""
+    return service.sender.transport if isinstance(service.sender, TransportSender) else None
+
+
+def _egress_fields(t: TransportTelemetry) -> dict[str, Any]:
+    """The transport's key numbers, as flat `/stats` fields."""
+    return {
+        "kv_egress_bytes_per_s": t.egress_bytes_per_s,
+        "kv_egress_bytes_total": t.bytes_total,
+        "kv_egress_capacity_bytes_per_s": t.capacity_bytes_per_s,
+        "kv_egress_utilisation": t.utilisation,
+        "kv_transfer_rtt_s": t.rtt_s,
+        "kv_retransmission_rate": t.retransmission_rate,
+        "kv_transfers_active": t.active_transfers,
+    }
+
+
+async def transfer_stats(request: web.Request) -> web.Response:
+    """`GET /transfer_stats`: the KV transport's telemetry (egress rate, utilisation of the
+    configured capacity, retransmission rate, RTT, per-connection TCP_INFO samples) and its
+    pacing settings. `at` is the engine's event-loop clock, for rates between two samples."""
+    service = request.app[SERVICE]
+    transport = _transport(service)
+    if transport is None:
+        return json_error(404, "this engine's KV hand-off has no transport", code="no_transport")
+    cfg = transport.config
+    body = {
+        **asdict(transport.telemetry()),
+        "role": service.core.role,
+        "connections_per_peer": cfg.connections,
+        "egress_rate_bytes_per_s": cfg.process_rate_bytes_per_s,
+        "egress_delay_s": cfg.delay_s,
+    }
+    return web.json_response(body)
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    request.app[SERVICE].flush_cache()
+    return web.json_response({"status": "ok", "message": "prefix cache flush queued"})
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    """SGLang `/abort_request {"rid": ...}`: abort one request (200 even if already done)."""
+    try:
+        body = await read_json(request)
+        if not isinstance(body, dict) or not isinstance(body.get("rid"), str):
+            raise InvalidRequest('the body must be {"rid": "<request id>"}')
+    except InvalidRequest as exc:
+        return error_for(exc)
+    found = request.app[SERVICE].abort(body["rid"])
+    return web.json_response({"rid": body["rid"], "aborted": found})
+
+
+async def admin_role(request: web.Request) -> web.Response:
+    """`POST /admin/role {"role": "prefill"|"decode"|"both"}`: drain, switch, report the time."""
+    try:
+        body = await read_json(request)
+        if not isinstance(body, dict) or set(body) != {"role"}:
+            raise InvalidRequest('the body must be {"role": "prefill" | "decode" | "both"}')
+        seconds = await request.app[SERVICE].switch_role(body["role"])
+    except InvalidRequest as exc:
+        return error_for(exc)
+    except TimeoutError:
+        return json_error(503, "running requests did not drain in time", code="drain_timeout")
+    return web.json_response({"role": body["role"], "switch_seconds": seconds})
+
+
+def create_app(
+    service: EngineService, tokenizer: EngineTokenizer, info: ModelInfo
+) -> web.Application:
+    """The aiohttp application; starting it starts the engine, cleanup closes it."""
+    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
+    app[SERVICE], app[TOKENIZER], app[INFO] = service, tokenizer, info
+
+    async def lifecycle(app: web.Application) -> Any:
+        await service.start()
+        yield
+        await service.close()
+
+    app.cleanup_ctx.append(lifecycle)
+    app.router.add_post("/generate", generate)
+    app.router.add_get("/health", health)
+    app.router.add_get("/server_info", server_info)
+    app.router.add_get("/get_server_info", server_info)
+    app.router.add_get("/stats", stats)
+    app.router.add_get("/transfer_stats", transfer_stats)
+    app.router.add_post("/flush_cache", flush_cache)
+    app.router.add_post("/admin/role", admin_role)
+    app.router.add_post("/abort_request", abort_request)
+    add_openai_routes(app)
+    return app

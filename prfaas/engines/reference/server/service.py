@@ -1,0 +1,213 @@
+"""The engine's async face: runs `EngineCore.step` on one worker thread, validates and submits
+requests, relays their token events, and drives hand-offs and role switches.
+
+Threading: the event loop owns everything here; the worker thread runs `core.step()` only.
+Requests reach the core through its thread-safe inbox; token events come back through
+`loop.call_soon_threadsafe`. The loop never blocks on the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from prfaas.engines.reference.handoff.base import HandoffReceiver, HandoffSender
+from prfaas.engines.reference.step.core import EngineCore
+from prfaas.engines.reference.step.request import Request, TokenEvent
+from prfaas.engines.reference.step.sampling import InvalidRequest, SamplingParams, resolve_seed
+
+logger = logging.getLogger(__name__)
+
+
+class CapacityError(InvalidRequest):
+    """The request can never fit the engine (HTTP 413)."""
+
+
+class Unavailable(Exception):
+    """The engine does not take new requests now (draining for a role switch; HTTP 503)."""
+
+
+@dataclass(frozen=True)
+class Bootstrap:
+    """SGLang's PD fields: where the prefill engine's KV for this request is fetched."""
+
+    host: str
+    port: int
+    room: int
+
+
+def _no_emit(event: TokenEvent) -> None:
+    raise RuntimeError("request emitted before it was started")
+
+
+class EngineService:
+    """Async engine: `generate` yields `TokenEvent`s; `switch_role`, `flush` and stats."""
+
+    def __init__(self, core: EngineCore, sender: HandoffSender, receiver: HandoffReceiver) -> None:
+        self.core, self.sender, self.receiver = core, sender, receiver
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="prfaas-engine")
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._draining = False
+        self._active: dict[str, Request] = {}
+        self.last_switch_s: float | None = None
+
+    async def start(self) -> None:
+        """Start the hand-off endpoint and the step loop."""
+        await self.sender.start()
+        self._task = asyncio.create_task(self._run(), name="prfaas-engine-loop")
+
+    async def close(self) -> None:
+        """Stop the step loop, then close the hand-off endpoints."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._executor.shutdown(wait=True)
+        await self.sender.close()
+        await self.receiver.close()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self.core.has_work():
+                self._wake.clear()
+                self._idle.set()
+                await self._wake.wait()
+                self._idle.clear()
+            try:
+                await loop.run_in_executor(self._executor, self.core.step)
+            except Exception:
+                logger.exception("engine step failed; aborting its requests")
+                self.core.fail_all("internal engine error")
+
+    def validate(self, prompt: Sequence[int], params: SamplingParams) -> None:
+        """Raise `InvalidRequest` / `CapacityError` for a request the engine cannot run."""
+        vocab = self.core.runner.shape.vocab_size
+        if not prompt:
+            raise InvalidRequest("the prompt is empty")
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        pool = self.core.pool
+        total = len(prompt) + params.max_new_tokens
+        if pool.blocks_for_tokens(total) > pool.config.num_blocks:
+            raise CapacityError(
+                f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) "
+                f"exceeds the KV capacity of {pool.config.num_blocks * pool.config.block_size}"
+            )
+
+    def generate(
+        self,
+        rid: str,
+        prompt: list[int],
+        params: SamplingParams,
+        bootstrap: Bootstrap | None,
+    ) -> AsyncGenerator[TokenEvent, None]:
+        """Check and start one request; iterate the result for its events, the last one with
+        a finish reason. Closing the iteration early (client gone) aborts the request and
+        frees its blocks.
+
+        Raises:
+            InvalidRequest, CapacityError: bad input (at once). Unavailable: draining.
+            HandoffError: from the iteration, when a decode engine gets no KV.
+        """
+        if self._draining:
+            raise Unavailable("engine is switching roles")
+        self.validate(prompt, params)
+        if rid in self._active:
+            raise InvalidRequest(f"rid {rid!r} is already in use by a running request")
+        role = self.core.role
+        if role != "both" and bootstrap is None:
+            raise InvalidRequest(
+                f"a {role} engine needs bootstrap_host, bootstrap_port and bootstrap_room"
+            )
+        req = Request(rid, prompt, params, emit=_no_emit, seed=resolve_seed(params))
+        self._active[rid] = req  # released when the iteration ends (callers always iterate)
+        return self._events(req, role, bootstrap)
+
+    async def _events(
+        self, req: Request, role: str, bootstrap: Bootstrap | None
+    ) -> AsyncGenerator[TokenEvent, None]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+
+        def emit(event: TokenEvent) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, event)
+
+        req.emit = emit
+        finished = False
+        try:
+            if role == "prefill" and bootstrap is not None:
+                try:
+                    req.outbox = self.sender.open(bootstrap.room)
+                except ValueError as exc:  # room already open (or out of range)
+                    raise InvalidRequest(f"bootstrap_room {bootstrap.room}: {exc}") from exc
+            elif role == "decode" and bootstrap is not None:
+                req.received = await self.receiver.fetch(
+                    bootstrap.host, bootstrap.port, bootstrap.room,
+                    timeout_s=self.core.config.handoff_timeout_s,
+                )  # fmt: skip
+            self._submit(req)
+            while not finished:
+                event = await queue.get()
+                if event.finish_reason is not None and req.outbox is not None:
+                    await req.outbox.wait()  # SGLang's prefill answers once KV is delivered
+                finished = event.finish_reason is not None
+                yield event
+        finally:
+            if self._active.get(req.rid) is req:
+                del self._active[req.rid]
+            if not finished:
+                req.aborted = True
+                if req.outbox is not None:
+                    req.outbox.abort("request aborted")
+                self._poke()
+
+    def abort(self, rid: str) -> bool:
+        """Abort the running or queued request `rid` (SGLang's `/abort_request`); False if
+        there is none."""
+        req = self._active.get(rid)
+        if req is None:
+            return False
+        req.aborted = True
+        self._poke()
+        return True
+
+    def _submit(self, req: Request) -> None:
+        self.core.submit(req)
+        self._poke()
+
+    def _poke(self) -> None:
+        """There is work: wake the step loop (and mark it not idle until it looks)."""
+        self._idle.clear()
+        self._wake.set()
+
+    def flush_cache(self) -> None:
+        """Drop the prefix cache (at the next step)."""
+        self.core.request_flush()
+        self._poke()
+
+    async def switch_role(self, role: str, timeout_s: float = 300.0) -> float:
+        """Drain running work, then switch role; returns the switch time in seconds.
+
+        Raises:
+            InvalidRequest: unknown role. TimeoutError: work did not drain in time.
+        """
+        if role not in ("prefill", "decode", "both"):
+            raise InvalidRequest(f"role must be prefill, decode or both, got {role!r}")
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        self._draining = True
+        try:
+            async with asyncio.timeout(timeout_s):
+                while self.core.has_work():
+                    await self._idle.wait()
+            self.core.role = role
+        finally:
+            self._draining = False
+        self.last_switch_s = loop.time() - start
+        return self.last_switch_s

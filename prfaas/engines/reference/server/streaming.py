@@ -1,0 +1,104 @@
+"""Shared helpers for the HTTP handlers: JSON bodies, SSE responses, event collection."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from prfaas.engines.reference.step.request import TokenEvent
+from prfaas.engines.reference.step.sampling import InvalidRequest
+
+MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+async def read_json(request: web.Request) -> Any:
+    """The decoded JSON body. Raises `InvalidRequest` when it is not JSON."""
+    raw = await request.read()
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"malformed JSON body: {exc}") from exc
+
+
+class HandoffFailed(Exception):
+    """The request ended with an abort carrying a status code (e.g. 502 hand-off failure)."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Collected:
+    """Everything a request produced."""
+
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: dict[str, object] | None = None
+    cached_tokens: int = 0
+
+    def add(self, event: TokenEvent) -> None:
+        self.output_ids.extend(event.token_ids)
+        self.cached_tokens = event.cached_tokens or self.cached_tokens
+        if event.finish_reason is not None:
+            self.finish_reason = event.finish_reason
+            check_abort(event.finish_reason)
+
+
+def check_abort(reason: dict[str, object]) -> None:
+    """Raise `HandoffFailed` for an abort that carries an HTTP status."""
+    status = reason.get("status_code")
+    if reason.get("type") == "abort" and isinstance(status, int):
+        raise HandoffFailed(str(reason.get("message")), status)
+
+
+async def collect(events: AsyncGenerator[TokenEvent, None]) -> Collected:
+    """Run a request to the end."""
+    result = Collected()
+    async with aclosing(events) as it:
+        async for event in it:
+            result.add(event)
+    return result
+
+
+async def open_sse(request: web.Request) -> web.StreamResponse:
+    """Start a `text/event-stream` response."""
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await response.prepare(request)
+    return response
+
+
+async def send_sse(response: web.StreamResponse, payload: Any) -> None:
+    """One `data: ...` event (`[DONE]` is sent verbatim)."""
+    data = b"[DONE]" if payload == "[DONE]" else orjson.dumps(payload)
+    await response.write(b"data: " + data + b"\n\n")
+
+
+def visible_text(text: str, reason: dict[str, object] | None) -> str:
+    """The output text as SGLang shows it: cut before a matched stop string."""
+    matched = reason.get("matched") if reason is not None else None
+    if isinstance(matched, str) and reason is not None and reason.get("type") == "stop":
+        cut = text.find(matched)
+        return text if cut < 0 else text[:cut]
+    return text
+
+
+def stable_text(text: str, final: bool) -> str:
+    """Hold back a trailing replacement character (an incomplete UTF-8 sequence) until the
+    end, so streamed deltas never need to be retracted."""
+    return text if final else text.rstrip("\ufffd")
+
+
+def openai_finish(reason: dict[str, object] | None) -> str | None:
+    """SGLang finish reason -> OpenAI's ("stop", "length", "abort")."""
+    return None if reason is None else str(reason.get("type"))
+
+
+def join_ids(parts: Sequence[Sequence[int]]) -> list[int]:
+    return [t for p in parts for t in p]

@@ -1,0 +1,29 @@
+"""When a request stops, in SGLang's `finish_reason` format."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prfaas.engines.reference.step.request import Request
+
+FinishReason = dict[str, object]
+
+
+def stop_reason(
+    req: Request, eos_token_id: int | None, detokenize: Callable[[list[int]], str]
+) -> FinishReason | None:
+    """`{"type": "stop", "matched": ...}` on EOS, a stop token or a stop string;
+    `{"type": "length", "length": n}` at `max_new_tokens`; None to continue."""
+    params, last = req.params, req.output[-1]
+    if not params.ignore_eos and last == eos_token_id:
+        return {"type": "stop", "matched": last}
+    if last in params.stop_token_ids:
+        return {"type": "stop", "matched": last}
+    if params.stop:
+        text = detokenize(req.output)
+        for stop in params.stop:
+            if stop in text:
+                return {"type": "stop", "matched": stop}
+    if len(req.output) >= params.max_new_tokens:
+        return {"type": "length", "length": params.max_new_tokens}
+    return None

@@ -1,0 +1,173 @@
+"""The gateway's HTTP application on `HttpServer`: OpenAI API, health, metrics, admin state.
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`,
+`GET /metrics` (Prometheus text), `GET /admin/state`, `POST /admin/state` (set `threshold`
+and/or `regime`); `HEAD` wherever `GET` is. Unknown paths get a JSON 404, known paths with
+another method a JSON 405 with `Allow`. `GatewayApp` owns the one engine `ClientSession`, the
+`Gateway` and the server: `start` brings them up in that order, `stop` takes them down in
+reverse, so every background task stops with the app.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+import orjson
+
+from prfaas.gateway.assembly import Gateway, build_gateway
+from prfaas.http.server import Exchange, HttpLimits, HttpRequest, HttpResponse, HttpServer
+from prfaas.protocol.errors import APIError, error_response, invalid
+from prfaas.protocol.openai_request import load_json
+from prfaas.serve.deployment import DeploymentConfig
+
+SESSION_LIMIT = 0  # no cap on pooled connections: admission bounds concurrency
+Route = Callable[[Gateway, HttpRequest, Exchange], Awaitable[HttpResponse | None]]
+
+
+def _json(obj: object, status: int = 200) -> HttpResponse:
+    return HttpResponse(status, orjson.dumps(obj))
+
+
+async def completions(gw: Gateway, request: HttpRequest, exchange: Exchange) -> HttpResponse | None:
+    return await gw.service.handle(request, exchange, "completions")
+
+
+async def chat(gw: Gateway, request: HttpRequest, exchange: Exchange) -> HttpResponse | None:
+    return await gw.service.handle(request, exchange, "chat")
+
+
+async def models(gw: Gateway, request: HttpRequest, exchange: Exchange) -> HttpResponse:
+    gw.service.check_auth(request)
+    model = {
+        "id": gw.config.model.name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "prfaas",
+        "max_model_len": gw.config.model.context_length,
+    }
+    return _json({"object": "list", "data": [model]})
+
+
+async def health(gw: Gateway, request: HttpRequest, exchange: Exchange) -> HttpResponse:
+    roles = {(s.cluster, s.role) for s in gw.instances if s.healthy}
+    ok = any(c == "pd" and r in ("decode", "both") for c, r in roles)
+    body = {"status": "ok" if ok else "degraded", "healthy_instances": len(roles)}
+    return _json(body, 200 if ok else 503)
+
+
+async def metrics(gw: Gateway, request: HttpRequest, exchange: Exchange) -> HttpResponse:
+    text = gw.metrics.render(gw.gauges())
+    return HttpResponse(200, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
+
+
+async def admin_state(gw: Gateway, request: HttpRequest, exchange: Exchange) -> HttpResponse:
+    gw.service.check_auth(request)
+    return _json({**gw.admin_state(), "time": time.time()})
+
+
+async def set_admin_state(gw: Gateway, request: HttpRequest, exchange: Exchange) -> HttpResponse:
+    """Move the threshold or regime by hand (what the short-term scheduler will do)."""
+    gw.service.check_auth(request)
+    body = load_json(request.body)
+    threshold, regime = body.get("threshold"), body.get("regime")
+    if threshold is not None:
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or threshold < 0:
+            raise invalid(f"'threshold' must be a number >= 0, got {threshold!r}", "threshold")
+        gw.router.state.threshold = float(threshold)
+    if regime is not None:
+        if regime not in ("bandwidth_scarce", "bandwidth_abundant"):
+            raise invalid(f"'regime' must be bandwidth_scarce|bandwidth_abundant: {regime!r}")
+        gw.router.state.regime = regime
+    return _json(gw.admin_state())
+
+
+ROUTES: dict[str, dict[str, Route]] = {
+    "/v1/completions": {"POST": completions},
+    "/v1/chat/completions": {"POST": chat},
+    "/v1/models": {"GET": models},
+    "/health": {"GET": health},
+    "/metrics": {"GET": metrics},
+    "/admin/state": {"GET": admin_state, "POST": set_admin_state},
+}
+
+
+class GatewayApp:
+    """One gateway served over HTTP. `setup` runs on the built gateway before it starts
+    (e.g. to attach link telemetry)."""
+
+    def __init__(
+        self, config: DeploymentConfig, setup: Callable[[Gateway], Awaitable[None]] | None = None
+    ) -> None:
+        self.config = config
+        self._setup = setup
+        self._gateway: Gateway | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._server: HttpServer | None = None
+
+    @property
+    def gateway(self) -> Gateway:
+        if self._gateway is None:
+            raise RuntimeError("the gateway app has not started")
+        return self._gateway
+
+    async def start(self, host: str, port: int) -> int:
+        """Build and start the gateway, then listen; returns the bound port."""
+        connector = aiohttp.TCPConnector(limit=SESSION_LIMIT, ttl_dns_cache=300)
+        # No cookie jar, no decompression: engine calls need neither, and both cost per call.
+        self._session = aiohttp.ClientSession(
+            connector=connector, cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False
+        )
+        try:
+            gateway = build_gateway(self.config, self._session)
+            if self._setup is not None:
+                await self._setup(gateway)
+            self._gateway = gateway
+            await gateway.start()
+            limits = HttpLimits(max_body_bytes=self.config.gateway.max_body_bytes)
+            self._server = HttpServer(self.dispatch, error_response, limits)
+            return await self._server.start(host, port)
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def stop(self) -> None:
+        """Stop listening (requests in flight get a short grace), then the gateway's tasks
+        and engine connections."""
+        try:
+            if self._server is not None:
+                await self._server.stop()
+        finally:
+            try:
+                if self._gateway is not None:
+                    await self._gateway.stop()
+            finally:
+                if self._session is not None:
+                    await self._session.close()
+                self._server = self._gateway = self._session = None
+
+    async def dispatch(self, request: HttpRequest, exchange: Exchange) -> HttpResponse | None:
+        """Route one request; `APIError` becomes its JSON response."""
+        methods = ROUTES.get(request.path)
+        if methods is None:
+            return APIError(
+                404, f"no route {request.method} {request.path}", code="not_found"
+            ).response()
+        handler = methods.get(request.method)
+        if handler is None and request.method == "HEAD":
+            handler = methods.get("GET")
+        if handler is None:
+            allow = ", ".join([*methods, "HEAD"] if "GET" in methods else methods)
+            return APIError(
+                405,
+                f"method {request.method} not allowed on {request.path}",
+                code="method_not_allowed",
+                headers={"Allow": allow},
+            ).response()
+        try:
+            return await handler(self.gateway, request, exchange)
+        except APIError as exc:
+            if exchange.stream is not None:
+                raise  # too late for a status: the server cuts the response
+            return exc.response()

@@ -1,0 +1,204 @@
+"""The OpenAI completion handlers: authenticate, parse, admit, route, relay (SSE or JSON).
+
+The routing itself lives in `Router` (no HTTP there); this module only adapts HTTP to it
+and keeps the metrics. A client that disconnects cancels the handler, which closes the
+Router's stream and so aborts the request on both the prefill and the decode engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import orjson
+
+from prfaas.engines.client import EngineError, GenerateChunk
+from prfaas.gateway.admission import AdmissionManager, QueueFull
+from prfaas.gateway.api.metrics import GatewayMetrics
+from prfaas.gateway.router import Router
+from prfaas.gateway.tokenization import GatewayTokenizer
+from prfaas.http.server import Exchange, HttpRequest, HttpResponse
+from prfaas.policies.routing import NoInstanceAvailable, RouteDecision
+from prfaas.protocol.errors import APIError
+from prfaas.protocol.openai_request import Api, CompletionCall, ModelLimits, load_json, parse_call
+from prfaas.protocol.openai_response import Accumulator
+
+Stream = AsyncIterator[tuple[RouteDecision, GenerateChunk]]
+SSE_HEADERS = {"Cache-Control": "no-cache"}
+
+
+@dataclass
+class _Timing:
+    """What one request's metrics record, gathered on the way and booked after the answer."""
+
+    api: Api
+    start: float
+    route: str = "none"
+    status: int = 200
+    prompt_tokens: int | None = None
+    ttft: float | None = None
+    incremental_tokens: int = 0
+
+
+@dataclass
+class CompletionService:
+    """Serves `/v1/completions` and `/v1/chat/completions` through a `Router`."""
+
+    router: Router
+    tokenizer: GatewayTokenizer
+    limits: ModelLimits
+    admission: AdmissionManager
+    metrics: GatewayMetrics
+    api_keys: frozenset[str] = frozenset()
+    retry_after_s: int = 1
+    clock: Callable[[], float] = field(default=lambda: asyncio.get_running_loop().time())
+
+    def check_auth(self, request: HttpRequest) -> None:
+        """Raises APIError(401) unless API keys are off or the bearer key is one of them."""
+        if not self.api_keys:
+            return
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or key.strip() not in self.api_keys:
+            raise APIError(401, "invalid or missing API key", code="invalid_api_key")
+
+    async def handle(
+        self, request: HttpRequest, exchange: Exchange, api: Api
+    ) -> HttpResponse | None:
+        """Serve one completion request: a whole JSON response, or None once an SSE stream
+        was written to `exchange`."""
+        timing = _Timing(api, self.clock())
+        try:
+            return await self._handle(request, exchange, api, timing)
+        except APIError as exc:
+            timing.status = exc.status
+            raise
+        except asyncio.CancelledError:
+            timing.status = 499  # the client went away
+            raise
+        except ConnectionError:
+            timing.status = 499  # ... while we were streaming to it
+            return None
+        finally:
+            # Booked once the current step has written the answer: off the critical path.
+            asyncio.get_running_loop().call_soon(self._account, timing)
+
+    def _account(self, timing: _Timing) -> None:
+        metrics, route = self.metrics, timing.route
+        metrics.requests.inc(timing.api, route, str(timing.status))
+        if timing.prompt_tokens is not None:
+            metrics.prompt.observe(timing.prompt_tokens)
+        if timing.ttft is not None:
+            metrics.ttft.observe(timing.ttft, route)
+            metrics.incremental.observe(timing.incremental_tokens, route)
+        if timing.status == 200:
+            metrics.e2e.observe(self.clock() - timing.start, route)
+
+    async def _handle(
+        self, request: HttpRequest, exchange: Exchange, api: Api, timing: _Timing
+    ) -> HttpResponse | None:
+        self.check_auth(request)
+        call = parse_call(load_json(request.body), api, self.limits, self.tokenizer)
+        timing.prompt_tokens = len(call.input_ids)
+        try:
+            async with self.admission.slot():
+                return await self._serve(exchange, call, timing)
+        except QueueFull as exc:
+            raise APIError(
+                429,
+                f"the gateway is at capacity ({exc}); retry later",
+                code="queue_full",
+                headers={"Retry-After": str(self.retry_after_s)},
+            ) from None
+
+    async def _serve(
+        self, exchange: Exchange, call: CompletionCall, timing: _Timing
+    ) -> HttpResponse | None:
+        prefix = "chatcmpl" if call.api == "chat" else "cmpl"
+        # An id, not a secret: 128 random bits without a getrandom() call per request.
+        acc = Accumulator(call, f"{prefix}-{random.getrandbits(128):032x}", int(time.time()))
+        if not call.stream:
+            return await self._whole(acc, timing)
+        stream = self.router.generate(acc.rid, call.input_ids, call.sampling)
+        try:
+            decision, first = await _first(stream)
+            self._routed(decision, acc, timing)
+            await self._sse(exchange, acc, first, stream, route_headers(decision))
+            return None
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+    async def _whole(self, acc: Accumulator, timing: _Timing) -> HttpResponse:
+        """A non-streaming request: the engines answer in one piece, so does the gateway."""
+        call = acc.call
+        try:
+            decision, chunks = await self.router.complete(acc.rid, call.input_ids, call.sampling)
+        except NoInstanceAvailable as exc:
+            raise APIError(503, str(exc), code="no_instance_available") from None
+        except EngineError as exc:
+            raise _engine_error(exc) from None
+        if not chunks:
+            raise APIError(502, "the engine returned no output", code="engine_error")
+        self._routed(decision, acc, timing)
+        for chunk in chunks:
+            acc.add(chunk)
+        return HttpResponse(200, orjson.dumps(acc.final()), headers=route_headers(decision))
+
+    def _routed(self, decision: RouteDecision, acc: Accumulator, timing: _Timing) -> None:
+        timing.route = decision.route
+        timing.ttft = self.clock() - timing.start
+        timing.incremental_tokens = decision.incremental_tokens
+        acc.index_cached_tokens = decision.cached_tokens
+
+    async def _sse(
+        self,
+        exchange: Exchange,
+        acc: Accumulator,
+        first: GenerateChunk,
+        stream: Stream,
+        headers: dict[str, str],
+    ) -> None:
+        resp = exchange.start_stream(200, {**SSE_HEADERS, **headers}, "text/event-stream")
+        acc.add(first)
+        await resp.write(_sse(acc.chunk(first)))
+        try:
+            async for _, chunk in stream:
+                acc.add(chunk)
+                await resp.write(_sse(acc.chunk(chunk)))
+        except EngineError as exc:  # too late for a status: tell the client in-band
+            await resp.write(_sse(_engine_error(exc).body()))
+        else:
+            if acc.call.include_usage:
+                await resp.write(_sse(acc.usage_chunk()))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.end()
+
+
+async def _first(stream: Stream) -> tuple[RouteDecision, GenerateChunk]:
+    try:
+        return await anext(stream)
+    except NoInstanceAvailable as exc:
+        raise APIError(503, str(exc), code="no_instance_available") from None
+    except EngineError as exc:
+        raise _engine_error(exc) from None
+    except StopAsyncIteration:
+        raise APIError(502, "the engine returned no output", code="engine_error") from None
+
+
+def _engine_error(exc: EngineError) -> APIError:
+    status = exc.status if exc.status in (502, 503, 504) else 502
+    return APIError(status, f"engine failure: {exc}", code="engine_error")
+
+
+def route_headers(decision: RouteDecision) -> dict[str, str]:
+    """`x-prfaas-route` and `x-prfaas-incremental-tokens` for a routed request."""
+    return {
+        "x-prfaas-route": decision.route,
+        "x-prfaas-incremental-tokens": str(decision.incremental_tokens),
+    }
+
+
+def _sse(obj: object) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"

@@ -1,0 +1,150 @@
+"""Assembly of one gateway from a deployment config: registry, KV index, router, feeds.
+
+`Gateway` owns every long-lived part of the request path and their background tasks;
+`start`/`stop` bracket them (`GatewayApp` calls both around serving).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from prfaas.engines.sglang_client import SGLangClient, SGLangClientConfig
+from prfaas.gateway.admission import AdmissionManager
+from prfaas.gateway.api.completions import CompletionService
+from prfaas.gateway.api.metrics import GatewayMetrics, Gauge
+from prfaas.gateway.health import HealthMonitor
+from prfaas.gateway.instances import InstanceManager, InstanceState
+from prfaas.gateway.kv_feed import KVEventFeed
+from prfaas.gateway.kv_index import KVIndexManager
+from prfaas.gateway.router import Router, RoutingState
+from prfaas.gateway.tokenization import create_tokenizer
+from prfaas.policies.registry import create_policy
+from prfaas.protocol.openai_request import ModelLimits
+from prfaas.serve.deployment import DeploymentConfig, InstanceConfig
+
+
+@dataclass
+class Gateway:
+    """Everything one gateway process routes with."""
+
+    config: DeploymentConfig
+    instances: InstanceManager
+    index: KVIndexManager
+    router: Router
+    service: CompletionService
+    feed: KVEventFeed
+    health: HealthMonitor
+    metrics: GatewayMetrics
+    link: dict[str, Any] = field(default_factory=dict)
+    """Describes the cross-cluster link for `/admin/state` (embedded deployment)."""
+
+    async def start(self) -> None:
+        """Poll health once (so the first request sees real state), then start the feeds."""
+        await self.health.poll_once()
+        self.feed.start()
+        self.health.start()
+
+    async def stop(self) -> None:
+        await self.health.stop()
+        await self.feed.stop()
+        for state in self.instances:
+            await state.client.close()
+
+    def admin_state(self) -> dict[str, Any]:
+        """JSON for `GET /admin/state`."""
+        admission = self.service.admission
+        return {
+            "model": self.config.model.name,
+            "policy": self.router.policy.name,
+            "threshold": self.router.state.threshold,
+            "regime": self.router.state.regime,
+            "clusters": {
+                cluster: [_instance_json(s) for s in self.instances if s.cluster == cluster]
+                for cluster in ("prfaas", "pd")
+            },
+            "queue": {"running": admission.running, "waiting": admission.waiting},
+            "kv_index": {"entries": len(self.index), "rejected": self.index.rejected_events},
+            "link": self.link,
+        }
+
+    def gauges(self) -> dict[str, Gauge]:
+        """Gauges sampled for `/metrics`."""
+        adm = self.service.admission
+        per_instance = tuple(
+            ((("instance", s.instance_id), ("cluster", s.cluster)), float(s.in_flight))
+            for s in self.instances
+        )
+        healthy = tuple(
+            ((("instance", s.instance_id),), 1.0 if s.healthy else 0.0) for s in self.instances
+        )
+        gauges = {
+            "prfaas_threshold_tokens": Gauge.one(
+                "Current threshold t.", self.router.state.threshold
+            ),
+            "prfaas_queue_running": Gauge.one("Requests dispatched now.", adm.running),
+            "prfaas_queue_waiting": Gauge.one("Requests waiting for a slot.", adm.waiting),
+            "prfaas_instance_in_flight": Gauge("In-flight requests per instance.", per_instance),
+            "prfaas_instance_healthy": Gauge("1 if the instance answers health checks.", healthy),
+            "prfaas_kv_index_entries": Gauge.one("(instance, block) entries.", len(self.index)),
+        }
+        if "egress_utilisation" in self.link:
+            util = float(self.link["egress_utilisation"])
+            gauges["prfaas_egress_utilisation"] = Gauge.one("PrfaaS egress / link rate.", util)
+        return gauges
+
+
+def _instance_json(s: InstanceState) -> dict[str, Any]:
+    url = s.client.base_url if isinstance(s.client, SGLangClient) else None
+    return {
+        "id": s.instance_id,
+        "role": s.role,
+        "url": url,
+        "healthy": s.healthy,
+        "in_flight": s.in_flight,
+        "queued": s.queued,
+    }
+
+
+def _instance(cfg: InstanceConfig, session: aiohttp.ClientSession) -> InstanceState:
+    client = SGLangClient(cfg.id, cfg.url, session, SGLangClientConfig())
+    return InstanceState(
+        instance_id=cfg.id,
+        cluster=cfg.cluster,
+        role=cfg.role,
+        client=client,
+        bootstrap_host=cfg.bootstrap_address if cfg.role != "decode" else None,
+        bootstrap_port=cfg.bootstrap_port,
+    )
+
+
+def build_gateway(config: DeploymentConfig, session: aiohttp.ClientSession) -> Gateway:
+    """Wire a gateway for `config`; engines are reached through `session` (caller owns it).
+
+    Raises:
+        ValueError: unknown policy or unusable tokenizer.
+    """
+    g, m = config.gateway, config.model
+    instances = InstanceManager()
+    for cfg in config.instances:
+        instances.add(_instance(cfg, session))
+    index = KVIndexManager(block_size=m.block_size, max_blocks=g.kv_index_max_blocks)
+    metrics = GatewayMetrics()
+    router = Router(instances, index, create_policy(g.policy), RoutingState(g.threshold, g.regime))
+    service = CompletionService(
+        router=router,
+        tokenizer=create_tokenizer(m.tokenizer),
+        limits=ModelLimits(m.name, m.context_length, m.vocab_size),
+        admission=AdmissionManager(max_running=g.max_running, max_queued=g.max_queued),
+        metrics=metrics,
+        api_keys=frozenset(g.api_keys),
+        retry_after_s=g.retry_after_s,
+    )
+    endpoints = {c.id: c.kv_events for c in config.instances if c.kv_events}
+    feed = KVEventFeed(index, endpoints, lambda i, why: metrics.kv_resyncs.inc(i, why))
+    health = HealthMonitor(
+        instances, g.health_interval_s, on_down=lambda i: feed.resync(i, "instance_down")
+    )
+    return Gateway(config, instances, index, router, service, feed, health, metrics)

@@ -1,0 +1,201 @@
+"""The embedded default deployment of `prfaas serve` (no config file).
+
+Starts three reference engines as child processes (PrfaaS cluster: one prefill; PD cluster:
+one prefill, one decode). The cross-DC link is emulated by the PrfaaS prefill engine's own
+KV transport: its whole egress is paced to the link rate (a per-process token bucket: one
+cluster egress link shared by every decode peer) with an added one-way delay, so KV goes
+engine to engine and never through the gateway. Profiles the engines (the link's bandwidth
+measured over that transport), runs the planner to choose `t`, polls the transport's
+telemetry for `/metrics` and `/admin/state`, and serves until SIGINT/SIGTERM, when
+everything stops, children included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from prfaas.engines.sglang_client import SGLangClient
+from prfaas.gateway.assembly import Gateway
+from prfaas.gateway.link import EgressSample, egress_setup, fetch_sample
+from prfaas.serve.deployment import DeploymentConfig, GatewayConfig, InstanceConfig, ModelConfig
+from prfaas.serve.processes import EngineProcess, EngineSpec, free_port, start_engine
+from prfaas.serve.profiling import MeasuredProfile, Pair, Workload, measure, plan_threshold
+from prfaas.serve.run import serve_gateway, signals_cancel_current_task
+from prfaas.serve.summary import summary_lines
+
+DEFAULT_LINK_MBPS = 10.0
+DEFAULT_DELAY_MS = 5.0
+ENGINE_MAX_BATCH = 32  # the engine CLI's default --max-batch
+T_RANGE = (256.0, 4096.0)  # keep both routes in use for a newcomer's prompts
+LINK_CHUNK_KIB = 64  # frame size = pacing burst: small, so a slow link is paced smoothly
+
+
+@dataclass(frozen=True)
+class EmbeddedOptions:
+    """What the embedded deployment takes from the command line."""
+
+    model: str = "qwen3-next-tiny"
+    link_mbps: float = DEFAULT_LINK_MBPS
+    """Emulated PrfaaS egress, megabits per second."""
+    link_delay_ms: float = DEFAULT_DELAY_MS
+    page_size: int = 64
+    threads: int = 1
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    threshold_override: float | None = None
+    workload: Workload = field(default_factory=Workload)
+
+    def __post_init__(self) -> None:
+        if not self.link_mbps > 0:
+            raise ValueError(f"link_mbps must be > 0, got {self.link_mbps}")
+        if not 0 <= self.link_delay_ms <= 10_000:
+            raise ValueError(f"link_delay_ms must be in [0, 10000], got {self.link_delay_ms}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, overrides: Mapping[str, Any]) -> EmbeddedOptions:
+        gateway = replace(GatewayConfig(), **{k: v for k, v in overrides.items()})
+        return cls(
+            link_mbps=args.link_gbps * 1000 if args.link_gbps is not None else DEFAULT_LINK_MBPS,
+            link_delay_ms=DEFAULT_DELAY_MS if args.link_delay_ms is None else args.link_delay_ms,
+            gateway=gateway,
+            threshold_override=overrides.get("threshold"),
+        )
+
+    def link_args(self) -> tuple[str, ...]:
+        """`prfaas engine` flags that make the PrfaaS prefill's transport the link."""
+        return ("--egress-rate-mbps", f"{self.link_mbps:g}",
+                "--egress-delay-ms", f"{self.link_delay_ms:g}",
+                "--transfer-chunk-kib", str(LINK_CHUNK_KIB))  # fmt: skip
+
+    def link_state(self) -> dict[str, Any]:
+        """The emulated link's settings, for `/admin/state`."""
+        return {
+            "emulated_rate_bytes_per_s": self.link_mbps * 1e6 / 8,
+            "delay_s": self.link_delay_ms / 1000,
+            "paced_by": "prfaas-p0 KV transport (per-process token bucket)",
+        }
+
+
+@dataclass
+class Cluster:
+    """The started pieces, for cleanup."""
+
+    engines: dict[str, EngineProcess]
+
+
+async def start_cluster(options: EmbeddedOptions, log_dir: Path) -> Cluster:
+    """Start the three engines concurrently; the PrfaaS prefill paces its own egress."""
+    specs = [
+        EngineSpec(name, role, options.model, options.page_size, options.threads, free_port(),
+                   options.link_args() if name == "prfaas-p0" else ())
+        for name, role in (("prfaas-p0", "prefill"), ("pd-p0", "prefill"), ("pd-d0", "decode"))
+    ]  # fmt: skip
+    results = await asyncio.gather(
+        *(start_engine(s, log_dir) for s in specs), return_exceptions=True
+    )
+    started = {r.spec.name: r for r in results if isinstance(r, EngineProcess)}
+    cluster = Cluster(started)
+    failures = [r for r in results if isinstance(r, BaseException)]
+    if failures:
+        await stop_cluster(cluster)
+        raise failures[0]
+    return cluster
+
+
+async def stop_cluster(cluster: Cluster) -> None:
+    await asyncio.gather(*(e.stop() for e in cluster.engines.values()))
+
+
+def deployment_for(
+    cluster: Cluster, options: EmbeddedOptions, threshold: float
+) -> DeploymentConfig:
+    """The gateway's view: every engine at its own HTTP and bootstrap address."""
+    e = cluster.engines
+    instances = (
+        InstanceConfig("prfaas-p0", "prfaas", "prefill", e["prfaas-p0"].url, "127.0.0.1",
+                       e["prfaas-p0"].bootstrap_port, e["prfaas-p0"].kv_events),
+        InstanceConfig("pd-p0", "pd", "prefill", e["pd-p0"].url, "127.0.0.1",
+                       e["pd-p0"].bootstrap_port, e["pd-p0"].kv_events),
+        InstanceConfig("pd-d0", "pd", "decode", e["pd-d0"].url, kv_events=e["pd-d0"].kv_events),
+    )  # fmt: skip
+    model = ModelConfig(name=options.model, block_size=options.page_size)
+    return DeploymentConfig(model, replace(options.gateway, threshold=threshold), instances)
+
+
+async def profile_and_plan(cluster: Cluster, options: EmbeddedOptions) -> tuple[float, list[str]]:
+    """Measure the engines, run the planner; returns `t` and summary lines."""
+    e = cluster.engines
+    async with aiohttp.ClientSession() as session:
+        client = {n: SGLangClient(n, p.url, session) for n, p in e.items()}
+        pd = Pair(client["pd-p0"], ("127.0.0.1", e["pd-p0"].bootstrap_port), client["pd-d0"])
+        pf = Pair(client["prfaas-p0"], ("127.0.0.1", e["prfaas-p0"].bootstrap_port),
+                  client["pd-d0"])  # fmt: skip
+
+        def stats() -> Awaitable[EgressSample]:
+            return fetch_sample(session, e["prfaas-p0"].url)
+
+        measured = await measure(pd, pf, stats, ENGINE_MAX_BATCH)
+        for c in client.values():
+            await c.close()
+    planned, report = plan_threshold(measured, options.workload)
+    t = min(max(planned, T_RANGE[0]), T_RANGE[1])
+    lines = _profile_lines(measured)
+    note = "" if t == planned else f" (planner said {planned:.0f}; clamped to {T_RANGE})"
+    lines.append(
+        f"  planner    t = {t:.0f} tokens{note}; Lambda_max {report.prfaas_pd.lambda_max:.2f} "
+        f"req/s, bottleneck {report.prfaas_pd.bottleneck}"
+    )
+    return t, lines
+
+
+def _profile_lines(m: MeasuredProfile) -> list[str]:
+    cells = ", ".join(
+        f"{n}: {p * 1000:.0f} ms / {k / 1e6:.2f} MB"
+        for n, p, k in zip(m.lengths, m.prefill_s, m.kv_bytes, strict=True)
+    )
+    return [
+        f"  profile    prefill latency / KV bytes by prompt tokens: {cells}",
+        f"             decode step {m.decode_step_s * 1000:.1f} ms (measured at start-up)",
+        f"             link {m.link_bytes_per_s * 8 / 1e6:.2f} Mbit/s (measured: a cached "
+        "prompt's KV over the paced transport)",
+    ]
+
+
+async def serve_embedded(options: EmbeddedOptions, host: str, port: int) -> int:
+    """Run the embedded deployment until a signal; returns an exit code."""
+    log_dir = Path(tempfile.mkdtemp(prefix="prfaas-serve-"))
+    print(f"starting 3 reference engines ({options.model}); logs in {log_dir}", flush=True)
+    with signals_cancel_current_task():
+        cluster = await start_cluster(options, log_dir)
+    try:
+        if options.threshold_override is not None:
+            t, lines = options.threshold_override, ["  planner    skipped (--threshold given)"]
+        else:
+            with signals_cancel_current_task():
+                t, lines = await profile_and_plan(cluster, options)
+        lines.insert(0, f"  link       {options.link_mbps:g} Mbit/s, {options.link_delay_ms:g} ms"
+                        " one-way (PrfaaS -> PD, paced by prfaas-p0's KV transport)")  # fmt: skip
+        await serve_gateway(
+            deployment_for(cluster, options, t),
+            host,
+            port,
+            setup=egress_setup(options.link_state()),
+            on_ready=_printer(host, [*lines, f"  logs       {log_dir}"]),
+        )
+    finally:
+        await stop_cluster(cluster)
+    return 0
+
+
+def _printer(host: str, extra: list[str]) -> Callable[[Gateway, int], None]:
+    def ready(gateway: Gateway, port: int) -> None:
+        print("\n".join(summary_lines(gateway, f"http://{host}:{port}", extra)), flush=True)
+
+    return ready

@@ -1,0 +1,70 @@
+"""`prfaas serve --config` with `[[launch]]` entries: start those reference engines as child
+processes, add them to the deployment as running instances, serve (with the PrfaaS prefill
+instances' egress telemetry polled, `link.egress_setup`), stop them on exit."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from prfaas.gateway.assembly import Gateway
+from prfaas.gateway.link import egress_setup
+from prfaas.serve.deployment import DeploymentConfig, InstanceConfig, LaunchConfig
+from prfaas.serve.processes import EngineProcess, EngineSpec, free_port, start_engine
+from prfaas.serve.run import serve_gateway, signals_cancel_current_task
+
+
+def _spec(launch: LaunchConfig, page_size: int) -> EngineSpec:
+    return EngineSpec(
+        launch.id,
+        launch.role,
+        launch.model,
+        page_size,
+        launch.threads,
+        free_port(),
+        extra_args=launch.engine_args(),
+    )
+
+
+def _instance(launch: LaunchConfig, engine: EngineProcess) -> InstanceConfig:
+    port = engine.bootstrap_port if launch.role != "decode" else None
+    return InstanceConfig(
+        launch.id, launch.cluster, launch.role, engine.url, "127.0.0.1", port, engine.kv_events
+    )
+
+
+async def start_launched(config: DeploymentConfig, log_dir: Path) -> list[EngineProcess]:
+    """Start every `[[launch]]` engine concurrently; on any failure stop the others."""
+    specs = [_spec(launch, config.model.block_size) for launch in config.launch]
+    results = await asyncio.gather(
+        *(start_engine(s, log_dir) for s in specs), return_exceptions=True
+    )
+    engines = [r for r in results if isinstance(r, EngineProcess)]
+    failures = [r for r in results if isinstance(r, BaseException)]
+    if failures:
+        await asyncio.gather(*(e.stop() for e in engines))
+        raise failures[0]
+    return engines
+
+
+async def serve_launched(
+    config: DeploymentConfig,
+    host: str,
+    port: int,
+    on_ready: Callable[[Gateway, int], None] | None = None,
+) -> int:
+    """Start the `[[launch]]` engines, serve the whole deployment, stop them on exit."""
+    log_dir = Path(tempfile.mkdtemp(prefix="prfaas-serve-"))
+    print(f"starting {len(config.launch)} reference engine(s); logs in {log_dir}", flush=True)
+    with signals_cancel_current_task():
+        engines = await start_launched(config, log_dir)
+    try:
+        started = tuple(_instance(la, e) for la, e in zip(config.launch, engines, strict=True))
+        full = dataclasses.replace(config, instances=config.instances + started, launch=())
+        await serve_gateway(full, host, port, setup=egress_setup(), on_ready=on_ready)
+    finally:
+        await asyncio.gather(*(e.stop() for e in engines))
+    return 0

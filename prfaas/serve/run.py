@@ -1,0 +1,62 @@
+"""Run the gateway app on a TCP port until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import signal
+from collections.abc import Awaitable, Callable, Iterator
+
+from prfaas.gateway.api.app import GatewayApp
+from prfaas.gateway.assembly import Gateway
+from prfaas.serve.deployment import DeploymentConfig
+
+
+async def wait_for_signal() -> None:
+    """Return on the first SIGINT or SIGTERM."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+@contextlib.contextmanager
+def signals_cancel_current_task() -> Iterator[None]:
+    """While starting up (engines, profiling), SIGINT/SIGTERM cancel the current task, so
+    its cleanup (stopping children) runs instead of the process dying mid-way."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, task.cancel)
+    try:
+        yield
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+async def serve_gateway(
+    config: DeploymentConfig,
+    host: str,
+    port: int,
+    *,
+    setup: Callable[[Gateway], Awaitable[None]] | None = None,
+    on_ready: Callable[[Gateway, int], None] | None = None,
+) -> None:
+    """Serve until a signal arrives; `on_ready(gateway, bound_port)` runs once listening."""
+    app = GatewayApp(config, setup)
+    bound = await app.start(host, port)
+    try:
+        gc.freeze()  # start-up objects never die: keep them out of every later collection
+        if on_ready is not None:
+            on_ready(app.gateway, bound)
+        await wait_for_signal()
+    finally:
+        await app.stop()

@@ -1,0 +1,35 @@
+"""The start-up summary `prfaas serve` prints once it listens."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from prfaas.gateway.assembly import Gateway
+
+
+def summary_lines(gateway: Gateway, url: str, extra: Sequence[str] = ()) -> list[str]:
+    """Clusters, model, policy and threshold, and where the API, metrics and state are."""
+    state = gateway.router.state
+    lines = [
+        f"PrfaaS gateway listening on {url}",
+        f"  model      {gateway.config.model.name} (tokenizer {gateway.config.model.tokenizer})",
+        f"  policy     {gateway.router.policy.name}, t = {state.threshold:g} incremental tokens, "
+        f"{state.regime}",
+    ]
+    for cluster in ("prfaas", "pd"):
+        members = [s for s in gateway.instances if s.cluster == cluster]
+        described = ", ".join(f"{s.instance_id} ({s.role})" for s in members) or "none"
+        lines.append(f"  {cluster:<10} {described}")
+    lines += list(extra)
+    lines += [
+        f"  API        {url}/v1/completions, {url}/v1/chat/completions",
+        f"  metrics    {url}/metrics",
+        f"  state      {url}/admin/state",
+        "  Ctrl-C stops the gateway" + (" and its engines" if extra else ""),
+    ]
+    return lines
+
+
+def print_ready(gateway: Gateway, port: int, host: str = "127.0.0.1") -> None:
+    """Print the summary for a gateway bound to `host:port`."""
+    print("\n".join(summary_lines(gateway, f"http://{host}:{port}")), flush=True)

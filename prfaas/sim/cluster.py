@@ -1,0 +1,151 @@
+"""Wire the real gateway request path to simulated engines for one deployment.
+
+`SimCluster` owns, on the running loop: the bootstrap rooms, the cross-cluster link (PrfaaS
+prefill -> PD decode, `egress_gbps`, one-way delay) and the intra-cluster RDMA link (PD-P ->
+PD-D), one `SimulatedPrefillEngine`/`SimulatedDecodeEngine` per instance registered in the
+gateway's real `InstanceManager`, the real `KVIndexManager` fed by the simulated caches' KV
+events, and the real `Router` with the deployment's routing policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Sequence
+
+from prfaas.common.hashing import hash_blocks
+from prfaas.common.kv_events import KVEvent
+from prfaas.gateway.instances import InstanceManager, InstanceState
+from prfaas.gateway.kv_index import KVIndexManager
+from prfaas.gateway.router import RouteEvent, Router, RoutingState
+from prfaas.policies.profile import DeploymentProfile, HardwareProfile
+from prfaas.policies.registry import create_policy
+from prfaas.policies.routing import Route
+from prfaas.sim.cache import SimPrefixCache
+from prfaas.sim.deployments import Deployment, SimOptions
+from prfaas.sim.engines import (
+    PrefillTiming,
+    RemotePrefix,
+    SimRooms,
+    SimulatedDecodeEngine,
+    SimulatedPrefillEngine,
+)
+from prfaas.sim.link import LinkConfig, SimLink
+
+
+class SimCluster:
+    """One deployment, simulated. Build inside the loop that will run it."""
+
+    def __init__(
+        self, profile: DeploymentProfile, deployment: Deployment, options: SimOptions, seed: int = 0
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        self.deployment, self.options = deployment, options
+        self.rooms = SimRooms(loop)
+        self.egress = self._egress_links(loop, deployment, options)
+        self.ingress = SimLink(
+            LinkConfig(deployment.egress_gbps, options.link_delay_s, "cross-cluster reverse"), loop
+        )
+        self.intra = SimLink(LinkConfig(options.intra_gbps, 0.0, "pd-rdma"), loop)
+        self.index = KVIndexManager(block_size=options.block_size)
+        self.instances = InstanceManager()
+        self.prefill: dict[str, SimulatedPrefillEngine] = {}
+        self.decode: dict[str, SimulatedDecodeEngine] = {}
+        self.route_events: list[RouteEvent] = []
+        self._add_prefills(profile, deployment)
+        self._add_decodes(deployment)
+        rooms = random.Random(seed)
+        self.router = Router(
+            instances=self.instances,
+            index=self.index,
+            policy=create_policy(deployment.policy),
+            state=RoutingState(threshold=deployment.threshold, regime=options.regime),
+            on_event=self.route_events.append,
+            room_source=lambda: rooms.getrandbits(63),
+        )
+
+    @staticmethod
+    def _egress_links(
+        loop: asyncio.AbstractEventLoop, d: Deployment, options: SimOptions
+    ) -> list[SimLink]:
+        """One shared cross-cluster link, or one 1/N slice per PrfaaS instance."""
+        if not (options.partition_egress and d.n_prfaas > 1):
+            return [SimLink(LinkConfig(d.egress_gbps, options.link_delay_s, "cross-cluster"), loop)]
+        share = LinkConfig(d.egress_gbps / d.n_prfaas, options.link_delay_s, "cross-cluster/N")
+        return [SimLink(share, loop) for _ in range(d.n_prfaas)]
+
+    @property
+    def egress_bytes(self) -> float:
+        """Bytes sent over the cross-cluster link so far."""
+        return sum(link.bytes_sent for link in self.egress)
+
+    def _add_prefills(self, profile: DeploymentProfile, d: Deployment) -> None:
+        if d.n_prfaas:
+            assert d.prfaas_hw is not None  # validated by Deployment
+            for i in range(d.n_prfaas):
+                link = self.egress[i % len(self.egress)]
+                self._add_prefill(f"prfaas-p{i}", "prfaas", d.prfaas_hw, link, profile)
+        for i in range(d.n_p):
+            self._add_prefill(f"pd-p{i}", "pd", d.pd_hw, self.intra, profile)
+
+    def _add_prefill(
+        self,
+        iid: str,
+        cluster: Route,
+        hw: HardwareProfile,
+        link: SimLink,
+        profile: DeploymentProfile,
+    ) -> None:
+        timing = PrefillTiming(hw.prefill_seconds, profile.model.kv_bytes, self.options.pipelined)
+        cache = SimPrefixCache(self.options.block_size, self.options.cache_blocks)
+        engine = SimulatedPrefillEngine(
+            iid,
+            timing=timing,
+            link=link,
+            cache=cache,
+            rooms=self.rooms,
+            publish=self._publish,
+            remote_prefix=self._remote_finder(cluster),
+        )
+        self.prefill[iid] = engine
+        self.instances.add(InstanceState(iid, cluster, "prefill", engine, iid, 0))
+
+    def _add_decodes(self, d: Deployment) -> None:
+        hw = d.decode_hw
+        assert hw.decode_batch_max is not None and hw.decode_step_seconds is not None
+        for i in range(d.n_d):
+            iid = f"pd-d{i}"
+            engine = SimulatedDecodeEngine(
+                iid,
+                batch_max=hw.decode_batch_max,
+                step_s=hw.decode_step_seconds,
+                rooms=self.rooms,
+                page_size=self.options.block_size,
+            )
+            self.decode[iid] = engine
+            self.instances.add(InstanceState(iid, "pd", "decode", engine))
+
+    def _remote_finder(self, cluster: Route) -> RemotePrefix | None:
+        """Bandwidth-abundant regime only: the longest prefix of a prompt cached by the other
+        cluster's prefill instances (from the real KV index), and the link it comes over
+        (PrfaaS -> PD on the egress link, PD -> PrfaaS on the reverse direction)."""
+        if self.options.regime != "bandwidth_abundant":
+            return None
+        other: Route = "pd" if cluster == "prfaas" else "prfaas"
+        link = self.egress[0] if other == "prfaas" else self.ingress
+
+        def find(ids: Sequence[int]) -> tuple[int, SimLink] | None:
+            members = [e.instance_id for e in self.prefills_in(other)]
+            cached = self.index.longest_prefix(hash_blocks(ids, self.index.block_size))
+            best = max((cached.get(iid, 0) for iid in members), default=0)
+            return (best, link) if best else None
+
+        return find
+
+    def _publish(self, instance_id: str, events: Sequence[KVEvent]) -> None:
+        if events:
+            self.index.apply(instance_id, events)
+
+    def prefills_in(self, cluster: Route) -> list[SimulatedPrefillEngine]:
+        """The prefill engines of one cluster."""
+        return [e for iid, e in self.prefill.items() if self.instances[iid].cluster == cluster]

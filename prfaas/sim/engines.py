@@ -1,0 +1,281 @@
+"""Simulated engine instances behind the real engine-client interface, timed by a profile.
+
+These are the stand-ins for what cannot run here (paper-scale GPU clusters); every class is
+named `Simulated*` and every number they produce is simulated, never a measurement. They
+read time only through the running loop, so on `VirtualClockLoop` an hour runs in seconds.
+
+- `SimulatedPrefillEngine`: one request computes at a time, FIFO, for `T_prefill(l)` with
+  `l` the incremental (uncached) length found in its own prefix cache at start. Its KV,
+  `S_kv(l)` bytes, goes over its `SimLink` to the decode instance layer-wise during the
+  prefill (or all at once after it when not pipelined). The instance takes its next request
+  once its KV has been delivered: that is what makes a non-pipelined instance take T + S/B
+  per request (the paper's harmonic loss) and a pipelined one max(T, S/B). The computed
+  blocks enter its `SimPrefixCache`, whose `BlockStored`/`BlockRemoved` events go to the
+  gateway's real KV index through `publish`.
+- `SimulatedDecodeEngine`: `BS_max` slots; a request takes a slot once its KV has arrived
+  (through the bootstrap room), then emits one token per `T_decode`. It streams two chunks:
+  the first token, then the rest at completion (per-token chunks would cost a million loop
+  events per simulated hour and add nothing the timing model does not already say).
+- `SimRooms`: the bootstrap rendezvous, room -> when the KV is delivered and what hit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass
+
+from prfaas.common.kv_events import KVEvent
+from prfaas.engines.client import (
+    BaseEngineClient,
+    EngineError,
+    EngineInfo,
+    EngineStats,
+    GenerateChunk,
+    GenerateRequest,
+)
+from prfaas.policies.tables import PiecewiseLinear
+from prfaas.sim.cache import SimPrefixCache
+from prfaas.sim.link import SimLink
+
+SIM_TOKEN = 0  # the token id every simulated output token carries
+MIN_PREFILL_TOKENS = 1  # a fully cached prompt still computes its last token
+
+
+@dataclass
+class _Room:
+    delivered: asyncio.Future[None]
+    cached_tokens: int = 0
+
+
+class SimRooms:
+    """Bootstrap rooms: the prefill side resolves, the decode side awaits, either first."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._rooms: dict[int, _Room] = {}
+
+    def __len__(self) -> int:
+        return len(self._rooms)
+
+    def get(self, room: int) -> _Room:
+        """The room's state, created by whichever side asks first."""
+        if room not in self._rooms:
+            self._rooms[room] = _Room(self._loop.create_future())
+        return self._rooms[room]
+
+    def discard(self, room: int) -> None:
+        """Forget a room once its decode side is done with it."""
+        self._rooms.pop(room, None)
+
+
+@dataclass
+class StageCounters:
+    """What one simulated instance did (for per-stage throughput)."""
+
+    completed: int = 0
+    busy_s: float = 0.0
+    tokens: int = 0
+    cached_tokens: int = 0
+    kv_bytes: float = 0.0
+    prefix_fetches: int = 0
+
+
+@dataclass(frozen=True)
+class PrefillTiming:
+    """What a simulated prefill instance needs from the profile."""
+
+    prefill_s: PiecewiseLinear
+    kv_bytes: PiecewiseLinear
+    pipelined: bool = True
+
+
+RemotePrefix = Callable[[Sequence[int]], tuple[int, SimLink] | None]
+"""Where a longer cached prefix of a prompt sits in the other cluster: (tokens, the link to
+fetch it over), or None."""
+
+
+class SimulatedPrefillEngine(BaseEngineClient):
+    """A simulated prefill instance (see the module docstring).
+
+    With `remote_prefix` (the bandwidth-abundant regime), a prompt whose longer prefix is
+    cached in the other cluster first pulls that prefix's KV, `S_kv(remote) - S_kv(local)`
+    bytes, over the given link, then computes only the rest.
+    """
+
+    def __init__(
+        self,
+        instance_id: str,
+        *,
+        timing: PrefillTiming,
+        link: SimLink,
+        cache: SimPrefixCache,
+        rooms: SimRooms,
+        publish: Callable[[str, Sequence[KVEvent]], None],
+        remote_prefix: RemotePrefix | None = None,
+    ) -> None:
+        self.instance_id = instance_id
+        self.timing, self.link, self.cache, self.rooms = timing, link, cache, rooms
+        self._publish = publish
+        self._remote_prefix = remote_prefix
+        self._slot = asyncio.Semaphore(1)
+        self._waiting = 0
+        self._running = 0
+        self.counters = StageCounters()
+
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
+        if request.bootstrap is None:
+            raise EngineError(
+                f"{self.instance_id}: a prefill request needs a bootstrap room", status=400
+            )
+        room = self.rooms.get(request.bootstrap.room)
+        try:
+            cached = await self._run(request, room)
+        except (Exception, asyncio.CancelledError) as exc:
+            _fail_room(room, self.instance_id, exc)
+            raise
+        yield GenerateChunk((SIM_TOKEN,), "", len(request.input_ids), 1, cached)
+
+    async def _run(self, request: GenerateRequest, room: _Room) -> int:
+        self._waiting += 1
+        try:
+            await self._slot.acquire()
+        finally:
+            self._waiting -= 1
+        self._running += 1
+        try:
+            return await self._compute_and_send(request.input_ids, room)
+        finally:
+            self._running -= 1
+            self._slot.release()
+
+    async def _compute_and_send(self, ids: Sequence[int], room: _Room) -> int:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        keys = self.cache.keys(ids)
+        cached = await self._fetch_prefix(ids, self.cache.match(keys) * self.cache.block_size)
+        tokens = max(len(ids) - cached, MIN_PREFILL_TOKENS)
+        compute_s = float(self.timing.prefill_s(tokens))
+        nbytes = float(self.timing.kv_bytes(tokens))
+        sent: asyncio.Future[None] | None = None
+        if self.timing.pipelined:
+            sent = self.link.transfer(nbytes, produce_s=compute_s)
+        await asyncio.sleep(compute_s)
+        self._publish(self.instance_id, self.cache.store(ids, keys))
+        if sent is None:
+            sent = self.link.transfer(nbytes)
+        room.cached_tokens = cached
+        await asyncio.shield(sent)
+        if not room.delivered.done():
+            room.delivered.set_result(None)
+        self._count(loop.time() - start, len(ids), cached, nbytes)
+        return cached
+
+    async def _fetch_prefix(self, ids: Sequence[int], cached: int) -> int:
+        """Pull a longer prefix cached in the other cluster, if any; the tokens now cached."""
+        found = self._remote_prefix(ids) if self._remote_prefix is not None else None
+        if found is None or found[0] <= cached:
+            return cached
+        remote, link = found
+        nbytes = float(self.timing.kv_bytes(remote)) - float(self.timing.kv_bytes(cached))
+        await asyncio.shield(link.transfer(max(nbytes, 0.0)))
+        self.counters.prefix_fetches += 1
+        return remote
+
+    def _count(self, busy_s: float, tokens: int, cached: int, nbytes: float) -> None:
+        c = self.counters
+        c.completed += 1
+        c.busy_s += busy_s
+        c.tokens += tokens
+        c.cached_tokens += cached
+        c.kv_bytes += nbytes
+
+    async def stats(self) -> EngineStats:
+        return EngineStats(waiting=self._waiting, running=self._running)
+
+    async def info(self) -> EngineInfo:
+        page = self.cache.block_size
+        return EngineInfo("prefill", page, self.instance_id, 0, "simulated")
+
+
+def _fail_room(room: _Room, instance_id: str, exc: BaseException) -> None:
+    """Tell a waiting decode side that its KV will never come."""
+    if room.delivered.done():
+        return
+    error = (
+        exc
+        if isinstance(exc, EngineError)
+        else EngineError(f"{instance_id}: prefill aborted: {exc!r}")
+    )
+    room.delivered.set_exception(error)
+    room.delivered.exception()  # the decode side may be gone already: mark it retrieved
+
+
+class SimulatedDecodeEngine(BaseEngineClient):
+    """A simulated decode instance: `batch_max` slots, `step_s` per token per slot."""
+
+    def __init__(
+        self, instance_id: str, *, batch_max: int, step_s: float, rooms: SimRooms, page_size: int
+    ) -> None:
+        if batch_max < 1 or not step_s > 0:
+            raise ValueError(
+                f"{instance_id}: need batch_max >= 1 and step_s > 0, got {batch_max}, {step_s}"
+            )
+        self.instance_id = instance_id
+        self.step_s, self.rooms, self.page_size = step_s, rooms, page_size
+        self.batch_max = batch_max
+        self._slots = asyncio.Semaphore(batch_max)
+        self._waiting = 0
+        self._running = 0
+        self.counters = StageCounters()
+
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
+        if request.bootstrap is None:
+            raise EngineError(
+                f"{self.instance_id}: a decode request needs a bootstrap room", status=400
+            )
+        room_id = request.bootstrap.room
+        room = self.rooms.get(room_id)
+        try:
+            await room.delivered
+        finally:
+            self.rooms.discard(room_id)
+        async with self._slot():
+            async for chunk in self._decode(request, room.cached_tokens):
+                yield chunk
+
+    @contextlib.asynccontextmanager
+    async def _slot(self) -> AsyncGenerator[None, None]:
+        self._waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self._waiting -= 1
+        self._running += 1
+        try:
+            yield
+        finally:
+            self._running -= 1
+            self._slots.release()
+
+    async def _decode(
+        self, request: GenerateRequest, cached: int
+    ) -> AsyncGenerator[GenerateChunk, None]:
+        n, prompt = request.sampling.max_new_tokens, len(request.input_ids)
+        start = asyncio.get_running_loop().time()
+        await asyncio.sleep(self.step_s)
+        yield GenerateChunk((SIM_TOKEN,), "", prompt, 1, cached, "length" if n == 1 else None)
+        if n > 1:
+            await asyncio.sleep(self.step_s * (n - 1))
+            yield GenerateChunk((SIM_TOKEN,) * (n - 1), "", prompt, n, cached, "length")
+        c = self.counters
+        c.completed += 1
+        c.tokens += n
+        c.busy_s += asyncio.get_running_loop().time() - start
+
+    async def stats(self) -> EngineStats:
+        return EngineStats(waiting=self._waiting, running=self._running)
+
+    async def info(self) -> EngineInfo:
+        return EngineInfo("decode", self.page_size, model="simulated")

@@ -1,0 +1,107 @@
+"""`prfaas serve --config FILE` as a real process over null engines: serves, answers bad
+config with exit code 2 naming the key, and stops on SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from prfaas.serve.processes import free_port
+
+LISTENING = re.compile(r"listening on (http://\S+)")
+
+
+def _null(port: int) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "prfaas.testing.null_server", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _config(path: Path, ports: list[int], extra: str = "") -> Path:
+    path.write_text(
+        f"""
+[model]
+name = "null"
+block_size = 16
+[gateway]
+threshold = 50
+{extra}
+[[instances]]
+id = "prfaas-p0"
+cluster = "prfaas"
+role = "prefill"
+url = "http://127.0.0.1:{ports[0]}"
+bootstrap_port = 8998
+[[instances]]
+id = "pd-p0"
+cluster = "pd"
+role = "prefill"
+url = "http://127.0.0.1:{ports[1]}"
+bootstrap_port = 8999
+[[instances]]
+id = "pd-d0"
+cluster = "pd"
+role = "decode"
+url = "http://127.0.0.1:{ports[2]}"
+"""
+    )
+    return path
+
+
+def _post(url: str, body: dict[str, object]) -> tuple[str, dict[str, object]]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "x"})
+    with urllib.request.urlopen(req, timeout=10) as reply:
+        return reply.headers["x-prfaas-route"], json.load(reply)
+
+
+def test_serve_with_config_file(tmp_path: Path) -> None:
+    ports = [free_port() for _ in range(3)]
+    engines = [_null(p) for p in ports]
+    gateway = subprocess.Popen(
+        [sys.executable, "-m", "prfaas.cli.main", "serve", "--port", "0",
+         "--config", str(_config(tmp_path / "d.toml", ports))],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        for e in engines:
+            assert e.stdout is not None and "listening" in e.stdout.readline()
+        assert gateway.stdout is not None
+        match = LISTENING.search(gateway.stdout.readline())
+        assert match is not None
+        url = match.group(1)
+        short, _ = _post(f"{url}/v1/completions", {"model": "null", "prompt": "hi"})
+        long, body = _post(f"{url}/v1/completions", {"model": "null", "prompt": "w" * 80})
+        assert (short, long) == ("pd", "prfaas")
+        assert body["usage"]["prompt_tokens"] == 80  # type: ignore[index]
+        start = time.monotonic()
+        gateway.send_signal(signal.SIGTERM)
+        assert gateway.wait(10) == 0
+        assert time.monotonic() - start < 5
+    finally:
+        for proc in [gateway, *engines]:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def test_bad_config_exits_2_naming_the_key(tmp_path: Path) -> None:
+    path = _config(tmp_path / "bad.toml", [1, 2, 3], extra="max_running = 0")
+    done = subprocess.run(
+        [sys.executable, "-m", "prfaas.cli.main", "serve", "--config", str(path)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "bad.toml" in done.stderr and "max_running = 0" in done.stderr
+    done = subprocess.run(
+        [sys.executable, "-m", "prfaas.cli.main", "serve", "--config", str(path.with_name("x"))],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2 and "prfaas serve: error" in done.stderr

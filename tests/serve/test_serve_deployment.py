@@ -1,0 +1,124 @@
+"""Deployment TOML -> frozen dataclasses; every error names the file, the key and the value."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from prfaas.serve.deployment import ConfigError, load_deployment
+
+GOOD = """
+[model]
+name = "tiny"
+block_size = 16
+
+[gateway]
+policy = "cache-aware"
+threshold = 2048
+api_keys = ["k1"]
+
+[[instances]]
+id = "prfaas-p0"
+cluster = "prfaas"
+role = "prefill"
+url = "http://10.0.0.5:30000"
+bootstrap_port = 8998
+kv_events = "tcp://10.0.0.5:5557"
+
+[[instances]]
+id = "pd-d0"
+cluster = "pd"
+role = "decode"
+url = "http://127.0.0.1:30001"
+"""
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "deploy.toml"
+    path.write_text(text)
+    return path
+
+
+def test_loads_a_valid_file(tmp_path: Path) -> None:
+    """Values land in the dataclasses; lists become tuples; bootstrap host defaults to the
+    URL's host."""
+    config = load_deployment(_write(tmp_path, GOOD))
+    assert config.model.name == "tiny" and config.model.block_size == 16
+    assert config.gateway.policy == "cache-aware" and config.gateway.threshold == 2048
+    assert config.gateway.api_keys == ("k1",)
+    prfaas, decode = config.instances
+    assert prfaas.bootstrap_address == "10.0.0.5" and prfaas.bootstrap_port == 8998
+    assert decode.role == "decode" and decode.kv_events is None
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "needles"),
+    [
+        ("block_size = 16", 'block_size = "16"', ["[model]", "block_size", "'16'"]),
+        ("block_size = 16", "block_size = 0", ["[model]", "block_size = 0"]),
+        ("threshold = 2048", "threshold = -5", ["[gateway]", "threshold = -5"]),
+        ('policy = "cache-aware"', 'polcy = "x"', ["[gateway]", "polcy"]),
+        ('role = "decode"', 'role = "decoder"', ["#1", "role", "'decoder'"]),
+        ('url = "http://127.0.0.1:30001"', 'url = "127.0.0.1:30001"', ["#1", "url"]),
+        ("bootstrap_port = 8998", "bootstrap_port = 70000", ["#0", "bootstrap_port = 70000"]),
+        ("bootstrap_port = 8998\n", "", ["#0", "bootstrap_port = None", "prefill"]),
+        ('kv_events = "tcp://10.0.0.5:5557"', 'kv_events = "10.0.0.5:5557"', ["#0", "kv_events"]),
+        ('id = "pd-d0"', 'id = "prfaas-p0"', ["instances.id", "prfaas-p0", "unique"]),
+        ('cluster = "pd"', 'cluster = "prfaas"', ["decode", "'pd'"]),
+    ],
+)
+def test_errors_name_file_key_and_value(
+    tmp_path: Path, old: str, new: str, needles: list[str]
+) -> None:
+    assert old in GOOD
+    path = _write(tmp_path, GOOD.replace(old, new, 1))
+    with pytest.raises(ConfigError) as err:
+        load_deployment(path)
+    message = str(err.value)
+    assert str(path) in message
+    for needle in needles:
+        assert needle in message, message
+
+
+def test_bad_toml_missing_file_and_no_instances(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"deploy\.toml"):
+        load_deployment(_write(tmp_path, "[model\nname = 1"))
+    with pytest.raises(ConfigError, match=r"nope\.toml"):
+        load_deployment(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match=r"\[\[instances\]\] or \[\[launch\]\] must list"):
+        load_deployment(_write(tmp_path, "[model]\nname = 'x'\n"))
+    with pytest.raises(ConfigError, match="unknown table"):
+        load_deployment(_write(tmp_path, GOOD + "\n[extra]\na = 1\n"))
+
+
+def test_launch_entries(tmp_path: Path) -> None:
+    """`[[launch]]` engines count toward the deployment (a launched decode suffices) and are
+    validated like instances."""
+    text = '[[launch]]\nid = "pd-d0"\ncluster = "pd"\nrole = "decode"\nthreads = 2\n'
+    config = load_deployment(_write(tmp_path, text))
+    assert config.instances == () and config.launch[0].threads == 2
+    with pytest.raises(ConfigError, match="threads = 0"):
+        load_deployment(_write(tmp_path, text.replace("threads = 2", "threads = 0")))
+    with pytest.raises(ConfigError, match="unique"):
+        load_deployment(_write(tmp_path, text + text))
+
+
+def test_launch_link_emulation(tmp_path: Path) -> None:
+    """A launched prefill engine can pace its KV egress (the emulated cross-DC link): the
+    fields become `prfaas engine` flags; a decode has no egress to pace; bad values name
+    the key."""
+    text = (
+        '[[launch]]\nid = "pf-0"\ncluster = "prfaas"\nrole = "prefill"\n'
+        "egress_rate_mbps = 25\negress_delay_ms = 5\n"
+        '[[launch]]\nid = "pd-d0"\ncluster = "pd"\nrole = "decode"\n'
+    )
+    config = load_deployment(_write(tmp_path, text))
+    prefill, decode = config.launch
+    assert prefill.engine_args() == ("--egress-rate-mbps", "25", "--egress-delay-ms", "5")
+    assert decode.engine_args() == ()
+    with pytest.raises(ConfigError, match="egress_rate_mbps = -1"):
+        load_deployment(_write(tmp_path, text.replace("= 25", "= -1")))
+    paced_decode = text.replace('role = "decode"\n', 'role = "decode"\negress_delay_ms = 3\n')
+    with pytest.raises(ConfigError, match="no KV egress to pace"):
+        load_deployment(_write(tmp_path, paced_decode))
