@@ -1,21 +1,25 @@
 """The one engine-client interface the gateway and the simulator dispatch through.
 
-Every engine, whatever runs it (the reference engine over HTTP, a real SGLang server, a
+Every engine, whatever runs it (the reference engine or a real SGLang server over HTTP, a
 simulated instance on a virtual clock), is driven with SGLang's PD protocol: the same
 `GenerateRequest` (with a fresh bootstrap room) goes to the chosen prefill instance and to
-the decode instance at once; the prefill call completes once the KV is handed over, the
-decode call streams the output.
+the decode instance at once; the prefill call ends once the KV is handed over, the decode
+call produces the output.
+
+A call is one `EngineCall` object, streaming or not (`GenerateRequest.stream` says whether
+the engine answers in pieces or in one): `next()` gives its output chunks, `ended` resolves
+when it is over, `abort()` stops it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import math
+import collections
 from abc import ABC, abstractmethod
-from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
+
+from prfaas.protocol.generate import GenerateChunk, GenerateRequest
 
 Role = Literal["prefill", "decode", "both"]
 
@@ -23,85 +27,14 @@ Role = Literal["prefill", "decode", "both"]
 class EngineError(RuntimeError):
     """An engine failed a request (unreachable, error status, broken stream, aborted transfer).
 
-    `retryable` is True when nothing was streamed to the client yet and the engine never
-    accepted the work, so the caller may try another instance.
+    `retryable` is True when the engine never accepted the work (unreachable, or it refused
+    with 429/503), so the caller may try another instance.
     """
 
     def __init__(self, message: str, *, status: int = 502, retryable: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.retryable = retryable
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """SGLang's sampling parameters (the subset PrfaaS passes through)."""
-
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
-
-    def to_sglang(self) -> dict[str, object]:
-        body: dict[str, object] = {
-            "max_new_tokens": self.max_new_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-        }
-        if self.stop:
-            body["stop"] = list(self.stop)
-        if self.seed is not None:
-            body["sampling_seed"] = self.seed
-        return body
-
-
-@dataclass(frozen=True)
-class Bootstrap:
-    """Where the decode instance fetches KV from: the prefill's bootstrap address and room."""
-
-    host: str
-    port: int
-    room: int
-
-
-@dataclass(frozen=True)
-class GenerateRequest:
-    """One `/generate` call in SGLang's PD protocol."""
-
-    rid: str
-    input_ids: tuple[int, ...]
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    stream: bool = True
-    bootstrap: Bootstrap | None = None
-
-
-@dataclass(frozen=True)
-class GenerateChunk:
-    """A piece of output: new token ids and text since the previous chunk.
-
-    `finish_reason` is set on the last chunk ("stop", "length", "abort").
-    Token counts are the engine's own (`meta_info`), cumulative.
-    """
-
-    token_ids: tuple[int, ...]
-    text: str
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int = 0
-    finish_reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -125,43 +58,44 @@ class EngineInfo:
     model: str = ""
 
 
+class EngineCall(ABC):
+    """One `/generate` call in flight on one engine (started when created)."""
+
+    @abstractmethod
+    async def next(self) -> GenerateChunk | None:
+        """The next output chunk; None once the call has ended well (a call the engine
+        answers in one piece gives one chunk). Not safe for two concurrent callers.
+
+        Raises:
+            EngineError: the call failed, or was aborted (with the error given to `abort`).
+        """
+
+    @property
+    @abstractmethod
+    def ended(self) -> asyncio.Future[None]:
+        """Resolves when the call is over: to None after its last chunk arrived, or to its
+        `EngineError`. Never cancelled: watch it with a done callback."""
+
+    @abstractmethod
+    def abort(self, error: EngineError | None = None) -> None:
+        """Stop the call. The engine is told to drop the request if it may still be working
+        on it; `next` (pending or later) raises `error` (default: "aborted"). No-op once
+        the call has ended."""
+
+
 class BaseEngineClient(ABC):
-    """A client of one engine instance. Implementations: HTTP (reference engine, SGLang),
-    simulated (virtual clock)."""
+    """A client of one engine instance. Implementations: HTTP (`SGLangClient`: the
+    reference engine and SGLang servers), simulated (virtual clock)."""
 
     instance_id: str
 
     @abstractmethod
-    def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
-        """Run `request`; yield output chunks as they come (a prefill-role instance yields
-        one chunk, its first token, once its KV has been handed over).
+    def generate(self, request: GenerateRequest) -> EngineCall:
+        """Start `request` now and return its call. Does not mutate the request.
 
-        Does not mutate the request. Cancelling the iteration aborts the request on the
-        engine.
-
-        Raises:
-            EngineError: the engine failed or could not be reached.
+        A prefill-role instance gives one chunk (its first token) once its KV has been
+        handed over. Failures, including an unreachable engine, surface through the call.
         """
-
-    async def complete(self, request: GenerateRequest) -> list[GenerateChunk]:
-        """`generate` for a request the caller does not stream: every chunk at once.
-
-        Cancelling the call aborts the request on the engine. Clients override it where one
-        awaitable call is cheaper than an iteration (HTTP: one response, no generator).
-
-        Raises:
-            EngineError: the engine failed or could not be reached.
-        """
-        async with contextlib.aclosing(self.generate(request)) as chunks:
-            return [chunk async for chunk in chunks]
-
-    def begin(self, request: GenerateRequest) -> asyncio.Future[list[GenerateChunk]]:
-        """Start `complete` now and return its future (cancel it to abort on the engine).
-
-        Lets a caller run a prefill and a decode call at once and wake once for both; the
-        default runs `complete` in a task, the HTTP client sends at once with no task.
-        """
-        return asyncio.ensure_future(self.complete(request))
 
     @abstractmethod
     async def stats(self) -> EngineStats:
@@ -173,3 +107,81 @@ class BaseEngineClient(ABC):
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release client resources (connections); the engine itself keeps running."""
+
+
+class QueuedCall(EngineCall):
+    """An `EngineCall` its implementation feeds: `push` each chunk as it arrives, then
+    `finish` once. Subclasses say in `_stop` how to stop the work on `abort`."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._chunks: collections.deque[GenerateChunk] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._error: EngineError | None = None
+        self._ended: asyncio.Future[None] = self._loop.create_future()
+
+    @property
+    def ended(self) -> asyncio.Future[None]:
+        return self._ended
+
+    async def next(self) -> GenerateChunk | None:
+        while True:
+            if self._chunks:
+                return self._chunks.popleft()
+            if self._ended.done():
+                if self._error is not None:
+                    raise self._error
+                return None
+            waiter = self._waiter = self._loop.create_future()
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+
+    def push(self, chunk: GenerateChunk) -> None:
+        """A chunk arrived (ignored once the call has ended)."""
+        if not self._ended.done():
+            self._chunks.append(chunk)
+            self._wake()
+
+    def finish(self, error: EngineError | None = None) -> None:
+        """The call is over: well (None) or with `error`. Only the first call counts."""
+        if self._ended.done():
+            return
+        self._error = error
+        if error is None:
+            self._ended.set_result(None)
+        else:
+            self._ended.set_exception(error)
+            self._ended.exception()  # retrieved: a watcher is optional
+        self._wake()
+
+    def abort(self, error: EngineError | None = None) -> None:
+        if self._ended.done():
+            return
+        self._stop()
+        self.finish(error or EngineError("the call was aborted"))
+
+    @abstractmethod
+    def _stop(self) -> None:
+        """Stop the work behind the call (called once, before `finish`, by `abort`)."""
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+async def collect(call: EngineCall) -> list[GenerateChunk]:
+    """Every chunk of `call`; the call is aborted if the wait is cancelled or fails.
+
+    Raises:
+        EngineError: the call failed.
+    """
+    chunks: list[GenerateChunk] = []
+    try:
+        while (chunk := await call.next()) is not None:
+            chunks.append(chunk)
+    finally:
+        call.abort()  # a no-op once it has ended
+    return chunks

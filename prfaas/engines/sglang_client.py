@@ -1,14 +1,14 @@
-"""HTTP engine client: SGLang's `/generate` PD protocol, for the reference engine and real
-SGLang servers alike.
+"""The SGLang engine client: SGLang's `/generate` PD protocol over HTTP, for the reference
+engine and real SGLang servers alike.
 
-`/generate` goes over a lean keep-alive HTTP/1.1 connection pool per engine
-(`http_wire.py`: the gateway's hot path, two calls per request); the control calls
-(`/health`, `/get_load`, `/server_info`, `/abort_request`) use the one `aiohttp.ClientSession`
-shared by every client of a gateway (its owner creates and closes it). Every call carries
-explicit timeouts. Output is streamed (`stream: true`) or whole; SGLang streams cumulative
-`text` / `output_ids`, which this client turns into deltas. Cancelling a `generate`
-iteration closes its connection and posts `/abort_request` for the rid, so the engine frees
-the request's slot and KV at once.
+`/generate` goes over lean keep-alive HTTP/1.1 connections per engine (`prfaas.http.client`:
+the gateway's hot path, two calls per request), parsed by the connection's protocol as bytes
+arrive; the control calls (`/health`, `/get_load`, `/server_info`, `/abort_request`) use the
+one `aiohttp.ClientSession` shared by every client of a gateway (its owner creates and closes
+it). Every call carries explicit timeouts. Output is streamed (`stream: true`, SSE of
+cumulative `text` / `output_ids`, turned into deltas here) or whole. Aborting a call that the
+engine may still be working on drops its connection and posts `/abort_request` for the rid,
+so the engine frees the request's slot and KV at once.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -26,19 +25,20 @@ from yarl import URL
 
 from prfaas.engines.client import (
     BaseEngineClient,
+    EngineCall,
     EngineError,
     EngineInfo,
     EngineStats,
-    GenerateChunk,
-    GenerateRequest,
+    QueuedCall,
     Role,
 )
-from prfaas.http.wire import ConnectFailed, WireError, WirePool, WireResponse
-from prfaas.http.wire_whole import Outcome, WholeResponse, post_whole
+from prfaas.http.client import ConnectFailed, ConnectionPool, HttpCall, post
+from prfaas.protocol.generate import AnswerError, GenerateChunk, GenerateRequest, parse_answer
 
 logger = logging.getLogger(__name__)
 STATS_PATHS = ("/stats", "/get_load")
 JSON_HEADERS = {"Content-Type": "application/json"}
+MAX_ERROR_BODY = 4096  # bytes of an error answer kept for its message
 _ROLES: dict[str, Role] = {"prefill": "prefill", "decode": "decode", "null": "both"}
 
 
@@ -49,7 +49,7 @@ class SGLangClientConfig:
     connect_timeout_s: float = 5.0
     """Opening a connection to an engine."""
     read_timeout_s: float = 300.0
-    """Longest silence between two chunks of a generate stream (covers a long prefill)."""
+    """Longest silence between two pieces of a generate answer (covers a long prefill)."""
     total_timeout_s: float = 3600.0
     """Whole generate call."""
     control_timeout_s: float = 5.0
@@ -60,48 +60,8 @@ class SGLangClientConfig:
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
 
-    def generate_timeout(self) -> aiohttp.ClientTimeout:
-        return aiohttp.ClientTimeout(
-            total=self.total_timeout_s,
-            connect=self.connect_timeout_s,
-            sock_read=self.read_timeout_s,
-        )
-
     def control_timeout(self) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=self.control_timeout_s, connect=self.connect_timeout_s)
-
-
-def request_body(request: GenerateRequest) -> dict[str, Any]:
-    """The `/generate` body: identical for the prefill and the decode instance."""
-    body: dict[str, Any] = {
-        "rid": request.rid,
-        "input_ids": request.input_ids,  # a tuple: orjson writes it as an array, no copy
-        "sampling_params": request.sampling.to_sglang(),
-        "stream": request.stream,
-    }
-    if request.bootstrap is not None:
-        body["bootstrap_host"] = request.bootstrap.host
-        body["bootstrap_port"] = request.bootstrap.port
-        body["bootstrap_room"] = request.bootstrap.room
-    return body
-
-
-class _BodyCache:
-    """The encoded `/generate` body of the latest request: the prefill and the decode call
-    of one request send the same body, so it is encoded once (an identity check; requests
-    are immutable)."""
-
-    def __init__(self) -> None:
-        self._request: GenerateRequest | None = None
-        self._body = b""
-
-    def encode(self, request: GenerateRequest) -> bytes:
-        if request is not self._request:
-            self._request, self._body = request, orjson.dumps(request_body(request))
-        return self._body
-
-
-_BODIES = _BodyCache()
 
 
 def _parse_load(load: Any) -> EngineStats:
@@ -119,37 +79,110 @@ def _parse_load(load: Any) -> EngineStats:
     )
 
 
-def _whole_chunk(obj: dict[str, Any]) -> GenerateChunk:
-    """One SGLang `/generate` answer object as a chunk: all of its text and ids."""
-    if "error" in obj:
-        raise EngineError(f"engine reported an error: {str(obj['error'])[:300]}")
-    meta = obj.get("meta_info") or {}
-    ids = tuple(map(int, obj.get("output_ids") or ()))
-    finish = meta.get("finish_reason")
-    reason = finish.get("type") if isinstance(finish, dict) else finish
-    return GenerateChunk(
-        ids,
-        str(obj.get("text") or ""),
-        int(meta.get("prompt_tokens") or 0),
-        int(meta.get("completion_tokens") or len(ids)),
-        int(meta.get("cached_tokens") or 0),
-        str(reason) if reason is not None else None,
-    )
+class _GenerateCall(QueuedCall):
+    """One `/generate` call: the HTTP response handler that turns the answer into chunks.
 
+    A whole answer becomes one chunk when it is complete; a stream's `data:` events become
+    delta chunks as they arrive (SGLang streams cumulative text and ids).
+    """
 
-class _Deltas:
-    """Turns SGLang's cumulative stream objects into `GenerateChunk` deltas."""
+    def __init__(self, client: SGLangClient, request: GenerateRequest) -> None:
+        super().__init__()
+        self.client, self.rid, self.stream = client, request.rid, request.stream
+        self.status = 0
+        self._body = bytearray()  # a whole answer, or a stream's unfinished line
+        self._text_len = self._ids_len = 0
+        self._stream_done = False
+        self.http: HttpCall = client.post(request, self)
 
-    def __init__(self) -> None:
-        self.text_len = 0
-        self.ids_len = 0
+    # -- ResponseHandler -------------------------------------------------------------------
 
-    def chunk(self, obj: dict[str, Any]) -> GenerateChunk:
-        whole = _whole_chunk(obj)
-        text_len, ids_len = self.text_len, self.ids_len
-        self.text_len = max(text_len, len(whole.text))
-        self.ids_len = max(ids_len, len(whole.token_ids))
-        return replace(whole, token_ids=whole.token_ids[ids_len:], text=whole.text[text_len:])
+    def on_head(self, status: int) -> None:
+        self.status = status
+
+    def on_body(self, data: bytes) -> None:
+        if self.status != 200 or not self.stream:
+            if len(self._body) < MAX_ERROR_BODY or self.status == 200:
+                self._body += data
+            return
+        self._body += data
+        start = 0
+        while (end := self._body.find(b"\n", start)) >= 0:
+            self._line(bytes(self._body[start:end]))
+            start = end + 1
+        del self._body[:start]
+
+    def on_end(self, error: BaseException | None) -> None:
+        if self.ended.done():
+            return
+        client = self.client
+        if error is not None:
+            if isinstance(error, ConnectFailed):
+                self.finish(EngineError(f"{client.instance_id}: unreachable: {error}",
+                                        retryable=True))  # fmt: skip
+                return
+            if not isinstance(error, EngineError):  # a bad stream event is one already
+                error = EngineError(f"{client.instance_id}: generate failed: {error!r}")
+            self._fail(error)
+            return
+        if self.status != 200:
+            detail = bytes(self._body[:300]).decode(errors="replace")
+            self.finish(
+                EngineError(
+                    f"{client.instance_id}: /generate answered {self.status}: {detail}",
+                    status=503 if self.status in (429, 503) else 502,
+                    retryable=self.status in (429, 503),
+                )
+            )
+            return
+        try:
+            if self.stream:
+                if self._body:
+                    self._line(bytes(self._body))  # a last line without its newline
+            else:
+                self.push(self._answer(bytes(self._body)))
+        except EngineError as exc:
+            self._fail(exc)
+            return
+        self.finish()
+
+    # -- answers ---------------------------------------------------------------------------
+
+    def _line(self, line: bytes) -> None:
+        """One line of the SSE stream; raises EngineError for a bad event (the parser
+        callback's error fails the HTTP call, which ends here through `on_end`)."""
+        if self._stream_done or not line.startswith(b"data:"):
+            return
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            self._stream_done = True
+            return
+        if not payload:
+            return
+        whole = self._answer(payload)
+        text_len, ids_len = self._text_len, self._ids_len
+        self._text_len = max(text_len, len(whole.text))
+        self._ids_len = max(ids_len, len(whole.token_ids))
+        self.push(replace(whole, token_ids=whole.token_ids[ids_len:], text=whole.text[text_len:]))
+
+    def _answer(self, payload: bytes) -> GenerateChunk:
+        try:
+            return parse_answer(orjson.loads(payload))
+        except orjson.JSONDecodeError:
+            message = f"{self.client.instance_id}: bad answer {payload[:80]!r}"
+        except AnswerError as exc:
+            message = f"{self.client.instance_id}: {exc}"
+        raise EngineError(message)
+
+    def _fail(self, error: EngineError) -> None:
+        """A failure after the request was sent: the engine may still be running it."""
+        if self.http.sent:
+            self.client.abort_later(self.rid)
+        self.finish(error)
+
+    def _stop(self) -> None:
+        if self.http.cancel() and self.http.sent:  # in flight: the engine may be computing it
+            self.client.abort_later(self.rid)
 
 
 class SGLangClient(BaseEngineClient):
@@ -168,152 +201,32 @@ class SGLangClient(BaseEngineClient):
         if url.scheme not in ("http", "https") or url.host is None or url.port is None:
             raise ValueError(f"engine URL must be http(s)://host[:port], got {base_url!r}")
         self._generate_path = f"{url.path.rstrip('/')}/generate"
-        self._wire = WirePool(url.host, url.port, tls=url.scheme == "https")
+        self._pool = ConnectionPool(url.host, url.port, tls=url.scheme == "https")
         self._session = session
         self._config = config or SGLangClientConfig()
         self._aborts: set[asyncio.Task[None]] = set()
         self._stats_path: str | None = None
         self._control_timeout = self._config.control_timeout()
 
-    async def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
-        # Abort unless the call finished or the engine refused it: a call cancelled while
-        # the engine computes (no response head yet) is aborted too.
-        refused = finished = False
-        resp: WireResponse | None = None
-        try:
-            resp = await self._post_generate(request)
-            refused = resp.status != 200
-            await self._check_status(resp)
-            if not request.stream:  # one piece: no line splitting, no inner generator
-                chunk = _whole_chunk(self._json(await resp.read()))
-                finished = chunk.finish_reason is not None
-                yield chunk
-                return
-            async for chunk in self._stream(resp):
-                finished = chunk.finish_reason is not None
-                yield chunk
-        except ConnectFailed as exc:
-            refused = True
-            raise self._unreachable(exc) from exc
-        except (WireError, OSError, TimeoutError) as exc:
-            raise self._failed(exc) from exc
-        finally:
-            if resp is not None:
-                resp.close()  # no-op once the body was read to its end
-            if not (refused or finished):
-                self._abort_later(request.rid)
+    def generate(self, request: GenerateRequest) -> EngineCall:
+        return _GenerateCall(self, request)
 
-    async def complete(self, request: GenerateRequest) -> list[GenerateChunk]:
-        """A non-streaming request (`request.stream` False) in one awaitable call. Same
-        errors and abort-on-cancel as `generate`."""
-        if request.stream:
-            return await super().complete(request)
-        return await self.begin(request)
-
-    def begin(self, request: GenerateRequest) -> asyncio.Future[list[GenerateChunk]]:
-        """Send a non-streaming `/generate` now; the future gets the output or the
-        `EngineError`. The connection's protocol reads the response (no task, no read
-        loop): the gateway's hot path. As with `generate`, `/abort_request` is posted when
-        the engine may still be working on it: the future is cancelled before the answer,
-        or the call failed after it was sent (timeout, cut-off response)."""
-        if request.stream:
-            return super().begin(request)
-        out: asyncio.Future[list[GenerateChunk]] = asyncio.get_running_loop().create_future()
-
-        def done(outcome: Outcome) -> None:
-            if out.done():
-                return
-            if isinstance(outcome, WholeResponse):
-                try:
-                    out.set_result(self._whole_output(outcome))
-                except EngineError as exc:
-                    out.set_exception(exc)
-                except Exception as exc:  # an answer of the wrong shape (bad ids, counts)
-                    error = EngineError(f"{self.instance_id}: bad /generate answer: {exc!r}")
-                    error.__cause__ = exc
-                    out.set_exception(error)
-            elif isinstance(outcome, ConnectFailed):
-                error = self._unreachable(outcome)
-                error.__cause__ = outcome
-                out.set_exception(error)
-            else:
-                error = self._failed(outcome)
-                error.__cause__ = outcome
-                out.set_exception(error)
-                self._abort_later(request.rid)  # it may still be computing the request
-
+    def post(self, request: GenerateRequest, call: _GenerateCall) -> HttpCall:
+        """Send `request`'s `/generate` now; `call` handles the answer. The prefill and the
+        decode call of one request carry the same body (`GenerateRequest.body`, encoded once)."""
         cfg = self._config
-        call = post_whole(
-            self._wire,
+        return post(
+            self._pool,
             self._generate_path,
-            _BODIES.encode(request),
-            connect_s=cfg.connect_timeout_s,
-            read_s=cfg.read_timeout_s,
-            total_s=cfg.total_timeout_s,
-            on_done=done,
-        )
-
-        def cancelled(future: asyncio.Future[list[GenerateChunk]]) -> None:
-            if future.cancelled() and call.cancel():  # the engine may be computing it
-                self._abort_later(request.rid)
-
-        out.add_done_callback(cancelled)
-        return out
-
-    def _whole_output(self, resp: WholeResponse) -> list[GenerateChunk]:
-        if resp.status != 200:
-            raise self._status_error(resp.status, resp.body)
-        return [_whole_chunk(self._json(resp.body))]
-
-    def _status_error(self, status: int, body: bytes) -> EngineError:
-        detail = body[:300].decode(errors="replace")
-        return EngineError(
-            f"{self.instance_id}: /generate answered {status}: {detail}",
-            status=503 if status in (429, 503) else 502,
-            retryable=status in (429, 503),
-        )
-
-    def _unreachable(self, exc: BaseException) -> EngineError:
-        return EngineError(f"{self.instance_id}: unreachable: {exc}", retryable=True)
-
-    def _failed(self, exc: BaseException) -> EngineError:
-        return EngineError(f"{self.instance_id}: generate failed: {exc!r}")
-
-    def _post_generate(self, request: GenerateRequest) -> Awaitable[WireResponse]:
-        cfg = self._config
-        return self._wire.post(
-            self._generate_path,
-            _BODIES.encode(request),
+            request.body,
+            call,
             connect_s=cfg.connect_timeout_s,
             read_s=cfg.read_timeout_s,
             total_s=cfg.total_timeout_s,
         )
 
-    async def _check_status(self, resp: WireResponse) -> None:
-        if resp.status != 200:
-            raise self._status_error(resp.status, await resp.read())
-
-    async def _stream(self, resp: WireResponse) -> AsyncGenerator[GenerateChunk, None]:
-        deltas = _Deltas()
-        done = False
-        async for line in resp.lines():  # read to the body's end: the connection is reused
-            if done or not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            done = payload == b"[DONE]"
-            if not done:
-                yield deltas.chunk(self._json(payload))
-
-    def _json(self, payload: bytes) -> dict[str, Any]:
-        try:
-            obj = orjson.loads(payload)
-        except orjson.JSONDecodeError as exc:
-            raise EngineError(f"{self.instance_id}: bad response {payload[:80]!r}") from exc
-        if not isinstance(obj, dict):
-            raise EngineError(f"{self.instance_id}: response is not an object: {payload[:80]!r}")
-        return obj
-
-    def _abort_later(self, rid: str) -> None:
+    def abort_later(self, rid: str) -> None:
+        """Post `/abort_request` for `rid` in the background (best effort)."""
         task = asyncio.get_running_loop().create_task(self._abort(rid))
         self._aborts.add(task)
         task.add_done_callback(self._aborts.discard)
@@ -378,4 +291,4 @@ class SGLangClient(BaseEngineClient):
         belongs to the caller."""
         if self._aborts:
             await asyncio.gather(*self._aborts, return_exceptions=True)
-        self._wire.close()
+        self._pool.close()

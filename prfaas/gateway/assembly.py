@@ -11,6 +11,7 @@ from typing import Any
 
 import aiohttp
 
+from prfaas.common.tokenizer import load_tokenizer
 from prfaas.engines.sglang_client import SGLangClient, SGLangClientConfig
 from prfaas.gateway.admission import AdmissionManager
 from prfaas.gateway.api.completions import CompletionService
@@ -20,7 +21,6 @@ from prfaas.gateway.instances import InstanceManager, InstanceState
 from prfaas.gateway.kv_feed import KVEventFeed
 from prfaas.gateway.kv_index import KVIndexManager
 from prfaas.gateway.router import Router, RoutingState
-from prfaas.gateway.tokenization import create_tokenizer
 from prfaas.policies.registry import create_policy
 from prfaas.protocol.openai_request import ModelLimits
 from prfaas.serve.deployment import DeploymentConfig, InstanceConfig
@@ -135,7 +135,7 @@ def build_gateway(config: DeploymentConfig, session: aiohttp.ClientSession) -> G
     router = Router(instances, index, create_policy(g.policy), RoutingState(g.threshold, g.regime))
     service = CompletionService(
         router=router,
-        tokenizer=create_tokenizer(m.tokenizer),
+        tokenizer=load_tokenizer(m.tokenizer),
         limits=ModelLimits(m.name, m.context_length, m.vocab_size),
         admission=AdmissionManager(max_running=g.max_running, max_queued=g.max_queued),
         metrics=metrics,

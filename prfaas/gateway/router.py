@@ -2,25 +2,21 @@
 
 `Router` is driven by the HTTP app in production and by the simulator on a virtual clock,
 so it reads time only through the running loop and does no I/O of its own beyond the engine
-clients it is given.
+clients it is given. There is one dispatch path: a streamed and a whole answer differ only
+in the `stream` flag the engines get (a whole answer is one chunk).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+import secrets
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from prfaas.common.hashing import iter_block_hashes
-from prfaas.engines.client import (
-    Bootstrap,
-    EngineError,
-    GenerateChunk,
-    GenerateRequest,
-    SamplingParams,
-)
+from prfaas.engines.client import EngineCall, EngineError
 from prfaas.gateway.instances import InstanceManager, InstanceState
 from prfaas.gateway.kv_index import KVIndexManager
 from prfaas.policies.routing import (
@@ -30,6 +26,7 @@ from prfaas.policies.routing import (
     RouteDecision,
     RoutingSnapshot,
 )
+from prfaas.protocol.generate import Bootstrap, GenerateChunk, GenerateRequest, SamplingParams
 
 MAX_ATTEMPTS = 2
 
@@ -66,7 +63,7 @@ class Router:
     policy: BaseRoutingPolicy
     state: RoutingState
     on_event: Callable[[RouteEvent], None] | None = None
-    room_source: Callable[[], int] = field(default=lambda: random.getrandbits(63))
+    room_source: Callable[[], int] = field(default=lambda: secrets.randbits(63))
 
     def decide(self, input_ids: Sequence[int]) -> RouteDecision:
         """Route one prompt: chained block hashes, longest cached prefix per instance, policy.
@@ -84,16 +81,16 @@ class Router:
         )
         return self.policy.decide(snapshot)
 
-    async def generate(
-        self, rid: str, input_ids: Sequence[int], sampling: SamplingParams, *, stream: bool = True
-    ) -> AsyncIterator[tuple[RouteDecision, GenerateChunk]]:
-        """Decide, dispatch to the prefill and decode instances at once, yield decode output.
+    async def dispatch(
+        self, rid: str, input_ids: Sequence[int], sampling: SamplingParams, *, stream: bool
+    ) -> Dispatch:
+        """Decide, start the prefill and decode calls at once, and return once the first
+        output chunk is in (`Dispatch.first`; with `stream=False` the engines answer in one
+        piece, so it is the whole output). The caller reads the rest with `Dispatch.next`
+        and must `close` it (closing early aborts the request on the engines).
 
-        With `stream=False` the engines answer in one piece (one chunk per call): cheaper
-        when the client does not stream either.
-
-        A failure before any output retries once on a fresh decision with the failed
-        instance marked unhealthy; after output has started, it raises.
+        A failure before any output retries once on a fresh decision, with an instance that
+        refused the work marked unhealthy.
 
         Raises:
             NoInstanceAvailable: nowhere to run the request.
@@ -102,117 +99,143 @@ class Router:
         ids = tuple(input_ids)
         for attempt in range(1, MAX_ATTEMPTS + 1):
             decision = self.decide(ids)
-            started = False
+            prefill = self.instances[decision.prefill_instance]
+            decode = self.instances[decision.decode_instance]
+            bootstrap = None if prefill is decode else self._bootstrap(prefill)
+            request = GenerateRequest(rid, ids, sampling, stream, bootstrap)
+            routed = Dispatch(self, decision, prefill, decode, request)
             try:
-                async for chunk in self._dispatch(rid, ids, sampling, decision, stream):
-                    started = True
-                    yield decision, chunk
-                return
-            except EngineError as exc:
-                self._report(rid, decision, len(ids), 0, str(exc))
-                if started or not exc.retryable or attempt == MAX_ATTEMPTS:
+                await routed.start()
+            except BaseException as exc:  # cancelled too: the calls are aborted
+                routed.close()
+                if not isinstance(exc, EngineError) or not routed.retryable:
                     raise
-
-    async def complete(
-        self, rid: str, input_ids: Sequence[int], sampling: SamplingParams
-    ) -> tuple[RouteDecision, list[GenerateChunk]]:
-        """`generate` for a client that does not stream: the engines answer in one piece and
-        all output comes back at once, with no generator between the caller and the
-        dispatch (cheaper per request). Same routing, retry and errors as `generate`."""
-        ids = tuple(input_ids)
-        for attempt in range(1, MAX_ATTEMPTS + 1):
-            decision = self.decide(ids)
-            try:
-                chunks = await self._dispatch_whole(rid, ids, sampling, decision)
-            except EngineError as exc:
-                self._report(rid, decision, len(ids), 0, str(exc))
-                if not exc.retryable or attempt == MAX_ATTEMPTS:
+                if attempt == MAX_ATTEMPTS:
                     raise
                 continue
-            return decision, chunks
+            return routed
         raise AssertionError("unreachable: the last attempt returns or raises")
-
-    async def _dispatch(
-        self,
-        rid: str,
-        ids: tuple[int, ...],
-        sampling: SamplingParams,
-        decision: RouteDecision,
-        stream: bool = True,
-    ) -> AsyncGenerator[GenerateChunk, None]:
-        prefill, decode, request = self._request(rid, ids, sampling, decision, stream)
-        aggregated = prefill is decode  # one "both" instance: no hand-off, one call
-        prefill.in_flight += 1
-        decode.in_flight += 1
-        last: GenerateChunk | None = None
-        chunks = decode.client.generate(request) if aggregated else _relay(prefill, decode, request)
-        try:
-            async for chunk in chunks:
-                last = chunk
-                yield chunk
-        except EngineError as exc:
-            if aggregated:
-                _mark_refusal(decode, exc)
-            raise
-        finally:
-            try:
-                await chunks.aclose()  # closing aborts on the engines at once
-            finally:
-                prefill.in_flight -= 1
-                decode.in_flight -= 1
-        self._report(rid, decision, len(ids), last.completion_tokens if last else 0, None)
-
-    async def _dispatch_whole(
-        self, rid: str, ids: tuple[int, ...], sampling: SamplingParams, decision: RouteDecision
-    ) -> list[GenerateChunk]:
-        """`_dispatch` of a non-streaming request as plain awaits (no generators): the
-        gateway's hot path. Cancelling it aborts on the engines like closing `_dispatch`."""
-        prefill, decode, request = self._request(rid, ids, sampling, decision, False)
-        prefill.in_flight += 1
-        decode.in_flight += 1
-        try:
-            if prefill is decode:  # one "both" instance: no hand-off, one call
-                try:
-                    chunks = await decode.client.complete(request)
-                except EngineError as exc:
-                    _mark_refusal(decode, exc)
-                    raise
-            else:
-                chunks = await _complete_pd(prefill, decode, request)
-        finally:
-            prefill.in_flight -= 1
-            decode.in_flight -= 1
-        self._report(rid, decision, len(ids), chunks[-1].completion_tokens if chunks else 0, None)
-        return chunks
-
-    def _request(
-        self,
-        rid: str,
-        ids: tuple[int, ...],
-        sampling: SamplingParams,
-        decision: RouteDecision,
-        stream: bool,
-    ) -> tuple[InstanceState, InstanceState, GenerateRequest]:
-        prefill = self.instances[decision.prefill_instance]
-        decode = self.instances[decision.decode_instance]
-        bootstrap = None if prefill is decode else self._bootstrap(prefill)
-        return prefill, decode, GenerateRequest(rid, ids, sampling, stream, bootstrap)
 
     def _bootstrap(self, prefill: InstanceState) -> Bootstrap:
         if prefill.bootstrap_host is None or prefill.bootstrap_port is None:
             raise NoInstanceAvailable(f"prefill instance {prefill.instance_id} has no bootstrap")
         return Bootstrap(prefill.bootstrap_host, prefill.bootstrap_port, self.room_source())
 
-    def _report(
-        self, rid: str, decision: RouteDecision, prompt: int, completion: int, error: str | None
-    ) -> None:
+    def report(self, event: RouteEvent) -> None:
         if self.on_event is not None:
-            self.on_event(RouteEvent(rid, decision, prompt, completion, error))
+            self.on_event(event)
 
 
-async def _drain_prefill(prefill: InstanceState, request: GenerateRequest) -> None:
-    async for _ in prefill.client.generate(request):
-        pass
+class Dispatch:
+    """One routed request in flight: its prefill call and its decode call (one call when a
+    "both" instance does both), the decode's output, and the accounting of both instances.
+
+    The prefill call is watched, not read: if it fails, the decode call is aborted with the
+    prefill's error (the decode would only wait for KV that never comes); if the decode
+    call fails, the prefill call is aborted. When both fail, the prefill's error wins.
+    """
+
+    def __init__(
+        self,
+        router: Router,
+        decision: RouteDecision,
+        prefill: InstanceState,
+        decode: InstanceState,
+        request: GenerateRequest,
+    ) -> None:
+        self.router, self.decision, self.request = router, decision, request
+        self.prefill, self.decode = prefill, decode
+        self.first: GenerateChunk | None = None
+        self.retryable = False
+        self._last: GenerateChunk | None = None
+        self._closed = self._reported = False
+        prefill.in_flight += 1
+        decode.in_flight += 1
+        self._decode_call = decode.client.generate(request)
+        self._prefill_call: EngineCall | None = None
+        if prefill is not decode:
+            self._prefill_call = prefill.client.generate(request)
+            self._prefill_call.ended.add_done_callback(self._prefill_ended)
+
+    def _prefill_ended(self, ended: asyncio.Future[None]) -> None:
+        error = self._prefill_error()
+        if error is not None:
+            self._decode_call.abort(error)
+
+    def _prefill_error(self) -> EngineError | None:
+        """The prefill call's error, with a refusal marked, if it has failed."""
+        call = self._prefill_call
+        if call is None or not call.ended.done():
+            return None
+        error = call.ended.exception()
+        if not isinstance(error, EngineError):
+            return None
+        _mark_refusal(self.prefill, error)
+        return error
+
+    async def start(self) -> None:
+        """Wait for the first output chunk.
+
+        Raises:
+            EngineError: the request failed before any output (`retryable` tells whether
+                another instance may take it).
+        """
+        first = await self.next()
+        if first is None:
+            self._fail(EngineError("the engine returned no output"))
+        self.first = first
+
+    async def next(self) -> GenerateChunk | None:
+        """The next decode chunk; None at the end (after the prefill call is seen to have
+        ended well).
+
+        Raises:
+            EngineError: either call failed (the prefill's error when both did).
+        """
+        try:
+            chunk = await self._decode_call.next()
+        except EngineError as exc:
+            self._fail(self._prefill_error() or _refused(self.decode, exc))
+        if chunk is not None:
+            self._last = chunk
+            return chunk
+        prefill = self._prefill_call
+        if prefill is not None:
+            if not prefill.ended.done():  # shielded: a cancelled wait must not cancel it
+                with contextlib.suppress(EngineError):
+                    await asyncio.shield(prefill.ended)
+            error = self._prefill_error()
+            if error is not None:
+                self._fail(error)
+        self._report(None)
+        return None
+
+    def _fail(self, error: EngineError) -> NoReturn:
+        self.retryable = error.retryable and self._last is None
+        self._report(str(error))
+        raise error
+
+    def _report(self, error: str | None) -> None:
+        if self._reported:
+            return
+        self._reported = True
+        last, request = self._last, self.request
+        completion = last.completion_tokens if last is not None and error is None else 0
+        self.router.report(
+            RouteEvent(request.rid, self.decision, len(request.input_ids), completion, error)
+        )
+
+    def close(self) -> None:
+        """End the request: calls still running are aborted on their engines; the
+        instances' in-flight counts drop. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._decode_call.abort()
+        if self._prefill_call is not None:
+            self._prefill_call.abort()
+        self.prefill.in_flight -= 1
+        self.decode.in_flight -= 1
 
 
 def _mark_refusal(instance: InstanceState, exc: EngineError) -> None:
@@ -222,133 +245,6 @@ def _mark_refusal(instance: InstanceState, exc: EngineError) -> None:
         instance.healthy = False
 
 
-def _prefill_error(prefill: InstanceState, exc: BaseException) -> EngineError:
-    """The error to raise for a failed prefill call (marks the instance unhealthy when
-    the failure says it never accepted the work)."""
-    if isinstance(exc, EngineError):
-        _mark_refusal(prefill, exc)
-        return exc
-    error = EngineError(f"prefill on {prefill.instance_id} failed: {exc!r}")
-    error.__cause__ = exc
-    return error
-
-
-class _PrefillWatch:
-    """Watches the prefill task while the consumer awaits decode output.
-
-    If prefill fails during such a wait, the waiting task is cancelled (as `asyncio.timeout`
-    does) and the cancellation turned into the prefill's error: decode would only wait for
-    KV that never comes. This costs one callback per request instead of a future per chunk.
-    """
-
-    def __init__(self, prefill: InstanceState, task: asyncio.Task[None]) -> None:
-        self.prefill, self.task = prefill, task
-        self._consumer: asyncio.Task[object] | None = None
-        self._interrupted = False
-        task.add_done_callback(self._on_done)
-
-    def _on_done(self, task: asyncio.Task[None]) -> None:
-        if self._consumer is not None and not task.cancelled() and task.exception() is not None:
-            self._interrupted = True
-            self._consumer.cancel()
-
-    @property
-    def failed(self) -> bool:
-        """Whether the prefill call has failed."""
-        task = self.task
-        return task.done() and not task.cancelled() and task.exception() is not None
-
-    def check(self) -> None:
-        """Raise the prefill's error if it has failed."""
-        if self.failed:
-            raise _prefill_error(self.prefill, self.task.exception())  # type: ignore[arg-type]
-
-    async def next(self, stream: AsyncIterator[GenerateChunk]) -> GenerateChunk:
-        """The next decode chunk. Raises StopAsyncIteration at its end, or the prefill error."""
-        self.check()
-        self._consumer = asyncio.current_task()
-        try:
-            return await anext(stream)
-        except asyncio.CancelledError:
-            if self._interrupted and self._consumer is not None:
-                self._interrupted = False
-                if self._consumer.uncancel() == 0:  # nobody else cancelled: prefill failed
-                    self.check()
-            raise
-        finally:
-            self._consumer = None
-
-
-async def _complete_pd(
-    prefill: InstanceState, decode: InstanceState, request: GenerateRequest
-) -> list[GenerateChunk]:
-    """The non-streaming relay: both calls sent back to back, then one wait on the decode
-    call. A prefill that fails first cancels that wait (decode only waits for its KV, and
-    the cancelled call is aborted on the engine) and its error wins; a decode that refused
-    the work is marked unhealthy; a prefill failure after decode finished still fails the
-    request."""
-    prefill_call, decode_call = prefill.client.begin(request), decode.client.begin(request)
-    prefill_call.add_done_callback(lambda call: _stop_on_failure(call, decode_call))
-    try:
-        chunks = await decode_call
-    except asyncio.CancelledError:
-        task = asyncio.current_task()
-        failed = _failure(prefill_call)
-        if failed is None or (task is not None and task.cancelling()):
-            prefill_call.cancel()
-            raise
-        raise _prefill_error(prefill, failed) from None  # it cancelled the decode call
-    except BaseException as exc:
-        failed = _failure(prefill_call)
-        if failed is not None and isinstance(exc, Exception):  # both failed: prefill's wins
-            raise _prefill_error(prefill, failed) from None
-        prefill_call.cancel()
-        if isinstance(exc, EngineError):
-            _mark_refusal(decode, exc)
-        raise
-    try:
-        await prefill_call  # done by now as a rule: no suspension
-    except Exception as exc:
-        raise _prefill_error(prefill, exc)  # noqa: B904 - the cause is set inside
-    return chunks
-
-
-def _failure(call: asyncio.Future[list[GenerateChunk]]) -> BaseException | None:
-    return call.exception() if call.done() and not call.cancelled() else None
-
-
-def _stop_on_failure(
-    call: asyncio.Future[list[GenerateChunk]], other: asyncio.Future[list[GenerateChunk]]
-) -> None:
-    if _failure(call) is not None:
-        other.cancel()
-
-
-async def _relay(
-    prefill: InstanceState, decode: InstanceState, request: GenerateRequest
-) -> AsyncGenerator[GenerateChunk, None]:
-    """Yield the decode stream while the prefill call runs in its own task; if prefill
-    fails first, abort decode and raise the prefill's error; once decode ends, surface a
-    late prefill failure."""
-    watch = _PrefillWatch(prefill, asyncio.ensure_future(_drain_prefill(prefill, request)))
-    stream = decode.client.generate(request)
-    try:
-        while True:
-            try:
-                chunk = await watch.next(stream)
-            except StopAsyncIteration:
-                break
-            except EngineError as exc:
-                if not watch.failed:  # the decode call itself failed
-                    _mark_refusal(decode, exc)
-                raise
-            yield chunk
-        try:
-            await watch.task
-        except Exception as exc:
-            raise _prefill_error(prefill, exc)  # noqa: B904 - the cause is set inside
-    finally:
-        watch.task.cancel()
-        with contextlib.suppress(BaseException):
-            await watch.task
-        await stream.aclose()
+def _refused(instance: InstanceState, exc: EngineError) -> EngineError:
+    _mark_refusal(instance, exc)
+    return exc

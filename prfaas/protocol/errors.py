@@ -1,9 +1,9 @@
-"""OpenAI-style errors: one exception type for the request path, one JSON shape on the wire.
+"""OpenAI-style errors: one exception type, one JSON shape on the wire, for every HTTP server
+in the project (the gateway, the reference engine, the null server).
 
-Every HTTP error the gateway returns is `{"error": {"message", "type", "param", "code"}}`
-with the matching status: route handlers raise `APIError`, and the HTTP server renders its
-own protocol errors (malformed request, body or head too large, timeout, a handler that
-crashed) through `error_response`, so no traceback ever reaches a client.
+The body is `{"error": {"message", "type", "param", "code"}}` with the matching status. Code
+that serves HTTP raises `APIError` (or `InvalidRequest`, a 400 that is also a `ValueError`)
+and renders `error_body`, so no traceback ever reaches a client.
 """
 
 from __future__ import annotations
@@ -12,22 +12,33 @@ from collections.abc import Mapping
 
 import orjson
 
-from prfaas.http.server import HttpResponse
-
 _TYPES: dict[int, str] = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
     408: "invalid_request_error",
+    409: "conflict_error",
     413: "invalid_request_error",
-    431: "invalid_request_error",
     429: "rate_limit_error",
+    431: "invalid_request_error",
     499: "client_closed_request",
     500: "internal_error",
     502: "engine_error",
     503: "service_unavailable",
     504: "engine_timeout",
+}
+
+# The codes of errors the HTTP servers raise themselves (framing, limits, timeouts, crashes).
+_SERVER_CODES = {
+    400: "invalid_request",
+    404: "not_found",
+    405: "method_not_allowed",
+    408: "request_timeout",
+    413: "request_too_large",
+    431: "request_header_fields_too_large",
+    500: "internal_error",
 }
 
 
@@ -47,7 +58,7 @@ class APIError(Exception):
         self.status = status
         self.message = message
         self.param = param
-        self.code = code
+        self.code = code if code is not None else _SERVER_CODES.get(status, "error")
         self.headers = dict(headers or {})
 
     @property
@@ -65,24 +76,25 @@ class APIError(Exception):
             }
         }
 
-    def response(self) -> HttpResponse:
-        return HttpResponse(self.status, orjson.dumps(self.body()), headers=self.headers)
+    def encode(self) -> bytes:
+        """The JSON body."""
+        return orjson.dumps(self.body())
+
+
+class InvalidRequest(APIError, ValueError):
+    """A 400 for bad input; also a `ValueError`, so constructors that validate their fields
+    (e.g. `SamplingParams`) raise the error a client should see."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value") -> None:
+        super().__init__(400, message, param=param, code=code)
 
 
 def invalid(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
     """A 400 for bad input."""
-    return APIError(400, message, param=param, code=code)
+    return InvalidRequest(message, param, code)
 
 
-_SERVER_CODES = {
-    400: "invalid_request",
-    408: "request_timeout",
-    413: "request_too_large",
-    431: "request_header_fields_too_large",
-    500: "internal_error",
-}
-
-
-def error_response(status: int, message: str) -> HttpResponse:
-    """The HTTP server's own errors (bad framing, limits, timeouts, a crashed handler)."""
-    return APIError(status, message, code=_SERVER_CODES.get(status, "http_error")).response()
+def error_body(status: int, message: str, code: str | None = None) -> bytes:
+    """The JSON body of an error an HTTP server raises itself (bad framing, a limit, a
+    timeout, a handler that crashed)."""
+    return APIError(status, message, code=code).encode()

@@ -1,68 +1,211 @@
-"""Parsing and validation of SGLang's `/generate` body, and its JSON / stream output."""
+"""SGLang's `/generate` wire format, both ends: the request body (with `sampling_params` and
+the PD `bootstrap_*` fields) and the answer object (`text`, `output_ids`, `meta_info`).
+
+The gateway encodes requests (`GenerateRequest.body`) and parses answers (`parse_answer`); the
+reference engine and the null server parse requests (`parse_request`) and build answers
+(`answer`). Every rejection is an `InvalidRequest` (HTTP 400) naming the field.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from functools import cached_property
 from typing import Any
 
-from prfaas.engines.reference.server.service import Bootstrap
-from prfaas.engines.reference.step.sampling import InvalidRequest, SamplingParams
+import orjson
 
-GENERATE_FIELDS = frozenset({
+from prfaas.protocol.errors import InvalidRequest
+
+DEFAULT_MAX_NEW_TOKENS = 128
+MAX_ROOM = 2**64 - 1
+REQUEST_FIELDS = frozenset({
     "text", "input_ids", "sampling_params", "stream", "rid", "bootstrap_host",
     "bootstrap_port", "bootstrap_room", "return_logprob", "data_parallel_rank",
 })  # fmt: skip
-MAX_ROOM = 2**64 - 1
 
 
 @dataclass(frozen=True)
-class GenerateInput:
-    """A validated `/generate` request (text is tokenized by the caller)."""
+class SamplingParams:
+    """How to pick output tokens (SGLang's `sampling_params`). `temperature == 0` is
+    greedy; `seed` makes sampling reproducible per request regardless of batching."""
 
-    text: str | None
-    input_ids: list[int] | None
-    params: SamplingParams
-    stream: bool
-    rid: str | None
-    bootstrap: Bootstrap | None
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        _check(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "must be >= 1")
+        _check(math.isfinite(self.temperature) and self.temperature >= 0,
+               "temperature", self.temperature, "must be a finite number >= 0")  # fmt: skip
+        _check(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
+        _check(self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "must be -1 or >= 1")
+        _check(0 <= self.min_p <= 1, "min_p", self.min_p, "must be in [0, 1]")
+        _check(all(s for s in self.stop), "stop", list(self.stop), "must not contain ''")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @classmethod
+    def from_json(cls, raw: Any) -> SamplingParams:
+        """Parse SGLang's `sampling_params` object; unknown keys and bad types are errors.
+
+        Raises:
+            InvalidRequest: naming the offending key and value.
+        """
+        if raw is None:
+            return cls()
+        if not isinstance(raw, Mapping):
+            raise InvalidRequest(f"sampling_params must be an object, got {raw!r}")
+        raw = dict(raw)
+        if "sampling_seed" in raw:  # SGLang's name for the seed
+            if raw.get("seed") is not None:
+                raise InvalidRequest("give either seed or sampling_seed, not both")
+            raw["seed"] = raw.pop("sampling_seed")
+        raw.pop("no_stop_trim", None)  # accepted for SGLang compatibility; text is trimmed
+        unknown = sorted(set(raw) - _FIELDS)
+        if unknown:
+            raise InvalidRequest(f"unknown sampling_params field(s): {', '.join(unknown)}")
+        return cls(**{k: _coerce(k, v) for k, v in raw.items() if v is not None})
+
+    def to_json(self) -> dict[str, object]:
+        """SGLang's `sampling_params` object (what `from_json` reads back)."""
+        body: dict[str, object] = {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+        }
+        if self.min_p:
+            body["min_p"] = self.min_p
+        if self.stop:
+            body["stop"] = list(self.stop)
+        if self.stop_token_ids:
+            body["stop_token_ids"] = list(self.stop_token_ids)
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        if self.seed is not None:
+            body["sampling_seed"] = self.seed
+        if not self.skip_special_tokens:
+            body["skip_special_tokens"] = False
+        return body
 
 
-def parse_generate(body: Any) -> GenerateInput:
-    """Validate a decoded JSON body.
+_FIELDS = frozenset(f.name for f in fields(SamplingParams))
+_INTS = {"max_new_tokens", "top_k", "seed"}
+_FLOATS = {"temperature", "top_p", "min_p"}
+_BOOLS = {"ignore_eos", "skip_special_tokens"}
+
+
+def _coerce(key: str, value: Any) -> Any:
+    if key in _BOOLS:
+        _check(isinstance(value, bool), key, value, "must be a boolean")
+    elif key in _INTS:
+        _check(isinstance(value, int) and not isinstance(value, bool), key, value,
+               "must be an integer")  # fmt: skip
+    elif key in _FLOATS:
+        _check(isinstance(value, int | float) and not isinstance(value, bool), key, value,
+               "must be a number")  # fmt: skip
+        return float(value)
+    elif key == "stop":
+        items = [value] if isinstance(value, str) else value
+        _check(isinstance(items, list) and all(isinstance(s, str) for s in items), key, value,
+               "must be a string or a list of strings")  # fmt: skip
+        return tuple(items)
+    elif key == "stop_token_ids":
+        _check(isinstance(value, list) and all(type(t) is int for t in value), key, value,
+               "must be a list of integers")  # fmt: skip
+        return tuple(value)
+    return value
+
+
+def _check(ok: bool, key: str, value: Any, rule: str) -> None:
+    if not ok:
+        raise InvalidRequest(f"sampling_params.{key} {rule}, got {value!r}", key)
+
+
+@dataclass(frozen=True)
+class Bootstrap:
+    """SGLang's PD fields: where the decode instance fetches the prefill's KV (the prefill's
+    bootstrap address) and the room that names this request's transfer."""
+
+    host: str
+    port: int
+    room: int
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One `/generate` call. In SGLang's PD protocol the same request (one bootstrap room) goes
+    to the prefill and the decode instance at once."""
+
+    rid: str
+    input_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stream: bool = True
+    bootstrap: Bootstrap | None = None
+
+    @cached_property
+    def body(self) -> bytes:
+        """The JSON body, encoded on first use (the prefill and the decode call of a request
+        send the same one)."""
+        body: dict[str, Any] = {
+            "rid": self.rid,
+            "input_ids": self.input_ids,  # a tuple: orjson writes it as an array, no copy
+            "sampling_params": self.sampling.to_json(),
+            "stream": self.stream,
+        }
+        if self.bootstrap is not None:
+            body["bootstrap_host"] = self.bootstrap.host
+            body["bootstrap_port"] = self.bootstrap.port
+            body["bootstrap_room"] = self.bootstrap.room
+        return orjson.dumps(body)
+
+
+def parse_request(
+    body: Any, encode: Callable[[str], list[int]], new_rid: Callable[[], str]
+) -> GenerateRequest:
+    """Validate a decoded `/generate` body; `text` is tokenized with `encode`, a missing
+    `rid` drawn from `new_rid`.
 
     Raises:
         InvalidRequest: unknown fields, wrong types, missing or duplicate prompt.
     """
     if not isinstance(body, Mapping):
         raise InvalidRequest("the request body must be a JSON object")
-    unknown = sorted(set(body) - GENERATE_FIELDS)
+    unknown = sorted(set(body) - REQUEST_FIELDS)
     if unknown:
         raise InvalidRequest(f"unknown field(s): {', '.join(unknown)}")
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
         raise InvalidRequest("exactly one of text and input_ids is required")
     if text is not None and not isinstance(text, str):
-        raise InvalidRequest("text must be a string (batched requests are not supported)")
+        raise InvalidRequest("text must be a string (batched requests are not supported)", "text")
     if ids is not None and not (isinstance(ids, list) and all(type(t) is int for t in ids)):
-        raise InvalidRequest("input_ids must be a list of integers")
+        raise InvalidRequest("input_ids must be a list of integers", "input_ids")
     if body.get("return_logprob"):
-        raise InvalidRequest("return_logprob is not supported")
+        raise InvalidRequest("return_logprob is not supported", "return_logprob")
     stream, rid = body.get("stream", False), body.get("rid")
     if not isinstance(stream, bool):
-        raise InvalidRequest(f"stream must be a boolean, got {stream!r}")
+        raise InvalidRequest(f"stream must be a boolean, got {stream!r}", "stream")
     if rid is not None and not isinstance(rid, str):
-        raise InvalidRequest(f"rid must be a string, got {rid!r}")
-    params = SamplingParams.from_json(body.get("sampling_params"))
-    return GenerateInput(text, ids, params, stream, rid, parse_bootstrap(body))
+        raise InvalidRequest(f"rid must be a string, got {rid!r}", "rid")
+    sampling = SamplingParams.from_json(body.get("sampling_params"))
+    prompt = tuple(ids) if ids is not None else tuple(encode(text or ""))
+    return GenerateRequest(rid or new_rid(), prompt, sampling, stream, _bootstrap(body))
 
 
-def parse_bootstrap(body: Mapping[str, Any]) -> Bootstrap | None:
-    """The PD fields, all three or none.
-
-    Raises:
-        InvalidRequest: partial or mistyped fields.
-    """
+def _bootstrap(body: Mapping[str, Any]) -> Bootstrap | None:
+    """The PD fields, all three or none."""
     host, port, room = (body.get(k) for k in ("bootstrap_host", "bootstrap_port", "bootstrap_room"))
     if host is None and port is None and room is None:
         return None
@@ -75,11 +218,27 @@ def parse_bootstrap(body: Mapping[str, Any]) -> Bootstrap | None:
     return Bootstrap(host, port, room)
 
 
-def generate_json(
+@dataclass(frozen=True)
+class GenerateChunk:
+    """A piece of output: new token ids and text since the previous chunk.
+
+    `finish_reason` is set on the last chunk ("stop", "length", "abort").
+    Token counts are the engine's own (`meta_info`), cumulative.
+    """
+
+    token_ids: tuple[int, ...]
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    finish_reason: str | None = None
+
+
+def answer(
     *, rid: str, text: str, output_ids: list[int], finish_reason: dict[str, object] | None,
     prompt_tokens: int, cached_tokens: int, e2e_latency: float,
 ) -> dict[str, Any]:  # fmt: skip
-    """SGLang's `/generate` result object (also each stream chunk, cumulative)."""
+    """SGLang's `/generate` answer object (also each stream chunk, cumulative)."""
     return {
         "text": text,
         "output_ids": output_ids,
@@ -92,3 +251,38 @@ def generate_json(
             "e2e_latency": e2e_latency,
         },
     }
+
+
+class AnswerError(ValueError):
+    """An answer object that is not SGLang's shape, or that reports an engine error."""
+
+
+def parse_answer(obj: Any) -> GenerateChunk:
+    """One `/generate` answer object (whole, or a cumulative stream chunk) as a chunk with
+    all of its text and ids.
+
+    Raises:
+        AnswerError: not an object, an `error` object, or fields of the wrong type.
+    """
+    if not isinstance(obj, dict):
+        raise AnswerError(f"an answer must be a JSON object, got {str(obj)[:80]}")
+    if "error" in obj:
+        raise AnswerError(f"engine reported an error: {str(obj['error'])[:300]}")
+    meta = obj.get("meta_info")
+    meta = {} if meta is None else meta
+    if not isinstance(meta, dict):
+        raise AnswerError(f"meta_info must be an object, got {str(meta)[:80]}")
+    try:
+        ids = tuple(map(int, obj.get("output_ids") or ()))
+        finish = meta.get("finish_reason")
+        reason = finish.get("type") if isinstance(finish, dict) else finish
+        return GenerateChunk(
+            ids,
+            str(obj.get("text") or ""),
+            int(meta.get("prompt_tokens") or 0),
+            int(meta.get("completion_tokens") or len(ids)),
+            int(meta.get("cached_tokens") or 0),
+            str(reason) if reason is not None else None,
+        )
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise AnswerError(f"malformed answer object: {exc}") from None

@@ -1,7 +1,11 @@
-"""Parse and validate OpenAI `/v1/completions` and `/v1/chat/completions` bodies.
+"""Parse and validate OpenAI `/v1/completions` and `/v1/chat/completions` bodies: the one
+parser of the gateway, the reference engine's own OpenAI route and the null server.
 
 Every rejection is an `APIError` (400 with the offending `param`, 404 for an unknown model),
-raised before anything is dispatched, so bad input never reaches an engine.
+raised before anything is dispatched, so bad input never reaches an engine. Fields that
+would change the output but are not supported (`n > 1`, `echo`, `logprobs`, penalties,
+`best_of`) are rejected; fields that do not (`user`, `metadata`, ...) are ignored, as
+OpenAI-compatible servers do.
 """
 
 from __future__ import annotations
@@ -12,10 +16,9 @@ from typing import Any, Literal
 
 import orjson
 
-from prfaas.common.tokenizer import ChatMessage
-from prfaas.engines.client import SamplingParams
-from prfaas.gateway.tokenization import GatewayTokenizer
+from prfaas.common.tokenizer import ChatMessage, Tokenizer, chat_ids
 from prfaas.protocol.errors import APIError, invalid
+from prfaas.protocol.generate import SamplingParams
 
 Api = Literal["completions", "chat"]
 MAX_STOP = 4
@@ -100,11 +103,25 @@ def _max_tokens(body: dict[str, Any]) -> int:
     return int(value)
 
 
-def parse_sampling(body: dict[str, Any]) -> SamplingParams:
-    """Sampling parameters from an OpenAI body (extension: `top_k`)."""
+def _unsupported(body: dict[str, Any]) -> None:
     n = _typed(body, "n", (int,), "an integer")
     if n not in (None, 1):
         raise invalid(f"only n=1 is supported, got {n}", "n")
+    best_of = _typed(body, "best_of", (int,), "an integer")
+    if best_of not in (None, 1):
+        raise invalid(f"only best_of=1 is supported, got {best_of}", "best_of")
+    for key in ("presence_penalty", "frequency_penalty"):
+        if body.get(key) not in (None, 0, 0.0):
+            raise invalid(f"'{key}' is not supported (must be 0)", key)
+    for key in ("echo", "logprobs", "top_logprobs"):
+        if body.get(key) not in (None, False, 0):
+            raise invalid(f"'{key}' is not supported", key)
+
+
+def parse_sampling(body: dict[str, Any]) -> SamplingParams:
+    """Sampling parameters from an OpenAI body (extensions: `top_k`, `min_p`,
+    `ignore_eos`)."""
+    _unsupported(body)
     top_k = _typed(body, "top_k", (int,), "an integer")
     if top_k is not None and (top_k == 0 or top_k < -1):
         raise invalid(f"'top_k' must be -1 or >= 1, got {top_k}", "top_k")
@@ -117,12 +134,14 @@ def parse_sampling(body: dict[str, Any]) -> SamplingParams:
         temperature=_number(body, "temperature", 0.0, 2.0, 1.0),
         top_p=top_p,
         top_k=-1 if top_k is None else top_k,
+        min_p=_number(body, "min_p", 0.0, 1.0, 0.0),
         stop=_stop(body),
+        ignore_eos=bool(_typed(body, "ignore_eos", (bool,), "a boolean")),
         seed=seed,
     )
 
 
-def _prompt_ids(body: dict[str, Any], tokenizer: GatewayTokenizer, vocab: int | None) -> list[int]:
+def _prompt_ids(body: dict[str, Any], tokenizer: Tokenizer, vocab: int | None) -> list[int]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -166,7 +185,7 @@ def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
 
 
 def parse_call(
-    body: dict[str, Any], api: Api, limits: ModelLimits, tokenizer: GatewayTokenizer
+    body: dict[str, Any], api: Api, limits: ModelLimits, tokenizer: Tokenizer
 ) -> CompletionCall:
     """Validate and tokenize a request body.
 
@@ -191,9 +210,9 @@ def parse_call(
     return CompletionCall(api, model, tuple(ids), sampling, stream, usage)
 
 
-def _tokenize_chat(tokenizer: GatewayTokenizer, messages: list[ChatMessage]) -> list[int]:
+def _tokenize_chat(tokenizer: Tokenizer, messages: list[ChatMessage]) -> list[int]:
     try:
-        return tokenizer.apply_chat_template(messages)
+        return chat_ids(tokenizer, messages)
     except ValueError as exc:
         raise invalid(str(exc), "messages") from None
 

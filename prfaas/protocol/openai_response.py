@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from prfaas.engines.client import GenerateChunk
+from prfaas.protocol.generate import GenerateChunk
 from prfaas.protocol.openai_request import CompletionCall
 
 

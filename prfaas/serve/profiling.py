@@ -17,15 +17,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from prfaas.engines.client import (
-    BaseEngineClient,
-    Bootstrap,
-    GenerateRequest,
-    SamplingParams,
-)
+from prfaas.engines.client import BaseEngineClient, collect
 from prfaas.gateway.link import EgressSample
 from prfaas.policies.planner import PlanReport, plan
 from prfaas.policies.profile import parse_profile
+from prfaas.protocol.generate import Bootstrap, GenerateRequest, SamplingParams
 
 PROFILE_LENGTHS = (256, 1024, 3072)
 DECODE_TOKENS = 16
@@ -82,12 +78,10 @@ async def _run_pair(pair: Pair, ids: list[int], max_new_tokens: int) -> float:
         bootstrap=Bootstrap(pair.bootstrap[0], pair.bootstrap[1], room),
     )
 
-    async def drain(client: BaseEngineClient) -> None:
-        async for _ in client.generate(request):
-            pass
-
     start = loop.time()
-    await asyncio.gather(drain(pair.prefill), drain(pair.decode))
+    await asyncio.gather(
+        collect(pair.prefill.generate(request)), collect(pair.decode.generate(request))
+    )
     return loop.time() - start
 
 

@@ -29,18 +29,42 @@ from dataclasses import dataclass
 from prfaas.common.kv_events import KVEvent
 from prfaas.engines.client import (
     BaseEngineClient,
+    EngineCall,
     EngineError,
     EngineInfo,
     EngineStats,
-    GenerateChunk,
-    GenerateRequest,
+    QueuedCall,
 )
 from prfaas.policies.tables import PiecewiseLinear
+from prfaas.protocol.generate import GenerateChunk, GenerateRequest
 from prfaas.sim.cache import SimPrefixCache
 from prfaas.sim.link import SimLink
 
 SIM_TOKEN = 0  # the token id every simulated output token carries
 MIN_PREFILL_TOKENS = 1  # a fully cached prompt still computes its last token
+
+
+class _TaskCall(QueuedCall):
+    """A simulated call: its output generator runs in a task on the (virtual) loop."""
+
+    def __init__(self, instance_id: str, chunks: AsyncGenerator[GenerateChunk, None]) -> None:
+        super().__init__()
+        self._instance_id = instance_id
+        self._task = self._loop.create_task(self._run(chunks))
+
+    async def _run(self, chunks: AsyncGenerator[GenerateChunk, None]) -> None:
+        try:
+            async for chunk in chunks:
+                self.push(chunk)
+        except EngineError as exc:
+            self.finish(exc)
+        except Exception as exc:
+            self.finish(EngineError(f"{self._instance_id}: {exc!r}"))
+        else:
+            self.finish()
+
+    def _stop(self) -> None:
+        self._task.cancel()
 
 
 @dataclass
@@ -124,7 +148,10 @@ class SimulatedPrefillEngine(BaseEngineClient):
         self._running = 0
         self.counters = StageCounters()
 
-    async def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
+    def generate(self, request: GenerateRequest) -> EngineCall:
+        return _TaskCall(self.instance_id, self._generate(request))
+
+    async def _generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
         if request.bootstrap is None:
             raise EngineError(
                 f"{self.instance_id}: a prefill request needs a bootstrap room", status=400
@@ -230,7 +257,10 @@ class SimulatedDecodeEngine(BaseEngineClient):
         self._running = 0
         self.counters = StageCounters()
 
-    async def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
+    def generate(self, request: GenerateRequest) -> EngineCall:
+        return _TaskCall(self.instance_id, self._generate(request))
+
+    async def _generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
         if request.bootstrap is None:
             raise EngineError(
                 f"{self.instance_id}: a decode request needs a bootstrap room", status=400

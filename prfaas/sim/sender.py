@@ -7,13 +7,14 @@ import asyncio
 
 import numpy as np
 
-from prfaas.engines.client import EngineError, GenerateChunk, SamplingParams
+from prfaas.engines.client import EngineError
 from prfaas.gateway.router import Router
 from prfaas.loadgen.client import Answer, RequestSpec
 from prfaas.loadgen.conversation import Conversation
 from prfaas.loadgen.records import RequestRecord
 from prfaas.loadgen.tokens import TokenArray
 from prfaas.policies.routing import NoInstanceAvailable, RouteDecision
+from prfaas.protocol.generate import GenerateChunk, SamplingParams
 from prfaas.sim.engines import SIM_TOKEN
 
 
@@ -66,9 +67,14 @@ class SimSender:
         error: str | None = None
         try:
             sampling = SamplingParams(max_new_tokens=spec.max_tokens)
-            async for routed, chunk in self._router.generate(spec.request_id, tokens, sampling):
-                first = self._loop.time() if first is None else first
-                decision, last = routed, chunk
+            routed = await self._router.dispatch(spec.request_id, tokens, sampling, stream=True)
+            try:
+                first, decision = self._loop.time(), routed.decision
+                chunk = routed.first
+                while chunk is not None:
+                    last, chunk = chunk, await routed.next()
+            finally:
+                routed.close()
         except (EngineError, NoInstanceAvailable) as exc:
             error = f"{type(exc).__name__}: {exc}"
         end = self._loop.time()

@@ -1,7 +1,8 @@
 """The null server: NOT an engine. It runs no model and answers instantly with filler tokens.
 
-It exists only to measure overhead: of the load generator (benchmarks/loadgen.py) and, later,
-of the gateway. It speaks just enough of the real protocols for that:
+It exists only to measure overhead: of the load generator (benchmarks/loadgen.py) and of the
+gateway (benchmarks/gateway.py). It parses requests with the project's one parser of each
+protocol (`prfaas.protocol`), as the gateway and the reference engine do, and answers:
 
 - OpenAI `/v1/completions` and `/v1/chat/completions`, streaming (SSE) or not, with `usage`
   including `prompt_tokens_details.cached_tokens`;
@@ -10,22 +11,21 @@ of the gateway. It speaks just enough of the real protocols for that:
   ids cumulative, as SGLang streams them by default), then `data: [DONE]`;
 - `/health`, `/v1/models`.
 
-Output length is the request's `max_tokens` / `max_new_tokens` (default
-`NullConfig.output_tokens`). `cached_tokens` comes from a toy prefix cache of full blocks of
-prompt ids (text prompts count one token per word), so clients can check hit-rate plumbing.
-Run: `python -m prfaas.testing.null_server --port P` (port 0 picks a free one; the first stdout line
-says which).
+Output length is the request's `max_tokens` / `max_new_tokens` (the protocols' defaults
+when absent: 16 and 128), for any model name. `cached_tokens` comes from a toy prefix cache
+of full blocks of prompt ids (text is byte-level tokenized), so clients can check hit-rate
+plumbing. Run: `python -m prfaas.testing.null_server --port P` (port 0 picks a free one; the
+first stdout line says which).
 """
 
 from __future__ import annotations
 
 import argparse
-import array
 import asyncio
 import sys
 import time
-import zlib
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,16 +34,20 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from prfaas.common.hashing import hash_blocks
+from prfaas.common.tokenizer import ByteTokenizer
+from prfaas.protocol.errors import APIError
+from prfaas.protocol.generate import GenerateChunk, GenerateRequest, answer, parse_request
+from prfaas.protocol.openai_request import CompletionCall, ModelLimits, load_json, parse_call
+from prfaas.protocol.openai_response import Accumulator
 
-MAX_OUTPUT_TOKENS = 1_000_000
+MAX_CONTEXT = 2_000_000  # prompt + output tokens the null server takes
+_BYTES = ByteTokenizer()
 
 
 @dataclass(frozen=True)
 class NullConfig:
     """Behaviour of the null server."""
 
-    output_tokens: int = 16
-    """Tokens generated when a request does not say."""
     first_token_delay_s: float = 0.0
     """Sleep before the first token (a stand-in for prefill time)."""
     token_delay_s: float = 0.0
@@ -53,10 +57,9 @@ class NullConfig:
     cache_blocks: int = 100_000
     """Prefix-cache capacity in blocks (LRU)."""
     model: str = "null"
+    """The name `/v1/models` lists (requests for any model are answered)."""
 
     def __post_init__(self) -> None:
-        if self.output_tokens < 1:
-            raise ValueError(f"output_tokens must be >= 1, got {self.output_tokens}")
         for name in ("first_token_delay_s", "token_delay_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -67,160 +70,37 @@ class NullConfig:
             )
 
 
-def _int_field(body: dict[str, Any], key: str, default: int) -> int:
-    value = body.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_OUTPUT_TOKENS:
-        raise ValueError(f"{key} must be an integer in [1, {MAX_OUTPUT_TOKENS}], got {value!r}")
-    return value
-
-
-def _prompt(value: object, key: str) -> tuple[list[int], str]:
-    if isinstance(value, str):
-        return [], value
-    if isinstance(value, list) and value and _token_ids(value):
-        return value, ""
-    raise ValueError(f"{key} must be a string or a non-empty list of token ids")
-
-
-def _token_ids(values: list[object]) -> bool:
-    """Whether every value is a uint32 token id (JSON `true`/`false` pass as 1/0, as in a
-    lax pydantic `list[int]`). Packing them as uint32 checks that in C: a per-item Python
-    check costs ~20 us per 500 ids, more than the text path's whole work, which would bias
-    overhead measurements against clients that send token ids."""
-    try:
-        array.array("I", values)  # type: ignore[type-var]
-    except (TypeError, OverflowError):
-        return False
-    return True
-
-
-def _chat_text(messages: object) -> str:
-    if not isinstance(messages, list) or not messages:
-        raise ValueError("messages must be a non-empty list")
-    parts = [m.get("content") if isinstance(m, dict) else None for m in messages]
-    if not all(isinstance(p, str) for p in parts):
-        raise ValueError("every message needs a string content")
-    return " ".join(str(p) for p in parts)
-
-
-@dataclass(frozen=True)
-class NullRequest:
-    """The parts of a request the null server looks at."""
-
-    api: str
-    rid: str
-    model: str
-    prompt_ids: list[int]
-    prompt_text: str
-    max_tokens: int
-    stream: bool
-    include_usage: bool
-
-    @classmethod
-    def parse(cls, body: object, api: str, default_tokens: int, rid: str) -> NullRequest:
-        """Validate a request body. Raises ValueError naming the bad field."""
-        if not isinstance(body, dict):
-            raise ValueError("the body must be a JSON object")
-        if api == "generate":
-            params = body.get("sampling_params") or {}
-            if not isinstance(params, dict):
-                raise ValueError("sampling_params must be an object")
-            key = "input_ids" if body.get("input_ids") is not None else "text"
-            ids, text = _prompt(body.get(key), key)
-            n_out = _int_field(params, "max_new_tokens", default_tokens)
-        else:
-            if api == "chat":
-                ids, text = [], _chat_text(body.get("messages"))
-            else:
-                ids, text = _prompt(body.get("prompt"), "prompt")
-            key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-            n_out = _int_field(body, key, default_tokens)
-        options = body.get("stream_options")
-        usage = isinstance(options, dict) and bool(options.get("include_usage", False))
-        return cls(
-            api,
-            str(body.get("rid") or rid),
-            str(body.get("model", "")),
-            ids,
-            text,
-            n_out,
-            bool(body.get("stream", False)),
-            usage,
-        )
-
-
-def _usage(n_prompt: int, n_out: int, cached: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": n_prompt,
-        "completion_tokens": n_out,
-        "total_tokens": n_prompt + n_out,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
-
-
-def _token_text(i: int) -> str:
+def _filler(i: int) -> str:
     return f" t{i}"
 
 
-def openai_chunk(req: NullRequest, i: int | None, n_prompt: int, cached: int) -> dict[str, Any]:
-    """Stream chunk for output token `i`, or the final usage-only chunk when `i` is None."""
-    chat = req.api == "chat"
-    out: dict[str, Any] = {
-        "id": req.rid,
-        "created": int(time.time()),
-        "model": req.model,
-        "object": "chat.completion.chunk" if chat else "text_completion",
-    }
-    if i is None:
-        return {**out, "choices": [], "usage": _usage(n_prompt, req.max_tokens, cached)}
-    finish = "length" if i == req.max_tokens - 1 else None
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
-    if chat:
-        choice["delta"] = {"role": "assistant", "content": _token_text(i)}
-    else:
-        choice.update(text=_token_text(i), logprobs=None)
-    return {**out, "choices": [choice], "usage": None}
+def _filler_ids(n: int) -> list[int]:
+    return [100 + k % 1000 for k in range(n)]
 
 
-def openai_final(req: NullRequest, n_prompt: int, cached: int) -> dict[str, Any]:
-    """Non-streaming response (OpenAI shape, or SGLang's for `/generate`)."""
-    text = "".join(_token_text(i) for i in range(req.max_tokens))
-    if req.api == "generate":
-        return sglang_chunk(req, req.max_tokens - 1, n_prompt, cached)
-    choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
-    if req.api == "chat":
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice.update(text=text, logprobs=None)
-    obj = "chat.completion" if req.api == "chat" else "text_completion"
-    return {
-        "id": req.rid,
-        "object": obj,
-        "created": int(time.time()),
-        "model": req.model,
-        "choices": [choice],
-        "usage": _usage(n_prompt, req.max_tokens, cached),
-    }
+def openai_chunks(call: CompletionCall, cached: int) -> list[GenerateChunk]:
+    """The output as one chunk per token (the last one with finish reason "length")."""
+    n, prompt = call.sampling.max_new_tokens, len(call.input_ids)
+    return [
+        GenerateChunk(
+            (100 + i % 1000,), _filler(i), prompt, i + 1, cached, "length" if i == n - 1 else None
+        )
+        for i in range(n)
+    ]
 
 
-def sglang_chunk(req: NullRequest, i: int, n_prompt: int, cached: int) -> dict[str, Any]:
-    """SGLang `/generate` chunk after token `i`: cumulative text and ids, `meta_info`."""
-    n = i + 1
-    finish = {"type": "length", "length": req.max_tokens} if n == req.max_tokens else None
-    meta = {
-        "id": req.rid,
-        "finish_reason": finish,
-        "prompt_tokens": n_prompt,
-        "completion_tokens": n,
-        "cached_tokens": cached,
-    }
-    return {
-        "text": "".join(_token_text(k) for k in range(n)),
-        "output_ids": [100 + k % 1000 for k in range(n)],
-        "meta_info": meta,
-    }
+def generate_answer(call: GenerateRequest, n: int, cached: int) -> dict[str, Any]:
+    """SGLang's answer object after `n` output tokens (cumulative text and ids)."""
+    done = n == call.sampling.max_new_tokens
+    return answer(
+        rid=call.rid,
+        text="".join(_filler(k) for k in range(n)),
+        output_ids=_filler_ids(n),
+        finish_reason={"type": "length", "length": n} if done else None,
+        prompt_tokens=len(call.input_ids),
+        cached_tokens=cached,
+        e2e_latency=0.0,
+    )
 
 
 class PrefixCache:
@@ -247,21 +127,21 @@ class PrefixCache:
         return hits * self.block_size
 
 
-def error_response(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
-    """An OpenAI-style JSON error."""
-    body = {"error": {"message": message, "type": kind, "code": status}}
-    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
-
-
 @web.middleware
 async def json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Unknown paths and methods answer with OpenAI-style JSON errors, not aiohttp's text."""
+    """Bad requests, unknown paths and methods answer with OpenAI-style JSON errors."""
     try:
         return await handler(request)
+    except APIError as exc:
+        return _error(exc)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return error_response(exc.status, exc.reason, "not_found_error")
+        return _error(APIError(exc.status, exc.reason))
+
+
+def _error(exc: APIError) -> web.Response:
+    return web.Response(status=exc.status, body=exc.encode(), content_type="application/json")
 
 
 class NullServer:
@@ -302,21 +182,32 @@ class NullServer:
         return await self._serve(request, "generate")
 
     async def _serve(self, request: web.Request, api: str) -> web.StreamResponse:
-        try:
-            body = orjson.loads(await request.read())
-            req = NullRequest.parse(body, api, self.config.output_tokens, f"null-{self.served}")
-        except (orjson.JSONDecodeError, ValueError) as exc:
-            return error_response(400, f"bad request: {exc}")
+        body = load_json(await request.read())
         self.served += 1
-        ids = req.prompt_ids or [zlib.crc32(w.encode()) for w in req.prompt_text.split()]
-        cached = self.cache.lookup_and_insert(ids)
-        if not req.stream:
-            await self._pause(req.max_tokens)
-            return web.Response(
-                body=orjson.dumps(openai_final(req, len(ids), cached)),
-                content_type="application/json",
-            )
-        return await self._stream(request, req, len(ids), cached)
+        rid = f"null-{self.served}"
+        if api == "generate":
+            call = parse_request(body, _BYTES.encode, lambda: rid)
+            cached = self.cache.lookup_and_insert(list(call.input_ids))
+            n = call.sampling.max_new_tokens
+            await self._pause(n)
+            if not call.stream:
+                return web.json_response(generate_answer(call, n, cached))
+            answers = (generate_answer(call, i + 1, cached) for i in range(n))
+            return await self._stream(request, answers)
+        model = body.get("model")  # the null server answers for any model name
+        limits = ModelLimits(model if isinstance(model, str) and model else "null", MAX_CONTEXT)
+        completion = parse_call(body, "chat" if api == "chat" else "completions", limits, _BYTES)
+        cached = self.cache.lookup_and_insert(list(completion.input_ids))
+        acc = Accumulator(completion, rid, int(time.time()))
+        chunks = openai_chunks(completion, cached)
+        if not completion.stream:
+            await self._pause(len(chunks))
+            for chunk in chunks:
+                acc.add(chunk)
+            return web.json_response(acc.final())
+        events = (_delta(acc, c) for c in chunks)
+        usage = [acc.usage_chunk] if completion.include_usage else []
+        return await self._stream(request, events, usage)
 
     async def _pause(self, tokens: int) -> None:
         delay = self.config.first_token_delay_s + self.config.token_delay_s * (tokens - 1)
@@ -324,27 +215,30 @@ class NullServer:
             await asyncio.sleep(delay)
 
     async def _stream(
-        self, request: web.Request, req: NullRequest, n_prompt: int, cached: int
+        self,
+        request: web.Request,
+        events: Iterator[dict[str, Any]],
+        after: list[Callable[[], dict[str, Any]]] | None = None,
     ) -> web.StreamResponse:
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await resp.prepare(request)
-        for i in range(req.max_tokens):
+        for i, event in enumerate(events):
             delay = self.config.first_token_delay_s if i == 0 else self.config.token_delay_s
             if delay > 0:
                 await asyncio.sleep(delay)
-            await resp.write(_sse(self._chunk(req, i, n_prompt, cached)))
-        if req.api != "generate" and req.include_usage:
-            await resp.write(_sse(openai_chunk(req, None, n_prompt, cached)))
+            await resp.write(_sse(event))
+        for last in after or ():
+            await resp.write(_sse(last()))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
 
-    def _chunk(self, req: NullRequest, i: int, n_prompt: int, cached: int) -> dict[str, Any]:
-        if req.api == "generate":
-            return sglang_chunk(req, i, n_prompt, cached)
-        return openai_chunk(req, i, n_prompt, cached)
+
+def _delta(acc: Accumulator, chunk: GenerateChunk) -> dict[str, Any]:
+    acc.add(chunk)
+    return acc.chunk(chunk)
 
 
 def _sse(obj: dict[str, Any]) -> bytes:
@@ -369,15 +263,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Null server (not an engine): instant answers.")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--output-tokens", type=int, default=16)
     parser.add_argument("--first-token-delay", type=float, default=0.0, metavar="S")
     parser.add_argument("--token-delay", type=float, default=0.0, metavar="S")
     parser.add_argument("--block-size", type=int, default=16)
     args = parser.parse_args(argv)
     try:
-        config = NullConfig(
-            args.output_tokens, args.first_token_delay, args.token_delay, args.block_size
-        )
+        config = NullConfig(args.first_token_delay, args.token_delay, args.block_size)
     except ValueError as exc:
         print(f"prfaas-null: error: {exc}", file=sys.stderr)
         return 2

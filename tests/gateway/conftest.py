@@ -18,7 +18,7 @@ from prfaas.testing.null_server import NullConfig, NullServer
 async def null_engines() -> AsyncIterator[Engines]:
     servers, runners, urls = {}, [], {}
     for name in ("prfaas-p0", "pd-p0", "pd-d0"):
-        servers[name] = NullServer(NullConfig(output_tokens=8, block_size=BLOCK, model="tiny"))
+        servers[name] = NullServer(NullConfig(block_size=BLOCK, model="tiny"))
         runner, urls[name] = await start_app(servers[name].app())
         runners.append(runner)
     yield Engines(urls, servers)

@@ -24,7 +24,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from prfaas.common.tokenizer import ByteTokenizer, ChatMessage
+from prfaas.common.tokenizer import ByteTokenizer, ChatMessage, chat_ids
 
 MODEL = "qwen3-next-tiny"
 START_TIMEOUT_S = 240
@@ -227,7 +227,7 @@ def test_chat_streaming_and_not_match_direct(running: Running) -> None:
         stream=True,  # type: ignore[arg-type]
     )
     streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-    ids = ByteTokenizer().apply_chat_template([ChatMessage("user", messages[0]["content"])])
+    ids = chat_ids(ByteTokenizer(), [ChatMessage("user", messages[0]["content"])])
     assert whole.choices[0].message.content == streamed == _direct_text(running, ids, 8)
 
 

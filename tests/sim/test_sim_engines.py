@@ -9,14 +9,9 @@ import asyncio
 import pytest
 
 from prfaas.common.kv_events import KVEvent
-from prfaas.engines.client import (
-    Bootstrap,
-    EngineError,
-    GenerateChunk,
-    GenerateRequest,
-    SamplingParams,
-)
+from prfaas.engines.client import EngineError, collect
 from prfaas.policies.tables import PiecewiseLinear
+from prfaas.protocol.generate import Bootstrap, GenerateChunk, GenerateRequest, SamplingParams
 from prfaas.sim.cache import SimPrefixCache
 from prfaas.sim.engines import (
     PrefillTiming,
@@ -66,13 +61,12 @@ class _Rig:
             Bootstrap("p0", 0, self.room),
         )  # fmt: skip
 
-        async def drain() -> None:
-            async for _ in self.prefill.generate(req):
-                pass
-
-        prefill = asyncio.ensure_future(drain())
-        out = [(loop.time(), c) async for c in self.decode.generate(req)]
-        await prefill
+        prefill = self.prefill.generate(req)
+        decode = self.decode.generate(req)
+        out = []
+        while (chunk := await decode.next()) is not None:
+            out.append((loop.time(), chunk))
+        await collect(prefill)
         return out
 
 
@@ -139,8 +133,7 @@ def test_a_request_without_bootstrap_is_refused() -> None:
 
     async def main() -> None:
         rig = _Rig()
-        async for _ in rig.decode.generate(GenerateRequest("x", (1, 2))):
-            pass
+        await collect(rig.decode.generate(GenerateRequest("x", (1, 2))))
 
     with pytest.raises(EngineError, match="bootstrap room"):
         run_virtual(main())

@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prfaas.engines.client import GenerateChunk, SamplingParams
 from prfaas.gateway.router import Router
 from prfaas.policies.planner import plan
 from prfaas.policies.profile import DeploymentProfile, load_profile
 from prfaas.policies.routing import Regime, RouteDecision
+from prfaas.protocol.generate import GenerateChunk, SamplingParams
 from prfaas.sim.cluster import SimCluster
 from prfaas.sim.deployments import SimOptions, deployments
 from prfaas.sim.virtual_loop import run_virtual
@@ -45,13 +45,14 @@ async def _one(
 ) -> tuple[RouteDecision, GenerateChunk, float]:
     loop = asyncio.get_running_loop()
     start, ttft = loop.time(), None
-    chunks = []
-    async for pair in router.generate(rid, ids, SamplingParams(max_new_tokens=4)):
-        ttft = loop.time() - start if ttft is None else ttft
-        chunks.append(pair)
-    assert ttft is not None
-    decision, last = chunks[-1]
-    return decision, last, ttft
+    routed = await router.dispatch(rid, ids, SamplingParams(max_new_tokens=4), stream=True)
+    ttft = loop.time() - start
+    last = routed.first
+    while (chunk := await routed.next()) is not None:
+        last = chunk
+    routed.close()
+    assert last is not None
+    return routed.decision, last, ttft
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ import aiohttp
 import orjson
 import pytest
 
+from prfaas.common.tokenizer import ByteTokenizer, ChatMessage, chat_ids
 from prfaas.testing.null_server import NullConfig, PrefixCache
 
 
@@ -23,7 +24,9 @@ def _events(raw: bytes) -> list[object]:
 
 
 async def test_completions_non_streaming_usage(null_url: str) -> None:
-    status, raw = await _post(null_url, "/v1/completions", {"prompt": [5] * 9, "max_tokens": 3})
+    status, raw = await _post(
+        null_url, "/v1/completions", {"model": "any", "prompt": [5] * 9, "max_tokens": 3}
+    )
     body = orjson.loads(raw)
     assert status == 200 and body["choices"][0]["text"] == " t0 t1 t2"
     assert body["usage"] == {
@@ -35,14 +38,17 @@ async def test_completions_non_streaming_usage(null_url: str) -> None:
 
 
 async def test_chat_stream_usage_only_when_asked(null_url: str) -> None:
-    body = {"messages": [{"role": "user", "content": "a b c"}], "max_tokens": 2, "stream": True}
+    message = {"role": "user", "content": "a b c"}
+    body = {"model": "null", "messages": [message], "max_tokens": 2, "stream": True}
     _, raw = await _post(null_url, "/v1/chat/completions", body)
     events = _events(raw)
     assert [e["choices"][0]["delta"]["content"] for e in events] == [" t0", " t1"]  # type: ignore[index]
     body["stream_options"] = {"include_usage": True}
     _, raw = await _post(null_url, "/v1/chat/completions", body)
     usage = _events(raw)[-1]["usage"]  # type: ignore[index]
-    assert usage["prompt_tokens"] == 3 and usage["prompt_tokens_details"]["cached_tokens"] == 0
+    prompt = len(chat_ids(ByteTokenizer(), [ChatMessage("user", "a b c")]))
+    assert usage["prompt_tokens"] == prompt  # the second time: cached up to a full block of 4
+    assert usage["prompt_tokens_details"]["cached_tokens"] == prompt // 4 * 4
 
 
 async def test_generate_stream_matches_sglang_format(null_url: str) -> None:
@@ -63,6 +69,7 @@ async def test_generate_stream_matches_sglang_format(null_url: str) -> None:
         "completion_tokens": 3,  # type: ignore[index]
         "cached_tokens": 0,
         "finish_reason": {"type": "length", "length": 3},
+        "e2e_latency": 0.0,
     }
     assert events[0]["meta_info"]["finish_reason"] is None  # type: ignore[index]
 
@@ -70,25 +77,26 @@ async def test_generate_stream_matches_sglang_format(null_url: str) -> None:
 @pytest.mark.parametrize(
     ("path", "body", "needle"),
     [
-        ("/v1/completions", b"{not json", "bad request"),
-        ("/v1/completions", {"prompt": 5}, "prompt must be a string or a non-empty list"),
-        ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens must be an integer"),
-        ("/v1/chat/completions", {"messages": []}, "messages must be a non-empty list"),
+        ("/v1/completions", b"{not json", "not valid JSON"),
+        ("/v1/completions", {"model": "m", "prompt": 5}, "'prompt' must be a string"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 0}, "'max_tokens' must"),
+        ("/v1/chat/completions", {"model": "m", "messages": []}, "'messages' must be a non-empty"),
         ("/generate", {"input_ids": [1], "sampling_params": 3}, "sampling_params must be"),
     ],
 )
 async def test_bad_input_gets_openai_error(
     null_url: str, path: str, body: object, needle: str
 ) -> None:
+    """The null server parses with the project's one parser of each protocol."""
     status, raw = await _post(null_url, path, body)
     error = orjson.loads(raw)["error"]
-    assert status == 400 and error["code"] == 400 and error["type"] == "invalid_request_error"
+    assert status == 400 and error["type"] == "invalid_request_error"
     assert needle in error["message"]
 
 
 async def test_unknown_path_is_json_404(null_url: str) -> None:
     status, raw = await _post(null_url, "/v2/nothing", {})
-    assert status == 404 and orjson.loads(raw)["error"]["code"] == 404
+    assert status == 404 and orjson.loads(raw)["error"]["code"] == "not_found"
 
 
 def test_prefix_cache_counts_full_shared_blocks_and_evicts() -> None:

@@ -18,7 +18,7 @@ import orjson
 
 from prfaas.gateway.assembly import Gateway, build_gateway
 from prfaas.http.server import Exchange, HttpLimits, HttpRequest, HttpResponse, HttpServer
-from prfaas.protocol.errors import APIError, error_response, invalid
+from prfaas.protocol.errors import APIError, invalid
 from prfaas.protocol.openai_request import load_json
 from prfaas.serve.deployment import DeploymentConfig
 
@@ -28,6 +28,16 @@ Route = Callable[[Gateway, HttpRequest, Exchange], Awaitable[HttpResponse | None
 
 def _json(obj: object, status: int = 200) -> HttpResponse:
     return HttpResponse(status, orjson.dumps(obj))
+
+
+def error_response(exc: APIError) -> HttpResponse:
+    """An `APIError` as its HTTP response."""
+    return HttpResponse(exc.status, exc.encode(), headers=exc.headers)
+
+
+def server_error(status: int, message: str) -> HttpResponse:
+    """The HTTP server's own errors (bad framing, limits, timeouts, a crashed handler)."""
+    return error_response(APIError(status, message))
 
 
 async def completions(gw: Gateway, request: HttpRequest, exchange: Exchange) -> HttpResponse | None:
@@ -126,7 +136,7 @@ class GatewayApp:
             self._gateway = gateway
             await gateway.start()
             limits = HttpLimits(max_body_bytes=self.config.gateway.max_body_bytes)
-            self._server = HttpServer(self.dispatch, error_response, limits)
+            self._server = HttpServer(self.dispatch, server_error, limits)
             return await self._server.start(host, port)
         except BaseException:
             await self.stop()
@@ -151,23 +161,25 @@ class GatewayApp:
         """Route one request; `APIError` becomes its JSON response."""
         methods = ROUTES.get(request.path)
         if methods is None:
-            return APIError(
-                404, f"no route {request.method} {request.path}", code="not_found"
-            ).response()
+            return error_response(
+                APIError(404, f"no route {request.method} {request.path}", code="not_found")
+            )
         handler = methods.get(request.method)
         if handler is None and request.method == "HEAD":
             handler = methods.get("GET")
         if handler is None:
             allow = ", ".join([*methods, "HEAD"] if "GET" in methods else methods)
-            return APIError(
-                405,
-                f"method {request.method} not allowed on {request.path}",
-                code="method_not_allowed",
-                headers={"Allow": allow},
-            ).response()
+            return error_response(
+                APIError(
+                    405,
+                    f"method {request.method} not allowed on {request.path}",
+                    code="method_not_allowed",
+                    headers={"Allow": allow},
+                )
+            )
         try:
             return await handler(self.gateway, request, exchange)
         except APIError as exc:
             if exchange.stream is not None:
                 raise  # too late for a status: the server cuts the response
-            return exc.response()
+            return error_response(exc)

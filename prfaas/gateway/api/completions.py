@@ -8,25 +8,24 @@ Router's stream and so aborts the request on both the prefill and the decode eng
 from __future__ import annotations
 
 import asyncio
-import random
+import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import orjson
 
-from prfaas.engines.client import EngineError, GenerateChunk
+from prfaas.common.tokenizer import Tokenizer
+from prfaas.engines.client import EngineError
 from prfaas.gateway.admission import AdmissionManager, QueueFull
 from prfaas.gateway.api.metrics import GatewayMetrics
-from prfaas.gateway.router import Router
-from prfaas.gateway.tokenization import GatewayTokenizer
+from prfaas.gateway.router import Dispatch, Router
 from prfaas.http.server import Exchange, HttpRequest, HttpResponse
 from prfaas.policies.routing import NoInstanceAvailable, RouteDecision
 from prfaas.protocol.errors import APIError
 from prfaas.protocol.openai_request import Api, CompletionCall, ModelLimits, load_json, parse_call
 from prfaas.protocol.openai_response import Accumulator
 
-Stream = AsyncIterator[tuple[RouteDecision, GenerateChunk]]
 SSE_HEADERS = {"Cache-Control": "no-cache"}
 
 
@@ -48,7 +47,7 @@ class CompletionService:
     """Serves `/v1/completions` and `/v1/chat/completions` through a `Router`."""
 
     router: Router
-    tokenizer: GatewayTokenizer
+    tokenizer: Tokenizer
     limits: ModelLimits
     admission: AdmissionManager
     metrics: GatewayMetrics
@@ -117,56 +116,48 @@ class CompletionService:
         self, exchange: Exchange, call: CompletionCall, timing: _Timing
     ) -> HttpResponse | None:
         prefix = "chatcmpl" if call.api == "chat" else "cmpl"
-        # An id, not a secret: 128 random bits without a getrandom() call per request.
-        acc = Accumulator(call, f"{prefix}-{random.getrandbits(128):032x}", int(time.time()))
-        if not call.stream:
-            return await self._whole(acc, timing)
-        stream = self.router.generate(acc.rid, call.input_ids, call.sampling)
+        acc = Accumulator(call, f"{prefix}-{secrets.token_hex(16)}", int(time.time()))
         try:
-            decision, first = await _first(stream)
-            self._routed(decision, acc, timing)
-            await self._sse(exchange, acc, first, stream, route_headers(decision))
-            return None
-        finally:
-            await stream.aclose()  # type: ignore[attr-defined]
-
-    async def _whole(self, acc: Accumulator, timing: _Timing) -> HttpResponse:
-        """A non-streaming request: the engines answer in one piece, so does the gateway."""
-        call = acc.call
-        try:
-            decision, chunks = await self.router.complete(acc.rid, call.input_ids, call.sampling)
+            routed = await self.router.dispatch(
+                acc.rid, call.input_ids, call.sampling, stream=call.stream
+            )
         except NoInstanceAvailable as exc:
             raise APIError(503, str(exc), code="no_instance_available") from None
         except EngineError as exc:
             raise _engine_error(exc) from None
-        if not chunks:
-            raise APIError(502, "the engine returned no output", code="engine_error")
-        self._routed(decision, acc, timing)
-        for chunk in chunks:
-            acc.add(chunk)
-        return HttpResponse(200, orjson.dumps(acc.final()), headers=route_headers(decision))
-
-    def _routed(self, decision: RouteDecision, acc: Accumulator, timing: _Timing) -> None:
-        timing.route = decision.route
-        timing.ttft = self.clock() - timing.start
-        timing.incremental_tokens = decision.incremental_tokens
-        acc.index_cached_tokens = decision.cached_tokens
-
-    async def _sse(
-        self,
-        exchange: Exchange,
-        acc: Accumulator,
-        first: GenerateChunk,
-        stream: Stream,
-        headers: dict[str, str],
-    ) -> None:
-        resp = exchange.start_stream(200, {**SSE_HEADERS, **headers}, "text/event-stream")
-        acc.add(first)
-        await resp.write(_sse(acc.chunk(first)))
         try:
-            async for _, chunk in stream:
+            timing.route = routed.decision.route
+            timing.ttft = self.clock() - timing.start
+            timing.incremental_tokens = routed.decision.incremental_tokens
+            acc.index_cached_tokens = routed.decision.cached_tokens
+            if call.stream:
+                await self._sse(exchange, acc, routed)
+                return None
+            return await self._whole(acc, routed)
+        finally:
+            routed.close()
+
+    async def _whole(self, acc: Accumulator, routed: Dispatch) -> HttpResponse:
+        """A non-streaming request: the engines answered in one piece, so does the gateway."""
+        chunk = routed.first
+        try:
+            while chunk is not None:
+                acc.add(chunk)
+                chunk = await routed.next()
+        except EngineError as exc:
+            raise _engine_error(exc) from None
+        headers = route_headers(routed.decision)
+        return HttpResponse(200, orjson.dumps(acc.final()), headers=headers)
+
+    async def _sse(self, exchange: Exchange, acc: Accumulator, routed: Dispatch) -> None:
+        headers = {**SSE_HEADERS, **route_headers(routed.decision)}
+        resp = exchange.start_stream(200, headers, "text/event-stream")
+        chunk = routed.first
+        try:
+            while chunk is not None:
                 acc.add(chunk)
                 await resp.write(_sse(acc.chunk(chunk)))
+                chunk = await routed.next()
         except EngineError as exc:  # too late for a status: tell the client in-band
             await resp.write(_sse(_engine_error(exc).body()))
         else:
@@ -174,17 +165,6 @@ class CompletionService:
                 await resp.write(_sse(acc.usage_chunk()))
         await resp.write(b"data: [DONE]\n\n")
         await resp.end()
-
-
-async def _first(stream: Stream) -> tuple[RouteDecision, GenerateChunk]:
-    try:
-        return await anext(stream)
-    except NoInstanceAvailable as exc:
-        raise APIError(503, str(exc), code="no_instance_available") from None
-    except EngineError as exc:
-        raise _engine_error(exc) from None
-    except StopAsyncIteration:
-        raise APIError(502, "the engine returned no output", code="engine_error") from None
 
 
 def _engine_error(exc: EngineError) -> APIError:

@@ -12,7 +12,7 @@ import openai
 from gateway_helpers import BLOCK, Engines, GatewayFactory, deployment
 
 from prfaas.common.kv_events import BlockStored, KVEventPublisher
-from prfaas.common.tokenizer import ByteTokenizer
+from prfaas.common.tokenizer import ByteTokenizer, chat_ids
 from prfaas.gateway.assembly import Gateway
 
 LONG = "x" * 300  # 300 byte-level tokens > threshold 100
@@ -49,7 +49,7 @@ async def test_streaming_chat_with_usage(
     """Chat streams deltas (role first), then a usage chunk; token ids use the chat template."""
     url, _ = await gateway_factory(deployment(null_engines.urls))
     messages = [{"role": "user", "content": "hello"}]
-    expected_prompt = len(ByteTokenizer().apply_chat_template([_msg("user", "hello")]))
+    expected_prompt = len(chat_ids(ByteTokenizer(), [_msg("user", "hello")]))
     async with _client(url).chat.completions.with_streaming_response.create(
         model="tiny",
         messages=messages,  # type: ignore[arg-type]

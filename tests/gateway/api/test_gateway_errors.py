@@ -109,7 +109,7 @@ async def test_api_keys(null_engines: Engines, gateway_factory: GatewayFactory) 
 
 async def test_queue_full_is_429_with_retry_after(gateway_factory: GatewayFactory) -> None:
     """One running slot, no queue: a second concurrent request is refused with Retry-After."""
-    slow = NullServer(NullConfig(output_tokens=2, first_token_delay_s=0.5, model="tiny"))
+    slow = NullServer(NullConfig(first_token_delay_s=0.5, model="tiny"))
     runner, slow_url = await start_app(slow.app())
     try:
         urls = dict.fromkeys(("prfaas-p0", "pd-p0", "pd-d0"), slow_url)

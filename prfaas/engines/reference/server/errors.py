@@ -1,28 +1,42 @@
-"""OpenAI-style JSON errors for every HTTP failure: `{"error": {"message", "type", "code"}}`."""
+"""The engine's HTTP errors: every failure is an OpenAI-style JSON error (`prfaas.protocol.
+errors`), never a traceback page."""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
-import orjson
 from aiohttp import web
 
-_TYPES = {
-    400: "invalid_request_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    499: "request_cancelled",
-    500: "internal_server_error",
-    502: "upstream_error",
-    503: "service_unavailable",
-}
+from prfaas.engines.reference.handoff.base import HandoffError
+from prfaas.protocol.errors import APIError
 
 
-def json_error(status: int, message: str, *, code: str | None = None) -> web.Response:
-    """An error response with the OpenAI error envelope."""
-    body = {"error": {"message": message, "type": _TYPES.get(status, "error"), "code": code}}
-    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
+class HandoffFailed(APIError):
+    """The request ended with an abort carrying a status code (e.g. 502: the KV hand-off
+    failed)."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(status, message, code="kv_handoff_failed")
+
+
+def error_for(exc: Exception) -> APIError:
+    """The client-facing error of an exception the engine raises on purpose; anything else
+    is a bug and is re-raised."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, HandoffError):
+        return APIError(502, f"KV hand-off failed: {exc}", code="kv_handoff_failed")
+    raise exc
+
+
+def json_error(error: APIError) -> web.Response:
+    """`error` as a response."""
+    return web.Response(
+        status=error.status,
+        body=error.encode(),
+        content_type="application/json",
+        headers=error.headers,
+    )
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -30,14 +44,16 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Turn aiohttp's HTTP exceptions and unexpected errors into JSON errors, never a
-    traceback page."""
+    """The engine's exceptions, aiohttp's HTTP exceptions and unexpected errors as JSON
+    errors; the engine keeps serving."""
     try:
         return await handler(request)
+    except (APIError, HandoffError) as exc:
+        return json_error(error_for(exc))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return json_error(exc.status, exc.reason, code=str(exc.status))
-    except Exception as exc:  # the last resort: the engine keeps serving
+        return json_error(APIError(exc.status, exc.reason))
+    except Exception as exc:  # the last resort
         request.app.logger.exception("unhandled error in %s", request.path)
-        return json_error(500, f"internal error: {type(exc).__name__}", code="internal_error")
+        return json_error(APIError(500, f"internal error: {type(exc).__name__}"))

@@ -15,6 +15,7 @@ import torch
 from aiohttp import web
 
 from prfaas.common.kv_events import KVEvent, KVEventPublisher
+from prfaas.common.tokenizer import BYTE_LEVEL, load_tokenizer
 from prfaas.engines.reference.engine_config import EngineConfig, TransferConfig
 from prfaas.engines.reference.handoff.transport import TransportReceiver, TransportSender
 from prfaas.engines.reference.model.presets import load_model, resolve
@@ -22,7 +23,6 @@ from prfaas.engines.reference.model.runner import ModelRunner
 from prfaas.engines.reference.server.app_keys import ModelInfo
 from prfaas.engines.reference.server.routes import create_app
 from prfaas.engines.reference.server.service import EngineService
-from prfaas.engines.reference.server.tokenizers import load_tokenizer
 from prfaas.engines.reference.step.core import EngineCore
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,9 @@ def build_app(options: LaunchOptions) -> tuple[web.Application, EngineService]:
     source = resolve(options.model, options.cache_dir)
     model = load_model(source)
     runner = ModelRunner(model)
-    tokenizer = load_tokenizer(source.path)
+    # A checkpoint without tokenizer.json (the tiny presets) is served byte-level.
+    has_json = (source.path / "tokenizer.json").is_file()
+    tokenizer = load_tokenizer(source.path if has_json else BYTE_LEVEL)
     core = EngineCore(runner, options.engine, tokenizer.decode)
     sender = TransportSender(options.transfer.sender_config(options.host, options.bootstrap_port))
     service = EngineService(core, sender, TransportReceiver())

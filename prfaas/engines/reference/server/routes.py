@@ -1,5 +1,5 @@
 """The engine's HTTP server (aiohttp): SGLang's `/generate` and admin routes, plus the OpenAI
-routes from `openai_api.py`. Every error is an OpenAI-style JSON error."""
+routes from `openai_routes.py`. Every error is an OpenAI-style JSON error (`errors.py`)."""
 
 from __future__ import annotations
 
@@ -11,16 +11,15 @@ from typing import Any
 
 from aiohttp import web
 
-from prfaas.engines.reference.handoff.base import HandoffError
+from prfaas.common.tokenizer import Tokenizer
 from prfaas.engines.reference.handoff.transport import TransportSender
-from prfaas.engines.reference.server.app_keys import INFO, SERVICE, TOKENIZER, ModelInfo, error_for
-from prfaas.engines.reference.server.errors import error_middleware, json_error
+from prfaas.engines.reference.server.app_keys import INFO, SERVICE, TOKENIZER, ModelInfo
+from prfaas.engines.reference.server.errors import error_middleware
 from prfaas.engines.reference.server.openai_routes import add_openai_routes
-from prfaas.engines.reference.server.service import EngineService, Unavailable
+from prfaas.engines.reference.server.service import EngineService
 from prfaas.engines.reference.server.streaming import (
     MAX_BODY_BYTES,
     Collected,
-    HandoffFailed,
     check_abort,
     collect,
     open_sse,
@@ -29,42 +28,35 @@ from prfaas.engines.reference.server.streaming import (
     stable_text,
     visible_text,
 )
-from prfaas.engines.reference.server.tokenizers import EngineTokenizer
-from prfaas.engines.reference.step.sampling import InvalidRequest
 from prfaas.engines.transport import KVSender, TransportTelemetry
-from prfaas.protocol.generate import GenerateInput, generate_json, parse_generate
+from prfaas.protocol.errors import APIError, InvalidRequest
+from prfaas.protocol.generate import GenerateRequest, answer, parse_request
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
     """SGLang `/generate`: JSON result, or an SSE stream of cumulative results."""
     service, tok = request.app[SERVICE], request.app[TOKENIZER]
     start = time.monotonic()
-    try:
-        inp = parse_generate(await read_json(request))
-        prompt = inp.input_ids if inp.input_ids is not None else tok.encode(inp.text or "")
-        rid = inp.rid or uuid.uuid4().hex
-        events = service.generate(rid, prompt, inp.params, inp.bootstrap)
-        if inp.stream:
-            return await _stream_generate(request, events, rid, len(prompt), inp, start)
-        result = await collect(events)
-    except (InvalidRequest, Unavailable, HandoffError, HandoffFailed) as exc:
-        return error_for(exc)
-    return web.json_response(_result(tok, inp, rid, result, len(prompt), start))
+    call = parse_request(await read_json(request), tok.encode, lambda: uuid.uuid4().hex)
+    events = service.generate(call.rid, list(call.input_ids), call.sampling, call.bootstrap)
+    if call.stream:
+        return await _stream_generate(request, events, call, start)
+    result = await collect(events)
+    return web.json_response(_result(tok, call, result, start))
 
 
-def _result(
-    tok: EngineTokenizer, inp: GenerateInput, rid: str, r: Collected, n: int, start: float
-) -> dict[str, Any]:
+def _result(tok: Tokenizer, call: GenerateRequest, r: Collected, start: float) -> dict[str, Any]:
     text = stable_text(tok.decode(r.output_ids), final=r.finish_reason is not None)
     text = visible_text(text, r.finish_reason)
-    return generate_json(
-        rid=rid, text=text, output_ids=list(r.output_ids), finish_reason=r.finish_reason,
-        prompt_tokens=n, cached_tokens=r.cached_tokens, e2e_latency=time.monotonic() - start,
+    return answer(
+        rid=call.rid, text=text, output_ids=list(r.output_ids), finish_reason=r.finish_reason,
+        prompt_tokens=len(call.input_ids), cached_tokens=r.cached_tokens,
+        e2e_latency=time.monotonic() - start,
     )  # fmt: skip
 
 
 async def _stream_generate(
-    request: web.Request, events: Any, rid: str, n: int, inp: GenerateInput, start: float
+    request: web.Request, events: Any, call: GenerateRequest, start: float
 ) -> web.StreamResponse:
     tok, acc = request.app[TOKENIZER], Collected()
     async with aclosing(events) as it:
@@ -75,7 +67,7 @@ async def _stream_generate(
         event = first
         while True:
             acc.add(event) if event.finish_reason is None else _add_final(acc, event)
-            await send_sse(response, _result(tok, inp, rid, acc, n, start))
+            await send_sse(response, _result(tok, call, acc, start))
             if acc.finish_reason is not None:
                 break
             event = await anext(it)
@@ -171,7 +163,7 @@ async def transfer_stats(request: web.Request) -> web.Response:
     service = request.app[SERVICE]
     transport = _transport(service)
     if transport is None:
-        return json_error(404, "this engine's KV hand-off has no transport", code="no_transport")
+        raise APIError(404, "this engine's KV hand-off has no transport", code="no_transport")
     cfg = transport.config
     body = {
         **asdict(transport.telemetry()),
@@ -190,33 +182,27 @@ async def flush_cache(request: web.Request) -> web.Response:
 
 async def abort_request(request: web.Request) -> web.Response:
     """SGLang `/abort_request {"rid": ...}`: abort one request (200 even if already done)."""
-    try:
-        body = await read_json(request)
-        if not isinstance(body, dict) or not isinstance(body.get("rid"), str):
-            raise InvalidRequest('the body must be {"rid": "<request id>"}')
-    except InvalidRequest as exc:
-        return error_for(exc)
+    body = await read_json(request)
+    if not isinstance(body, dict) or not isinstance(body.get("rid"), str):
+        raise InvalidRequest('the body must be {"rid": "<request id>"}')
     found = request.app[SERVICE].abort(body["rid"])
     return web.json_response({"rid": body["rid"], "aborted": found})
 
 
 async def admin_role(request: web.Request) -> web.Response:
     """`POST /admin/role {"role": "prefill"|"decode"|"both"}`: drain, switch, report the time."""
+    body = await read_json(request)
+    if not isinstance(body, dict) or set(body) != {"role"}:
+        raise InvalidRequest('the body must be {"role": "prefill" | "decode" | "both"}')
     try:
-        body = await read_json(request)
-        if not isinstance(body, dict) or set(body) != {"role"}:
-            raise InvalidRequest('the body must be {"role": "prefill" | "decode" | "both"}')
         seconds = await request.app[SERVICE].switch_role(body["role"])
-    except InvalidRequest as exc:
-        return error_for(exc)
     except TimeoutError:
-        return json_error(503, "running requests did not drain in time", code="drain_timeout")
+        message = "running requests did not drain in time"
+        raise APIError(503, message, code="drain_timeout") from None
     return web.json_response({"role": body["role"], "switch_seconds": seconds})
 
 
-def create_app(
-    service: EngineService, tokenizer: EngineTokenizer, info: ModelInfo
-) -> web.Application:
+def create_app(service: EngineService, tokenizer: Tokenizer, info: ModelInfo) -> web.Application:
     """The aiohttp application; starting it starts the engine, cleanup closes it."""
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
     app[SERVICE], app[TOKENIZER], app[INFO] = service, tokenizer, info

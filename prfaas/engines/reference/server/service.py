@@ -12,31 +12,29 @@ import asyncio
 import logging
 from collections.abc import AsyncGenerator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 from prfaas.engines.reference.handoff.base import HandoffReceiver, HandoffSender
 from prfaas.engines.reference.step.core import EngineCore
 from prfaas.engines.reference.step.request import Request, TokenEvent
-from prfaas.engines.reference.step.sampling import InvalidRequest, SamplingParams, resolve_seed
+from prfaas.engines.reference.step.sampling import resolve_seed
+from prfaas.protocol.errors import APIError, InvalidRequest
+from prfaas.protocol.generate import Bootstrap, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
-class CapacityError(InvalidRequest):
+class CapacityError(APIError):
     """The request can never fit the engine (HTTP 413)."""
 
+    def __init__(self, message: str) -> None:
+        super().__init__(413, message, param="prompt", code="context_length_exceeded")
 
-class Unavailable(Exception):
+
+class Unavailable(APIError):
     """The engine does not take new requests now (draining for a role switch; HTTP 503)."""
 
-
-@dataclass(frozen=True)
-class Bootstrap:
-    """SGLang's PD fields: where the prefill engine's KV for this request is fetched."""
-
-    host: str
-    port: int
-    room: int
+    def __init__(self, message: str) -> None:
+        super().__init__(503, message, code="unavailable")
 
 
 def _no_emit(event: TokenEvent) -> None:

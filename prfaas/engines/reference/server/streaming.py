@@ -10,8 +10,9 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from prfaas.engines.reference.server.errors import HandoffFailed
 from prfaas.engines.reference.step.request import TokenEvent
-from prfaas.engines.reference.step.sampling import InvalidRequest
+from prfaas.protocol.errors import InvalidRequest
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 
@@ -22,15 +23,7 @@ async def read_json(request: web.Request) -> Any:
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise InvalidRequest(f"malformed JSON body: {exc}") from exc
-
-
-class HandoffFailed(Exception):
-    """The request ended with an abort carrying a status code (e.g. 502 hand-off failure)."""
-
-    def __init__(self, message: str, status: int) -> None:
-        super().__init__(message)
-        self.status = status
+        raise InvalidRequest(f"malformed JSON body: {exc}", code="invalid_json") from exc
 
 
 @dataclass
@@ -93,11 +86,6 @@ def stable_text(text: str, final: bool) -> str:
     """Hold back a trailing replacement character (an incomplete UTF-8 sequence) until the
     end, so streamed deltas never need to be retracted."""
     return text if final else text.rstrip("\ufffd")
-
-
-def openai_finish(reason: dict[str, object] | None) -> str | None:
-    """SGLang finish reason -> OpenAI's ("stop", "length", "abort")."""
-    return None if reason is None else str(reason.get("type"))
 
 
 def join_ids(parts: Sequence[Sequence[int]]) -> list[int]:

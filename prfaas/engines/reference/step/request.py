@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from prfaas.engines.reference.handoff.base import Outbox, Received
 from prfaas.engines.reference.model.hybrid_cache import SeqState
 from prfaas.engines.reference.step.prefill import PrefillRun
-from prfaas.engines.reference.step.sampling import SamplingParams
+from prfaas.protocol.generate import SamplingParams
 
 
 class Phase(enum.Enum):

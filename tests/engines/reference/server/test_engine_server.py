@@ -14,7 +14,7 @@ from engine_harness import engine_server
 from engine_helpers import hf_greedy, random_prompt
 from transformers import PreTrainedModel
 
-from prfaas.common.tokenizer import ByteTokenizer
+from prfaas.common.tokenizer import ByteTokenizer, ChatMessage, chat_ids
 from prfaas.engines.reference.handoff.base import InProcessHub
 from prfaas.engines.reference.model.runner import ModelRunner
 
@@ -67,7 +67,11 @@ async def test_openai_routes_through_the_openai_client(tiny_runner: ModelRunner)
     async with engine_server(tiny_runner, InProcessHub()) as eng, aiohttp.ClientSession() as s:
         client = openai.AsyncOpenAI(base_url=f"{eng.url}/v1", api_key="none", max_retries=0)
         done = await client.completions.create(
-            model="m", prompt="hello", max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+            model="qwen3-next-tiny",
+            prompt="hello",
+            max_tokens=5,
+            temperature=0,
+            extra_body={"ignore_eos": True},
         )
         _, ref = await post(
             s,
@@ -75,7 +79,7 @@ async def test_openai_routes_through_the_openai_client(tiny_runner: ModelRunner)
             {"text": "hello", "sampling_params": {"max_new_tokens": 5, **GREEDY}},
         )
         stream = await client.chat.completions.create(
-            model="m",
+            model="qwen3-next-tiny",
             messages=[{"role": "user", "content": "hi"}],
             max_tokens=4,
             temperature=0,
@@ -84,13 +88,19 @@ async def test_openai_routes_through_the_openai_client(tiny_runner: ModelRunner)
         )
         chunks = [c async for c in stream]
         models = await client.models.list()
+        chat = chat_ids(tok, [ChatMessage("user", "hi")])
+        _, chat_ref = await post(
+            s,
+            f"{eng.url}/generate",
+            {"input_ids": chat, "sampling_params": {"max_new_tokens": 4, "ignore_eos": True,
+                                                    **GREEDY}},
+        )  # fmt: skip
     assert done.choices[0].text == ref["text"] and done.usage is not None
     assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (5, 5)
     assert done.choices[0].finish_reason == "length"
-    content = "".join(c.choices[0].delta.content or "" for c in chunks)
-    chat_ids = tok.apply_chat_template([])  # template shape only; content checked below
-    assert chat_ids[0] == tok.bos_token_id
-    assert chunks[-1].choices[0].finish_reason == "length" and isinstance(content, str)
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == chat_ref["text"]  # the chat's token ids are the one rule's
+    assert chunks[-1].choices[0].finish_reason == "length"
     assert [m.id for m in models.data] == ["qwen3-next-tiny"]
 
 
@@ -121,7 +131,7 @@ async def test_bad_input_gets_a_json_error(
         ok, _ = await post(
             s, f"{eng.url}/generate", {"text": "a", "sampling_params": {"max_new_tokens": 1}}
         )
-    assert got == status and set(err["error"]) == {"message", "type", "code"}
+    assert got == status and set(err["error"]) == {"message", "type", "param", "code"}
     assert message in err["error"]["message"]
     assert ok == 200
 
@@ -131,7 +141,9 @@ async def test_routing_errors_are_json(tiny_runner: ModelRunner) -> None:
         async with s.get(f"{eng.url}/nope") as r404, s.get(f"{eng.url}/generate") as r405:
             assert (r404.status, r405.status) == (404, 405)
             assert "error" in await r404.json() and "error" in await r405.json()
-        status, err = await post(s, f"{eng.url}/v1/completions", {"prompt": "a", "n": 2})
+        status, err = await post(
+            s, f"{eng.url}/v1/completions", {"model": "qwen3-next-tiny", "prompt": "a", "n": 2}
+        )
         assert status == 400 and "n=1" in err["error"]["message"]
 
 
