@@ -15,7 +15,13 @@ from typing import Any
 
 from prfaas.common.toml_tables import build, load_toml
 from prfaas.policies.distributions import TruncatedLogNormal
-from prfaas.policies.profile_file import HardwareTable, ProfileFile
+from prfaas.policies.profile_file import (
+    ClusterTable,
+    HardwareTable,
+    HomogeneousTable,
+    NaiveTable,
+    ProfileFile,
+)
 from prfaas.policies.tables import PiecewiseLinear
 
 MIB = 2**20
@@ -106,31 +112,38 @@ def parse_profile(data: Mapping[str, Any], *, source: str = "<profile>") -> Depl
     """Validate an already-parsed TOML document (see `load_profile`)."""
     file = build(ProfileFile, dict(data), source=source)
     hardware = {name: _hardware(name, h) for name, h in file.hardware.items()}
-    w, m, c, b = file.workload, file.model, file.clusters, file.baselines
+    w, m = file.workload, file.model
     lengths = TruncatedLogNormal(w.mu, w.sigma, w.min_tokens, w.max_tokens)
     kv_bytes = PiecewiseLinear(m.kv_tokens, tuple(mib * MIB for mib in m.kv_mib))
-    prfaas = ClusterSpec(
-        "prfaas", hardware[c.prfaas.hardware], c.prfaas.instances, c.prfaas.egress_gbps
-    )
-    pd = ClusterSpec("pd", hardware[c.pd.hardware], c.pd.instances, c.pd.egress_gbps)
-    homogeneous = naive = None
-    if (h := b.homogeneous) is not None:
-        homogeneous = HomogeneousBaseline(hardware[h.hardware], h.instances)
-    if (n := b.naive_heterogeneous) is not None:
-        prefill, decode = hardware[n.prefill_hardware], hardware[n.decode_hardware]
-        naive = NaiveBaseline(prefill, n.prefill_instances, decode, n.decode_instances)
     return DeploymentProfile(
-        source,
-        WorkloadProfile(lengths, w.output_tokens),
-        ModelProfile(m.name, kv_bytes),
-        hardware,
-        prfaas,
-        pd,
-        homogeneous,
-        naive,
+        source=source,
+        workload=WorkloadProfile(lengths, w.output_tokens),
+        model=ModelProfile(m.name, kv_bytes),
+        hardware=hardware,
+        prfaas=_cluster("prfaas", file.clusters.prfaas, hardware),
+        pd=_cluster("pd", file.clusters.pd, hardware),
+        homogeneous=_homogeneous(file.baselines.homogeneous, hardware),
+        naive=_naive(file.baselines.naive_heterogeneous, hardware),
     )
 
 
 def _hardware(name: str, h: HardwareTable) -> HardwareProfile:
     seconds = PiecewiseLinear(h.prefill_tokens, h.prefill_seconds)
     return HardwareProfile(name, seconds, h.decode_batch_max, h.decode_step_seconds)
+
+
+def _cluster(name: str, c: ClusterTable, hardware: Mapping[str, HardwareProfile]) -> ClusterSpec:
+    return ClusterSpec(name, hardware[c.hardware], c.instances, c.egress_gbps)
+
+
+def _homogeneous(
+    h: HomogeneousTable | None, hardware: Mapping[str, HardwareProfile]
+) -> HomogeneousBaseline | None:
+    return None if h is None else HomogeneousBaseline(hardware[h.hardware], h.instances)
+
+
+def _naive(n: NaiveTable | None, hardware: Mapping[str, HardwareProfile]) -> NaiveBaseline | None:
+    if n is None:
+        return None
+    prefill, decode = hardware[n.prefill_hardware], hardware[n.decode_hardware]
+    return NaiveBaseline(prefill, n.prefill_instances, decode, n.decode_instances)

@@ -1,8 +1,8 @@
 """The deployment-profile file, table by table, as `prfaas.common.toml_tables` reads it.
 
-These dataclasses mirror the TOML (`data/paper/case_study.toml` is the example) and validate
-each table and the references between tables; `profile.py` turns a valid file into the
-`DeploymentProfile` the throughput model uses (tables, distribution, hardware resolved).
+These dataclasses mirror the TOML (`prfaas/examples/paper_case_study.toml` is an example)
+and validate each table and the references between tables; `profile.py` turns a valid file
+into the `DeploymentProfile` the throughput model uses (tables, distribution, hardware).
 """
 
 from __future__ import annotations
