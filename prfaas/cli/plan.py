@@ -9,7 +9,7 @@ from pathlib import Path
 import orjson
 
 from prfaas.policies.planner import DEFAULT_T_STEP, DeploymentResult, PlanReport, plan
-from prfaas.policies.profile import ProfileError, load_profile
+from prfaas.policies.profile import load_profile
 
 HELP = "Choose the routing threshold and prefill/decode split for a deployment profile."
 
@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         profile = load_profile(args.config)
         report = plan(profile, t_step=args.t_step, exact=args.exact_expectation)
-    except (ProfileError, ValueError) as exc:
+    except ValueError as exc:  # ConfigError included
         print(f"prfaas plan: error: {exc}", file=sys.stderr)
         return 2
     if args.json:

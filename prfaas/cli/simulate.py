@@ -164,7 +164,7 @@ def _deployment(
 
 
 def run(args: argparse.Namespace) -> int:
-    from prfaas.policies.profile import ProfileError, load_profile
+    from prfaas.policies.profile import load_profile
 
     try:
         profile = load_profile(args.config)
@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
         if args.table6:
             return _table6(args, profile, workload, options)
         return _single(args, profile, workload, options)
-    except (ProfileError, ValueError, RuntimeError) as exc:  # TraceError is a ValueError
+    except (ValueError, RuntimeError) as exc:  # ConfigError, TraceError are ValueErrors
         print(f"prfaas simulate: error: {exc}", file=sys.stderr)
         return 2
 

@@ -30,28 +30,25 @@ model = "qwen3-next-tiny"
 # egress_delay_ms = 5        # prefill roles: added one-way delay
 ```
 
-Errors raise `ConfigError` naming the file, the key and the bad value.
+The file is read by `prfaas.common.toml_tables` (unknown keys and wrong types are errors);
+each dataclass validates its own values, so every error is a `ConfigError` naming the file,
+the key path and the bad value (`deploy.toml: instances[1].role: must be one of ...`).
 """
 
 from __future__ import annotations
 
-import tomllib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
-from types import UnionType
-from typing import Any, Literal, get_args, get_origin, get_type_hints
+from typing import Any, get_args
 from urllib.parse import urlparse
 
+from prfaas.common.toml_tables import ConfigError, build, check, load_toml
 from prfaas.engines.client import Role
 from prfaas.policies.routing import Regime, Route
 
 _ROUTES = get_args(Route)
 _ROLES = get_args(Role)
 _REGIMES = get_args(Regime)
-
-
-class ConfigError(ValueError):
-    """A deployment file that cannot be used; the message names file, key and value."""
 
 
 @dataclass(frozen=True)
@@ -67,11 +64,11 @@ class ModelConfig:
     vocab_size: int | None = 260
 
     def __post_init__(self) -> None:
-        _check(bool(self.name), "name", self.name, "must not be empty")
-        _check(self.context_length >= 2, "context_length", self.context_length, "must be >= 2")
-        _check(self.block_size >= 1, "block_size", self.block_size, "must be >= 1")
+        check(bool(self.name), "name", self.name, "must not be empty")
+        check(self.context_length >= 2, "context_length", self.context_length, "must be >= 2")
+        check(self.block_size >= 1, "block_size", self.block_size, "must be >= 1")
         ok = self.vocab_size is None or self.vocab_size >= 1
-        _check(ok, "vocab_size", self.vocab_size, "must be >= 1")
+        check(ok, "vocab_size", self.vocab_size, "must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -94,16 +91,18 @@ class GatewayConfig:
     kv_index_max_blocks: int = 4_000_000
 
     def __post_init__(self) -> None:
-        _check(bool(self.policy), "policy", self.policy, "must not be empty")
-        _check(self.threshold >= 0, "threshold", self.threshold, "must be >= 0")
-        _check(self.regime in _REGIMES, "regime", self.regime, f"must be one of {_REGIMES}")
+        check(bool(self.policy), "policy", self.policy, "must not be empty")
+        check(self.threshold >= 0, "threshold", self.threshold, "must be >= 0")
+        check(self.regime in _REGIMES, "regime", self.regime, f"must be one of {_REGIMES}")
         for name in ("max_running", "max_body_bytes", "kv_index_max_blocks"):
-            _check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
-        _check(self.max_queued >= 0, "max_queued", self.max_queued, "must be >= 0")
-        _check(self.health_interval_s > 0, "health_interval_s", self.health_interval_s, "> 0")
-        _check(self.retry_after_s >= 1, "retry_after_s", self.retry_after_s, "must be >= 1")
+            check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        check(self.max_queued >= 0, "max_queued", self.max_queued, "must be >= 0")
+        check(
+            self.health_interval_s > 0, "health_interval_s", self.health_interval_s, "must be > 0"
+        )
+        check(self.retry_after_s >= 1, "retry_after_s", self.retry_after_s, "must be >= 1")
         ok = all(isinstance(k, str) and k for k in self.api_keys)
-        _check(ok, "api_keys", self.api_keys, "must be non-empty strings")
+        check(ok, "api_keys", self.api_keys, "must be non-empty strings")
 
 
 @dataclass(frozen=True)
@@ -121,18 +120,18 @@ class InstanceConfig:
     """ZMQ endpoint of the engine's KV event publisher (`tcp://host:port`)."""
 
     def __post_init__(self) -> None:
-        _check(bool(self.id), "id", self.id, "must not be empty")
-        _check(self.cluster in _ROUTES, "cluster", self.cluster, f"must be one of {_ROUTES}")
-        _check(self.role in _ROLES, "role", self.role, f"must be one of {_ROLES}")
+        check(bool(self.id), "id", self.id, "must not be empty")
+        check(self.cluster in _ROUTES, "cluster", self.cluster, f"must be one of {_ROUTES}")
+        check(self.role in _ROLES, "role", self.role, f"must be one of {_ROLES}")
         parsed = urlparse(self.url)
         ok = parsed.scheme in ("http", "https") and bool(parsed.hostname)
-        _check(ok, "url", self.url, "must be http(s)://host:port")
+        check(ok, "url", self.url, "must be http(s)://host:port")
         port = self.bootstrap_port
-        _check(port is None or 0 < port < 65536, "bootstrap_port", port, "must be a port")
+        check(port is None or 0 < port < 65536, "bootstrap_port", port, "must be a port")
         if self.role != "decode":
-            _check(port is not None, "bootstrap_port", port, "is required for a prefill role")
+            check(port is not None, "bootstrap_port", port, "is required for a prefill role")
         ok = self.kv_events is None or self.kv_events.startswith(("tcp://", "ipc://"))
-        _check(ok, "kv_events", self.kv_events, "must be a tcp:// or ipc:// endpoint")
+        check(ok, "kv_events", self.kv_events, "must be a tcp:// or ipc:// endpoint")
 
     @property
     def bootstrap_address(self) -> str | None:
@@ -156,15 +155,15 @@ class LaunchConfig:
     """Prefill roles: added one-way delay of its KV transfers (emulated distance)."""
 
     def __post_init__(self) -> None:
-        _check(bool(self.id), "id", self.id, "must not be empty")
-        _check(self.cluster in _ROUTES, "cluster", self.cluster, f"must be one of {_ROUTES}")
-        _check(self.role in _ROLES, "role", self.role, f"must be one of {_ROLES}")
-        _check(self.threads >= 1, "threads", self.threads, "must be >= 1")
+        check(bool(self.id), "id", self.id, "must not be empty")
+        check(self.cluster in _ROUTES, "cluster", self.cluster, f"must be one of {_ROUTES}")
+        check(self.role in _ROLES, "role", self.role, f"must be one of {_ROLES}")
+        check(self.threads >= 1, "threads", self.threads, "must be >= 1")
         rate = self.egress_rate_mbps
-        _check(rate is None or rate > 0, "egress_rate_mbps", rate, "must be > 0")
-        _check(self.egress_delay_ms >= 0, "egress_delay_ms", self.egress_delay_ms, "must be >= 0")
+        check(rate is None or rate > 0, "egress_rate_mbps", rate, "must be > 0")
+        check(self.egress_delay_ms >= 0, "egress_delay_ms", self.egress_delay_ms, "must be >= 0")
         paced = rate is not None or self.egress_delay_ms > 0
-        _check(not paced or self.role != "decode", "role", self.role, "has no KV egress to pace")
+        check(not paced or self.role != "decode", "role", self.role, "has no KV egress to pace")
 
     def engine_args(self) -> tuple[str, ...]:
         """Extra `prfaas engine` flags for the link emulation, if any."""
@@ -189,56 +188,10 @@ class DeploymentConfig:
         members: list[InstanceConfig | LaunchConfig] = [*self.instances, *self.launch]
         ids = [i.id for i in members]
         dupes = sorted({i for i in ids if ids.count(i) > 1})
-        _check(not dupes, "instances.id", dupes, "must be unique")
+        check(not dupes, "instances.id", dupes, "must be unique")
         roles = {(i.cluster, i.role) for i in members}
         has_decode = any(c == "pd" and r in ("decode", "both") for c, r in roles)
-        _check(has_decode or not members, "instances", ids, "need a decode in 'pd'")
-
-
-def _check(ok: bool, key: str, value: object, why: str) -> None:
-    if not ok:
-        raise ValueError(f"{key} = {value!r} {why}")
-
-
-def _build(cls: type[Any], table: Any, where: str) -> Any:
-    if not isinstance(table, dict):
-        raise ConfigError(f"{where} must be a table, got {table!r}")
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(table) - known)
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown} (known: {sorted(known)})")
-    values = {k: tuple(v) if isinstance(v, list) else v for k, v in table.items()}
-    hints = get_type_hints(cls)
-    for key, value in values.items():
-        if not _fits(value, hints[key]):
-            raise ConfigError(f"{where}: {key} = {value!r} is not of type {hints[key]}")
-    try:
-        return cls(**values)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{where}: {exc}") from None
-
-
-def _fits(value: Any, hint: Any) -> bool:
-    origin = get_origin(hint)
-    if origin is UnionType or str(origin) == "typing.Union":
-        return any(_fits(value, h) for h in get_args(hint))
-    if origin is Literal:
-        return value in get_args(hint)
-    if origin is tuple:
-        return isinstance(value, tuple) and all(_fits(v, get_args(hint)[0]) for v in value)
-    if hint is type(None):
-        return value is None
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, hint)
-
-
-def _tables(cls: type[Any], raw: Any, where: str) -> tuple[Any, ...]:
-    if not isinstance(raw, list):
-        raise ConfigError(f"{where} must be an array of tables, got {raw!r}")
-    return tuple(_build(cls, t, f"{where} #{n}") for n, t in enumerate(raw))
+        check(has_decode or not members, "instances", ids, "need a decode role in cluster 'pd'")
 
 
 def parse_deployment(data: dict[str, Any], source: str = "<config>") -> DeploymentConfig:
@@ -247,19 +200,10 @@ def parse_deployment(data: dict[str, Any], source: str = "<config>") -> Deployme
     Raises:
         ConfigError: unknown or invalid keys (the message names `source`, key and value).
     """
-    unknown = sorted(set(data) - {"model", "gateway", "instances", "launch"})
-    if unknown:
-        raise ConfigError(f"{source}: unknown table(s) {unknown}")
-    model = _build(ModelConfig, data.get("model", {}), f"{source} [model]")
-    gateway = _build(GatewayConfig, data.get("gateway", {}), f"{source} [gateway]")
-    instances = _tables(InstanceConfig, data.get("instances", []), f"{source} [[instances]]")
-    launch = _tables(LaunchConfig, data.get("launch", []), f"{source} [[launch]]")
-    if not instances and not launch:
+    config = build(DeploymentConfig, data, source=source)
+    if not config.instances and not config.launch:
         raise ConfigError(f"{source}: [[instances]] or [[launch]] must list at least one engine")
-    try:
-        return DeploymentConfig(model, gateway, instances, launch)
-    except ValueError as exc:
-        raise ConfigError(f"{source}: {exc}") from None
+    return config
 
 
 def load_deployment(path: str | Path) -> DeploymentConfig:
@@ -268,8 +212,4 @@ def load_deployment(path: str | Path) -> DeploymentConfig:
     Raises:
         ConfigError: unreadable file, bad TOML, or invalid values.
     """
-    try:
-        data = tomllib.loads(Path(path).read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"{path}: {exc}") from None
-    return parse_deployment(data, str(path))
+    return parse_deployment(load_toml(path), str(path))

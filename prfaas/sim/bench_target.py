@@ -12,9 +12,10 @@ import asyncio
 from datetime import UTC, datetime
 from pathlib import Path
 
+from prfaas.common.toml_tables import ConfigError
 from prfaas.loadgen.spec import BenchSpec, Progress, RunResult, TargetError
 from prfaas.policies.planner import plan
-from prfaas.policies.profile import DeploymentProfile, ProfileError, load_profile
+from prfaas.policies.profile import DeploymentProfile, load_profile
 from prfaas.sim.deployments import Deployment, SimOptions, deployments
 from prfaas.sim.runner import run_bench
 
@@ -45,7 +46,7 @@ class SimBenchRunner:
         path = target.removeprefix(SIM_PREFIX) or str(DEFAULT_CONFIG)
         try:
             return cls(load_profile(path), label=target)
-        except ProfileError as exc:
+        except ConfigError as exc:
             raise TargetError(f"target {target!r}: {exc}") from exc
 
     async def run(self, plan_: BenchSpec, progress: Progress) -> RunResult:

@@ -99,7 +99,7 @@ def test_bad_config_exits_2_naming_the_key(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 2
-    assert "bad.toml" in done.stderr and "max_running = 0" in done.stderr
+    assert "bad.toml: gateway.max_running: must be >= 1 (got 0)" in done.stderr
     done = subprocess.run(
         [sys.executable, "-m", "prfaas.cli.main", "serve", "--config", str(path.with_name("x"))],
         capture_output=True, text=True, timeout=60,

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from prfaas.serve.deployment import ConfigError, load_deployment
+from prfaas.common.toml_tables import ConfigError
+from prfaas.serve.deployment import load_deployment
 
 GOOD = """
 [model]
@@ -53,32 +54,55 @@ def test_loads_a_valid_file(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("old", "new", "needles"),
+    ("old", "new", "needle"),
     [
-        ("block_size = 16", 'block_size = "16"', ["[model]", "block_size", "'16'"]),
-        ("block_size = 16", "block_size = 0", ["[model]", "block_size = 0"]),
-        ("threshold = 2048", "threshold = -5", ["[gateway]", "threshold = -5"]),
-        ('policy = "cache-aware"', 'polcy = "x"', ["[gateway]", "polcy"]),
-        ('role = "decode"', 'role = "decoder"', ["#1", "role", "'decoder'"]),
-        ('url = "http://127.0.0.1:30001"', 'url = "127.0.0.1:30001"', ["#1", "url"]),
-        ("bootstrap_port = 8998", "bootstrap_port = 70000", ["#0", "bootstrap_port = 70000"]),
-        ("bootstrap_port = 8998\n", "", ["#0", "bootstrap_port = None", "prefill"]),
-        ('kv_events = "tcp://10.0.0.5:5557"', 'kv_events = "10.0.0.5:5557"', ["#0", "kv_events"]),
-        ('id = "pd-d0"', 'id = "prfaas-p0"', ["instances.id", "prfaas-p0", "unique"]),
-        ('cluster = "pd"', 'cluster = "prfaas"', ["decode", "'pd'"]),
+        ("block_size = 16", 'block_size = "16"', "model.block_size: must be an integer (got '16')"),
+        ("block_size = 16", "block_size = 0", "model.block_size: must be >= 1 (got 0)"),
+        ("threshold = 2048", "threshold = -5", "gateway.threshold: must be >= 0 (got -5)"),
+        ('policy = "cache-aware"', 'polcy = "x"', "gateway.polcy: unknown key (known: policy, "),
+        (
+            'role = "decode"',
+            'role = "decoder"',
+            "instances[1].role: must be one of 'prefill', 'decode', 'both' (got 'decoder')",
+        ),
+        (
+            'url = "http://127.0.0.1:30001"',
+            'url = "127.0.0.1:30001"',
+            "instances[1].url: must be http(s)://host:port (got '127.0.0.1:30001')",
+        ),
+        (
+            "bootstrap_port = 8998",
+            "bootstrap_port = 70000",
+            "instances[0].bootstrap_port: must be a port (got 70000)",
+        ),
+        (
+            "bootstrap_port = 8998\n",
+            "",
+            "instances[0].bootstrap_port: is required for a prefill role",
+        ),
+        (
+            'kv_events = "tcp://10.0.0.5:5557"',
+            'kv_events = "x"',
+            "instances[0].kv_events: must be a tcp:// or ipc:// endpoint (got 'x')",
+        ),
+        ('id = "pd-d0"', 'id = "prfaas-p0"', "instances.id: must be unique (got ['prfaas-p0'])"),
+        (
+            'cluster = "pd"',
+            'cluster = "prfaas"',
+            "instances: need a decode role in cluster 'pd' (got ['prfaas-p0', 'pd-d0'])",
+        ),
+        ("threshold = 2048", "threshold = true", "gateway.threshold: must be a number (got True)"),
     ],
 )
-def test_errors_name_file_key_and_value(
-    tmp_path: Path, old: str, new: str, needles: list[str]
-) -> None:
+def test_errors_name_file_key_and_value(tmp_path: Path, old: str, new: str, needle: str) -> None:
+    """Each bad value is a ConfigError `FILE: key.path: why (got VALUE)`."""
     assert old in GOOD
     path = _write(tmp_path, GOOD.replace(old, new, 1))
     with pytest.raises(ConfigError) as err:
         load_deployment(path)
     message = str(err.value)
-    assert str(path) in message
-    for needle in needles:
-        assert needle in message, message
+    assert message.startswith(f"{path}: "), message
+    assert needle in message, message
 
 
 def test_bad_toml_missing_file_and_no_instances(tmp_path: Path) -> None:
@@ -88,7 +112,7 @@ def test_bad_toml_missing_file_and_no_instances(tmp_path: Path) -> None:
         load_deployment(tmp_path / "nope.toml")
     with pytest.raises(ConfigError, match=r"\[\[instances\]\] or \[\[launch\]\] must list"):
         load_deployment(_write(tmp_path, "[model]\nname = 'x'\n"))
-    with pytest.raises(ConfigError, match="unknown table"):
+    with pytest.raises(ConfigError, match=r"extra: unknown key \(known: model, gateway, "):
         load_deployment(_write(tmp_path, GOOD + "\n[extra]\na = 1\n"))
 
 
@@ -98,7 +122,7 @@ def test_launch_entries(tmp_path: Path) -> None:
     text = '[[launch]]\nid = "pd-d0"\ncluster = "pd"\nrole = "decode"\nthreads = 2\n'
     config = load_deployment(_write(tmp_path, text))
     assert config.instances == () and config.launch[0].threads == 2
-    with pytest.raises(ConfigError, match="threads = 0"):
+    with pytest.raises(ConfigError, match=r"launch\[0\]\.threads: must be >= 1 \(got 0\)"):
         load_deployment(_write(tmp_path, text.replace("threads = 2", "threads = 0")))
     with pytest.raises(ConfigError, match="unique"):
         load_deployment(_write(tmp_path, text + text))
@@ -117,8 +141,8 @@ def test_launch_link_emulation(tmp_path: Path) -> None:
     prefill, decode = config.launch
     assert prefill.engine_args() == ("--egress-rate-mbps", "25", "--egress-delay-ms", "5")
     assert decode.engine_args() == ()
-    with pytest.raises(ConfigError, match="egress_rate_mbps = -1"):
+    with pytest.raises(ConfigError, match=r"launch\[0\]\.egress_rate_mbps: must be > 0 \(got -1\)"):
         load_deployment(_write(tmp_path, text.replace("= 25", "= -1")))
     paced_decode = text.replace('role = "decode"\n', 'role = "decode"\negress_delay_ms = 3\n')
-    with pytest.raises(ConfigError, match="no KV egress to pace"):
+    with pytest.raises(ConfigError, match=r"launch\[1\]\.role: has no KV egress to pace"):
         load_deployment(_write(tmp_path, paced_decode))
