@@ -10,12 +10,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+from prometheus_client.core import GaugeMetricFamily
 
 from prfaas.common.tokenizer import load_tokenizer
 from prfaas.engines.sglang_client import SGLangClient, SGLangClientConfig
 from prfaas.gateway.admission import AdmissionManager
 from prfaas.gateway.api.completions import CompletionService
-from prfaas.gateway.api.metrics import GatewayMetrics, Gauge
+from prfaas.gateway.api.metrics import GatewayMetrics, labelled_gauge
 from prfaas.gateway.health import HealthMonitor
 from prfaas.gateway.instances import InstanceManager, InstanceState
 from prfaas.gateway.kv_feed import KVEventFeed
@@ -70,30 +71,31 @@ class Gateway:
             "link": self.link,
         }
 
-    def gauges(self) -> dict[str, Gauge]:
-        """Gauges sampled for `/metrics`."""
+    def gauges(self) -> list[GaugeMetricFamily]:
+        """Gauges sampled for `/metrics` (link telemetry adds its own, `link.egress_setup`)."""
         adm = self.service.admission
-        per_instance = tuple(
-            ((("instance", s.instance_id), ("cluster", s.cluster)), float(s.in_flight))
-            for s in self.instances
-        )
-        healthy = tuple(
-            ((("instance", s.instance_id),), 1.0 if s.healthy else 0.0) for s in self.instances
-        )
-        gauges = {
-            "prfaas_threshold_tokens": Gauge.one(
-                "Current threshold t.", self.router.state.threshold
+        return [
+            GaugeMetricFamily(
+                "prfaas_threshold_tokens", "Current threshold t.", self.router.state.threshold
             ),
-            "prfaas_queue_running": Gauge.one("Requests dispatched now.", adm.running),
-            "prfaas_queue_waiting": Gauge.one("Requests waiting for a slot.", adm.waiting),
-            "prfaas_instance_in_flight": Gauge("In-flight requests per instance.", per_instance),
-            "prfaas_instance_healthy": Gauge("1 if the instance answers health checks.", healthy),
-            "prfaas_kv_index_entries": Gauge.one("(instance, block) entries.", len(self.index)),
-        }
-        if "egress_utilisation" in self.link:
-            util = float(self.link["egress_utilisation"])
-            gauges["prfaas_egress_utilisation"] = Gauge.one("PrfaaS egress / link rate.", util)
-        return gauges
+            GaugeMetricFamily("prfaas_queue_running", "Requests dispatched now.", adm.running),
+            GaugeMetricFamily("prfaas_queue_waiting", "Requests waiting for a slot.", adm.waiting),
+            labelled_gauge(
+                "prfaas_instance_in_flight",
+                "In-flight requests per instance.",
+                ("instance", "cluster"),
+                (((s.instance_id, s.cluster), s.in_flight) for s in self.instances),
+            ),
+            labelled_gauge(
+                "prfaas_instance_healthy",
+                "1 if the instance answers health checks.",
+                ("instance",),
+                (((s.instance_id,), 1.0 if s.healthy else 0.0) for s in self.instances),
+            ),
+            GaugeMetricFamily(
+                "prfaas_kv_index_entries", "(instance, block) entries.", len(self.index)
+            ),
+        ]
 
 
 def _instance_json(s: InstanceState) -> dict[str, Any]:
@@ -143,8 +145,10 @@ def build_gateway(config: DeploymentConfig, session: aiohttp.ClientSession) -> G
         retry_after_s=g.retry_after_s,
     )
     endpoints = {c.id: c.kv_events for c in config.instances if c.kv_events}
-    feed = KVEventFeed(index, endpoints, lambda i, why: metrics.kv_resyncs.inc(i, why))
+    feed = KVEventFeed(index, endpoints, lambda i, why: metrics.kv_resyncs.labels(i, why).inc())
     health = HealthMonitor(
         instances, g.health_interval_s, on_down=lambda i: feed.resync(i, "instance_down")
     )
-    return Gateway(config, instances, index, router, service, feed, health, metrics)
+    gateway = Gateway(config, instances, index, router, service, feed, health, metrics)
+    metrics.add_gauges(gateway.gauges)
+    return gateway

@@ -17,9 +17,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import aiohttp
+from prometheus_client.core import GaugeMetricFamily
 
 from prfaas.engines.sglang_client import SGLangClient
-from prfaas.gateway.api.metrics import Gauge
+from prfaas.gateway.api.metrics import labelled_gauge
 from prfaas.gateway.assembly import Gateway
 
 logger = logging.getLogger(__name__)
@@ -126,37 +127,39 @@ class EgressMonitor:
             instances={i: asdict(x) for i, x in self.samples.items()},
         )
         if self.state["egress_utilisation"] is None:
-            del self.state["egress_utilisation"]  # Gateway.gauges() reads it when present
+            del self.state["egress_utilisation"]  # unknown: no instance reports a capacity
 
-    def gauges(self) -> dict[str, Gauge]:
+    def gauges(self) -> list[GaugeMetricFamily]:
         """`prfaas_egress_*` and `prfaas_link_*` gauges from the latest samples."""
 
-        def per(field: str) -> tuple[tuple[tuple[tuple[str, str], ...], float], ...]:
-            return tuple(
-                ((("instance", i),), float(getattr(x, field) or 0.0))
-                for i, x in sorted(self.samples.items())
-            )
+        def per(name: str, help_text: str, field: str) -> GaugeMetricFamily:
+            samples = sorted(self.samples.items())
+            values = (((i,), float(getattr(x, field) or 0.0)) for i, x in samples)
+            return labelled_gauge(name, help_text, ("instance",), values)
 
-        st = self.state
-        return {
-            "prfaas_egress_bytes_per_second": Gauge(
+        return [
+            per(
+                "prfaas_egress_bytes_per_second",
                 "PrfaaS prefill KV egress per instance (transport telemetry).",
-                per("egress_bytes_per_s"),
+                "egress_bytes_per_s",
             ),
-            "prfaas_egress_bytes_sent": Gauge(
-                "KV bytes sent per instance since it started.", per("bytes_total")
+            per(
+                "prfaas_egress_bytes_sent",
+                "KV bytes sent per instance since it started.",
+                "bytes_total",
             ),
-            "prfaas_egress_utilisation": Gauge.one(
+            GaugeMetricFamily(
+                "prfaas_egress_utilisation",
                 "PrfaaS egress / configured link capacity.",
-                float(st.get("egress_utilisation") or 0.0),
+                float(self.state.get("egress_utilisation") or 0.0),
             ),
-            "prfaas_link_rtt_seconds": Gauge(
-                "Mean smoothed TCP RTT of KV connections.", per("rtt_s")
+            per("prfaas_link_rtt_seconds", "Mean smoothed TCP RTT of KV connections.", "rtt_s"),
+            per(
+                "prfaas_link_retransmission_rate",
+                "Retransmitted / sent TCP segments of KV connections.",
+                "retransmission_rate",
             ),
-            "prfaas_link_retransmission_rate": Gauge(
-                "Retransmitted / sent TCP segments of KV connections.", per("retransmission_rate")
-            ),
-        }
+        ]
 
     async def close(self) -> None:
         if self._session is not None:
@@ -178,7 +181,7 @@ def egress_setup(static: Mapping[str, Any] | None = None) -> Callable[[Gateway],
         }
         monitor = EgressMonitor(urls, static)
         gateway.link = monitor.state
-        gateway.metrics.gauge_sources.append(monitor.gauges)
+        gateway.metrics.add_gauges(monitor.gauges)
         gateway.health.add_poller(monitor)
 
     return setup

@@ -15,6 +15,7 @@ import pytest
 from aiohttp import web
 from aiohttp_helpers import start_app
 from gateway_helpers import deployment
+from metrics_helpers import Scrape
 
 from prfaas.engines.transport import Kind, KVReceiver, KVSender, SenderConfig
 from prfaas.gateway.api.app import GatewayApp
@@ -123,10 +124,12 @@ async def test_monitor_publishes_state_and_gauges(paced: Paced) -> None:
         assert 0 < st["egress_utilisation"] <= 1.5 and st["egress_bytes_per_s"] > 0
         assert st["rtt_s"] is not None and st["instances"]["p0"]["bytes_total"] == total
         metrics = GatewayMetrics()
-        metrics.gauge_sources.append(monitor.gauges)
-        text = metrics.render({})
-        assert f'prfaas_egress_bytes_sent{{instance="p0"}} {total}' in text
-        assert "prfaas_egress_utilisation " in text and "prfaas_link_rtt_seconds{" in text
+        metrics.add_gauges(monitor.gauges)
+        scrape = Scrape.parse(metrics.render().decode())
+        assert scrape.value("prfaas_egress_bytes_sent", instance="p0") == total
+        assert scrape.value("prfaas_egress_utilisation") == st["egress_utilisation"]
+        assert scrape.value("prfaas_link_rtt_seconds", instance="p0") == st["rtt_s"]
+        assert scrape.labels("prfaas_egress_bytes_per_second") == [{"instance": "p0"}]
     finally:
         await monitor.close()
         await missing.cleanup()
@@ -178,10 +181,10 @@ async def test_egress_setup_polls_prfaas_prefill_instances(paced: Paced) -> None
                     break
                 await asyncio.sleep(0.1)
             async with s.get(f"{url}/metrics") as resp:
-                text = await resp.text()
+                scrape = Scrape.parse(await resp.text())
     finally:
         await app.stop()
     assert link["egress_bytes_total"] == total and link["note"] == "test"
     assert set(link["instances"]) == {"prfaas-p0"}
-    assert f'prfaas_egress_bytes_sent{{instance="prfaas-p0"}} {total}' in text
-    assert "pd-p0" not in "".join(ln for ln in text.splitlines() if "egress" in ln)
+    assert scrape.value("prfaas_egress_bytes_sent", instance="prfaas-p0") == total
+    assert scrape.labels("prfaas_egress_bytes_sent") == [{"instance": "prfaas-p0"}]

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from metrics_helpers import Scrape
 
 from prfaas.common.tokenizer import ByteTokenizer, ChatMessage, chat_ids
 
@@ -158,30 +159,32 @@ def test_long_uncached_prompt_routes_prfaas_streaming_matches_direct(running: Ru
     assert text == _direct_text(running, ByteTokenizer().encode(prompt), 10)
 
 
-def _scrape(url: str) -> dict[str, float]:
+def _scrape(url: str) -> Scrape:
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as reply:
-        lines = reply.read().decode().splitlines()
-    return {k: float(v) for k, v in (ln.rsplit(" ", 1) for ln in lines if ln[:1] != "#")}
+        return Scrape.parse(reply.read().decode())
+
+
+def _sent(scrape: Scrape) -> float:
+    return scrape.value("prfaas_egress_bytes_sent", instance="prfaas-p0")
 
 
 def test_prfaas_request_shows_egress_in_metrics_and_state(running: Running) -> None:
     """The PrfaaS prefill's own transport carries the KV (no relay): after a PrfaaS-routed
     request, the egress bytes its telemetry reports grow by more than a megabyte in
     `/metrics` and `/admin/state`, against the emulated link's capacity."""
-    key = 'prfaas_egress_bytes_sent{instance="prfaas-p0"}'
-    before = _scrape(running.gateway_url)[key]
+    before = _sent(_scrape(running.gateway_url))
     raw = _gateway(running).completions.with_raw_response.create(
         model=MODEL, prompt=_words(int(running.threshold) + 200, seed=6), max_tokens=2
     )
     assert raw.headers["x-prfaas-route"] == "prfaas"
     deadline = time.monotonic() + 10
-    while (after := _scrape(running.gateway_url))[key] - before < 1e6:
-        assert time.monotonic() < deadline, (before, after[key])
+    while _sent(after := _scrape(running.gateway_url)) - before < 1e6:
+        assert time.monotonic() < deadline, (before, _sent(after))
         time.sleep(0.2)  # telemetry is polled on the health cadence (1 s)
-    assert 0 <= after["prfaas_egress_utilisation"] <= 1.5
+    assert 0 <= after.value("prfaas_egress_utilisation") <= 1.5
     with urllib.request.urlopen(f"{running.gateway_url}/admin/state", timeout=10) as reply:
         link = json.load(reply)["link"]
-    assert link["egress_bytes_total"] >= after[key]
+    assert link["egress_bytes_total"] >= _sent(after)
     assert link["capacity_bytes_per_s"] == link["emulated_rate_bytes_per_s"] == 10e6 / 8
     assert "relay_port" not in link and link["rtt_s"] is not None
 

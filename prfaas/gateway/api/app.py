@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 
 import aiohttp
 import orjson
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from prfaas.gateway.assembly import Gateway, build_gateway
 from prfaas.http.server import Exchange, HttpLimits, HttpRequest, HttpResponse, HttpServer
@@ -68,8 +69,7 @@ async def health(gw: Gateway, request: HttpRequest, exchange: Exchange) -> HttpR
 
 
 async def metrics(gw: Gateway, request: HttpRequest, exchange: Exchange) -> HttpResponse:
-    text = gw.metrics.render(gw.gauges())
-    return HttpResponse(200, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
+    return HttpResponse(200, gw.metrics.render(), CONTENT_TYPE_LATEST)
 
 
 async def admin_state(gw: Gateway, request: HttpRequest, exchange: Exchange) -> HttpResponse:

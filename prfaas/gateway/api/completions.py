@@ -86,14 +86,14 @@ class CompletionService:
 
     def _account(self, timing: _Timing) -> None:
         metrics, route = self.metrics, timing.route
-        metrics.requests.inc(timing.api, route, str(timing.status))
+        metrics.requests.labels(timing.api, route, str(timing.status)).inc()
         if timing.prompt_tokens is not None:
             metrics.prompt.observe(timing.prompt_tokens)
         if timing.ttft is not None:
-            metrics.ttft.observe(timing.ttft, route)
-            metrics.incremental.observe(timing.incremental_tokens, route)
+            metrics.ttft.labels(route).observe(timing.ttft)
+            metrics.incremental.labels(route).observe(timing.incremental_tokens)
         if timing.status == 200:
-            metrics.e2e.observe(self.clock() - timing.start, route)
+            metrics.e2e.labels(route).observe(self.clock() - timing.start)
 
     async def _handle(
         self, request: HttpRequest, exchange: Exchange, api: Api, timing: _Timing

@@ -1,141 +1,123 @@
-"""Gateway metrics in the Prometheus text exposition format (no client library needed).
+"""Gateway metrics, exposed with prometheus_client in the Prometheus text format.
 
-Counters and histograms are owned by `GatewayMetrics`; gauges (threshold, queue depths,
-KV-index size, egress) are sampled when `/metrics` is scraped, so they are never stale.
+`GatewayMetrics` owns one `CollectorRegistry` (never the process-wide default, so two
+gateways in one process count apart): counters and histograms booked per request, and
+gauges sampled when `/metrics` is scraped (threshold, queue depths, KV-index size, egress),
+so they are never stale.
 """
 
 from __future__ import annotations
 
-import bisect
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TOKEN_BUCKETS = (0, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
-
-def _labels(pairs: Sequence[tuple[str, str]]) -> str:
-    if not pairs:
-        return ""
-    escaped = (f'{k}="{v.replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
-               for k, v in pairs)  # fmt: skip
-    return "{" + ",".join(escaped) + "}"
+GaugeSource = Callable[[], Iterable[GaugeMetricFamily]]
+"""Gauges read at scrape time: a fresh family per metric name on every call."""
 
 
-def _number(value: float) -> str:
-    """A sample value without `:g`'s 6-digit rounding (byte totals need every digit)."""
-    if float(value).is_integer() and abs(value) < 2**53:
-        return str(int(value))
-    return repr(float(value))
+def labelled_gauge(
+    name: str,
+    help_text: str,
+    label_names: Iterable[str],
+    samples: Iterable[tuple[Iterable[str], float]],
+) -> GaugeMetricFamily:
+    """A sampled gauge with one value per label-value tuple (in `label_names` order)."""
+    family = GaugeMetricFamily(name, help_text, labels=list(label_names))
+    for labels, value in samples:
+        family.add_metric(list(labels), value)
+    return family
 
 
-@dataclass
-class Counter:
-    """A counter with labels."""
+class _SampledGauges:
+    """A collector that reads its gauges from a `GaugeSource` at every scrape."""
 
-    name: str
-    help: str
-    label_names: tuple[str, ...] = ()
-    values: dict[tuple[str, ...], float] = field(default_factory=dict)
+    def __init__(self, source: GaugeSource) -> None:
+        self._source = source
 
-    def inc(self, *labels: str, by: float = 1.0) -> None:
-        self.values[labels] = self.values.get(labels, 0.0) + by
+    def collect(self) -> Iterable[Metric]:
+        return self._source()
 
-    def render(self) -> Iterable[str]:
-        yield f"# HELP {self.name} {self.help}"
-        yield f"# TYPE {self.name} counter"
-        for labels, value in sorted(self.values.items()):
-            pairs = list(zip(self.label_names, labels, strict=True))
-            yield f"{self.name}{_labels(pairs)} {value:g}"
+    def describe(self) -> Iterable[Metric]:
+        """The metric names, so the registry rejects a clash when the source is added."""
+        return self._source()
 
 
-@dataclass
-class Histogram:
-    """A histogram with fixed upper bounds and optional labels."""
+class _WithoutCreated:
+    """A registry's metrics without their `_created` samples.
 
-    name: str
-    help: str
-    buckets: tuple[float, ...]
-    label_names: tuple[str, ...] = ()
-    counts: dict[tuple[str, ...], list[int]] = field(default_factory=dict)
-    sums: dict[tuple[str, ...], float] = field(default_factory=dict)
+    prometheus_client turns those off only process-wide (`disable_created_metrics()`, a
+    module global that would change every other registry in the process); this drops them
+    for one registry. Each `collect()` builds fresh `Metric`s, so filtering them in place
+    touches nothing that outlives the scrape.
+    """
 
-    def observe(self, value: float, *labels: str) -> None:
-        counts = self.counts.setdefault(labels, [0] * (len(self.buckets) + 1))
-        counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sums[labels] = self.sums.get(labels, 0.0) + value
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
 
-    def count(self, *labels: str) -> int:
-        return sum(self.counts.get(labels, ()))
-
-    def render(self) -> Iterable[str]:
-        yield f"# HELP {self.name} {self.help}"
-        yield f"# TYPE {self.name} histogram"
-        for labels, counts in sorted(self.counts.items()):
-            base = list(zip(self.label_names, labels, strict=True))
-            running = 0
-            for bound, n in zip([*self.buckets, float("inf")], counts, strict=True):
-                running += n
-                le = "+Inf" if bound == float("inf") else f"{bound:g}"
-                yield f"{self.name}_bucket{_labels([*base, ('le', le)])} {running}"
-            yield f"{self.name}_sum{_labels(base)} {self.sums[labels]:g}"
-            yield f"{self.name}_count{_labels(base)} {running}"
-
-
-@dataclass(frozen=True)
-class Gauge:
-    """A gauge sampled at scrape time: help text and (labels, value) samples."""
-
-    help: str
-    samples: tuple[tuple[tuple[tuple[str, str], ...], float], ...]
-
-    @classmethod
-    def one(cls, help_text: str, value: float) -> Gauge:
-        return cls(help_text, (((), value),))
+    def collect(self) -> Iterator[Metric]:
+        for metric in self._registry.collect():
+            created = metric.name + "_created"
+            metric.samples = [s for s in metric.samples if s.name != created]
+            yield metric
 
 
 class GatewayMetrics:
-    """The gateway's counters and histograms; `render` adds gauges sampled by the caller."""
+    """The gateway's counters, histograms and sampled gauges, in a registry of its own."""
 
     def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        reg = self.registry
         self.requests = Counter(
-            "prfaas_requests_total",
+            "prfaas_requests",  # exported as prfaas_requests_total
             "Finished requests by API, route and HTTP status.",
             ("api", "route", "status"),
+            registry=reg,
+        )
+        self.kv_resyncs = Counter(
+            "prfaas_kv_index_resyncs",  # exported as prfaas_kv_index_resyncs_total
+            "Times an instance's index entries were dropped (restart, gap, reconnect).",
+            ("instance", "reason"),
+            registry=reg,
         )
         self.ttft = Histogram(
-            "prfaas_ttft_seconds", "Time to first token.", LATENCY_BUCKETS_S, ("route",)
+            "prfaas_ttft_seconds",
+            "Time to first token.",
+            ("route",),
+            registry=reg,
+            buckets=LATENCY_BUCKETS_S,
         )
         self.e2e = Histogram(
-            "prfaas_e2e_seconds", "End-to-end request latency.", LATENCY_BUCKETS_S, ("route",)
+            "prfaas_e2e_seconds",
+            "End-to-end request latency.",
+            ("route",),
+            registry=reg,
+            buckets=LATENCY_BUCKETS_S,
         )
         self.incremental = Histogram(
             "prfaas_incremental_tokens",
             "Uncached (incremental) prompt length at routing time.",
-            TOKEN_BUCKETS,
             ("route",),
+            registry=reg,
+            buckets=TOKEN_BUCKETS,
         )
-        self.prompt = Histogram("prfaas_prompt_tokens", "Prompt length.", TOKEN_BUCKETS)
-        self.kv_resyncs = Counter(
-            "prfaas_kv_index_resyncs_total",
-            "Times an instance's index entries were dropped (restart, gap, reconnect).",
-            ("instance", "reason"),
+        self.prompt = Histogram(
+            "prfaas_prompt_tokens", "Prompt length.", registry=reg, buckets=TOKEN_BUCKETS
         )
-        self.gauge_sources: list[Callable[[], Mapping[str, Gauge]]] = []
-        """More gauges sampled at scrape time (e.g. link telemetry); they win on a name clash."""
+        self._exported = _WithoutCreated(reg)
 
-    def render(self, gauges: Mapping[str, Gauge]) -> str:
-        """The exposition text: counters, histograms, then the sampled `gauges` by name."""
-        lines: list[str] = []
-        for metric in (self.requests, self.kv_resyncs):
-            lines.extend(metric.render())
-        for hist in (self.ttft, self.e2e, self.incremental, self.prompt):
-            lines.extend(hist.render())
-        merged = dict(gauges)
-        for source in self.gauge_sources:
-            merged.update(source())
-        for name, gauge in merged.items():
-            lines += [f"# HELP {name} {gauge.help}", f"# TYPE {name} gauge"]
-            for labels, value in gauge.samples:
-                lines.append(f"{name}{_labels(labels)} {_number(value)}")
-        return "\n".join(lines) + "\n"
+    def add_gauges(self, source: GaugeSource) -> None:
+        """Sample `source` at every scrape from now on.
+
+        Raises:
+            ValueError: one of its metric names is already exported.
+        """
+        self.registry.register(_SampledGauges(source))
+
+    def render(self) -> bytes:
+        """The exposition text (`prometheus_client.CONTENT_TYPE_LATEST`)."""
+        return generate_latest(self._exported)

@@ -10,6 +10,7 @@ from dataclasses import replace
 import aiohttp
 import openai
 from gateway_helpers import BLOCK, Engines, GatewayFactory, deployment
+from metrics_helpers import Scrape
 
 from prfaas.common.kv_events import BlockStored, KVEventPublisher
 from prfaas.common.tokenizer import ByteTokenizer, chat_ids
@@ -161,14 +162,16 @@ async def test_models_metrics_and_admin_state(
     await client.completions.create(model="tiny", prompt="hi", max_tokens=1)
     await client.completions.create(model="tiny", prompt=LONG, max_tokens=1)
     async with aiohttp.ClientSession() as s:
-        metrics = await (await s.get(f"{url}/metrics")).text()
+        metrics = Scrape.parse(await (await s.get(f"{url}/metrics")).text())
         state = await (await s.get(f"{url}/admin/state")).json()
         health = await s.get(f"{url}/health")
-    assert 'prfaas_requests_total{api="completions",route="pd",status="200"} 1' in metrics
-    assert 'prfaas_requests_total{api="completions",route="prfaas",status="200"} 1' in metrics
-    assert 'prfaas_ttft_seconds_count{route="prfaas"} 1' in metrics
-    assert 'prfaas_incremental_tokens_bucket{route="prfaas",le="512"} 1' in metrics
-    assert "prfaas_threshold_tokens 100" in metrics
+    for route in ("pd", "prfaas"):
+        ok = {"api": "completions", "route": route, "status": "200"}
+        assert metrics.value("prfaas_requests_total", **ok) == 1
+    assert metrics.value("prfaas_ttft_seconds_count", route="prfaas") == 1
+    assert metrics.value("prfaas_incremental_tokens_bucket", route="prfaas", le="256.0") == 0
+    assert metrics.value("prfaas_incremental_tokens_bucket", route="prfaas", le="512.0") == 1
+    assert metrics.value("prfaas_threshold_tokens") == 100
     assert state["threshold"] == 100 and state["policy"] == "prfaas"
     assert [i["id"] for i in state["clusters"]["pd"]] == ["pd-p0", "pd-d0"]
     assert all(i["healthy"] for i in state["clusters"]["prfaas"])
