@@ -3,7 +3,9 @@
 Part 1 (in process): cost of one routing decision at 1K, 32K and 128K prompt tokens, split
 into parse (JSON + fields), tokenize (byte-level), hash (chained xxh3-64 blocks), index
 lookup (global KV index holding 150K blocks over 3 instances, half the prompt cached) and
-policy (snapshot + PrfaaS rule). Medians of repeated calls.
+policy (snapshot + PrfaaS rule). Medians of repeated calls. Also the cost of one KV event
+batch of 1, 16 and 64 new blocks: the publisher's encode, the gateway's decode (msgspec,
+typed), and decode + index apply (re-hashing the blocks' token ids), each call a new batch.
 
 Part 2 (real processes, loopback): the same OpenAI `/v1/completions` request straight to a
 null engine, through `prfaas serve`, and through SGLang's router (`sglang-router` from
@@ -42,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -55,7 +58,7 @@ import aiohttp
 import orjson
 
 from prfaas.common.hashing import hash_blocks
-from prfaas.common.kv_events import BlockStored
+from prfaas.common.kv_events import BlockStored, KVEventBatch, decode_batch, encode_batch
 from prfaas.common.tokenizer import ByteTokenizer
 from prfaas.gateway.instances import InstanceManager, InstanceState
 from prfaas.gateway.kv_index import KVIndexManager
@@ -125,6 +128,36 @@ def decision_cost(tokens: int, repeats: int) -> dict[str, Any]:
     for name, fn in stages.items():
         row[f"{name}_us"] = _median_us(fn, repeats)
     row["total_us"] = sum(row[f"{n}_us"] for n in stages)
+    return row
+
+
+def kv_event_cost(blocks: int, repeats: int) -> dict[str, Any]:
+    """Encode, decode, and decode + index apply of one batch holding one `BlockStored` of
+    `blocks` blocks; every apply gets a batch of fresh hashes, so the index inserts."""
+    rng = random.Random(blocks)
+    batches = [
+        KVEventBatch(
+            1.0,
+            (
+                BlockStored(
+                    tuple(rng.getrandbits(64) for _ in range(blocks)),
+                    None,
+                    tuple(rng.randrange(150_000) for _ in range(blocks * BLOCK)),
+                    BLOCK,
+                ),
+            ),
+            0,
+        )
+        for _ in range(repeats)
+    ]
+    payloads = [encode_batch(b) for b in batches]
+    index, fresh = KVIndexManager(block_size=BLOCK), iter(payloads)
+    row: dict[str, Any] = {"blocks": blocks, "payload_bytes": len(payloads[0])}
+    row["encode_us"] = _median_us(lambda: encode_batch(batches[0]), repeats)
+    row["decode_us"] = _median_us(lambda: decode_batch(payloads[0]), repeats)
+    row["decode_apply_us"] = _median_us(
+        lambda: index.apply("e0", decode_batch(next(fresh)).events), repeats
+    )
     return row
 
 
@@ -352,7 +385,9 @@ def main() -> None:
     args = parser.parse_args()
     decisions = [decision_cost(n, 30 if n < 100_000 else 10) for n in (1024, 32768, 131072)]
     _table("Part 1: routing decision cost (median us)", decisions)
-    result: dict[str, Any] = {"decision_cost": decisions}
+    events = [kv_event_cost(n, 200) for n in (1, 16, 64)]
+    _table(f"Part 1: KV event batch cost, {BLOCK}-token blocks (median us)", events)
+    result: dict[str, Any] = {"decision_cost": decisions, "kv_event_cost": events}
     if not args.skip_overhead:
         (rows, per_round), note = run_overhead(args.rounds, args.requests, args.rate_seconds)
         _table("Part 2: overhead over null engines (medians over rounds; ms, req/s)", rows)

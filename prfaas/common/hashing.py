@@ -43,16 +43,18 @@ def hash_block(parent: int | None, token_ids: Sequence[int] | np.ndarray) -> int
     return int(xxhash.xxh3_64_intdigest(data))
 
 
-def hash_blocks(token_ids: Sequence[int] | np.ndarray, block_size: int) -> list[int]:
+def hash_blocks(
+    token_ids: Sequence[int] | np.ndarray, block_size: int, *, parent: int | None = None
+) -> list[int]:
     """Chained hashes of every fully populated block of `token_ids`, in order (the ids are
-    packed once, up front).
+    packed once, up front); the first block chains to `parent` (None: a prompt's start).
 
     Raises:
         ValueError: if `block_size` is not positive.
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    return list(_chain(_u32_bytes(token_ids), 4 * block_size))
+    return list(_chain(_u32_bytes(token_ids), 4 * block_size, parent))
 
 
 def iter_block_hashes(token_ids: Sequence[int] | np.ndarray, block_size: int) -> Iterator[int]:
@@ -91,9 +93,8 @@ def _lazy_chain(token_ids: Sequence[int] | np.ndarray, block_size: int) -> Itera
         start, size = stop, min(2 * size, max_size)
 
 
-def _chain(data: bytes, step: int) -> Iterator[int]:
+def _chain(data: bytes, step: int, parent: int | None) -> Iterator[int]:
     digest = xxhash.xxh3_64_intdigest
-    parent = None
     for start in range(0, len(data) - step + 1, step):
         block = data[start : start + step]
         parent = digest(block if parent is None else parent.to_bytes(8, "little") + block)

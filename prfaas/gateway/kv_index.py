@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from prfaas.common.hashing import hash_block
+from prfaas.common.hashing import hash_blocks
 from prfaas.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 _NONE: frozenset[str] = frozenset()  # holders of an unknown block
@@ -86,10 +86,9 @@ class KVIndexManager:
             if parent is None:  # parent unknown (evicted from the index or a missed event)
                 self.rejected_events += 1
                 return
-        for i, engine_hash in enumerate(event.block_hashes):
-            tokens = event.token_ids[i * self.block_size : (i + 1) * self.block_size]
-            parent = hash_block(parent, tokens)
-            self._add(instance_id, blocks, engine_hash, parent)
+        ours = hash_blocks(event.token_ids, self.block_size, parent=parent)  # packs ids once
+        for engine_hash, our_hash in zip(event.block_hashes, ours, strict=True):
+            self._add(instance_id, blocks, engine_hash, our_hash)
 
     def _add(self, instance_id: str, blocks: _InstanceBlocks, engine_hash: int, ours: int) -> None:
         key = (instance_id, engine_hash)

@@ -33,6 +33,13 @@ def test_definition_is_stable() -> None:
     assert hash_blocks(np.array([1, 2, 3, 4]), 2) == [root, child]
 
 
+def test_hashes_continue_a_chain_from_parent() -> None:
+    """With `parent`, the hashes are the tail of the whole prompt's chain."""
+    whole = hash_blocks([1, 2, 3, 4, 5, 6], 2)
+    assert hash_blocks([3, 4, 5, 6], 2, parent=whole[0]) == whole[1:]
+    assert hash_blocks([3, 4], 2, parent=whole[0]) == [hash_block(whole[0], [3, 4])]
+
+
 def test_bad_block_size() -> None:
     """A non-positive block size is an error naming the value."""
     with pytest.raises(ValueError, match="got 0"):

@@ -1,8 +1,8 @@
-"""KV event codec: SGLang's msgpack layout, byte for byte, and strict decoding."""
+"""KV event codec: SGLang's msgpack layout, byte for byte, and strict typed decoding."""
 
 from __future__ import annotations
 
-import msgpack
+import msgspec
 import pytest
 
 from prfaas.common.kv_events import (
@@ -44,17 +44,11 @@ def test_hand_built_payload_decodes() -> None:
     assert decode_batch(HAND_BUILT) == BATCH
 
 
-def test_dp_rank_and_medium_are_trailing_fields() -> None:
-    """attn_dp_rank is the batch's third field; medium is appended only when set."""
-    batch = KVEventBatch(
-        2.0, (BlockStored((5,), 4, (1, 2), 2, 9, "GPU"), BlockRemoved((5,), "GPU")), 3
-    )
-    wire = msgpack.unpackb(encode_batch(batch))
-    assert wire == [
-        2.0,
-        [["BlockStored", [5], 4, [1, 2], 2, 9, "GPU"], ["BlockRemoved", [5], "GPU"]],
-        3,
-    ]
+def test_dp_rank_is_the_third_batch_field() -> None:
+    """attn_dp_rank is written after the events; lora_id after block_size, nil included."""
+    batch = KVEventBatch(2.0, (BlockStored((5,), 4, (1, 2), 2, 9), BlockRemoved((5,))), 3)
+    wire = msgspec.msgpack.decode(encode_batch(batch))
+    assert wire == [2.0, [["BlockStored", [5], 4, [1, 2], 2, 9], ["BlockRemoved", [5]]], 3]
     assert decode_batch(encode_batch(batch)) == batch
 
 
@@ -64,67 +58,67 @@ def test_full_width_hashes_round_trip() -> None:
     assert decode_batch(encode_batch(batch)) == batch
 
 
-def test_vllm_map_form_events_decode() -> None:
-    """Events encoded as maps with a "type" tag (vLLM's form) decode too."""
-    payload = msgpack.packb(
-        [
-            3.0,
-            [
-                {
-                    "type": "BlockStored",
-                    "block_hashes": [1],
-                    "parent_block_hash": None,
-                    "token_ids": [4, 5],
-                    "block_size": 2,
-                    "lora_id": None,
-                    "medium": "GPU",
-                },
-                {"type": "BlockRemoved", "block_hashes": [1]},
-                {"type": "AllBlocksCleared"},
-            ],
-        ]
-    )
-    expected = (
-        BlockStored((1,), None, (4, 5), 2, None, "GPU"),
-        BlockRemoved((1,)),
-        AllBlocksCleared(),
-    )
-    assert decode_batch(payload).events == expected
-
-
 def test_sglang_two_field_batch_decodes() -> None:
     """Older SGLang batches [ts, events] (no attn_dp_rank) decode with rank None."""
-    assert decode_batch(msgpack.packb([1.0, [["AllBlocksCleared"]]])) == KVEventBatch(
-        1.0, (AllBlocksCleared(),)
-    )
+    payload = msgspec.msgpack.encode([1.0, [["AllBlocksCleared"]]])
+    assert decode_batch(payload) == KVEventBatch(1.0, (AllBlocksCleared(),))
+
+
+def test_integer_ts_decodes_as_float() -> None:
+    """A publisher that stamps an integer time still decodes; ts comes out a float."""
+    decoded = decode_batch(msgspec.msgpack.encode([7, []]))
+    assert decoded == KVEventBatch(7.0, ()) and type(decoded.ts) is float
 
 
 def test_unknown_trailing_fields_are_ignored() -> None:
-    """A newer publisher's extra trailing fields do not break decoding."""
-    payload = msgpack.packb([1.0, [["BlockRemoved", [1], None, "extra"]], 0, "more"])
-    assert decode_batch(payload) == KVEventBatch(1.0, (BlockRemoved((1,)),), 0)
+    """A newer publisher's extra trailing fields (vLLM's array-form `medium`, ...) are
+    skipped, in events and in the batch."""
+    payload = msgspec.msgpack.encode(
+        [
+            1.0,
+            [["BlockStored", [1], None, [4, 5], 2, None, "GPU"], ["BlockRemoved", [1], "GPU"]],
+            0,
+            "more",
+        ]
+    )
+    expected = (BlockStored((1,), None, (4, 5), 2), BlockRemoved((1,)))
+    assert decode_batch(payload) == KVEventBatch(1.0, expected, 0)
 
 
 @pytest.mark.parametrize(
     "payload",
     [
         b"\xc1",  # reserved byte: not msgpack
-        msgpack.packb({"ts": 1.0}),
-        msgpack.packb([1.0]),
-        msgpack.packb(["x", []]),
-        msgpack.packb([1.0, [["Nope", [1]]]]),
-        msgpack.packb([1.0, [[1, 2]]]),
-        msgpack.packb([1.0, [["BlockStored", [1], None, [1]]]]),  # missing block_size
-        msgpack.packb([1.0, [["BlockStored", ["a"], None, [1], 1, None]]]),
-        msgpack.packb([1.0, [["BlockStored", [1], "p", [1], 1, None]]]),
-        msgpack.packb([1.0, [["BlockStored", [1], None, [1], 0, None]]]),
-        msgpack.packb([1.0, [["BlockRemoved"]]]),
-        msgpack.packb([1.0, [], "rank"]),
+        msgspec.msgpack.encode({"ts": 1.0}),
+        msgspec.msgpack.encode([1.0]),
+        msgspec.msgpack.encode(["x", []]),
+        msgspec.msgpack.encode([1.0, [["Nope", [1]]]]),
+        msgspec.msgpack.encode([1.0, [[1, 2]]]),
+        msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, [1]]]]),  # missing block_size
+        msgspec.msgpack.encode([1.0, [["BlockStored", ["a"], None, [1], 1, None]]]),
+        msgspec.msgpack.encode([1.0, [["BlockStored", [1], "p", [1], 1, None]]]),
+        msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, [1], 0, None]]]),
+        msgspec.msgpack.encode([1.0, [["BlockRemoved"]]]),
+        msgspec.msgpack.encode([1.0, [], "rank"]),
+        msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, [-1], 1, None]]]),
+        msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, [2**32], 1, None]]]),
+        msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, [1.0], 1, None]]]),
+        msgspec.msgpack.encode([1.0, [["BlockRemoved", [True]]]]),
+        msgspec.msgpack.encode([1.0, [{"type": "AllBlocksCleared"}]]),  # map-form event
     ],
 )
 def test_malformed_payloads_raise_decode_error(payload: bytes) -> None:
     """Every malformed payload raises KVEventDecodeError, never another exception."""
     with pytest.raises(KVEventDecodeError):
+        decode_batch(payload)
+
+
+def test_decode_error_names_the_bad_field() -> None:
+    """The error says which value is wrong, as a path into the payload."""
+    payload = msgspec.msgpack.encode([1.0, [["AllBlocksCleared"], ["BlockRemoved", [1, "x"]]]])
+    with pytest.raises(
+        KVEventDecodeError, match=r"Expected `int`, got `str` - at `\$\[1\]\[1\]\[1\]\[1\]`"
+    ):
         decode_batch(payload)
 
 

@@ -1,10 +1,12 @@
 """Byte compatibility with SGLang's own msgspec structs (declared as in SGLang's kv_events.py).
 
-Needs `msgspec` (SGLang's serializer), a test-only dependency.
+Our events are msgspec structs too; these tests hold them to SGLang's declarations: equal
+bytes both ways, and each side decodes the other's payloads to the same content.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgspec
@@ -17,6 +19,7 @@ from prfaas.common.kv_events import (
     BlockRemoved,
     BlockStored,
     KVEventBatch,
+    KVEventDecodeError,
     decode_batch,
     encode_batch,
 )
@@ -49,6 +52,13 @@ class SgAllBlocksCleared(SgKVCacheEvent, tag="AllBlocksCleared"):  # type: ignor
 
 
 class SgKVEventBatch(SgEventBatch):  # type: ignore[misc]
+    events: list[SgBlockStored | SgBlockRemoved | SgAllBlocksCleared]
+
+
+class SgOldKVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[misc, call-arg]
+    """SGLang's batch before it carried attn_dp_rank."""
+
+    ts: float
     events: list[SgBlockStored | SgBlockRemoved | SgAllBlocksCleared]
 
 
@@ -117,8 +127,54 @@ cleared = st.just((AllBlocksCleared(), SgAllBlocksCleared()))
 def test_random_batches_match_msgspec_byte_for_byte(
     ts: float, pairs: list[tuple[Any, Any]], rank: int | None
 ) -> None:
-    """For any batch, our bytes equal msgspec's and decode back to the same batch."""
+    """For any batch: our bytes equal SGLang's, SGLang decodes ours to its batch, we decode
+    SGLang's to ours, and ours round-trips."""
     ours = KVEventBatch(ts, tuple(p[0] for p in pairs), rank)
     theirs = SgKVEventBatch(ts=ts, events=[p[1] for p in pairs], attn_dp_rank=rank)
     assert encode_batch(ours) == msgspec.msgpack.encode(theirs)
+    assert msgspec.msgpack.decode(encode_batch(ours), type=SgKVEventBatch) == theirs
+    assert decode_batch(msgspec.msgpack.encode(theirs)) == ours
     assert decode_batch(encode_batch(ours)) == ours
+
+
+@settings(max_examples=100, deadline=None)
+@given(ts=st.floats(allow_nan=False), pairs=st.lists(stored | removed | cleared, max_size=6))
+def test_old_sglang_batches_decode_with_rank_none(ts: float, pairs: list[tuple[Any, Any]]) -> None:
+    """SGLang's older two-field batches decode, attn_dp_rank None."""
+    theirs = SgOldKVEventBatch(ts=ts, events=[p[1] for p in pairs])
+    expected = KVEventBatch(ts, tuple(p[0] for p in pairs), None)
+    assert decode_batch(msgspec.msgpack.encode(theirs)) == expected
+
+
+@pytest.mark.parametrize("token", [-1, 2**32])
+def test_sglang_token_ids_outside_uint32_are_rejected(token: int) -> None:
+    """SGLang's `list[int]` takes any int; ours rejects what the index cannot hash."""
+    theirs = SgKVEventBatch(ts=1.0, events=[SgBlockStored([1], None, [token], 1, None)])
+    with pytest.raises(KVEventDecodeError, match=re.escape("at `$[1][0][3][0]`")):
+        decode_batch(msgspec.msgpack.encode(theirs))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.binary(max_size=64)
+    | st.builds(
+        msgspec.msgpack.encode,
+        st.recursive(
+            st.none()
+            | st.booleans()
+            | st.integers(-(2**63), 2**64 - 1)
+            | st.floats()
+            | st.sampled_from(("BlockStored", "BlockRemoved", "AllBlocksCleared")),
+            lambda inner: st.lists(inner, max_size=4),
+            max_leaves=12,
+        ),
+    )
+)
+def test_any_payload_decodes_or_raises_decode_error(payload: bytes) -> None:
+    """Arbitrary bytes and arbitrary msgpack arrays never raise anything but
+    KVEventDecodeError (the subscriber counts those and drops the message)."""
+    try:
+        batch = decode_batch(payload)
+    except KVEventDecodeError:
+        return
+    assert encode_batch(decode_batch(encode_batch(batch))) == encode_batch(batch)  # NaN-safe

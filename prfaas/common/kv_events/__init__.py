@@ -1,7 +1,7 @@
-"""KV cache events in SGLang's ZMQ wire format: dataclasses, codec, publisher, subscriber.
+"""KV cache events in SGLang's ZMQ wire format: msgspec structs, codec, publisher, subscriber.
 
-Wire format (byte-compatible with SGLang's `ZmqEventPublisher`, which encodes msgspec
-structs declared `array_like=True` with `tag=True` on the events):
+Wire format (byte-compatible with SGLang's `ZmqEventPublisher`: our events are msgspec
+structs declared as SGLang declares its own, `array_like=True` with `tag=True` on events):
 
 * a ZMQ multipart message `[topic, seq, payload]`: `topic` the UTF-8 topic (often empty),
   `seq` the batch sequence number as 8 bytes big-endian (0, 1, 2, ... per publisher),
@@ -10,20 +10,20 @@ structs declared `array_like=True` with `tag=True` on the events):
   array-like struct, nil included; SGLang's publisher stamps its DP rank, 0 by default);
   the decoder also takes SGLang's older two-field `[ts, events]`;
 * each event is an array whose first element is the class name as the tag:
-  `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id]`
-  and `["BlockRemoved", block_hashes]`, each followed by `medium` only when it is set (a
-  vLLM field SGLang lacks), and `["AllBlocksCleared"]`.
+  `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id]`,
+  `["BlockRemoved", block_hashes]` and `["AllBlocksCleared"]`.
 
-The decoder also accepts the map form vLLM uses for events (`{"type": "BlockStored", ...}`)
-and ignores unknown trailing fields, so newer publishers stay readable.
+Decoding is typed (msgspec validates in C) and ignores unknown trailing fields, so newer
+publishers stay readable (vLLM's array-form `medium` is skipped). Map-form events are
+rejected with `KVEventDecodeError`, like any other malformed payload.
 
 Replay (SGLang's optional ROUTER endpoint): a request `[b"", start_seq]` (8 bytes
 big-endian) is answered by one `[b"", seq, payload]` per buffered batch from `start_seq`,
 then `[b"", END_SEQ, b""]` (END_SEQ = -1 as 8 signed bytes).
 
-Modules: `codec` (event dataclasses, encode/decode), `publisher` (`KVEventPublisher`, ZMQ
-PUB plus replay), `subscriber` (`KVEventSubscriber`, asyncio SUB with gap detection and
-replay). Everything is re-exported here.
+Modules: `prfaas.protocol.kv_events` (event structs, encode/decode), `publisher`
+(`KVEventPublisher`, ZMQ PUB plus replay), `subscriber` (`KVEventSubscriber`, asyncio SUB
+with gap detection and replay). Everything is re-exported here.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ from prfaas.protocol.kv_events import (
     KVEventBatch,
     KVEventDecodeError,
     decode_batch,
-    decode_event,
     decode_frames,
     encode_batch,
     encode_frames,
@@ -58,7 +57,6 @@ __all__ = [
     "KVEventSubscriber",
     "ReceivedBatch",
     "decode_batch",
-    "decode_event",
     "decode_frames",
     "encode_batch",
     "encode_frames",

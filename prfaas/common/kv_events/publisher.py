@@ -145,9 +145,9 @@ class KVEventPublisher:
         if not events:
             return None
         seq = self._seq
-        frames = encode_frames(
-            self._topic, seq, KVEventBatch(self._clock(), tuple(events), self._rank)
-        )
+        # float(): msgspec writes an int clock reading as a msgpack int, SGLang a float64.
+        batch = KVEventBatch(float(self._clock()), tuple(events), self._rank)
+        frames = encode_frames(self._topic, seq, batch)
         if self._replay is not None:
             self._replay.record(seq, frames[2])
         try:
