@@ -356,9 +356,12 @@ def run_overhead(
 def _table(title: str, rows: list[dict[str, Any]]) -> None:
     print(f"\n{title}")
     keys = list(rows[0])
-    print("  ".join(f"{k:>14}" for k in keys))
+    first = max(14, *(len(str(row[keys[0]])) for row in rows))  # long target names
+    widths = [first] + [14] * (len(keys) - 1)
+    print("  ".join(f"{k:>{w}}" for k, w in zip(keys, widths, strict=True)))
     for row in rows:
-        cells = (f"{v:>14.3f}" if isinstance(v, float) else f"{v!s:>14}" for v in row.values())
+        cells = (f"{v:>{w}.3f}" if isinstance(v, float) else f"{v!s:>{w}}"
+                 for v, w in zip(row.values(), widths, strict=True))  # fmt: skip
         print("  ".join(cells))
 
 
