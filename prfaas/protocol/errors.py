@@ -25,6 +25,7 @@ _TYPES: dict[int, str] = {
     429: "rate_limit_error",
     499: "client_closed_request",
     500: "internal_error",
+    501: "invalid_request_error",
     502: "engine_error",
     503: "service_unavailable",
     504: "engine_timeout",
@@ -80,6 +81,7 @@ _SERVER_CODES = {
     413: "request_too_large",
     431: "request_header_fields_too_large",
     500: "internal_error",
+    501: "not_implemented",
 }
 
 
