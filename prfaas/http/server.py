@@ -10,8 +10,9 @@ same parser aiohttp uses (llhttp):
 - keep-alive and pipelining (responses in request order; reading pauses while
   `MAX_PIPELINED` requests wait), HTTP/1.0 and `Connection: close`; an `Upgrade` request
   is answered as plain HTTP/1.1, then the connection closes;
-- request bodies by `Content-Length` or chunked, `Expect: 100-continue` (answered when no
-  earlier request is pending), a body limit (413,
+- request bodies by `Content-Length` or chunked (any other transfer coding, or one in
+  HTTP/1.0, is refused: 400, or 501 for a coding before chunked), `Expect: 100-continue`
+  (answered when no earlier request is pending), a body limit (413,
   answered as soon as the declared length is known), a head limit (431), malformed requests
   (400) and requests too slow to arrive (408), each answered by `error_response`; then the
   connection half-closes, drops what the client still sends for `LINGER_S`, and closes;
