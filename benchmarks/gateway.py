@@ -25,6 +25,15 @@ the null server answers instantly: it measures overhead only). What is compared,
   waits for both, answers with the decode engine's body.
 The null engines cost about the same CPU per request for either body (the id list is
 checked in C), so the engine side of both paths is alike.
+
+Server bake-off: the same gateway app (`GatewayApp.dispatch`, same routes, same engine
+session) also runs behind two maintained HTTP servers instead of prfaas/http/server.py, each
+in its own process (benchmarks/gateway_server.py; benchmarks/gateway_asgi.py adapts the
+routes): `prfaas-on-granian` (granian, ASGI), `prfaas-on-granian-rsgi` (granian's RSGI) and
+`prfaas-on-uvicorn` (uvicorn, httptools protocol, uvloop). granian and uvicorn are installed
+on first use into a folder of their own ($PRFAAS_ASGI_SERVERS_DIR, default
+/tmp/prfaas-asgi-servers) that only those processes see. A second table puts added p50, p99
+and max rate of ours, each of them and sglang-router side by side, with ratios to ours.
 Added latency = p50/p99 of a target minus the `direct` p50/p99 of the same round (sequential
 requests, interleaved request by request across the targets: the goal's measure); a second
 view, `block_added_p50_ms`, sends each target its requests in a row instead (a router's
@@ -37,6 +46,7 @@ and per round. The machine is shared and noisy (2 cores for client, router and 3
 compare within one run only.
 
 Usage: python benchmarks/gateway.py [--rounds 5] [--requests 200] [--json OUT]
+       [--servers granian,granian-rsgi,uvicorn | --servers none]
 """
 
 from __future__ import annotations
@@ -68,6 +78,11 @@ from prfaas.serve.processes import free_port
 
 BLOCK = 64
 SGLANG_VENV = Path(os.environ.get("PRFAAS_SGLANG_ROUTER_VENV", "/tmp/sglang-router-venv"))
+ASGI_SERVERS = Path(os.environ.get("PRFAAS_ASGI_SERVERS_DIR", "/tmp/prfaas-asgi-servers"))
+LAUNCHER = Path(__file__).resolve().parent / "gateway_server.py"
+OURS = "prfaas-gateway"
+OTHER_SERVERS = ("granian", "granian-rsgi", "uvicorn")
+"""The servers the gateway app is also measured on (benchmarks/gateway_server.py)."""
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 12  # ~540 tokens
 
 
@@ -196,6 +211,30 @@ def ensure_sglang_router() -> Path | None:
     return python
 
 
+def ensure_asgi_servers() -> Path | None:
+    """A folder holding granian and uvicorn for this Python, installing them if missing
+    (needs PyPI). Only the bake-off's server processes get it on their PYTHONPATH."""
+    if not all((ASGI_SERVERS / name).is_dir() for name in ("granian", "uvicorn")):
+        print(f"installing granian and uvicorn into {ASGI_SERVERS} ...", flush=True)
+        argv = [sys.executable, "-m", "pip", "install", "-q", "--target", str(ASGI_SERVERS)]
+        if subprocess.run([*argv, "granian", "uvicorn"]).returncode != 0:
+            print("could not install granian and uvicorn; skipping them", flush=True)
+            return None
+    return ASGI_SERVERS
+
+
+def _spawn_gateway(
+    server: str, config: Path, port: int, log: Path, pythonpath: Path | None = None
+) -> subprocess.Popen[bytes]:
+    """The gateway app on `server`, through benchmarks/gateway_server.py."""
+    env = dict(os.environ)
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), env.get("PYTHONPATH")]))
+    argv = [sys.executable, str(LAUNCHER), "--server", server, "--config", str(config),
+            "--port", str(port)]  # fmt: skip
+    return subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
+
+
 async def _wait_ready(session: aiohttp.ClientSession, url: str, timeout_s: float = 60) -> None:
     body = {"model": "null", "prompt": "warm up", "max_tokens": 2}
     deadline = time.monotonic() + timeout_s
@@ -305,7 +344,7 @@ async def overhead(
 
 
 def run_overhead(
-    rounds: int, n: int, seconds: float
+    rounds: int, n: int, seconds: float, servers: tuple[str, ...] = OTHER_SERVERS
 ) -> tuple[tuple[list[dict[str, Any]], list[dict[str, dict[str, float]]]], str | None]:
     logs = Path(tempfile.mkdtemp(prefix="prfaas-bench-gw-"))
     ports = [free_port() for _ in range(3)]
@@ -314,10 +353,16 @@ def run_overhead(
     procs = [_spawn([*null, str(p)], logs / f"null{p}.log") for p in ports]
     gw_port = free_port()
     config = _gateway_config(logs / "deploy.toml", urls)
-    procs.append(_spawn([sys.executable, "-m", "prfaas.cli.main", "serve", "--config", str(config),
-                         "--port", str(gw_port)], logs / "gateway.log"))  # fmt: skip
-    targets = {"direct": urls[2], "prfaas-gateway": f"http://127.0.0.1:{gw_port}"}
-    note = None
+    procs.append(_spawn_gateway("ours", config, gw_port, logs / "gateway.log"))
+    targets = {"direct": urls[2], OURS: f"http://127.0.0.1:{gw_port}"}
+    notes = []
+    folder = ensure_asgi_servers() if servers else None
+    if servers and folder is None:
+        notes.append("granian/uvicorn unavailable (see message above)")
+    for server in servers if folder is not None else ():
+        port = free_port()
+        procs.append(_spawn_gateway(server, config, port, logs / f"{server}.log", folder))
+        targets[f"prfaas-on-{server}"] = f"http://127.0.0.1:{port}"
     python = ensure_sglang_router()
     if python is not None:
         sr_port = free_port()
@@ -328,9 +373,9 @@ def run_overhead(
         procs.append(_spawn(argv, logs / "sglang-router.log"))
         targets["sglang-router"] = f"http://127.0.0.1:{sr_port}"
     else:
-        note = "sglang-router unavailable (see message above)"
+        notes.append("sglang-router unavailable (see message above)")
     try:
-        return asyncio.run(overhead(targets, rounds, n, seconds)), note
+        return asyncio.run(overhead(targets, rounds, n, seconds)), "; ".join(notes) or None
     finally:
         for proc in procs:
             proc.terminate()
@@ -344,9 +389,12 @@ def run_overhead(
 def _table(title: str, rows: list[dict[str, Any]]) -> None:
     print(f"\n{title}")
     keys = list(rows[0])
-    print("  ".join(f"{k:>14}" for k in keys))
+    first = max(14, *(len(str(row[keys[0]])) for row in rows))  # long target names
+    widths = [first] + [14] * (len(keys) - 1)
+    print("  ".join(f"{k:>{w}}" for k, w in zip(keys, widths, strict=True)))
     for row in rows:
-        cells = (f"{v:>14.3f}" if isinstance(v, float) else f"{v!s:>14}" for v in row.values())
+        cells = (f"{v:>{w}.3f}" if isinstance(v, float) else f"{v!s:>{w}}"
+                 for v, w in zip(row.values(), widths, strict=True))  # fmt: skip
         print("  ".join(cells))
 
 
@@ -355,8 +403,8 @@ def _ratios(
 ) -> dict[str, Any]:
     """Ours / sglang-router: of the medians, and the median of the per-round ratios."""
     by = {r["target"]: r for r in rows}
-    ours, theirs = by["prfaas-gateway"], by["sglang-router"]
-    rounds = [m["prfaas-gateway"]["added_p50_ms"] / max(m["sglang-router"]["added_p50_ms"], 1e-6)
+    ours, theirs = by[OURS], by["sglang-router"]
+    rounds = [m[OURS]["added_p50_ms"] / max(m["sglang-router"]["added_p50_ms"], 1e-6)
               for m in per_round]  # fmt: skip
     out = {
         "added_p50_ratio_vs_sglang_router": ours["added_p50_ms"]
@@ -375,6 +423,30 @@ def _ratios(
     return out
 
 
+def _bakeoff(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Ours, the same app on the other servers, and sglang-router side by side: added p50,
+    added p99 and max rate (medians over rounds), each with its ratio to ours (added
+    latency: below 1 is less than ours; rate: above 1 is more than ours)."""
+    by = {r["target"]: r for r in rows}
+    ours = by[OURS]
+    out = []
+    for name, row in by.items():
+        if name == "direct":
+            continue
+        out.append({
+            "target": name,
+            "added_p50_ms": row["added_p50_ms"],
+            "added_p99_ms": row["added_p99_ms"],
+            "max_rps": row["max_rps"],
+            "p50_vs_ours": row["added_p50_ms"] / max(ours["added_p50_ms"], 1e-6),
+            "p99_vs_ours": row["added_p99_ms"] / max(ours["added_p99_ms"], 1e-6),
+            "rps_vs_ours": row["max_rps"] / max(ours["max_rps"], 1e-6),
+        })  # fmt: skip
+    _table("Server bake-off: the same app on each server (medians over rounds; ratio to ours)",
+           out)  # fmt: skip
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -382,16 +454,28 @@ def main() -> None:
     parser.add_argument("--rate-seconds", type=float, default=4.0)
     parser.add_argument("--skip-overhead", action="store_true")
     parser.add_argument("--json", type=Path, metavar="OUT")
+    parser.add_argument(
+        "--servers",
+        default=",".join(OTHER_SERVERS),
+        help="other servers to run the gateway app on, comma-separated, or 'none' "
+        f"(default: {','.join(OTHER_SERVERS)})",
+    )
     args = parser.parse_args()
+    servers = () if args.servers == "none" else tuple(args.servers.split(","))
+    if unknown := set(servers) - set(OTHER_SERVERS):
+        parser.error(f"--servers: unknown {sorted(unknown)}; choose from {OTHER_SERVERS}")
     decisions = [decision_cost(n, 30 if n < 100_000 else 10) for n in (1024, 32768, 131072)]
     _table("Part 1: routing decision cost (median us)", decisions)
     events = [kv_event_cost(n, 200) for n in (1, 16, 64)]
     _table(f"Part 1: KV event batch cost, {BLOCK}-token blocks (median us)", events)
     result: dict[str, Any] = {"decision_cost": decisions, "kv_event_cost": events}
     if not args.skip_overhead:
-        (rows, per_round), note = run_overhead(args.rounds, args.requests, args.rate_seconds)
+        (rows, per_round), note = run_overhead(
+            args.rounds, args.requests, args.rate_seconds, servers
+        )
         _table("Part 2: overhead over null engines (medians over rounds; ms, req/s)", rows)
         result.update(overhead=rows, overhead_rounds=per_round, overhead_note=note)
+        result.update(server_bakeoff=_bakeoff(rows))
         result.update(rounds=args.rounds, requests=args.requests)
         if any(r["target"] == "sglang-router" for r in rows):
             result.update(_ratios(rows, per_round))

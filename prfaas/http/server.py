@@ -10,8 +10,9 @@ same parser aiohttp uses (llhttp):
 - keep-alive and pipelining (responses in request order; reading pauses while
   `MAX_PIPELINED` requests wait), HTTP/1.0 and `Connection: close`; an `Upgrade` request
   is answered as plain HTTP/1.1, then the connection closes;
-- request bodies by `Content-Length` or chunked, `Expect: 100-continue` (answered when no
-  earlier request is pending), a body limit (413,
+- request bodies by `Content-Length` or chunked (any other transfer coding, or one in
+  HTTP/1.0, is refused: 400, or 501 for a coding before chunked), `Expect: 100-continue`
+  (answered when no earlier request is pending), a body limit (413,
   answered as soon as the declared length is known), a head limit (431), malformed requests
   (400) and requests too slow to arrive (408), each answered by `error_response`; then the
   connection half-closes, drops what the client still sends for `LINGER_S`, and closes;
@@ -98,11 +99,12 @@ class HttpRequest:
 
     @property
     def headers(self) -> Mapping[str, str]:
-        """The headers, decoded (latin-1) on first use."""
+        """The headers, decoded (latin-1) on first use. Values without the whitespace
+        around them (RFC 9110 5.5; llhttp drops only the leading whitespace)."""
         if self._headers is None:
             headers: dict[str, str] = {}
             for name, value in self._raw_headers:
-                key, text = name.decode("latin-1").lower(), value.decode("latin-1")
+                key, text = name.decode("latin-1").lower(), value.decode("latin-1").strip(" \t")
                 headers[key] = f"{headers[key]}, {text}" if key in headers else text
             self._headers = headers
         return self._headers
@@ -359,6 +361,7 @@ class _HttpProtocol(asyncio.Protocol):
         self._body: list[bytes] = []
         self._body_bytes = 0
         self._framed_body = False  # Transfer-Encoding present (a body, maybe chunked)
+        self._coding = b""  # Transfer-Encoding as sent (repeated headers joined)
         self._partial_bytes = 0  # bytes read since this message began (see _bound_partial)
 
     def on_message_begin(self) -> None:
@@ -380,12 +383,15 @@ class _HttpProtocol(asyncio.Protocol):
             self._expect = value.strip().lower() == b"100-continue"
         elif len(name) == 17 and name.lower() == b"transfer-encoding":
             self._framed_body = True
+            self._coding = b"%s, %s" % (self._coding, value) if self._coding else value
 
     def on_headers_complete(self) -> None:
         self._open_part = "body"
         length = self._length.strip()
         if length.isdigit() and int(length) > self.limits.max_body_bytes:
             raise _BadRequest(413, f"request body over {self.limits.max_body_bytes} bytes")
+        if self._framed_body:
+            self._check_coding()
         if self.parser.should_upgrade():
             if self._framed_body or (length.isdigit() and int(length) > 0):
                 # llhttp hands an upgrading request's body to the new protocol, not to us:
@@ -399,6 +405,19 @@ class _HttpProtocol(asyncio.Protocol):
             and self.transport is not None
         ):
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def _check_coding(self) -> None:
+        """Only `chunked` alone frames a body we can read. RFC 9112 6.1: a last coding
+        other than chunked, or chunked twice, leaves the length unknown (400); other codings
+        before it we cannot decode (501: llhttp would pass their bytes on undecoded); and
+        Transfer-Encoding in HTTP/1.0 means faulty framing (400)."""
+        if self.parser.get_http_version() == "1.0":
+            raise _BadRequest(400, "Transfer-Encoding in an HTTP/1.0 request")
+        codings = [c.strip() for c in self._coding.lower().split(b",") if c.strip()]
+        if not codings or codings[-1] != b"chunked" or b"chunked" in codings[:-1]:
+            raise _BadRequest(400, "Transfer-Encoding must end with one chunked")
+        if len(codings) > 1:
+            raise _BadRequest(501, "unsupported Transfer-Encoding: only chunked is")
 
     def on_body(self, body: bytes) -> None:
         self._body_bytes += len(body)

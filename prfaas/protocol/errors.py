@@ -3,7 +3,7 @@ in the project (the gateway, the reference engine, the null server).
 
 The body is `{"error": {"message", "type", "param", "code"}}` with the matching status. Code
 that serves HTTP raises `APIError` (or `InvalidRequest`, a 400 that is also a `ValueError`)
-and renders `error_body`, so no traceback ever reaches a client.
+and renders its `encode()`, so no traceback ever reaches a client.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ _TYPES: dict[int, str] = {
     431: "invalid_request_error",
     499: "client_closed_request",
     500: "internal_error",
+    501: "invalid_request_error",
     502: "engine_error",
     503: "service_unavailable",
     504: "engine_timeout",
@@ -39,6 +40,7 @@ _SERVER_CODES = {
     413: "request_too_large",
     431: "request_header_fields_too_large",
     500: "internal_error",
+    501: "not_implemented",
 }
 
 
@@ -92,9 +94,3 @@ class InvalidRequest(APIError, ValueError):
 def invalid(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
     """A 400 for bad input."""
     return InvalidRequest(message, param, code)
-
-
-def error_body(status: int, message: str, code: str | None = None) -> bytes:
-    """The JSON body of an error an HTTP server raises itself (bad framing, a limit, a
-    timeout, a handler that crashed)."""
-    return APIError(status, message, code=code).encode()

@@ -124,6 +124,19 @@ class GatewayApp:
 
     async def start(self, host: str, port: int) -> int:
         """Build and start the gateway, then listen; returns the bound port."""
+        await self.open()
+        try:
+            limits = HttpLimits(max_body_bytes=self.config.gateway.max_body_bytes)
+            self._server = HttpServer(self.dispatch, server_error, limits)
+            return await self._server.start(host, port)
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def open(self) -> Gateway:
+        """Build and start the gateway without listening: `start` does this, then listens;
+        another HTTP server may instead call `dispatch` itself (benchmarks/gateway_asgi.py).
+        `stop` undoes it."""
         connector = aiohttp.TCPConnector(limit=SESSION_LIMIT, ttl_dns_cache=300)
         # No cookie jar, no decompression: engine calls need neither, and both cost per call.
         self._session = aiohttp.ClientSession(
@@ -135,9 +148,7 @@ class GatewayApp:
                 await self._setup(gateway)
             self._gateway = gateway
             await gateway.start()
-            limits = HttpLimits(max_body_bytes=self.config.gateway.max_body_bytes)
-            self._server = HttpServer(self.dispatch, server_error, limits)
-            return await self._server.start(host, port)
+            return gateway
         except BaseException:
             await self.stop()
             raise
