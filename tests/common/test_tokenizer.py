@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from tokenizer_helpers import write_byte_level_tokenizer
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from prfaas.common.tokenizer import (
@@ -39,14 +40,6 @@ def _checkpoint(root: Path, template: str | None) -> Path:
         config["chat_template"] = template
     (root / "tokenizer_config.json").write_text(json.dumps(config))
     return root
-
-
-CHATML = (
-    "{% for m in messages %}{% if loop.first and m['role'] != 'system' %}"
-    "<|im_start|>system\nYou are helpful.<|im_end|>\n{% endif %}"
-    "<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 
 def test_tokenizer_json_and_chat_template(tmp_path: Path) -> None:
@@ -86,35 +79,12 @@ def test_byte_level_default() -> None:
     assert tok.encode("hé") == [104, 195, 169]
 
 
-def _byte_level_checkpoint(root: Path, template: str) -> Path:
-    """A byte-level BPE `tokenizer.json` (no merges) with ChatML specials, as a real
-    checkpoint ships it."""
-    from tokenizers import decoders
-    from tokenizers.models import BPE
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    tok = Tokenizer(BPE(vocab, []))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<|im_start|>", "<|im_end|>", "<|endoftext|>"])
-    tok.save(str(root / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "chat_template": template,
-    }
-    (root / "tokenizer_config.json").write_text(json.dumps(config))
-    return root
-
-
 def test_chat_ids_equal_transformers_apply_chat_template(tmp_path: Path) -> None:
     """The gateway's rendering (tokenizers + jinja2, no transformers) gives exactly the ids
     `transformers` gives for the same checkpoint and chat."""
     from transformers import AutoTokenizer
 
-    root = _byte_level_checkpoint(tmp_path, CHATML)
+    root = write_byte_level_tokenizer(tmp_path)
     ours = load_tokenizer(root)
     theirs = AutoTokenizer.from_pretrained(str(root), local_files_only=True)
     chats = [

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from prfaas.common.tokenizer import ByteTokenizer
+from prfaas.common.tokenizer import ByteTokenizer, Tokenizer
 from prfaas.engines.reference.engine_config import EngineConfig
 from prfaas.engines.reference.handoff.base import InProcessHub, InProcessReceiver, InProcessSender
 from prfaas.engines.reference.model.runner import ModelRunner
@@ -26,11 +26,13 @@ class RunningEngine:
 
 @asynccontextmanager
 async def engine_server(
-    runner: ModelRunner, hub: InProcessHub, **config: object
+    runner: ModelRunner, hub: InProcessHub, tokenizer: Tokenizer | None = None, **config: object
 ) -> AsyncIterator[RunningEngine]:
-    """An engine on 127.0.0.1:<ephemeral> with the in-process hand-off; cleaned up on exit."""
+    """An engine on 127.0.0.1:<ephemeral> with the in-process hand-off (byte-level unless
+    `tokenizer` is given); cleaned up on exit."""
+    tok = tokenizer or ByteTokenizer()
     settings = {"block_size": 16, "kv_capacity_tokens": 4096, **config}
-    core = EngineCore(runner, EngineConfig(**settings), ByteTokenizer().decode)  # type: ignore[arg-type]
+    core = EngineCore(runner, EngineConfig(**settings), tok.decode)  # type: ignore[arg-type]
     service = EngineService(core, InProcessSender(hub), InProcessReceiver(hub))
     info = ModelInfo(
         "qwen3-next-tiny",
@@ -38,9 +40,9 @@ async def engine_server(
         runner.shape.model_type,
         runner.shape.layer_types,
         runner.shape.vocab_size,
-        ByteTokenizer.name,
+        tok.name,
     )
-    app = create_app(service, ByteTokenizer(), info)
+    app = create_app(service, tok, info)
     app_runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await app_runner.setup()
     site = web.TCPSite(app_runner, "127.0.0.1", 0)
