@@ -300,6 +300,8 @@ class HttpCall:
         self.handler.on_head(status)
 
     def on_body(self, body: bytes) -> None:
+        if self._interim:  # a 1xx has no body, but llhttp frames one for 104..199
+            raise ClientError("bad response: a body in an interim (1xx) response")
         self.handler.on_body(body)
 
     def on_message_complete(self) -> None:
