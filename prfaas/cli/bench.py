@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
-from collections.abc import Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from prfaas.cli.extras import require_extra
 
 if TYPE_CHECKING:
     from prfaas.loadgen.arrivals import Arrivals
-    from prfaas.loadgen.spec import BenchSpec, RunResult
+    from prfaas.loadgen.spec import BenchSpec
     from prfaas.loadgen.stats import Slo
     from prfaas.loadgen.workload import Workload
 
@@ -163,18 +163,21 @@ def _header(args: argparse.Namespace, spec: BenchSpec, slo: Slo | None) -> dict[
 
 
 def run(args: argparse.Namespace) -> int:
+    from prfaas.common.event_loop import run_main
     from prfaas.loadgen.progress import RichProgress
     from prfaas.loadgen.report import print_report, report_json, write_json
     from prfaas.loadgen.spec import NoProgress, TargetError
     from prfaas.loadgen.stats import Slo, summarize
     from prfaas.loadgen.targets import HttpOptions, create_runner
 
+    if args.plot is not None:  # before the run, not after it
+        require_extra("plots", "--plot")
     try:
         slo = Slo.parse(args.slo) if args.slo else None
         spec = _spec(args)
         runner = create_runner(args.target, HttpOptions(args.api, args.model, args.timeout))
         progress = NoProgress() if args.no_progress else RichProgress()
-        result = _run_loop(runner.run(spec, progress))
+        result = run_main(runner.run(spec, progress))
     except (ValueError, TargetError) as exc:  # TraceError is a ValueError
         print(f"prfaas bench: error: {exc}", file=sys.stderr)
         return 2
@@ -190,11 +193,3 @@ def run(args: argparse.Namespace) -> int:
         for path in write_plots(result.records, args.plot, spec.workload.name):
             print(f"wrote {path}", file=sys.stderr)
     return 0 if summary.completed else 1
-
-
-def _run_loop(coro: Coroutine[Any, Any, RunResult]) -> RunResult:
-    try:
-        import uvloop
-    except ImportError:  # uvloop is optional off Linux/macOS
-        return asyncio.run(coro)
-    return uvloop.run(coro)

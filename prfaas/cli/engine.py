@@ -8,6 +8,8 @@ import asyncio
 import sys
 from pathlib import Path
 
+from prfaas.cli.extras import require_extra
+
 HELP = "Run a CPU reference engine serving a hybrid-attention model."
 
 
@@ -83,6 +85,7 @@ def _mbps(flag: str, value: float | None) -> float | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    require_extra("engine", "the reference engine")
     from prfaas.engines.reference.engine_config import EngineConfig, TransferConfig
     from prfaas.engines.reference.server.main import LaunchOptions, serve
 

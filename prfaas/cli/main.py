@@ -1,7 +1,9 @@
 """`prfaas`: dispatch to one module per subcommand.
 
 Each subcommand module defines `HELP: str`, `add_arguments(parser)` and `run(args) -> int`,
-and imports anything heavy (torch, transformers) inside `run`, so `prfaas plan` starts fast.
+and imports anything heavy inside `run`, so `prfaas plan` starts fast. torch, transformers
+and matplotlib come only with the `engine` and `plots` extras: a command that needs one calls
+`require_extra` first, and a missing extra is a one-line error with exit code 2.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 from types import ModuleType
+
+from prfaas.cli.extras import MissingExtra
 
 # name -> module; add a line here to add a subcommand.
 SUBCOMMANDS: dict[str, str] = {
@@ -43,6 +47,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = _load(args.command).run(args)
     except KeyboardInterrupt:
         return 130
+    except MissingExtra as exc:
+        print(f"prfaas {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     return code
 
 

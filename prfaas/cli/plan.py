@@ -8,6 +8,7 @@ from pathlib import Path
 
 import orjson
 
+from prfaas.cli.extras import require_extra
 from prfaas.policies.planner import DEFAULT_T_STEP, DeploymentResult, PlanReport, plan
 from prfaas.policies.profile import load_profile
 
@@ -29,6 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.plot is not None:
+        require_extra("plots", "--plot")
     try:
         profile = load_profile(args.config)
         report = plan(profile, t_step=args.t_step, exact=args.exact_expectation)

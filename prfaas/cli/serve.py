@@ -17,6 +17,8 @@ import sys
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
+from prfaas.cli.extras import require_extra
+
 if TYPE_CHECKING:
     from prfaas.gateway.assembly import Gateway
     from prfaas.serve.deployment import DeploymentConfig
@@ -68,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _embedded(args: argparse.Namespace) -> Coroutine[Any, Any, int]:
+    require_extra("engine", "the embedded deployment (serve without --config)")
     from prfaas.policies.registry import create_policy
     from prfaas.serve.embedded import EmbeddedOptions, serve_embedded
 
@@ -87,6 +90,7 @@ def _configured(args: argparse.Namespace) -> Coroutine[Any, Any, int]:
     create_policy(config.gateway.policy)
     ready = functools.partial(print_ready, host=args.host)
     if config.launch:
+        require_extra("engine", f"{args.config}'s [[launch]] reference engines")
         from prfaas.serve.launched import serve_launched
 
         return serve_launched(config, args.host, args.port, on_ready=ready)
@@ -106,10 +110,10 @@ async def _served(
 def _run(main: Coroutine[Any, Any, int]) -> int:
     import asyncio
 
-    import uvloop
+    from prfaas.common.event_loop import run_main
 
     try:
-        return uvloop.run(main)
+        return run_main(main)
     except asyncio.CancelledError:
         print("prfaas serve: stopped during start-up; engines stopped", file=sys.stderr)
         return 130

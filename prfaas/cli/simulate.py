@@ -9,6 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from prfaas.cli.extras import require_extra
+
 if TYPE_CHECKING:
     from prfaas.loadgen.workload import Workload
     from prfaas.policies.profile import DeploymentProfile
@@ -166,6 +168,8 @@ def _deployment(
 def run(args: argparse.Namespace) -> int:
     from prfaas.policies.profile import load_profile
 
+    if args.plot is not None:  # before the run, not after it
+        require_extra("plots", "--plot")
     try:
         profile = load_profile(args.config)
         options = _options(args)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 import time
 from collections import OrderedDict
@@ -33,6 +34,7 @@ import orjson
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
+from prfaas.common.event_loop import run_main
 from prfaas.common.hashing import hash_blocks
 from prfaas.common.tokenizer import ByteTokenizer
 from prfaas.protocol.errors import APIError
@@ -272,12 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"prfaas-null: error: {exc}", file=sys.stderr)
         return 2
-    try:
-        import uvloop
-
-        uvloop.run(serve(config, args.host, args.port))
-    except KeyboardInterrupt:
-        pass
+    with contextlib.suppress(KeyboardInterrupt):
+        run_main(serve(config, args.host, args.port))
     return 0
 
 
