@@ -48,10 +48,6 @@ class InstanceManager:
     def __len__(self) -> int:
         return len(self._instances)
 
-    def set_role(self, instance_id: str, role: Role) -> None:
-        """Record a converted instance (long-term rebalancing, `POST /admin/role`)."""
-        self._instances[instance_id].role = role
-
     def views(self, cached: Mapping[str, int]) -> tuple[InstanceView, ...]:
         """Policy views of every instance, with this request's cached prefix per instance."""
         get = cached.get

@@ -8,8 +8,7 @@ a request with length `l` goes to PrfaaS when `l > t` and stays in the PD cluste
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -92,41 +91,3 @@ class TruncatedLogNormal:
     def mean(self) -> float:
         _, z, _, m = self._norm()
         return m / z
-
-
-@dataclass(frozen=True)
-class EmpiricalLengths:
-    """The distribution of observed lengths (e.g. recent incremental lengths)."""
-
-    samples: Sequence[float]
-    _sorted: Array = field(init=False, repr=False, compare=False)
-    _cumsum: Array = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        s = np.sort(np.asarray(self.samples, dtype=np.float64))
-        if s.size == 0:
-            raise ValueError("an empirical distribution needs at least one sample")
-        if s[0] < 0:
-            raise ValueError(f"lengths must be >= 0, got {s[0]}")
-        object.__setattr__(self, "_sorted", s)
-        object.__setattr__(self, "_cumsum", np.concatenate([[0.0], np.cumsum(s)]))
-
-    @property
-    def lo(self) -> float:
-        return float(self._sorted[0])
-
-    @property
-    def hi(self) -> float:
-        return float(self._sorted[-1])
-
-    def _count(self, x: ArrayLike) -> NDArray[np.intp]:
-        return np.searchsorted(self._sorted, np.asarray(x, dtype=np.float64), side="right")
-
-    def cdf(self, x: ArrayLike) -> Array:
-        return self._count(x) / self._sorted.size
-
-    def partial_mean(self, x: ArrayLike) -> Array:
-        return self._cumsum[self._count(x)] / self._sorted.size
-
-    def mean(self) -> float:
-        return float(self._cumsum[-1] / self._sorted.size)

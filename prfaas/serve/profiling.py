@@ -58,8 +58,6 @@ class MeasuredProfile:
     lengths: tuple[int, ...]
     prefill_s: tuple[float, ...]
     """PD-cluster pair time for one output token (prefill + hand-off on loopback)."""
-    prfaas_s: tuple[float, ...]
-    """Same through the PrfaaS prefill and the emulated link."""
     kv_bytes: tuple[int, ...]
     """Bytes the PrfaaS prefill's transport sent per prefill (frame headers included)."""
     decode_step_s: float
@@ -98,12 +96,12 @@ async def measure(
     prefill's transport telemetry."""
     rng = random.Random(seed)
     await _run_pair(pd, _prompt(64, rng), 1)  # warm-up
-    pd_s, pf_s, kv, prompts = [], [], [], []
+    pd_s, kv, prompts = [], [], []
     for n in PROFILE_LENGTHS:
         pd_s.append(await _run_pair(pd, _prompt(n, rng), 1))
         prompts.append(_prompt(n, rng))
         before = (await stats()).bytes_total
-        pf_s.append(await _run_pair(prfaas, prompts[-1], 1))
+        await _run_pair(prfaas, prompts[-1], 1)
         kv.append((await stats()).bytes_total - before)
     moving = asyncio.Event()
     probe = asyncio.ensure_future(probe_link(prfaas, stats, prompts[1:], moving))
@@ -113,9 +111,7 @@ async def measure(
         link = await probe
     finally:
         probe.cancel()
-    return MeasuredProfile(
-        PROFILE_LENGTHS, tuple(pd_s), tuple(pf_s), tuple(kv), step, batch_max, link
-    )
+    return MeasuredProfile(PROFILE_LENGTHS, tuple(pd_s), tuple(kv), step, batch_max, link)
 
 
 async def _decode_step(pd: Pair, rng: random.Random) -> float:

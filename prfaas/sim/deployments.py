@@ -13,7 +13,6 @@ from prfaas.policies.profile import DeploymentProfile, HardwareProfile
 from prfaas.policies.routing import Regime
 
 DeploymentName = Literal["prfaas_pd", "homogeneous", "naive_heterogeneous"]
-DEPLOYMENTS: tuple[DeploymentName, ...] = ("prfaas_pd", "homogeneous", "naive_heterogeneous")
 PAPER_BLOCK_SIZE = 512  # Mooncake traces hash 512-token blocks: one hash id = one KV block
 REGIMES: tuple[Regime, ...] = ("bandwidth_scarce", "bandwidth_abundant")
 DEFAULT_CACHE_BLOCKS = 32768  # ~280 GB of this model's KV per 8-GPU instance (8.5 MB/block)

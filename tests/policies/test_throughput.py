@@ -10,7 +10,7 @@ import pytest
 from scipy import integrate, stats
 
 from prfaas.policies import throughput as tp
-from prfaas.policies.distributions import EmpiricalLengths, TruncatedLogNormal
+from prfaas.policies.distributions import TruncatedLogNormal
 from prfaas.policies.tables import PiecewiseLinear
 
 DIST = TruncatedLogNormal(mu=9.9, sigma=1.0, lo=128, hi=131072)
@@ -42,29 +42,14 @@ def test_paper_offload_fraction() -> None:
     assert 1 - float(DIST.cdf(19_400)) == pytest.approx(0.496, abs=0.001)
 
 
-def test_empirical_distribution_exact_values() -> None:
-    """Counts and partial sums are the sample's own, inclusive at the threshold."""
-    d = EmpiricalLengths([100, 300, 200, 400])
-    assert (d.lo, d.hi, d.mean()) == (100, 400, 250)
-    assert list(d.cdf([50, 200, 250, 400])) == [0.0, 0.5, 0.5, 1.0]
-    assert list(d.partial_mean([200, 400])) == [75.0, 250.0]
-    split = tp.split_at(d, [200])
-    assert (split.p[0], split.l_short[0], split.l_long[0]) == (0.5, 150.0, 350.0)
-    with pytest.raises(ValueError, match="at least one sample"):
-        EmpiricalLengths([])
-
-
 def test_partial_cost_matches_sampling() -> None:
-    """E[T(L) 1{L <= x}] in closed form equals the mean over a large sample (and the
-    empirical distribution gives the sample's exact value)."""
+    """E[T(L) 1{L <= x}] in closed form equals the mean over a large sample."""
     rng = np.random.default_rng(7)
     raw = rng.lognormal(9.9, 1.0, 400_000)
     sample = raw[(raw >= 128) & (raw <= 131072)]
     for x in (5_000, 19_400, 131_072):
         expected = float(np.mean(CONVEX(sample) * (sample <= x)))
         assert float(tp.partial_cost(DIST, CONVEX, x)) == pytest.approx(expected, rel=0.01)
-        emp = EmpiricalLengths(sample.tolist())
-        assert float(tp.partial_cost(emp, CONVEX, x)) == pytest.approx(expected, rel=1e-9)
 
 
 def test_piecewise_linear_extrapolates() -> None:

@@ -79,10 +79,6 @@ class HybridCache:
         self.rec = {i: torch.cat([s.rec[i] for s in states]) for i in first.rec}
 
     @property
-    def batch_size(self) -> int:
-        return len(self.lengths)
-
-    @property
     def width(self) -> int:
         """Padded sequence length of the full-attention tensors."""
         return max(self.lengths)

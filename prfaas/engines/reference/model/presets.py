@@ -21,7 +21,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from prfaas.common.tokenizer import ByteTokenizer
 
 SUPPORTED_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "kimi_linear")
-DEFAULT_PRESET = "qwen3-next-tiny"
 PRESET_SEED = 1234
 _PATTERN = ["linear_attention"] * 3 + ["full_attention"]
 _BYTE = ByteTokenizer()

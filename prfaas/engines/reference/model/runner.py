@@ -35,14 +35,6 @@ class ModelShape:
     vocab_size: int
     eos_token_id: int | None
 
-    @property
-    def full_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL)
-
-    @property
-    def linear_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR)
-
 
 def model_shape(model: PreTrainedModel) -> ModelShape:
     """Read the layer pattern, vocabulary and EOS id from a loaded model's config.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,6 +87,3 @@ def stable_text(text: str, final: bool) -> str:
     end, so streamed deltas never need to be retracted."""
     return text if final else text.rstrip("\ufffd")
 
-
-def join_ids(parts: Sequence[Sequence[int]]) -> list[int]:
-    return [t for p in parts for t in p]
