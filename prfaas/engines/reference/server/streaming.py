@@ -86,4 +86,3 @@ def stable_text(text: str, final: bool) -> str:
     """Hold back a trailing replacement character (an incomplete UTF-8 sequence) until the
     end, so streamed deltas never need to be retracted."""
     return text if final else text.rstrip("\ufffd")
-
