@@ -1,1 +1,2 @@
-"""Small pieces shared by the gateway and the engines (block hashing, wire formats)."""
+"""Small pieces shared by the gateway and the engines: block hashing, the tokenizer, KV-event
+ZMQ publishing and subscribing, TOML tables."""

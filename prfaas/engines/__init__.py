@@ -1,1 +1,2 @@
-"""Engines and engine clients: reference CPU engine, SGLang plugin, KV transport, simulation."""
+"""Everything that runs a model, behind one engine-client interface (`client.py`): the SGLang
+client, the CPU reference engine, the cross-DC KV transport."""

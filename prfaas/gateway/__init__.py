@@ -1,1 +1,2 @@
-"""HTTP front door and the request path (OpenAI API, KV index, dispatch)."""
+"""The request path (Router: hash, KV index, policy, dispatch, relay), instances, health,
+admission, link telemetry; `api/` is its HTTP face."""

@@ -1,1 +1,1 @@
-"""Workloads, the streaming benchmark client, reports, and the virtual-clock runner."""
+"""Workloads, arrivals, the streaming benchmark client, statistics, reports and plots."""

@@ -1,0 +1,1 @@
+"""Doubles a user may run: the null server (not an engine) for overhead measurements."""

@@ -1,0 +1,1 @@
+"""The gateway's HTTP face: routes, the OpenAI completion service, Prometheus metrics."""

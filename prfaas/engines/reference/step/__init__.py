@@ -1,0 +1,2 @@
+"""The engine step: admit, chunked block-aligned prefill, continuous-batching decode, sampling,
+stopping, counters."""
