@@ -22,9 +22,9 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from prfaas.gateway.api.app import GatewayApp, server_error
-from prfaas.gateway.link import egress_setup
+from prfaas.gateway.api.assembly import egress_setup
+from prfaas.gateway.deployment import DeploymentConfig, load_deployment
 from prfaas.http.server import Exchange, HttpRequest, HttpResponse, ResponseStream
-from prfaas.serve.deployment import DeploymentConfig, load_deployment
 
 logger = logging.getLogger(__name__)
 CONFIG_ENV = "PRFAAS_BENCH_GATEWAY_CONFIG"

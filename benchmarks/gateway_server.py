@@ -34,7 +34,7 @@ def run_uvicorn(config: Path, host: str, port: int) -> None:
     import uvicorn
     from gateway_asgi import GatewayAsgi
 
-    from prfaas.serve.deployment import load_deployment
+    from prfaas.gateway.deployment import load_deployment
 
     app = GatewayAsgi(load_deployment(config))
     uvicorn.run(app, host=host, port=port, http="httptools", loop="uvloop", lifespan="on",

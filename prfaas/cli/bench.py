@@ -166,16 +166,21 @@ def run(args: argparse.Namespace) -> int:
     from prfaas.common.event_loop import run_main
     from prfaas.loadgen.progress import RichProgress
     from prfaas.loadgen.report import print_report, report_json, write_json
-    from prfaas.loadgen.spec import NoProgress, TargetError
+    from prfaas.loadgen.spec import BenchRunner, NoProgress, TargetError
     from prfaas.loadgen.stats import Slo, summarize
-    from prfaas.loadgen.targets import HttpOptions, create_runner
+    from prfaas.loadgen.targets import HttpOptions, HttpRunner
+    from prfaas.sim.bench_target import SIM_PREFIX, SimBenchRunner
 
     if args.plot is not None:  # before the run, not after it
         require_extra("plots", "--plot")
     try:
         slo = Slo.parse(args.slo) if args.slo else None
         spec = _spec(args)
-        runner = create_runner(args.target, HttpOptions(args.api, args.model, args.timeout))
+        runner: BenchRunner
+        if args.target.startswith(SIM_PREFIX):  # the simulator, on a virtual clock
+            runner = SimBenchRunner.from_target(args.target)
+        else:
+            runner = HttpRunner(args.target, HttpOptions(args.api, args.model, args.timeout))
         progress = NoProgress() if args.no_progress else RichProgress()
         result = run_main(runner.run(spec, progress))
     except (ValueError, TargetError) as exc:  # TraceError is a ValueError

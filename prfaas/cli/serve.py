@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 from prfaas.cli.extras import require_extra
 
 if TYPE_CHECKING:
-    from prfaas.gateway.assembly import Gateway
-    from prfaas.serve.deployment import DeploymentConfig
+    from prfaas.gateway.api.assembly import Gateway
+    from prfaas.gateway.deployment import DeploymentConfig
 
 HELP = "Run the OpenAI-compatible PrfaaS gateway (embedded default deployment without --config)."
 
@@ -80,8 +80,8 @@ def _embedded(args: argparse.Namespace) -> Coroutine[Any, Any, int]:
 
 
 def _configured(args: argparse.Namespace) -> Coroutine[Any, Any, int]:
+    from prfaas.gateway.deployment import load_deployment
     from prfaas.policies.registry import create_policy
-    from prfaas.serve.deployment import load_deployment
     from prfaas.serve.summary import print_ready
 
     config = load_deployment(args.config)
@@ -100,7 +100,7 @@ def _configured(args: argparse.Namespace) -> Coroutine[Any, Any, int]:
 async def _served(
     config: DeploymentConfig, host: str, port: int, ready: Callable[[Gateway, int], None]
 ) -> int:
-    from prfaas.gateway.link import egress_setup
+    from prfaas.gateway.api.assembly import egress_setup
     from prfaas.serve.run import serve_gateway
 
     await serve_gateway(config, host, port, setup=egress_setup(), on_ready=ready)

@@ -13,8 +13,8 @@ import contextlib
 import logging
 from collections.abc import Callable
 
-from prfaas.common.kv_events import KVEventSubscriber, ReceivedBatch
 from prfaas.gateway.kv_index import KVIndexManager
+from prfaas.protocol.kv_events import KVEventSubscriber, ReceivedBatch
 
 logger = logging.getLogger(__name__)
 

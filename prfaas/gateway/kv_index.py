@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from prfaas.common.hashing import hash_blocks
-from prfaas.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from prfaas.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 _NONE: frozenset[str] = frozenset()  # holders of an unknown block
 

@@ -12,16 +12,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import aiohttp
-from prometheus_client.core import GaugeMetricFamily
-
-from prfaas.engines.sglang_client import SGLangClient
-from prfaas.gateway.api.metrics import labelled_gauge
-from prfaas.gateway.assembly import Gateway
 
 logger = logging.getLogger(__name__)
 TRANSFER_STATS_PATH = "/transfer_stats"
@@ -80,10 +75,11 @@ async def fetch_sample(session: aiohttp.ClientSession, base_url: str) -> EgressS
 
 class EgressMonitor:
     """Polls the PrfaaS prefill instances' `/transfer_stats` (`urls`: instance id -> base
-    URL); `state` is the live JSON for `/admin/state`, `gauges()` the `/metrics` gauges.
+        URL); `state` is the live JSON for `/admin/state`, `samples` the latest per instance
+    (`gateway/api/metrics.py` turns them into `/metrics` gauges).
 
-    An instance that answers 404 (an engine without the transport, e.g. SGLang) is skipped
-    from then on; any other failure keeps its last sample out of the sums until it answers.
+        An instance that answers 404 (an engine without the transport, e.g. SGLang) is skipped
+        from then on; any other failure keeps its last sample out of the sums until it answers.
     """
 
     def __init__(self, urls: Mapping[str, str], static: Mapping[str, Any] | None = None) -> None:
@@ -129,59 +125,8 @@ class EgressMonitor:
         if self.state["egress_utilisation"] is None:
             del self.state["egress_utilisation"]  # unknown: no instance reports a capacity
 
-    def gauges(self) -> list[GaugeMetricFamily]:
-        """`prfaas_egress_*` and `prfaas_link_*` gauges from the latest samples."""
-
-        def per(name: str, help_text: str, field: str) -> GaugeMetricFamily:
-            samples = sorted(self.samples.items())
-            values = (((i,), float(getattr(x, field) or 0.0)) for i, x in samples)
-            return labelled_gauge(name, help_text, ("instance",), values)
-
-        return [
-            per(
-                "prfaas_egress_bytes_per_second",
-                "PrfaaS prefill KV egress per instance (transport telemetry).",
-                "egress_bytes_per_s",
-            ),
-            per(
-                "prfaas_egress_bytes_sent",
-                "KV bytes sent per instance since it started.",
-                "bytes_total",
-            ),
-            GaugeMetricFamily(
-                "prfaas_egress_utilisation",
-                "PrfaaS egress / configured link capacity.",
-                float(self.state.get("egress_utilisation") or 0.0),
-            ),
-            per("prfaas_link_rtt_seconds", "Mean smoothed TCP RTT of KV connections.", "rtt_s"),
-            per(
-                "prfaas_link_retransmission_rate",
-                "Retransmitted / sent TCP segments of KV connections.",
-                "retransmission_rate",
-            ),
-        ]
-
     async def close(self) -> None:
         if self._session is not None:
             with contextlib.suppress(Exception):
                 await self._session.close()
             self._session = None
-
-
-def egress_setup(static: Mapping[str, Any] | None = None) -> Callable[[Gateway], Awaitable[None]]:
-    """A `serve_gateway(setup=...)` hook: poll the egress telemetry of every prefill-capable
-    PrfaaS-cluster instance on the health cadence, publish it as the gateway's `link` state
-    (with the `static` facts, e.g. the emulated rate) and as `/metrics` gauges."""
-
-    async def setup(gateway: Gateway) -> None:
-        urls = {
-            s.instance_id: s.client.base_url
-            for s in gateway.instances
-            if s.cluster == "prfaas" and s.role != "decode" and isinstance(s.client, SGLangClient)
-        }
-        monitor = EgressMonitor(urls, static)
-        gateway.link = monitor.state
-        gateway.metrics.add_gauges(monitor.gauges)
-        gateway.health.add_poller(monitor)
-
-    return setup

@@ -11,9 +11,7 @@ import aiohttp
 from prfaas.loadgen.apis import create_api
 from prfaas.loadgen.client import StreamingClient
 from prfaas.loadgen.driver import Driver
-from prfaas.loadgen.spec import BenchRunner, BenchSpec, Progress, RunResult, TargetError
-
-SIM_PREFIX = "sim:"
+from prfaas.loadgen.spec import BenchSpec, Progress, RunResult, TargetError
 
 
 @dataclass(frozen=True)
@@ -86,16 +84,3 @@ class HttpRunner:
         if models and isinstance(models[0], dict) and isinstance(models[0].get("id"), str):
             return str(models[0]["id"])
         return "default"
-
-
-def create_runner(target: str, options: HttpOptions) -> BenchRunner:
-    """The runner for `target`: an http(s) URL, or `sim:CONFIG` for the simulator.
-
-    Raises:
-        TargetError: malformed target, or `sim:` while the simulator does not exist yet.
-    """
-    if target.startswith(SIM_PREFIX):
-        from prfaas.sim.bench_target import SimBenchRunner
-
-        return SimBenchRunner.from_target(target)
-    return HttpRunner(target, options)

@@ -23,9 +23,9 @@ from typing import Any
 import aiohttp
 
 from prfaas.engines.sglang_client import SGLangClient
-from prfaas.gateway.assembly import Gateway
-from prfaas.gateway.link import EgressSample, egress_setup, fetch_sample
-from prfaas.serve.deployment import DeploymentConfig, GatewayConfig, InstanceConfig, ModelConfig
+from prfaas.gateway.api.assembly import Gateway, egress_setup
+from prfaas.gateway.deployment import DeploymentConfig, GatewayConfig, InstanceConfig, ModelConfig
+from prfaas.gateway.link import EgressSample, fetch_sample
 from prfaas.serve.processes import EngineProcess, EngineSpec, free_port, start_engine
 from prfaas.serve.profiling import MeasuredProfile, Pair, Workload, measure, plan_threshold
 from prfaas.serve.run import serve_gateway, signals_cancel_current_task

@@ -1,6 +1,6 @@
 """`prfaas serve --config` with `[[launch]]` entries: start those reference engines as child
 processes, add them to the deployment as running instances, serve (with the PrfaaS prefill
-instances' egress telemetry polled, `link.egress_setup`), stop them on exit."""
+instances' egress telemetry polled, `assembly.egress_setup`), stop them on exit."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from prfaas.gateway.assembly import Gateway
-from prfaas.gateway.link import egress_setup
-from prfaas.serve.deployment import DeploymentConfig, InstanceConfig, LaunchConfig
+from prfaas.gateway.api.assembly import Gateway, egress_setup
+from prfaas.gateway.deployment import DeploymentConfig, InstanceConfig, LaunchConfig
 from prfaas.serve.processes import EngineProcess, EngineSpec, free_port, start_engine
 from prfaas.serve.run import serve_gateway, signals_cancel_current_task
 

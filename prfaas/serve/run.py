@@ -9,8 +9,8 @@ import signal
 from collections.abc import Awaitable, Callable, Iterator
 
 from prfaas.gateway.api.app import GatewayApp
-from prfaas.gateway.assembly import Gateway
-from prfaas.serve.deployment import DeploymentConfig
+from prfaas.gateway.api.assembly import Gateway
+from prfaas.gateway.deployment import DeploymentConfig
 
 
 async def wait_for_signal() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from prfaas.gateway.assembly import Gateway
+from prfaas.gateway.api.assembly import Gateway
 
 
 def summary_lines(gateway: Gateway, url: str, extra: Sequence[str] = ()) -> list[str]:

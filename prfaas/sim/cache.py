@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from prfaas.common.kv_events import BlockRemoved, BlockStored, KVEvent
+from prfaas.protocol.kv_events import BlockRemoved, BlockStored, KVEvent
 
 _HASH_MASK = (1 << 63) - 1
 

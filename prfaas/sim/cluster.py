@@ -14,13 +14,13 @@ import random
 from collections.abc import Sequence
 
 from prfaas.common.hashing import hash_blocks
-from prfaas.common.kv_events import KVEvent
 from prfaas.gateway.instances import InstanceManager, InstanceState
 from prfaas.gateway.kv_index import KVIndexManager
 from prfaas.gateway.router import RouteEvent, Router, RoutingState
 from prfaas.policies.profile import DeploymentProfile, HardwareProfile
 from prfaas.policies.registry import create_policy
 from prfaas.policies.routing import Route
+from prfaas.protocol.kv_events import KVEvent
 from prfaas.sim.cache import SimPrefixCache
 from prfaas.sim.deployments import Deployment, SimOptions
 from prfaas.sim.engines import (

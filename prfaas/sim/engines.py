@@ -26,7 +26,6 @@ import contextlib
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 
-from prfaas.common.kv_events import KVEvent
 from prfaas.engines.client import (
     BaseEngineClient,
     EngineCall,
@@ -37,6 +36,7 @@ from prfaas.engines.client import (
 )
 from prfaas.policies.tables import PiecewiseLinear
 from prfaas.protocol.generate import GenerateChunk, GenerateRequest
+from prfaas.protocol.kv_events import KVEvent
 from prfaas.sim.cache import SimPrefixCache
 from prfaas.sim.link import SimLink
 

@@ -64,12 +64,12 @@ print("\\n".join(sorted(sys.modules)))
     loaded = set(done.stdout.split())
     assert not {m.partition(".")[0] for m in loaded} & EXTRA_MODULES
     assert {
-        "prfaas.gateway.assembly",
+        "prfaas.gateway.api.assembly",
         "prfaas.gateway.api.completions",
         "prfaas.http.server",
         "prfaas.protocol.generate",
         "prfaas.policies.planner",
-        "prfaas.serve.deployment",
+        "prfaas.gateway.deployment",
         "prfaas.serve.launched",
         "prfaas.loadgen.driver",
         "prfaas.loadgen.plots",

@@ -9,8 +9,8 @@ from aiohttp_helpers import start_app
 from gateway_helpers import BLOCK, Engines, GatewayFactory
 
 from prfaas.gateway.api.app import GatewayApp
-from prfaas.gateway.assembly import Gateway
-from prfaas.serve.deployment import DeploymentConfig
+from prfaas.gateway.api.assembly import Gateway
+from prfaas.gateway.deployment import DeploymentConfig
 from prfaas.testing.null_server import NullConfig, NullServer
 
 

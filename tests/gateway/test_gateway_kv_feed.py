@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import asyncio
 
-from prfaas.common.kv_events import (
+from prfaas.gateway.kv_feed import KVEventFeed
+from prfaas.gateway.kv_index import KVIndexManager
+from prfaas.protocol.kv_events import (
     AllBlocksCleared,
     BlockStored,
     KVEventBatch,
     KVEventPublisher,
     ReceivedBatch,
 )
-from prfaas.gateway.kv_feed import KVEventFeed
-from prfaas.gateway.kv_index import KVIndexManager
 
 BS = 4
 

@@ -19,10 +19,11 @@ from metrics_helpers import Scrape
 
 from prfaas.engines.transport import Kind, KVReceiver, KVSender, SenderConfig
 from prfaas.gateway.api.app import GatewayApp
-from prfaas.gateway.api.metrics import GatewayMetrics
+from prfaas.gateway.api.assembly import egress_setup
+from prfaas.gateway.api.metrics import GatewayMetrics, egress_gauges
 from prfaas.gateway.health import HealthMonitor
 from prfaas.gateway.instances import InstanceManager
-from prfaas.gateway.link import EgressMonitor, EgressSample, egress_setup
+from prfaas.gateway.link import EgressMonitor, EgressSample
 from prfaas.serve.profiling import busy_rate
 
 RATE = 2e6  # bytes/s
@@ -124,7 +125,7 @@ async def test_monitor_publishes_state_and_gauges(paced: Paced) -> None:
         assert 0 < st["egress_utilisation"] <= 1.5 and st["egress_bytes_per_s"] > 0
         assert st["rtt_s"] is not None and st["instances"]["p0"]["bytes_total"] == total
         metrics = GatewayMetrics()
-        metrics.add_gauges(monitor.gauges)
+        metrics.add_gauges(lambda: egress_gauges(monitor))
         scrape = Scrape.parse(metrics.render().decode())
         assert scrape.value("prfaas_egress_bytes_sent", instance="p0") == total
         assert scrape.value("prfaas_egress_utilisation") == st["egress_utilisation"]

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prfaas.common.hashing import hash_blocks, iter_block_hashes
-from prfaas.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from prfaas.gateway.kv_index import KVIndexManager
+from prfaas.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 BS = 4
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from prfaas.common.kv_events import (
+from prfaas.protocol.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

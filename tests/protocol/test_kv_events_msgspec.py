@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prfaas.common.kv_events import (
+from prfaas.protocol.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

@@ -4,8 +4,8 @@ the gateway's real KV index turns into the same longest-prefix answers."""
 from __future__ import annotations
 
 from prfaas.common.hashing import hash_blocks
-from prfaas.common.kv_events import BlockRemoved, BlockStored
 from prfaas.gateway.kv_index import KVIndexManager
+from prfaas.protocol.kv_events import BlockRemoved, BlockStored
 from prfaas.sim.cache import SimPrefixCache
 
 BS = 4

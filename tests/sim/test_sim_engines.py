@@ -8,10 +8,10 @@ import asyncio
 
 import pytest
 
-from prfaas.common.kv_events import KVEvent
 from prfaas.engines.client import EngineError, collect
 from prfaas.policies.tables import PiecewiseLinear
 from prfaas.protocol.generate import Bootstrap, GenerateChunk, GenerateRequest, SamplingParams
+from prfaas.protocol.kv_events import KVEvent
 from prfaas.sim.cache import SimPrefixCache
 from prfaas.sim.engines import (
     PrefillTiming,

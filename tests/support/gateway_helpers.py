@@ -12,8 +12,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from prfaas.gateway.assembly import Gateway
-from prfaas.serve.deployment import DeploymentConfig, GatewayConfig, InstanceConfig, ModelConfig
+from prfaas.gateway.api.assembly import Gateway
+from prfaas.gateway.deployment import DeploymentConfig, GatewayConfig, InstanceConfig, ModelConfig
 from prfaas.testing.null_server import NullServer
 
 BLOCK = 16

@@ -17,11 +17,11 @@ import aiohttp
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from prfaas.gateway.assembly import Gateway, build_gateway
+from prfaas.gateway.api.assembly import Gateway, build_gateway
+from prfaas.gateway.deployment import DeploymentConfig
 from prfaas.http.server import Exchange, HttpLimits, HttpRequest, HttpResponse, HttpServer
 from prfaas.protocol.errors import APIError, invalid
 from prfaas.protocol.openai_request import load_json
-from prfaas.serve.deployment import DeploymentConfig
 
 SESSION_LIMIT = 0  # no cap on pooled connections: admission bounds concurrency
 Route = Callable[[Gateway, HttpRequest, Exchange], Awaitable[HttpResponse | None]]

@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from prfaas.gateway.link import EgressMonitor
+
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TOKEN_BUCKETS = (0, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
@@ -121,3 +123,36 @@ class GatewayMetrics:
     def render(self) -> bytes:
         """The exposition text (`prometheus_client.CONTENT_TYPE_LATEST`)."""
         return generate_latest(self._exported)
+
+
+def egress_gauges(monitor: EgressMonitor) -> list[GaugeMetricFamily]:
+    """`prfaas_egress_*` and `prfaas_link_*` gauges from the latest samples."""
+
+    def per(name: str, help_text: str, field: str) -> GaugeMetricFamily:
+        samples = sorted(monitor.samples.items())
+        values = (((i,), float(getattr(x, field) or 0.0)) for i, x in samples)
+        return labelled_gauge(name, help_text, ("instance",), values)
+
+    return [
+        per(
+            "prfaas_egress_bytes_per_second",
+            "PrfaaS prefill KV egress per instance (transport telemetry).",
+            "egress_bytes_per_s",
+        ),
+        per(
+            "prfaas_egress_bytes_sent",
+            "KV bytes sent per instance since it started.",
+            "bytes_total",
+        ),
+        GaugeMetricFamily(
+            "prfaas_egress_utilisation",
+            "PrfaaS egress / configured link capacity.",
+            float(monitor.state.get("egress_utilisation") or 0.0),
+        ),
+        per("prfaas_link_rtt_seconds", "Mean smoothed TCP RTT of KV connections.", "rtt_s"),
+        per(
+            "prfaas_link_retransmission_rate",
+            "Retransmitted / sent TCP segments of KV connections.",
+            "retransmission_rate",
+        ),
+    ]

@@ -12,9 +12,9 @@ import openai
 from gateway_helpers import BLOCK, Engines, GatewayFactory, deployment
 from metrics_helpers import Scrape
 
-from prfaas.common.kv_events import BlockStored, KVEventPublisher
 from prfaas.common.tokenizer import ByteTokenizer, chat_ids
-from prfaas.gateway.assembly import Gateway
+from prfaas.gateway.api.assembly import Gateway
+from prfaas.protocol.kv_events import BlockStored, KVEventPublisher
 
 LONG = "x" * 300  # 300 byte-level tokens > threshold 100
 

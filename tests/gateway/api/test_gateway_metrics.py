@@ -15,7 +15,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from prfaas.gateway.api.metrics import GatewayMetrics, labelled_gauge
 
-# What one gateway exports without link telemetry (`link.egress_setup` adds prfaas_egress_*).
+# What one gateway exports without link telemetry (`egress_setup` adds prfaas_egress_*).
 GATEWAY_FAMILIES = {
     "prfaas_requests": "counter",
     "prfaas_kv_index_resyncs": "counter",

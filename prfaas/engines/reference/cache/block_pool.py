@@ -18,7 +18,7 @@ Kinds of block (paper 3.2):
 Eviction goes leaves first: only an unreferenced indexed block with no indexed child is
 evicted, so the index never holds a chain with a hole, and evicting a block also frees the
 state snapshot keyed by its hash. Every index insert/evict/flush is recorded as a KV event
-(`prfaas.common.kv_events`, SGLang's format) for the engine to publish (`take_events`).
+(`prfaas.protocol.kv_events`, SGLang's format) for the engine to publish (`take_events`).
 
 Typical engine use for one request:
 
@@ -37,7 +37,6 @@ from collections import deque
 from collections.abc import Sequence
 
 from prfaas.common.hashing import hash_block
-from prfaas.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from prfaas.engines.reference.cache.pool_integrity import PoolView, check_block_invariants
 from prfaas.engines.reference.cache.pool_types import (
     BlockPoolConfig,
@@ -50,6 +49,7 @@ from prfaas.engines.reference.cache.pool_types import (
 )
 from prfaas.engines.reference.cache.prefix_index import PrefixIndex
 from prfaas.engines.reference.cache.state_slots import StateSlotPool
+from prfaas.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 __all__ = [
     "BlockPool",

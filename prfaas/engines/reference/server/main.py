@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 from aiohttp import web
 
-from prfaas.common.kv_events import KVEvent, KVEventPublisher
 from prfaas.common.tokenizer import BYTE_LEVEL, load_tokenizer
 from prfaas.engines.reference.engine_config import EngineConfig, TransferConfig
 from prfaas.engines.reference.handoff.transport import TransportReceiver, TransportSender
@@ -24,6 +23,7 @@ from prfaas.engines.reference.server.app_keys import ModelInfo
 from prfaas.engines.reference.server.routes import create_app
 from prfaas.engines.reference.server.service import EngineService
 from prfaas.engines.reference.step.core import EngineCore
+from prfaas.protocol.kv_events import KVEvent, KVEventPublisher
 
 logger = logging.getLogger(__name__)
 

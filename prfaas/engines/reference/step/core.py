@@ -16,7 +16,6 @@ from collections.abc import Callable
 import torch
 
 from prfaas.common.hashing import hash_blocks
-from prfaas.common.kv_events import KVEvent
 from prfaas.engines.reference.cache.block_pool import BlockPool, BlockPoolConfig, OutOfKVCapacity
 from prfaas.engines.reference.cache.storage import KVStorage
 from prfaas.engines.reference.engine_config import EngineConfig
@@ -28,6 +27,7 @@ from prfaas.engines.reference.step.prefill import PrefillRun, send_meta, state_f
 from prfaas.engines.reference.step.request import Phase, Request, TokenEvent
 from prfaas.engines.reference.step.sampling import sample
 from prfaas.engines.reference.step.stopping import stop_reason
+from prfaas.protocol.kv_events import KVEvent
 
 Detokenize = Callable[[list[int]], str]
 

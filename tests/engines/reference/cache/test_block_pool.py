@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from prfaas.common.hashing import hash_blocks
-from prfaas.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from prfaas.engines.reference.cache.block_pool import (
     BlockPool,
     BlockPoolConfig,
@@ -13,6 +12,7 @@ from prfaas.engines.reference.cache.block_pool import (
     PrefixMatch,
     StaleMatch,
 )
+from prfaas.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 BS = 4
 

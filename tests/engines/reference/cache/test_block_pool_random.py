@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from prfaas.common.hashing import hash_block, hash_blocks
-from prfaas.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from prfaas.engines.reference.cache.block_pool import BlockPool, BlockPoolConfig, OutOfKVCapacity
+from prfaas.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 BS = 2
 NUM_BLOCKS = 10

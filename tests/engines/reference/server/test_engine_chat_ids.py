@@ -15,7 +15,7 @@ from prfaas.common.tokenizer import ChatMessage, chat_ids, load_tokenizer
 from prfaas.engines.reference.handoff.base import InProcessHub
 from prfaas.engines.reference.model.runner import ModelRunner
 from prfaas.gateway.api.app import GatewayApp
-from prfaas.serve.deployment import DeploymentConfig, GatewayConfig, InstanceConfig, ModelConfig
+from prfaas.gateway.deployment import DeploymentConfig, GatewayConfig, InstanceConfig, ModelConfig
 
 MESSAGES = [
     {"role": "system", "content": "Answer briefly."},

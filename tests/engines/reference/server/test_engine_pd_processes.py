@@ -23,7 +23,7 @@ import pytest
 from engine_helpers import hf_greedy, random_prompt
 from transformers import PreTrainedModel
 
-from prfaas.common.kv_events import BlockStored, KVEventSubscriber
+from prfaas.protocol.kv_events import BlockStored, KVEventSubscriber
 
 READY = re.compile(r"prfaas engine ready: (http://\S+) role=(\w+) bootstrap_port=(\d+)")
 GREEDY = {"temperature": 0, "ignore_eos": True}

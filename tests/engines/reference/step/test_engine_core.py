@@ -9,13 +9,13 @@ import pytest
 from engine_helpers import hf_greedy, random_prompt
 from transformers import PreTrainedModel
 
-from prfaas.common.kv_events import AllBlocksCleared, BlockStored, KVEvent
 from prfaas.common.tokenizer import ByteTokenizer
 from prfaas.engines.reference.engine_config import EngineConfig
 from prfaas.engines.reference.model.runner import ModelRunner
 from prfaas.engines.reference.step.core import EngineCore
 from prfaas.engines.reference.step.request import Request, TokenEvent
 from prfaas.engines.reference.step.sampling import SamplingParams, resolve_seed
+from prfaas.protocol.kv_events import AllBlocksCleared, BlockStored, KVEvent
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 

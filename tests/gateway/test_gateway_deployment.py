@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from prfaas.common.toml_tables import ConfigError
-from prfaas.serve.deployment import load_deployment
+from prfaas.gateway.deployment import load_deployment
 
 GOOD = """
 [model]

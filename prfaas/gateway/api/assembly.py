@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,15 +17,16 @@ from prfaas.common.tokenizer import load_tokenizer
 from prfaas.engines.sglang_client import SGLangClient, SGLangClientConfig
 from prfaas.gateway.admission import AdmissionManager
 from prfaas.gateway.api.completions import CompletionService
-from prfaas.gateway.api.metrics import GatewayMetrics, labelled_gauge
+from prfaas.gateway.api.metrics import GatewayMetrics, egress_gauges, labelled_gauge
+from prfaas.gateway.deployment import DeploymentConfig, InstanceConfig
 from prfaas.gateway.health import HealthMonitor
 from prfaas.gateway.instances import InstanceManager, InstanceState
 from prfaas.gateway.kv_feed import KVEventFeed
 from prfaas.gateway.kv_index import KVIndexManager
+from prfaas.gateway.link import EgressMonitor
 from prfaas.gateway.router import Router, RoutingState
 from prfaas.policies.registry import create_policy
 from prfaas.protocol.openai_request import ModelLimits
-from prfaas.serve.deployment import DeploymentConfig, InstanceConfig
 
 
 @dataclass
@@ -72,7 +74,7 @@ class Gateway:
         }
 
     def gauges(self) -> list[GaugeMetricFamily]:
-        """Gauges sampled for `/metrics` (link telemetry adds its own, `link.egress_setup`)."""
+        """Gauges sampled for `/metrics` (link telemetry adds its own, `egress_setup`)."""
         adm = self.service.admission
         return [
             GaugeMetricFamily(
@@ -152,3 +154,22 @@ def build_gateway(config: DeploymentConfig, session: aiohttp.ClientSession) -> G
     gateway = Gateway(config, instances, index, router, service, feed, health, metrics)
     metrics.add_gauges(gateway.gauges)
     return gateway
+
+
+def egress_setup(static: Mapping[str, Any] | None = None) -> Callable[[Gateway], Awaitable[None]]:
+    """A `serve_gateway(setup=...)` hook: poll the egress telemetry of every prefill-capable
+    PrfaaS-cluster instance on the health cadence, publish it as the gateway's `link` state
+    (with the `static` facts, e.g. the emulated rate) and as `/metrics` gauges."""
+
+    async def setup(gateway: Gateway) -> None:
+        urls = {
+            s.instance_id: s.client.base_url
+            for s in gateway.instances
+            if s.cluster == "prfaas" and s.role != "decode" and isinstance(s.client, SGLangClient)
+        }
+        monitor = EgressMonitor(urls, static)
+        gateway.link = monitor.state
+        gateway.metrics.add_gauges(lambda: egress_gauges(monitor))
+        gateway.health.add_poller(monitor)
+
+    return setup

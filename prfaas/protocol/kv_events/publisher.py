@@ -11,7 +11,7 @@ from types import TracebackType
 
 import zmq
 
-from prfaas.protocol.kv_events import SEQ_BYTES, KVEvent, KVEventBatch, encode_frames
+from prfaas.protocol.kv_events.events import SEQ_BYTES, KVEvent, KVEventBatch, encode_frames
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import zmq
 
-from prfaas.common.kv_events import (
+from prfaas.protocol.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

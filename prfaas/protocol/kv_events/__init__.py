@@ -21,16 +21,14 @@ Replay (SGLang's optional ROUTER endpoint): a request `[b"", start_seq]` (8 byte
 big-endian) is answered by one `[b"", seq, payload]` per buffered batch from `start_seq`,
 then `[b"", END_SEQ, b""]` (END_SEQ = -1 as 8 signed bytes).
 
-Modules: `prfaas.protocol.kv_events` (event structs, encode/decode), `publisher`
+Modules: `prfaas.protocol.kv_events.events` (event structs, encode/decode), `publisher`
 (`KVEventPublisher`, ZMQ PUB plus replay), `subscriber` (`KVEventSubscriber`, asyncio SUB
 with gap detection and replay). Everything is re-exported here.
 """
 
 from __future__ import annotations
 
-from prfaas.common.kv_events.publisher import END_SEQ, KVEventPublisher
-from prfaas.common.kv_events.subscriber import KVEventSubscriber, ReceivedBatch
-from prfaas.protocol.kv_events import (
+from prfaas.protocol.kv_events.events import (
     SEQ_BYTES,
     AllBlocksCleared,
     BlockRemoved,
@@ -43,6 +41,8 @@ from prfaas.protocol.kv_events import (
     encode_batch,
     encode_frames,
 )
+from prfaas.protocol.kv_events.publisher import END_SEQ, KVEventPublisher
+from prfaas.protocol.kv_events.subscriber import KVEventSubscriber, ReceivedBatch
 
 __all__ = [
     "END_SEQ",

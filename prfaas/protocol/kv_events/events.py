@@ -1,4 +1,4 @@
-"""KV events as msgspec structs in SGLang's wire layout (see `prfaas.common.kv_events`).
+"""KV events as msgspec structs in SGLang's wire layout (see `prfaas.protocol.kv_events`).
 
 The structs are declared as SGLang declares its own (`array_like`, `omit_defaults`,
 `gc=False`, tagged by class name), so msgspec writes the same bytes SGLang's publisher

@@ -10,14 +10,14 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from prfaas.common.kv_events.publisher import END_SEQ
-from prfaas.protocol.kv_events import (
+from prfaas.protocol.kv_events.events import (
     SEQ_BYTES,
     KVEventBatch,
     KVEventDecodeError,
     decode_batch,
     decode_frames,
 )
+from prfaas.protocol.kv_events.publisher import END_SEQ
 
 logger = logging.getLogger(__name__)
 

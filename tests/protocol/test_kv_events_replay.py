@@ -9,7 +9,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from prfaas.common.kv_events import (
+from prfaas.protocol.kv_events import (
     END_SEQ,
     BlockRemoved,
     KVEventBatch,
