@@ -126,6 +126,40 @@ def _best(lam: Array, tiebreak: Array) -> tuple[int, ...]:
     return tuple(int(i) for i in np.unravel_index(np.argmax(candidates), lam.shape))
 
 
+@dataclass(frozen=True)
+class SplitOptimum:
+    """The best threshold for one fixed PD split, and the stage bounds there (req/s)."""
+
+    n_p: int
+    threshold_tokens: float
+    lambda_max: float
+    prefill_bound: float
+    """min(Theta_prfaas / p, Theta_pd_p / (1 - p)): the prefill side's arrival-rate limit."""
+    decode_bound: float
+    """Theta_pd_d."""
+
+
+def best_for_split(grid: PlanGrid, n_p: int) -> SplitOptimum:
+    """The optimum over thresholds with N_p fixed (the planner's tie-break).
+
+    Raises:
+        ValueError: `n_p` is not a split the grid searched.
+    """
+    rows = np.flatnonzero(grid.n_p == n_p)
+    if rows.size == 0:
+        raise ValueError(f"N_p = {n_p} is outside the searched splits {grid.n_p.tolist()}")
+    k = int(rows[0])
+    prefill = np.fmin(grid.prfaas_bound, grid.pd_prefill_bound[k])
+    (j,) = _best(grid.lambda_max[k], prefill)
+    return SplitOptimum(
+        n_p,
+        float(grid.thresholds[j]),
+        float(grid.lambda_max[k, j]),
+        float(prefill[j]),
+        float(grid.decode_bound[k]),
+    )
+
+
 def plan(
     profile: DeploymentProfile, *, t_step: int = DEFAULT_T_STEP, exact: bool = False
 ) -> PlanReport:

@@ -10,6 +10,10 @@ never the raw prompt length:
 - bandwidth-abundant: with `l_prefix = max(l_prfaas, l_pd)`, PD-prefill if
   `l_total - l_prefix <= t`, else PrfaaS; when the longer cache sits in the other cluster,
   that prefix is transferred to the computing cluster first.
+
+With a `LoadForecast` in the snapshot (the short-term scheduler's), a request the threshold
+sends to PrfaaS goes there only if its predicted PrfaaS TTFT also beats its predicted local
+TTFT (conditional disaggregation, `ttft_forecast.py`); otherwise it stays in PD.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from functools import cached_property
 from typing import ClassVar, Literal
 
 import msgspec
+
+from prfaas.policies.ttft_forecast import LoadForecast, TTFTPrediction, predict_ttft
 
 Route = Literal["prfaas", "pd"]
 Regime = Literal["bandwidth_scarce", "bandwidth_abundant"]
@@ -65,6 +71,8 @@ class RoutingSnapshot(msgspec.Struct, frozen=True, dict=True):
     instances: tuple[InstanceView, ...]
     threshold: float
     regime: Regime = "bandwidth_scarce"
+    forecast: LoadForecast | None = None
+    """Predicted load and costs (conditional disaggregation); None: threshold only."""
 
     def pool(self, cluster: Route | None, role: str) -> tuple[InstanceView, ...]:
         """Healthy instances serving `role` in `cluster` (any cluster for None), in order."""
@@ -191,12 +199,35 @@ class PrfaasPolicy(BaseRoutingPolicy):
         route: Route = PRFAAS if uncached > t else PD
         if route == PRFAAS and not snapshot.pool(PRFAAS, "prefill"):
             route, reason = PD, reason + "; no healthy PrfaaS prefill, fell back to PD"
+        elif route == PRFAAS and snapshot.forecast is not None:
+            prediction = _predict(snapshot, snapshot.forecast, prefix)
+            if not prediction.offload:
+                route = PD
+            reason += f"; {prediction.describe()}"
         prefix_from: Route | None = None
         if abundant:
             other: Route = PRFAAS if route == PD else PD
             if snapshot.cached_in(other) > snapshot.cached_in(route):
                 prefix_from = other
         return self._decision(snapshot, _pick(snapshot, route, "prefill"), reason, prefix_from)
+
+
+def _predict(
+    snapshot: RoutingSnapshot, forecast: LoadForecast, local_prefix: int
+) -> TTFTPrediction:
+    """Both TTFT predictions of a request the threshold sends to PrfaaS: there it computes
+    what the PrfaaS cluster lacks (or, in the abundant regime, what neither cluster caches)."""
+    total = snapshot.total_tokens
+    remote = snapshot.cached_in(PRFAAS)
+    if snapshot.regime == "bandwidth_abundant":
+        remote = max(remote, snapshot.cached_in(PD))
+    return predict_ttft(
+        forecast,
+        prfaas_tokens=total - remote,
+        local_tokens=total - local_prefix,
+        prfaas_pool=[i.instance_id for i in snapshot.pool(PRFAAS, "prefill")],
+        local_pool=[i.instance_id for i in snapshot.pool(PD, "prefill")],
+    )
 
 
 class HomogeneousPolicy(BaseRoutingPolicy):

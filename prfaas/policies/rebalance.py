@@ -1,0 +1,263 @@
+"""The long-term rebalancer: re-solve Eq. 7/8 on the estimated workload each period, and
+convert one PD-cluster instance between prefill and decode when the stages drift apart.
+
+Each period the planner is re-run on the current estimate (incremental lengths, output
+length, bandwidth) with the instances that exist now. The set-point `t` becomes the best
+threshold for the *current* split (moved only beyond a dead band, so sampling noise does
+not churn it). The stages have drifted apart when the prefill side's arrival-rate limit
+and the decode stage's (Eq. 8, which at Eq. 7's balance is Theta_prfaas + Theta_pd_p =
+Theta_pd_d) differ by more than `drift_tolerance`; the wanted move is one instance toward
+the starved side, and it is made only if it raises Lambda_max by `min_gain`.
+
+Guard rails (Kubernetes HPA stabilisation, Knative, Dynamo's planner):
+- at most one conversion per period, and none while one is draining;
+- the same move wanted for `confirm_periods` periods in a row;
+- a cooldown after each conversion, never shorter than that conversion's measured drain;
+- the pool losing an instance must still carry the estimated arrival rate with
+  `load_margin` to spare, at its own best threshold;
+- at least one prefill and one decode instance stay.
+
+A refused move says which rail refused it. Pure: state and estimate in, decision out; the
+gateway's loop drains the instance and calls the engine's role API.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+from prfaas.common.toml_tables import check
+from prfaas.policies.planner import SplitOptimum, best_for_split, plan
+from prfaas.policies.profile import DeploymentProfile, WorkloadProfile
+from prfaas.policies.throughput import bytes_per_s_to_gbps
+from prfaas.policies.workload_estimate import WorkloadEstimate
+
+Outcome = Literal["skipped", "hold", "pending", "refused", "convert"]
+Role = Literal["prefill", "decode"]
+
+
+@dataclass(frozen=True)
+class RebalanceConfig:
+    drift_tolerance: float = 0.1
+    """Relative gap between the prefill side's and decode's rate limits that counts as drift."""
+    min_gain: float = 0.03
+    """A conversion must raise the model's Lambda_max by at least this share."""
+    confirm_periods: int = 2
+    """Periods in a row that must want the same move."""
+    cooldown_s: float = 120.0
+    """Seconds after a conversion before the next (at least that conversion's drain)."""
+    load_margin: float = 0.05
+    """The losing pool must carry the estimated rate times (1 + margin)."""
+    set_point_deadband: float = 0.05
+    """The set-point moves only when the re-solved t differs by more than this share."""
+    t_step: int = 64
+    exact: bool = True
+    """Cost each class by E[T(L)] (True) or the paper's T(E[L])."""
+
+    def __post_init__(self) -> None:
+        check(self.drift_tolerance >= 0, "drift_tolerance", self.drift_tolerance, "must be >= 0")
+        check(self.min_gain >= 0, "min_gain", self.min_gain, "must be >= 0")
+        check(self.confirm_periods >= 1, "confirm_periods", self.confirm_periods, "must be >= 1")
+        check(self.cooldown_s >= 0, "cooldown_s", self.cooldown_s, "must be >= 0")
+        check(self.load_margin >= 0, "load_margin", self.load_margin, "must be >= 0")
+        band = self.set_point_deadband
+        check(0 <= band < 1, "set_point_deadband", band, "must be in [0, 1)")
+        check(self.t_step >= 1, "t_step", self.t_step, "must be >= 1")
+
+
+@dataclass(frozen=True)
+class Member:
+    """One PD-cluster instance the rebalancer may convert."""
+
+    instance_id: str
+    load: int = 0
+
+
+@dataclass(frozen=True)
+class Pools:
+    """The instances as they are now (healthy, not draining)."""
+
+    n_prfaas: int
+    prefill: tuple[Member, ...]
+    decode: tuple[Member, ...]
+
+
+@dataclass(frozen=True)
+class Conversion:
+    instance_id: str
+    from_role: Role
+    to_role: Role
+    set_point: float
+    """The re-solved t for the split after the conversion (applied once it is done)."""
+
+
+@dataclass(frozen=True)
+class RebalanceState:
+    direction: int = 0
+    """+1: a decode should become prefill; -1: the reverse; 0: none wanted."""
+    streak: int = 0
+    converting: str | None = None
+    """The instance being drained and converted now."""
+    cooldown_until: float = -math.inf
+
+    def started(self, instance_id: str) -> RebalanceState:
+        """A conversion began. The confirmed direction is kept: while the same move is still
+        wanted, the next one needs no new confirmation, only the cooldown."""
+        return replace(self, converting=instance_id)
+
+    def finished(self, config: RebalanceConfig, now: float, drain_s: float) -> RebalanceState:
+        """A conversion ended (well or not) at `now` after draining `drain_s` seconds."""
+        return replace(self, converting=None, cooldown_until=now + max(config.cooldown_s, drain_s))
+
+
+@dataclass(frozen=True)
+class RebalanceDecision:
+    state: RebalanceState
+    outcome: Outcome
+    reason: str
+    set_point: float
+    conversion: Conversion | None = None
+    numbers: dict[str, Any] | None = None
+    """The re-solve's figures (for logs and `/admin/state`)."""
+
+
+def replan_profile(
+    profile: DeploymentProfile, estimate: WorkloadEstimate, n_prfaas: int, n_pd: int
+) -> DeploymentProfile:
+    """`profile` with the estimated workload, the measured link and the live instance counts."""
+    lengths = profile.workload.lengths
+    dist = estimate.distribution(lengths.lo, lengths.hi)
+    out = estimate.output_tokens or profile.workload.output_tokens
+    cap = estimate.capacity_bytes_per_s
+    gbps = float(bytes_per_s_to_gbps(cap)) if cap else profile.prfaas.egress_gbps
+    return replace(
+        profile,
+        workload=WorkloadProfile(dist, max(1, round(out))),
+        prfaas=replace(profile.prfaas, instances=n_prfaas, egress_gbps=gbps),
+        pd=replace(profile.pd, instances=n_pd),
+    )
+
+
+def rebalance(
+    config: RebalanceConfig,
+    state: RebalanceState,
+    profile: DeploymentProfile,
+    estimate: WorkloadEstimate | None,
+    pools: Pools,
+    *,
+    now: float,
+    set_point: float,
+    min_samples: float = 1.0,
+) -> RebalanceDecision:
+    """One period of the rebalancer (see the module docstring)."""
+    n_p, n_d = len(pools.prefill), len(pools.decode)
+    if estimate is None or estimate.lengths.n < min_samples:
+        return RebalanceDecision(state, "skipped", "too few requests observed", set_point)
+    if n_p < 1 or n_d < 1:
+        return RebalanceDecision(state, "skipped", f"no split to plan ({n_p}P/{n_d}D)", set_point)
+    replanned = replan_profile(profile, estimate, pools.n_prfaas, n_p + n_d)
+    grid = plan(replanned, t_step=config.t_step, exact=config.exact).grid
+    current = best_for_split(grid, n_p)
+    period = _Period(config, state, _set_point(config, set_point, current.threshold_tokens),
+                     _numbers(current, estimate))  # fmt: skip
+    direction, why = _drift(config, current)
+    if direction == 0:
+        return period.reset("hold", why)
+    lost: Role = "decode" if direction > 0 else "prefill"
+    gained: Role = "prefill" if direction > 0 else "decode"
+    losing = pools.decode if direction > 0 else pools.prefill
+    if len(losing) <= 1:
+        return period.reset(
+            "refused",
+            f"{why}; refused: the PD cluster has only {len(losing)} "
+            f"{lost} instance (at least one prefill and one decode must stay)",
+        )
+    nxt = best_for_split(grid, n_p + direction)
+    period.numbers["next"] = {"n_p": nxt.n_p, "t_best": nxt.threshold_tokens,
+                              "lambda_max": nxt.lambda_max}  # fmt: skip
+    gain = nxt.lambda_max / current.lambda_max - 1 if current.lambda_max > 0 else math.inf
+    if gain < config.min_gain:
+        return period.reset("hold", f"{why}; hold: converting one {lost} gains {gain:+.1%} "
+                            f"< {config.min_gain:.0%}")  # fmt: skip
+    streak = state.streak + 1 if state.direction == direction else 1
+    period.state = replace(state, direction=direction, streak=streak)
+    move = f"{why}; one {lost} -> {gained} gains {gain:+.1%}"
+    if streak < config.confirm_periods:
+        return period.out("pending", f"{move}; pending ({streak}/{config.confirm_periods} periods)")
+    refusal = _refusal(config, period.state, nxt, direction, estimate.rate, now)
+    if refusal is not None:
+        return period.out("refused", f"{move}; refused: {refusal}")
+    chosen = min(losing, key=lambda m: (m.load, m.instance_id))
+    conversion = Conversion(chosen.instance_id, lost, gained, nxt.threshold_tokens)
+    return period.out("convert", f"{move}; converting {chosen.instance_id}", conversion)
+
+
+@dataclass
+class _Period:
+    """The parts of one period's decision that every outcome shares."""
+
+    config: RebalanceConfig
+    state: RebalanceState
+    set_point: float
+    numbers: dict[str, Any]
+
+    def reset(self, outcome: Outcome, reason: str) -> RebalanceDecision:
+        """An outcome that wants no move: the confirmation streak starts over."""
+        self.state = replace(self.state, direction=0, streak=0)
+        return self.out(outcome, reason)
+
+    def out(
+        self, outcome: Outcome, reason: str, conversion: Conversion | None = None
+    ) -> RebalanceDecision:
+        return RebalanceDecision(
+            self.state, outcome, reason, self.set_point, conversion, self.numbers
+        )
+
+
+def _set_point(config: RebalanceConfig, current: float, solved: float) -> float:
+    if current > 0 and abs(solved - current) <= config.set_point_deadband * current:
+        return current
+    return solved
+
+
+def _drift(config: RebalanceConfig, opt: SplitOptimum) -> tuple[int, str]:
+    """+1 when the prefill side limits Lambda_max by more than the tolerance, -1 for decode."""
+    prefill, decode = opt.prefill_bound, opt.decode_bound
+    text = f"prefill side {prefill:.2f} vs decode {decode:.2f} req/s"
+    if prefill * (1 + config.drift_tolerance) < decode:
+        return 1, f"drift: {text}"
+    if decode * (1 + config.drift_tolerance) < prefill:
+        return -1, f"drift: {text}"
+    return 0, f"balanced: {text}"
+
+
+def _refusal(
+    config: RebalanceConfig,
+    state: RebalanceState,
+    nxt: SplitOptimum,
+    direction: int,
+    rate: float,
+    now: float,
+) -> str | None:
+    if state.converting is not None:
+        return f"{state.converting} is still converting"
+    if now < state.cooldown_until:
+        return f"cooldown for {state.cooldown_until - now:.0f} s more"
+    losing = nxt.decode_bound if direction > 0 else nxt.prefill_bound
+    need = rate * (1 + config.load_margin)
+    if losing < need:
+        pool = "decode" if direction > 0 else "prefill"
+        return f"the {pool} pool would carry {losing:.2f} req/s < {need:.2f} needed"
+    return None
+
+
+def _numbers(opt: SplitOptimum, estimate: WorkloadEstimate) -> dict[str, Any]:
+    return {
+        "n_p": opt.n_p,
+        "t_best": opt.threshold_tokens,
+        "lambda_max": opt.lambda_max,
+        "prefill_bound": opt.prefill_bound,
+        "decode_bound": opt.decode_bound,
+        "estimate": estimate.to_json(),
+    }

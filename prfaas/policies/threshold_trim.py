@@ -1,0 +1,185 @@
+"""The short-term threshold trimmer: moves `t` with egress utilisation and prefill queues.
+
+Each tick (about a second) it sees the link's measured utilisation and the predicted
+backlog of both prefill pools, and moves `t` inside a band around the long-term loop's
+set-point:
+
+- **raise, multiplicatively** (`t *= raise_factor`) when the link is above its high-water
+  mark or the PrfaaS queue exceeds the PD-prefill queue by `queue_gap_s`, for
+  `confirm_ticks` ticks in a row: less is sent to PrfaaS, at once;
+- **lower, additively** (`t -= lower_step`) after `clear_ticks` quiet ticks: back toward
+  the set-point once the link is below its low-water mark, or further down (to the band's
+  floor) while the PD-prefill queue exceeds the PrfaaS one by `queue_gap_s`;
+- **relax up** additively toward the set-point when `t` sits below it and PD prefill is no
+  longer the congested side;
+- hold otherwise (between the marks there is a dead band).
+
+No oscillation under steady load: after a raise, the `t` at which the link was congested is
+remembered, and lowering stops one step above it until that memory expires (`memory_s`),
+the link capacity changes, or the set-point moves. So under a steady load the trimmer
+settles one step above the congested point instead of cycling through it (TCP's ssthresh
+plays the same role).
+
+Pure: state and observation in, decision out.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from prfaas.common.toml_tables import check
+
+CAPACITY_CHANGE = 0.1  # a relative change of link capacity this large forgets the memory
+
+
+@dataclass(frozen=True)
+class TrimConfig:
+    """Thresholds and steps of the trimmer (utilisation in [0, 1], queues in seconds)."""
+
+    high_water: float = 0.9
+    """Egress utilisation above which `t` rises."""
+    low_water: float = 0.6
+    """Egress utilisation below which `t` may fall."""
+    queue_gap_s: float = 4.0
+    """A pool whose predicted queue exceeds the other's by this much is congested."""
+    raise_factor: float = 1.25
+    lower_step_tokens: float = 512.0
+    band: tuple[float, float] = (0.5, 2.0)
+    """`t` stays within [set_point * band[0], set_point * band[1]]."""
+    confirm_ticks: int = 2
+    """Congested ticks in a row before a raise."""
+    clear_ticks: int = 3
+    """Quiet ticks in a row before each lowering step."""
+    memory_s: float = 300.0
+    """How long the last congested `t` bounds lowering."""
+
+    def __post_init__(self) -> None:
+        check(0 < self.high_water <= 1.5, "high_water", self.high_water, "must be in (0, 1.5]")
+        ok = 0 <= self.low_water < self.high_water
+        check(ok, "low_water", self.low_water, "must be in [0, high_water)")
+        check(self.queue_gap_s > 0, "queue_gap_s", self.queue_gap_s, "must be > 0")
+        check(self.raise_factor > 1, "raise_factor", self.raise_factor, "must be > 1")
+        step = self.lower_step_tokens
+        check(step > 0, "lower_step_tokens", step, "must be > 0")
+        lo, hi = self.band if len(self.band) == 2 else (0.0, 0.0)
+        check(0 < lo <= 1 <= hi, "band", self.band, "must be [low <= 1, high >= 1], low > 0")
+        check(self.confirm_ticks >= 1, "confirm_ticks", self.confirm_ticks, "must be >= 1")
+        check(self.clear_ticks >= 1, "clear_ticks", self.clear_ticks, "must be >= 1")
+        check(self.memory_s >= 0, "memory_s", self.memory_s, "must be >= 0")
+
+
+@dataclass(frozen=True)
+class TrimObservation:
+    """One tick's measurements."""
+
+    now: float
+    egress_utilisation: float | None
+    """Measured egress / measured capacity; None without link telemetry."""
+    prfaas_backlog_s: float
+    """Predicted queue of the PrfaaS prefill pool (its least-backlogged instance)."""
+    pd_backlog_s: float
+    """Predicted queue of the PD prefill pool (its least-backlogged instance)."""
+    capacity_bytes_per_s: float | None = None
+
+
+@dataclass(frozen=True)
+class TrimState:
+    """The trimmer's memory between ticks."""
+
+    threshold: float
+    set_point: float
+    hot_ticks: int = 0
+    quiet_ticks: int = 0
+    congested_at: float | None = None
+    """`t` at the last raise (lowering stops one step above it while remembered)."""
+    remember_until: float = -math.inf
+    capacity: float | None = None
+    """Link capacity when the memory was taken."""
+
+    def with_set_point(self, set_point: float) -> TrimState:
+        """The long-term loop re-solved `t`: jump to it and forget the congestion memory."""
+        return TrimState(threshold=set_point, set_point=set_point, capacity=self.capacity)
+
+
+@dataclass(frozen=True)
+class TrimDecision:
+    state: TrimState
+    changed: bool
+    reason: str
+
+
+def band(config: TrimConfig, set_point: float) -> tuple[float, float]:
+    return set_point * config.band[0], set_point * config.band[1]
+
+
+def trim(config: TrimConfig, state: TrimState, obs: TrimObservation) -> TrimDecision:
+    """One tick of the trimmer (see the module docstring)."""
+    state = _forget_if_stale(state, obs)
+    util, gap = obs.egress_utilisation, obs.prfaas_backlog_s - obs.pd_backlog_s
+    link_hot = util is not None and util > config.high_water
+    queue_hot = gap > config.queue_gap_s
+    if link_hot or queue_hot:
+        why = (
+            f"egress {util:.2f} > {config.high_water:g}"
+            if link_hot and util is not None
+            else f"PrfaaS queue {obs.prfaas_backlog_s:.1f}s > PD {obs.pd_backlog_s:.1f}s"
+            f" + {config.queue_gap_s:g}s"
+        )
+        return _raise(config, replace(state, quiet_ticks=0), obs, why)
+    state = replace(state, hot_ticks=0, quiet_ticks=state.quiet_ticks + 1)
+    if state.quiet_ticks < config.clear_ticks:
+        return TrimDecision(state, False, "hold: waiting for quiet ticks")
+    link_clear = util is None or util < config.low_water
+    pd_hot = -gap > config.queue_gap_s
+    lo, _ = band(config, state.set_point)
+    t, sp = state.threshold, state.set_point
+    if link_clear and pd_hot:
+        why = (
+            f"PD queue {obs.pd_backlog_s:.1f}s > PrfaaS {obs.prfaas_backlog_s:.1f}s"
+            f" + {config.queue_gap_s:g}s"
+        )
+        return _lower(config, state, lo, why)
+    if link_clear and t > sp:
+        util_text = "unknown" if util is None else f"{util:.2f}"
+        return _lower(config, state, sp, f"egress {util_text} < {config.low_water:g}")
+    if t < sp and not pd_hot:
+        new = min(t + config.lower_step_tokens, sp)
+        return _moved(state, new, f"relax up toward set-point {sp:.0f}")
+    return TrimDecision(state, False, "hold: within the dead band")
+
+
+def _forget_if_stale(state: TrimState, obs: TrimObservation) -> TrimState:
+    cap, old = obs.capacity_bytes_per_s, state.capacity
+    moved = cap is not None and old is not None and abs(cap - old) > CAPACITY_CHANGE * old
+    if moved or obs.now >= state.remember_until:
+        state = replace(state, congested_at=None, remember_until=-math.inf)
+    return replace(state, capacity=cap if cap is not None else old)
+
+
+def _raise(config: TrimConfig, state: TrimState, obs: TrimObservation, why: str) -> TrimDecision:
+    state = replace(state, hot_ticks=state.hot_ticks + 1)
+    _, hi = band(config, state.set_point)
+    t = state.threshold
+    if state.hot_ticks < config.confirm_ticks:
+        return TrimDecision(state, False, f"hold: {why} (tick {state.hot_ticks})")
+    if t >= hi:
+        return TrimDecision(state, False, f"hold: {why}, t at the band's top {hi:.0f}")
+    remembered = replace(
+        state, hot_ticks=0, congested_at=t, remember_until=obs.now + config.memory_s
+    )
+    return _moved(remembered, min(t * config.raise_factor, hi), f"raise: {why}")
+
+
+def _lower(config: TrimConfig, state: TrimState, target: float, why: str) -> TrimDecision:
+    t = state.threshold
+    floor = target
+    if state.congested_at is not None:
+        floor = max(floor, state.congested_at + config.lower_step_tokens)
+    if t <= floor:
+        return TrimDecision(state, False, f"hold: {why}, t at its floor {floor:.0f}")
+    return _moved(state, max(t - config.lower_step_tokens, floor), f"lower: {why}")
+
+
+def _moved(state: TrimState, threshold: float, why: str) -> TrimDecision:
+    return TrimDecision(replace(state, threshold=threshold, quiet_ticks=0), True, why)

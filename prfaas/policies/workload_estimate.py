@@ -1,0 +1,157 @@
+"""EWMA estimates of the served workload, one update per long-term period.
+
+What the throughput model needs about the traffic: the arrival rate, the distribution of
+*incremental* lengths (after prefix matching; fitted as a log-normal through the EWMA of
+the sufficient statistics of ln L, truncated to the profile's range), the mean output
+length, and the link bandwidth. Each period's observation is blended in with weight
+`alpha` (the older estimate keeps `1 - alpha`), so a step in the traffic shows up as
+alpha, 1 - (1 - alpha)^2, ... of its size after 1, 2, ... periods.
+
+Pure: observation in, estimate out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from prfaas.common.toml_tables import check
+from prfaas.policies.distributions import TruncatedLogNormal
+
+MIN_SIGMA = 0.05  # a degenerate sample (every length equal) still gives a valid log-normal
+
+
+@dataclass(frozen=True)
+class EstimateConfig:
+    alpha: float = 0.6
+    """Weight of the newest period."""
+    min_samples: float = 20.0
+    """Effective length samples below which the estimate is too thin to re-plan on."""
+
+    def __post_init__(self) -> None:
+        check(0 < self.alpha <= 1, "alpha", self.alpha, "must be in (0, 1]")
+        check(self.min_samples >= 1, "min_samples", self.min_samples, "must be >= 1")
+
+
+@dataclass(frozen=True)
+class Moments:
+    """Sufficient statistics of ln L: count, sum, sum of squares (weights may be fractional)."""
+
+    n: float = 0.0
+    s1: float = 0.0
+    s2: float = 0.0
+
+    @classmethod
+    def of(cls, lengths: Sequence[int]) -> Moments:
+        logs = [math.log(max(x, 1)) for x in lengths]
+        return cls(float(len(logs)), sum(logs), sum(v * v for v in logs))
+
+    def blend(self, new: Moments, alpha: float) -> Moments:
+        k = 1.0 - alpha
+        return Moments(k * self.n + alpha * new.n, k * self.s1 + alpha * new.s1,
+                       k * self.s2 + alpha * new.s2)  # fmt: skip
+
+    @property
+    def mu(self) -> float:
+        return self.s1 / self.n if self.n > 0 else math.nan
+
+    @property
+    def sigma(self) -> float:
+        if self.n <= 0:
+            return math.nan
+        return max(math.sqrt(max(self.s2 / self.n - self.mu**2, 0.0)), MIN_SIGMA)
+
+
+@dataclass(frozen=True)
+class PeriodObservation:
+    """What one long-term period saw."""
+
+    duration_s: float
+    arrivals: int
+    """Requests routed in the period."""
+    lengths: Moments
+    """ln of the incremental (uncached) lengths routed in the period."""
+    output_tokens: float
+    """Output tokens of the requests that finished in it."""
+    finished: int
+    capacity_bytes_per_s: float | None = None
+    """Measured link capacity at the period's end (None: unknown)."""
+
+    def __post_init__(self) -> None:
+        check(self.duration_s > 0, "duration_s", self.duration_s, "must be > 0")
+
+    @classmethod
+    def of(
+        cls,
+        duration_s: float,
+        incremental: Sequence[int],
+        outputs: Sequence[int],
+        capacity_bytes_per_s: float | None = None,
+    ) -> PeriodObservation:
+        return cls(duration_s, len(incremental), Moments.of(incremental),
+                   float(sum(outputs)), len(outputs), capacity_bytes_per_s)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class WorkloadEstimate:
+    """The blended estimate after some periods."""
+
+    rate: float
+    """Arrivals per second."""
+    lengths: Moments
+    output_sum: float
+    output_n: float
+    capacity_bytes_per_s: float | None
+    periods: int
+
+    @property
+    def output_tokens(self) -> float | None:
+        return self.output_sum / self.output_n if self.output_n > 0 else None
+
+    def distribution(self, lo: float, hi: float) -> TruncatedLogNormal:
+        """The fitted incremental-length distribution on [lo, hi].
+
+        Raises:
+            ValueError: no length observed yet.
+        """
+        if self.lengths.n <= 0:
+            raise ValueError("no incremental length observed yet")
+        return TruncatedLogNormal(self.lengths.mu, self.lengths.sigma, lo, hi)
+
+    def to_json(self) -> dict[str, float | int | None]:
+        n = self.lengths.n
+        return {
+            "rate": self.rate,
+            "length_mu": self.lengths.mu if n > 0 else None,
+            "length_sigma": self.lengths.sigma if n > 0 else None,
+            "length_samples": n,
+            "output_tokens": self.output_tokens,
+            "capacity_bytes_per_s": self.capacity_bytes_per_s,
+            "periods": self.periods,
+        }
+
+
+def update_estimate(
+    config: EstimateConfig, estimate: WorkloadEstimate | None, obs: PeriodObservation
+) -> WorkloadEstimate:
+    """Blend one period into the estimate (the first period is taken as it is)."""
+    rate = obs.arrivals / obs.duration_s
+    capacity = obs.capacity_bytes_per_s
+    if estimate is None:
+        return WorkloadEstimate(rate, obs.lengths, obs.output_tokens, float(obs.finished),
+                                capacity, 1)  # fmt: skip
+    a, k = config.alpha, 1.0 - config.alpha
+    old_cap = estimate.capacity_bytes_per_s
+    if capacity is not None and old_cap is not None:
+        capacity = k * old_cap + a * capacity
+    elif capacity is None:
+        capacity = old_cap
+    return WorkloadEstimate(
+        rate=k * estimate.rate + a * rate,
+        lengths=estimate.lengths.blend(obs.lengths, a),
+        output_sum=k * estimate.output_sum + a * obs.output_tokens,
+        output_n=k * estimate.output_n + a * obs.finished,
+        capacity_bytes_per_s=capacity,
+        periods=estimate.periods + 1,
+    )

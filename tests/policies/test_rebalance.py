@@ -1,0 +1,189 @@
+"""The long-term rebalancer on the paper's case study: re-solved set-point, the move it
+wants when the stages drift apart, and each guard rail that refuses one."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from prfaas.policies.planner import plan
+from prfaas.policies.profile import DeploymentProfile, load_profile
+from prfaas.policies.rebalance import (
+    Conversion,
+    Member,
+    Pools,
+    RebalanceConfig,
+    RebalanceState,
+    rebalance,
+    replan_profile,
+)
+from prfaas.policies.workload_estimate import Moments, WorkloadEstimate
+
+CFG = RebalanceConfig()  # tolerance 10%, gain 3%, confirm 2, cooldown 120 s, margin 5%
+GBIT = 1e9 / 8
+
+
+@pytest.fixture(scope="module")
+def profile(case_study_path: Path) -> DeploymentProfile:
+    return load_profile(case_study_path)
+
+
+def _estimate(*, mu: float = 9.9, out: float = 1024, gbps: float = 100, rate: float = 2.7,
+              n: float = 200) -> WorkloadEstimate:  # fmt: skip
+    lengths = Moments(n, n * mu, n * (1.0 + mu * mu))  # sigma exactly 1
+    return WorkloadEstimate(rate, lengths, out * n, n, gbps * GBIT, 3)
+
+
+def _pools(n_p: int = 3, n_d: int = 5, loads: dict[str, int] | None = None) -> Pools:
+    loads = loads or {}
+
+    def member(i: str) -> Member:
+        return Member(i, loads.get(i, 0))
+
+    return Pools(4, tuple(member(f"pd-p{i}") for i in range(n_p)),
+                 tuple(member(f"pd-d{i}") for i in range(n_d)))  # fmt: skip
+
+
+def _optimum(profile: DeploymentProfile, est: WorkloadEstimate) -> tuple[float, int]:
+    """The planner's own answer for the same inputs (a cross-check, not a recorded number)."""
+    best = plan(replan_profile(profile, est, 4, 8), exact=True).prfaas_pd
+    assert best.threshold_tokens is not None
+    return best.threshold_tokens, best.n_p
+
+
+def test_too_few_samples_skip(profile: DeploymentProfile) -> None:
+    d = rebalance(CFG, RebalanceState(), profile, None, _pools(), now=0, set_point=1.0)
+    assert (d.outcome, d.set_point, d.reason) == ("skipped", 1.0, "too few requests observed")
+    d = rebalance(CFG, RebalanceState(), profile, _estimate(n=5), _pools(), now=0,
+                  set_point=1.0, min_samples=20)  # fmt: skip
+    assert d.outcome == "skipped"
+
+
+def test_the_planned_workload_holds_at_the_planned_set_point(profile: DeploymentProfile) -> None:
+    """The case study's own workload: (3, 5) is optimal, moving a decode loses, t = t*."""
+    est = _estimate()
+    t_star, n_p = _optimum(profile, est)
+    assert n_p == 3
+    d = rebalance(CFG, RebalanceState(), profile, est, _pools(), now=0, set_point=10_000)
+    assert d.outcome == "hold" and d.conversion is None
+    assert d.set_point == t_star
+    assert d.reason.startswith("drift: prefill side 3.14 vs decode 3.91 req/s; hold: converting")
+    assert d.numbers is not None and d.numbers["n_p"] == 3
+
+
+def test_bandwidth_drop_converts_a_decode_after_confirmation(profile: DeploymentProfile) -> None:
+    """10 Gbit/s: the planner wants (4, 4). Period 1 is pending; period 2 converts the least
+    loaded decode, with the set-point of the new split to apply once it is done."""
+    est = _estimate(gbps=10)
+    t_star, n_p = _optimum(profile, est)
+    assert n_p == 4
+    pools = _pools(loads={"pd-d0": 9, "pd-d1": 3, "pd-d2": 3, "pd-d3": 7, "pd-d4": 8})
+    d1 = rebalance(CFG, RebalanceState(), profile, est, pools, now=60, set_point=19_456)
+    assert d1.outcome == "pending" and d1.state == RebalanceState(direction=1, streak=1)
+    assert d1.reason.endswith("one decode -> prefill gains +9.2%; pending (1/2 periods)")
+    d2 = rebalance(CFG, d1.state, profile, est, pools, now=120, set_point=d1.set_point)
+    assert d2.outcome == "convert"
+    assert d2.conversion == Conversion("pd-d1", "decode", "prefill", t_star)
+
+
+def test_decode_heavy_converts_a_prefill(profile: DeploymentProfile) -> None:
+    est = _estimate(out=3072, rate=1.6)
+    state = RebalanceState(direction=-1, streak=1)
+    d = rebalance(CFG, state, profile, est, _pools(), now=0, set_point=19_456)
+    assert d.outcome == "convert" and d.conversion is not None
+    assert (d.conversion.instance_id, d.conversion.from_role) == ("pd-p0", "prefill")
+    assert d.reason.startswith("drift: prefill side 3.14 vs decode 1.30 req/s; one prefill")
+
+
+def test_a_reversed_move_restarts_the_confirmation(profile: DeploymentProfile) -> None:
+    state = RebalanceState(direction=-1, streak=5)
+    d = rebalance(CFG, state, profile, _estimate(gbps=10), _pools(), now=0, set_point=19_456)
+    assert d.outcome == "pending" and d.state.direction == 1 and d.state.streak == 1
+
+
+def test_a_balanced_period_resets_the_streak(profile: DeploymentProfile) -> None:
+    state = RebalanceState(direction=1, streak=1)
+    d = rebalance(CFG, state, profile, _estimate(), _pools(), now=0, set_point=19_456)
+    assert d.outcome == "hold" and (d.state.direction, d.state.streak) == (0, 0)
+
+
+def test_the_next_step_needs_no_new_confirmation(profile: DeploymentProfile) -> None:
+    """After one conversion the confirmed direction stands: once the cooldown is over the
+    next step in the same direction is taken at the next period."""
+    state = RebalanceState(direction=-1, streak=2).started("pd-p0")
+    state = state.finished(CFG, now=130.0, drain_s=20.0)
+    assert state == RebalanceState(direction=-1, streak=2, cooldown_until=250.0)
+    est = _estimate(out=3072, rate=1.6)
+    d = rebalance(CFG, state, profile, est, _pools(2, 6), now=240, set_point=19_456)
+    assert d.outcome == "refused" and d.reason.endswith("refused: cooldown for 10 s more")
+    d = rebalance(CFG, state, profile, est, _pools(2, 6), now=250, set_point=19_456)
+    assert d.outcome == "convert" and d.conversion is not None
+    assert d.conversion.instance_id == "pd-p0"
+
+
+def test_cooldown_is_never_shorter_than_the_drain() -> None:
+    s = RebalanceState().finished(CFG, now=100.0, drain_s=300.0)
+    assert s.cooldown_until == 400.0 and s.converting is None
+
+
+def test_no_second_conversion_while_one_drains(profile: DeploymentProfile) -> None:
+    state = RebalanceState(direction=1, streak=1).started("pd-d3")
+    d = rebalance(CFG, state, profile, _estimate(gbps=10), _pools(), now=0, set_point=19_456)
+    assert d.outcome == "refused" and d.reason.endswith("refused: pd-d3 is still converting")
+
+
+def test_at_least_one_decode_stays(profile: DeploymentProfile) -> None:
+    """One prefill and one decode, prefill-starved: the move is refused at once, with why."""
+    d = rebalance(CFG, RebalanceState(), profile, _estimate(out=16), _pools(1, 1), now=0,
+                  set_point=19_456)  # fmt: skip
+    assert d.outcome == "refused" and d.conversion is None
+    assert d.reason.endswith(
+        "refused: the PD cluster has only 1 decode instance "
+        "(at least one prefill and one decode must stay)"
+    )
+
+
+def test_at_least_one_prefill_stays(profile: DeploymentProfile) -> None:
+    d = rebalance(CFG, RebalanceState(), profile, _estimate(out=3072), _pools(1, 7), now=0,
+                  set_point=19_456)  # fmt: skip
+    assert d.outcome == "refused" and "only 1 prefill instance" in d.reason
+
+
+def test_the_losing_pool_must_carry_the_load(profile: DeploymentProfile) -> None:
+    """At 3.1 req/s the 4 decodes left after the move carry 3.12 < 3.1 * 1.05 req/s."""
+    est = _estimate(gbps=10, rate=3.1)
+    state = RebalanceState(direction=1, streak=1)
+    d = rebalance(CFG, state, profile, est, _pools(), now=0, set_point=19_456)
+    assert d.outcome == "refused"
+    assert d.reason.endswith("refused: the decode pool would carry 3.12 req/s < 3.26 needed")
+
+
+def test_set_point_moves_only_beyond_the_dead_band(profile: DeploymentProfile) -> None:
+    est = _estimate()
+    t_star, _ = _optimum(profile, est)
+    near = t_star * 1.04
+    d = rebalance(CFG, RebalanceState(), profile, est, _pools(), now=0, set_point=near)
+    assert d.set_point == near
+    far = t_star * 1.06
+    d = rebalance(CFG, RebalanceState(), profile, est, _pools(), now=0, set_point=far)
+    assert d.set_point == t_star
+
+
+def test_replan_profile_uses_the_estimate(profile: DeploymentProfile) -> None:
+    p = replan_profile(profile, _estimate(mu=10.6, out=2048, gbps=10), 3, 7)
+    w = p.workload
+    assert (w.lengths.mu, w.lengths.sigma, w.output_tokens) == (10.6, 1.0, 2048)
+    assert (w.lengths.lo, w.lengths.hi) == (128, 131072)
+    assert p.prfaas.egress_gbps == pytest.approx(10.0)
+    assert (p.prfaas.instances, p.pd.instances) == (3, 7)
+    no_cap = replace(_estimate(), capacity_bytes_per_s=None)
+    assert replan_profile(profile, no_cap, 4, 8).prfaas.egress_gbps == 100
+
+
+def test_config_rejects_bad_values() -> None:
+    with pytest.raises(ValueError, match=r"confirm_periods: must be >= 1 \(got 0\)"):
+        RebalanceConfig(confirm_periods=0)
+    assert math.isinf(-RebalanceState().cooldown_until)

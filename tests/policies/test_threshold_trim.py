@@ -1,0 +1,166 @@
+"""The short-term threshold trimmer: multiplicative raises on congestion, additive lowering
+when quiet, a band around the set-point, and no oscillation under steady load."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import replace
+
+import pytest
+
+from prfaas.common.toml_tables import FieldError
+from prfaas.policies.threshold_trim import (
+    TrimConfig,
+    TrimObservation,
+    TrimState,
+    trim,
+)
+
+CFG = TrimConfig()  # high 0.9, low 0.6, gap 4 s, x1.25, -512, band [0.5, 2], 2/3 ticks, 300 s
+
+
+def _obs(now: float, util: float | None, prfaas_q: float = 0.0, pd_q: float = 0.0,
+         cap: float | None = 1e9) -> TrimObservation:  # fmt: skip
+    return TrimObservation(now, util, prfaas_q, pd_q, cap)
+
+
+def _run(state: TrimState, observations: list[TrimObservation]) -> list[tuple[float, str]]:
+    out = []
+    for o in observations:
+        d = trim(CFG, state, o)
+        state = d.state
+        out.append((state.threshold, d.reason))
+    return out
+
+
+def test_raise_needs_two_congested_ticks_then_multiplies() -> None:
+    s = TrimState(10_000, 10_000)
+    steps = _run(s, [_obs(0, 0.95), _obs(1, 0.95), _obs(2, 0.95), _obs(3, 0.95)])
+    assert steps == [
+        (10_000, "hold: egress 0.95 > 0.9 (tick 1)"),
+        (12_500, "raise: egress 0.95 > 0.9"),
+        (12_500, "hold: egress 0.95 > 0.9 (tick 1)"),
+        (15_625, "raise: egress 0.95 > 0.9"),
+    ]
+
+
+def test_raise_is_clamped_to_the_band() -> None:
+    s = TrimState(18_000, 10_000, hot_ticks=1)
+    d = trim(CFG, s, _obs(0, 1.0))
+    assert d.changed and d.state.threshold == 20_000
+    d = trim(CFG, replace(d.state, hot_ticks=1), _obs(1, 1.0))
+    assert not d.changed and d.reason == "hold: egress 1.00 > 0.9, t at the band's top 20000"
+
+
+def test_a_prfaas_queue_surge_raises() -> None:
+    """PrfaaS 6 s queued vs PD 1 s: more than the 4 s gap."""
+    s = TrimState(10_000, 10_000, hot_ticks=1)
+    d = trim(CFG, s, _obs(0, 0.2, prfaas_q=6.0, pd_q=1.0))
+    assert d.state.threshold == 12_500
+    assert d.reason == "raise: PrfaaS queue 6.0s > PD 1.0s + 4s"
+    d = trim(CFG, TrimState(10_000, 10_000, hot_ticks=1), _obs(0, 0.2, prfaas_q=5.0, pd_q=1.0))
+    assert not d.changed  # a gap of exactly 4 s is not a surge
+
+
+def test_quiet_link_lowers_additively_back_to_the_set_point() -> None:
+    """Every third quiet tick takes 512 tokens off, down to the set-point, never below."""
+    s = TrimState(11_200, 10_000)
+    ts = [t for t, _ in _run(s, [_obs(i, 0.3) for i in range(12)])]
+    assert ts == [11_200, 11_200, 10_688, 10_688, 10_688, 10_176, 10_176, 10_176, 10_000,
+                  10_000, 10_000, 10_000]  # fmt: skip
+
+
+def test_dead_band_holds() -> None:
+    """Between the marks, above the set-point, nothing moves."""
+    s = TrimState(12_000, 10_000, quiet_ticks=5)
+    d = trim(CFG, s, _obs(0, 0.75))
+    assert not d.changed and d.reason == "hold: within the dead band"
+
+
+def test_busy_pd_prefill_lowers_below_the_set_point_to_the_band_floor() -> None:
+    """PD queue 10 s vs PrfaaS 1 s with a quiet link: t falls by 512 per 3 ticks to 5,000."""
+    s = TrimState(5_600, 10_000, quiet_ticks=2)
+    d = trim(CFG, s, _obs(0, 0.1, prfaas_q=1.0, pd_q=10.0))
+    assert d.state.threshold == 5_088 and d.reason == "lower: PD queue 10.0s > PrfaaS 1.0s + 4s"
+    d = trim(CFG, replace(d.state, quiet_ticks=2), _obs(1, 0.1, prfaas_q=1.0, pd_q=10.0))
+    assert d.state.threshold == 5_000
+    d = trim(CFG, replace(d.state, quiet_ticks=2), _obs(2, 0.1, prfaas_q=1.0, pd_q=10.0))
+    assert not d.changed and "t at its floor 5000" in d.reason
+
+
+def test_relaxes_up_to_the_set_point_once_pd_is_no_longer_congested() -> None:
+    s = TrimState(9_000, 10_000, quiet_ticks=2)
+    d = trim(CFG, s, _obs(0, 0.7))
+    assert d.state.threshold == 9_512 and d.reason == "relax up toward set-point 10000"
+    d = trim(CFG, replace(d.state, quiet_ticks=2), _obs(1, 0.7))
+    assert d.state.threshold == 10_000
+
+
+def test_no_link_telemetry_counts_as_a_quiet_link() -> None:
+    s = TrimState(11_000, 10_000, quiet_ticks=2)
+    d = trim(CFG, s, _obs(0, None))
+    assert d.state.threshold == 10_488 and d.reason == "lower: egress unknown < 0.6"
+
+
+def _steady(plant: Callable[[float], float], ticks: int) -> list[float]:
+    """Run the trimmer against a link whose utilisation depends only on t."""
+    state, ts = TrimState(10_000, 10_000), []
+    for i in range(ticks):
+        state = trim(CFG, state, _obs(float(i), plant(state.threshold))).state
+        ts.append(state.threshold)
+    return ts
+
+
+def test_no_oscillation_when_congestion_has_a_sharp_edge() -> None:
+    """Congested below 12,000 tokens, idle above: after at most two probes the trimmer sits
+    one step above the last congested t and stays there for the rest of the memory."""
+    ts = _steady(lambda t: 0.95 if t < 12_000 else 0.3, 250)
+    tail = ts[40:]
+    assert len(set(tail)) == 1
+    assert 12_000 <= tail[0] <= 12_000 * CFG.raise_factor
+    changes = sum(a != b for a, b in itertools.pairwise(ts))
+    assert changes <= 12
+
+
+def test_no_oscillation_under_a_smooth_load() -> None:
+    """util = 1.2 - t / 40,000: one raise lands in the dead band and t never moves again."""
+    ts = _steady(lambda t: 1.2 - t / 40_000, 200)
+    assert ts[1:] == [12_500.0] * 199
+
+
+def test_memory_expires_and_a_capacity_change_forgets_it() -> None:
+    """After the memory the trimmer may lower to the set-point again; a 20% capacity change
+    forgets it at once."""
+    s = TrimState(12_500, 10_000, congested_at=10_000, remember_until=300.0, quiet_ticks=2,
+                  capacity=1e9)  # fmt: skip
+    d = trim(CFG, s, _obs(100, 0.3))
+    assert d.state.threshold == 11_988  # floor 10,512 still far
+    s2 = replace(d.state, threshold=10_600, quiet_ticks=2)
+    assert trim(CFG, s2, _obs(101, 0.3)).state.threshold == 10_512
+    s3 = replace(s2, threshold=10_512, quiet_ticks=2)
+    assert not trim(CFG, s3, _obs(102, 0.3)).changed
+    assert trim(CFG, s3, _obs(300, 0.3)).state.threshold == 10_000  # expired
+    assert trim(CFG, s3, _obs(102, 0.3, cap=1.2e9)).state.threshold == 10_000  # capacity moved
+
+
+def test_a_new_set_point_resets_t_and_the_memory() -> None:
+    s = TrimState(12_500, 10_000, hot_ticks=1, congested_at=10_000, remember_until=99.0,
+                  capacity=5.0)  # fmt: skip
+    assert s.with_set_point(25_000) == TrimState(25_000, 25_000, capacity=5.0)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("high_water", 0.0, "high_water: must be in (0, 1.5] (got 0.0)"),
+        ("low_water", 0.95, "low_water: must be in [0, high_water) (got 0.95)"),
+        ("raise_factor", 1.0, "raise_factor: must be > 1 (got 1.0)"),
+        ("band", (1.2, 2.0), "band: must be [low <= 1, high >= 1], low > 0 (got (1.2, 2.0))"),
+        ("confirm_ticks", 0, "confirm_ticks: must be >= 1 (got 0)"),
+    ],
+)
+def test_config_errors_name_the_bad_value(field: str, value: object, message: str) -> None:
+    with pytest.raises(FieldError) as err:
+        TrimConfig(**{field: value})  # type: ignore[arg-type]
+    assert str(err.value) == message

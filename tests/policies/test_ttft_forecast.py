@@ -1,0 +1,129 @@
+"""Conditional disaggregation: the two TTFT predictions, and the PrfaaS policy offloading a
+request past the threshold only when PrfaaS is predicted to answer first."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from prfaas.policies.routing import InstanceView, PrfaasPolicy, Regime, RoutingSnapshot
+from prfaas.policies.tables import PiecewiseLinear
+from prfaas.policies.ttft_forecast import (
+    LinkState,
+    LoadForecast,
+    PrefillCosts,
+    TTFTPrediction,
+    least_backlog,
+    predict_ttft,
+)
+
+# PrfaaS prefills 10,000 tokens/s, the PD cluster 5,000; KV is 100 kB per token.
+COSTS = PrefillCosts(
+    prfaas_prefill_s=PiecewiseLinear((0.0, 100_000.0), (0.0, 10.0)),
+    pd_prefill_s=PiecewiseLinear((0.0, 100_000.0), (0.0, 20.0)),
+    kv_bytes=PiecewiseLinear((0.0, 100_000.0), (0.0, 1e10)),
+)
+GBIT = 1e9 / 8  # bytes/s
+
+
+def _forecast(backlog: dict[str, float], link: LinkState | None = None) -> LoadForecast:
+    return LoadForecast(COSTS, backlog, link)
+
+
+def test_spare_egress_is_unused_capacity_floored_at_a_fair_share() -> None:
+    """10 Gbit/s with 4 used: 6 spare; saturated with 3 transfers: a new one gets 1/4."""
+    assert LinkState(10 * GBIT, 4 * GBIT, 2).spare_bytes_per_s() == 6 * GBIT
+    assert LinkState(10 * GBIT, 10 * GBIT, 3).spare_bytes_per_s() == 2.5 * GBIT
+    assert LinkState(10 * GBIT).spare_bytes_per_s() == 10 * GBIT
+
+
+def test_prediction_sums_queue_prefill_and_transfer() -> None:
+    """20,000 tokens: PrfaaS 1 s queue + 2 s + 2 GB over 8 Gbit/s spare (2 s) = 5 s;
+    local 0.5 s queue + 4 s = 4.5 s: local wins."""
+    f = _forecast({"pf0": 1.0, "pf1": 3.0, "pd0": 0.5}, LinkState(10 * GBIT, 2 * GBIT, 1))
+    p = predict_ttft(f, prfaas_tokens=20_000, local_tokens=20_000,
+                     prfaas_pool=["pf0", "pf1"], local_pool=["pd0"])  # fmt: skip
+    assert p == TTFTPrediction(prfaas_s=5.0, local_s=4.5)
+    assert not p.offload
+    assert p.describe() == "predicted TTFT prfaas 5.00s >= local 4.50s"
+
+
+def test_no_link_telemetry_leaves_the_transfer_out() -> None:
+    f = _forecast({})
+    p = predict_ttft(f, prfaas_tokens=20_000, local_tokens=20_000,
+                     prfaas_pool=["pf0"], local_pool=["pd0"])  # fmt: skip
+    assert p == TTFTPrediction(2.0, 4.0) and p.offload
+
+
+def test_least_backlog_of_an_empty_pool_is_infinite() -> None:
+    assert least_backlog(_forecast({"a": 2.0}), []) == math.inf
+    assert least_backlog(_forecast({"a": 2.0}), ["a", "b"]) == 0.0  # b is idle
+
+
+def _snap(
+    total: int, forecast: LoadForecast | None, *, t: float = 10_000, pd_cached: int = 0,
+    pf_cached: int = 0, regime: Regime = "bandwidth_scarce",
+) -> RoutingSnapshot:  # fmt: skip
+    return RoutingSnapshot(
+        total_tokens=total,
+        threshold=t,
+        regime=regime,
+        forecast=forecast,
+        instances=(
+            InstanceView("pf0", "prfaas", "prefill", cached_tokens=pf_cached),
+            InstanceView("pd-p0", "pd", "prefill", cached_tokens=pd_cached),
+            InstanceView("pd-d0", "pd", "decode"),
+        ),
+    )
+
+
+def test_policy_offloads_when_prfaas_is_predicted_faster() -> None:
+    """20,000 uncached > t and PrfaaS idle: 2 s + 1.6 s transfer < 4 s local."""
+    f = _forecast({}, LinkState(10 * GBIT))
+    d = PrfaasPolicy().decide(_snap(20_000, f))
+    assert d.route == "prfaas"
+    assert d.reason == (
+        "bandwidth_scarce: 20000 uncached > t=10000; predicted TTFT prfaas 3.60s < local 4.00s"
+    )
+
+
+def test_policy_keeps_a_long_request_local_when_prfaas_is_backed_up() -> None:
+    """The same request with 3 s queued on PrfaaS: 6.6 s >= 4 s, so PD computes it."""
+    f = _forecast({"pf0": 3.0}, LinkState(10 * GBIT))
+    d = PrfaasPolicy().decide(_snap(20_000, f))
+    assert (d.route, d.prefill_instance) == ("pd", "pd-p0")
+    assert d.reason.endswith("predicted TTFT prfaas 6.60s >= local 4.00s")
+
+
+def test_a_saturated_link_keeps_long_requests_local() -> None:
+    """Link full with 4 transfers: 2 GB at a fifth of 1 Gbit/s takes 80 s."""
+    f = _forecast({}, LinkState(1 * GBIT, 1 * GBIT, 4))
+    assert PrfaasPolicy().decide(_snap(20_000, f)).route == "pd"
+
+
+def test_short_requests_never_consult_the_forecast() -> None:
+    """At or below t the request stays local whatever PrfaaS's prediction."""
+    d = PrfaasPolicy().decide(_snap(10_000, _forecast({"pd-p0": 100.0})))
+    assert d.route == "pd" and "predicted" not in d.reason
+
+
+def test_prediction_uses_what_each_cluster_would_compute() -> None:
+    """PD caches 8,000 of 30,000: local computes 22,000 (4.4 s); PrfaaS caches nothing and
+    computes 30,000 (3 s, no link term): PrfaaS wins. In the abundant regime PrfaaS would
+    pull the PD prefix and compute 22,000 (2.2 s)."""
+    f = _forecast({})
+    d = PrfaasPolicy().decide(_snap(30_000, f, pd_cached=8_000))
+    assert d.route == "prfaas" and d.reason.endswith("prfaas 3.00s < local 4.40s")
+    d = PrfaasPolicy().decide(_snap(30_000, f, pd_cached=8_000, regime="bandwidth_abundant"))
+    assert d.route == "prfaas" and d.reason.endswith("prfaas 2.20s < local 4.40s")
+    assert d.prefix_transfer_from == "pd"
+
+
+@pytest.mark.parametrize("backlog", [0.0, 2.0, 2.4, 2.5])
+def test_break_even_is_strict(backlog: float) -> None:
+    """PrfaaS 20,000 tokens = 2 s + queue vs local 4.5 s (0.5 s queue): offload only while
+    strictly faster (2.5 s of PrfaaS queue ties and stays local)."""
+    f = _forecast({"pf0": backlog, "pd-p0": 0.5})
+    route = PrfaasPolicy().decide(_snap(20_000, f)).route
+    assert route == ("prfaas" if 2.0 + backlog < 4.5 else "pd")

@@ -1,0 +1,82 @@
+"""EWMA estimates of rate, incremental lengths (log-normal fit), output length, bandwidth."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from prfaas.common.toml_tables import FieldError
+from prfaas.policies.workload_estimate import (
+    EstimateConfig,
+    Moments,
+    PeriodObservation,
+    update_estimate,
+)
+
+
+def test_moments_fit_the_log_normal_parameters() -> None:
+    """Sufficient statistics of ln L give back mu and sigma of a large log-normal sample."""
+    rng = np.random.default_rng(0)
+    sample = [round(x) for x in rng.lognormal(9.9, 1.0, 20_000)]
+    m = Moments.of(sample)
+    assert m.n == 20_000
+    assert m.mu == pytest.approx(9.9, abs=0.02) and m.sigma == pytest.approx(1.0, abs=0.02)
+
+
+def test_degenerate_samples_keep_a_valid_sigma() -> None:
+    m = Moments.of([1000] * 5)
+    assert m.mu == pytest.approx(math.log(1000)) and m.sigma == 0.05
+    assert math.isnan(Moments().mu) and math.isnan(Moments().sigma)
+
+
+def test_first_period_is_taken_as_is_then_blended() -> None:
+    """alpha 0.5: rate 2 then 4 req/s -> 3; lengths e^8 then e^10 (equal counts) -> mu 9."""
+    cfg = EstimateConfig(alpha=0.5)
+    e1 = update_estimate(cfg, None, PeriodObservation.of(10.0, [2981] * 20, [100] * 10, 1e9))
+    assert e1.rate == 2.0 and e1.periods == 1 and e1.output_tokens == 100.0
+    assert e1.lengths.mu == pytest.approx(math.log(2981))
+    e2 = update_estimate(cfg, e1, PeriodObservation.of(10.0, [22026] * 40, [300] * 10, 3e9))
+    assert e2.rate == 3.0 and e2.periods == 2
+    assert e2.capacity_bytes_per_s == 2e9
+    assert e2.output_tokens == 200.0
+    # counts 20 and 40 blend to 30 samples: 10 of ln 2981 (8.0) and 20 of ln 22026 (10.0)
+    assert e2.lengths.n == 30.0
+    assert e2.lengths.mu == pytest.approx((10 * math.log(2981) + 20 * math.log(22026)) / 30)
+
+
+def test_a_step_is_followed_geometrically() -> None:
+    """alpha 0.6: 60%, 84%, 93.6% of a rate step after 1, 2, 3 periods."""
+    cfg = EstimateConfig(alpha=0.6)
+    e = update_estimate(cfg, None, PeriodObservation.of(1.0, [100] * 1, []))
+    seen = []
+    for _ in range(3):
+        e = update_estimate(cfg, e, PeriodObservation.of(1.0, [100] * 11, []))
+        seen.append(round((e.rate - 1) / 10, 4))
+    assert seen == [0.6, 0.84, 0.936]
+
+
+def test_unknown_capacity_keeps_the_last_estimate() -> None:
+    cfg = EstimateConfig()
+    e = update_estimate(cfg, None, PeriodObservation.of(1.0, [100], [], 5e8))
+    e = update_estimate(cfg, e, PeriodObservation.of(1.0, [100], [], None))
+    assert e.capacity_bytes_per_s == 5e8
+    assert e.output_tokens is None
+
+
+def test_distribution_needs_a_sample() -> None:
+    e = update_estimate(EstimateConfig(), None, PeriodObservation.of(1.0, [], []))
+    with pytest.raises(ValueError, match="no incremental length"):
+        e.distribution(128, 131072)
+    e = update_estimate(EstimateConfig(), None, PeriodObservation.of(1.0, [5000, 20000], []))
+    d = e.distribution(128, 131072)
+    assert (d.lo, d.hi) == (128, 131072) and d.mu == pytest.approx(math.log(10000))
+    assert e.to_json()["length_samples"] == 2.0
+
+
+def test_bad_values_are_named() -> None:
+    with pytest.raises(FieldError, match=r"alpha: must be in \(0, 1\] \(got 0.0\)"):
+        EstimateConfig(alpha=0.0)
+    with pytest.raises(FieldError, match=r"duration_s: must be > 0 \(got 0.0\)"):
+        PeriodObservation.of(0.0, [], [])
