@@ -22,6 +22,7 @@ from prfaas.cli.extras import require_extra
 if TYPE_CHECKING:
     from prfaas.gateway.api.assembly import Gateway
     from prfaas.gateway.deployment import DeploymentConfig
+    from prfaas.gateway.scheduling.config import SchedulerConfig
 
 HELP = "Run the OpenAI-compatible PrfaaS gateway (embedded default deployment without --config)."
 
@@ -42,6 +43,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--link-delay-ms", type=float, default=None, help="embedded: one-way delay (default 5)"
+    )
+    parser.add_argument(
+        "--no-scheduler",
+        action="store_true",
+        help="no dual-timescale scheduling (t moves only by POST /admin/state)",
+    )
+    parser.add_argument(
+        "--scheduler-period",
+        type=float,
+        metavar="S",
+        help="long-term scheduling period in seconds (embedded default 30; else the config's)",
     )
     parser.add_argument("--log-level", default="WARNING")
 
@@ -86,7 +98,7 @@ def _configured(args: argparse.Namespace) -> Coroutine[Any, Any, int]:
 
     config = load_deployment(args.config)
     gateway = dataclasses.replace(config.gateway, **_overrides(args))  # type: ignore[arg-type]
-    config = dataclasses.replace(config, gateway=gateway)
+    config = dataclasses.replace(config, gateway=gateway, scheduler=_scheduler(args, config))
     create_policy(config.gateway.policy)
     ready = functools.partial(print_ready, host=args.host)
     if config.launch:
@@ -95,6 +107,15 @@ def _configured(args: argparse.Namespace) -> Coroutine[Any, Any, int]:
 
         return serve_launched(config, args.host, args.port, on_ready=ready)
     return _served(config, args.host, args.port, ready)
+
+
+def _scheduler(args: argparse.Namespace, config: DeploymentConfig) -> SchedulerConfig | None:
+    """The config's `[scheduler]` with the command line's overrides."""
+    if args.no_scheduler or config.scheduler is None:
+        return None
+    if args.scheduler_period is None:
+        return config.scheduler
+    return dataclasses.replace(config.scheduler, period_s=args.scheduler_period)
 
 
 async def _served(

@@ -105,6 +105,19 @@ class BaseEngineClient(ABC):
     async def info(self) -> EngineInfo:
         """The instance's role, page size and bootstrap address."""
 
+    async def set_role(self, role: Role, *, timeout_s: float) -> float:
+        """Switch the instance to `role` through the engine's role API: the engine refuses new
+        work, lets what it runs finish, then switches. Mutates the engine, not the client.
+        The caller stops routing to the instance first (see `gateway/scheduling/roles.py`).
+
+        Returns:
+            The seconds the engine took (its drain included).
+
+        Raises:
+            EngineError: no role API, a refusal, or no drain within `timeout_s`.
+        """
+        raise EngineError(f"{self.instance_id}: this engine has no role API", status=501)
+
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release client resources (connections); the engine itself keeps running."""
 

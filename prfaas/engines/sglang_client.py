@@ -236,13 +236,19 @@ class SGLangClient(BaseEngineClient):
         with contextlib.suppress(aiohttp.ClientError, TimeoutError, EngineError, RuntimeError):
             await self._control("POST", "/abort_request", {"rid": rid})
 
-    async def _control(self, method: str, path: str, body: Any = None) -> Any:
+    async def _control(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        limit: aiohttp.ClientTimeout | None = None,
+    ) -> Any:
         async with self._session.request(
             method,
             f"{self.base_url}{path}",
             data=None if body is None else orjson.dumps(body),
             headers=JSON_HEADERS,
-            timeout=self._control_timeout,
+            timeout=limit or self._control_timeout,
         ) as resp:
             raw = await resp.read()
             if resp.status != 200:
@@ -285,6 +291,15 @@ class SGLangClient(BaseEngineClient):
             bootstrap_port=int(port) if port is not None else None,
             model=str(info.get("served_model_name") or info.get("model_path") or ""),
         )
+
+    async def set_role(self, role: Role, *, timeout_s: float) -> float:
+        """`POST /admin/role` (the reference engine's role API: it drains, then switches)."""
+        timeout = aiohttp.ClientTimeout(total=timeout_s, connect=self._config.connect_timeout_s)
+        try:
+            answer = await self._control("POST", "/admin/role", {"role": role}, timeout)
+        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
+            raise EngineError(f"{self.instance_id}: /admin/role failed: {exc!r}") from exc
+        return float(answer.get("switch_seconds") or 0.0) if isinstance(answer, dict) else 0.0
 
     async def close(self) -> None:
         """Wait for pending aborts, close pooled generate connections; the shared session

@@ -28,6 +28,10 @@ role = "decode"
 model = "qwen3-next-tiny"
 # egress_rate_mbps = 10      # prefill roles: pace this engine's KV egress (emulated link)
 # egress_delay_ms = 5        # prefill roles: added one-way delay
+
+[scheduler]                  # optional: dual-timescale scheduling (gateway/scheduling/)
+profile = "profile.toml"     # planner profile (hardware, KV bytes), relative to this file
+period_s = 60.0              # long-term period; tick_s = 1.0 the short-term tick
 ```
 
 The file is read by `prfaas.common.toml_tables` (unknown keys and wrong types are errors);
@@ -37,13 +41,14 @@ the key path and the bad value (`deploy.toml: instances[1].role: must be one of 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, get_args
 from urllib.parse import urlparse
 
 from prfaas.common.toml_tables import ConfigError, build, check, load_toml
 from prfaas.engines.client import Role
+from prfaas.gateway.scheduling.config import SchedulerConfig
 from prfaas.policies.routing import Regime, Route
 
 _ROUTES = get_args(Route)
@@ -183,6 +188,8 @@ class DeploymentConfig:
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     instances: tuple[InstanceConfig, ...] = ()
     launch: tuple[LaunchConfig, ...] = ()
+    scheduler: SchedulerConfig | None = None
+    """Dual-timescale scheduling (`[scheduler]`); absent: `t` moves only by hand."""
 
     def __post_init__(self) -> None:
         members: list[InstanceConfig | LaunchConfig] = [*self.instances, *self.launch]
@@ -212,4 +219,9 @@ def load_deployment(path: str | Path) -> DeploymentConfig:
     Raises:
         ConfigError: unreadable file, bad TOML, or invalid values.
     """
-    return parse_deployment(load_toml(path), str(path))
+    config = parse_deployment(load_toml(path), str(path))
+    sched = config.scheduler
+    if sched is not None and sched.profile is not None:  # relative to the deployment file
+        profile = Path(path).parent / sched.profile
+        config = replace(config, scheduler=replace(sched, profile=str(profile)))
+    return config

@@ -21,6 +21,8 @@ class InstanceState:
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     healthy: bool = True
+    draining: bool = False
+    """Being converted to another role: routed nothing new (`gateway/scheduling/roles.py`)."""
     in_flight: int = 0
     queued: int = 0  # waiting requests the engine last reported
 
@@ -59,7 +61,7 @@ class InstanceManager:
                     s.role,
                     get(s.instance_id, 0),
                     s.in_flight + s.queued,
-                    s.healthy,
+                    s.healthy and not s.draining,
                 )
                 for s in self._instances.values()
             ]

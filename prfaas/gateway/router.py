@@ -13,7 +13,7 @@ import contextlib
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NoReturn
+from typing import NoReturn, Protocol
 
 from prfaas.common.hashing import iter_block_hashes
 from prfaas.engines.client import EngineCall, EngineError
@@ -26,6 +26,7 @@ from prfaas.policies.routing import (
     RouteDecision,
     RoutingSnapshot,
 )
+from prfaas.policies.ttft_forecast import LoadForecast
 from prfaas.protocol.generate import Bootstrap, GenerateChunk, GenerateRequest, SamplingParams
 
 MAX_ATTEMPTS = 2
@@ -50,12 +51,35 @@ class RouteEvent:
     error: str | None = None
 
 
+class RoutingObserver(Protocol):
+    """What the schedulers see of the request path (`gateway/scheduling/observer.py`). Each
+    method is called on the loop, synchronously, and must not block."""
+
+    def forecast(self) -> LoadForecast | None:
+        """The load forecast to put in the next request's snapshot (None: none)."""
+        ...
+
+    def dispatched(self, rid: str, decision: RouteDecision) -> None:
+        """A request was sent to its instances."""
+        ...
+
+    def prefill_ended(self, rid: str, decision: RouteDecision) -> None:
+        """Its prefill is over (KV handed over, failed or aborted); called once."""
+        ...
+
+    def finished(self, event: RouteEvent) -> None:
+        """The request is over (the same event `on_event` gets)."""
+        ...
+
+
 @dataclass
 class Router:
     """Routes and dispatches requests with SGLang's PD protocol.
 
     `on_event` (optional) receives a `RouteEvent` per finished or failed request.
     `room_source` draws bootstrap rooms (random 63-bit by default; seeded in simulation).
+    `observer` (optional) is the schedulers' view: it adds a load forecast to every snapshot
+    and hears of every dispatch, prefill end and finish.
     """
 
     instances: InstanceManager
@@ -64,6 +88,7 @@ class Router:
     state: RoutingState
     on_event: Callable[[RouteEvent], None] | None = None
     room_source: Callable[[], int] = field(default=lambda: secrets.randbits(63))
+    observer: RoutingObserver | None = None
 
     def decide(self, input_ids: Sequence[int]) -> RouteDecision:
         """Route one prompt: chained block hashes, longest cached prefix per instance, policy.
@@ -78,6 +103,7 @@ class Router:
             instances=self.instances.views(cached),
             threshold=self.state.threshold,
             regime=self.state.regime,
+            forecast=None if self.observer is None else self.observer.forecast(),
         )
         return self.policy.decide(snapshot)
 
@@ -104,6 +130,8 @@ class Router:
             bootstrap = None if prefill is decode else self._bootstrap(prefill)
             request = GenerateRequest(rid, ids, sampling, stream, bootstrap)
             routed = Dispatch(self, decision, prefill, decode, request)
+            if self.observer is not None:
+                self.observer.dispatched(rid, decision)
             try:
                 await routed.start()
             except BaseException as exc:  # cancelled too: the calls are aborted
@@ -124,6 +152,8 @@ class Router:
     def report(self, event: RouteEvent) -> None:
         if self.on_event is not None:
             self.on_event(event)
+        if self.observer is not None:
+            self.observer.finished(event)
 
 
 class Dispatch:
@@ -148,7 +178,7 @@ class Dispatch:
         self.first: GenerateChunk | None = None
         self.retryable = False
         self._last: GenerateChunk | None = None
-        self._closed = self._reported = False
+        self._closed = self._reported = self._prefill_over = False
         prefill.in_flight += 1
         decode.in_flight += 1
         self._decode_call = decode.client.generate(request)
@@ -158,9 +188,19 @@ class Dispatch:
             self._prefill_call.ended.add_done_callback(self._prefill_ended)
 
     def _prefill_ended(self, ended: asyncio.Future[None]) -> None:
+        self._prefill_done()
         error = self._prefill_error()
         if error is not None:
             self._decode_call.abort(error)
+
+    def _prefill_done(self) -> None:
+        """Tell the observer, once, that this request's prefill is over."""
+        if self._prefill_over:
+            return
+        self._prefill_over = True
+        observer = self.router.observer
+        if observer is not None:
+            observer.prefill_ended(self.request.rid, self.decision)
 
     def _prefill_error(self) -> EngineError | None:
         """The prefill call's error, with a refusal marked, if it has failed."""
@@ -183,6 +223,8 @@ class Dispatch:
         first = await self.next()
         if first is None:
             self._fail(EngineError("the engine returned no output"))
+        if self._prefill_call is None:
+            self._prefill_done()  # one instance does both: its first token ends the prefill
         self.first = first
 
     async def next(self) -> GenerateChunk | None:
@@ -231,6 +273,7 @@ class Dispatch:
         if self._closed:
             return
         self._closed = True
+        self._prefill_done()
         self._decode_call.abort()
         if self._prefill_call is not None:
             self._prefill_call.abort()

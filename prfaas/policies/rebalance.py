@@ -159,8 +159,12 @@ def rebalance(
     replanned = replan_profile(profile, estimate, pools.n_prfaas, n_p + n_d)
     grid = plan(replanned, t_step=config.t_step, exact=config.exact).grid
     current = best_for_split(grid, n_p)
-    period = _Period(config, state, _set_point(config, set_point, current.threshold_tokens),
-                     _numbers(current, estimate))  # fmt: skip
+    period = _Period(
+        config,
+        state,
+        _set_point(config, set_point, current.threshold_tokens),
+        _numbers(current, estimate),
+    )
     direction, why = _drift(config, current)
     if direction == 0:
         return period.reset("hold", why)
@@ -174,12 +178,16 @@ def rebalance(
             f"{lost} instance (at least one prefill and one decode must stay)",
         )
     nxt = best_for_split(grid, n_p + direction)
-    period.numbers["next"] = {"n_p": nxt.n_p, "t_best": nxt.threshold_tokens,
-                              "lambda_max": nxt.lambda_max}  # fmt: skip
+    period.numbers["next"] = {
+        "n_p": nxt.n_p,
+        "t_best": nxt.threshold_tokens,
+        "lambda_max": nxt.lambda_max,
+    }
     gain = nxt.lambda_max / current.lambda_max - 1 if current.lambda_max > 0 else math.inf
     if gain < config.min_gain:
-        return period.reset("hold", f"{why}; hold: converting one {lost} gains {gain:+.1%} "
-                            f"< {config.min_gain:.0%}")  # fmt: skip
+        return period.reset(
+            "hold", f"{why}; hold: converting one {lost} gains {gain:+.1%} < {config.min_gain:.0%}"
+        )
     streak = state.streak + 1 if state.direction == direction else 1
     period.state = replace(state, direction=direction, streak=streak)
     move = f"{why}; one {lost} -> {gained} gains {gain:+.1%}"

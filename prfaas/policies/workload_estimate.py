@@ -49,8 +49,9 @@ class Moments:
 
     def blend(self, new: Moments, alpha: float) -> Moments:
         k = 1.0 - alpha
-        return Moments(k * self.n + alpha * new.n, k * self.s1 + alpha * new.s1,
-                       k * self.s2 + alpha * new.s2)  # fmt: skip
+        return Moments(
+            k * self.n + alpha * new.n, k * self.s1 + alpha * new.s1, k * self.s2 + alpha * new.s2
+        )
 
     @property
     def mu(self) -> float:
@@ -89,8 +90,14 @@ class PeriodObservation:
         outputs: Sequence[int],
         capacity_bytes_per_s: float | None = None,
     ) -> PeriodObservation:
-        return cls(duration_s, len(incremental), Moments.of(incremental),
-                   float(sum(outputs)), len(outputs), capacity_bytes_per_s)  # fmt: skip
+        return cls(
+            duration_s,
+            len(incremental),
+            Moments.of(incremental),
+            float(sum(outputs)),
+            len(outputs),
+            capacity_bytes_per_s,
+        )
 
 
 @dataclass(frozen=True)
@@ -139,8 +146,9 @@ def update_estimate(
     rate = obs.arrivals / obs.duration_s
     capacity = obs.capacity_bytes_per_s
     if estimate is None:
-        return WorkloadEstimate(rate, obs.lengths, obs.output_tokens, float(obs.finished),
-                                capacity, 1)  # fmt: skip
+        return WorkloadEstimate(
+            rate, obs.lengths, obs.output_tokens, float(obs.finished), capacity, 1
+        )
     a, k = config.alpha, 1.0 - config.alpha
     old_cap = estimate.capacity_bytes_per_s
     if capacity is not None and old_cap is not None:

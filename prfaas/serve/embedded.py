@@ -4,10 +4,11 @@ Starts three reference engines as child processes (PrfaaS cluster: one prefill; 
 one prefill, one decode). The cross-DC link is emulated by the PrfaaS prefill engine's own
 KV transport: its whole egress is paced to the link rate (a per-process token bucket: one
 cluster egress link shared by every decode peer) with an added one-way delay, so KV goes
-engine to engine and never through the gateway. Profiles the engines (the link's bandwidth
-measured over that transport), runs the planner to choose `t`, polls the transport's
-telemetry for `/metrics` and `/admin/state`, and serves until SIGINT/SIGTERM, when
-everything stops, children included.
+engine to engine and never through the gateway; `POST /admin/egress` on that engine changes
+the rate at run time. Profiles the engines (the link's bandwidth measured over that
+transport), runs the planner to choose `t`, runs the dual-timescale schedulers on the
+measured profile, polls the transport's telemetry for `/metrics` and `/admin/state`, and
+serves until SIGINT/SIGTERM, when everything stops, children included.
 """
 
 from __future__ import annotations
@@ -26,8 +27,17 @@ from prfaas.engines.sglang_client import SGLangClient
 from prfaas.gateway.api.assembly import Gateway, egress_setup
 from prfaas.gateway.deployment import DeploymentConfig, GatewayConfig, InstanceConfig, ModelConfig
 from prfaas.gateway.link import EgressSample, fetch_sample
+from prfaas.gateway.scheduling.config import SchedulerConfig
+from prfaas.policies.profile import DeploymentProfile
 from prfaas.serve.processes import EngineProcess, EngineSpec, free_port, start_engine
-from prfaas.serve.profiling import MeasuredProfile, Pair, Workload, measure, plan_threshold
+from prfaas.serve.profiling import (
+    MeasuredProfile,
+    Pair,
+    Workload,
+    measure,
+    measured_profile,
+    plan_threshold,
+)
 from prfaas.serve.run import serve_gateway, signals_cancel_current_task
 from prfaas.serve.summary import summary_lines
 
@@ -36,6 +46,14 @@ DEFAULT_DELAY_MS = 5.0
 ENGINE_MAX_BATCH = 32  # the engine CLI's default --max-batch
 T_RANGE = (256.0, 4096.0)  # keep both routes in use for a newcomer's prompts
 LINK_CHUNK_KIB = 64  # frame size = pacing burst: small, so a slow link is paced smoothly
+SCHEDULER_PERIOD_S = 30.0  # long-term period of the embedded deployment
+
+
+def default_scheduler() -> SchedulerConfig:
+    """The embedded deployment's schedulers: set-points kept in the range its prompts span."""
+    return SchedulerConfig(
+        period_s=SCHEDULER_PERIOD_S, min_threshold=T_RANGE[0], max_threshold=T_RANGE[1]
+    )
 
 
 @dataclass(frozen=True)
@@ -51,6 +69,9 @@ class EmbeddedOptions:
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     threshold_override: float | None = None
     workload: Workload = field(default_factory=Workload)
+    scheduler: SchedulerConfig | None = field(default_factory=default_scheduler)
+    """Dual-timescale scheduling on the measured profile (None: off; also off when
+    `--threshold` skips the profiling)."""
 
     def __post_init__(self) -> None:
         if not self.link_mbps > 0:
@@ -61,11 +82,18 @@ class EmbeddedOptions:
     @classmethod
     def from_args(cls, args: argparse.Namespace, overrides: Mapping[str, Any]) -> EmbeddedOptions:
         gateway = replace(GatewayConfig(), **{k: v for k, v in overrides.items()})
+        scheduler: SchedulerConfig | None = None
+        if not args.no_scheduler:
+            period = args.scheduler_period
+            scheduler = default_scheduler()
+            if period is not None:
+                scheduler = replace(scheduler, period_s=period)
         return cls(
             link_mbps=args.link_gbps * 1000 if args.link_gbps is not None else DEFAULT_LINK_MBPS,
             link_delay_ms=DEFAULT_DELAY_MS if args.link_delay_ms is None else args.link_delay_ms,
             gateway=gateway,
             threshold_override=overrides.get("threshold"),
+            scheduler=scheduler,
         )
 
     def link_args(self) -> tuple[str, ...]:
@@ -114,7 +142,10 @@ async def stop_cluster(cluster: Cluster) -> None:
 
 
 def deployment_for(
-    cluster: Cluster, options: EmbeddedOptions, threshold: float
+    cluster: Cluster,
+    options: EmbeddedOptions,
+    threshold: float,
+    scheduler: SchedulerConfig | None = None,
 ) -> DeploymentConfig:
     """The gateway's view: every engine at its own HTTP and bootstrap address."""
     e = cluster.engines
@@ -126,11 +157,15 @@ def deployment_for(
         InstanceConfig("pd-d0", "pd", "decode", e["pd-d0"].url, kv_events=e["pd-d0"].kv_events),
     )  # fmt: skip
     model = ModelConfig(name=options.model, block_size=options.page_size)
-    return DeploymentConfig(model, replace(options.gateway, threshold=threshold), instances)
+    gateway = replace(options.gateway, threshold=threshold)
+    return DeploymentConfig(model, gateway, instances, scheduler=scheduler)
 
 
-async def profile_and_plan(cluster: Cluster, options: EmbeddedOptions) -> tuple[float, list[str]]:
-    """Measure the engines, run the planner; returns `t` and summary lines."""
+async def profile_and_plan(
+    cluster: Cluster, options: EmbeddedOptions
+) -> tuple[float, list[str], DeploymentProfile]:
+    """Measure the engines, run the planner; returns `t`, summary lines and the measured
+    profile (the schedulers' predictions and re-solves use it)."""
     e = cluster.engines
     async with aiohttp.ClientSession() as session:
         client = {n: SGLangClient(n, p.url, session) for n, p in e.items()}
@@ -152,7 +187,7 @@ async def profile_and_plan(cluster: Cluster, options: EmbeddedOptions) -> tuple[
         f"  planner    t = {t:.0f} tokens{note}; Lambda_max {report.prfaas_pd.lambda_max:.2f} "
         f"req/s, bottleneck {report.prfaas_pd.bottleneck}"
     )
-    return t, lines
+    return t, lines, measured_profile(measured, options.workload)
 
 
 def _profile_lines(m: MeasuredProfile) -> list[str]:
@@ -175,23 +210,36 @@ async def serve_embedded(options: EmbeddedOptions, host: str, port: int) -> int:
     with signals_cancel_current_task():
         cluster = await start_cluster(options, log_dir)
     try:
+        profile: DeploymentProfile | None = None
         if options.threshold_override is not None:
             t, lines = options.threshold_override, ["  planner    skipped (--threshold given)"]
         else:
             with signals_cancel_current_task():
-                t, lines = await profile_and_plan(cluster, options)
+                t, lines, profile = await profile_and_plan(cluster, options)
+        scheduler = options.scheduler if profile is not None else None
+        lines.append(_scheduler_line(scheduler))
         lines.insert(0, f"  link       {options.link_mbps:g} Mbit/s, {options.link_delay_ms:g} ms"
                         " one-way (PrfaaS -> PD, paced by prfaas-p0's KV transport)")  # fmt: skip
         await serve_gateway(
-            deployment_for(cluster, options, t),
+            deployment_for(cluster, options, t, scheduler),
             host,
             port,
             setup=egress_setup(options.link_state()),
             on_ready=_printer(host, [*lines, f"  logs       {log_dir}"]),
+            profile=profile,
         )
     finally:
         await stop_cluster(cluster)
     return 0
+
+
+def _scheduler_line(scheduler: SchedulerConfig | None) -> str:
+    if scheduler is None:
+        return "  scheduler  off (t moves only by POST /admin/state)"
+    return (
+        f"  scheduler  dual-timescale on the measured profile: tick {scheduler.tick_s:g} s, "
+        f"period {scheduler.period_s:g} s (GET /admin/state shows its decisions)"
+    )
 
 
 def _printer(host: str, extra: list[str]) -> Callable[[Gateway, int], None]:

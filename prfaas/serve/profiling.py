@@ -20,7 +20,7 @@ from typing import Any
 from prfaas.engines.client import BaseEngineClient, collect
 from prfaas.gateway.link import EgressSample
 from prfaas.policies.planner import PlanReport, plan
-from prfaas.policies.profile import parse_profile
+from prfaas.policies.profile import DeploymentProfile, parse_profile
 from prfaas.protocol.generate import Bootstrap, GenerateRequest, SamplingParams
 
 PROFILE_LENGTHS = (256, 1024, 3072)
@@ -204,13 +204,18 @@ def profile_document(m: MeasuredProfile, workload: Workload) -> dict[str, Any]:
     }
 
 
+def measured_profile(m: MeasuredProfile, workload: Workload) -> DeploymentProfile:
+    """The measured deployment as a validated planner profile."""
+    return parse_profile(profile_document(m, workload), source="<start-up profile>")
+
+
 def plan_threshold(m: MeasuredProfile, workload: Workload) -> tuple[float, PlanReport]:
     """The planner's optimum threshold for the measured profile, and its report.
 
     Raises:
         ValueError: the profile is invalid or the planner finds no PrfaaS-PD optimum.
     """
-    report = plan(parse_profile(profile_document(m, workload), source="<start-up profile>"))
+    report = plan(measured_profile(m, workload))
     t = report.prfaas_pd.threshold_tokens
     if t is None or not math.isfinite(t):
         raise ValueError("the planner found no threshold for the measured profile")

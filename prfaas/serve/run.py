@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from prfaas.gateway.api.app import GatewayApp
 from prfaas.gateway.api.assembly import Gateway
 from prfaas.gateway.deployment import DeploymentConfig
+from prfaas.policies.profile import DeploymentProfile
 
 
 async def wait_for_signal() -> None:
@@ -49,9 +50,11 @@ async def serve_gateway(
     *,
     setup: Callable[[Gateway], Awaitable[None]] | None = None,
     on_ready: Callable[[Gateway, int], None] | None = None,
+    profile: DeploymentProfile | None = None,
 ) -> None:
-    """Serve until a signal arrives; `on_ready(gateway, bound_port)` runs once listening."""
-    app = GatewayApp(config, setup)
+    """Serve until a signal arrives; `on_ready(gateway, bound_port)` runs once listening;
+    `profile` feeds the schedulers (see `GatewayApp`)."""
+    app = GatewayApp(config, setup, profile)
     bound = await app.start(host, port)
     try:
         gc.freeze()  # start-up objects never die: keep them out of every later collection

@@ -2,7 +2,8 @@
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`,
 `GET /metrics` (Prometheus text), `GET /admin/state`, `POST /admin/state` (set `threshold`
-and/or `regime`); `HEAD` wherever `GET` is. Unknown paths get a JSON 404, known paths with
+and/or `regime`: with schedulers running this pins them until `{"scheduler": "auto"}`);
+`HEAD` wherever `GET` is. Unknown paths get a JSON 404, known paths with
 another method a JSON 405 with `Allow`. `GatewayApp` owns the one engine `ClientSession`, the
 `Gateway` and the server: `start` brings them up in that order, `stop` takes them down in
 reverse, so every background task stops with the app.
@@ -20,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from prfaas.gateway.api.assembly import Gateway, build_gateway
 from prfaas.gateway.deployment import DeploymentConfig
 from prfaas.http.server import Exchange, HttpLimits, HttpRequest, HttpResponse, HttpServer
+from prfaas.policies.profile import DeploymentProfile
 from prfaas.protocol.errors import APIError, invalid
 from prfaas.protocol.openai_request import load_json
 
@@ -78,18 +80,30 @@ async def admin_state(gw: Gateway, request: HttpRequest, exchange: Exchange) -> 
 
 
 async def set_admin_state(gw: Gateway, request: HttpRequest, exchange: Exchange) -> HttpResponse:
-    """Move the threshold or regime by hand (what the short-term scheduler will do)."""
+    """Move the threshold or regime by hand. With schedulers running, that pins them (the
+    loops stop moving them) until `{"scheduler": "auto"}` hands them back."""
     gw.service.check_auth(request)
     body = load_json(request.body)
     threshold, regime = body.get("threshold"), body.get("regime")
     if threshold is not None:
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or threshold < 0:
             raise invalid(f"'threshold' must be a number >= 0, got {threshold!r}", "threshold")
-        gw.router.state.threshold = float(threshold)
-    if regime is not None:
-        if regime not in ("bandwidth_scarce", "bandwidth_abundant"):
-            raise invalid(f"'regime' must be bandwidth_scarce|bandwidth_abundant: {regime!r}")
-        gw.router.state.regime = regime
+        threshold = float(threshold)
+    if regime is not None and regime not in ("bandwidth_scarce", "bandwidth_abundant"):
+        raise invalid(f"'regime' must be bandwidth_scarce|bandwidth_abundant: {regime!r}")
+    mode = body.get("scheduler")
+    if mode not in (None, "auto"):
+        raise invalid(f"'scheduler' may only be \"auto\" (hand t back), got {mode!r}")
+    scheduler = gw.scheduler
+    if scheduler is not None and (threshold is not None or regime is not None):
+        scheduler.pin(threshold=threshold, regime=regime)
+    elif scheduler is None:
+        if threshold is not None:
+            gw.router.state.threshold = threshold
+        if regime is not None:
+            gw.router.state.regime = regime
+    if scheduler is not None and mode == "auto":
+        scheduler.release()
     return _json(gw.admin_state())
 
 
@@ -105,13 +119,18 @@ ROUTES: dict[str, dict[str, Route]] = {
 
 class GatewayApp:
     """One gateway served over HTTP. `setup` runs on the built gateway before it starts
-    (e.g. to attach link telemetry)."""
+    (e.g. to attach link telemetry); `profile` is the schedulers' planner profile when the
+    deployment's `[scheduler]` table names none (`prfaas serve`'s measured one)."""
 
     def __init__(
-        self, config: DeploymentConfig, setup: Callable[[Gateway], Awaitable[None]] | None = None
+        self,
+        config: DeploymentConfig,
+        setup: Callable[[Gateway], Awaitable[None]] | None = None,
+        profile: DeploymentProfile | None = None,
     ) -> None:
         self.config = config
         self._setup = setup
+        self._profile = profile
         self._gateway: Gateway | None = None
         self._session: aiohttp.ClientSession | None = None
         self._server: HttpServer | None = None
@@ -143,7 +162,7 @@ class GatewayApp:
             connector=connector, cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False
         )
         try:
-            gateway = build_gateway(self.config, self._session)
+            gateway = build_gateway(self.config, self._session, self._profile)
             if self._setup is not None:
                 await self._setup(gateway)
             self._gateway = gateway

@@ -25,7 +25,12 @@ from prfaas.gateway.kv_feed import KVEventFeed
 from prfaas.gateway.kv_index import KVIndexManager
 from prfaas.gateway.link import EgressMonitor
 from prfaas.gateway.router import Router, RoutingState
+from prfaas.gateway.scheduling.decisions import SchedulerCounters
+from prfaas.gateway.scheduling.scheduler import Scheduler
+from prfaas.gateway.scheduling.short_term import LinkReader
+from prfaas.policies.profile import DeploymentProfile, load_profile
 from prfaas.policies.registry import create_policy
+from prfaas.policies.ttft_forecast import LinkState
 from prfaas.protocol.openai_request import ModelLimits
 
 
@@ -43,14 +48,21 @@ class Gateway:
     metrics: GatewayMetrics
     link: dict[str, Any] = field(default_factory=dict)
     """Describes the cross-cluster link for `/admin/state` (embedded deployment)."""
+    scheduler: Scheduler | None = None
+    """Dual-timescale scheduling, when the deployment asks for it."""
 
     async def start(self) -> None:
-        """Poll health once (so the first request sees real state), then start the feeds."""
+        """Poll health once (so the first request sees real state), then start the feeds
+        and the schedulers."""
         await self.health.poll_once()
         self.feed.start()
         self.health.start()
+        if self.scheduler is not None:
+            self.scheduler.start()
 
     async def stop(self) -> None:
+        if self.scheduler is not None:
+            await self.scheduler.stop()
         await self.health.stop()
         await self.feed.stop()
         for state in self.instances:
@@ -71,6 +83,7 @@ class Gateway:
             "queue": {"running": admission.running, "waiting": admission.waiting},
             "kv_index": {"entries": len(self.index), "rejected": self.index.rejected_events},
             "link": self.link,
+            "scheduler": None if self.scheduler is None else self.scheduler.to_json(),
         }
 
     def gauges(self) -> list[GaugeMetricFamily]:
@@ -124,11 +137,18 @@ def _instance(cfg: InstanceConfig, session: aiohttp.ClientSession) -> InstanceSt
     )
 
 
-def build_gateway(config: DeploymentConfig, session: aiohttp.ClientSession) -> Gateway:
+def build_gateway(
+    config: DeploymentConfig,
+    session: aiohttp.ClientSession,
+    profile: DeploymentProfile | None = None,
+) -> Gateway:
     """Wire a gateway for `config`; engines are reached through `session` (caller owns it).
+    With a `[scheduler]` table the schedulers run on `profile` (e.g. `prfaas serve`'s
+    measured one), else on the file the table names.
 
     Raises:
-        ValueError: unknown policy or unusable tokenizer.
+        ValueError: unknown policy, unusable tokenizer, or a scheduler without a profile
+            (ConfigError for an invalid profile file).
     """
     g, m = config.gateway, config.model
     instances = InstanceManager()
@@ -153,7 +173,33 @@ def build_gateway(config: DeploymentConfig, session: aiohttp.ClientSession) -> G
     )
     gateway = Gateway(config, instances, index, router, service, feed, health, metrics)
     metrics.add_gauges(gateway.gauges)
+    if config.scheduler is not None:
+        sched = config.scheduler
+        if profile is None and sched.profile is None:
+            raise ValueError('[scheduler] needs a planner profile: profile = "profile.toml"')
+        chosen = profile if profile is not None else load_profile(str(sched.profile))
+        counters = SchedulerCounters(metrics.registry)
+        gateway.scheduler = Scheduler(sched, chosen, router, instances, counters)
+        metrics.add_gauges(gateway.scheduler.gauges)
     return gateway
+
+
+def monitor_link(monitor: EgressMonitor) -> LinkReader:
+    """The egress monitor's latest sums as the schedulers' link measurement (None until an
+    instance reports a capacity)."""
+
+    def read() -> LinkState | None:
+        state = monitor.state
+        capacity = state.get("capacity_bytes_per_s")
+        if not capacity:
+            return None
+        return LinkState(
+            capacity_bytes_per_s=float(capacity),
+            egress_bytes_per_s=float(state.get("egress_bytes_per_s") or 0.0),
+            active_transfers=int(state.get("active_transfers") or 0),
+        )
+
+    return read
 
 
 def egress_setup(static: Mapping[str, Any] | None = None) -> Callable[[Gateway], Awaitable[None]]:
@@ -171,5 +217,7 @@ def egress_setup(static: Mapping[str, Any] | None = None) -> Callable[[Gateway],
         gateway.link = monitor.state
         gateway.metrics.add_gauges(lambda: egress_gauges(monitor))
         gateway.health.add_poller(monitor)
+        if gateway.scheduler is not None:
+            gateway.scheduler.attach_link(monitor_link(monitor))
 
     return setup

@@ -1,0 +1,187 @@
+"""The long-term loop (every period, about a minute): estimate the workload, re-solve the
+set-point, and convert one PD-cluster instance when the rebalancer says so.
+
+The slow loop owns the set-point: when the re-solved `t` moves beyond the dead band, `t` is
+reset to it (the fast loop then trims around the new value). A conversion runs in the
+background (its drain may outlast a period); when it is done the instance's new role and
+the set-point re-solved for the new split are applied together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from prfaas.gateway.instances import InstanceManager
+from prfaas.gateway.scheduling.config import SchedulerConfig
+from prfaas.gateway.scheduling.decisions import ScheduleBoard
+from prfaas.gateway.scheduling.observer import SchedulingObserver
+from prfaas.gateway.scheduling.roles import ConversionResult, RoleConverter
+from prfaas.gateway.scheduling.short_term import ShortTermLoop
+from prfaas.policies.profile import DeploymentProfile
+from prfaas.policies.rebalance import (
+    Conversion,
+    Member,
+    Pools,
+    RebalanceDecision,
+    RebalanceState,
+    rebalance,
+)
+from prfaas.policies.schedule_state import InstanceRole
+from prfaas.policies.workload_estimate import PeriodObservation, WorkloadEstimate, update_estimate
+
+logger = logging.getLogger(__name__)
+
+
+class LongTermLoop:
+    """One `period` per `period_s`."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        profile: DeploymentProfile,
+        board: ScheduleBoard,
+        observer: SchedulingObserver,
+        instances: InstanceManager,
+        short: ShortTermLoop,
+        converter: RoleConverter,
+    ) -> None:
+        self._config = config
+        self._profile = profile
+        self._board = board
+        self._observer = observer
+        self._instances = instances
+        self._short = short
+        self._converter = converter
+        self.state = RebalanceState()
+        self.estimate: WorkloadEstimate | None = None
+        self.last: RebalanceDecision | None = None
+        self._conversion: asyncio.Task[None] | None = None
+        self.conversions: list[ConversionResult] = []
+
+    def period(self) -> RebalanceDecision:
+        """Estimate, decide, and start what was decided."""
+        samples = self._observer.take_samples()
+        now = self._observer.now()
+        link = self._observer.link
+        obs = PeriodObservation.of(
+            max(now - samples.started, 1e-9),
+            samples.incremental,
+            samples.outputs,
+            None if link is None else link.capacity_bytes_per_s,
+        )
+        self.estimate = update_estimate(self._config.estimate, self.estimate, obs)
+        board = self._board
+        decision = rebalance(
+            self._config.rebalance,
+            self.state,
+            self._profile,
+            self.estimate,
+            self.pools(),
+            now=now,
+            set_point=board.state.set_point,
+            min_samples=self._config.estimate.min_samples,
+        )
+        self.state, self.last = decision.state, decision
+        counters = board.counters
+        if counters is not None:
+            counters.rebalance.labels(decision.outcome).inc()
+        inputs = {"outcome": decision.outcome, **(decision.numbers or {})}
+        if decision.outcome in ("refused", "convert", "pending"):
+            board.note("long-term", "rebalance", decision.reason, inputs)
+        self._set_point(decision.set_point, decision.reason, inputs)
+        if decision.conversion is not None:
+            self._start(decision.conversion, inputs)
+        return decision
+
+    def pools(self) -> Pools:
+        """The PD cluster as it is now: healthy, not draining (a "both" instance is neither)."""
+        live = [s for s in self._instances if s.healthy and not s.draining]
+        pd = [s for s in live if s.cluster == "pd"]
+        return Pools(
+            n_prfaas=sum(s.cluster == "prfaas" and s.role != "decode" for s in live),
+            prefill=tuple(Member(s.instance_id, s.in_flight) for s in pd if s.role == "prefill"),
+            decode=tuple(Member(s.instance_id, s.in_flight) for s in pd if s.role == "decode"),
+        )
+
+    def _set_point(self, solved: float, reason: str, inputs: dict[str, Any]) -> None:
+        board = self._board
+        set_point = self._config.clamp(solved)
+        if self._short.pinned or set_point == board.state.set_point:
+            return
+        before = board.state.set_point
+        board.change(
+            "long-term",
+            "set_point",
+            f"re-solved t {before:.0f} -> {set_point:.0f}",
+            inputs,
+            threshold=set_point,
+            set_point=set_point,
+        )
+        self._short.reset_set_point(set_point)
+
+    def _start(self, conversion: Conversion, inputs: dict[str, Any]) -> None:
+        self.state = self.state.started(conversion.instance_id)
+        task = asyncio.get_running_loop().create_task(self._convert(conversion, inputs))
+        self._conversion = task
+
+    async def _convert(self, conversion: Conversion, inputs: dict[str, Any]) -> None:
+        try:
+            result = await self._converter.convert(conversion.instance_id, conversion.to_role)
+        except Exception as exc:  # e.g. the instance left the registry meanwhile
+            logger.exception("conversion of %s failed", conversion.instance_id)
+            result = ConversionResult(
+                conversion.instance_id, conversion.to_role, False, 0.0, repr(exc)
+            )
+        self.conversions.append(result)
+        board = self._board
+        now = self._observer.now()
+        self.state = self.state.finished(self._config.rebalance, now, result.drain_s)
+        self._observer.ledger.forget(conversion.instance_id)
+        if board.counters is not None:
+            board.counters.conversions.labels(
+                conversion.to_role, "ok" if result.ok else "failed"
+            ).inc()
+        facts = {**inputs, "instance": conversion.instance_id, "drain_s": result.drain_s}
+        roles = self._roles()
+        if not result.ok:
+            board.change(
+                "long-term",
+                "role",
+                f"conversion of {conversion.instance_id} to "
+                f"{conversion.to_role} failed: {result.error}",
+                facts,
+                roles=roles,
+            )
+            return
+        why = f"{conversion.instance_id} {conversion.from_role} -> {conversion.to_role}"
+        set_point = self._config.clamp(conversion.set_point)
+        keep = self._short.pinned
+        board.change(
+            "long-term",
+            "role",
+            why,
+            facts,
+            roles=roles,
+            threshold=None if keep else set_point,
+            set_point=None if keep else set_point,
+        )
+        if not keep:
+            self._short.reset_set_point(set_point)
+
+    def _roles(self) -> dict[str, InstanceRole]:
+        return {s.instance_id: s.role for s in self._instances if s.cluster == "pd"}
+
+    @property
+    def converting(self) -> bool:
+        return self._conversion is not None and not self._conversion.done()
+
+    async def stop(self) -> None:
+        """Cancel a conversion in progress (the engine finishes its own switch)."""
+        task, self._conversion = self._conversion, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

@@ -1,0 +1,80 @@
+"""The schedulers' hook on the request path (the Router's `RoutingObserver`).
+
+Per request it books the predicted prefill time of each dispatch in a `BacklogLedger` (and
+takes it back when the prefill ends), hands the routing policy a `LoadForecast` built from
+those predictions and the last link measurement (conditional disaggregation), and samples
+what the long-term loop estimates from: arrivals, incremental lengths, output lengths.
+Times come from the running loop's clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from prfaas.gateway.router import RouteEvent
+from prfaas.policies.backlog import BacklogLedger
+from prfaas.policies.routing import RouteDecision
+from prfaas.policies.ttft_forecast import LinkState, LoadForecast, PrefillCosts
+
+
+@dataclass
+class PeriodSamples:
+    """What requests did since the last long-term period."""
+
+    started: float
+    incremental: list[int] = field(default_factory=list)
+    outputs: list[int] = field(default_factory=list)
+
+
+class SchedulingObserver:
+    """Implements `RoutingObserver`. `costs` None: no profile, so no predictions (the
+    period's samples are still taken); `conditional` False: predictions feed the trimmer's
+    queues but are not given to the policy."""
+
+    def __init__(
+        self,
+        costs: PrefillCosts | None,
+        *,
+        conditional: bool = True,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        self.costs = costs
+        self.conditional = conditional and costs is not None
+        self.ledger = BacklogLedger()
+        self.link: LinkState | None = None
+        """The last link measurement (set by the short-term loop every tick)."""
+        self._clock = clock or asyncio.get_running_loop().time
+        self._samples = PeriodSamples(self._clock())
+
+    def now(self) -> float:
+        return self._clock()
+
+    def forecast(self) -> LoadForecast | None:
+        if not self.conditional or self.costs is None:
+            return None
+        return LoadForecast(self.costs, self.ledger.backlogs(self._clock()), self.link)
+
+    def dispatched(self, rid: str, decision: RouteDecision) -> None:
+        self._samples.incremental.append(decision.incremental_tokens)
+        if self.costs is not None:
+            seconds = self.costs.prefill_s(decision.route, decision.incremental_tokens)
+            self.ledger.admit(decision.prefill_instance, rid, seconds, self._clock())
+
+    def prefill_ended(self, rid: str, decision: RouteDecision) -> None:
+        self.ledger.finish(decision.prefill_instance, rid, self._clock())
+
+    def finished(self, event: RouteEvent) -> None:
+        if event.error is None:
+            self._samples.outputs.append(event.completion_tokens)
+
+    def pool_backlog(self, instance_ids: Iterable[str]) -> float:
+        """The least predicted backlog in a pool (0 for an empty pool: nothing to wait on)."""
+        now = self._clock()
+        return min((self.ledger.backlog(i, now) for i in instance_ids), default=0.0)
+
+    def take_samples(self) -> PeriodSamples:
+        """The samples since the last call; a new period starts now."""
+        samples, self._samples = self._samples, PeriodSamples(self._clock())
+        return samples

@@ -1,0 +1,80 @@
+"""Converting one PD-cluster instance between prefill and decode, losing no request.
+
+1. The gateway stops routing new work to it (`InstanceState.draining`: the policies see it
+   as unavailable), so nothing new lands there while it drains.
+2. The engine's role API (`BaseEngineClient.set_role`; the reference engine's
+   `POST /admin/role`) refuses new work, lets every request it holds finish, then switches.
+   A request that raced the first step is refused with a retryable 503, which the Router
+   retries elsewhere.
+3. The gateway reads the engine's new bootstrap address (a prefill needs one), records the
+   role, and routes to it again.
+
+If any step fails the instance keeps (or gets back) the role the engine reports, and the
+failure is returned; nothing is retried here (the long-term loop decides again next period).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from prfaas.engines.client import EngineError, Role
+from prfaas.gateway.instances import InstanceManager
+
+
+@dataclass(frozen=True)
+class ConversionResult:
+    instance_id: str
+    to_role: Role
+    ok: bool
+    drain_s: float
+    """Seconds from the start of the drain to the end (switch included)."""
+    error: str | None = None
+
+
+class RoleConverter:
+    """Runs conversions on the instances of one registry, on the loop's clock."""
+
+    def __init__(self, instances: InstanceManager, *, drain_timeout_s: float) -> None:
+        if not drain_timeout_s > 0:
+            raise ValueError(f"drain_timeout_s must be > 0, got {drain_timeout_s}")
+        self._instances = instances
+        self._timeout_s = drain_timeout_s
+
+    async def convert(self, instance_id: str, to_role: Role) -> ConversionResult:
+        """Drain `instance_id`, switch it to `to_role`, route to it again.
+
+        Raises:
+            KeyError: no such instance.
+        """
+        state = self._instances[instance_id]
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        state.draining = True
+        try:
+            await state.client.set_role(to_role, timeout_s=self._timeout_s)
+            info = await state.client.info()
+        except EngineError as exc:
+            await self._resync(instance_id)
+            return ConversionResult(instance_id, to_role, False, loop.time() - start, str(exc))
+        finally:
+            state.draining = False
+        state.role = info.role
+        if info.role != "decode":
+            state.bootstrap_host = info.bootstrap_host or state.bootstrap_host
+            state.bootstrap_port = info.bootstrap_port
+        ok = info.role == to_role
+        error = None if ok else f"the engine reports role {info.role} after the switch"
+        return ConversionResult(instance_id, to_role, ok, loop.time() - start, error)
+
+    async def _resync(self, instance_id: str) -> None:
+        """After a failed switch, take the role the engine reports (it may have switched)."""
+        state = self._instances[instance_id]
+        try:
+            info = await state.client.info()
+        except EngineError:
+            return
+        state.role = info.role
+        if info.role != "decode" and info.bootstrap_port is not None:
+            state.bootstrap_host = info.bootstrap_host or state.bootstrap_host
+            state.bootstrap_port = info.bootstrap_port

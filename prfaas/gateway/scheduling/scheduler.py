@@ -1,0 +1,190 @@
+"""`Scheduler`: both loops, their request-path hook and their decision board, for one gateway.
+
+Built with the gateway (when the deployment has a `[scheduler]` table or `prfaas serve`
+supplies a measured profile), started and stopped with it. `attach_link` gives it the link
+telemetry once that is set up; `pin` is the operator's override from `POST /admin/state`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client.core import GaugeMetricFamily
+
+from prfaas.gateway.instances import InstanceManager
+from prfaas.gateway.router import Router
+from prfaas.gateway.scheduling.config import SchedulerConfig
+from prfaas.gateway.scheduling.decisions import ScheduleBoard, SchedulerCounters
+from prfaas.gateway.scheduling.long_term import LongTermLoop
+from prfaas.gateway.scheduling.observer import SchedulingObserver
+from prfaas.gateway.scheduling.roles import RoleConverter
+from prfaas.gateway.scheduling.short_term import LinkReader, ShortTermLoop
+from prfaas.policies.profile import DeploymentProfile
+from prfaas.policies.routing import Regime
+from prfaas.policies.schedule_state import ScheduleState
+from prfaas.policies.ttft_forecast import PrefillCosts
+
+logger = logging.getLogger(__name__)
+
+
+def prefill_costs(profile: DeploymentProfile) -> PrefillCosts:
+    """The profile's prefill tables and KV bytes, for the TTFT predictions."""
+    return PrefillCosts(
+        prfaas_prefill_s=profile.prfaas.hardware.prefill_seconds,
+        pd_prefill_s=profile.pd.hardware.prefill_seconds,
+        kv_bytes=profile.model.kv_bytes,
+    )
+
+
+class Scheduler:
+    """Owns the loops' tasks. Build inside the running loop."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        profile: DeploymentProfile,
+        router: Router,
+        instances: InstanceManager,
+        counters: SchedulerCounters | None = None,
+    ) -> None:
+        self.config = config
+        self.observer = SchedulingObserver(prefill_costs(profile), conditional=config.conditional)
+        t, regime = router.state.threshold, router.state.regime
+        roles = {s.instance_id: s.role for s in instances if s.cluster == "pd"}
+        initial = ScheduleState(
+            threshold=t, set_point=t, regime=regime, roles=tuple(sorted(roles.items()))
+        )
+        self.board = ScheduleBoard(initial, router.state, instances, self.observer.now, counters)
+        self.short = ShortTermLoop(config, self.board, self.observer, instances)
+        converter = RoleConverter(instances, drain_timeout_s=config.drain_timeout_s)
+        self.long = LongTermLoop(
+            config, profile, self.board, self.observer, instances, self.short, converter
+        )
+        self._instances = instances
+        self._tasks: list[asyncio.Task[None]] = []
+        router.observer = self.observer
+
+    def attach_link(self, reader: LinkReader) -> None:
+        """Measure the link through `reader` from the next tick on."""
+        self.short.read_link = reader
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self.config.short_term:
+            self._tasks.append(loop.create_task(self._every(self.config.tick_s, self.short.tick)))
+        if self.config.long_term:
+            self._tasks.append(loop.create_task(self._every(self.config.period_s, self._period)))
+
+    def _period(self) -> None:
+        self.long.period()
+
+    @staticmethod
+    async def _every(seconds: float, step: Callable[[], object]) -> None:
+        while True:
+            await asyncio.sleep(seconds)
+            try:
+                step()
+            except Exception:  # a bad period must not stop the loop
+                logger.exception("scheduler step %r failed", step)
+
+    async def stop(self) -> None:
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.long.stop()
+
+    def pin(self, *, threshold: float | None, regime: Regime | None) -> None:
+        """The operator sets `t` and/or the regime: both loops stop moving them (conversions
+        go on) until `release`."""
+        self.short.pinned = True
+        inputs = {"threshold": threshold, "regime": regime}
+        self.board.change(
+            "operator",
+            "pin",
+            "set by POST /admin/state",
+            inputs,
+            threshold=threshold,
+            set_point=threshold,
+            regime=regime,
+        )
+
+    def release(self) -> None:
+        """Hand `t` and the regime back to the loops."""
+        self.short.pinned = False
+        self.board.note("operator", "release", "scheduler back in control", {})
+
+    def to_json(self) -> dict[str, Any]:
+        """The `scheduler` part of `/admin/state`."""
+        long, estimate = self.long, self.long.estimate
+        last = long.last
+        return {
+            **self.board.to_json(),
+            "pinned": self.short.pinned,
+            "loops": {
+                "short_term": self.config.short_term,
+                "long_term": self.config.long_term,
+                "tick_s": self.config.tick_s,
+                "period_s": self.config.period_s,
+            },
+            "short_term": {**self.short.last, "trim": _trim_json(self.short)},
+            "long_term": {
+                "estimate": None if estimate is None else estimate.to_json(),
+                "last": None
+                if last is None
+                else {
+                    "outcome": last.outcome,
+                    "reason": last.reason,
+                    **(last.numbers or {}),
+                },
+                "converting": long.state.converting,
+                "cooldown_until": long.state.cooldown_until,
+            },
+        }
+
+    def gauges(self) -> list[GaugeMetricFamily]:
+        """Sampled at every scrape: set-point, regime, epoch, pool sizes, predicted backlog."""
+        state = self.board.state
+        pools = self.long.pools()
+        draining = sum(s.draining for s in self._instances)
+        role = GaugeMetricFamily(
+            "prfaas_pd_instances", "PD-cluster instances by role.", labels=["role"]
+        )
+        role.add_metric(["prefill"], len(pools.prefill))
+        role.add_metric(["decode"], len(pools.decode))
+        role.add_metric(["draining"], draining)
+        backlog = GaugeMetricFamily(
+            "prfaas_predicted_backlog_seconds",
+            "Predicted prefill queue per instance.",
+            labels=["instance"],
+        )
+        now = self.observer.now()
+        for s in self._instances:
+            if s.role != "decode":
+                backlog.add_metric(
+                    [s.instance_id], self.observer.ledger.backlog(s.instance_id, now)
+                )
+        return [
+            GaugeMetricFamily(
+                "prfaas_threshold_set_point_tokens", "Long-term set-point of t.", state.set_point
+            ),
+            GaugeMetricFamily(
+                "prfaas_regime_abundant",
+                "1 in the bandwidth-abundant regime.",
+                1.0 if state.regime == "bandwidth_abundant" else 0.0,
+            ),
+            GaugeMetricFamily("prfaas_schedule_epoch", "Version of the schedule.", state.epoch),
+            role,
+            backlog,
+        ]
+
+
+def _trim_json(short: ShortTermLoop) -> dict[str, Any]:
+    t = short.trim
+    return {"threshold": t.threshold, "set_point": t.set_point, "congested_at": t.congested_at}

@@ -1,0 +1,112 @@
+"""The short-term loop (every tick, about a second): measure the link and the predicted
+prefill queues, trim `t` around the set-point, choose the bandwidth regime."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from prfaas.gateway.instances import InstanceManager
+from prfaas.gateway.scheduling.config import SchedulerConfig
+from prfaas.gateway.scheduling.decisions import ScheduleBoard
+from prfaas.gateway.scheduling.observer import SchedulingObserver
+from prfaas.policies.regime_choice import RegimeState, choose_regime
+from prfaas.policies.routing import Route
+from prfaas.policies.threshold_trim import TrimObservation, TrimState, trim
+from prfaas.policies.ttft_forecast import LinkState
+
+LinkReader = Callable[[], LinkState | None]
+"""The latest link measurement (None: no telemetry yet)."""
+
+
+def no_link() -> LinkState | None:
+    return None
+
+
+def prefill_pool(instances: InstanceManager, cluster: Route) -> list[str]:
+    """Instances of `cluster` that take prefills now (healthy, not draining)."""
+    return [
+        s.instance_id
+        for s in instances
+        if s.cluster == cluster and s.role != "decode" and s.healthy and not s.draining
+    ]
+
+
+class ShortTermLoop:
+    """One `tick` per `tick_s`; `pinned` (operator override) stops it moving `t` or the regime."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        board: ScheduleBoard,
+        observer: SchedulingObserver,
+        instances: InstanceManager,
+    ) -> None:
+        self._config = config
+        self._board = board
+        self._observer = observer
+        self._instances = instances
+        state = board.state
+        self.trim = TrimState(state.threshold, state.set_point)
+        self.regime = RegimeState(state.regime)
+        self.read_link: LinkReader = no_link
+        self.pinned = False
+        self.last: dict[str, Any] = {}
+
+    def reset_set_point(self, set_point: float) -> None:
+        """The long-term loop re-solved the set-point: trim around the new one."""
+        self.trim = self.trim.with_set_point(set_point)
+
+    def tick(self) -> None:
+        """Measure, decide, and apply what changed."""
+        link = self.read_link()
+        self._observer.link = link
+        util = _utilisation(link)
+        obs = TrimObservation(
+            now=self._observer.now(),
+            egress_utilisation=util,
+            prfaas_backlog_s=self._observer.pool_backlog(prefill_pool(self._instances, "prfaas")),
+            pd_backlog_s=self._observer.pool_backlog(prefill_pool(self._instances, "pd")),
+            capacity_bytes_per_s=None if link is None else link.capacity_bytes_per_s,
+        )
+        inputs = {
+            "egress_utilisation": util,
+            "prfaas_backlog_s": obs.prfaas_backlog_s,
+            "pd_backlog_s": obs.pd_backlog_s,
+            "capacity_bytes_per_s": obs.capacity_bytes_per_s,
+        }
+        self.last = inputs
+        if self.pinned:
+            return
+        self._trim(obs, inputs)
+        self._choose_regime(util, inputs)
+
+    def _trim(self, obs: TrimObservation, inputs: dict[str, Any]) -> None:
+        board = self._board
+        if self.trim.set_point != board.state.set_point:  # moved by the operator or a leader
+            self.trim = self.trim.with_set_point(board.state.set_point)
+        decision = trim(self._config.trim, self.trim, obs)
+        self.trim = decision.state
+        if decision.changed:
+            before = board.state.threshold
+            board.change(
+                "short-term",
+                "threshold",
+                decision.reason,
+                {**inputs, "from": before, "to": decision.state.threshold},
+                threshold=decision.state.threshold,
+            )
+
+    def _choose_regime(self, util: float | None, inputs: dict[str, Any]) -> None:
+        decision = choose_regime(self._config.regime, self.regime, util)
+        self.regime = decision.state
+        if decision.changed:
+            self._board.change(
+                "short-term", "regime", decision.reason, inputs, regime=decision.state.regime
+            )
+
+
+def _utilisation(link: LinkState | None) -> float | None:
+    if link is None or not link.capacity_bytes_per_s > 0:
+        return None
+    return link.egress_bytes_per_s / link.capacity_bytes_per_s
