@@ -30,6 +30,16 @@ class TokenBucket:
             if self._tokens < 0:
                 await asyncio.sleep(-self._tokens / self.rate)
 
+    def set_rate(self, rate: float, burst: float) -> None:
+        """Change the rate (e.g. an emulated link slowing down); bytes already granted stay
+        granted, the bucket refills at the new rate from now."""
+        if rate <= 0 or burst <= 0:
+            raise ValueError(f"rate and burst must be positive, got rate={rate}, burst={burst}")
+        loop = asyncio.get_running_loop()
+        self._refill(loop.time())
+        self.rate, self.burst = rate, burst
+        self._tokens = min(self._tokens, burst)
+
     def _refill(self, now: float) -> None:
         if self._stamp is not None:
             self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.rate)

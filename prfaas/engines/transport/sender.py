@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import threading
 from collections import OrderedDict
 from collections.abc import Coroutine
@@ -63,6 +64,21 @@ class KVSender:
             self._bucket = TokenBucket(rate, max(self.config.chunk_bytes, rate * 0.005))
         self._server = await asyncio.start_server(
             self._on_connection, self.config.host, self.config.port
+        )
+
+    def set_process_rate(self, rate_bytes_per_s: float) -> None:
+        """Re-pace the whole process's egress (the emulated link's rate) from now on; the
+        telemetry's capacity follows.
+
+        Raises:
+            ValueError: a rate <= 0, or an egress that was started unpaced.
+        """
+        if self._bucket is None:
+            raise ValueError("this sender's egress is not paced (no process rate at start)")
+        burst = max(self.config.chunk_bytes, rate_bytes_per_s * 0.005)
+        self._bucket.set_rate(rate_bytes_per_s, burst)
+        self.config = dataclasses.replace(
+            self.config, process_rate_bytes_per_s=rate_bytes_per_s, capacity_bytes_per_s=None
         )
 
     @property

@@ -202,6 +202,24 @@ async def admin_role(request: web.Request) -> web.Response:
     return web.json_response({"role": body["role"], "switch_seconds": seconds})
 
 
+async def admin_egress(request: web.Request) -> web.Response:
+    """`POST /admin/egress {"rate_mbps": R}`: re-pace this engine's KV egress (the emulated
+    cross-DC link of `prfaas serve`) from now on; answers the transport's new settings."""
+    body = await read_json(request)
+    ok = isinstance(body, dict) and set(body) == {"rate_mbps"}
+    rate = body["rate_mbps"] if ok else None
+    if isinstance(rate, bool) or not isinstance(rate, int | float):
+        raise InvalidRequest('the body must be {"rate_mbps": <number > 0>}')
+    transport = _transport(request.app[SERVICE])
+    if transport is None:
+        raise APIError(404, "this engine's KV hand-off has no transport", code="no_transport")
+    try:
+        transport.set_process_rate(float(rate) * 1e6 / 8)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+    return web.json_response({"egress_rate_bytes_per_s": transport.config.process_rate_bytes_per_s})
+
+
 def create_app(service: EngineService, tokenizer: Tokenizer, info: ModelInfo) -> web.Application:
     """The aiohttp application; starting it starts the engine, cleanup closes it."""
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
@@ -221,6 +239,7 @@ def create_app(service: EngineService, tokenizer: Tokenizer, info: ModelInfo) ->
     app.router.add_get("/transfer_stats", transfer_stats)
     app.router.add_post("/flush_cache", flush_cache)
     app.router.add_post("/admin/role", admin_role)
+    app.router.add_post("/admin/egress", admin_egress)
     app.router.add_post("/abort_request", abort_request)
     add_openai_routes(app)
     return app

@@ -21,6 +21,7 @@ from prfaas.protocol.errors import APIError, InvalidRequest
 from prfaas.protocol.generate import Bootstrap, SamplingParams
 
 logger = logging.getLogger(__name__)
+DRAIN_POLL_S = 0.01
 
 
 class CapacityError(APIError):
@@ -202,8 +203,13 @@ class EngineService:
         self._draining = True
         try:
             async with asyncio.timeout(timeout_s):
-                while self.core.has_work():
-                    await self._idle.wait()
+                # Requests still being set up (a decode waiting for its KV) are not in the
+                # core yet but belong to the old role: wait for them too.
+                while self.core.has_work() or self._active:
+                    if self.core.has_work():
+                        await self._idle.wait()
+                    else:
+                        await asyncio.sleep(DRAIN_POLL_S)
             self.core.role = role
         finally:
             self._draining = False
