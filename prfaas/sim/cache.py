@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from prfaas.protocol.kv_events import BlockRemoved, BlockStored, KVEvent
+from prfaas.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 _HASH_MASK = (1 << 63) - 1
 
@@ -73,6 +73,11 @@ class SimPrefixCache:
         if evicted:
             events.append(BlockRemoved(tuple(evicted)))
         return events
+
+    def clear(self) -> list[KVEvent]:
+        """Drop every block; returns the event to publish."""
+        self._lru.clear()
+        return [AllBlocksCleared()]
 
     def _evict(self) -> list[int]:
         if self.capacity_blocks is None:

@@ -2,9 +2,12 @@
 
 `SimCluster` owns, on the running loop: the bootstrap rooms, the cross-cluster link (PrfaaS
 prefill -> PD decode, `egress_gbps`, one-way delay) and the intra-cluster RDMA link (PD-P ->
-PD-D), one `SimulatedPrefillEngine`/`SimulatedDecodeEngine` per instance registered in the
-gateway's real `InstanceManager`, the real `KVIndexManager` fed by the simulated caches' KV
-events, and the real `Router` with the deployment's routing policy.
+PD-D), one `SimulatedPrefillEngine` per PrfaaS instance and one switchable
+`SimulatedPDInstance` (prefill or decode, the role API the schedulers convert through) per
+PD instance, registered in the gateway's real `InstanceManager`, the real `KVIndexManager`
+fed by the simulated caches' KV events, and the real `Router` with the deployment's routing
+policy. In the abundant regime (read from the Router's state at each request, so a
+scheduler may switch it), a prefill instance pulls a longer prefix the other cluster caches.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import random
 from collections.abc import Sequence
 
 from prfaas.common.hashing import hash_blocks
+from prfaas.engines.client import Role
 from prfaas.gateway.instances import InstanceManager, InstanceState
 from prfaas.gateway.kv_index import KVIndexManager
 from prfaas.gateway.router import RouteEvent, Router, RoutingState
@@ -31,14 +35,22 @@ from prfaas.sim.engines import (
     SimulatedPrefillEngine,
 )
 from prfaas.sim.link import LinkConfig, SimLink
+from prfaas.sim.pd_instance import SimulatedPDInstance
 
 
 class SimCluster:
     """One deployment, simulated. Build inside the loop that will run it."""
 
     def __init__(
-        self, profile: DeploymentProfile, deployment: Deployment, options: SimOptions, seed: int = 0
+        self,
+        profile: DeploymentProfile,
+        deployment: Deployment,
+        options: SimOptions,
+        seed: int = 0,
+        *,
+        drain: bool = True,
     ) -> None:
+        """`drain`: PD instances drain before switching roles (False: switch at once)."""
         loop = asyncio.get_running_loop()
         self.deployment, self.options = deployment, options
         self.rooms = SimRooms(loop)
@@ -50,10 +62,12 @@ class SimCluster:
         self.index = KVIndexManager(block_size=options.block_size)
         self.instances = InstanceManager()
         self.prefill: dict[str, SimulatedPrefillEngine] = {}
-        self.decode: dict[str, SimulatedDecodeEngine] = {}
+        """Every prefill engine, PD instances' included whatever their current role."""
+        self.pd: dict[str, SimulatedPDInstance] = {}
         self.route_events: list[RouteEvent] = []
+        self._drain = drain
         self._add_prefills(profile, deployment)
-        self._add_decodes(deployment)
+        self._add_pd(profile, deployment)
         rooms = random.Random(seed)
         self.router = Router(
             instances=self.instances,
@@ -84,18 +98,18 @@ class SimCluster:
             assert d.prfaas_hw is not None  # validated by Deployment
             for i in range(d.n_prfaas):
                 link = self.egress[i % len(self.egress)]
-                self._add_prefill(f"prfaas-p{i}", "prfaas", d.prfaas_hw, link, profile)
-        for i in range(d.n_p):
-            self._add_prefill(f"pd-p{i}", "pd", d.pd_hw, self.intra, profile)
+                iid = f"prfaas-p{i}"
+                engine = self._prefill_engine(iid, "prfaas", d.prfaas_hw, link, profile)
+                self.instances.add(InstanceState(iid, "prfaas", "prefill", engine, iid, 0))
 
-    def _add_prefill(
+    def _prefill_engine(
         self,
         iid: str,
         cluster: Route,
         hw: HardwareProfile,
         link: SimLink,
         profile: DeploymentProfile,
-    ) -> None:
+    ) -> SimulatedPrefillEngine:
         timing = PrefillTiming(hw.prefill_seconds, profile.model.kv_bytes, self.options.pipelined)
         cache = SimPrefixCache(self.options.block_size, self.options.cache_blocks)
         engine = SimulatedPrefillEngine(
@@ -108,33 +122,46 @@ class SimCluster:
             remote_prefix=self._remote_finder(cluster),
         )
         self.prefill[iid] = engine
-        self.instances.add(InstanceState(iid, cluster, "prefill", engine, iid, 0))
+        return engine
 
-    def _add_decodes(self, d: Deployment) -> None:
+    def _add_pd(self, profile: DeploymentProfile, d: Deployment) -> None:
+        """N_p instances starting as prefill (pd-p*), N_d as decode (pd-d*); each can switch."""
         hw = d.decode_hw
         assert hw.decode_batch_max is not None and hw.decode_step_seconds is not None
-        for i in range(d.n_d):
-            iid = f"pd-d{i}"
-            engine = SimulatedDecodeEngine(
-                iid,
-                batch_max=hw.decode_batch_max,
-                step_s=hw.decode_step_seconds,
-                rooms=self.rooms,
-                page_size=self.options.block_size,
-            )
-            self.decode[iid] = engine
-            self.instances.add(InstanceState(iid, "pd", "decode", engine))
+        layout: tuple[tuple[Role, str, int], ...] = (
+            ("prefill", "pd-p", d.n_p),
+            ("decode", "pd-d", d.n_d),
+        )
+        for role, prefix, count in layout:
+            for i in range(count):
+                iid = f"{prefix}{i}"
+                prefill = self._prefill_engine(iid, "pd", d.pd_hw, self.intra, profile)
+                decode = SimulatedDecodeEngine(
+                    iid,
+                    batch_max=hw.decode_batch_max,
+                    step_s=hw.decode_step_seconds,
+                    rooms=self.rooms,
+                    page_size=self.options.block_size,
+                )
+                instance = SimulatedPDInstance(
+                    iid, role, prefill=prefill, decode=decode, publish=self._publish,
+                    drain=self._drain,
+                )  # fmt: skip
+                self.pd[iid] = instance
+                bootstrap = (iid, 0) if role == "prefill" else (None, None)
+                self.instances.add(InstanceState(iid, "pd", role, instance, *bootstrap))
 
-    def _remote_finder(self, cluster: Route) -> RemotePrefix | None:
-        """Bandwidth-abundant regime only: the longest prefix of a prompt cached by the other
-        cluster's prefill instances (from the real KV index), and the link it comes over
-        (PrfaaS -> PD on the egress link, PD -> PrfaaS on the reverse direction)."""
-        if self.options.regime != "bandwidth_abundant":
-            return None
+    def _remote_finder(self, cluster: Route) -> RemotePrefix:
+        """In the bandwidth-abundant regime (the Router's, when the request starts): the
+        longest prefix of a prompt cached by the other cluster's prefill instances (from the
+        real KV index), and the link it comes over (PrfaaS -> PD on the egress link, PD ->
+        PrfaaS on the reverse direction)."""
         other: Route = "pd" if cluster == "prfaas" else "prfaas"
         link = self.egress[0] if other == "prfaas" else self.ingress
 
         def find(ids: Sequence[int]) -> tuple[int, SimLink] | None:
+            if self.router.state.regime != "bandwidth_abundant":
+                return None
             members = [e.instance_id for e in self.prefills_in(other)]
             cached = self.index.longest_prefix(hash_blocks(ids, self.index.block_size))
             best = max((cached.get(iid, 0) for iid in members), default=0)
@@ -147,5 +174,14 @@ class SimCluster:
             self.index.apply(instance_id, events)
 
     def prefills_in(self, cluster: Route) -> list[SimulatedPrefillEngine]:
-        """The prefill engines of one cluster."""
-        return [e for iid, e in self.prefill.items() if self.instances[iid].cluster == cluster]
+        """The prefill engines of one cluster's instances that prefill now."""
+        return [
+            e
+            for iid, e in self.prefill.items()
+            if self.instances[iid].cluster == cluster
+            and (iid not in self.pd or self.pd[iid].role == "prefill")
+        ]
+
+    def decodes(self) -> list[SimulatedDecodeEngine]:
+        """The decode engines of the instances that decode now."""
+        return [p.decode for p in self.pd.values() if p.role == "decode"]

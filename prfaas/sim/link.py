@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 BITS_PER_BYTE = 8
 _EPS_BYTES = 1e-3  # below a milli-byte, a transfer is caught up / finished
@@ -100,6 +100,25 @@ class SimLink:
     def active(self) -> int:
         """Transfers still sending."""
         return len(self._flows)
+
+    @property
+    def bytes_moved(self) -> float:
+        """Bytes sent so far, the in-flight transfers' progress included (for rates)."""
+        now = self._loop.time()
+        dt = now - self._last
+        moving = sum(min(f.sent + f.rate * dt, f.released(now)) for f in self._flows)
+        return self.bytes_sent + moving
+
+    def set_gbps(self, gbps: float) -> None:
+        """Change the capacity from now on (a link that degrades or recovers).
+
+        Raises:
+            ValueError: not a finite number > 0.
+        """
+        config = replace(self.config, gbps=gbps)  # validates
+        self._advance()
+        self.config = config
+        self._reschedule()
 
     def transfer(self, nbytes: float, *, produce_s: float = 0.0) -> asyncio.Future[None]:
         """Start sending `nbytes`, released evenly over the next `produce_s` seconds (0: all

@@ -125,6 +125,6 @@ def _capacity(counters: Sequence[StageCounters]) -> float | None:
 
 
 def _decode_capacity(cluster: SimCluster) -> float | None:
-    engines = list(cluster.decode.values())
+    engines = cluster.decodes()
     base = _capacity([e.counters for e in engines])
     return None if base is None else base * engines[0].batch_max
