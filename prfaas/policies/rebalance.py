@@ -49,7 +49,7 @@ class RebalanceConfig:
     """Seconds after a conversion before the next (at least that conversion's drain)."""
     load_margin: float = 0.05
     """The losing pool must carry the estimated rate times (1 + margin)."""
-    set_point_deadband: float = 0.05
+    set_point_deadband: float = 0.1
     """The set-point moves only when the re-solved t differs by more than this share."""
     t_step: int = 64
     exact: bool = True

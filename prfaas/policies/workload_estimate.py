@@ -5,7 +5,9 @@ What the throughput model needs about the traffic: the arrival rate, the distrib
 the sufficient statistics of ln L, truncated to the profile's range), the mean output
 length, and the link bandwidth. Each period's observation is blended in with weight
 `alpha` (the older estimate keeps `1 - alpha`), so a step in the traffic shows up as
-alpha, 1 - (1 - alpha)^2, ... of its size after 1, 2, ... periods.
+alpha, 1 - (1 - alpha)^2, ... of its size after 1, 2, ... periods. The bandwidth, a
+measurement rather than a sample of random requests, has its own weight
+(`bandwidth_alpha`, 1 by default: the period's mean measurement as it is).
 
 Pure: observation in, estimate out.
 """
@@ -25,12 +27,16 @@ MIN_SIGMA = 0.05  # a degenerate sample (every length equal) still gives a valid
 @dataclass(frozen=True)
 class EstimateConfig:
     alpha: float = 0.6
-    """Weight of the newest period."""
+    """Weight of the newest period (rate, lengths, output)."""
+    bandwidth_alpha: float = 1.0
+    """Weight of the newest period's mean measured link capacity."""
     min_samples: float = 20.0
     """Effective length samples below which the estimate is too thin to re-plan on."""
 
     def __post_init__(self) -> None:
         check(0 < self.alpha <= 1, "alpha", self.alpha, "must be in (0, 1]")
+        ok = 0 < self.bandwidth_alpha <= 1
+        check(ok, "bandwidth_alpha", self.bandwidth_alpha, "must be in (0, 1]")
         check(self.min_samples >= 1, "min_samples", self.min_samples, "must be >= 1")
 
 
@@ -77,7 +83,7 @@ class PeriodObservation:
     """Output tokens of the requests that finished in it."""
     finished: int
     capacity_bytes_per_s: float | None = None
-    """Measured link capacity at the period's end (None: unknown)."""
+    """Mean measured link capacity over the period (None: unknown)."""
 
     def __post_init__(self) -> None:
         check(self.duration_s > 0, "duration_s", self.duration_s, "must be > 0")
@@ -152,7 +158,7 @@ def update_estimate(
     a, k = config.alpha, 1.0 - config.alpha
     old_cap = estimate.capacity_bytes_per_s
     if capacity is not None and old_cap is not None:
-        capacity = k * old_cap + a * capacity
+        capacity = (1.0 - config.bandwidth_alpha) * old_cap + config.bandwidth_alpha * capacity
     elif capacity is None:
         capacity = old_cap
     return WorkloadEstimate(

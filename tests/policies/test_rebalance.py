@@ -164,10 +164,10 @@ def test_the_losing_pool_must_carry_the_load(profile: DeploymentProfile) -> None
 def test_set_point_moves_only_beyond_the_dead_band(profile: DeploymentProfile) -> None:
     est = _estimate()
     t_star, _ = _optimum(profile, est)
-    near = t_star * 1.04
+    near = t_star * 1.09
     d = rebalance(CFG, RebalanceState(), profile, est, _pools(), now=0, set_point=near)
     assert d.set_point == near
-    far = t_star * 1.06
+    far = t_star * 1.13
     d = rebalance(CFG, RebalanceState(), profile, est, _pools(), now=0, set_point=far)
     assert d.set_point == t_star
 

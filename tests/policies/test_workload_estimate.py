@@ -33,7 +33,7 @@ def test_degenerate_samples_keep_a_valid_sigma() -> None:
 
 def test_first_period_is_taken_as_is_then_blended() -> None:
     """alpha 0.5: rate 2 then 4 req/s -> 3; lengths e^8 then e^10 (equal counts) -> mu 9."""
-    cfg = EstimateConfig(alpha=0.5)
+    cfg = EstimateConfig(alpha=0.5, bandwidth_alpha=0.5)
     e1 = update_estimate(cfg, None, PeriodObservation.of(10.0, [2981] * 20, [100] * 10, 1e9))
     assert e1.rate == 2.0 and e1.periods == 1 and e1.output_tokens == 100.0
     assert e1.lengths.mu == pytest.approx(math.log(2981))
@@ -55,6 +55,12 @@ def test_a_step_is_followed_geometrically() -> None:
         e = update_estimate(cfg, e, PeriodObservation.of(1.0, [100] * 11, []))
         seen.append(round((e.rate - 1) / 10, 4))
     assert seen == [0.6, 0.84, 0.936]
+
+
+def test_bandwidth_follows_the_latest_measurement_by_default() -> None:
+    e = update_estimate(EstimateConfig(), None, PeriodObservation.of(1.0, [100], [], 1e10))
+    e = update_estimate(EstimateConfig(), e, PeriodObservation.of(1.0, [100], [], 1e9))
+    assert e.capacity_bytes_per_s == 1e9 and e.rate == 1.0
 
 
 def test_unknown_capacity_keeps_the_last_estimate() -> None:

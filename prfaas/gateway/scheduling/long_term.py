@@ -66,11 +66,11 @@ class LongTermLoop:
         samples = self._observer.take_samples()
         now = self._observer.now()
         link = self._observer.link
+        capacity = samples.mean_capacity()
+        if capacity is None and link is not None:
+            capacity = link.capacity_bytes_per_s
         obs = PeriodObservation.of(
-            max(now - samples.started, 1e-9),
-            samples.incremental,
-            samples.outputs,
-            None if link is None else link.capacity_bytes_per_s,
+            max(now - samples.started, 1e-9), samples.incremental, samples.outputs, capacity
         )
         self.estimate = update_estimate(self._config.estimate, self.estimate, obs)
         board = self._board

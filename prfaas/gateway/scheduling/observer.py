@@ -26,6 +26,12 @@ class PeriodSamples:
     started: float
     incremental: list[int] = field(default_factory=list)
     outputs: list[int] = field(default_factory=list)
+    capacities: list[float] = field(default_factory=list)
+    """Link capacity measured at each short-term tick (bytes/s)."""
+
+    def mean_capacity(self) -> float | None:
+        caps = self.capacities
+        return sum(caps) / len(caps) if caps else None
 
 
 class SchedulingObserver:
@@ -68,6 +74,12 @@ class SchedulingObserver:
     def finished(self, event: RouteEvent) -> None:
         if event.error is None:
             self._samples.outputs.append(event.completion_tokens)
+
+    def measured(self, link: LinkState | None) -> None:
+        """The short-term loop's link measurement of this tick."""
+        self.link = link
+        if link is not None:
+            self._samples.capacities.append(link.capacity_bytes_per_s)
 
     def pool_backlog(self, instance_ids: Iterable[str]) -> float:
         """The least predicted backlog in a pool (0 for an empty pool: nothing to wait on)."""

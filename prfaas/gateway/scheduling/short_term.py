@@ -60,7 +60,7 @@ class ShortTermLoop:
     def tick(self) -> None:
         """Measure, decide, and apply what changed."""
         link = self.read_link()
-        self._observer.link = link
+        self._observer.measured(link)
         util = _utilisation(link)
         obs = TrimObservation(
             now=self._observer.now(),
