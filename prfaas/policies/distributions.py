@@ -91,3 +91,48 @@ class TruncatedLogNormal:
     def mean(self) -> float:
         _, z, _, m = self._norm()
         return m / z
+
+    def log_moments(self) -> tuple[float, float]:
+        """Mean and standard deviation of ln L (what `fit_truncated_lognormal` inverts)."""
+        return _truncated_moments(self.mu, self.sigma, math.log(self.lo), math.log(self.hi))
+
+
+def _std_normal_pdf(z: float) -> float:
+    return math.exp(-z * z / 2) / math.sqrt(2 * math.pi)
+
+
+def _truncated_moments(mu: float, sigma: float, a: float, b: float) -> tuple[float, float]:
+    """Mean and standard deviation of Normal(mu, sigma) conditioned on [a, b]."""
+    alpha, beta = (a - mu) / sigma, (b - mu) / sigma
+    z = float(_std_normal_cdf(beta) - _std_normal_cdf(alpha))
+    if z <= 1e-12:
+        return (a + b) / 2, (b - a) / math.sqrt(12)
+    pa, pb = _std_normal_pdf(alpha), _std_normal_pdf(beta)
+    shift = (pa - pb) / z
+    var = sigma * sigma * (1 + (alpha * pa - beta * pb) / z - shift * shift)
+    return mu + sigma * shift, math.sqrt(max(var, 1e-12))
+
+
+def fit_truncated_lognormal(
+    mean_log: float, std_log: float, lo: float, hi: float, *, iterations: int = 100
+) -> TruncatedLogNormal:
+    """The truncated log-normal on [lo, hi] whose ln L has this mean and standard deviation
+    (moment matching). A sample drawn from a truncated log-normal has a smaller mean and
+    spread of ln L than the untruncated parameters; this undoes that bias.
+
+    Raises:
+        ValueError: std_log <= 0 or a bad range.
+    """
+    if not std_log > 0:
+        raise ValueError(f"the standard deviation of ln L must be > 0, got {std_log}")
+    a, b = math.log(lo), math.log(hi)
+    target_m = min(max(mean_log, a), b)
+    target_s = min(std_log, (b - a) / math.sqrt(12) * 0.999)  # a uniform's is the widest
+    mu, sigma = target_m, target_s
+    for _ in range(iterations):
+        m, sd = _truncated_moments(mu, sigma, a, b)
+        if abs(m - target_m) < 1e-9 and abs(sd - target_s) < 1e-9:
+            break
+        mu += target_m - m
+        sigma = min(sigma * target_s / sd, 100.0)
+    return TruncatedLogNormal(mu, sigma, lo, hi)

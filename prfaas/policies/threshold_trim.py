@@ -5,14 +5,20 @@ backlog of both prefill pools, and moves `t` inside a band around the long-term 
 set-point:
 
 - **raise, multiplicatively** (`t *= raise_factor`) when the link is above its high-water
-  mark or the PrfaaS queue exceeds the PD-prefill queue by `queue_gap_s`, for
-  `confirm_ticks` ticks in a row: less is sent to PrfaaS, at once;
+  mark (unless the PD-prefill queue already exceeds the PrfaaS one by `queue_gap_s`:
+  moving work there would only move the congestion) or the PrfaaS queue exceeds the
+  PD-prefill queue by `queue_gap_s`, for `confirm_ticks` ticks in a row: less is sent to
+  PrfaaS, at once;
 - **lower, additively** (`t -= lower_step`) after `clear_ticks` quiet ticks: back toward
   the set-point once the link is below its low-water mark, or further down (to the band's
   floor) while the PD-prefill queue exceeds the PrfaaS one by `queue_gap_s`;
 - **relax up** additively toward the set-point when `t` sits below it and PD prefill is no
   longer the congested side;
 - hold otherwise (between the marks there is a dead band).
+
+After a raise the next waits `holdoff_ticks`, so the link's queued transfers drain and its
+utilisation shows what the new `t` does before `t` moves again (a saturated link reads 100%
+until then, and raising on every tick would overshoot).
 
 No oscillation under steady load: after a raise, the `t` at which the link was congested is
 remembered, and lowering stops one step above it until that memory expires (`memory_s`),
@@ -49,6 +55,9 @@ class TrimConfig:
     """`t` stays within [set_point * band[0], set_point * band[1]]."""
     confirm_ticks: int = 2
     """Congested ticks in a row before a raise."""
+    holdoff_ticks: int = 10
+    """Ticks after a raise before the next one: the transfers already queued on the link
+    must drain before its utilisation shows what the new `t` does."""
     clear_ticks: int = 3
     """Quiet ticks in a row before each lowering step."""
     memory_s: float = 300.0
@@ -65,6 +74,7 @@ class TrimConfig:
         lo, hi = self.band if len(self.band) == 2 else (0.0, 0.0)
         check(0 < lo <= 1 <= hi, "band", self.band, "must be [low <= 1, high >= 1], low > 0")
         check(self.confirm_ticks >= 1, "confirm_ticks", self.confirm_ticks, "must be >= 1")
+        check(self.holdoff_ticks >= 0, "holdoff_ticks", self.holdoff_ticks, "must be >= 0")
         check(self.clear_ticks >= 1, "clear_ticks", self.clear_ticks, "must be >= 1")
         check(self.memory_s >= 0, "memory_s", self.memory_s, "must be >= 0")
 
@@ -91,6 +101,8 @@ class TrimState:
     set_point: float
     hot_ticks: int = 0
     quiet_ticks: int = 0
+    since_raise: int = 1_000_000
+    """Ticks since the last raise."""
     congested_at: float | None = None
     """`t` at the last raise (lowering stops one step above it while remembered)."""
     remember_until: float = -math.inf
@@ -99,7 +111,12 @@ class TrimState:
 
     def with_set_point(self, set_point: float) -> TrimState:
         """The long-term loop re-solved `t`: jump to it and forget the congestion memory."""
-        return TrimState(threshold=set_point, set_point=set_point, capacity=self.capacity)
+        return TrimState(
+            threshold=set_point,
+            set_point=set_point,
+            capacity=self.capacity,
+            since_raise=self.since_raise,
+        )
 
 
 @dataclass(frozen=True)
@@ -115,10 +132,11 @@ def band(config: TrimConfig, set_point: float) -> tuple[float, float]:
 
 def trim(config: TrimConfig, state: TrimState, obs: TrimObservation) -> TrimDecision:
     """One tick of the trimmer (see the module docstring)."""
-    state = _forget_if_stale(state, obs)
+    state = replace(_forget_if_stale(state, obs), since_raise=state.since_raise + 1)
     util, gap = obs.egress_utilisation, obs.prfaas_backlog_s - obs.pd_backlog_s
-    link_hot = util is not None and util > config.high_water
     queue_hot = gap > config.queue_gap_s
+    pd_hot = -gap > config.queue_gap_s
+    link_hot = util is not None and util > config.high_water and not pd_hot
     if link_hot or queue_hot:
         why = (
             f"egress {util:.2f} > {config.high_water:g}"
@@ -131,7 +149,6 @@ def trim(config: TrimConfig, state: TrimState, obs: TrimObservation) -> TrimDeci
     if state.quiet_ticks < config.clear_ticks:
         return TrimDecision(state, False, "hold: waiting for quiet ticks")
     link_clear = util is None or util < config.low_water
-    pd_hot = -gap > config.queue_gap_s
     lo, _ = band(config, state.set_point)
     t, sp = state.threshold, state.set_point
     if link_clear and pd_hot:
@@ -163,10 +180,17 @@ def _raise(config: TrimConfig, state: TrimState, obs: TrimObservation, why: str)
     t = state.threshold
     if state.hot_ticks < config.confirm_ticks:
         return TrimDecision(state, False, f"hold: {why} (tick {state.hot_ticks})")
+    if state.since_raise < config.holdoff_ticks:
+        left = config.holdoff_ticks - state.since_raise
+        return TrimDecision(state, False, f"hold: {why}, {left} ticks after the last raise")
     if t >= hi:
         return TrimDecision(state, False, f"hold: {why}, t at the band's top {hi:.0f}")
     remembered = replace(
-        state, hot_ticks=0, congested_at=t, remember_until=obs.now + config.memory_s
+        state,
+        hot_ticks=0,
+        since_raise=0,
+        congested_at=t,
+        remember_until=obs.now + config.memory_s,
     )
     return _moved(remembered, min(t * config.raise_factor, hi), f"raise: {why}")
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from prfaas.common.toml_tables import check
-from prfaas.policies.distributions import TruncatedLogNormal
+from prfaas.policies.distributions import TruncatedLogNormal, fit_truncated_lognormal
 
 MIN_SIGMA = 0.05  # a degenerate sample (every length equal) still gives a valid log-normal
 
@@ -123,14 +123,16 @@ class WorkloadEstimate:
         return self.output_sum / self.output_n if self.output_n > 0 else None
 
     def distribution(self, lo: float, hi: float) -> TruncatedLogNormal:
-        """The fitted incremental-length distribution on [lo, hi].
+        """The fitted incremental-length distribution on [lo, hi] (the sample's moments of
+        ln L matched by a log-normal truncated there; lengths outside are to be clamped
+        into [lo, hi] before they are observed).
 
         Raises:
             ValueError: no length observed yet.
         """
         if self.lengths.n <= 0:
             raise ValueError("no incremental length observed yet")
-        return TruncatedLogNormal(self.lengths.mu, self.lengths.sigma, lo, hi)
+        return fit_truncated_lognormal(self.lengths.mu, self.lengths.sigma, lo, hi)
 
     def to_json(self) -> dict[str, float | int | None]:
         n = self.lengths.n

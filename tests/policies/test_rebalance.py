@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from prfaas.policies.distributions import TruncatedLogNormal
 from prfaas.policies.planner import plan
 from prfaas.policies.profile import DeploymentProfile, load_profile
 from prfaas.policies.rebalance import (
@@ -33,7 +34,9 @@ def profile(case_study_path: Path) -> DeploymentProfile:
 
 def _estimate(*, mu: float = 9.9, out: float = 1024, gbps: float = 100, rate: float = 2.7,
               n: float = 200) -> WorkloadEstimate:  # fmt: skip
-    lengths = Moments(n, n * mu, n * (1.0 + mu * mu))  # sigma exactly 1
+    """What a sample of the truncated log-normal (mu, sigma 1) on [128, 131072] measures."""
+    m, s = TruncatedLogNormal(mu, 1.0, 128, 131072).log_moments()
+    lengths = Moments(n, n * m, n * (s * s + m * m))
     return WorkloadEstimate(rate, lengths, out * n, n, gbps * GBIT, 3)
 
 
@@ -175,7 +178,8 @@ def test_set_point_moves_only_beyond_the_dead_band(profile: DeploymentProfile) -
 def test_replan_profile_uses_the_estimate(profile: DeploymentProfile) -> None:
     p = replan_profile(profile, _estimate(mu=10.6, out=2048, gbps=10), 3, 7)
     w = p.workload
-    assert (w.lengths.mu, w.lengths.sigma, w.output_tokens) == (10.6, 1.0, 2048)
+    assert w.lengths.mu == pytest.approx(10.6) and w.lengths.sigma == pytest.approx(1.0)
+    assert w.output_tokens == 2048
     assert (w.lengths.lo, w.lengths.hi) == (128, 131072)
     assert p.prfaas.egress_gbps == pytest.approx(10.0)
     assert (p.prfaas.instances, p.pd.instances) == (3, 7)

@@ -34,22 +34,33 @@ def _run(state: TrimState, observations: list[TrimObservation]) -> list[tuple[fl
     return out
 
 
-def test_raise_needs_two_congested_ticks_then_multiplies() -> None:
+def test_raise_needs_two_congested_ticks_then_multiplies_then_holds_off() -> None:
+    """Two hot ticks raise by x1.25; the next raise waits 10 ticks for the link to drain."""
     s = TrimState(10_000, 10_000)
-    steps = _run(s, [_obs(0, 0.95), _obs(1, 0.95), _obs(2, 0.95), _obs(3, 0.95)])
-    assert steps == [
+    steps = _run(s, [_obs(i, 0.95) for i in range(13)])
+    assert steps[:4] == [
         (10_000, "hold: egress 0.95 > 0.9 (tick 1)"),
         (12_500, "raise: egress 0.95 > 0.9"),
         (12_500, "hold: egress 0.95 > 0.9 (tick 1)"),
-        (15_625, "raise: egress 0.95 > 0.9"),
+        (12_500, "hold: egress 0.95 > 0.9, 8 ticks after the last raise"),
     ]
+    assert [t for t, _ in steps[4:]] == [12_500] * 7 + [15_625, 15_625]
+    assert steps[11][1] == "raise: egress 0.95 > 0.9"
+
+
+def test_a_congested_pd_prefill_blocks_raising_on_the_link() -> None:
+    """Link saturated but PD prefill 10 s behind PrfaaS: moving work to PD would only move
+    the congestion, so t holds (and, the link not being quiet, does not fall either)."""
+    s = TrimState(10_000, 10_000, hot_ticks=1, quiet_ticks=5)
+    d = trim(CFG, s, _obs(0, 1.0, prfaas_q=0.0, pd_q=10.0))
+    assert not d.changed and d.reason == "hold: within the dead band"
 
 
 def test_raise_is_clamped_to_the_band() -> None:
     s = TrimState(18_000, 10_000, hot_ticks=1)
     d = trim(CFG, s, _obs(0, 1.0))
     assert d.changed and d.state.threshold == 20_000
-    d = trim(CFG, replace(d.state, hot_ticks=1), _obs(1, 1.0))
+    d = trim(CFG, replace(d.state, hot_ticks=1, since_raise=50), _obs(1, 1.0))
     assert not d.changed and d.reason == "hold: egress 1.00 > 0.9, t at the band's top 20000"
 
 

@@ -69,8 +69,11 @@ class LongTermLoop:
         capacity = samples.mean_capacity()
         if capacity is None and link is not None:
             capacity = link.capacity_bytes_per_s
+        lengths = self._profile.workload.lengths
+        lo, hi = round(lengths.lo), round(lengths.hi)
+        clamped = [min(max(n, lo), hi) for n in samples.incremental]
         obs = PeriodObservation.of(
-            max(now - samples.started, 1e-9), samples.incremental, samples.outputs, capacity
+            max(now - samples.started, 1e-9), clamped, samples.outputs, capacity
         )
         self.estimate = update_estimate(self._config.estimate, self.estimate, obs)
         board = self._board
@@ -132,8 +135,9 @@ class LongTermLoop:
             result = await self._converter.convert(conversion.instance_id, conversion.to_role)
         except Exception as exc:  # e.g. the instance left the registry meanwhile
             logger.exception("conversion of %s failed", conversion.instance_id)
+            now = self._observer.now()
             result = ConversionResult(
-                conversion.instance_id, conversion.to_role, False, 0.0, repr(exc)
+                conversion.instance_id, conversion.to_role, False, now, 0.0, repr(exc)
             )
         self.conversions.append(result)
         board = self._board

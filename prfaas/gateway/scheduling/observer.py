@@ -65,8 +65,20 @@ class SchedulingObserver:
     def dispatched(self, rid: str, decision: RouteDecision) -> None:
         self._samples.incremental.append(decision.incremental_tokens)
         if self.costs is not None:
-            seconds = self.costs.prefill_s(decision.route, decision.incremental_tokens)
+            seconds = self.occupancy_s(decision.route, decision.incremental_tokens)
             self.ledger.admit(decision.prefill_instance, rid, seconds, self._clock())
+
+    def occupancy_s(self, route: str, tokens: int) -> float:
+        """Predicted seconds a prefill holds its instance: an instance takes its next request
+        once its KV is sent, and KV streams layer by layer during the compute, so in PrfaaS
+        it is the longer of the compute and the KV over the spare egress."""
+        assert self.costs is not None
+        seconds = self.costs.prefill_s(route, tokens)
+        if route == "prfaas" and self.link is not None:
+            spare = self.link.spare_bytes_per_s()
+            if spare > 0:
+                seconds = max(seconds, float(self.costs.kv_bytes(max(tokens, 1))) / spare)
+        return seconds
 
     def prefill_ended(self, rid: str, decision: RouteDecision) -> None:
         self.ledger.finish(decision.prefill_instance, rid, self._clock())

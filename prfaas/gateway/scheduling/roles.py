@@ -27,6 +27,8 @@ class ConversionResult:
     instance_id: str
     to_role: Role
     ok: bool
+    started_at: float
+    """The loop's clock when the drain began."""
     drain_s: float
     """Seconds from the start of the drain to the end (switch included)."""
     error: str | None = None
@@ -56,7 +58,9 @@ class RoleConverter:
             info = await state.client.info()
         except EngineError as exc:
             await self._resync(instance_id)
-            return ConversionResult(instance_id, to_role, False, loop.time() - start, str(exc))
+            return ConversionResult(
+                instance_id, to_role, False, start, loop.time() - start, str(exc)
+            )
         finally:
             state.draining = False
         state.role = info.role
@@ -65,7 +69,7 @@ class RoleConverter:
             state.bootstrap_port = info.bootstrap_port
         ok = info.role == to_role
         error = None if ok else f"the engine reports role {info.role} after the switch"
-        return ConversionResult(instance_id, to_role, ok, loop.time() - start, error)
+        return ConversionResult(instance_id, to_role, ok, start, loop.time() - start, error)
 
     async def _resync(self, instance_id: str) -> None:
         """After a failed switch, take the role the engine reports (it may have switched)."""
