@@ -52,6 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode.add_argument(
         "--table6", action="store_true", help="the paper's Table 6: paper vs model vs simulation"
     )
+    mode.add_argument(
+        "--scenario",
+        metavar="NAME",
+        help="dual-timescale scheduling scenario(s), comma-separated or 'all': "
+        "bandwidth-drop, burst, length-shift, decode-heavy, diurnal, mooncake-2x; each run "
+        "static, dual-timescale, oracle and oracle paying the drain",
+    )
     a(
         "--duration",
         type=float,
@@ -79,6 +86,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="print the JSON document (or write it to OUT)",
     )
     a("--plot", type=Path, metavar="DIR", help="write the load generator's PNG plots into DIR")
+    sc = parser.add_argument_group("scenarios")
+    sc.add_argument(
+        "--variants",
+        default="static,dual,oracle,oracle-drain",
+        help="--scenario: which runs (default all four)",
+    )
+    sc.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="--scenario: multiply every phase's length (e.g. 0.1 for a quick look)",
+    )
+    sc.add_argument(
+        "--period",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="--scenario: the long-term scheduling period (default 60 s)",
+    )
+    sc.add_argument("--trace", type=Path, help="--scenario mooncake-2x: the Mooncake trace")
     s = parser.add_argument_group("simulator")
     s.add_argument("--threshold", type=float, help="override the planner's threshold t (tokens)")
     s.add_argument(
@@ -179,6 +206,8 @@ def run(args: argparse.Namespace) -> int:
                 f"--find-max/--table6 need --duration >= {MIN_SEARCH_DURATION_S:g} simulated "
                 f"seconds to tell overload from warm-up, got {args.duration:g}"
             )
+        if args.scenario:
+            return _scenarios(args, profile, options)
         if args.table6:
             return _table6(args, profile, workload, options)
         return _single(args, profile, workload, options)
@@ -226,6 +255,56 @@ def _table6(
 
     t6 = run_table6(profile, workload, options, Table6Options(args.duration, args.seed))
     _emit(args, t6.to_json(), lambda: print_table(table6_table(t6)))
+    return 0
+
+
+def _scenarios(args: argparse.Namespace, profile: DeploymentProfile, options: SimOptions) -> int:
+    from dataclasses import replace
+
+    from prfaas.gateway.scheduling.config import SchedulerConfig
+    from prfaas.sim.report import print_table
+    from prfaas.sim.scenario_report import goal_table, phase_table, run_scenario
+    from prfaas.sim.scenario_run import VARIANTS
+    from prfaas.sim.scenarios import SCENARIOS, build_scenario
+
+    names = SCENARIOS if args.scenario == "all" else tuple(args.scenario.split(","))
+    variants = tuple(args.variants.split(","))
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        raise ValueError(f"unknown variant(s) {bad}; choose from {', '.join(VARIANTS)}")
+    scheduler = replace(SchedulerConfig(), period_s=args.period)
+    docs = []
+    for name in names:
+        scenario = build_scenario(name, profile, time_scale=args.time_scale, trace=args.trace)
+        print(
+            f"scenario {name}: {scenario.duration_s / 60:.0f} simulated minutes x "
+            f"{len(variants)} runs ...",
+            file=sys.stderr,
+        )
+        result = run_scenario(
+            profile,
+            scenario,
+            scheduler=scheduler,
+            options=options,
+            variants=variants,
+            seed=args.seed,
+            on_run=lambda r: print(
+                f"  {r.variant}: {len(r.records)} requests, {r.wall_s:.0f} s wall", file=sys.stderr
+            ),
+        )
+        docs.append(result.to_json())
+        if args.json != "-":
+            print_table(phase_table(result))
+            if result.verdicts:
+                print_table(goal_table(result))
+        if args.plot is not None:
+            from prfaas.sim.scenario_plots import write_scenario_plots
+
+            for path in write_scenario_plots(result, args.plot):
+                print(f"wrote {path}", file=sys.stderr)
+    doc: dict[str, Any] = {"simulated": True, "scenarios": docs}
+    if args.json is not None:
+        _emit(args, doc, lambda: None)
     return 0
 
 

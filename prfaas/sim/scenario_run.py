@@ -132,8 +132,13 @@ async def _run(
     elif variant in ("oracle", "oracle-drain"):
         oracle = _Oracle(profile, scenario, cluster, recorder, conversions, scheduler_config)
         tasks.append(asyncio.create_task(oracle.run()))
-    bench = BenchSpec(scenario_workload(scenario, profile), TraceArrivals(scenario.speedup),
-                      None, scenario.duration_s, seed)  # fmt: skip
+    bench = BenchSpec(
+        scenario_workload(scenario, profile),
+        TraceArrivals(scenario.speedup),
+        None,
+        scenario.duration_s,
+        seed,
+    )
     driver = Driver(bench, SimSender(cluster.router, origin=0.0), NoProgress())
     try:
         records = await driver.run()
@@ -146,8 +151,14 @@ async def _run(
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-    return VariantRun(variant, tuple(records), tuple(recorder.timeline),
-                      tuple(recorder.events), tuple(conversions), 0.0)  # fmt: skip
+    return VariantRun(
+        variant,
+        tuple(records),
+        tuple(recorder.timeline),
+        tuple(recorder.events),
+        tuple(conversions),
+        0.0,
+    )
 
 
 async def _link_changes(cluster: SimCluster, scenario: Scenario) -> None:

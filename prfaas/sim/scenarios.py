@@ -147,8 +147,11 @@ def _bandwidth_drop(p: DeploymentProfile, base: Conditions, scale: float) -> Sce
     rate = _at_rate(p, [base, low])
     b, lo = replace(base, rate=rate), replace(low, rate=rate)
     phases = _phases([("before", 10, b), ("drop", 20, lo), ("recovered", 10, b)], scale)
-    return Scenario("bandwidth-drop", f"link {base.link_gbps:g} -> {low.link_gbps:g} Gbps for "
-                    "20 minutes, then back", phases)  # fmt: skip
+    return Scenario(
+        "bandwidth-drop",
+        f"link {base.link_gbps:g} -> {low.link_gbps:g} Gbps for 20 minutes, then back",
+        phases,
+    )
 
 
 def _burst(p: DeploymentProfile, base: Conditions, scale: float) -> Scenario:
@@ -187,8 +190,12 @@ def _diurnal(p: DeploymentProfile, base: Conditions, scale: float) -> Scenario:
 
     mean = (lo + hi) / 2
     spec = [(n, 10, replace(base, rate=mean)) for n in ("rise-1", "fall-1", "rise-2", "fall-2")]
-    return Scenario("diurnal", "rate 0.5x..1.1x Lambda_max, sinusoidal, 20-minute period",
-                    _phases(spec, scale), rate_at=rate_at)  # fmt: skip
+    return Scenario(
+        "diurnal",
+        "rate 0.5x..1.1x Lambda_max, sinusoidal, 20-minute period",
+        _phases(spec, scale),
+        rate_at=rate_at,
+    )
 
 
 def _mooncake(base: Conditions, scale: float, trace: Path) -> Scenario:
@@ -197,8 +204,13 @@ def _mooncake(base: Conditions, scale: float, trace: Path) -> Scenario:
     speedup = 2.0
     true = replace(trace_conditions(trace, speedup), link_gbps=base.link_gbps)
     spec = [(n, 10, true) for n in ("first-10min", "second-10min", "third-10min")]
-    return Scenario("mooncake-2x", f"{trace.name} replayed at twice its timestamps",
-                    _phases(spec, scale), trace=trace, speedup=speedup)  # fmt: skip
+    return Scenario(
+        "mooncake-2x",
+        f"{trace.name} replayed at twice its timestamps",
+        _phases(spec, scale),
+        trace=trace,
+        speedup=speedup,
+    )
 
 
 def trace_conditions(trace: Path, speedup: float, lo: int = 128, hi: int = 131_072) -> Conditions:
