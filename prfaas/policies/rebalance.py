@@ -3,11 +3,13 @@ convert one PD-cluster instance between prefill and decode when the stages drift
 
 Each period the planner is re-run on the current estimate (incremental lengths, output
 length, bandwidth) with the instances that exist now. The set-point `t` becomes the best
-threshold for the *current* split (moved only beyond a dead band, so sampling noise does
-not churn it). The stages have drifted apart when the prefill side's arrival-rate limit
-and the decode stage's (Eq. 8, which at Eq. 7's balance is Theta_prfaas + Theta_pd_p =
-Theta_pd_d) differ by more than `drift_tolerance`; the wanted move is one instance toward
-the starved side, and it is made only if it raises Lambda_max by `min_gain`.
+threshold for the *current* split once that has lain beyond a dead band, on the same side,
+for `confirm_periods` periods (so sampling noise does not churn it); a conversion brings
+the best threshold of its new split with it. The stages have drifted apart when the prefill
+side's arrival-rate limit and the decode stage's (Eq. 8, which at Eq. 7's balance is
+Theta_prfaas + Theta_pd_p = Theta_pd_d) differ by more than `drift_tolerance`; the wanted
+move is one instance toward the starved side, and it is made only if it raises Lambda_max
+by `min_gain`.
 
 Guard rails (Kubernetes HPA stabilisation, Knative, Dynamo's planner):
 - at most one conversion per period, and none while one is draining;
@@ -27,7 +29,10 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+import numpy as np
+
 from prfaas.common.toml_tables import check
+from prfaas.policies import throughput as tp
 from prfaas.policies.planner import SplitOptimum, best_for_split, plan
 from prfaas.policies.profile import DeploymentProfile, WorkloadProfile
 from prfaas.policies.throughput import bytes_per_s_to_gbps
@@ -49,7 +54,7 @@ class RebalanceConfig:
     """Seconds after a conversion before the next (at least that conversion's drain)."""
     load_margin: float = 0.05
     """The losing pool must carry the estimated rate times (1 + margin)."""
-    set_point_deadband: float = 0.1
+    set_point_deadband: float = 0.15
     """The set-point moves only when the re-solved t differs by more than this share."""
     t_step: int = 64
     exact: bool = True
@@ -90,6 +95,8 @@ class Conversion:
     to_role: Role
     set_point: float
     """The re-solved t for the split after the conversion (applied once it is done)."""
+    planned_utilisation: float | None = None
+    """The link utilisation the plan expects at that set-point."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +107,9 @@ class RebalanceState:
     converting: str | None = None
     """The instance being drained and converted now."""
     cooldown_until: float = -math.inf
+    set_point_side: int = 0
+    """+1 / -1: the re-solved t lay above / below the dead band last period."""
+    set_point_streak: int = 0
 
     def started(self, instance_id: str) -> RebalanceState:
         """A conversion began. The confirmed direction is kept: while the same move is still
@@ -120,6 +130,9 @@ class RebalanceDecision:
     conversion: Conversion | None = None
     numbers: dict[str, Any] | None = None
     """The re-solve's figures (for logs and `/admin/state`)."""
+    planned_utilisation: float | None = None
+    """The link utilisation the plan expects at `set_point` for the estimated rate (the
+    short-term trimmer's high-water mark rises above it: a link-bound plan runs it full)."""
 
 
 def replan_profile(
@@ -159,12 +172,10 @@ def rebalance(
     replanned = replan_profile(profile, estimate, pools.n_prfaas, n_p + n_d)
     grid = plan(replanned, t_step=config.t_step, exact=config.exact).grid
     current = best_for_split(grid, n_p)
-    period = _Period(
-        config,
-        state,
-        _set_point(config, set_point, current.threshold_tokens),
-        _numbers(current, estimate),
-    )
+    new_set_point, state = _set_point(config, state, set_point, current.threshold_tokens)
+    rate = min(estimate.rate, current.lambda_max)
+    util = planned_utilisation(replanned, new_set_point, rate, exact=config.exact)
+    period = _Period(config, state, new_set_point, _numbers(current, estimate), util)
     direction, why = _drift(config, current)
     if direction == 0:
         return period.reset("hold", why)
@@ -197,7 +208,10 @@ def rebalance(
     if refusal is not None:
         return period.out("refused", f"{move}; refused: {refusal}")
     chosen = min(losing, key=lambda m: (m.load, m.instance_id))
-    conversion = Conversion(chosen.instance_id, lost, gained, nxt.threshold_tokens)
+    after = planned_utilisation(
+        replanned, nxt.threshold_tokens, min(estimate.rate, nxt.lambda_max), exact=config.exact
+    )
+    conversion = Conversion(chosen.instance_id, lost, gained, nxt.threshold_tokens, after)
     return period.out("convert", f"{move}; converting {chosen.instance_id}", conversion)
 
 
@@ -209,6 +223,7 @@ class _Period:
     state: RebalanceState
     set_point: float
     numbers: dict[str, Any]
+    utilisation: float | None
 
     def reset(self, outcome: Outcome, reason: str) -> RebalanceDecision:
         """An outcome that wants no move: the confirmation streak starts over."""
@@ -219,14 +234,22 @@ class _Period:
         self, outcome: Outcome, reason: str, conversion: Conversion | None = None
     ) -> RebalanceDecision:
         return RebalanceDecision(
-            self.state, outcome, reason, self.set_point, conversion, self.numbers
+            self.state, outcome, reason, self.set_point, conversion, self.numbers, self.utilisation
         )
 
 
-def _set_point(config: RebalanceConfig, current: float, solved: float) -> float:
+def _set_point(
+    config: RebalanceConfig, state: RebalanceState, current: float, solved: float
+) -> tuple[float, RebalanceState]:
+    """The re-solved t replaces the set-point once it has lain beyond the dead band, on the
+    same side, for `confirm_periods` periods in a row (sampling noise does not churn it)."""
     if current > 0 and abs(solved - current) <= config.set_point_deadband * current:
-        return current
-    return solved
+        return current, replace(state, set_point_side=0, set_point_streak=0)
+    side = 1 if solved > current else -1
+    streak = state.set_point_streak + 1 if state.set_point_side == side else 1
+    if streak < config.confirm_periods:
+        return current, replace(state, set_point_side=side, set_point_streak=streak)
+    return solved, replace(state, set_point_side=0, set_point_streak=0)
 
 
 def _drift(config: RebalanceConfig, opt: SplitOptimum) -> tuple[int, str]:
@@ -258,6 +281,28 @@ def _refusal(
         pool = "decode" if direction > 0 else "prefill"
         return f"the {pool} pool would carry {losing:.2f} req/s < {need:.2f} needed"
     return None
+
+
+def planned_utilisation(
+    profile: DeploymentProfile, threshold: float, rate: float, *, exact: bool
+) -> float | None:
+    """The link utilisation `profile`'s model expects at `threshold` when `rate` req/s
+    arrive: rate * P(L > t) * E[S_kv(L) | L > t] / capacity (None without a link)."""
+    link = profile.prfaas.egress_gbps
+    if not link:
+        return None
+    dist = profile.workload.lengths
+    split = tp.split_at(dist, np.array([threshold]))
+    costs = tp.class_costs(
+        dist,
+        split,
+        long_prefill=profile.prfaas.hardware.prefill_seconds,
+        short_prefill=profile.pd.hardware.prefill_seconds,
+        kv_bytes=profile.model.kv_bytes,
+        exact=exact,
+    )
+    egress = rate * float(split.p[0]) * float(np.nan_to_num(costs.long_kv_bytes[0]))
+    return egress / tp.gbps_to_bytes_per_s(link)
 
 
 def _numbers(opt: SplitOptimum, estimate: WorkloadEstimate) -> dict[str, Any]:

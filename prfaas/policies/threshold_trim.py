@@ -1,19 +1,21 @@
 """The short-term threshold trimmer: moves `t` with egress utilisation and prefill queues.
 
 Each tick (about a second) it sees the link's measured utilisation and the predicted
-backlog of both prefill pools, and moves `t` inside a band around the long-term loop's
-set-point:
+backlog of both prefill pools (the gateway's predictions: PrfaaS occupancy includes the KV
+over the spare egress, so a saturated link shows up as PrfaaS backlog), and moves `t`
+inside a band around the long-term loop's set-point:
 
-- **raise, multiplicatively** (`t *= raise_factor`) when the link is above its high-water
-  mark (unless the PD-prefill queue already exceeds the PrfaaS one by `queue_gap_s`:
-  moving work there would only move the congestion) or the PrfaaS queue exceeds the
-  PD-prefill queue by `queue_gap_s`, for `confirm_ticks` ticks in a row: less is sent to
-  PrfaaS, at once;
-- **lower, additively** (`t -= lower_step`) after `clear_ticks` quiet ticks: back toward
-  the set-point once the link is below its low-water mark, or further down (to the band's
-  floor) while the PD-prefill queue exceeds the PrfaaS one by `queue_gap_s`;
-- **relax up** additively toward the set-point when `t` sits below it and PD prefill is no
-  longer the congested side;
+- **raise, multiplicatively** (`t *= raise_factor`) when the PrfaaS side is congested: its
+  queue exceeds the PD-prefill queue by `queue_gap_s`, or the link is above its high-water
+  mark while the PrfaaS queue is the longer one, for `confirm_ticks` ticks in a row: less
+  is sent to PrfaaS, at once. A link running full while PD prefill is the busier side is
+  left alone: a link-bound optimum (the planner's answer on a slow link) runs it near 100%,
+  and moving work to PD would only move the queue;
+- **lower, additively** (`t -= lower_step`) after `clear_ticks` ticks without PrfaaS
+  congestion: down to the band's floor while the PD-prefill queue exceeds the PrfaaS one
+  by `queue_gap_s`, or back toward the set-point once the link is below its low-water mark;
+- **relax up** additively toward the set-point when `t` sits below it and neither side is
+  congested;
 - hold otherwise (between the marks there is a dead band).
 
 After a raise the next waits `holdoff_ticks`, so the link's queued transfers drain and its
@@ -21,10 +23,10 @@ utilisation shows what the new `t` does before `t` moves again (a saturated link
 until then, and raising on every tick would overshoot).
 
 No oscillation under steady load: after a raise, the `t` at which the link was congested is
-remembered, and lowering stops one step above it until that memory expires (`memory_s`),
-the link capacity changes, or the set-point moves. So under a steady load the trimmer
-settles one step above the congested point instead of cycling through it (TCP's ssthresh
-plays the same role).
+remembered, and lowering back toward the set-point on a quiet link stops one step above it
+until that memory expires (`memory_s`), the link capacity changes, or the set-point moves.
+So under a steady load the trimmer settles one step above the congested point instead of
+cycling through it (TCP's ssthresh plays the same role).
 
 Pure: state and observation in, decision out.
 """
@@ -47,8 +49,13 @@ class TrimConfig:
     """Egress utilisation above which `t` rises."""
     low_water: float = 0.6
     """Egress utilisation below which `t` may fall."""
-    queue_gap_s: float = 4.0
-    """A pool whose predicted queue exceeds the other's by this much is congested."""
+    queue_gap_s: float = 3.0
+    """A pool is congested when its predicted queue exceeds `queue_ratio` times the
+    other's plus this many seconds."""
+    queue_ratio: float = 1.5
+    plan_margin: float = 0.1
+    """The high-water mark is at least the long-term plan's expected utilisation plus this
+    (a link-bound plan runs the link near full on purpose)."""
     raise_factor: float = 1.25
     lower_step_tokens: float = 512.0
     band: tuple[float, float] = (0.5, 2.0)
@@ -68,6 +75,8 @@ class TrimConfig:
         ok = 0 <= self.low_water < self.high_water
         check(ok, "low_water", self.low_water, "must be in [0, high_water)")
         check(self.queue_gap_s > 0, "queue_gap_s", self.queue_gap_s, "must be > 0")
+        check(self.queue_ratio >= 1, "queue_ratio", self.queue_ratio, "must be >= 1")
+        check(self.plan_margin >= 0, "plan_margin", self.plan_margin, "must be >= 0")
         check(self.raise_factor > 1, "raise_factor", self.raise_factor, "must be > 1")
         step = self.lower_step_tokens
         check(step > 0, "lower_step_tokens", step, "must be > 0")
@@ -108,14 +117,26 @@ class TrimState:
     remember_until: float = -math.inf
     capacity: float | None = None
     """Link capacity when the memory was taken."""
+    planned_utilisation: float | None = None
+    """What the long-term plan expects the link to run at (None: unknown)."""
 
-    def with_set_point(self, set_point: float) -> TrimState:
+    def with_set_point(self, set_point: float, planned: float | None = None) -> TrimState:
         """The long-term loop re-solved `t`: jump to it and forget the congestion memory."""
         return TrimState(
             threshold=set_point,
             set_point=set_point,
             capacity=self.capacity,
             since_raise=self.since_raise,
+            planned_utilisation=planned,
+        )
+
+    def high_water(self, config: TrimConfig) -> float:
+        """The utilisation above which the link counts as congested."""
+        planned = self.planned_utilisation
+        return (
+            config.high_water
+            if planned is None
+            else max(config.high_water, planned + config.plan_margin)
         )
 
 
@@ -133,34 +154,34 @@ def band(config: TrimConfig, set_point: float) -> tuple[float, float]:
 def trim(config: TrimConfig, state: TrimState, obs: TrimObservation) -> TrimDecision:
     """One tick of the trimmer (see the module docstring)."""
     state = replace(_forget_if_stale(state, obs), since_raise=state.since_raise + 1)
-    util, gap = obs.egress_utilisation, obs.prfaas_backlog_s - obs.pd_backlog_s
-    queue_hot = gap > config.queue_gap_s
-    pd_hot = -gap > config.queue_gap_s
-    link_hot = util is not None and util > config.high_water and not pd_hot
+    util, pf, pd = obs.egress_utilisation, obs.prfaas_backlog_s, obs.pd_backlog_s
+    queue_hot = pf > config.queue_ratio * pd + config.queue_gap_s
+    pd_hot = pd > config.queue_ratio * pf + config.queue_gap_s
+    high = state.high_water(config)
+    link_hot = util is not None and util > high and pf > pd
     if link_hot or queue_hot:
         why = (
-            f"egress {util:.2f} > {config.high_water:g}"
+            f"egress {util:.2f} > {high:.2f}"
             if link_hot and util is not None
-            else f"PrfaaS queue {obs.prfaas_backlog_s:.1f}s > PD {obs.pd_backlog_s:.1f}s"
+            else f"PrfaaS queue {pf:.1f}s > {config.queue_ratio:g} x PD {pd:.1f}s"
             f" + {config.queue_gap_s:g}s"
         )
         return _raise(config, replace(state, quiet_ticks=0), obs, why)
     state = replace(state, hot_ticks=0, quiet_ticks=state.quiet_ticks + 1)
     if state.quiet_ticks < config.clear_ticks:
         return TrimDecision(state, False, "hold: waiting for quiet ticks")
-    link_clear = util is None or util < config.low_water
     lo, _ = band(config, state.set_point)
     t, sp = state.threshold, state.set_point
-    if link_clear and pd_hot:
+    if pd_hot:
         why = (
-            f"PD queue {obs.pd_backlog_s:.1f}s > PrfaaS {obs.prfaas_backlog_s:.1f}s"
+            f"PD queue {pd:.1f}s > {config.queue_ratio:g} x PrfaaS {pf:.1f}s"
             f" + {config.queue_gap_s:g}s"
         )
-        return _lower(config, state, lo, why)
-    if link_clear and t > sp:
+        return _lower(config, state, lo, why, remembered=False)
+    if t > sp and (util is None or util < config.low_water):
         util_text = "unknown" if util is None else f"{util:.2f}"
         return _lower(config, state, sp, f"egress {util_text} < {config.low_water:g}")
-    if t < sp and not pd_hot:
+    if t < sp:
         new = min(t + config.lower_step_tokens, sp)
         return _moved(state, new, f"relax up toward set-point {sp:.0f}")
     return TrimDecision(state, False, "hold: within the dead band")
@@ -195,10 +216,14 @@ def _raise(config: TrimConfig, state: TrimState, obs: TrimObservation, why: str)
     return _moved(remembered, min(t * config.raise_factor, hi), f"raise: {why}")
 
 
-def _lower(config: TrimConfig, state: TrimState, target: float, why: str) -> TrimDecision:
+def _lower(
+    config: TrimConfig, state: TrimState, target: float, why: str, *, remembered: bool = True
+) -> TrimDecision:
+    """Lower toward `target`; with `remembered`, not below one step above the last
+    congested `t` (a queue imbalance toward PD overrides that memory)."""
     t = state.threshold
     floor = target
-    if state.congested_at is not None:
+    if remembered and state.congested_at is not None:
         floor = max(floor, state.congested_at + config.lower_step_tokens)
     if t <= floor:
         return TrimDecision(state, False, f"hold: {why}, t at its floor {floor:.0f}")

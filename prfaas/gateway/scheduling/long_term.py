@@ -1,7 +1,9 @@
 """The long-term loop (every period, about a minute): estimate the workload, re-solve the
 set-point, and convert one PD-cluster instance when the rebalancer says so.
 
-The slow loop owns the set-point: when the re-solved `t` moves beyond the dead band, `t` is
+A step in the measured link capacity (more than 25%) starts a period at once rather than at
+the period's end: a measurement needs no sampling window to be believed. The slow loop owns
+the set-point: when the re-solved `t` moves beyond the dead band, `t` is
 reset to it (the fast loop then trims around the new value). A conversion runs in the
 background (its drain may outlast a period); when it is done the instance's new role and
 the set-point re-solved for the new split are applied together.
@@ -33,6 +35,7 @@ from prfaas.policies.schedule_state import InstanceRole
 from prfaas.policies.workload_estimate import PeriodObservation, WorkloadEstimate, update_estimate
 
 logger = logging.getLogger(__name__)
+CAPACITY_STEP = 0.25  # a relative change of measured link capacity that is a step
 
 
 class LongTermLoop:
@@ -60,15 +63,15 @@ class LongTermLoop:
         self.last: RebalanceDecision | None = None
         self._conversion: asyncio.Task[None] | None = None
         self.conversions: list[ConversionResult] = []
+        self.capacity_seen: float | None = None
+        """The link capacity the last period planned with."""
 
     def period(self) -> RebalanceDecision:
         """Estimate, decide, and start what was decided."""
         samples = self._observer.take_samples()
         now = self._observer.now()
-        link = self._observer.link
-        capacity = samples.mean_capacity()
-        if capacity is None and link is not None:
-            capacity = link.capacity_bytes_per_s
+        capacity = self._period_capacity(samples.mean_capacity())
+        self.capacity_seen = capacity
         lengths = self._profile.workload.lengths
         lo, hi = round(lengths.lo), round(lengths.hi)
         clamped = [min(max(n, lo), hi) for n in samples.incremental]
@@ -94,10 +97,28 @@ class LongTermLoop:
         inputs = {"outcome": decision.outcome, **(decision.numbers or {})}
         if decision.outcome in ("refused", "convert", "pending"):
             board.note("long-term", "rebalance", decision.reason, inputs)
-        self._set_point(decision.set_point, decision.reason, inputs)
+        self._set_point(decision.set_point, decision.planned_utilisation, inputs)
+        self._short.planned(decision.planned_utilisation)
         if decision.conversion is not None:
             self._start(decision.conversion, inputs)
         return decision
+
+    def _period_capacity(self, mean: float | None) -> float | None:
+        """The period's mean measured capacity, or the latest measurement when the link
+        stepped during the period (the mean would blend two different links)."""
+        link = self._observer.link
+        latest = None if link is None else link.capacity_bytes_per_s
+        if mean is None or latest is None:
+            return latest if mean is None else mean
+        return latest if abs(latest - mean) > CAPACITY_STEP * mean else mean
+
+    def capacity_stepped(self) -> bool:
+        """The measured link moved by more than `CAPACITY_STEP` since the last period: the
+        scheduler then runs a period at once (a measured step needs no sampling window)."""
+        link, seen = self._observer.link, self.capacity_seen
+        if link is None or seen is None:
+            return False
+        return abs(link.capacity_bytes_per_s - seen) > CAPACITY_STEP * seen
 
     def pools(self) -> Pools:
         """The PD cluster as it is now: healthy, not draining (a "both" instance is neither)."""
@@ -109,7 +130,7 @@ class LongTermLoop:
             decode=tuple(Member(s.instance_id, s.in_flight) for s in pd if s.role == "decode"),
         )
 
-    def _set_point(self, solved: float, reason: str, inputs: dict[str, Any]) -> None:
+    def _set_point(self, solved: float, planned: float | None, inputs: dict[str, Any]) -> None:
         board = self._board
         set_point = self._config.clamp(solved)
         if self._short.pinned or set_point == board.state.set_point:
@@ -123,7 +144,7 @@ class LongTermLoop:
             threshold=set_point,
             set_point=set_point,
         )
-        self._short.reset_set_point(set_point)
+        self._short.reset_set_point(set_point, planned)
 
     def _start(self, conversion: Conversion, inputs: dict[str, Any]) -> None:
         self.state = self.state.started(conversion.instance_id)
@@ -173,7 +194,7 @@ class LongTermLoop:
             set_point=None if keep else set_point,
         )
         if not keep:
-            self._short.reset_set_point(set_point)
+            self._short.reset_set_point(set_point, conversion.planned_utilisation)
 
     def _roles(self) -> dict[str, InstanceRole]:
         return {s.instance_id: s.role for s in self._instances if s.cluster == "pd"}

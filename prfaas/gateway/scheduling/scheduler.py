@@ -66,6 +66,7 @@ class Scheduler:
         )
         self._instances = instances
         self._tasks: list[asyncio.Task[None]] = []
+        self._wake_long = asyncio.Event()
         router.observer = self.observer
 
     def attach_link(self, reader: LinkReader) -> None:
@@ -74,22 +75,32 @@ class Scheduler:
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
-        if self.config.short_term:
-            self._tasks.append(loop.create_task(self._every(self.config.tick_s, self.short.tick)))
+        self._tasks.append(loop.create_task(self._ticks()))
         if self.config.long_term:
-            self._tasks.append(loop.create_task(self._every(self.config.period_s, self._period)))
+            self._tasks.append(loop.create_task(self._periods()))
 
-    def _period(self) -> None:
-        self.long.period()
+    def _tick(self) -> None:
+        """The short-term step (measurement only when its loop is off), and the long-term
+        loop's early wake on a link step."""
+        if self.config.short_term:
+            self.short.tick()
+        else:
+            self.observer.measured(self.short.read_link())
+        if self.config.long_term and self.long.capacity_stepped():
+            self._wake_long.set()
 
-    @staticmethod
-    async def _every(seconds: float, step: Callable[[], object]) -> None:
+    async def _ticks(self) -> None:
         while True:
-            await asyncio.sleep(seconds)
-            try:
-                step()
-            except Exception:  # a bad period must not stop the loop
-                logger.exception("scheduler step %r failed", step)
+            await asyncio.sleep(self.config.tick_s)
+            _guarded(self._tick)
+
+    async def _periods(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.config.period_s):
+                    await self._wake_long.wait()
+            self._wake_long.clear()
+            _guarded(self.long.period)
 
     async def stop(self) -> None:
         tasks, self._tasks = self._tasks, []
@@ -183,6 +194,13 @@ class Scheduler:
             role,
             backlog,
         ]
+
+
+def _guarded(step: Callable[[], object]) -> None:
+    try:
+        step()
+    except Exception:  # a bad step must not stop its loop
+        logger.exception("scheduler step %r failed", step)
 
 
 def _trim_json(short: ShortTermLoop) -> dict[str, Any]:

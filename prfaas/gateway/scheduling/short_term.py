@@ -4,6 +4,7 @@ prefill queues, trim `t` around the set-point, choose the bandwidth regime."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from prfaas.gateway.instances import InstanceManager
@@ -53,9 +54,14 @@ class ShortTermLoop:
         self.pinned = False
         self.last: dict[str, Any] = {}
 
-    def reset_set_point(self, set_point: float) -> None:
-        """The long-term loop re-solved the set-point: trim around the new one."""
-        self.trim = self.trim.with_set_point(set_point)
+    def reset_set_point(self, set_point: float, planned: float | None) -> None:
+        """The long-term loop re-solved the set-point: trim around the new one (`planned`:
+        the link utilisation the plan expects there)."""
+        self.trim = self.trim.with_set_point(set_point, planned)
+
+    def planned(self, utilisation: float | None) -> None:
+        """The plan's expected link utilisation at the current set-point (every period)."""
+        self.trim = replace(self.trim, planned_utilisation=utilisation)
 
     def tick(self) -> None:
         """Measure, decide, and apply what changed."""
