@@ -18,6 +18,7 @@ from prfaas.policies.rebalance import (
     Pools,
     RebalanceConfig,
     RebalanceState,
+    planned_utilisation,
     rebalance,
     replan_profile,
 )
@@ -66,15 +67,22 @@ def test_too_few_samples_skip(profile: DeploymentProfile) -> None:
 
 
 def test_the_planned_workload_holds_at_the_planned_set_point(profile: DeploymentProfile) -> None:
-    """The case study's own workload: (3, 5) is optimal, moving a decode loses, t = t*."""
+    """The case study's own workload: (3, 5) is optimal, moving a decode loses; a set-point
+    far from t* moves to it after two periods (confirmation), with the link utilisation
+    the plan expects there."""
     est = _estimate()
     t_star, n_p = _optimum(profile, est)
     assert n_p == 3
     d = rebalance(CFG, RebalanceState(), profile, est, _pools(), now=0, set_point=10_000)
     assert d.outcome == "hold" and d.conversion is None
-    assert d.set_point == t_star
+    assert d.set_point == 10_000 and (d.state.set_point_side, d.state.set_point_streak) == (1, 1)
     assert d.reason.startswith("drift: prefill side 3.14 vs decode 3.91 req/s; hold: converting")
     assert d.numbers is not None and d.numbers["n_p"] == 3
+    d = rebalance(CFG, d.state, profile, est, _pools(), now=60, set_point=10_000)
+    assert d.set_point == t_star and d.state.set_point_streak == 0
+    expected = planned_utilisation(replan_profile(profile, est, 4, 8), t_star, 2.7, exact=True)
+    assert d.planned_utilisation == expected
+    assert expected is not None and 0.1 < expected < 0.15  # ~13 Gbps of 100 (the paper's)
 
 
 def test_bandwidth_drop_converts_a_decode_after_confirmation(profile: DeploymentProfile) -> None:
@@ -89,7 +97,11 @@ def test_bandwidth_drop_converts_a_decode_after_confirmation(profile: Deployment
     assert d1.reason.endswith("one decode -> prefill gains +9.2%; pending (1/2 periods)")
     d2 = rebalance(CFG, d1.state, profile, est, pools, now=120, set_point=d1.set_point)
     assert d2.outcome == "convert"
-    assert d2.conversion == Conversion("pd-d1", "decode", "prefill", t_star)
+    assert d2.conversion is not None
+    assert d2.conversion == Conversion("pd-d1", "decode", "prefill", t_star,
+                                       d2.conversion.planned_utilisation)  # fmt: skip
+    # a link-bound plan: it expects the 10 Gbit/s link nearly full
+    assert d2.conversion.planned_utilisation == pytest.approx(0.89, abs=0.02)
 
 
 def test_decode_heavy_converts_a_prefill(profile: DeploymentProfile) -> None:
@@ -165,13 +177,19 @@ def test_the_losing_pool_must_carry_the_load(profile: DeploymentProfile) -> None
 
 
 def test_set_point_moves_only_beyond_the_dead_band(profile: DeploymentProfile) -> None:
+    """Within 15% of t* nothing moves; beyond, the same side twice in a row moves it; a
+    period back inside the band starts the count over."""
     est = _estimate()
     t_star, _ = _optimum(profile, est)
-    near = t_star * 1.09
+    near = t_star * 1.14
     d = rebalance(CFG, RebalanceState(), profile, est, _pools(), now=0, set_point=near)
-    assert d.set_point == near
-    far = t_star * 1.13
+    assert d.set_point == near and d.state.set_point_streak == 0
+    far = t_star * 1.2
     d = rebalance(CFG, RebalanceState(), profile, est, _pools(), now=0, set_point=far)
+    assert d.set_point == far and (d.state.set_point_side, d.state.set_point_streak) == (-1, 1)
+    back = rebalance(CFG, d.state, profile, est, _pools(), now=60, set_point=near)
+    assert back.state.set_point_streak == 0
+    d = rebalance(CFG, d.state, profile, est, _pools(), now=60, set_point=far)
     assert d.set_point == t_star
 
 

@@ -1,5 +1,5 @@
-"""The short-term threshold trimmer: multiplicative raises on congestion, additive lowering
-when quiet, a band around the set-point, and no oscillation under steady load."""
+"""The short-term threshold trimmer: multiplicative raises on PrfaaS-side congestion,
+additive lowering, a band around the set-point, and no oscillation under steady load."""
 
 from __future__ import annotations
 
@@ -10,19 +10,17 @@ from dataclasses import replace
 import pytest
 
 from prfaas.common.toml_tables import FieldError
-from prfaas.policies.threshold_trim import (
-    TrimConfig,
-    TrimObservation,
-    TrimState,
-    trim,
-)
+from prfaas.policies.threshold_trim import TrimConfig, TrimObservation, TrimState, trim
 
-CFG = TrimConfig()  # high 0.9, low 0.6, gap 4 s, x1.25, -512, band [0.5, 2], 2/3 ticks, 300 s
+CFG = TrimConfig()
+"""high 0.9, low 0.6, queues: ratio 1.5 + 3 s, x1.25 / -512, band [0.5, 2], confirm 2,
+quiet 3, hold-off 10 ticks, memory 300 s, plan margin 0.1."""
 
 
-def _obs(now: float, util: float | None, prfaas_q: float = 0.0, pd_q: float = 0.0,
+def _obs(now: float, util: float | None, pf: float = 1.0, pd: float = 0.0,
          cap: float | None = 1e9) -> TrimObservation:  # fmt: skip
-    return TrimObservation(now, util, prfaas_q, pd_q, cap)
+    """PrfaaS slightly busier than PD by default (so a full link may raise)."""
+    return TrimObservation(now, util, pf, pd, cap)
 
 
 def _run(state: TrimState, observations: list[TrimObservation]) -> list[tuple[float, str]]:
@@ -36,24 +34,36 @@ def _run(state: TrimState, observations: list[TrimObservation]) -> list[tuple[fl
 
 def test_raise_needs_two_congested_ticks_then_multiplies_then_holds_off() -> None:
     """Two hot ticks raise by x1.25; the next raise waits 10 ticks for the link to drain."""
-    s = TrimState(10_000, 10_000)
-    steps = _run(s, [_obs(i, 0.95) for i in range(13)])
+    steps = _run(TrimState(10_000, 10_000), [_obs(i, 0.95) for i in range(13)])
     assert steps[:4] == [
-        (10_000, "hold: egress 0.95 > 0.9 (tick 1)"),
-        (12_500, "raise: egress 0.95 > 0.9"),
-        (12_500, "hold: egress 0.95 > 0.9 (tick 1)"),
-        (12_500, "hold: egress 0.95 > 0.9, 8 ticks after the last raise"),
+        (10_000, "hold: egress 0.95 > 0.90 (tick 1)"),
+        (12_500, "raise: egress 0.95 > 0.90"),
+        (12_500, "hold: egress 0.95 > 0.90 (tick 1)"),
+        (12_500, "hold: egress 0.95 > 0.90, 8 ticks after the last raise"),
     ]
     assert [t for t, _ in steps[4:]] == [12_500] * 7 + [15_625, 15_625]
-    assert steps[11][1] == "raise: egress 0.95 > 0.9"
+    assert steps[11][1] == "raise: egress 0.95 > 0.90"
 
 
-def test_a_congested_pd_prefill_blocks_raising_on_the_link() -> None:
-    """Link saturated but PD prefill 10 s behind PrfaaS: moving work to PD would only move
-    the congestion, so t holds (and, the link not being quiet, does not fall either)."""
+def test_a_full_link_raises_only_while_prfaas_is_the_busier_side() -> None:
+    """Link at 100% but PD prefill as busy or busier: moving work to PD would only move the
+    queue, so t holds; with PD far behind, t even falls."""
     s = TrimState(10_000, 10_000, hot_ticks=1, quiet_ticks=5)
-    d = trim(CFG, s, _obs(0, 1.0, prfaas_q=0.0, pd_q=10.0))
+    d = trim(CFG, s, _obs(0, 1.0, pf=2.0, pd=2.0))
     assert not d.changed and d.reason == "hold: within the dead band"
+    d = trim(CFG, s, _obs(0, 1.0, pf=0.0, pd=10.0))
+    assert (
+        d.state.threshold == 9_488 and d.reason == "lower: PD queue 10.0s > 1.5 x PrfaaS 0.0s + 3s"
+    )
+
+
+def test_the_plan_lifts_the_high_water_mark() -> None:
+    """A link-bound plan expects 95% utilisation: the link counts as congested only above
+    1.05, so running it full is not a reason to raise."""
+    s = TrimState(10_000, 10_000, hot_ticks=1, planned_utilisation=0.95)
+    assert s.high_water(CFG) == pytest.approx(1.05)
+    assert not trim(CFG, s, _obs(0, 1.0)).changed
+    assert trim(CFG, replace(s, planned_utilisation=0.5), _obs(0, 1.0)).state.threshold == 12_500
 
 
 def test_raise_is_clamped_to_the_band() -> None:
@@ -61,42 +71,41 @@ def test_raise_is_clamped_to_the_band() -> None:
     d = trim(CFG, s, _obs(0, 1.0))
     assert d.changed and d.state.threshold == 20_000
     d = trim(CFG, replace(d.state, hot_ticks=1, since_raise=50), _obs(1, 1.0))
-    assert not d.changed and d.reason == "hold: egress 1.00 > 0.9, t at the band's top 20000"
+    assert not d.changed and d.reason == "hold: egress 1.00 > 0.90, t at the band's top 20000"
 
 
 def test_a_prfaas_queue_surge_raises() -> None:
-    """PrfaaS 6 s queued vs PD 1 s: more than the 4 s gap."""
+    """PrfaaS 6 s queued vs PD 1 s: more than 1.5 x 1 + 3 s."""
     s = TrimState(10_000, 10_000, hot_ticks=1)
-    d = trim(CFG, s, _obs(0, 0.2, prfaas_q=6.0, pd_q=1.0))
+    d = trim(CFG, s, _obs(0, 0.2, pf=6.0, pd=1.0))
     assert d.state.threshold == 12_500
-    assert d.reason == "raise: PrfaaS queue 6.0s > PD 1.0s + 4s"
-    d = trim(CFG, TrimState(10_000, 10_000, hot_ticks=1), _obs(0, 0.2, prfaas_q=5.0, pd_q=1.0))
-    assert not d.changed  # a gap of exactly 4 s is not a surge
+    assert d.reason == "raise: PrfaaS queue 6.0s > 1.5 x PD 1.0s + 3s"
+    # 4.5 s is exactly 1.5 x 1 + 3: not a surge
+    assert not trim(CFG, TrimState(10_000, 10_000, hot_ticks=1), _obs(0, 0.2, 4.5, 1.0)).changed
 
 
 def test_quiet_link_lowers_additively_back_to_the_set_point() -> None:
     """Every third quiet tick takes 512 tokens off, down to the set-point, never below."""
-    s = TrimState(11_200, 10_000)
-    ts = [t for t, _ in _run(s, [_obs(i, 0.3) for i in range(12)])]
+    ts = [t for t, _ in _run(TrimState(11_200, 10_000), [_obs(i, 0.3) for i in range(12)])]
     assert ts == [11_200, 11_200, 10_688, 10_688, 10_688, 10_176, 10_176, 10_176, 10_000,
                   10_000, 10_000, 10_000]  # fmt: skip
 
 
 def test_dead_band_holds() -> None:
-    """Between the marks, above the set-point, nothing moves."""
-    s = TrimState(12_000, 10_000, quiet_ticks=5)
-    d = trim(CFG, s, _obs(0, 0.75))
+    """Between the marks, above the set-point, queues balanced: nothing moves."""
+    d = trim(CFG, TrimState(12_000, 10_000, quiet_ticks=5), _obs(0, 0.75))
     assert not d.changed and d.reason == "hold: within the dead band"
 
 
 def test_busy_pd_prefill_lowers_below_the_set_point_to_the_band_floor() -> None:
-    """PD queue 10 s vs PrfaaS 1 s with a quiet link: t falls by 512 per 3 ticks to 5,000."""
+    """PD queue 10 s vs PrfaaS 1 s: t falls by 512 per 3 quiet ticks down to 5,000."""
     s = TrimState(5_600, 10_000, quiet_ticks=2)
-    d = trim(CFG, s, _obs(0, 0.1, prfaas_q=1.0, pd_q=10.0))
-    assert d.state.threshold == 5_088 and d.reason == "lower: PD queue 10.0s > PrfaaS 1.0s + 4s"
-    d = trim(CFG, replace(d.state, quiet_ticks=2), _obs(1, 0.1, prfaas_q=1.0, pd_q=10.0))
+    d = trim(CFG, s, _obs(0, 0.1, pf=1.0, pd=10.0))
+    assert d.state.threshold == 5_088
+    assert d.reason == "lower: PD queue 10.0s > 1.5 x PrfaaS 1.0s + 3s"
+    d = trim(CFG, replace(d.state, quiet_ticks=2), _obs(1, 0.1, pf=1.0, pd=10.0))
     assert d.state.threshold == 5_000
-    d = trim(CFG, replace(d.state, quiet_ticks=2), _obs(2, 0.1, prfaas_q=1.0, pd_q=10.0))
+    d = trim(CFG, replace(d.state, quiet_ticks=2), _obs(2, 0.1, pf=1.0, pd=10.0))
     assert not d.changed and "t at its floor 5000" in d.reason
 
 
@@ -109,8 +118,7 @@ def test_relaxes_up_to_the_set_point_once_pd_is_no_longer_congested() -> None:
 
 
 def test_no_link_telemetry_counts_as_a_quiet_link() -> None:
-    s = TrimState(11_000, 10_000, quiet_ticks=2)
-    d = trim(CFG, s, _obs(0, None))
+    d = trim(CFG, TrimState(11_000, 10_000, quiet_ticks=2), _obs(0, None))
     assert d.state.threshold == 10_488 and d.reason == "lower: egress unknown < 0.6"
 
 
@@ -127,11 +135,10 @@ def test_no_oscillation_when_congestion_has_a_sharp_edge() -> None:
     """Congested below 12,000 tokens, idle above: after at most two probes the trimmer sits
     one step above the last congested t and stays there for the rest of the memory."""
     ts = _steady(lambda t: 0.95 if t < 12_000 else 0.3, 250)
-    tail = ts[40:]
+    tail = ts[60:]
     assert len(set(tail)) == 1
     assert 12_000 <= tail[0] <= 12_000 * CFG.raise_factor
-    changes = sum(a != b for a, b in itertools.pairwise(ts))
-    assert changes <= 12
+    assert sum(a != b for a, b in itertools.pairwise(ts)) <= 12
 
 
 def test_no_oscillation_under_a_smooth_load() -> None:
@@ -157,8 +164,9 @@ def test_memory_expires_and_a_capacity_change_forgets_it() -> None:
 
 def test_a_new_set_point_resets_t_and_the_memory() -> None:
     s = TrimState(12_500, 10_000, hot_ticks=1, congested_at=10_000, remember_until=99.0,
-                  capacity=5.0)  # fmt: skip
-    assert s.with_set_point(25_000) == TrimState(25_000, 25_000, capacity=5.0)
+                  capacity=5.0, since_raise=7)  # fmt: skip
+    new = s.with_set_point(25_000, 0.4)
+    assert new == TrimState(25_000, 25_000, capacity=5.0, since_raise=7, planned_utilisation=0.4)
 
 
 @pytest.mark.parametrize(
@@ -167,6 +175,7 @@ def test_a_new_set_point_resets_t_and_the_memory() -> None:
         ("high_water", 0.0, "high_water: must be in (0, 1.5] (got 0.0)"),
         ("low_water", 0.95, "low_water: must be in [0, high_water) (got 0.95)"),
         ("raise_factor", 1.0, "raise_factor: must be > 1 (got 1.0)"),
+        ("queue_ratio", 0.5, "queue_ratio: must be >= 1 (got 0.5)"),
         ("band", (1.2, 2.0), "band: must be [low <= 1, high >= 1], low > 0 (got (1.2, 2.0))"),
         ("confirm_ticks", 0, "confirm_ticks: must be >= 1 (got 0)"),
     ],
