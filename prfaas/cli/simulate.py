@@ -261,6 +261,8 @@ def _table6(
 def _scenarios(args: argparse.Namespace, profile: DeploymentProfile, options: SimOptions) -> int:
     from dataclasses import replace
 
+    from rich.console import Console
+
     from prfaas.gateway.scheduling.config import SchedulerConfig
     from prfaas.sim.report import print_table
     from prfaas.sim.scenario_report import goal_table, phase_table, run_scenario
@@ -294,9 +296,10 @@ def _scenarios(args: argparse.Namespace, profile: DeploymentProfile, options: Si
         )
         docs.append(result.to_json())
         if args.json != "-":
-            print_table(phase_table(result))
+            wide = Console(width=max(Console().width, 160))
+            print_table(phase_table(result), wide)
             if result.verdicts:
-                print_table(goal_table(result))
+                print_table(goal_table(result), wide)
         if args.plot is not None:
             from prfaas.sim.scenario_plots import write_scenario_plots
 

@@ -67,6 +67,10 @@ class RoutingObserver(Protocol):
         """Its prefill is over (KV handed over, failed or aborted); called once."""
         ...
 
+    def first_token(self, rid: str) -> None:
+        """Its first output token arrived: it is decoding now."""
+        ...
+
     def finished(self, event: RouteEvent) -> None:
         """The request is over (the same event `on_event` gets)."""
         ...
@@ -225,6 +229,8 @@ class Dispatch:
             self._fail(EngineError("the engine returned no output"))
         if self._prefill_call is None:
             self._prefill_done()  # one instance does both: its first token ends the prefill
+        if self.router.observer is not None:
+            self.router.observer.first_token(self.request.rid)
         self.first = first
 
     async def next(self) -> GenerateChunk | None:

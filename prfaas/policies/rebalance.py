@@ -46,11 +46,11 @@ Role = Literal["prefill", "decode"]
 class RebalanceConfig:
     drift_tolerance: float = 0.1
     """Relative gap between the prefill side's and decode's rate limits that counts as drift."""
-    min_gain: float = 0.03
+    min_gain: float = 0.05
     """A conversion must raise the model's Lambda_max by at least this share."""
     confirm_periods: int = 2
     """Periods in a row that must want the same move."""
-    cooldown_s: float = 120.0
+    cooldown_s: float = 30.0
     """Seconds after a conversion before the next (at least that conversion's drain)."""
     load_margin: float = 0.05
     """The losing pool must carry the estimated rate times (1 + margin)."""

@@ -95,13 +95,23 @@ class PeriodObservation:
         incremental: Sequence[int],
         outputs: Sequence[int],
         capacity_bytes_per_s: float | None = None,
+        *,
+        occupancy_output: float | None = None,
     ) -> PeriodObservation:
+        """`occupancy_output`: the output length the decode occupancy implies (Little's law:
+        mean requests decoding / (arrival rate x decode step)). Finished requests tell the
+        output length only once they end (a 3,072-token answer takes over a minute), so
+        when the occupancy implies more than they do, it stands for them."""
+        total, count = float(sum(outputs)), len(outputs)
+        if occupancy_output is not None and occupancy_output * max(count, 1) > total:
+            count = max(count, 1)
+            total = occupancy_output * count
         return cls(
             duration_s,
             len(incremental),
             Moments.of(incremental),
-            float(sum(outputs)),
-            len(outputs),
+            total,
+            count,
             capacity_bytes_per_s,
         )
 

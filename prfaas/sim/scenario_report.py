@@ -89,10 +89,12 @@ def run_scenario(
     metrics = metrics_by_phase(runs, scenario.phases, slo)
     verdicts: tuple[PhaseVerdict, ...] = ()
     if {"static", "dual", "oracle"} <= metrics.keys():
-        verdicts = tuple(
-            verdict(s, d, o, scheduler.period_s)
-            for s, d, o in zip(metrics["static"], metrics["dual"], metrics["oracle"], strict=True)
-        )
+        steps = [
+            i > 0 and p.conditions != scenario.phases[i - 1].conditions
+            for i, p in enumerate(scenario.phases)
+        ]
+        rows = zip(metrics["static"], metrics["dual"], metrics["oracle"], steps, strict=True)
+        verdicts = tuple(verdict(s, d, o, scheduler.period_s, step=st) for s, d, o, st in rows)
     return ScenarioResult(scenario, tuple(runs), metrics, verdicts, scheduler, slo)
 
 

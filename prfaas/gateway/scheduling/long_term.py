@@ -19,7 +19,7 @@ from typing import Any
 from prfaas.gateway.instances import InstanceManager
 from prfaas.gateway.scheduling.config import SchedulerConfig
 from prfaas.gateway.scheduling.decisions import ScheduleBoard
-from prfaas.gateway.scheduling.observer import SchedulingObserver
+from prfaas.gateway.scheduling.observer import PeriodSamples, SchedulingObserver
 from prfaas.gateway.scheduling.roles import ConversionResult, RoleConverter
 from prfaas.gateway.scheduling.short_term import ShortTermLoop
 from prfaas.policies.profile import DeploymentProfile
@@ -75,8 +75,13 @@ class LongTermLoop:
         lengths = self._profile.workload.lengths
         lo, hi = round(lengths.lo), round(lengths.hi)
         clamped = [min(max(n, lo), hi) for n in samples.incremental]
+        duration = max(now - samples.started, 1e-9)
         obs = PeriodObservation.of(
-            max(now - samples.started, 1e-9), clamped, samples.outputs, capacity
+            duration,
+            clamped,
+            samples.outputs,
+            capacity,
+            occupancy_output=self._occupancy_output(samples, duration),
         )
         self.estimate = update_estimate(self._config.estimate, self.estimate, obs)
         board = self._board
@@ -102,6 +107,15 @@ class LongTermLoop:
         if decision.conversion is not None:
             self._start(decision.conversion, inputs)
         return decision
+
+    def _occupancy_output(self, samples: PeriodSamples, duration: float) -> float | None:
+        """Output length by Little's law: mean requests decoding = rate x L_out x step."""
+        step = self._profile.pd.hardware.decode_step_seconds
+        decoding = samples.mean_decoding()
+        rate = len(samples.incremental) / duration
+        if step is None or decoding is None or rate <= 0:
+            return None
+        return decoding / (rate * step)
 
     def _period_capacity(self, mean: float | None) -> float | None:
         """The period's mean measured capacity, or the latest measurement when the link

@@ -28,6 +28,11 @@ class PeriodSamples:
     outputs: list[int] = field(default_factory=list)
     capacities: list[float] = field(default_factory=list)
     """Link capacity measured at each short-term tick (bytes/s)."""
+    decoding: list[int] = field(default_factory=list)
+    """Requests decoding (first token out, not finished) at each tick."""
+
+    def mean_decoding(self) -> float | None:
+        return sum(self.decoding) / len(self.decoding) if self.decoding else None
 
     def mean_capacity(self) -> float | None:
         caps = self.capacities
@@ -53,6 +58,7 @@ class SchedulingObserver:
         """The last link measurement (set by the short-term loop every tick)."""
         self._clock = clock or asyncio.get_running_loop().time
         self._samples = PeriodSamples(self._clock())
+        self._decoding: set[str] = set()
 
     def now(self) -> float:
         return self._clock()
@@ -83,7 +89,11 @@ class SchedulingObserver:
     def prefill_ended(self, rid: str, decision: RouteDecision) -> None:
         self.ledger.finish(decision.prefill_instance, rid, self._clock())
 
+    def first_token(self, rid: str) -> None:
+        self._decoding.add(rid)
+
     def finished(self, event: RouteEvent) -> None:
+        self._decoding.discard(event.rid)
         if event.error is None:
             self._samples.outputs.append(event.completion_tokens)
 
@@ -92,6 +102,7 @@ class SchedulingObserver:
         self.link = link
         if link is not None:
             self._samples.capacities.append(link.capacity_bytes_per_s)
+        self._samples.decoding.append(len(self._decoding))
 
     def pool_backlog(self, instance_ids: Iterable[str]) -> float:
         """The least predicted backlog in a pool (0 for an empty pool: nothing to wait on)."""
