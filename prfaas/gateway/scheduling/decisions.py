@@ -3,7 +3,8 @@
 `ScheduleBoard` holds the current `ScheduleState` and applies each new version to the Router
 (`t`, regime) and to the instance registry (roles). Every change and every refusal is one
 structured JSON log line on the `prfaas.scheduler` logger with its inputs, a Prometheus
-count, an entry in the recent decisions `/admin/state` shows, and a call to each listener
+count, an entry in the recent decisions `/admin/state` shows (the last few per loop, so the
+fast loop's trims never push the slow loop's conversions out), and a call to each listener
 (e.g. a publisher to Redis/etcd for other gateways, or the simulator's timeline).
 A follower gateway calls `apply` with a leader's state; only newer epochs are applied.
 """
@@ -25,7 +26,7 @@ from prfaas.policies.routing import Regime
 from prfaas.policies.schedule_state import InstanceRole, ScheduleState
 
 logger = logging.getLogger("prfaas.scheduler")
-RECENT = 32  # decisions kept for /admin/state
+RECENT = 16  # decisions kept per loop for /admin/state
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ class ScheduleBoard:
         self._instances = instances
         self._clock = clock
         self.counters = counters
-        self.recent: collections.deque[Decision] = collections.deque(maxlen=RECENT)
+        self._recent: dict[str, collections.deque[Decision]] = {}
         self.listeners: list[Callable[[ScheduleState], None]] = []
         self._apply_local(state)
 
@@ -125,7 +126,7 @@ class ScheduleBoard:
     def note(self, loop: str, kind: str, reason: str, inputs: Mapping[str, Any]) -> None:
         """Log a decision that changes nothing by itself (a refusal, a conversion's start)."""
         decision = Decision(self._clock(), loop, kind, reason, self._state.epoch, dict(inputs))
-        self.recent.append(decision)
+        self._recent.setdefault(loop, collections.deque(maxlen=RECENT)).append(decision)
         logger.info(orjson.dumps(decision.to_json(), option=orjson.OPT_NON_STR_KEYS).decode())
 
     def apply(self, state: ScheduleState) -> bool:
@@ -136,6 +137,11 @@ class ScheduleBoard:
         self._apply_local(state)
         self.note("leader", "apply", state.cause, {"state": _brief(state)})
         return True
+
+    @property
+    def recent(self) -> list[Decision]:
+        """The last decisions of every loop (up to `RECENT` each), oldest first."""
+        return sorted((d for q in self._recent.values() for d in q), key=lambda d: d.at)
 
     def _apply_local(self, state: ScheduleState) -> None:
         self._routing.threshold = state.threshold

@@ -1,0 +1,151 @@
+"""Role conversion through the engines' role API, and the long-term loop's guard rails, on
+the virtual clock with the real Router, registry and schedulers over simulated engines
+(the simulated PD instances implement the role API: drain, then switch)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from prfaas.engines.client import EngineError
+from prfaas.gateway.router import Router
+from prfaas.gateway.scheduling.config import SchedulerConfig
+from prfaas.gateway.scheduling.roles import RoleConverter
+from prfaas.gateway.scheduling.scheduler import Scheduler
+from prfaas.policies.profile import DeploymentProfile, load_profile
+from prfaas.policies.rebalance import RebalanceConfig
+from prfaas.protocol.generate import SamplingParams
+from prfaas.sim.cluster import SimCluster
+from prfaas.sim.deployments import Deployment, SimOptions
+from prfaas.sim.virtual_loop import run_virtual
+
+_rid = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def profile(case_study_path: Path) -> DeploymentProfile:
+    return load_profile(case_study_path)
+
+
+def _deployment(profile: DeploymentProfile, n_p: int, n_d: int) -> Deployment:
+    pd = profile.pd.hardware
+    return Deployment("test", "prfaas", 1, profile.prfaas.hardware, n_p, n_d, pd, pd, 8000.0, 100.0)
+
+
+async def _request(router: Router, tokens: int, out: int, errors: list[str]) -> None:
+    ids = tuple(np.random.default_rng(next(_rid)).integers(1, 50_000, tokens).tolist())
+    try:
+        routed = await router.dispatch(f"r{next(_rid)}", ids, SamplingParams(max_new_tokens=out),
+                                       stream=True)  # fmt: skip
+        try:
+            while await routed.next() is not None:
+                pass
+        finally:
+            routed.close()
+    except (EngineError, RuntimeError) as exc:
+        errors.append(repr(exc))
+
+
+async def _load(router: Router, seconds: float, gap: float, tokens: int, out: int) -> list[str]:
+    """One request every `gap` seconds for `seconds`; returns the errors."""
+    errors: list[str] = []
+    tasks = []
+    for _ in range(int(seconds / gap)):
+        tasks.append(asyncio.create_task(_request(router, tokens, out, errors)))
+        await asyncio.sleep(gap)
+    await asyncio.gather(*tasks)
+    return errors
+
+
+def test_converter_drains_then_switches_and_loses_nothing(profile: DeploymentProfile) -> None:
+    """A decode instance with requests in flight: while it drains the policies cannot pick
+    it; then the engine switches, the registry takes its role and bootstrap address, and
+    every request it held finished well."""
+
+    async def main() -> None:
+        cluster = SimCluster(profile, _deployment(profile, 1, 2), SimOptions())
+        errors: list[str] = []
+        load = [asyncio.create_task(_request(cluster.router, 2_000, 400, errors))
+                for _ in range(6)]  # fmt: skip
+        await asyncio.sleep(3.0)  # decoding now (400 tokens at 25 ms: 10 s)
+        target = next(s for s in cluster.instances if s.role == "decode" and s.in_flight)
+        converter = RoleConverter(cluster.instances, drain_timeout_s=60)
+        task = asyncio.create_task(converter.convert(target.instance_id, "prefill"))
+        await asyncio.sleep(0.5)
+        assert target.draining
+        view = next(v for v in cluster.instances.views({}) if v.instance_id == target.instance_id)
+        assert not view.healthy  # nothing new is routed to it
+        result = await task
+        await asyncio.gather(*load)
+        assert result.ok and result.drain_s > 5.0 and errors == []
+        assert (target.role, target.draining) == ("prefill", False)
+        assert (target.bootstrap_host, target.bootstrap_port) == (target.instance_id, 0)
+        assert cluster.pd[target.instance_id].role == "prefill"
+
+    run_virtual(main())
+
+
+def test_converter_reports_an_engine_without_a_role_api(profile: DeploymentProfile) -> None:
+    async def main() -> None:
+        cluster = SimCluster(profile, _deployment(profile, 1, 1), SimOptions())
+        result = await RoleConverter(cluster.instances, drain_timeout_s=5).convert(
+            "prfaas-p0", "decode"
+        )
+        state = cluster.instances["prfaas-p0"]
+        assert not result.ok and result.error is not None and "no role API" in result.error
+        assert (state.role, state.draining) == ("prefill", False)
+
+    run_virtual(main())
+
+
+def _scheduled(profile: DeploymentProfile, n_d: int) -> tuple[Scheduler, list[str]]:
+    """A prefill-heavy load (30K-token prompts, 16 output tokens) on 1 prefill + `n_d`
+    decode instances for 100 s, the schedulers on 10-second periods."""
+    config = SchedulerConfig(period_s=10.0, rebalance=RebalanceConfig(cooldown_s=5.0))
+
+    async def main() -> tuple[Scheduler, list[str]]:
+        cluster = SimCluster(profile, _deployment(profile, 1, n_d), SimOptions())
+        scheduler = Scheduler(config, profile, cluster.router, cluster.instances)
+        scheduler.start()
+        try:
+            errors = await _load(cluster.router, 100.0, 0.5, 30_000, 16)
+        finally:
+            await scheduler.stop()
+        return scheduler, errors
+
+    return run_virtual(main())
+
+
+def test_prefill_heavy_load_converts_a_decode(profile: DeploymentProfile) -> None:
+    """Two decodes, one prefill, a prefill-bound load: after the confirmation periods one
+    decode becomes a prefill (drained first); no request fails; the schedule's roles, the
+    log and the set-point follow."""
+    scheduler, errors = _scheduled(profile, 2)
+    assert errors == []
+    done = [c for c in scheduler.long.conversions if c.ok]
+    assert len(done) >= 1 and done[0].to_role == "prefill"
+    roles = scheduler.board.state.role_map()
+    assert sum(r == "prefill" for r in roles.values()) >= 2 and "decode" in roles.values()
+    kinds = [(d.loop, d.kind) for d in scheduler.board.recent]
+    assert ("long-term", "role") in kinds
+    pending = [d for d in scheduler.board.recent if d.inputs.get("outcome") == "pending"]
+    assert pending and pending[0].at < done[0].started_at  # confirmed before converting
+
+
+def test_the_last_decode_is_never_converted(profile: DeploymentProfile) -> None:
+    """The same load with one decode: the rebalancer wants more prefill but the guard rail
+    refuses, every period, and says why."""
+    scheduler, errors = _scheduled(profile, 1)
+    assert errors == [] and scheduler.long.conversions == []
+    refused = [d for d in scheduler.board.recent if d.inputs.get("outcome") == "refused"]
+    assert refused
+    assert refused[-1].reason.endswith(
+        "refused: the PD cluster has only 1 decode instance "
+        "(at least one prefill and one decode must stay)"
+    )
+    shown = scheduler.to_json()["recent"]
+    assert any(d["inputs"].get("outcome") == "refused" for d in shown)
