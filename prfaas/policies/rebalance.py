@@ -162,8 +162,11 @@ def rebalance(
     now: float,
     set_point: float,
     min_samples: float = 1.0,
+    stepped: bool = False,
 ) -> RebalanceDecision:
-    """One period of the rebalancer (see the module docstring)."""
+    """One period of the rebalancer (see the module docstring). `stepped`: the period was
+    started by a step of the measured link, so the re-solved set-point applies at once (a
+    measurement is not sampling noise); conversions still need their confirmation."""
     n_p, n_d = len(pools.prefill), len(pools.decode)
     if estimate is None or estimate.lengths.n < min_samples:
         return RebalanceDecision(state, "skipped", "too few requests observed", set_point)
@@ -172,7 +175,7 @@ def rebalance(
     replanned = replan_profile(profile, estimate, pools.n_prfaas, n_p + n_d)
     grid = plan(replanned, t_step=config.t_step, exact=config.exact).grid
     current = best_for_split(grid, n_p)
-    new_set_point, state = _set_point(config, state, set_point, current.threshold_tokens)
+    new_set_point, state = _set_point(config, state, set_point, current.threshold_tokens, stepped)
     rate = min(estimate.rate, current.lambda_max)
     util = planned_utilisation(replanned, new_set_point, rate, exact=config.exact)
     period = _Period(config, state, new_set_point, _numbers(current, estimate), util)
@@ -239,7 +242,11 @@ class _Period:
 
 
 def _set_point(
-    config: RebalanceConfig, state: RebalanceState, current: float, solved: float
+    config: RebalanceConfig,
+    state: RebalanceState,
+    current: float,
+    solved: float,
+    stepped: bool = False,
 ) -> tuple[float, RebalanceState]:
     """The re-solved t replaces the set-point once it has lain beyond the dead band, on the
     same side, for `confirm_periods` periods in a row (sampling noise does not churn it)."""
@@ -247,7 +254,7 @@ def _set_point(
         return current, replace(state, set_point_side=0, set_point_streak=0)
     side = 1 if solved > current else -1
     streak = state.set_point_streak + 1 if state.set_point_side == side else 1
-    if streak < config.confirm_periods:
+    if streak < config.confirm_periods and not stepped:
         return current, replace(state, set_point_side=side, set_point_streak=streak)
     return solved, replace(state, set_point_side=0, set_point_streak=0)
 

@@ -24,7 +24,7 @@ until then, and raising on every tick would overshoot).
 
 No oscillation under steady load: after a raise, the `t` at which the link was congested is
 remembered, and lowering back toward the set-point on a quiet link stops one step above it
-until that memory expires (`memory_s`), the link capacity changes, or the set-point moves.
+until that memory expires (`memory_s`), the link capacity grows, or the set-point moves.
 So under a steady load the trimmer settles one step above the congested point instead of
 cycling through it (TCP's ssthresh plays the same role).
 
@@ -188,8 +188,10 @@ def trim(config: TrimConfig, state: TrimState, obs: TrimObservation) -> TrimDeci
 
 
 def _forget_if_stale(state: TrimState, obs: TrimObservation) -> TrimState:
+    """Forget the congestion memory once it expires or the link grows (a link that shrank
+    makes the remembered congestion only more true)."""
     cap, old = obs.capacity_bytes_per_s, state.capacity
-    moved = cap is not None and old is not None and abs(cap - old) > CAPACITY_CHANGE * old
+    moved = cap is not None and old is not None and cap > (1 + CAPACITY_CHANGE) * old
     if moved or obs.now >= state.remember_until:
         state = replace(state, congested_at=None, remember_until=-math.inf)
     return replace(state, capacity=cap if cap is not None else old)

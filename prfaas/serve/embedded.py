@@ -29,6 +29,7 @@ from prfaas.gateway.deployment import DeploymentConfig, GatewayConfig, InstanceC
 from prfaas.gateway.link import EgressSample, fetch_sample
 from prfaas.gateway.scheduling.config import SchedulerConfig
 from prfaas.policies.profile import DeploymentProfile
+from prfaas.policies.workload_estimate import EstimateConfig
 from prfaas.serve.processes import EngineProcess, EngineSpec, free_port, start_engine
 from prfaas.serve.profiling import (
     MeasuredProfile,
@@ -50,9 +51,17 @@ SCHEDULER_PERIOD_S = 30.0  # long-term period of the embedded deployment
 
 
 def default_scheduler() -> SchedulerConfig:
-    """The embedded deployment's schedulers: set-points kept in the range its prompts span."""
+    """The embedded deployment's schedulers: set-points kept in the range its prompts span;
+    a handful of requests per period is enough to re-plan on (a laptop's load is light); no
+    TTFT-conditional offload, since both clusters run on this same CPU: a prefill is never
+    faster in PrfaaS, so the condition would keep every prompt local at light load and the
+    deployment would no longer show the cross-cluster route (the threshold still applies)."""
     return SchedulerConfig(
-        period_s=SCHEDULER_PERIOD_S, min_threshold=T_RANGE[0], max_threshold=T_RANGE[1]
+        period_s=SCHEDULER_PERIOD_S,
+        min_threshold=T_RANGE[0],
+        max_threshold=T_RANGE[1],
+        conditional=False,
+        estimate=EstimateConfig(min_samples=5.0),
     )
 
 

@@ -24,7 +24,7 @@ from prfaas.policies.rebalance import (
 )
 from prfaas.policies.workload_estimate import Moments, WorkloadEstimate
 
-CFG = RebalanceConfig()  # tolerance 10%, gain 3%, confirm 2, cooldown 120 s, margin 5%
+CFG = RebalanceConfig()  # tolerance 10%, gain 5%, confirm 2, cooldown 30 s, margin 5%
 GBIT = 1e9 / 8
 
 
@@ -129,12 +129,12 @@ def test_the_next_step_needs_no_new_confirmation(profile: DeploymentProfile) -> 
     """After one conversion the confirmed direction stands: once the cooldown is over the
     next step in the same direction is taken at the next period."""
     state = RebalanceState(direction=-1, streak=2).started("pd-p0")
-    state = state.finished(CFG, now=130.0, drain_s=20.0)
-    assert state == RebalanceState(direction=-1, streak=2, cooldown_until=250.0)
+    state = state.finished(CFG, now=130.0, drain_s=50.0)  # cooldown: max(30 s, the drain)
+    assert state == RebalanceState(direction=-1, streak=2, cooldown_until=180.0)
     est = _estimate(out=3072, rate=1.6)
-    d = rebalance(CFG, state, profile, est, _pools(2, 6), now=240, set_point=19_456)
+    d = rebalance(CFG, state, profile, est, _pools(2, 6), now=170, set_point=19_456)
     assert d.outcome == "refused" and d.reason.endswith("refused: cooldown for 10 s more")
-    d = rebalance(CFG, state, profile, est, _pools(2, 6), now=250, set_point=19_456)
+    d = rebalance(CFG, state, profile, est, _pools(2, 6), now=180, set_point=19_456)
     assert d.outcome == "convert" and d.conversion is not None
     assert d.conversion.instance_id == "pd-p0"
 
@@ -174,6 +174,15 @@ def test_the_losing_pool_must_carry_the_load(profile: DeploymentProfile) -> None
     d = rebalance(CFG, state, profile, est, _pools(), now=0, set_point=19_456)
     assert d.outcome == "refused"
     assert d.reason.endswith("refused: the decode pool would carry 3.12 req/s < 3.26 needed")
+
+
+def test_a_link_step_moves_the_set_point_at_once(profile: DeploymentProfile) -> None:
+    """A period woken by a measured link step applies the re-solved t without waiting for a
+    second period (conversions still wait for theirs)."""
+    est = _estimate(gbps=10)
+    d = rebalance(CFG, RebalanceState(), profile, est, _pools(), now=0, set_point=10_000,
+                  stepped=True)  # fmt: skip
+    assert d.set_point > 19_456 and d.outcome == "pending"
 
 
 def test_set_point_moves_only_beyond_the_dead_band(profile: DeploymentProfile) -> None:

@@ -147,9 +147,9 @@ def test_no_oscillation_under_a_smooth_load() -> None:
     assert ts[1:] == [12_500.0] * 199
 
 
-def test_memory_expires_and_a_capacity_change_forgets_it() -> None:
-    """After the memory the trimmer may lower to the set-point again; a 20% capacity change
-    forgets it at once."""
+def test_memory_expires_and_a_growing_link_forgets_it() -> None:
+    """After the memory the trimmer may lower to the set-point again; a link 20% larger
+    forgets it at once; a smaller one keeps it (the congestion is only more likely)."""
     s = TrimState(12_500, 10_000, congested_at=10_000, remember_until=300.0, quiet_ticks=2,
                   capacity=1e9)  # fmt: skip
     d = trim(CFG, s, _obs(100, 0.3))
@@ -159,7 +159,8 @@ def test_memory_expires_and_a_capacity_change_forgets_it() -> None:
     s3 = replace(s2, threshold=10_512, quiet_ticks=2)
     assert not trim(CFG, s3, _obs(102, 0.3)).changed
     assert trim(CFG, s3, _obs(300, 0.3)).state.threshold == 10_000  # expired
-    assert trim(CFG, s3, _obs(102, 0.3, cap=1.2e9)).state.threshold == 10_000  # capacity moved
+    assert trim(CFG, s3, _obs(102, 0.3, cap=1.2e9)).state.threshold == 10_000  # link grew
+    assert not trim(CFG, s3, _obs(102, 0.3, cap=0.5e9)).changed  # link shrank: remembered
 
 
 def test_a_new_set_point_resets_t_and_the_memory() -> None:

@@ -66,8 +66,9 @@ class LongTermLoop:
         self.capacity_seen: float | None = None
         """The link capacity the last period planned with."""
 
-    def period(self) -> RebalanceDecision:
-        """Estimate, decide, and start what was decided."""
+    def period(self, *, stepped: bool = False) -> RebalanceDecision:
+        """Estimate, decide, and start what was decided (`stepped`: woken early by a step of
+        the measured link)."""
         samples = self._observer.take_samples()
         now = self._observer.now()
         capacity = self._period_capacity(samples.mean_capacity())
@@ -94,6 +95,7 @@ class LongTermLoop:
             now=now,
             set_point=board.state.set_point,
             min_samples=self._config.estimate.min_samples,
+            stepped=stepped,
         )
         self.state, self.last = decision.state, decision
         counters = board.counters

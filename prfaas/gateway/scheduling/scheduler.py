@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -99,8 +100,9 @@ class Scheduler:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.config.period_s):
                     await self._wake_long.wait()
+            stepped = self._wake_long.is_set()
             self._wake_long.clear()
-            _guarded(self.long.period)
+            _guarded(functools.partial(self.long.period, stepped=stepped))
 
     async def stop(self) -> None:
         tasks, self._tasks = self._tasks, []
