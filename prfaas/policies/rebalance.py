@@ -46,7 +46,7 @@ Role = Literal["prefill", "decode"]
 class RebalanceConfig:
     drift_tolerance: float = 0.1
     """Relative gap between the prefill side's and decode's rate limits that counts as drift."""
-    min_gain: float = 0.05
+    min_gain: float = 0.03
     """A conversion must raise the model's Lambda_max by at least this share."""
     confirm_periods: int = 2
     """Periods in a row that must want the same move."""
@@ -168,7 +168,7 @@ def rebalance(
     started by a step of the measured link, so the re-solved set-point applies at once (a
     measurement is not sampling noise); conversions still need their confirmation."""
     n_p, n_d = len(pools.prefill), len(pools.decode)
-    if estimate is None or estimate.lengths.n < min_samples:
+    if estimate is None or estimate.samples < min_samples:
         return RebalanceDecision(state, "skipped", "too few requests observed", set_point)
     if n_p < 1 or n_d < 1:
         return RebalanceDecision(state, "skipped", f"no split to plan ({n_p}P/{n_d}D)", set_point)

@@ -31,7 +31,8 @@ class EstimateConfig:
     bandwidth_alpha: float = 1.0
     """Weight of the newest period's mean measured link capacity."""
     min_samples: float = 20.0
-    """Effective length samples below which the estimate is too thin to re-plan on."""
+    """Length samples (`WorkloadEstimate.samples`) below which the estimate is too thin to
+    re-plan on."""
 
     def __post_init__(self) -> None:
         check(0 < self.alpha <= 1, "alpha", self.alpha, "must be in (0, 1]")
@@ -127,6 +128,9 @@ class WorkloadEstimate:
     output_n: float
     capacity_bytes_per_s: float | None
     periods: int
+    samples: float = 0.0
+    """Lengths observed, older periods' discounted by (1 - alpha) per period: how much the
+    length estimate rests on (at light load, several periods' worth)."""
 
     @property
     def output_tokens(self) -> float | None:
@@ -150,7 +154,7 @@ class WorkloadEstimate:
             "rate": self.rate,
             "length_mu": self.lengths.mu if n > 0 else None,
             "length_sigma": self.lengths.sigma if n > 0 else None,
-            "length_samples": n,
+            "length_samples": self.samples,
             "output_tokens": self.output_tokens,
             "capacity_bytes_per_s": self.capacity_bytes_per_s,
             "periods": self.periods,
@@ -165,8 +169,9 @@ def update_estimate(
     capacity = obs.capacity_bytes_per_s
     if estimate is None:
         return WorkloadEstimate(
-            rate, obs.lengths, obs.output_tokens, float(obs.finished), capacity, 1
-        )
+            rate, obs.lengths, obs.output_tokens, float(obs.finished), capacity, 1,
+            obs.lengths.n,
+        )  # fmt: skip
     a, k = config.alpha, 1.0 - config.alpha
     old_cap = estimate.capacity_bytes_per_s
     if capacity is not None and old_cap is not None:
@@ -180,4 +185,5 @@ def update_estimate(
         output_n=k * estimate.output_n + a * obs.finished,
         capacity_bytes_per_s=capacity,
         periods=estimate.periods + 1,
+        samples=k * estimate.samples + obs.lengths.n,
     )

@@ -24,7 +24,7 @@ from prfaas.policies.rebalance import (
 )
 from prfaas.policies.workload_estimate import Moments, WorkloadEstimate
 
-CFG = RebalanceConfig()  # tolerance 10%, gain 5%, confirm 2, cooldown 30 s, margin 5%
+CFG = RebalanceConfig()  # tolerance 10%, gain 3%, confirm 2, cooldown 30 s, margin 5%
 GBIT = 1e9 / 8
 
 
@@ -38,7 +38,7 @@ def _estimate(*, mu: float = 9.9, out: float = 1024, gbps: float = 100, rate: fl
     """What a sample of the truncated log-normal (mu, sigma 1) on [128, 131072] measures."""
     m, s = TruncatedLogNormal(mu, 1.0, 128, 131072).log_moments()
     lengths = Moments(n, n * m, n * (s * s + m * m))
-    return WorkloadEstimate(rate, lengths, out * n, n, gbps * GBIT, 3)
+    return WorkloadEstimate(rate, lengths, out * n, n, gbps * GBIT, 3, samples=n)
 
 
 def _pools(n_p: int = 3, n_d: int = 5, loads: dict[str, int] | None = None) -> Pools:

@@ -53,7 +53,7 @@ def test_first_period_is_taken_as_is_then_blended() -> None:
     assert e2.capacity_bytes_per_s == 2e9
     assert e2.output_tokens == 200.0
     # counts 20 and 40 blend to 30 samples: 10 of ln 2981 (8.0) and 20 of ln 22026 (10.0)
-    assert e2.lengths.n == 30.0
+    assert e2.lengths.n == 30.0 and e2.samples == 0.5 * 20 + 40
     assert e2.lengths.mu == pytest.approx((10 * math.log(2981) + 20 * math.log(22026)) / 30)
 
 
