@@ -7,7 +7,8 @@ length, and the link bandwidth. Each period's observation is blended in with wei
 `alpha` (the older estimate keeps `1 - alpha`), so a step in the traffic shows up as
 alpha, 1 - (1 - alpha)^2, ... of its size after 1, 2, ... periods. The bandwidth, a
 measurement rather than a sample of random requests, has its own weight
-(`bandwidth_alpha`, 1 by default: the period's mean measurement as it is).
+(`bandwidth_alpha`, 1 by default: the period's mean measurement as it is). A period without
+requests leaves the length and output estimates as they were (it only lowers the rate).
 
 Pure: observation in, estimate out.
 """
@@ -178,12 +179,13 @@ def update_estimate(
         capacity = (1.0 - config.bandwidth_alpha) * old_cap + config.bandwidth_alpha * capacity
     elif capacity is None:
         capacity = old_cap
+    seen, done = obs.lengths.n > 0, obs.finished > 0  # an idle period teaches nothing new
     return WorkloadEstimate(
         rate=k * estimate.rate + a * rate,
-        lengths=estimate.lengths.blend(obs.lengths, a),
-        output_sum=k * estimate.output_sum + a * obs.output_tokens,
-        output_n=k * estimate.output_n + a * obs.finished,
+        lengths=estimate.lengths.blend(obs.lengths, a) if seen else estimate.lengths,
+        output_sum=k * estimate.output_sum + a * obs.output_tokens if done else estimate.output_sum,
+        output_n=k * estimate.output_n + a * obs.finished if done else estimate.output_n,
         capacity_bytes_per_s=capacity,
         periods=estimate.periods + 1,
-        samples=k * estimate.samples + obs.lengths.n,
+        samples=k * estimate.samples + obs.lengths.n if seen else estimate.samples,
     )

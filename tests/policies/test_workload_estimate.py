@@ -74,6 +74,15 @@ def test_bandwidth_follows_the_latest_measurement_by_default() -> None:
     assert e.capacity_bytes_per_s == 1e9 and e.rate == 1.0
 
 
+def test_an_idle_period_keeps_the_lengths_and_outputs() -> None:
+    """No request in a period: the rate falls, what was learnt about lengths stays."""
+    cfg = EstimateConfig(alpha=0.5)
+    e = update_estimate(cfg, None, PeriodObservation.of(10.0, [1000] * 30, [50] * 30))
+    idle = update_estimate(cfg, e, PeriodObservation.of(10.0, [], []))
+    assert idle.rate == 1.5 and idle.lengths == e.lengths and idle.samples == 30
+    assert idle.output_tokens == 50
+
+
 def test_unknown_capacity_keeps_the_last_estimate() -> None:
     cfg = EstimateConfig()
     e = update_estimate(cfg, None, PeriodObservation.of(1.0, [100], [], 5e8))
