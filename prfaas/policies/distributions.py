@@ -133,6 +133,8 @@ def fit_truncated_lognormal(
         m, sd = _truncated_moments(mu, sigma, a, b)
         if abs(m - target_m) < 1e-9 and abs(sd - target_s) < 1e-9:
             break
-        mu += target_m - m
-        sigma = min(sigma * target_s / sd, 100.0)
+        sigma = min(max(sigma * target_s / sd, 1e-3), 100.0)
+        # A sample piled up at a bound pushes mu toward infinity; within 3 sigma of the
+        # range the truncated distribution keeps a computable mass.
+        mu = min(max(mu + target_m - m, a - 3 * sigma), b + 3 * sigma)
     return TruncatedLogNormal(mu, sigma, lo, hi)

@@ -173,7 +173,11 @@ def rebalance(
     if n_p < 1 or n_d < 1:
         return RebalanceDecision(state, "skipped", f"no split to plan ({n_p}P/{n_d}D)", set_point)
     replanned = replan_profile(profile, estimate, pools.n_prfaas, n_p + n_d)
-    grid = plan(replanned, t_step=config.t_step, exact=config.exact).grid
+    try:
+        grid = plan(replanned, t_step=config.t_step, exact=config.exact).grid
+    except (ValueError, ZeroDivisionError, FloatingPointError) as exc:
+        return RebalanceDecision(state, "skipped", f"the estimate cannot be planned: {exc}",
+                                 set_point)  # fmt: skip
     current = best_for_split(grid, n_p)
     new_set_point, state = _set_point(config, state, set_point, current.threshold_tokens, stepped)
     rate = min(estimate.rate, current.lambda_max)

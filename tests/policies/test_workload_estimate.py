@@ -36,6 +36,14 @@ def test_fit_undoes_the_truncation_bias() -> None:
     assert fit.mu == pytest.approx(9.9, abs=1e-6) and fit.sigma == pytest.approx(1.0, abs=1e-6)
 
 
+def test_a_sample_piled_at_the_lower_bound_still_fits() -> None:
+    """Every prompt almost fully cached (incremental lengths clamped to 128): the fit keeps a
+    distribution the planner can use, concentrated at the bound."""
+    m = Moments.of([128] * 50)
+    fit = fit_truncated_lognormal(m.mu, m.sigma, 128, 131072)
+    assert fit.mean() == pytest.approx(128, rel=0.1) and fit.cdf(200.0) > 0.99
+
+
 def test_degenerate_samples_keep_a_valid_sigma() -> None:
     m = Moments.of([1000] * 5)
     assert m.mu == pytest.approx(math.log(1000)) and m.sigma == 0.05
