@@ -80,7 +80,7 @@ def _children(pid: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def running() -> Iterator[Running]:
-    gateway = _spawn("serve", "--port", "0")
+    gateway = _spawn("serve", "--port", "0", "--no-scheduler")  # t stays the planner's
     direct = _spawn("engine", "--role", "both", "--port", "0", "--threads", "1")
     seen: list[str] = []
     try:
@@ -249,7 +249,7 @@ def test_sigterm_stops_gateway_and_engines(running: Running) -> None:
 def test_sigterm_during_startup_stops_the_children() -> None:
     """SIGTERM while the engines are still loading: the started children are stopped too,
     and the gateway exits with a message instead of leaving orphans."""
-    gateway = _spawn("serve", "--port", "0")
+    gateway = _spawn("serve", "--port", "0", "--no-scheduler")  # t stays the planner's
     try:
         deadline = time.monotonic() + 60
         while len(_children(gateway.pid)) < 3 and time.monotonic() < deadline:

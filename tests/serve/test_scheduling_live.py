@@ -1,0 +1,258 @@
+"""Dual-timescale scheduling live: `prfaas serve` as a real process over reference engines
+(real forward passes, real KV over the paced transport, real sockets).
+
+- Embedded default (one PD decode): lowering the emulated link at run time (the PrfaaS
+  prefill's `POST /admin/egress`) raises `t` within seconds, so a prompt that went to PrfaaS
+  now goes to the PD prefill; a prefill-heavy load makes the rebalancer want another
+  prefill, and the guard rail refuses to convert the only decode, saying why.
+- `[[launch]]` deployment with two PD decodes: the same kind of load converts one decode
+  to prefill through the engine's role API, draining it first; no request fails, and the
+  converted engine then serves prefills.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+START_TIMEOUT_S = 300
+READY = re.compile(r"\(Ctrl-C\) stops|Ctrl-C stops")
+LISTENING = re.compile(r"PrfaaS gateway listening on (http://\S+)")
+MODEL = "qwen3-next-tiny"
+
+
+def _spawn(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "prfaas.cli.main", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _started(proc: subprocess.Popen[str]) -> str:
+    """Wait for the start-up summary; returns the gateway URL."""
+    assert proc.stdout is not None
+    seen: list[str] = []
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"exited before ready:\n{''.join(seen)}")
+        seen.append(line)
+        if READY.search(line):
+            match = LISTENING.search("".join(seen))
+            assert match is not None, seen
+            return match.group(1)
+    raise AssertionError(f"not ready in {START_TIMEOUT_S}s:\n{''.join(seen)}")
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def embedded() -> Iterator[str]:
+    proc = _spawn("serve", "--port", "0", "--scheduler-period", "3")
+    try:
+        yield _started(proc)
+    finally:
+        _stop(proc)
+
+
+def _words(n_tokens: int, seed: int) -> str:
+    """`n_tokens` byte-level tokens of fresh text (no prefix shared with other seeds)."""
+    rng = random.Random(seed)
+    text = f"{seed} "
+    while len(text) < n_tokens:
+        text += "".join(rng.choice("abcdefghij") for _ in range(rng.randint(2, 7))) + " "
+    return text[:n_tokens]
+
+
+async def _complete(s: aiohttp.ClientSession, url: str, tokens: int, seed: int) -> tuple[int, str]:
+    body = {"model": MODEL, "prompt": _words(tokens, seed), "max_tokens": 2}
+    async with s.post(f"{url}/v1/completions", json=body) as resp:
+        await resp.read()
+        return resp.status, resp.headers.get("x-prfaas-route", "")
+
+
+async def _state(s: aiohttp.ClientSession, url: str) -> dict[str, Any]:
+    async with s.get(f"{url}/admin/state") as resp:
+        body: dict[str, Any] = await resp.json()
+        return body
+
+
+async def _load(url: str, seconds: float, tokens: int, workers: int, seed: int) -> list[int]:
+    """`workers` clients sending fresh prompts back to back; returns every status."""
+    statuses: list[int] = []
+    end = time.monotonic() + seconds
+
+    async def worker(w: int) -> None:
+        async with aiohttp.ClientSession() as s:
+            n = 0
+            while time.monotonic() < end:
+                status, _ = await _complete(s, url, tokens, seed + 1000 * w + n)
+                statuses.append(status)
+                n += 1
+
+    await asyncio.gather(*(worker(w) for w in range(workers)))
+    return statuses
+
+
+def _recent(state: dict[str, Any], loop: str, kind: str) -> list[dict[str, Any]]:
+    return [d for d in state["scheduler"]["recent"] if d["loop"] == loop and d["kind"] == kind]
+
+
+async def test_link_drop_raises_t_and_the_last_decode_is_kept(embedded: str) -> None:
+    """Prefill-heavy warm-up (the rebalancer wants a second prefill and is refused); then
+    the link falls from 10 to 1 Mbit/s while prompts just above `t` go to PrfaaS: within
+    seconds `t` rises past them (their KV now crawls), and the same prompt length goes to
+    the PD prefill. The slow requests still complete."""
+    url = embedded
+    async with aiohttp.ClientSession() as s:
+        statuses = await _load(url, 8.0, 700, 2, seed=1)  # prefill-heavy: 2 output tokens
+        await asyncio.sleep(4.0)  # a long-term period sees it
+        before = await _state(s, url)
+        prfaas = before["clusters"]["prfaas"][0]["url"]
+        probe = int(before["threshold"]) + 50
+        async with s.post(f"{prfaas}/admin/egress", json={"rate_mbps": 1}) as resp:
+            assert resp.status == 200
+        lowered = time.monotonic()
+        slow = [asyncio.create_task(_complete(s, url, probe, seed=70 + i)) for i in range(2)]
+        while (await _state(s, url))["threshold"] < probe:
+            assert time.monotonic() - lowered < 10, (await _state(s, url))["scheduler"]
+            await asyncio.sleep(0.25)
+        reaction_s = time.monotonic() - lowered
+        status, after = await _complete(s, url, probe, seed=78)
+        state = await _state(s, url)
+        crawled = await asyncio.gather(*slow)
+        async with s.post(f"{prfaas}/admin/egress", json={"rate_mbps": 10}) as resp:
+            assert resp.status == 200
+    assert set(statuses) == {200}
+    assert crawled == [(200, "prfaas")] * 2, crawled
+    assert status == 200 and after == "pd", state["scheduler"]
+    assert reaction_s < 10
+    raises = [d for d in state["scheduler"]["recent"]
+              if d["kind"] in ("threshold", "set_point") and d["at"] > 0
+              and (d["inputs"].get("capacity_bytes_per_s")
+                   or (d["inputs"].get("estimate") or {}).get("capacity_bytes_per_s")) == 1e6 / 8
+              and d["inputs"]["state"]["threshold"] >= probe]  # fmt: skip
+    assert raises, state["scheduler"]["recent"]
+    refused = [d for d in _recent(before, "long-term", "rebalance")
+               if d["inputs"]["outcome"] == "refused"]  # fmt: skip
+    assert refused, before["scheduler"]["recent"]
+    assert refused[-1]["reason"].endswith(
+        "refused: the PD cluster has only 1 decode instance "
+        "(at least one prefill and one decode must stay)"
+    )
+    assert {s["id"]: s["role"] for s in state["clusters"]["pd"]} == {
+        "pd-p0": "prefill",
+        "pd-d0": "decode",
+    }
+
+
+PROFILE = """
+[workload]
+input_distribution = "lognormal"
+mu = 6.9
+sigma = 0.9
+min_tokens = 128
+max_tokens = 6144
+output_tokens = 16
+[model]
+name = "reference tiny"
+kv_tokens = [256, 1024, 3072]
+kv_mib = [0.75, 2.25, 6.25]
+[hardware.cpu]
+prefill_tokens = [256, 1024, 3072]
+prefill_seconds = [0.2, 0.5, 1.6]
+decode_batch_max = 32
+decode_step_seconds = 0.015
+[clusters.prfaas]
+hardware = "cpu"
+instances = 1
+egress_gbps = 0.01
+[clusters.pd]
+hardware = "cpu"
+instances = 3
+"""
+
+
+def _deployment(tmp: Path) -> Path:
+    (tmp / "profile.toml").write_text(PROFILE)
+    launch = "".join(
+        f'[[launch]]\nid = "{i}"\ncluster = "{c}"\nrole = "{r}"\n{extra}\n'
+        for i, c, r, extra in (
+            ("prfaas-p0", "prfaas", "prefill", "egress_rate_mbps = 10\n"),
+            ("pd-p0", "pd", "prefill", ""),
+            ("pd-d0", "pd", "decode", ""),
+            ("pd-d1", "pd", "decode", ""),
+        )
+    )
+    path = tmp / "deploy.toml"
+    path.write_text(
+        f'[gateway]\nthreshold = 1024\n\n{launch}\n[scheduler]\nprofile = "profile.toml"\n'
+        "period_s = 3.0\n[scheduler.estimate]\nmin_samples = 5.0\n"
+    )
+    return path
+
+
+def _get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        return json.load(reply)
+
+
+async def test_prefill_heavy_load_converts_one_of_two_decodes(tmp_path: Path) -> None:
+    proc = _spawn("serve", "--port", "0", "--config", str(_deployment(tmp_path)))
+    try:
+        url = _started(proc)
+        statuses: list[int] = []
+        deadline = time.monotonic() + 60
+        converted: dict[str, Any] | None = None
+        seed = 10
+        while converted is None:
+            assert time.monotonic() < deadline, _get(f"{url}/admin/state")["scheduler"]
+            statuses += await _load(url, 3.0, 900, 3, seed)
+            seed += 10_000
+            state = _get(f"{url}/admin/state")
+            pd = {i["id"]: i for i in state["clusters"]["pd"]}
+            roles = {i: v["role"] for i, v in pd.items()}
+            if list(roles.values()).count("prefill") == 2:
+                converted = next(pd[i] for i in ("pd-d0", "pd-d1") if roles[i] == "prefill")
+        info = _get(f"{converted['url']}/server_info")
+        served_before = _get(f"{converted['url']}/stats")["prompt_tokens_total"]
+        statuses += await _load(url, 4.0, 900, 3, seed)
+        served_after = _get(f"{converted['url']}/stats")["prompt_tokens_total"]
+        final = _get(f"{url}/admin/state")
+    finally:
+        _stop(proc)
+    assert statuses and set(statuses) == {200}  # nothing lost to the conversion
+    assert info["disaggregation_mode"] == "prefill"
+    assert served_after > served_before  # it prefills now
+    roles = [d for d in final["scheduler"]["recent"] if d["kind"] == "role"]
+    assert roles and roles[-1]["inputs"]["drain_s"] >= 0
+    assert roles[-1]["reason"] == f"{converted['id']} decode -> prefill"
+    pending = [d for d in final["scheduler"]["recent"]
+               if d["kind"] == "rebalance" and d["inputs"]["outcome"] == "pending"]  # fmt: skip
+    assert pending and pending[0]["at"] < roles[-1]["at"]  # confirmed over periods first
+    assert sorted(r for r in final["scheduler"]["roles"].values()) == [
+        "decode", "prefill", "prefill"
+    ]  # fmt: skip
