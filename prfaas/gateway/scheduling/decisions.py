@@ -3,8 +3,8 @@
 `ScheduleBoard` holds the current `ScheduleState` and applies each new version to the Router
 (`t`, regime) and to the instance registry (roles). Every change and every refusal is one
 structured JSON log line on the `prfaas.scheduler` logger with its inputs, a Prometheus
-count, an entry in the recent decisions `/admin/state` shows (the last few per loop, so the
-fast loop's trims never push the slow loop's conversions out), and a call to each listener
+count, an entry in the recent decisions `/admin/state` shows (the last few per loop and
+kind, so the fast loop's trims or the slow loop's refusals never push a conversion out), and a call to each listener
 (e.g. a publisher to Redis/etcd for other gateways, or the simulator's timeline).
 A follower gateway calls `apply` with a leader's state; only newer epochs are applied.
 """
@@ -26,7 +26,7 @@ from prfaas.policies.routing import Regime
 from prfaas.policies.schedule_state import InstanceRole, ScheduleState
 
 logger = logging.getLogger("prfaas.scheduler")
-RECENT = 16  # decisions kept per loop for /admin/state
+RECENT = 16  # decisions kept per (loop, kind) for /admin/state
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class ScheduleBoard:
         self._instances = instances
         self._clock = clock
         self.counters = counters
-        self._recent: dict[str, collections.deque[Decision]] = {}
+        self._recent: dict[tuple[str, str], collections.deque[Decision]] = {}
         self.listeners: list[Callable[[ScheduleState], None]] = []
         self._apply_local(state)
 
@@ -126,7 +126,8 @@ class ScheduleBoard:
     def note(self, loop: str, kind: str, reason: str, inputs: Mapping[str, Any]) -> None:
         """Log a decision that changes nothing by itself (a refusal, a conversion's start)."""
         decision = Decision(self._clock(), loop, kind, reason, self._state.epoch, dict(inputs))
-        self._recent.setdefault(loop, collections.deque(maxlen=RECENT)).append(decision)
+        key = (loop, kind)
+        self._recent.setdefault(key, collections.deque(maxlen=RECENT)).append(decision)
         logger.info(orjson.dumps(decision.to_json(), option=orjson.OPT_NON_STR_KEYS).decode())
 
     def apply(self, state: ScheduleState) -> bool:
@@ -140,7 +141,7 @@ class ScheduleBoard:
 
     @property
     def recent(self) -> list[Decision]:
-        """The last decisions of every loop (up to `RECENT` each), oldest first."""
+        """The last decisions of every loop and kind (up to `RECENT` each), oldest first."""
         return sorted((d for q in self._recent.values() for d in q), key=lambda d: d.at)
 
     def _apply_local(self, state: ScheduleState) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -120,10 +122,13 @@ def _scheduled(profile: DeploymentProfile, n_d: int) -> tuple[Scheduler, list[st
     return run_virtual(main())
 
 
-def test_prefill_heavy_load_converts_a_decode(profile: DeploymentProfile) -> None:
+def test_prefill_heavy_load_converts_a_decode(
+    profile: DeploymentProfile, caplog: pytest.LogCaptureFixture
+) -> None:
     """Two decodes, one prefill, a prefill-bound load: after the confirmation periods one
     decode becomes a prefill (drained first); no request fails; the schedule's roles, the
     log and the set-point follow."""
+    caplog.set_level(logging.INFO, logger="prfaas.scheduler")
     scheduler, errors = _scheduled(profile, 2)
     assert errors == []
     done = [c for c in scheduler.long.conversions if c.ok]
@@ -132,8 +137,9 @@ def test_prefill_heavy_load_converts_a_decode(profile: DeploymentProfile) -> Non
     assert sum(r == "prefill" for r in roles.values()) >= 2 and "decode" in roles.values()
     kinds = [(d.loop, d.kind) for d in scheduler.board.recent]
     assert ("long-term", "role") in kinds
-    pending = [d for d in scheduler.board.recent if d.inputs.get("outcome") == "pending"]
-    assert pending and pending[0].at < done[0].started_at  # confirmed before converting
+    logged = [json.loads(r.message) for r in caplog.records if r.name == "prfaas.scheduler"]
+    pending = [d for d in logged if d["inputs"].get("outcome") == "pending"]
+    assert pending and pending[0]["at"] < done[0].started_at  # confirmed before converting
 
 
 def test_the_last_decode_is_never_converted(profile: DeploymentProfile) -> None:
