@@ -127,6 +127,7 @@ async def _run(
     if variant == "dual":
         scheduler = Scheduler(scheduler_config, profile, cluster.router, cluster.instances)
         scheduler.attach_link(SimLinkMeter(cluster).read)
+        recorder.start_from(scheduler.board.state)
         scheduler.board.listeners.append(recorder.state_changed)
         scheduler.start()
     elif variant in ("oracle", "oracle-drain"):
@@ -243,6 +244,10 @@ class _Recorder:
 
     def event(self, kind: str, value: float | str) -> None:
         self.events.append(ControlEvent(asyncio.get_running_loop().time(), kind, value))
+
+    def start_from(self, state: ScheduleState) -> None:
+        """The schedule before any decision (its fields are not changes)."""
+        self._state = state
 
     def state_changed(self, new: ScheduleState) -> None:
         """A dual-timescale decision (the board's listener)."""
