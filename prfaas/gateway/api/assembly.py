@@ -14,11 +14,13 @@ import aiohttp
 from prometheus_client.core import GaugeMetricFamily
 
 from prfaas.common.tokenizer import load_tokenizer
+from prfaas.engines.client import BaseEngineClient
 from prfaas.engines.sglang_client import SGLangClient, SGLangClientConfig
+from prfaas.engines.vllm_client import VLLMClient, VLLMEndpoint
 from prfaas.gateway.admission import AdmissionManager
 from prfaas.gateway.api.completions import CompletionService
 from prfaas.gateway.api.metrics import GatewayMetrics, egress_gauges, labelled_gauge
-from prfaas.gateway.deployment import DeploymentConfig, InstanceConfig
+from prfaas.gateway.deployment import DeploymentConfig, InstanceConfig, ModelConfig
 from prfaas.gateway.health import HealthMonitor
 from prfaas.gateway.instances import InstanceManager, InstanceState
 from prfaas.gateway.kv_feed import KVEventFeed
@@ -101,7 +103,7 @@ class Gateway:
 
 
 def _instance_json(s: InstanceState) -> dict[str, Any]:
-    url = s.client.base_url if isinstance(s.client, SGLangClient) else None
+    url = s.client.base_url if isinstance(s.client, SGLangClient | VLLMClient) else None
     return {
         "id": s.instance_id,
         "role": s.role,
@@ -112,8 +114,23 @@ def _instance_json(s: InstanceState) -> dict[str, Any]:
     }
 
 
-def _instance(cfg: InstanceConfig, session: aiohttp.ClientSession) -> InstanceState:
-    client = SGLangClient(cfg.id, cfg.url, session, SGLangClientConfig())
+def _client(
+    cfg: InstanceConfig, model: ModelConfig, session: aiohttp.ClientSession
+) -> BaseEngineClient:
+    """The engine client of an instance, by its engine kind."""
+    if cfg.engine == "vllm":
+        host = cfg.bootstrap_address if cfg.role != "decode" else None
+        endpoint = VLLMEndpoint(
+            cfg.url, cfg.role, model.name, host, cfg.bootstrap_port, model.block_size
+        )
+        return VLLMClient(cfg.id, endpoint, session, SGLangClientConfig())
+    return SGLangClient(cfg.id, cfg.url, session, SGLangClientConfig())
+
+
+def _instance(
+    cfg: InstanceConfig, model: ModelConfig, session: aiohttp.ClientSession
+) -> InstanceState:
+    client = _client(cfg, model, session)
     return InstanceState(
         instance_id=cfg.id,
         cluster=cfg.cluster,
@@ -133,7 +150,7 @@ def build_gateway(config: DeploymentConfig, session: aiohttp.ClientSession) -> G
     g, m = config.gateway, config.model
     instances = InstanceManager()
     for cfg in config.instances:
-        instances.add(_instance(cfg, session))
+        instances.add(_instance(cfg, config.model, session))
     index = KVIndexManager(block_size=m.block_size, max_blocks=g.kv_index_max_blocks)
     metrics = GatewayMetrics()
     router = Router(instances, index, create_policy(g.policy), RoutingState(g.threshold, g.regime))
@@ -147,7 +164,10 @@ def build_gateway(config: DeploymentConfig, session: aiohttp.ClientSession) -> G
         retry_after_s=g.retry_after_s,
     )
     endpoints = {c.id: c.kv_events for c in config.instances if c.kv_events}
-    feed = KVEventFeed(index, endpoints, lambda i, why: metrics.kv_resyncs.labels(i, why).inc())
+    vllm = frozenset(c.id for c in config.instances if c.engine == "vllm")
+    feed = KVEventFeed(
+        index, endpoints, lambda i, why: metrics.kv_resyncs.labels(i, why).inc(), vllm
+    )
     health = HealthMonitor(
         instances, g.health_interval_s, on_down=lambda i: feed.resync(i, "instance_down")
     )
