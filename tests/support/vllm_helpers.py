@@ -93,3 +93,29 @@ def wait_until(predicate: Any, timeout_s: float, what: str) -> None:
             return
         time.sleep(0.2)
     pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
+
+
+_GREEDY = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16)
+out = []
+for ids in json.load(sys.stdin)["prompts"]:
+    with torch.no_grad():
+        gen = model.generate(torch.tensor([ids]), max_new_tokens=int(sys.argv[2]),
+                             do_sample=False, min_new_tokens=int(sys.argv[2]))
+    out.append(gen[0, len(ids):].tolist())
+print(json.dumps(out))
+"""
+
+
+def transformers_greedy(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy ids of the checkpoint under `transformers` (the vLLM environment's): an
+    engine-independent reference."""
+    done = subprocess.run(
+        [str(VLLM_PYTHON), "-c", _GREEDY, str(MODEL), str(max_tokens)],
+        input=json.dumps({"prompts": prompts}), capture_output=True, text=True, check=True,
+        timeout=600,
+    )  # fmt: skip
+    result: list[list[int]] = json.loads(done.stdout.splitlines()[-1])
+    return result
