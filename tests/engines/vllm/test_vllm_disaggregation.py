@@ -198,12 +198,12 @@ def test_layer_wise_first_layer_arrives_before_the_prefill_forward_ends(cluster:
     completion(e["pd-d0"].url, decode)
     thread.join()
     sent = [t for t in cluster.trace("pd-p0") if t["room"] == room]
-    placed = [t for t in cluster.trace("pd-d0") if t["room"] == room]
+    got = [t for t in cluster.trace("pd-d0") if t["room"] == room]
     forward_done = next(t["t"] for t in sent if t["event"] == "forward_done")
-    first_kv = min(t["t"] for t in placed if t["event"] == "placed" and t["kind"] == "FULL_KV")
-    assert [t["layer"] for t in placed if t["kind"] == "FULL_KV"][:2] == [3, 7]
-    assert first_kv < forward_done, (first_kv, forward_done)
-    assert next(t for t in placed if t["event"] == "received")["tokens"] == 2999
+    kv = [t for t in got if t["event"] == "placed" and t["kind"] == "FULL_KV"]
+    assert [t["layer"] for t in kv][:2] == [3, 7]
+    assert kv[0]["t"] < forward_done, (kv[0]["t"], forward_done)
+    assert next(t for t in got if t["event"] == "received")["tokens"] == 2999
 
 
 async def test_client_disconnect_aborts_both_sides(cluster: Cluster) -> None:
