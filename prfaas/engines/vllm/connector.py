@@ -97,11 +97,13 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._work().end_step(self._meta())
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        done, failed = self._work().transfer_results(finished_req_ids)
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        assert meta is None or isinstance(meta, PrfaasMetadata)
+        done, failed = self._work().transfer_results(finished_req_ids, meta)
         return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        done, _ = self._work().transfer_results(finished_req_ids)
+        done, _ = self._work().transfer_results(finished_req_ids, None)
         return None, done
 
     def shutdown(self) -> None:

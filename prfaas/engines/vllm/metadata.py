@@ -43,3 +43,5 @@ class PrfaasMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
     sends: list[SendStep] = field(default_factory=list)
     recvs: list[RecvStart] = field(default_factory=list)
+    idle: bool = False
+    """The step schedules no token: the engine is only polling for transfers."""

@@ -72,7 +72,9 @@ class SchedulerSide:
         request.kv_transfer_params = {**request.kv_transfer_params, "do_remote_prefill": False}
 
     def build_connector_meta(self, scheduler_output: Any) -> PrfaasMetadata:
-        meta = PrfaasMetadata(recvs=self._recvs)
+        meta = PrfaasMetadata(
+            recvs=self._recvs, idle=not scheduler_output.total_num_scheduled_tokens
+        )
         self._recvs = []
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:

@@ -1,9 +1,10 @@
 """The worker half of the connector: pages and states out of the prefill's KV cache as its
 layers run, into the decode's own blocks as they arrive (a thin adapter over `kv_pages`).
 
-Prefill: `save_kv_layer` of a full-attention layer sends the pages this step wrote (from
-the first not yet sent, so a partly sent page goes again, whole); `wait_for_save` of the step
-that completes the prompt sends every linear layer's final state, the meta, and finishes.
+Prefill: `save_kv_layer` of a full-attention layer sends the pages this step completed (a
+page the step only began waits for the next step, so no page travels twice; the prompt's last
+page goes with its last step); `wait_for_save` of the step that completes the prompt sends
+every linear layer's final state, the meta, and finishes.
 Decode: each `RecvStart` becomes a transfer on the transport loop whose layers are placed as
 they arrive; completion (or failure) is reported through `transfer_results`.
 """
@@ -25,13 +26,14 @@ from prfaas.engines.vllm.trace import TransferTrace
 from prfaas.engines.vllm.transport_thread import TransportThread
 
 logger = logging.getLogger(__name__)
+IDLE_WAIT_S = 0.01
 
 
 @dataclass
 class _Outgoing:
     room: int
     stream: PageStream
-    sent_tokens: int = 0
+    sent_pages: int = 0
 
 
 @dataclass
@@ -41,17 +43,20 @@ class _Results:
     finished: set[str] = field(default_factory=set)
     failed: set[str] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    ready: threading.Event = field(default_factory=threading.Event)
 
     def add(self, req_id: str, ok: bool) -> None:
         with self.lock:
             self.finished.add(req_id)
             if not ok:
                 self.failed.add(req_id)
+        self.ready.set()
 
     def drain(self) -> tuple[set[str], set[str]]:
         with self.lock:
             done, bad = self.finished, self.failed
             self.finished, self.failed = set(), set()
+            self.ready.clear()
         return done, bad
 
 
@@ -62,6 +67,8 @@ class WorkerSide:
         self.config, self.pool, self.groups = config, pool, groups
         self.transport = TransportThread(config.sender(), config.receiver())
         self.trace = TransferTrace(config.trace_path)
+        paged = [groups.block_size[groups.group_of[layer]] for layer in pool.pages]
+        self._page_size = paged[0] if paged else 1
         self._out: dict[str, _Outgoing] = {}
         self._meta: PrfaasMetadata | None = None
         self._steps: list[SendStep] = []
@@ -104,8 +111,8 @@ class WorkerSide:
         size = self.groups.block_size[gid]
         for step in self._steps:
             out = self._out[step.req_id]
-            first = out.sent_tokens // size
-            ids = step.block_ids[gid][first : -(-step.end // size)]
+            first = out.sent_pages
+            ids = step.block_ids[gid][first : _pages_done(step, size)]
             out.stream.send_pages(self.pool, layer, ids, first)
             self.trace("sent", out.room, layer=layer, tokens=step.end)
 
@@ -114,7 +121,7 @@ class WorkerSide:
         self.start_sends(meta)
         for step in self._steps:
             out = self._out[step.req_id]
-            out.sent_tokens = step.end
+            out.sent_pages = _pages_done(step, self._page_size)
             if not step.last:
                 continue
             self.trace("forward_done", out.room, tokens=step.end, blocks=step.block_ids)
@@ -126,14 +133,22 @@ class WorkerSide:
             del self._out[step.req_id]
         self._steps = []
 
-    def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        """(finished receives, failed receives); ends the transfers of finished requests."""
+    def transfer_results(
+        self, finished_req_ids: set[str], meta: PrfaasMetadata | None
+    ) -> tuple[set[str], set[str]]:
+        """(finished receives, failed receives); ends the transfers of finished requests.
+
+        On a step that computed nothing while receives are pending (vLLM polls for them in a
+        loop), waits up to IDLE_WAIT_S for one to end: the poll would otherwise spin a core
+        that the prefill on the same machine, or the receive itself, needs."""
         for req_id in finished_req_ids:
             out = self._out.pop(req_id, None)
             if out is not None:  # ended (aborted) before its prompt was complete
                 out.stream.abort("the prefill request ended before its KV was complete")
             if req_id in self._receiving:
                 self.transport.soon(functools.partial(self._cancel, req_id))
+        if meta is not None and meta.idle and self._receiving:
+            self._results.ready.wait(IDLE_WAIT_S)
         done, failed = self._results.drain()
         self._receiving -= done
         return done, failed
@@ -189,3 +204,8 @@ class WorkerSide:
             for layer in self.pool.states
         }
         return PagePlacer(self.pool, tables, slots, skip_tokens=start.skip_tokens)
+
+
+def _pages_done(step: SendStep, size: int) -> int:
+    """Pages of the request complete after `step` (the last, partial page at its end)."""
+    return -(-step.end // size) if step.last else step.end // size
