@@ -8,7 +8,8 @@ from prfaas.gateway.api.assembly import Gateway
 
 
 def summary_lines(gateway: Gateway, url: str, extra: Sequence[str] = ()) -> list[str]:
-    """Clusters, model, policy and threshold, and where the API, metrics and state are."""
+    """Clusters, model, policy and threshold, and where the dashboard, API, metrics and
+    state are."""
     state = gateway.router.state
     lines = [
         f"PrfaaS gateway listening on {url}",
@@ -22,6 +23,7 @@ def summary_lines(gateway: Gateway, url: str, extra: Sequence[str] = ()) -> list
         lines.append(f"  {cluster:<10} {described}")
     lines += list(extra)
     lines += [
+        f"  dashboard  {url}/dashboard",
         f"  API        {url}/v1/completions, {url}/v1/chat/completions",
         f"  metrics    {url}/metrics",
         f"  state      {url}/admin/state",

@@ -266,8 +266,10 @@ function renderRouting(data) {
   setText("total-pd", String(data.totals.pd || 0));
   setText("total-errors", String(data.errors));
   setText("kpi-queue", `${st.queue.running} / ${st.queue.waiting}`);
-  const rate = (route) => timelineSeries((p) => p.requests_per_s[route] ?? null, route);
-  drawChart(document.getElementById("chart-rate"), [rate("prfaas"), rate("pd"), rate("none")], [], {});
+  // A route with no request yet has no key: 0 once there is a rate at all.
+  const rate = (route) => timelineSeries((p) => (Object.keys(p.requests_per_s).length ? p.requests_per_s[route] ?? 0 : null), route);
+  const routes = data.totals.none ? ["prfaas", "pd", "none"] : ["prfaas", "pd"];
+  drawChart(document.getElementById("chart-rate"), routes.map(rate), [], {});
 }
 
 function renderIncremental() {
