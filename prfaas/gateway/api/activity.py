@@ -4,8 +4,9 @@
 - a ring of finished requests (route, status, incremental length, TTFT, TPOT, E2E), booked by
   the completion service after the answer is written (off the request path);
 - a timeline sampled once a second: `t`, regime, the role split per cluster, requests per
-  second by route, link egress / capacity / retransmissions / RTT, queue depths, and TTFT and
-  TPOT percentiles over the sliding window;
+  second by route (and the cumulative counts, for rates over longer windows), link egress,
+  capacity, retransmissions and RTT, queue depths, and TTFT and TPOT percentiles over the
+  sliding window;
 - decisions: timestamped changes of `t`, regime or roles with their reason (the schedulers and
   `POST /admin/state` report them through `decision`).
 `snapshot(since)` is the JSON the page polls: everything newer than `since` plus the current
@@ -135,6 +136,7 @@ class ActivityRecorder:
             "regime": state["regime"],
             "roles": _roles(state["clusters"]),
             "requests_per_s": rates(previous, (now, totals)),
+            "totals": totals,
             "egress_bytes_per_s": link.get("egress_bytes_per_s"),
             "capacity_bytes_per_s": link.get("capacity_bytes_per_s"),
             "retransmission_rate": link.get("retransmission_rate"),

@@ -89,7 +89,7 @@ def test_logs_are_bounded_and_totals_count_everything() -> None:
 
 def test_rates_come_from_cumulative_counts_between_samples() -> None:
     """Requests per second by route: the count added between two samples over the time
-    between them; the first sample has no rate."""
+    between them (the first sample has no rate), beside the cumulative counts."""
     clock = Clock()
     rec = _recorder(clock)
     rec.sample()
@@ -105,6 +105,11 @@ def test_rates_come_from_cumulative_counts_between_samples() -> None:
         {},
         {"prfaas": 3.0, "pd": 0.5},
         {"prfaas": 0.0, "pd": 0.0, "none": 2.0},
+    ]
+    assert [p["totals"] for p in rec.timeline] == [
+        {},
+        {"prfaas": 6, "pd": 1},
+        {"prfaas": 6, "pd": 1, "none": 1},
     ]
 
 

@@ -8,6 +8,7 @@ const TIMEOUT_MS = 2500;
 const SPANS_S = [60, 120, 300]; // the charts show the shortest that holds the history
 const KEEP_S = 600; // what the page keeps
 const MAX_REQUESTS = 5000;
+const RATE_WINDOW_S = 10; // requests per second are averaged over this long
 const KEY_STORE = "prfaas-admin-key";
 const COLORS = {
   prfaas: "#e8710a", pd: "#1a73e8", none: "#98a2b3", cap: "#5f6368", t: "#1d2330",
@@ -250,24 +251,37 @@ function renderClusters(state) {
   root.replaceChildren(...sections);
 }
 
+// Requests per second by route over the `seconds` before each timeline point, from the
+// cumulative counts (per-second rates alone are too spiky at a few requests per second).
+function windowRates(route, seconds) {
+  const out = [];
+  let j = 0;
+  for (let i = 0; i < S.timeline.length; i++) {
+    const p = S.timeline[i];
+    while (S.timeline[j].at < p.at - seconds) j++;
+    const q = S.timeline[j];
+    const dt = p.at - q.at;
+    out.push([ago(p.at), dt > 0 ? ((p.totals[route] || 0) - (q.totals[route] || 0)) / dt : null]);
+  }
+  return out;
+}
+
 function meanRate(route, seconds) {
-  const pts = S.timeline.filter((p) => ago(p.at) <= seconds && p.requests_per_s[route] !== undefined);
-  if (!pts.length) return 0;
-  return pts.reduce((a, p) => a + p.requests_per_s[route], 0) / pts.length;
+  const rates = windowRates(route, seconds);
+  return rates.length ? rates[rates.length - 1][1] : null;
 }
 
 function renderRouting(data) {
   const st = data.state;
   setText("kpi-threshold", fmtTokens(st.threshold));
   setText("kpi-regime", st.regime.replace("bandwidth_", ""));
-  setText("rate-prfaas", fmtRate(meanRate("prfaas", 5)));
-  setText("rate-pd", fmtRate(meanRate("pd", 5)));
+  setText("rate-prfaas", fmtRate(meanRate("prfaas", RATE_WINDOW_S)));
+  setText("rate-pd", fmtRate(meanRate("pd", RATE_WINDOW_S)));
   setText("total-prfaas", String(data.totals.prfaas || 0));
   setText("total-pd", String(data.totals.pd || 0));
   setText("total-errors", String(data.errors));
   setText("kpi-queue", `${st.queue.running} / ${st.queue.waiting}`);
-  // A route with no request yet has no key: 0 once there is a rate at all.
-  const rate = (route) => timelineSeries((p) => (Object.keys(p.requests_per_s).length ? p.requests_per_s[route] ?? 0 : null), route);
+  const rate = (route) => ({ name: route, kind: "line", color: COLORS[route], points: windowRates(route, RATE_WINDOW_S) });
   const routes = data.totals.none ? ["prfaas", "pd", "none"] : ["prfaas", "pd"];
   drawChart(document.getElementById("chart-rate"), routes.map(rate), [], {});
 }
@@ -327,6 +341,7 @@ function renderScheduling() {
     return { name: key.replace("/", "-"), kind: "area", color: COLORS[sw], swatch: sw, label: `${c} ${r}`, points };
   });
   drawChart(document.getElementById("chart-roles"), bands, markers(["roles"]), { integer: true, minMax: 2 });
+  renderSchedulerState(S.latest.state.scheduler);
   const list = document.getElementById("decisions");
   const items = S.decisions.slice(-30).reverse().map((d) => {
     const li = document.createElement("li");
@@ -345,6 +360,27 @@ function renderScheduling() {
     items.push(li);
   }
   list.replaceChildren(...items);
+}
+
+// `state.scheduler` (when the gateway runs schedulers): their current inputs and targets,
+// shown as name/value pairs, one level of nesting flattened ("short_term.utilisation").
+function renderSchedulerState(scheduler) {
+  const box = document.getElementById("scheduler-state");
+  box.hidden = !scheduler;
+  if (!scheduler) return;
+  const rows = [];
+  const add = (name, value) => {
+    const dt = document.createElement("dt");
+    dt.textContent = name;
+    const dd = document.createElement("dd");
+    dd.textContent = typeof value === "number" ? fmtRate(value) : JSON.stringify(value);
+    rows.push(dt, dd);
+  };
+  for (const [k, v] of Object.entries(scheduler)) {
+    if (v && typeof v === "object" && !Array.isArray(v)) for (const [k2, v2] of Object.entries(v)) add(`${k}.${k2}`, v2);
+    else add(k, v);
+  }
+  document.getElementById("scheduler-fields").replaceChildren(...rows);
 }
 
 function renderLatency(data) {
