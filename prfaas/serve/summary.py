@@ -41,7 +41,7 @@ def demo_load(gateway: Gateway, url: str) -> str:
     mu = math.log(max(gateway.router.state.threshold, 16.0))
     return (
         f"prfaas bench --target {url}{vocab} --input-mu {mu:.1f} --input-sigma 1 "
-        f"--input-max {model.context_length // 2} --output-len 16 --rate 1 --duration 60"
+        f"--input-max {model.context_length // 2} --output-len 16 --rate 0.5 --duration 60"
     )
 
 

@@ -157,7 +157,7 @@ def page(browser: Browser, served: Served) -> Page:
     return _open(browser, served, viewport=DESKTOP)
 
 
-def _wait(page: Page, predicate: str, arg: Any = None, timeout_ms: float = 10_000) -> None:
+def _wait(page: Page, predicate: str, arg: Any = None, timeout_ms: float = 20_000) -> None:
     """Wait for a JS function of `arg` to hold (a function, not an expression: the page's
     CSP forbids evaluating strings, and Playwright would eval an expression)."""
     try:
@@ -278,7 +278,7 @@ def test_burst_moves_counters_and_charts(
     was = before["totals"]
     _wait(page, totals, [was.get("pd", 0) + 6, was.get("prfaas", 0) + 6])
     count = "(n) => document.querySelectorAll('#chart-incremental circle').length === n"
-    _wait(page, count, routed + 12, timeout_ms=5_000)
+    _wait(page, count, routed + 12)
     assert int(page.locator("#chart-rate").get_attribute("data-points") or 0) > 0
     assert page.locator("#chart-rate path.series-prfaas").count() == 1
     assert served.console == []
