@@ -91,7 +91,7 @@ def wait_until(predicate: Any, timeout_s: float, what: str) -> None:
     while time.monotonic() < deadline:
         if predicate():
             return
-        time.sleep(0.2)
+        time.sleep(0.05)
     pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
 
 

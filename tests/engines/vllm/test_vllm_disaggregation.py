@@ -260,9 +260,10 @@ def test_vllm_benchmark_client_runs_against_prfaas_serve(cluster: Cluster, tmp_p
 def test_prefill_killed_mid_transfer_fails_the_decode_and_frees_its_blocks(
     cluster: Cluster,
 ) -> None:
-    """The paced prefill dies with KV still on the link: the decode answers with an error
-    within its transfer timeout (not a hang, not a wrong answer) and its KV usage returns
-    to the baseline. Runs last: it kills an engine."""
+    """The paced prefill dies mid-transfer (the decode holds its first layer, the linear
+    states are not sent yet): the decode answers with an error within its transfer timeout
+    (not a hang, not a wrong answer) and its KV usage returns to the baseline. Runs last:
+    it kills an engine."""
     e = cluster.engines
     baseline = gauge(e["pd-d0"].url, "vllm:kv_cache_usage_perc")
     room = random.getrandbits(63)
@@ -273,11 +274,11 @@ def test_prefill_killed_mid_transfer_fails_the_decode_and_frees_its_blocks(
     decoder = threading.Thread(target=_capture, args=(e["pd-d0"].url, decode, result))
     decoder.start()
 
-    def forward_done() -> bool:
-        return any(t["room"] == room and t["event"] == "forward_done"
-                   for t in cluster.trace("prfaas-p0"))  # fmt: skip
+    def mid_transfer() -> bool:  # the first layer is in; the states leave only at the end
+        return any(t["room"] == room and t["event"] == "placed"
+                   for t in cluster.trace("pd-d0"))  # fmt: skip
 
-    wait_until(forward_done, 120, "the prefill forward")
+    wait_until(mid_transfer, 120, "the first layer at the decode")
     e["prfaas-p0"].kill()
     killed = time.monotonic()
     decoder.join(60)
