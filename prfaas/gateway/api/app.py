@@ -2,8 +2,9 @@
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`,
 `GET /metrics` (Prometheus text), `GET /admin/state`, `POST /admin/state` (set `threshold`
-and/or `regime`: with schedulers running this pins them until `{"scheduler": "auto"}`);
-`HEAD` wherever `GET` is. Unknown paths get a JSON 404, known paths with
+and/or `regime`: with schedulers running this pins them until `{"scheduler": "auto"}`),
+`GET /dashboard` (the live page and its script and style) and `GET /admin/dashboard` (the
+data it polls); `HEAD` wherever `GET` is. Unknown paths get a JSON 404, known paths with
 another method a JSON 405 with `Allow`. `GatewayApp` owns the one engine `ClientSession`, the
 `Gateway` and the server: `start` brings them up in that order, `stop` takes them down in
 reverse, so every background task stops with the app.
@@ -19,6 +20,7 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from prfaas.gateway.api.assembly import Gateway, build_gateway
+from prfaas.gateway.api.dashboard import DASHBOARD_PAGES, since_query
 from prfaas.gateway.deployment import DeploymentConfig
 from prfaas.http.server import Exchange, HttpLimits, HttpRequest, HttpResponse, HttpServer
 from prfaas.policies.profile import DeploymentProfile
@@ -85,6 +87,7 @@ async def set_admin_state(gw: Gateway, request: HttpRequest, exchange: Exchange)
     gw.service.check_auth(request)
     body = load_json(request.body)
     threshold, regime = body.get("threshold"), body.get("regime")
+    state, by_hand = gw.router.state, "set by hand (POST /admin/state)"
     if threshold is not None:
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or threshold < 0:
             raise invalid(f"'threshold' must be a number >= 0, got {threshold!r}", "threshold")
@@ -95,16 +98,26 @@ async def set_admin_state(gw: Gateway, request: HttpRequest, exchange: Exchange)
     if mode not in (None, "auto"):
         raise invalid(f"'scheduler' may only be \"auto\" (hand t back), got {mode!r}")
     scheduler = gw.scheduler
-    if scheduler is not None and (threshold is not None or regime is not None):
-        scheduler.pin(threshold=threshold, regime=regime)
-    elif scheduler is None:
+    if scheduler is not None:  # its decision board reports the change to the dashboard
+        if threshold is not None or regime is not None:
+            scheduler.pin(threshold=threshold, regime=regime)
+        if mode == "auto":
+            scheduler.release()
+    else:
         if threshold is not None:
-            gw.router.state.threshold = threshold
+            gw.activity.decision("threshold", by_hand, state.threshold, threshold)
+            state.threshold = threshold
         if regime is not None:
-            gw.router.state.regime = regime
-    if scheduler is not None and mode == "auto":
-        scheduler.release()
+            gw.activity.decision("regime", by_hand, state.regime, regime)
+            state.regime = regime
     return _json(gw.admin_state())
+
+
+async def dashboard_data(gw: Gateway, request: HttpRequest, exchange: Exchange) -> HttpResponse:
+    """What `/dashboard` polls: `ActivityRecorder.snapshot`, newer than `?since=` (the
+    previous answer's `now`), with the wall-clock `time`."""
+    gw.service.check_auth(request)
+    return _json({**gw.activity.snapshot(since_query(request.query)), "time": time.time()})
 
 
 ROUTES: dict[str, dict[str, Route]] = {
@@ -114,6 +127,8 @@ ROUTES: dict[str, dict[str, Route]] = {
     "/health": {"GET": health},
     "/metrics": {"GET": metrics},
     "/admin/state": {"GET": admin_state, "POST": set_admin_state},
+    "/admin/dashboard": {"GET": dashboard_data},
+    **{path: {"GET": page} for path, page in DASHBOARD_PAGES.items()},
 }
 
 

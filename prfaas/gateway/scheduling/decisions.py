@@ -4,8 +4,9 @@
 (`t`, regime) and to the instance registry (roles). Every change and every refusal is one
 structured JSON log line on the `prfaas.scheduler` logger with its inputs, a Prometheus
 count, an entry in the recent decisions `/admin/state` shows (the last few per loop and
-kind, so the fast loop's trims or the slow loop's refusals never push a conversion out), and a call to each listener
-(e.g. a publisher to Redis/etcd for other gateways, or the simulator's timeline).
+kind, so the fast loop's trims or the slow loop's refusals never push a conversion out),
+and a call to each listener (a publisher to Redis/etcd for other gateways, the dashboard's
+decision list, the simulator's timeline).
 A follower gateway calls `apply` with a leader's state; only newer epochs are applied.
 """
 
