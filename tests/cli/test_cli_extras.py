@@ -17,8 +17,9 @@ import pytest
 from prfaas.cli.extras import EXTRAS
 
 EXTRA_MODULES = frozenset(m for modules in EXTRAS.values() for m in modules)
-# Modules that are the extras' own code: the reference engine, the planner's Figure 5.
-EXTRA_ONLY = ("prfaas.engines.reference.", "prfaas.cli.plan_plot")
+# Modules that are the extras' own code: the reference engine, the SGLang plugin, the
+# planner's Figure 5.
+EXTRA_ONLY = ("prfaas.engines.reference.", "prfaas.engines.sglang.", "prfaas.cli.plan_plot")
 LISTENING = re.compile(r"listening on (http://\S+)")
 
 # A meta-path finder that makes the blocked top-level modules raise ModuleNotFoundError, as

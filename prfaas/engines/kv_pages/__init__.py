@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from prfaas.engines.kv_pages.errors import PageError
 from prfaas.engines.kv_pages.placer import PagePlacer
-from prfaas.engines.kv_pages.pool import PagedPool
+from prfaas.engines.kv_pages.pool import PagedPool, PagePool
 from prfaas.engines.kv_pages.stream import LayerSink, PageStream
 from prfaas.engines.kv_pages.wire import (
     LAYER_PART_STRIDE,
@@ -40,6 +40,7 @@ __all__ = [
     "PageError",
     "PagePlacer",
     "PageStream",
+    "PagePool",
     "PagedPool",
     "decode_meta",
     "encode_meta",

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from prfaas.engines.kv_pages.errors import PageError
-from prfaas.engines.kv_pages.pool import PagedPool
+from prfaas.engines.kv_pages.pool import PagePool
 from prfaas.engines.kv_pages.wire import model_layer
 from prfaas.engines.transport import Kind, LayerItem
 
@@ -19,7 +19,7 @@ class PagePlacer:
     pool has no state layers).
     """
 
-    def __init__(self, pool: PagedPool, block_ids: Sequence[int], slot: int | None) -> None:
+    def __init__(self, pool: PagePool, block_ids: Sequence[int], slot: int | None) -> None:
         self.pool = pool
         self.block_ids = tuple(block_ids)
         self.slot = slot
@@ -65,11 +65,11 @@ class PagePlacer:
     def check_complete(self, num_tokens: int) -> None:
         """Raise PageError unless every paged layer holds `num_tokens` tokens and every state
         layer its state (call it once the transfer ended)."""
-        for layer in self.pool.pages:
+        for layer in self.pool.page_layers:
             if self.tokens(layer) < num_tokens:
                 raise PageError(
                     f"layer {layer}: {self.tokens(layer)} tokens arrived, {num_tokens} expected"
                 )
-        missing = sorted(set(self.pool.states) - self._states)
+        missing = sorted(set(self.pool.state_layers) - self._states)
         if self.slot is not None and missing:
             raise PageError(f"linear layers {missing}: no state arrived")
