@@ -21,6 +21,7 @@ import msgspec
 import numpy as np
 import torch
 import zmq
+from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.conn import (
     ABORT_TAG,
     AbortNotification,
@@ -68,6 +69,7 @@ class PrfaasKVManager(CommonKVManager):  # type: ignore[misc]
         else:
             self.decode = DecodePlane(self, self.pool, self.aux, settings, self.loop)
             self._start_heartbeat_checker_thread()
+        self._stopping = threading.Event()
         self._control = threading.Thread(
             target=self._control_loop, name="prfaas-control", daemon=True
         )
@@ -90,11 +92,14 @@ class PrfaasKVManager(CommonKVManager):  # type: ignore[misc]
     # -- the control socket ---------------------------------------------------------------
 
     def _control_loop(self) -> None:
-        while True:
-            try:
-                frames = self.server_socket.recv_multipart()
-            except zmq.ZMQError:  # the socket was closed (teardown)
-                return
+        # Polls with a timeout so `teardown` can stop it: a ZMQ socket must not be closed
+        # while another thread blocks on it.
+        poller = zmq.Poller()
+        poller.register(self.server_socket, zmq.POLLIN)
+        while not self._stopping.is_set():
+            if not poller.poll(100):
+                continue
+            frames = self.server_socket.recv_multipart()
             try:
                 self._dispatch(frames)
             except (msgspec.ValidationError, msgspec.DecodeError, ValueError, KeyError):
@@ -115,6 +120,12 @@ class PrfaasKVManager(CommonKVManager):  # type: ignore[misc]
             self.decode.on_endpoint(msg)
         else:
             logger.debug("prfaas: ignoring control message %r", frames[:1])
+
+    def fail_room(self, room: int, reason: str) -> None:
+        """Mark `room` Failed; the first recorded reason stays the one raised."""
+        with self.failure_lock:
+            self.failure_records.setdefault(room, reason)
+        self.update_status(room, KVPoll.Failed)
 
     def send_to(self, ip: str, port: int, frames: list[bytes]) -> None:
         """Push `frames` to a peer rank's control socket."""
@@ -186,13 +197,20 @@ class PrfaasKVManager(CommonKVManager):  # type: ignore[misc]
 
     def teardown(self) -> None:
         """Stop the control thread and the transport (role switch or shutdown)."""
-        self.server_socket.close(linger=0)
+        self._stopping.set()
+        self._control.join(timeout=5.0)
         if self.prefill is not None:
             self.prefill.close()
             self.loop.close(self.prefill.sender.close())
         elif self.decode is not None:
             self._heartbeat_shutdown.set()
             self.loop.close(self.decode.receiver.close())
+        # Every socket of the manager's context (peer PUSH sockets, their monitors), or the
+        # context's finaliser would wait for them forever.
+        with self._socket_lock:
+            self._socket_cache.clear()
+            self._monitor_cache.clear()
+            self._zmq_ctx.destroy(linger=0)
 
 
 class PrfaasKVSender(CommonKVSender):  # type: ignore[misc]

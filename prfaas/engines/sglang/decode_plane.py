@@ -134,8 +134,7 @@ class DecodePlane:
         self.mgr.update_status(fetch.room, KVPoll.Success)
 
     def _fail(self, room: int, reason: str) -> None:
-        self.mgr.record_failure(room, reason)
-        self.mgr.update_status(room, KVPoll.Failed)
+        self.mgr.fail_room(room, reason)
 
     @staticmethod
     def _log(fetch: Fetch, nbytes: int, seconds: float) -> None:

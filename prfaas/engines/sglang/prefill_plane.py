@@ -89,8 +89,7 @@ class PrefillPlane:
         self.mgr.req_to_decode_prefix_len[msg.room] = msg.decode_prefix_len
         real = [m for m in infos.values() if not m.is_dummy]
         if len(real) > 1:
-            self.mgr.record_failure(msg.room, "prfaas: one decode rank per prefill rank only")
-            self.mgr.update_status(msg.room, KVPoll.Failed)
+            self.mgr.fail_room(msg.room, "prfaas: one decode rank per prefill rank only")
             return
         if real:
             self._open(real[0])
@@ -98,8 +97,7 @@ class PrefillPlane:
 
     def on_abort(self, room: int, reason: str) -> None:
         """The decode side gave up the room (or the prefill did): fail it on both sides."""
-        self.mgr.record_failure(room, reason)
-        self.mgr.update_status(room, KVPoll.Failed)
+        self.mgr.fail_room(room, reason)
         self.forget(room, reason)
 
     def _open(self, msg: Metadata) -> None:
@@ -125,8 +123,7 @@ class PrefillPlane:
         if error is None:
             self.mgr.update_status(room, KVPoll.Success)
         else:
-            self.mgr.record_failure(room, f"prfaas transfer failed: {error}")
-            self.mgr.update_status(room, KVPoll.Failed)
+            self.mgr.fail_room(room, f"prfaas transfer failed: {error}")
 
     def forget(self, room: int, reason: str) -> None:
         """Drop the room; a transfer still running is aborted (the decode fails with `reason`)."""
