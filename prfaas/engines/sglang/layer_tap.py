@@ -52,15 +52,16 @@ class LayerTap:
         self.plane = plane
         self.planned: list[PlannedRoom] = []
 
-    def plan(self, batch: Any, req_to_token: torch.Tensor, to_physical: Any) -> None:
-        """Work out the rooms and pages of `batch` (SGLang's ScheduleBatch) before its forward.
+    def plan(self, reqs: list[Any], req_to_token: torch.Tensor, to_physical: Any) -> None:
+        """Work out the rooms and pages of a batch's `reqs` (SGLang's `Req`s) before its
+        forward.
 
         `req_to_token` maps (request row, token) to a KV slot; `to_physical` is the
         allocator's `translate_kv_indices_for_transfer`.
         """
         self.planned = []
         page = self.plane.pool.page_size
-        for req in getattr(batch, "reqs", None) or []:
+        for req in reqs:
             state = self.plane.rooms.get(getattr(req, "bootstrap_room", None))
             if state is None or req.extend_end is None:
                 continue
@@ -138,7 +139,9 @@ def run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: A
         return original(scheduler, batch, *args, **kwargs)
     allocator = scheduler.token_to_kv_pool_allocator
     tap.plan(
-        batch, scheduler.req_to_token_pool.req_to_token, allocator.translate_kv_indices_for_transfer
+        batch.reqs,
+        scheduler.req_to_token_pool.req_to_token,
+        allocator.translate_kv_indices_for_transfer,
     )
     try:
         return original(scheduler, batch, *args, **kwargs)

@@ -6,6 +6,11 @@ Success; aborts and timeouts end in Failed on both sides with the reason raised.
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -14,6 +19,7 @@ import torch
 import sglang_helpers as sh
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.conn import KVTransferError
+from sglang.srt.disaggregation.utils import DisaggregationMode
 
 PAGES = 32  # pages of each pool (128 tokens)
 
@@ -119,3 +125,32 @@ def test_timeout_fails_both_sides(make_pair: Any) -> None:
     assert sh.wait_for(sender.poll, KVPoll.Failed, timeout_s=15) == KVPoll.Failed
     assert "timed out after 1.5 s" in _failure(receiver)
     assert "not delivered within transfer_timeout_s=1.5" in _failure(sender)
+
+
+def test_prefill_death_fails_the_decode(bootstrap: tuple[Any, str], repo_root: Path) -> None:
+    """A prefill process killed (SIGKILL) after its first chunk: the decode's room ends
+    Failed with a reason naming the lost prefill, not stuck in Transferring."""
+    args, _ = bootstrap
+    port = sh.free_port()
+    child = subprocess.Popen(
+        [sys.executable, str(repo_root / "tests/support/sglang_prefill_child.py"), str(port), "31"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(repo_root / "tests/support")},
+    )
+    decode = sh.HybridPool(tokens=128, slots=4, aux_slots=4, seed=2)
+    mgr = sh.manager(decode, DisaggregationMode.DECODE, args)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        pair = sh.Pair(f"{sh.HOST}:{port}", decode, decode, None, mgr)
+        receiver = pair.receiver(31)
+        receiver.send_metadata(np.arange(8, dtype=np.int32), 0, [np.array([0])], 0)
+        assert child.stdout.readline().strip() == "sent"
+        child.kill()
+        child.wait(timeout=10)
+        assert sh.wait_for(receiver.poll, KVPoll.Failed, timeout_s=30) == KVPoll.Failed
+        reason = _failure(receiver)  # SGLang's heartbeat or our transport, whichever first
+        assert re.search(r"Lost connection with prefill|connection", reason), reason
+    finally:
+        child.kill()
+        mgr.teardown()
