@@ -26,7 +26,13 @@ MAMBA_LAYERS = (0, 1, 2, 4, 5, 6)
 CONV, SSM = (6, 3), (2, 4, 4)
 AUX_SHAPES = ((16,), (8,))  # int32 output ids, float32 logprobs: two metadata buffers
 # A scheduler process learns its ranks from its process groups; this process has none.
-RANK_ZERO = {"attn_tp_rank": 0, "attn_cp_rank": 0, "attn_dp_rank": 0, "attn_dcp_rank": 0, "pp_group": None}
+RANK_ZERO = {
+    "attn_tp_rank": 0,
+    "attn_cp_rank": 0,
+    "attn_dp_rank": 0,
+    "attn_dcp_rank": 0,
+    "pp_group": None,
+}
 
 
 def free_port() -> int:
@@ -71,18 +77,20 @@ class HybridPool:
         g = torch.Generator().manual_seed(self.seed)
 
         def bits(*shape: int) -> torch.Tensor:
-            return torch.randint(0, 1 << 16, shape, generator=g, dtype=torch.int32).to(
-                torch.uint16
-            ).view(torch.bfloat16)
+            return (
+                torch.randint(0, 1 << 16, shape, generator=g, dtype=torch.int32)
+                .to(torch.uint16)
+                .view(torch.bfloat16)
+            )
 
         self.k = {layer: bits(self.tokens + PAGE, HEADS, DIM) for layer in FULL_LAYERS}
         self.v = {layer: bits(self.tokens + PAGE, HEADS, DIM) for layer in FULL_LAYERS}
         self.conv = {layer: bits(self.slots + 1, *CONV) for layer in MAMBA_LAYERS}
-        self.ssm = {
-            layer: torch.randn(self.slots + 1, *SSM, generator=g) for layer in MAMBA_LAYERS
-        }
+        self.ssm = {layer: torch.randn(self.slots + 1, *SSM, generator=g) for layer in MAMBA_LAYERS}
         self.aux = [
-            torch.randint(0, 1000, (self.aux_slots, *AUX_SHAPES[0]), generator=g, dtype=torch.int32),
+            torch.randint(
+                0, 1000, (self.aux_slots, *AUX_SHAPES[0]), generator=g, dtype=torch.int32
+            ),
             torch.randn(self.aux_slots, *AUX_SHAPES[1], generator=g),
         ]
 
@@ -135,9 +143,10 @@ class HybridPool:
     def request_tokens(self, layer: int, pages: list[int], count: int) -> bytes:
         """The first `count` tokens' K and V bytes of a request stored in `pages`."""
         rows = torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages])[:count]
-        return self.k[layer][rows].view(torch.uint8).numpy().tobytes() + self.v[layer][
-            rows
-        ].view(torch.uint8).numpy().tobytes()
+        return (
+            self.k[layer][rows].view(torch.uint8).numpy().tobytes()
+            + self.v[layer][rows].view(torch.uint8).numpy().tobytes()
+        )
 
     def slot_bytes(self, layer: int, slot: int) -> bytes:
         return (

@@ -62,7 +62,9 @@ def to_host(tensor: torch.Tensor) -> np.ndarray:
 
 
 def _names(count: int) -> list[str]:
-    return ["kv"] if count == 1 else ["k", "v"] if count == 2 else [f"part{i}" for i in range(count)]
+    return (
+        ["kv"] if count == 1 else ["k", "v"] if count == 2 else [f"part{i}" for i in range(count)]
+    )
 
 
 @dataclass(frozen=True)
@@ -144,7 +146,7 @@ class SGLangPool:
     # -- PagePool ----------------------------------------------------------------------
 
     def gather(
-        self, layer: int, block_ids: Sequence[int] | torch.Tensor
+        self, layer: int, block_ids: Sequence[int] | np.ndarray | torch.Tensor
     ) -> dict[str, np.ndarray]:
         """Host copies of `layer`'s pages `block_ids`, each `(n, page_size, token_bytes)`."""
         ids = self._index(block_ids)
@@ -193,7 +195,7 @@ class SGLangPool:
                 )
             target[slot] = torch.from_numpy(np.ascontiguousarray(src)).to(self.device)
 
-    def _index(self, block_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    def _index(self, block_ids: Sequence[int] | np.ndarray | torch.Tensor) -> torch.Tensor:
         if isinstance(block_ids, torch.Tensor):
             return block_ids.to(self.device, torch.int64)
         return torch.as_tensor(np.asarray(block_ids, dtype=np.int64)).to(self.device)

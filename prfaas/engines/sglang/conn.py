@@ -87,7 +87,9 @@ class PrfaasKVManager(CommonKVManager):  # type: ignore[misc]
             if bad
         ]
         if unsupported:
-            raise ValueError(f"the prfaas transfer backend does not support {', '.join(unsupported)}")
+            raise ValueError(
+                f"the prfaas transfer backend does not support {', '.join(unsupported)}"
+            )
 
     # -- the control socket ---------------------------------------------------------------
 

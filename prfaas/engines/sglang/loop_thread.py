@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -52,9 +53,7 @@ class LoopThread:
                 last.close()
             return
         if last is not None:
-            try:
+            with contextlib.suppress(TimeoutError, concurrent.futures.TimeoutError):
                 self.run(last, timeout_s=10.0)
-            except (TimeoutError, concurrent.futures.TimeoutError):
-                pass
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10.0)

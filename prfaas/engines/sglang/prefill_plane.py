@@ -18,7 +18,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from sglang.srt.disaggregation.base.conn import KVPoll
 
 from prfaas.engines.kv_pages import LayerSink
@@ -76,7 +75,9 @@ class PrefillPlane:
         """Answer a decode rank with our transport endpoint, or why we cannot serve it."""
         error = KVLayout.from_json(msg.layout).mismatch(self.layout) or ""
         if error:
-            logger.error("prfaas: decode %s:%s cannot pair: %s", msg.decode_ip, msg.decode_port, error)
+            logger.error(
+                "prfaas: decode %s:%s cannot pair: %s", msg.decode_ip, msg.decode_port, error
+            )
         reply = Endpoint(self.mgr.local_ip, self.mgr.rank_port, *self.endpoint, error=error)
         self.mgr.send_to(msg.decode_ip, msg.decode_port, reply.to_zmq())
 

@@ -35,7 +35,11 @@ class BackendSettings:
             raise ValueError(f"{ENV_PREFIX}CONNECTIONS must be in 1..64, got {self.connections}")
         for name in ("transfer_timeout_s", "rate_bytes_per_s"):
             value = getattr(self, name)
-            if not math.isfinite(value) or value < 0 or (name == "transfer_timeout_s" and not value):
+            if (
+                not math.isfinite(value)
+                or value < 0
+                or (name == "transfer_timeout_s" and not value)
+            ):
                 raise ValueError(f"{ENV_PREFIX}{name.upper()} must be positive, got {value!r}")
 
     @classmethod
@@ -59,7 +63,9 @@ class BackendSettings:
             try:
                 values[name] = kind(raw)
             except ValueError:
-                raise ValueError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a {kind.__name__}")
+                raise ValueError(
+                    f"{ENV_PREFIX}{name.upper()}={raw!r} is not a {kind.__name__}"
+                ) from None
         return cls(**values)
 
 

@@ -21,7 +21,6 @@ import threading
 from collections.abc import Callable, Collection
 from typing import Any
 
-import numpy as np
 import torch
 
 from prfaas.engines.kv_pages import LayerSink, PageStream
@@ -88,7 +87,7 @@ class Shipper:
         self._queue: queue.SimpleQueue[tuple[Any, Callable[[], None]] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         if self.cuda:
-            self._stream = torch.cuda.Stream(device)
+            self._stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
             self._thread = threading.Thread(target=self._work, name="prfaas-shipper", daemon=True)
             self._thread.start()
 
@@ -97,7 +96,7 @@ class Shipper:
         if not self.cuda:
             _run(work)
             return
-        event = torch.cuda.Event()
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record()
         self._queue.put((event, work))
 
@@ -120,7 +119,3 @@ def _run(work: Callable[[], None]) -> None:
     except Exception:  # a room's failure must not stop the others' hand-overs
         logger.exception("prfaas: handing KV to the transport failed")
 
-
-def page_ids_array(ids: Any) -> np.ndarray | torch.Tensor:
-    """Page ids as SGLang passes them (numpy or a tensor), unchanged if a tensor."""
-    return ids if isinstance(ids, torch.Tensor) else np.asarray(ids, dtype=np.int64)

@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 import sglang_helpers as sh
+import torch
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.conn import KVTransferError
 from sglang.srt.disaggregation.utils import DisaggregationMode
@@ -96,7 +96,8 @@ def test_decode_abort_fails_both_sides(pair: sh.Pair) -> None:
     assert receiver.poll() == KVPoll.Failed
     assert sh.wait_for(sender.poll, KVPoll.Failed) == KVPoll.Failed
     assert "Aborted by AbortReq" in _failure(receiver)
-    assert "aborted on the decode side" in _failure(sender)
+    # SGLang's ZMQ abort notice or our transport's cancel, whichever reaches it first
+    assert re.search(r"(?i)aborted (by|on the) decode", _failure(sender))
 
 
 def test_prefill_abort_fails_both_sides(pair: sh.Pair) -> None:

@@ -8,7 +8,6 @@ from typing import Any, NoReturn
 from torchvision import missing, unavailable
 from torchvision.transforms import InterpolationMode
 
-
 __all__ = ["InterpolationMode", "pil_to_tensor"]
 
 

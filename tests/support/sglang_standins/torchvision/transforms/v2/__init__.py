@@ -1,4 +1,4 @@
-"""Stand-in `torchvision.transforms.v2`: every attribute raises (see the package docstring)."""
+"""Stand-in `torchvision.transforms.v2`: no attributes (see the package docstring)."""
 
 from __future__ import annotations
 

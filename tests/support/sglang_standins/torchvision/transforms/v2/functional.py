@@ -1,4 +1,5 @@
-"""Stand-in `torchvision.transforms.v2.functional`: every attribute raises (see the package docstring)."""
+"""Stand-in `torchvision.transforms.v2.functional`: no attributes (see the package
+docstring)."""
 
 from __future__ import annotations
 
