@@ -2,7 +2,8 @@
 messages and back, shared by every engine's hand-off (reference, vLLM, SGLang).
 
 Torch-free: an engine adapter describes its memory as numpy views (`PagedPool`; torch
-tensors through `torch_views.as_numpy`), and this package does the rest:
+tensors through `torch_views.as_numpy`), or implements the `PagePool` interface itself
+when its pages live in device memory (the SGLang plugin does), and this package does the rest:
 
     pool = PagedPool(pages={3: {"k": k3, "v": v3}}, states={0: {"conv": c0, "ssm": s0}})
     stream = PageStream(send_handle)                 # prefill, one per request

@@ -195,6 +195,11 @@ class SGLangPool:
                 )
             target[slot] = torch.from_numpy(np.ascontiguousarray(src)).to(self.device)
 
+    def flush(self) -> None:
+        """Wait until every write issued so far has landed (a no-op on CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def _index(self, block_ids: Sequence[int] | np.ndarray | torch.Tensor) -> torch.Tensor:
         if isinstance(block_ids, torch.Tensor):
             return block_ids.to(self.device, torch.int64)

@@ -248,7 +248,8 @@ class PrfaasKVReceiver(CommonKVReceiver):  # type: ignore[misc]
             kv_indices, aux_index, state_indices, decode_prefix_len, *args, **kwargs
         )
         infos = [i for i in (self.bootstrap_infos or []) if not i.get("is_dummy")]
-        if self.conclude_state is not None or not infos:
+        failed = self.kv_mgr.request_status.get(self.bootstrap_room) == KVPoll.Failed
+        if self.conclude_state is not None or failed or not infos:
             return
         rank = (str(infos[0]["rank_ip"]), int(infos[0]["rank_port"]))
         slot = None

@@ -103,6 +103,8 @@ class DecodePlane:
             self.loop.loop.call_soon_threadsafe(fetch.transfer.cancel, reason)
 
     def _launch(self, fetch: Fetch) -> None:
+        if fetch.room not in self._fetches:  # cleared while waiting for the endpoint
+            return
         endpoint = self.endpoints[fetch.rank]
         if isinstance(endpoint, str):
             self._fail(fetch.room, f"prfaas: the prefill rank refused this decode: {endpoint}")
@@ -127,6 +129,7 @@ class DecodePlane:
             placer.check_complete(int(meta["num_tokens"]))
             if fetch.aux_index is not None:
                 self.aux.write(fetch.aux_index, result.aux[AUX])
+            await asyncio.to_thread(self.pool.flush)  # device copies done before Success
         except (TransferError, PageError, ValueError, KeyError) as exc:
             self._fail(fetch.room, f"prfaas transfer failed: {exc}")
             return

@@ -73,7 +73,7 @@ class LayerTap:
                 continue
             row = req_to_token[req.kv.req_pool_idx]
             starts = row[state.base_tokens + first * page : state.base_tokens + end * page : page]
-            ids = to_physical(starts) // page
+            ids = to_physical(starts.contiguous()) // page
             self.planned.append(PlannedRoom(state, first, end, ids))
 
     def after_layer(self, layer: int) -> None:

@@ -64,7 +64,8 @@ class BackendSettings:
                 values[name] = kind(raw)
             except ValueError:
                 raise ValueError(
-                    f"{ENV_PREFIX}{name.upper()}={raw!r} is not a {kind.__name__}"
+                    f"{ENV_PREFIX}{name.upper()}={raw!r} is not "
+                    + ("an integer" if kind is int else "a number")
                 ) from None
         return cls(**values)
 

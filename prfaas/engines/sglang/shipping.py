@@ -118,4 +118,3 @@ def _run(work: Callable[[], None]) -> None:
         work()
     except Exception:  # a room's failure must not stop the others' hand-overs
         logger.exception("prfaas: handing KV to the transport failed")
-
