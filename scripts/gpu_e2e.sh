@@ -10,8 +10,9 @@
 # Expect to fix details on the first GPU run; record the outcome here.
 #
 # What it does (everything local, nothing downloaded):
-#   1. builds a tiny random-weight hybrid checkpoint (Qwen3-Next: 8 layers, every 4th full
-#      attention, gated-delta-net linear attention, 4 experts) with transformers;
+#   1. builds a tiny random-weight hybrid checkpoint (`prfaas.testing.tiny_checkpoint`:
+#      Qwen3-Next, 8 layers, every 4th full attention, gated-delta-net linear attention,
+#      4 experts, a byte-level tokenizer.json) with transformers;
 #   2. starts three SGLang servers on the GPU: an aggregated one (the reference), a prefill
 #      and a decode that move KV with `--disaggregation-transfer-backend prfaas`;
 #   3. starts two PrfaaS gateways (`prfaas serve`): one over prefill+decode (threshold 0,
@@ -88,28 +89,9 @@ print(f"  sglang {SGLANG_VERSION}, entry point prfaas registered")
 PY
 }
 
-build_checkpoint() {
-    if [[ -f "$MODEL/config.json" ]]; then log "checkpoint: $MODEL (kept)"; return; fi
-    log "building the tiny hybrid checkpoint in $MODEL"
-    "$PYTHON" - "$MODEL" <<'PY'
-import sys, torch
-from transformers import AutoModelForCausalLM, Qwen3NextConfig
-config = Qwen3NextConfig(
-    vocab_size=384, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
-    full_attention_interval=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-    linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
-    linear_num_key_heads=2, linear_num_value_heads=2, num_experts=4, num_experts_per_tok=2,
-    moe_intermediate_size=128, shared_expert_intermediate_size=128, decoder_sparse_step=1,
-    max_position_embeddings=8192, rope_theta=10000.0, partial_rotary_factor=0.25,
-    initializer_range=0.08,  # wide, so greedy choices are not near-ties of random logits
-    tie_word_embeddings=False, bos_token_id=258, eos_token_id=257, pad_token_id=258,
-)
-config.architectures = ["Qwen3NextForCausalLM"]
-torch.manual_seed(1234)
-model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-model.save_pretrained(sys.argv[1])
-print(f"  {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters")
-PY
+build_checkpoint() {  # the same tiny checkpoint the vLLM tests serve (no hub, no network)
+    log "tiny hybrid checkpoint in $MODEL (kept if complete)"
+    "$PYTHON" -m prfaas.testing.tiny_checkpoint "$MODEL"
 }
 
 start_server() {  # name port args...
@@ -135,7 +117,7 @@ write_deployments() {
     cat > "$WORK/pd.toml" <<EOF
 [model]
 name = "tiny-qwen3-next"
-tokenizer = "byte-level"
+tokenizer = "$MODEL"
 context_length = 8192
 vocab_size = 384
 
@@ -158,7 +140,7 @@ EOF
     cat > "$WORK/agg.toml" <<EOF
 [model]
 name = "tiny-qwen3-next"
-tokenizer = "byte-level"
+tokenizer = "$MODEL"
 context_length = 8192
 vocab_size = 384
 

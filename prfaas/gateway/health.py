@@ -16,6 +16,7 @@ from typing import Protocol
 
 from prfaas.engines.client import EngineError
 from prfaas.engines.sglang_client import SGLangClient
+from prfaas.engines.vllm_client import VLLMClient
 from prfaas.gateway.instances import InstanceManager, InstanceState
 
 logger = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ class HealthMonitor:
 
     async def _poll(self, state: InstanceState) -> None:
         client = state.client
-        if not isinstance(client, SGLangClient):
+        if not isinstance(client, SGLangClient | VLLMClient):
             return
         alive = await client.health()
         if state.healthy and not alive:

@@ -1,19 +1,22 @@
-"""`prfaas serve --config` with `[[launch]]` entries: start those reference engines as child
-processes, add them to the deployment as running instances, serve (with the PrfaaS prefill
-instances' egress telemetry polled, `assembly.egress_setup`), stop them on exit."""
+"""`prfaas serve --config` with `[[launch]]` entries: start those engines (reference engines,
+or vLLM servers for `engine = "vllm"`) as child processes, add them to the deployment as
+running instances, serve (with the PrfaaS prefill instances' egress telemetry polled,
+`assembly.egress_setup`), stop them on exit."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 from prfaas.gateway.api.assembly import Gateway, egress_setup
 from prfaas.gateway.deployment import DeploymentConfig, InstanceConfig, LaunchConfig
 from prfaas.serve.processes import EngineProcess, EngineSpec, free_port, start_engine
 from prfaas.serve.run import serve_gateway, signals_cancel_current_task
+from prfaas.serve.vllm_engines import start_vllm
 
 
 def _spec(launch: LaunchConfig, page_size: int) -> EngineSpec:
@@ -31,15 +34,30 @@ def _spec(launch: LaunchConfig, page_size: int) -> EngineSpec:
 def _instance(launch: LaunchConfig, engine: EngineProcess) -> InstanceConfig:
     port = engine.bootstrap_port if launch.role != "decode" else None
     return InstanceConfig(
-        launch.id, launch.cluster, launch.role, engine.url, "127.0.0.1", port, engine.kv_events
+        launch.id,
+        launch.cluster,
+        launch.role,
+        engine.url,
+        "127.0.0.1",
+        port,
+        engine.kv_events,
+        launch.engine,
     )
+
+
+def _start(
+    launch: LaunchConfig, config: DeploymentConfig, log_dir: Path
+) -> Coroutine[Any, Any, EngineProcess]:
+    """The start of one `[[launch]]` engine, by its engine kind."""
+    if launch.engine == "vllm":
+        return start_vllm(launch, config.model.name, log_dir)
+    return start_engine(_spec(launch, config.model.block_size), log_dir)
 
 
 async def start_launched(config: DeploymentConfig, log_dir: Path) -> list[EngineProcess]:
     """Start every `[[launch]]` engine concurrently; on any failure stop the others."""
-    specs = [_spec(launch, config.model.block_size) for launch in config.launch]
     results = await asyncio.gather(
-        *(start_engine(s, log_dir) for s in specs), return_exceptions=True
+        *(_start(launch, config, log_dir) for launch in config.launch), return_exceptions=True
     )
     engines = [r for r in results if isinstance(r, EngineProcess)]
     failures = [r for r in results if isinstance(r, BaseException)]
@@ -57,7 +75,7 @@ async def serve_launched(
 ) -> int:
     """Start the `[[launch]]` engines, serve the whole deployment, stop them on exit."""
     log_dir = Path(tempfile.mkdtemp(prefix="prfaas-serve-"))
-    print(f"starting {len(config.launch)} reference engine(s); logs in {log_dir}", flush=True)
+    print(f"starting {len(config.launch)} engine(s); logs in {log_dir}", flush=True)
     with signals_cancel_current_task():
         engines = await start_launched(config, log_dir)
     try:

@@ -11,7 +11,7 @@ when its pages live in device memory (the SGLang plugin does), and this package 
     stream.send_state(pool, 0, slot=5)               # once the state is final
     stream.send_meta({"first_token": 17, "num_tokens": 20}); stream.finish()
 
-    placer = PagePlacer(pool, block_ids=[4, 9], slot=1)   # decode: its own ids and slot
+    placer = PagePlacer(pool, {3: [4, 9]}, {0: 1})   # decode: its own block ids and slots
     async for item in transfer:                      # prfaas.engines.transport.Transfer
         placer.place(item)
     placer.check_complete(num_tokens=20)

@@ -153,31 +153,39 @@ class SGLangPool:
         return {name: to_host(view[ids]) for name, view in self._layer(self.pages, layer).items()}
 
     def scatter(
-        self, layer: int, arrays: Arrays, first_token: int, block_ids: Sequence[int]
+        self,
+        layer: int,
+        arrays: Arrays,
+        first_token: int,
+        block_ids: Sequence[int],
+        *,
+        skip: int = 0,
     ) -> int:
-        """Write token-ordered pages (from token `first_token` on) into this request's
-        `block_ids`; tokens past their capacity are dropped. Returns the tokens written."""
+        """Write token-ordered pages (tokens `first_token ..`) into this request's
+        `block_ids`; tokens past their capacity or below `skip` are not written. Returns the
+        end of the tokens covered (as `PagedPool.scatter`)."""
         dest = self._layer(self.pages, layer)
         if set(arrays) != set(dest):
             raise PageError(f"layer {layer}: got {sorted(arrays)}, pool has {sorted(dest)}")
-        capacity = len(block_ids) * self._page_size
-        count = 0
         for name, src in arrays.items():
-            target = dest[name]  # (pages, page_size, token_bytes)
-            if src.dtype != np.uint8 or src.ndim != 3 or src.shape[2] != target.shape[2]:
+            width = dest[name].shape[2]
+            if src.dtype != np.uint8 or src.ndim != 3 or src.shape[2] != width:
                 raise PageError(
                     f"layer {layer} {name!r}: {src.dtype}{list(src.shape)} does not fit "
-                    f"{target.shape[2]} bytes per token"
+                    f"{width} bytes per token"
                 )
+        capacity = len(block_ids) * self._page_size
+        end = first_token
+        table = torch.as_tensor(np.asarray(block_ids, dtype=np.int64))
+        for name, src in arrays.items():  # validated first: a refused message writes nothing
             tokens = src.reshape(-1, src.shape[2])
-            count = max(0, min(len(tokens), capacity - first_token))
-            positions = torch.arange(first_token, first_token + count)
-            pages = torch.as_tensor(np.asarray(block_ids, dtype=np.int64))[
-                positions // self._page_size
-            ]
-            rows = torch.from_numpy(np.ascontiguousarray(tokens[:count])).to(self.device)
-            target[pages.to(self.device), (positions % self._page_size).to(self.device)] = rows
-        return count
+            end = max(first_token, min(first_token + len(tokens), capacity))
+            positions = torch.arange(max(first_token, skip), end)
+            rows = torch.from_numpy(np.ascontiguousarray(tokens[(positions - first_token).numpy()]))
+            pages = table[positions // self._page_size].to(self.device)
+            offsets = (positions % self._page_size).to(self.device)
+            dest[name][pages, offsets] = rows.to(self.device)
+        return end
 
     def read_state(self, layer: int, slot: int) -> dict[str, np.ndarray]:
         return {name: to_host(view[slot]) for name, view in self._layer(self.states, layer).items()}

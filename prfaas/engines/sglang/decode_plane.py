@@ -120,7 +120,9 @@ class DecodePlane:
             fetch.transfer = transfer
             if fetch.room not in self._fetches:  # cancelled while connecting
                 transfer.cancel("cancelled by decode")
-            placer = PagePlacer(self.pool, [int(i) for i in fetch.page_ids], fetch.slot)
+            table = [int(i) for i in fetch.page_ids]
+            slots = {} if fetch.slot is None else dict.fromkeys(self.pool.state_layers, fetch.slot)
+            placer = PagePlacer(self.pool, dict.fromkeys(self.pool.page_layers, table), slots)
             async for item in transfer:
                 await asyncio.to_thread(placer.place, item)
                 fetch.arrivals.append((model_layer(item.layer), time.perf_counter() - started))

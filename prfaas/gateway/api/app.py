@@ -2,10 +2,11 @@
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`,
 `GET /metrics` (Prometheus text), `GET /admin/state`, `POST /admin/state` (set `threshold`
-and/or `regime`); `HEAD` wherever `GET` is. Unknown paths get a JSON 404, known paths with
-another method a JSON 405 with `Allow`. `GatewayApp` owns the one engine `ClientSession`, the
-`Gateway` and the server: `start` brings them up in that order, `stop` takes them down in
-reverse, so every background task stops with the app.
+and/or `regime`), `GET /dashboard` (the live page and its script and style) and
+`GET /admin/dashboard` (the data it polls); `HEAD` wherever `GET` is. Unknown paths get a
+JSON 404, known paths with another method a JSON 405 with `Allow`. `GatewayApp` owns the one
+engine `ClientSession`, the `Gateway` and the server: `start` brings them up in that order,
+`stop` takes them down in reverse, so every background task stops with the app.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from prfaas.gateway.api.assembly import Gateway, build_gateway
+from prfaas.gateway.api.dashboard import DASHBOARD_PAGES, since_query
 from prfaas.gateway.deployment import DeploymentConfig
 from prfaas.http.server import Exchange, HttpLimits, HttpRequest, HttpResponse, HttpServer
 from prfaas.protocol.errors import APIError, invalid
@@ -82,15 +84,25 @@ async def set_admin_state(gw: Gateway, request: HttpRequest, exchange: Exchange)
     gw.service.check_auth(request)
     body = load_json(request.body)
     threshold, regime = body.get("threshold"), body.get("regime")
+    state, by_hand = gw.router.state, "set by hand (POST /admin/state)"
     if threshold is not None:
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or threshold < 0:
             raise invalid(f"'threshold' must be a number >= 0, got {threshold!r}", "threshold")
-        gw.router.state.threshold = float(threshold)
+        gw.activity.decision("threshold", by_hand, state.threshold, float(threshold))
+        state.threshold = float(threshold)
     if regime is not None:
         if regime not in ("bandwidth_scarce", "bandwidth_abundant"):
             raise invalid(f"'regime' must be bandwidth_scarce|bandwidth_abundant: {regime!r}")
-        gw.router.state.regime = regime
+        gw.activity.decision("regime", by_hand, state.regime, regime)
+        state.regime = regime
     return _json(gw.admin_state())
+
+
+async def dashboard_data(gw: Gateway, request: HttpRequest, exchange: Exchange) -> HttpResponse:
+    """What `/dashboard` polls: `ActivityRecorder.snapshot`, newer than `?since=` (the
+    previous answer's `now`), with the wall-clock `time`."""
+    gw.service.check_auth(request)
+    return _json({**gw.activity.snapshot(since_query(request.query)), "time": time.time()})
 
 
 ROUTES: dict[str, dict[str, Route]] = {
@@ -100,6 +112,8 @@ ROUTES: dict[str, dict[str, Route]] = {
     "/health": {"GET": health},
     "/metrics": {"GET": metrics},
     "/admin/state": {"GET": admin_state, "POST": set_admin_state},
+    "/admin/dashboard": {"GET": dashboard_data},
+    **{path: {"GET": page} for path, page in DASHBOARD_PAGES.items()},
 }
 
 

@@ -8,17 +8,20 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_args
 
 import aiohttp
 from prometheus_client.core import GaugeMetricFamily
 
 from prfaas.common.tokenizer import load_tokenizer
+from prfaas.engines.client import BaseEngineClient, Role
 from prfaas.engines.sglang_client import SGLangClient, SGLangClientConfig
+from prfaas.engines.vllm_client import VLLMClient, VLLMEndpoint
 from prfaas.gateway.admission import AdmissionManager
+from prfaas.gateway.api.activity import ActivityRecorder
 from prfaas.gateway.api.completions import CompletionService
 from prfaas.gateway.api.metrics import GatewayMetrics, egress_gauges, labelled_gauge
-from prfaas.gateway.deployment import DeploymentConfig, InstanceConfig
+from prfaas.gateway.deployment import DeploymentConfig, InstanceConfig, ModelConfig
 from prfaas.gateway.health import HealthMonitor
 from prfaas.gateway.instances import InstanceManager, InstanceState
 from prfaas.gateway.kv_feed import KVEventFeed
@@ -26,7 +29,12 @@ from prfaas.gateway.kv_index import KVIndexManager
 from prfaas.gateway.link import EgressMonitor
 from prfaas.gateway.router import Router, RoutingState
 from prfaas.policies.registry import create_policy
+from prfaas.policies.routing import Regime, Route
 from prfaas.protocol.openai_request import ModelLimits
+
+ROUTES: tuple[str, ...] = get_args(Route)
+ROLES: tuple[str, ...] = get_args(Role)
+REGIMES: tuple[str, ...] = get_args(Regime)
 
 
 @dataclass
@@ -43,14 +51,21 @@ class Gateway:
     metrics: GatewayMetrics
     link: dict[str, Any] = field(default_factory=dict)
     """Describes the cross-cluster link for `/admin/state` (embedded deployment)."""
+    activity: ActivityRecorder = field(init=False)
+    """Recent requests, the timeline and decisions, for the dashboard."""
+
+    def __post_init__(self) -> None:
+        self.activity = ActivityRecorder(self.admin_state)
 
     async def start(self) -> None:
         """Poll health once (so the first request sees real state), then start the feeds."""
         await self.health.poll_once()
         self.feed.start()
         self.health.start()
+        self.activity.start()
 
     async def stop(self) -> None:
+        await self.activity.stop()
         await self.health.stop()
         await self.feed.stop()
         for state in self.instances:
@@ -94,14 +109,36 @@ class Gateway:
                 ("instance",),
                 (((s.instance_id,), 1.0 if s.healthy else 0.0) for s in self.instances),
             ),
+            labelled_gauge(
+                "prfaas_instances",
+                "Healthy instances per cluster and role (the role split).",
+                ("cluster", "role"),
+                _role_counts(self.instances),
+            ),
+            labelled_gauge(
+                "prfaas_bandwidth_regime",
+                "1 for the routing regime in force, 0 for the other.",
+                ("regime",),
+                (((r,), 1.0 if r == self.router.state.regime else 0.0) for r in REGIMES),
+            ),
             GaugeMetricFamily(
                 "prfaas_kv_index_entries", "(instance, block) entries.", len(self.index)
             ),
         ]
 
 
+def _role_counts(instances: InstanceManager) -> list[tuple[tuple[str, str], float]]:
+    """Healthy instances per (cluster, role), every cluster and role listed (0 if none), so a
+    role that empties reads 0 rather than vanishing."""
+    counts = {(c, r): 0.0 for c in ROUTES for r in ROLES}
+    for s in instances:
+        if s.healthy:
+            counts[s.cluster, s.role] += 1
+    return list(counts.items())
+
+
 def _instance_json(s: InstanceState) -> dict[str, Any]:
-    url = s.client.base_url if isinstance(s.client, SGLangClient) else None
+    url = s.client.base_url if isinstance(s.client, SGLangClient | VLLMClient) else None
     return {
         "id": s.instance_id,
         "role": s.role,
@@ -112,8 +149,23 @@ def _instance_json(s: InstanceState) -> dict[str, Any]:
     }
 
 
-def _instance(cfg: InstanceConfig, session: aiohttp.ClientSession) -> InstanceState:
-    client = SGLangClient(cfg.id, cfg.url, session, SGLangClientConfig())
+def _client(
+    cfg: InstanceConfig, model: ModelConfig, session: aiohttp.ClientSession
+) -> BaseEngineClient:
+    """The engine client of an instance, by its engine kind."""
+    if cfg.engine == "vllm":
+        host = cfg.bootstrap_address if cfg.role != "decode" else None
+        endpoint = VLLMEndpoint(
+            cfg.url, cfg.role, model.name, host, cfg.bootstrap_port, model.block_size
+        )
+        return VLLMClient(cfg.id, endpoint, session, SGLangClientConfig())
+    return SGLangClient(cfg.id, cfg.url, session, SGLangClientConfig())
+
+
+def _instance(
+    cfg: InstanceConfig, model: ModelConfig, session: aiohttp.ClientSession
+) -> InstanceState:
+    client = _client(cfg, model, session)
     return InstanceState(
         instance_id=cfg.id,
         cluster=cfg.cluster,
@@ -133,7 +185,7 @@ def build_gateway(config: DeploymentConfig, session: aiohttp.ClientSession) -> G
     g, m = config.gateway, config.model
     instances = InstanceManager()
     for cfg in config.instances:
-        instances.add(_instance(cfg, session))
+        instances.add(_instance(cfg, config.model, session))
     index = KVIndexManager(block_size=m.block_size, max_blocks=g.kv_index_max_blocks)
     metrics = GatewayMetrics()
     router = Router(instances, index, create_policy(g.policy), RoutingState(g.threshold, g.regime))
@@ -147,11 +199,15 @@ def build_gateway(config: DeploymentConfig, session: aiohttp.ClientSession) -> G
         retry_after_s=g.retry_after_s,
     )
     endpoints = {c.id: c.kv_events for c in config.instances if c.kv_events}
-    feed = KVEventFeed(index, endpoints, lambda i, why: metrics.kv_resyncs.labels(i, why).inc())
+    vllm = frozenset(c.id for c in config.instances if c.engine == "vllm")
+    feed = KVEventFeed(
+        index, endpoints, lambda i, why: metrics.kv_resyncs.labels(i, why).inc(), vllm
+    )
     health = HealthMonitor(
         instances, g.health_interval_s, on_down=lambda i: feed.resync(i, "instance_down")
     )
     gateway = Gateway(config, instances, index, router, service, feed, health, metrics)
+    service.activity = gateway.activity
     metrics.add_gauges(gateway.gauges)
     return gateway
 

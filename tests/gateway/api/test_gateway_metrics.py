@@ -21,6 +21,7 @@ GATEWAY_FAMILIES = {
     "prfaas_kv_index_resyncs": "counter",
     "prfaas_ttft_seconds": "histogram",
     "prfaas_e2e_seconds": "histogram",
+    "prfaas_tpot_seconds": "histogram",
     "prfaas_incremental_tokens": "histogram",
     "prfaas_prompt_tokens": "histogram",
     "prfaas_threshold_tokens": "gauge",
@@ -28,6 +29,8 @@ GATEWAY_FAMILIES = {
     "prfaas_queue_waiting": "gauge",
     "prfaas_instance_in_flight": "gauge",
     "prfaas_instance_healthy": "gauge",
+    "prfaas_instances": "gauge",
+    "prfaas_bandwidth_regime": "gauge",
     "prfaas_kv_index_entries": "gauge",
 }
 # Escaping needed in a label value: a newline, a quote and a backslash.
