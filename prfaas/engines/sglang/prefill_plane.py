@@ -88,6 +88,7 @@ class PrefillPlane:
         if len(infos) < msg.required_dst_info_num:
             return
         self.mgr.req_to_decode_prefix_len[msg.room] = msg.decode_prefix_len
+        self.mgr.resolve_kv_replica_factor(infos)  # MLA: SGLang's transfer metrics need it
         real = [m for m in infos.values() if not m.is_dummy]
         if len(real) > 1:
             self.mgr.fail_room(msg.room, "prfaas: one decode rank per prefill rank only")
