@@ -21,6 +21,8 @@ EXTRA_MODULES = frozenset(m for modules in EXTRAS.values() for m in modules)
 EXTRA_ONLY = (
     "prfaas.engines.reference.",
     "prfaas.cli.plan_plot",
+    # run inside SGLang (its own environment); the package itself imports without it
+    "prfaas.engines.sglang.",
     # run inside vLLM (its own environment); launch.py and the client need no vLLM
     "prfaas.engines.vllm.connector",
     "prfaas.engines.vllm.metadata",

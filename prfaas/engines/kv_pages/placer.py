@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from prfaas.engines.kv_pages.errors import PageError
-from prfaas.engines.kv_pages.pool import PagedPool
+from prfaas.engines.kv_pages.pool import PagePool
 from prfaas.engines.kv_pages.wire import model_layer
 from prfaas.engines.transport import Kind, LayerItem
 
@@ -22,7 +22,7 @@ class PagePlacer:
 
     def __init__(
         self,
-        pool: PagedPool,
+        pool: PagePool,
         block_ids: Mapping[int, Sequence[int]],
         slots: Mapping[int, int],
         *,
@@ -78,7 +78,7 @@ class PagePlacer:
     def check_complete(self, num_tokens: int) -> None:
         """Raise PageError unless every paged layer holds `num_tokens` tokens and every state
         layer its state (call it once the transfer ended)."""
-        for layer in self.pool.pages:
+        for layer in self.pool.page_layers:
             if self.tokens(layer) < num_tokens:
                 raise PageError(
                     f"layer {layer}: {self.tokens(layer)} tokens arrived, {num_tokens} expected"

@@ -1,4 +1,6 @@
-"""`PagedPool`: an engine's paged KV pool and state slots, described as numpy views.
+"""`PagedPool`: an engine's paged KV pool and state slots, described as numpy views; and
+`PagePool`, the interface `PageStream` and `PagePlacer` use (`PagedPool` implements it for
+host memory; an adapter whose pages live in device memory implements it itself).
 
 An engine adapter builds one over its own memory (no copy): for every full-attention layer,
 each component ("k", "v", or one fused "kv" for MLA latents) as an array of shape
@@ -14,14 +16,49 @@ Reads (`gather`, `read_state`) copy, so the engine may reuse its pages at once; 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
 from prfaas.engines.kv_pages.errors import PageError
 
 Arrays = Mapping[str, np.ndarray]
+
+
+class PagePool(Protocol):
+    """What the mover needs from a pool: reads return host (numpy) copies, writes take host
+    arrays, both in the wire layout of `wire.py` (see `PagedPool` for the semantics)."""
+
+    @property
+    def page_size(self) -> int: ...
+
+    @property
+    def page_layers(self) -> Collection[int]:
+        """The full-attention (paged) layers."""
+        ...
+
+    @property
+    def state_layers(self) -> Collection[int]:
+        """The linear-attention (state slot) layers."""
+        ...
+
+    def gather(self, layer: int, block_ids: Sequence[int]) -> dict[str, np.ndarray]: ...
+
+    def scatter(
+        self,
+        layer: int,
+        arrays: Arrays,
+        first_token: int,
+        block_ids: Sequence[int],
+        *,
+        skip: int = 0,
+    ) -> int: ...
+
+    def read_state(self, layer: int, slot: int) -> dict[str, np.ndarray]: ...
+
+    def write_state(self, layer: int, slot: int, arrays: Arrays) -> None: ...
 
 
 @dataclass(frozen=True, eq=False)
@@ -41,6 +78,16 @@ class PagedPool:
             _check_components("states", layer, comps, min_ndim=1)
         if len(sizes) > 1:
             raise ValueError(f"every page component must share one page size, got {sorted(sizes)}")
+
+    @property
+    def page_layers(self) -> Collection[int]:
+        """The full-attention (paged) layers."""
+        return self.pages.keys()
+
+    @property
+    def state_layers(self) -> Collection[int]:
+        """The linear-attention (state slot) layers."""
+        return self.states.keys()
 
     @property
     def page_size(self) -> int:
