@@ -42,6 +42,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--model-cache", type=Path, help="where presets are materialised")
     parser.add_argument(
+        "--secret-file",
+        type=Path,
+        help="the deployment secret (hex): routes but /health then need its control token and "
+        "KV transport peers must prove they hold it (default: $PRFAAS_SECRET or "
+        "$PRFAAS_SECRET_FILE; none: open)",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -86,6 +93,7 @@ def _mbps(flag: str, value: float | None) -> float | None:
 
 def run(args: argparse.Namespace) -> int:
     require_extra("engine", "the reference engine")
+    from prfaas.common.secret import DeploymentSecret
     from prfaas.engines.reference.engine_config import EngineConfig, TransferConfig
     from prfaas.engines.reference.server.main import LaunchOptions, serve
 
@@ -117,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
             threads=args.threads,
             engine=engine,
             transfer=transfer,
+            secret=DeploymentSecret.from_env(path=args.secret_file),
         )
         asyncio.run(serve(options))
     except (ValueError, OSError) as exc:
