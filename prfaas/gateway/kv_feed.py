@@ -31,14 +31,27 @@ class KVEventFeed:
         self._index = index
         self._endpoints = dict(endpoints)
         self._on_resync = on_resync
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: dict[str, asyncio.Task[None]] = {}
         self.batches = 0
 
     def start(self) -> None:
         for instance_id, endpoint in self._endpoints.items():
-            subscriber = KVEventSubscriber(endpoint)
-            task = asyncio.get_running_loop().create_task(self._run(instance_id, subscriber))
-            self._tasks.append(task)
+            self._subscribe(instance_id, endpoint)
+
+    def _subscribe(self, instance_id: str, endpoint: str) -> None:
+        subscriber = KVEventSubscriber(endpoint)
+        task = asyncio.get_running_loop().create_task(self._run(instance_id, subscriber))
+        self._tasks[instance_id] = task
+
+    def resubscribe(self, instance_id: str, endpoint: str) -> None:
+        """Follow an instance's publisher to a new endpoint (its engine restarted on another
+        port); its entries are dropped first, since a restarted engine's cache is empty."""
+        old = self._tasks.pop(instance_id, None)
+        if old is not None:
+            old.cancel()
+        self.resync(instance_id, "restart")
+        self._endpoints[instance_id] = endpoint
+        self._subscribe(instance_id, endpoint)
 
     async def _run(self, instance_id: str, subscriber: KVEventSubscriber) -> None:
         try:
@@ -57,15 +70,16 @@ class KVEventFeed:
         self.batches += 1
 
     def resync(self, instance_id: str, reason: str) -> None:
-        """Drop an instance's entries (also used when its health check fails)."""
+        """Drop an instance's entries (also used when its engine reports a restart)."""
         self._index.clear_instance(instance_id)
         if self._on_resync is not None:
             self._on_resync(instance_id, reason)
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        tasks = list(self._tasks.values())
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks.clear()

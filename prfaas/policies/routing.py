@@ -191,6 +191,8 @@ class PrfaasPolicy(BaseRoutingPolicy):
         route: Route = PRFAAS if uncached > t else PD
         if route == PRFAAS and not snapshot.pool(PRFAAS, "prefill"):
             route, reason = PD, reason + "; no healthy PrfaaS prefill, fell back to PD"
+        elif route == PD and not snapshot.pool(PD, "prefill") and snapshot.pool(PRFAAS, "prefill"):
+            route, reason = PRFAAS, reason + "; no healthy PD prefill, fell back to PrfaaS"
         prefix_from: Route | None = None
         if abundant:
             other: Route = PRFAAS if route == PD else PD

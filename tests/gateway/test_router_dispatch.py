@@ -93,7 +93,9 @@ async def test_a_failed_prefill_aborts_the_waiting_decode_with_its_error() -> No
     assert decode.calls[0].aborted  # told to drop the request, not left waiting for KV
 
 
-async def test_a_prefill_that_fails_after_the_decode_finished_still_fails_the_request() -> None:
+async def test_a_prefill_that_fails_after_the_decode_answered_does_not_fail_the_request() -> None:
+    """The decode produced output, so it received (and verified) the KV: a prefill call
+    that fails afterwards (its answer lost, say) does not cut a complete answer."""
     router, prefill, decode = _router()
     routed_task = asyncio.ensure_future(
         router.dispatch("r", tuple(range(64)), SamplingParams(), stream=False)
@@ -104,7 +106,6 @@ async def test_a_prefill_that_fails_after_the_decode_finished_still_fails_the_re
     routed = await routed_task
     assert routed.first is not None and routed.first.text == "a"
     prefill.calls[0].finish(EngineError("prefill: transfer not acknowledged"))
-    with pytest.raises(EngineError, match="not acknowledged"):
-        await routed.next()
+    assert await routed.next() is None
     routed.close()
-    assert router.instances["pd-d0"].in_flight == 0
+    assert router.instances["pd-d0"].in_flight == 0 and routed.retries == 0

@@ -26,10 +26,15 @@ class RunningEngine:
 
 @asynccontextmanager
 async def engine_server(
-    runner: ModelRunner, hub: InProcessHub, tokenizer: Tokenizer | None = None, **config: object
+    runner: ModelRunner,
+    hub: InProcessHub,
+    tokenizer: Tokenizer | None = None,
+    token: str | None = None,
+    **config: object,
 ) -> AsyncIterator[RunningEngine]:
     """An engine on 127.0.0.1:<ephemeral> with the in-process hand-off (byte-level unless
-    `tokenizer` is given); cleaned up on exit."""
+    `tokenizer` is given; routes but `/health` need `token` when given); cleaned up on
+    exit."""
     tok = tokenizer or ByteTokenizer()
     settings = {"block_size": 16, "kv_capacity_tokens": 4096, **config}
     core = EngineCore(runner, EngineConfig(**settings), tok.decode)  # type: ignore[arg-type]
@@ -42,7 +47,7 @@ async def engine_server(
         runner.shape.vocab_size,
         tok.name,
     )
-    app = create_app(service, tok, info)
+    app = create_app(service, tok, info, token)
     app_runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await app_runner.setup()
     site = web.TCPSite(app_runner, "127.0.0.1", 0)

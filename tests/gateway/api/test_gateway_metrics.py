@@ -29,6 +29,9 @@ GATEWAY_FAMILIES = {
     "prfaas_instance_in_flight": "gauge",
     "prfaas_instance_healthy": "gauge",
     "prfaas_kv_index_entries": "gauge",
+    "prfaas_request_retries": "counter",
+    "prfaas_request_migrations": "counter",
+    "prfaas_instance_ejections": "counter",
 }
 # Escaping needed in a label value: a newline, a quote and a backslash.
 ODD_ID = 'pd-d0 "rack\\7"\nrow 2'
