@@ -22,6 +22,24 @@ from prfaas.engines.reference.step.core import EngineCore
 class RunningEngine:
     url: str
     service: EngineService
+    runner: web.AppRunner | None = None
+
+    def crash(self) -> None:
+        """As if the process died: stop listening and cut every open connection (its
+        running handlers are cancelled, so the engine drops their requests)."""
+        assert self.runner is not None and self.runner.server is not None
+        for site in self.runner.sites:
+            server = site._server  # noqa: SLF001 - the listening socket, closed at once
+            if server is not None:
+                server.close()
+        for handler in self.runner.server.connections:
+            if handler.transport is not None:
+                handler.transport.abort()
+
+    @property
+    def busy(self) -> bool:
+        """Whether a request is running or queued on it."""
+        return self.service.core.has_work()
 
 
 @asynccontextmanager
@@ -54,6 +72,6 @@ async def engine_server(
     await site.start()
     port = app_runner.addresses[0][1]
     try:
-        yield RunningEngine(f"http://127.0.0.1:{port}", service)
+        yield RunningEngine(f"http://127.0.0.1:{port}", service, app_runner)
     finally:
         await app_runner.cleanup()

@@ -5,6 +5,7 @@ a good transfer on one connection."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import secrets
@@ -39,6 +40,11 @@ class FakeSender:
         self.authenticated = False
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # a connection handler that ends quietly when the test tears the loop down
+        with contextlib.suppress(asyncio.CancelledError, ConnectionError):
+            await self._handle(reader, writer)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         header, payload = await read_frame(reader, 1 << 20)
         hello = parse_json(header, payload)
         assert header.kind is Kind.HELLO and hello["index"] == 0 and len(hello["nonce"]) == 32
@@ -65,11 +71,12 @@ class FakeSender:
         writer.close()
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
-        while True:
-            header, payload = await read_frame(reader, 1 << 20)
-            self.seen.append((header.kind, header.room, payload))
-            if header.kind is Kind.REGISTER:
-                self.registered.set()
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                header, payload = await read_frame(reader, 1 << 20)
+                self.seen.append((header.kind, header.room, payload))
+                if header.kind is Kind.REGISTER:
+                    self.registered.set()
 
 
 def _message(
