@@ -218,9 +218,11 @@ async def test_a_role_switched_on_the_engine_is_seen_by_the_gateway(model: Model
     async with cluster(model) as c:
         headers = {"Authorization": f"Bearer {SECRET.control_token()}"}
         url = f"{c.engines['pd-p0'].url}/admin/role"
-        async with aiohttp.ClientSession() as s:
-            async with s.post(url, json={"role": "decode"}, headers=headers) as r:
-                assert r.status == 200
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(url, json={"role": "decode"}, headers=headers) as r,
+        ):
+            assert r.status == 200
         await eventually(lambda: c.gateway.instances["pd-p0"].role == "decode", 5)
         raw = await asyncio.wait_for(
             c.client().completions.with_raw_response.create(

@@ -29,7 +29,7 @@ class RunningEngine:
         running handlers are cancelled, so the engine drops their requests)."""
         assert self.runner is not None and self.runner.server is not None
         for site in self.runner.sites:
-            server = site._server  # noqa: SLF001 - the listening socket, closed at once
+            server = site._server  # the listening socket, closed at once
             if server is not None:
                 server.close()
         for handler in self.runner.server.connections:
