@@ -1,6 +1,8 @@
 """`prfaas serve --config` with `[[launch]]` entries: start those reference engines as child
-processes, add them to the deployment as running instances, serve (with the PrfaaS prefill
-instances' egress telemetry polled, `assembly.egress_setup`), stop them on exit."""
+processes (with the deployment secret in their environment: the configured one, else a
+fresh one), add them to the deployment as running instances, serve (with the PrfaaS
+prefill instances' egress telemetry polled, `assembly.egress_setup`), restart any that dies
+(`supervisor.Supervisor`), stop them on exit."""
 
 from __future__ import annotations
 
@@ -10,10 +12,12 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from prfaas.common.secret import ENV_SECRET, DeploymentSecret
 from prfaas.gateway.api.assembly import Gateway, egress_setup
 from prfaas.gateway.deployment import DeploymentConfig, InstanceConfig, LaunchConfig
 from prfaas.serve.processes import EngineProcess, EngineSpec, free_port, start_engine
-from prfaas.serve.run import serve_gateway, signals_cancel_current_task
+from prfaas.serve.run import serve_gateway, setups, signals_cancel_current_task
+from prfaas.serve.supervisor import Supervisor
 
 
 def _spec(launch: LaunchConfig, page_size: int) -> EngineSpec:
@@ -29,17 +33,27 @@ def _spec(launch: LaunchConfig, page_size: int) -> EngineSpec:
 
 
 def _instance(launch: LaunchConfig, engine: EngineProcess) -> InstanceConfig:
-    port = engine.bootstrap_port if launch.role != "decode" else None
+    # every reference engine serves KV at its bootstrap port, whatever its role: a decode
+    # switched to prefill later needs it
     return InstanceConfig(
-        launch.id, launch.cluster, launch.role, engine.url, "127.0.0.1", port, engine.kv_events
-    )
+        launch.id, launch.cluster, launch.role, engine.url, "127.0.0.1", engine.bootstrap_port,
+        engine.kv_events,
+    )  # fmt: skip
 
 
-async def start_launched(config: DeploymentConfig, log_dir: Path) -> list[EngineProcess]:
+def launch_secret(config: DeploymentConfig) -> DeploymentSecret:
+    """The deployment's secret (config file or environment), else a fresh one."""
+    return DeploymentSecret.from_env(path=config.gateway.secret_file) or DeploymentSecret.generate()
+
+
+async def start_launched(
+    config: DeploymentConfig, log_dir: Path, secret: DeploymentSecret
+) -> list[EngineProcess]:
     """Start every `[[launch]]` engine concurrently; on any failure stop the others."""
     specs = [_spec(launch, config.model.block_size) for launch in config.launch]
+    env = {ENV_SECRET: secret.hex()}
     results = await asyncio.gather(
-        *(start_engine(s, log_dir) for s in specs), return_exceptions=True
+        *(start_engine(s, log_dir, env=env) for s in specs), return_exceptions=True
     )
     engines = [r for r in results if isinstance(r, EngineProcess)]
     failures = [r for r in results if isinstance(r, BaseException)]
@@ -55,15 +69,20 @@ async def serve_launched(
     port: int,
     on_ready: Callable[[Gateway, int], None] | None = None,
 ) -> int:
-    """Start the `[[launch]]` engines, serve the whole deployment, stop them on exit."""
+    """Start the `[[launch]]` engines, serve the whole deployment, restart engines that die,
+    stop them on exit."""
     log_dir = Path(tempfile.mkdtemp(prefix="prfaas-serve-"))
     print(f"starting {len(config.launch)} reference engine(s); logs in {log_dir}", flush=True)
+    secret = launch_secret(config)
     with signals_cancel_current_task():
-        engines = await start_launched(config, log_dir)
+        engines = await start_launched(config, log_dir, secret)
+    supervisor = Supervisor({e.spec.name: e for e in engines}, log_dir, {ENV_SECRET: secret.hex()})
+    supervisor.start()
     try:
         started = tuple(_instance(la, e) for la, e in zip(config.launch, engines, strict=True))
         full = dataclasses.replace(config, instances=config.instances + started, launch=())
-        await serve_gateway(full, host, port, setup=egress_setup(), on_ready=on_ready)
+        setup = setups(egress_setup(), supervisor.attach)
+        await serve_gateway(full, host, port, setup=setup, on_ready=on_ready, secret=secret)
     finally:
-        await asyncio.gather(*(e.stop() for e in engines))
+        await supervisor.stop()
     return 0
