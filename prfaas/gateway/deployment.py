@@ -105,6 +105,9 @@ class GatewayConfig:
     """Re-dispatches of a request that failed before its first token (another instance)."""
     max_migrations: int = 2
     """Re-dispatches of a request whose decode died mid-stream (prompt + tokens so far)."""
+    retry_wait_s: float = 30.0
+    """How long a request to be re-dispatched waits for an instance when none is left (a
+    lone decode restarting); new requests are refused at once (503) meanwhile."""
     retry_after_s: int = 1
     kv_index_max_blocks: int = 4_000_000
 
@@ -121,6 +124,8 @@ class GatewayConfig:
             check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         for name in ("max_retries", "max_migrations"):
             check(0 <= getattr(self, name) <= 10, name, getattr(self, name), "must be in 0..10")
+        wait = self.retry_wait_s
+        check(0 <= wait <= 600, "retry_wait_s", wait, "must be in [0, 600]")
         check(self.retry_after_s >= 1, "retry_after_s", self.retry_after_s, "must be >= 1")
         for name in ("api_keys", "admin_keys"):
             ok = all(isinstance(k, str) and k for k in getattr(self, name))

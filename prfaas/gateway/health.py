@@ -126,7 +126,8 @@ class HealthMonitor:
             state.successes += 1
             if state.successes < self.policy.readmit_after:
                 return
-            logger.info("instance %s readmitted", state.instance_id)
+            state.readmissions += 1
+            logger.warning("instance %s readmitted", state.instance_id)
         elif state.status == "suspect":
             logger.info("instance %s answers again", state.instance_id)
         state.status = "healthy"

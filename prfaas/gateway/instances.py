@@ -12,7 +12,7 @@ engine's own reports.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -44,6 +44,8 @@ class InstanceState:
     successes: int = 0
     """Good probes in a row while ejected."""
     ejections: int = 0
+    readmissions: int = 0
+    """Times it came back from an ejection (confirmed by good probes)."""
     in_flight: int = 0
     queued: int = 0  # waiting requests the engine last reported
     calls: set[EngineCall] = field(default_factory=set)
@@ -95,7 +97,7 @@ class InstanceManager:
         return len(self._instances)
 
     def views(
-        self, cached: Mapping[str, int], exclude: frozenset[str] = frozenset()
+        self, cached: Mapping[str, int], exclude: Collection[str] = ()
     ) -> tuple[InstanceView, ...]:
         """Policy views of every instance, with this request's cached prefix per instance;
         instances in `exclude` (they failed this request already) are shown unhealthy."""

@@ -12,9 +12,10 @@ already streamed go to another decode, so a greedy answer equals an unfailed run
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NoReturn
 
@@ -33,6 +34,8 @@ from prfaas.policies.routing import (
 from prfaas.protocol.generate import Bootstrap, GenerateChunk, GenerateRequest, SamplingParams
 
 logger = logging.getLogger(__name__)
+WAIT_POLL_S = 0.2
+"""How often a request with nowhere to go looks for a readmitted instance."""
 
 
 @dataclass(frozen=True)
@@ -45,11 +48,16 @@ class RetryPolicy:
     """Re-dispatches after output began: the decode died mid-stream, so the prompt plus the
     tokens already streamed go to another decode (a greedy answer then equals an unfailed
     run's)."""
+    wait_s: float = 30.0
+    """How long a request that must be re-dispatched waits for an instance to come back
+    when none is left (a single decode restarting): it resumes on the readmitted one."""
 
     def __post_init__(self) -> None:
         for name in ("max_retries", "max_migrations"):
             if not 0 <= getattr(self, name) <= 10:
                 raise ValueError(f"{name} must be in 0..10, got {getattr(self, name)}")
+        if not 0 <= self.wait_s <= 600:
+            raise ValueError(f"wait_s must be in [0, 600], got {self.wait_s}")
 
 
 @dataclass
@@ -95,9 +103,7 @@ class Router:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     detokenize: Callable[[Sequence[int]], str] | None = None
 
-    def decide(
-        self, input_ids: Sequence[int], exclude: frozenset[str] = frozenset()
-    ) -> RouteDecision:
+    def decide(self, input_ids: Sequence[int], exclude: Collection[str] = ()) -> RouteDecision:
         """Route one prompt: chained block hashes, longest cached prefix per instance, policy;
         instances in `exclude` are treated as unhealthy.
 
@@ -173,7 +179,7 @@ class Dispatch:
         self.retries = self.migrations = 0
         self._attempt: Attempt | None = None
         self._attempts = 0
-        self._excluded: set[str] = set()
+        self._excluded: dict[str, int] = {}  # failed instance -> its readmissions then
         self._output: list[int] = []  # ids handed out so far
         self._texts: list[str] = []  # text handed out so far (for a migration's text)
         self._base = 0  # output tokens before the current attempt began
@@ -213,7 +219,7 @@ class Dispatch:
             try:
                 chunk = await attempt.next()
             except EngineError as exc:
-                self._recover(attempt, exc)
+                await self._recover(attempt, exc)
                 continue
             if chunk is None:
                 self._report(None)
@@ -229,7 +235,7 @@ class Dispatch:
             left = self.sampling.max_new_tokens - len(self._output)
             sampling = replace(self.sampling, max_new_tokens=max(left, 1))
         router = self.router
-        decision = router.decide(ids, frozenset(self._excluded))
+        decision = router.decide(ids, self._still_excluded())
         prefill = router.instances[decision.prefill_instance]
         decode = router.instances[decision.decode_instance]
         bootstrap = None if prefill is decode else router.bootstrap(prefill)
@@ -241,15 +247,22 @@ class Dispatch:
         self._attempt = Attempt(decision, prefill, decode, request)
         return self._attempt
 
-    def _recover(self, attempt: Attempt, exc: EngineError) -> None:
+    def _still_excluded(self) -> set[str]:
+        """Instances that failed this request and were not readmitted since (a restarted
+        engine that proved healthy again may take it)."""
+        instances = self.router.instances
+        return {i for i, n in self._excluded.items() if instances[i].readmissions == n}
+
+    async def _recover(self, attempt: Attempt, exc: EngineError) -> None:
         """After `attempt` failed with `exc`: blame the instance that failed, then set up a
-        retry or a migration, or raise when neither is allowed."""
+        retry or a migration (waiting up to `RetryPolicy.wait_s` for an instance when none
+        is left), or raise when neither is allowed."""
         attempt.close()
         self._attempt = None
         failed = attempt.failed or attempt.decode
         if exc.unreachable:
             failed.eject("connection refused")
-        self._excluded.add(failed.instance_id)
+        self._excluded[failed.instance_id] = failed.readmissions
         if exc.rejected:
             self._fail(exc)
         if self._output:
@@ -262,10 +275,16 @@ class Dispatch:
             self._fail(exc)
         logger.info("%s: %s on %s; %s", self.rid, exc.code, failed.instance_id,
                     "migrating" if self._output else "retrying")  # fmt: skip
-        try:
-            self._launch()
-        except NoInstanceAvailable:
-            self._fail(exc)  # nowhere else to go: the engine's failure is the cause
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.router.retry.wait_s
+        while True:
+            try:
+                self._launch()
+                return
+            except NoInstanceAvailable:
+                if loop.time() >= deadline:
+                    self._fail(exc)  # nowhere else to go: the engine's failure is the cause
+            await asyncio.sleep(WAIT_POLL_S)
 
     def _hand_out(self, chunk: GenerateChunk) -> GenerateChunk:
         if self._base == 0 and not self._output:

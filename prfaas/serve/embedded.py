@@ -187,8 +187,9 @@ async def serve_embedded(options: EmbeddedOptions, host: str, port: int) -> int:
     """Run the embedded deployment until a signal; returns an exit code."""
     log_dir = Path(tempfile.mkdtemp(prefix="prfaas-serve-"))
     print(f"starting 3 reference engines ({options.model}); logs in {log_dir}", flush=True)
+    secret = DeploymentSecret.from_env(path=options.gateway.secret_file)
     with signals_cancel_current_task():
-        cluster = await start_cluster(options, log_dir)
+        cluster = await start_cluster(options, log_dir, secret)
     supervisor = Supervisor(cluster.engines, log_dir, cluster.env)
     supervisor.start()
     try:

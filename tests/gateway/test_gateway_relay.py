@@ -42,7 +42,7 @@ async def _gateway(
     r1, prefill_url = await start_app(prefill.app())
     r2, decode_url = await start_app(decode.app())
     urls = {"prfaas-p0": prefill_url, "pd-p0": prefill_url, "pd-d0": decode_url}
-    url, _ = await factory(deployment(urls))
+    url, _ = await factory(deployment(urls, retry_wait_s=0))
     return url, [r1, r2]
 
 

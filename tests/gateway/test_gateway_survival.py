@@ -190,7 +190,7 @@ async def test_a_stream_that_cannot_be_saved_ends_with_an_error_event_and_no_don
     prompt = random_prompt(13, 50)
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 40, "temperature": 0,
             "stream": True, "ignore_eos": True}  # fmt: skip
-    async with cluster(model, replace(GATEWAY, max_migrations=0)) as c:
+    async with cluster(model, replace(GATEWAY, max_migrations=0, retry_wait_s=0)) as c:
         events: list[Any] = []
         async with (
             aiohttp.ClientSession() as s,

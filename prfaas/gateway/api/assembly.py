@@ -141,6 +141,7 @@ def _instance_json(s: InstanceState) -> dict[str, Any]:
         "id": s.instance_id,
         "role": s.role,
         "url": url,
+        "bootstrap_port": s.bootstrap_port,
         "healthy": s.healthy,
         "status": s.status,
         "draining": s.draining,
@@ -194,7 +195,7 @@ def build_gateway(
         create_policy(g.policy),
         RoutingState(g.threshold, g.regime),
         on_event=metrics.route_event,
-        retry=RetryPolicy(g.max_retries, g.max_migrations),
+        retry=RetryPolicy(g.max_retries, g.max_migrations, g.retry_wait_s),
         detokenize=tokenizer.decode,
     )
     service = CompletionService(

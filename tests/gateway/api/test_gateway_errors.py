@@ -165,7 +165,7 @@ async def test_unreachable_decode_is_marked_down(
     """A decode engine that died between health checks is marked unhealthy by the Router
     (so a retry cannot pick it again); the client gets a JSON engine error, not a hang."""
     urls = {**null_engines.urls, "pd-d0": f"http://127.0.0.1:{_closed_port()}"}
-    url, gateway = await gateway_factory(deployment(urls, health_interval_s=60))
+    url, gateway = await gateway_factory(deployment(urls, health_interval_s=60, retry_wait_s=0))
     for stream in (False, True):
         gateway.instances["pd-d0"].status = "healthy"  # as if it died after the last poll
         status, reply = await _post(f"{url}/v1/completions", {**OK_BODY, "stream": stream})

@@ -174,7 +174,7 @@ async def test_a_502_never_shows_the_engines_text(gateway_factory: GatewayFactor
     decode_runner, decode = await start_app(slow.app())
     try:
         urls = {"pd-p0": bad, "prfaas-p0": bad, "pd-d0": decode}
-        url, _ = await gateway_factory(deployment(urls))
+        url, _ = await gateway_factory(deployment(urls, retry_wait_s=0))
         for stream in (False, True):
             status, error = await _call(
                 "POST", f"{url}/v1/completions", {**OK_BODY, "stream": stream}
