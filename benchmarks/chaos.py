@@ -10,7 +10,8 @@ HELLOs that never authenticate, forged AUTHs and REGISTERs, connections that say
 Every answer is classified:
 - completed: a whole answer (`[DONE]` after a finish reason, or a JSON completion);
 - failed: the client was told (an HTTP error, or an error event that ends a stream);
-- refused: turned away at the door (429) - not accepted;
+- refused: turned away at the door (429 queue full, or 503 while no instance of a needed
+  role is up) - not accepted;
 - lost: accepted, yet neither completed nor failed (a cut stream, a timeout): must be 0.
 Every completed answer is compared with the same prompt's unfailed greedy output (from a
 direct `--role both` engine, computed before the chaos). Per fault it reports the time to
@@ -161,9 +162,9 @@ async def one_request(
     try:
         async with session.post(f"{url}/v1/completions", json=body) as r:
             if r.status != 200:
-                error = (await r.json(content_type=None)).get("error", {})
-                kind = "refused" if r.status == 429 else "failed"
-                return Outcome(kind, str(error.get("code")), stream)
+                code = str((await r.json(content_type=None)).get("error", {}).get("code"))
+                door = r.status == 429 or code == "no_instance_available"  # never accepted
+                return Outcome("refused" if door else "failed", code, stream)
             if not stream:
                 answer = await r.json()
                 text = answer["choices"][0]["text"]
@@ -202,8 +203,8 @@ async def client_loop(
             prompt, expected = rng.choice(pool)
             outcome = await one_request(session, url, prompt, rng.random() < 0.5, expected)
             tally.outcomes.append(outcome)
-            if outcome.kind == "refused":
-                await asyncio.sleep(0.5)
+            if outcome.kind == "refused":  # Retry-After
+                await asyncio.sleep(1.0)
 
 
 async def references(direct: str, prompts: list[str]) -> list[str]:
@@ -373,7 +374,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         url = _wait_line(serve, LISTENING, 300)
         direct_url = _wait_line(direct, ENGINE_READY, 300)
-        drain = asyncio.ensure_future(asyncio.to_thread(_drain, serve))
+        start: list[float] = []
+        drain = asyncio.ensure_future(asyncio.to_thread(_drain, serve, start))
         lengths = [int(rng.lognormvariate(6.3, 0.9)) for _ in range(args.prompts)]
         prompts = [words(min(max(n, 60), 3000), rng) for n in lengths]
         print(f"gateway {url}; computing {len(prompts)} reference outputs", flush=True)
@@ -382,6 +384,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         direct.wait(30)
         pool = list(zip(prompts, expected, strict=True))
         t0 = time.monotonic()
+        start.append(t0)
         stop = t0 + args.duration
         tally, faults, peaks = Tally(), list[Fault](), dict[str, int]()
         tasks = [client_loop(url, pool, random.Random(args.seed * 100 + i), stop, tally)
@@ -403,11 +406,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 proc.wait()
 
 
-def _drain(proc: subprocess.Popen[str]) -> None:
+def _drain(proc: subprocess.Popen[str], t0: list[float]) -> None:
     assert proc.stdout is not None
     for line in proc.stdout:
-        if "restart" in line or "exited" in line or "back" in line or "ejected" in line:
-            print("    serve: " + line.rstrip(), flush=True)
+        if any(w in line for w in ("restart", "exited", "back", "ejected", "readmitted")):
+            at = time.monotonic() - t0[0] if t0 else 0.0
+            print(f"[{at:7.1f} s]   serve: {line.rstrip()}", flush=True)
 
 
 def report(

@@ -131,4 +131,18 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"prfaas engine: error: {exc}", file=sys.stderr)
         return 2
-    return 0
+    _exit_now()
+    return 0  # not reached
+
+
+def _exit_now() -> None:
+    """Leave at once once the engine has stopped (its sockets, ZMQ publisher and worker
+    thread already closed): the interpreter's own teardown of torch and its threads takes
+    seconds, and a supervisor waits for this exit before it starts a replacement."""
+    import logging
+    import os
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
