@@ -45,14 +45,20 @@ shows medians over rounds, and the ratio ours / sglang-router is given both of t
 and per round. The machine is shared and noisy (2 cores for client, router and 3 engines):
 compare within one run only.
 
+With `--dashboard`, a second gateway process like ours (`prfaas-gateway+dashboard`) is measured
+in the same rounds while a client polls its `/admin/dashboard` once a second, as an open
+`/dashboard` page does: the dashboard's cost on the request path is the difference between
+the two gateways' added latency.
+
 Usage: python benchmarks/gateway.py [--rounds 5] [--requests 200] [--json OUT]
-       [--servers granian,granian-rsgi,uvicorn | --servers none]
+       [--servers granian,granian-rsgi,uvicorn | --servers none] [--dashboard]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
 import statistics
@@ -81,6 +87,8 @@ SGLANG_VENV = Path(os.environ.get("PRFAAS_SGLANG_ROUTER_VENV", "/tmp/sglang-rout
 ASGI_SERVERS = Path(os.environ.get("PRFAAS_ASGI_SERVERS_DIR", "/tmp/prfaas-asgi-servers"))
 LAUNCHER = Path(__file__).resolve().parent / "gateway_server.py"
 OURS = "prfaas-gateway"
+WATCHED = "prfaas-gateway+dashboard"
+"""With `--dashboard`: a second gateway like ours, polled by a dashboard client throughout."""
 OTHER_SERVERS = ("granian", "granian-rsgi", "uvicorn")
 """The servers the gateway app is also measured on (benchmarks/gateway_server.py)."""
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 12  # ~540 tokens
@@ -321,21 +329,39 @@ async def _round(
     return measured
 
 
+async def _watch_dashboard(url: str) -> None:
+    """What an open `/dashboard` page does to its gateway: GET `/admin/dashboard` once a
+    second, on a connection of its own, passing the previous answer's `now` as `since`."""
+    since: float | None = None
+    async with aiohttp.ClientSession() as session:
+        while True:
+            query = "" if since is None else f"?since={since!r}"
+            async with session.get(f"{url}/admin/dashboard{query}") as r:
+                since = (await r.json())["now"]
+            await asyncio.sleep(1.0)
+
+
 async def overhead(
-    targets: dict[str, str], rounds: int, n: int, seconds: float
+    targets: dict[str, str], rounds: int, n: int, seconds: float, watched: str | None = None
 ) -> tuple[list[dict[str, Any]], list[dict[str, dict[str, float]]]]:
     """Medians over rounds per target, and the rounds themselves. The order of the targets
-    rotates from round to round, so no target always runs first or last."""
+    rotates from round to round, so no target always runs first or last. A dashboard client
+    polls the target named `watched` throughout, if any."""
     names = list(targets)
     per_round = []
     connector = aiohttp.TCPConnector(limit=256)
     async with aiohttp.ClientSession(connector=connector) as session:
         for url in targets.values():
             await _wait_ready(session, url)
+        watcher = asyncio.create_task(_watch_dashboard(targets[watched])) if watched else None
         await _latency(session, targets, names, 50)  # warm every path before measuring
         for r in range(rounds):
             order = names[r % len(names) :] + names[: r % len(names)]
             per_round.append(await _round(session, targets, order, n, seconds))
+        if watcher is not None:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
     rows = []
     for name in names:
         medians = {k: statistics.median(m[name][k] for m in per_round) for k in per_round[0][name]}
@@ -344,7 +370,11 @@ async def overhead(
 
 
 def run_overhead(
-    rounds: int, n: int, seconds: float, servers: tuple[str, ...] = OTHER_SERVERS
+    rounds: int,
+    n: int,
+    seconds: float,
+    servers: tuple[str, ...] = OTHER_SERVERS,
+    dashboard: bool = False,
 ) -> tuple[tuple[list[dict[str, Any]], list[dict[str, dict[str, float]]]], str | None]:
     logs = Path(tempfile.mkdtemp(prefix="prfaas-bench-gw-"))
     ports = [free_port() for _ in range(3)]
@@ -355,6 +385,10 @@ def run_overhead(
     config = _gateway_config(logs / "deploy.toml", urls)
     procs.append(_spawn_gateway("ours", config, gw_port, logs / "gateway.log"))
     targets = {"direct": urls[2], OURS: f"http://127.0.0.1:{gw_port}"}
+    if dashboard:  # the same gateway again, with a dashboard client polling it
+        port = free_port()
+        procs.append(_spawn_gateway("ours", config, port, logs / "gateway-watched.log"))
+        targets[WATCHED] = f"http://127.0.0.1:{port}"
     notes = []
     folder = ensure_asgi_servers() if servers else None
     if servers and folder is None:
@@ -375,7 +409,9 @@ def run_overhead(
     else:
         notes.append("sglang-router unavailable (see message above)")
     try:
-        return asyncio.run(overhead(targets, rounds, n, seconds)), "; ".join(notes) or None
+        watched = WATCHED if dashboard else None
+        result = asyncio.run(overhead(targets, rounds, n, seconds, watched))
+        return result, "; ".join(notes) or None
     finally:
         for proc in procs:
             proc.terminate()
@@ -460,6 +496,12 @@ def main() -> None:
         help="other servers to run the gateway app on, comma-separated, or 'none' "
         f"(default: {','.join(OTHER_SERVERS)})",
     )
+    parser.add_argument(
+        "--dashboard",
+        action="store_true",
+        help=f"also measure target {WATCHED}: the same gateway with a dashboard client "
+        "polling /admin/dashboard once a second (as an open /dashboard page does)",
+    )
     args = parser.parse_args()
     servers = () if args.servers == "none" else tuple(args.servers.split(","))
     if unknown := set(servers) - set(OTHER_SERVERS):
@@ -471,7 +513,7 @@ def main() -> None:
     result: dict[str, Any] = {"decision_cost": decisions, "kv_event_cost": events}
     if not args.skip_overhead:
         (rows, per_round), note = run_overhead(
-            args.rounds, args.requests, args.rate_seconds, servers
+            args.rounds, args.requests, args.rate_seconds, servers, args.dashboard
         )
         _table("Part 2: overhead over null engines (medians over rounds; ms, req/s)", rows)
         result.update(overhead=rows, overhead_rounds=per_round, overhead_note=note)

@@ -15,7 +15,6 @@ never the raw prompt length:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
 from functools import cached_property
 from typing import ClassVar, Literal
 
@@ -105,15 +104,6 @@ class RouteDecision(msgspec.Struct, frozen=True):
     reason: str = ""
 
 
-def pick_instance(candidates: Iterable[InstanceView], total_tokens: int) -> InstanceView:
-    """Prefix affinity when an instance caches a large share of the prompt, else least load
-    (ties broken by longer prefix, then by id for determinism)."""
-    pool = list(candidates)
-    if not pool:
-        raise NoInstanceAvailable("no healthy instance")
-    return _pick_from(pool, total_tokens)
-
-
 def _affinity_key(i: InstanceView) -> tuple[int, int, str]:
     return -i.cached_tokens, i.load, i.instance_id
 
@@ -122,22 +112,24 @@ def _load_key(i: InstanceView) -> tuple[int, int, str]:
     return i.load, -i.cached_tokens, i.instance_id
 
 
-def _pick_from(pool: Sequence[InstanceView], total_tokens: int) -> InstanceView:
-    """`pick_instance` over a non-empty pool."""
-    if len(pool) == 1:
-        return pool[0]
-    best_cached = max(i.cached_tokens for i in pool)
-    if total_tokens and best_cached >= AFFINITY_SHARE * total_tokens:
-        return min(pool, key=_affinity_key)
-    return min(pool, key=_load_key)
+def pick_instance(snapshot: RoutingSnapshot, cluster: Route | None, role: str) -> InstanceView:
+    """The instance of `cluster` (any for None) to run `role` for this request: prefix
+    affinity when one caches a large share of the prompt, else least load (ties broken by
+    longer prefix, then by id for determinism).
 
-
-def _pick(snapshot: RoutingSnapshot, cluster: Route | None, role: str) -> InstanceView:
+    Raises:
+        NoInstanceAvailable: no healthy instance serves `role` there.
+    """
     pool = snapshot.pool(cluster, role)
     if not pool:
         where = f"the {cluster} cluster" if cluster else "any cluster"
         raise NoInstanceAvailable(f"no healthy {role} instance in {where}")
-    return _pick_from(pool, snapshot.total_tokens)
+    if len(pool) == 1:
+        return pool[0]
+    best_cached = max(i.cached_tokens for i in pool)
+    if snapshot.total_tokens and best_cached >= AFFINITY_SHARE * snapshot.total_tokens:
+        return min(pool, key=_affinity_key)
+    return min(pool, key=_load_key)
 
 
 class BaseRoutingPolicy(ABC):
@@ -154,14 +146,16 @@ class BaseRoutingPolicy(ABC):
             NoInstanceAvailable: no healthy instance for a needed role.
         """
 
-    def _decision(
+    def decision(
         self,
         snapshot: RoutingSnapshot,
         prefill: InstanceView,
         reason: str,
         prefix_from: Route | None = None,
     ) -> RouteDecision:
-        decode = _pick(snapshot, PD, "decode")
+        """The decision to prefill on `prefill` (and pull the prefix cached in
+        `prefix_from` first, if given) and decode on the PD cluster's pick."""
+        decode = pick_instance(snapshot, PD, "decode")
         cached = prefill.cached_tokens
         if prefix_from is not None:
             cached = max(cached, snapshot.cached_in(prefix_from))
@@ -198,7 +192,9 @@ class PrfaasPolicy(BaseRoutingPolicy):
             other: Route = PRFAAS if route == PD else PD
             if snapshot.cached_in(other) > snapshot.cached_in(route):
                 prefix_from = other
-        return self._decision(snapshot, _pick(snapshot, route, "prefill"), reason, prefix_from)
+        return self.decision(
+            snapshot, pick_instance(snapshot, route, "prefill"), reason, prefix_from
+        )
 
 
 class HomogeneousPolicy(BaseRoutingPolicy):
@@ -207,7 +203,7 @@ class HomogeneousPolicy(BaseRoutingPolicy):
     name = "homogeneous"
 
     def decide(self, snapshot: RoutingSnapshot) -> RouteDecision:
-        return self._decision(snapshot, _pick(snapshot, PD, "prefill"), "homogeneous")
+        return self.decision(snapshot, pick_instance(snapshot, PD, "prefill"), "homogeneous")
 
 
 class NaivePolicy(BaseRoutingPolicy):
@@ -216,7 +212,7 @@ class NaivePolicy(BaseRoutingPolicy):
     name = "naive"
 
     def decide(self, snapshot: RoutingSnapshot) -> RouteDecision:
-        return self._decision(snapshot, _pick(snapshot, PRFAAS, "prefill"), "naive")
+        return self.decision(snapshot, pick_instance(snapshot, PRFAAS, "prefill"), "naive")
 
 
 class CacheAwarePolicy(BaseRoutingPolicy):
@@ -225,7 +221,7 @@ class CacheAwarePolicy(BaseRoutingPolicy):
     name = "cache-aware"
 
     def decide(self, snapshot: RoutingSnapshot) -> RouteDecision:
-        return self._decision(snapshot, _pick(snapshot, None, "prefill"), "cache-aware")
+        return self.decision(snapshot, pick_instance(snapshot, None, "prefill"), "cache-aware")
 
 
 BUILTIN_POLICIES: dict[str, type[BaseRoutingPolicy]] = {

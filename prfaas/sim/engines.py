@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from abc import abstractmethod
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from prfaas.engines.client import (
     BaseEngineClient,
@@ -120,13 +122,42 @@ RemotePrefix = Callable[[Sequence[int]], tuple[int, SimLink] | None]
 fetch it over), or None."""
 
 
-class SimulatedPrefillEngine(BaseEngineClient):
+class _SimulatedInstance(BaseEngineClient):
+    """What both simulated instances share: each call runs as a task on the loop, a PD
+    request needs a bootstrap room, load is what waits and what runs."""
+
+    role: ClassVar[str]
+    _waiting: int
+    _running: int
+
+    def generate(self, request: GenerateRequest) -> EngineCall:
+        return _TaskCall(self.instance_id, self._call(request))
+
+    async def _call(self, request: GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
+        if request.bootstrap is None:
+            raise EngineError(
+                f"{self.instance_id}: a {self.role} request needs a bootstrap room", status=400
+            )
+        async for chunk in self._generate(request, request.bootstrap.room):
+            yield chunk
+
+    @abstractmethod
+    def _generate(self, request: GenerateRequest, room: int) -> AsyncGenerator[GenerateChunk, None]:
+        """The call's output for a request in bootstrap room `room`."""
+
+    async def stats(self) -> EngineStats:
+        return EngineStats(waiting=self._waiting, running=self._running)
+
+
+class SimulatedPrefillEngine(_SimulatedInstance):
     """A simulated prefill instance (see the module docstring).
 
     With `remote_prefix` (the bandwidth-abundant regime), a prompt whose longer prefix is
     cached in the other cluster first pulls that prefix's KV, `S_kv(remote) - S_kv(local)`
     bytes, over the given link, then computes only the rest.
     """
+
+    role = "prefill"
 
     def __init__(
         self,
@@ -148,15 +179,10 @@ class SimulatedPrefillEngine(BaseEngineClient):
         self._running = 0
         self.counters = StageCounters()
 
-    def generate(self, request: GenerateRequest) -> EngineCall:
-        return _TaskCall(self.instance_id, self._generate(request))
-
-    async def _generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
-        if request.bootstrap is None:
-            raise EngineError(
-                f"{self.instance_id}: a prefill request needs a bootstrap room", status=400
-            )
-        room = self.rooms.get(request.bootstrap.room)
+    async def _generate(
+        self, request: GenerateRequest, room_id: int
+    ) -> AsyncGenerator[GenerateChunk, None]:
+        room = self.rooms.get(room_id)
         try:
             cached = await self._run(request, room)
         except (Exception, asyncio.CancelledError) as exc:
@@ -218,9 +244,6 @@ class SimulatedPrefillEngine(BaseEngineClient):
         c.cached_tokens += cached
         c.kv_bytes += nbytes
 
-    async def stats(self) -> EngineStats:
-        return EngineStats(waiting=self._waiting, running=self._running)
-
     async def info(self) -> EngineInfo:
         page = self.cache.block_size
         return EngineInfo("prefill", page, self.instance_id, 0, "simulated")
@@ -239,8 +262,10 @@ def _fail_room(room: _Room, instance_id: str, exc: BaseException) -> None:
     room.delivered.exception()  # the decode side may be gone already: mark it retrieved
 
 
-class SimulatedDecodeEngine(BaseEngineClient):
+class SimulatedDecodeEngine(_SimulatedInstance):
     """A simulated decode instance: `batch_max` slots, `step_s` per token per slot."""
+
+    role = "decode"
 
     def __init__(
         self, instance_id: str, *, batch_max: int, step_s: float, rooms: SimRooms, page_size: int
@@ -257,15 +282,9 @@ class SimulatedDecodeEngine(BaseEngineClient):
         self._running = 0
         self.counters = StageCounters()
 
-    def generate(self, request: GenerateRequest) -> EngineCall:
-        return _TaskCall(self.instance_id, self._generate(request))
-
-    async def _generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
-        if request.bootstrap is None:
-            raise EngineError(
-                f"{self.instance_id}: a decode request needs a bootstrap room", status=400
-            )
-        room_id = request.bootstrap.room
+    async def _generate(
+        self, request: GenerateRequest, room_id: int
+    ) -> AsyncGenerator[GenerateChunk, None]:
         room = self.rooms.get(room_id)
         try:
             await room.delivered
@@ -303,9 +322,6 @@ class SimulatedDecodeEngine(BaseEngineClient):
         c.completed += 1
         c.tokens += n
         c.busy_s += asyncio.get_running_loop().time() - start
-
-    async def stats(self) -> EngineStats:
-        return EngineStats(waiting=self._waiting, running=self._running)
 
     async def info(self) -> EngineInfo:
         return EngineInfo("decode", self.page_size, model="simulated")

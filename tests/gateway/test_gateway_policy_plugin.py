@@ -10,7 +10,9 @@ import pytest
 from gateway_helpers import Engines, GatewayFactory, deployment
 
 PLUGIN = '''
-from prfaas.policies.routing import BaseRoutingPolicy, RouteDecision, RoutingSnapshot, _pick
+from prfaas.policies.routing import (
+    BaseRoutingPolicy, RouteDecision, RoutingSnapshot, pick_instance,
+)
 
 
 class LongestFirst(BaseRoutingPolicy):
@@ -20,7 +22,7 @@ class LongestFirst(BaseRoutingPolicy):
 
     def decide(self, snapshot: RoutingSnapshot) -> RouteDecision:
         cluster = "prfaas" if snapshot.total_tokens % 2 == 0 else "pd"
-        return self._decision(snapshot, _pick(snapshot, cluster, "prefill"), "parity")
+        return self.decision(snapshot, pick_instance(snapshot, cluster, "prefill"), "parity")
 '''
 
 

@@ -125,8 +125,12 @@ def test_pick_instance_affinity_then_load() -> None:
     """A large cached share wins over load; otherwise the least loaded instance wins."""
     a = InstanceView("a", "pd", "prefill", cached_tokens=900, load=5)
     b = InstanceView("b", "pd", "prefill", cached_tokens=0, load=0)
-    assert pick_instance([a, b], 1000).instance_id == "a"
-    assert pick_instance([a, b], 4000).instance_id == "b"
+    d = InstanceView("d", "pd", "decode")
+    for total, expected in ((1000, "a"), (4000, "b")):
+        snapshot = RoutingSnapshot(total, (a, b, d), threshold=0)
+        assert pick_instance(snapshot, "pd", "prefill").instance_id == expected
+    with pytest.raises(NoInstanceAvailable, match="no healthy prefill instance in the prfaas"):
+        pick_instance(RoutingSnapshot(10, (a, b, d), threshold=0), "prfaas", "prefill")
 
 
 def test_unknown_policy_lists_known_names() -> None:

@@ -19,16 +19,6 @@ from prfaas.testing.null_server import NullServer
 BLOCK = 16
 
 
-async def start_app(app: web.Application) -> tuple[web.AppRunner, str]:
-    """Serve `app` on an ephemeral port; returns the runner and the base URL."""
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, f"http://127.0.0.1:{port}"
-
-
 GatewayFactory = Callable[..., Awaitable[tuple[str, Gateway]]]
 
 

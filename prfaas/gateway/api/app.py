@@ -2,14 +2,15 @@
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`,
 `GET /metrics` (Prometheus text), `GET /admin/state`, `POST /admin/state` (set `threshold`
-and/or `regime`); `HEAD` wherever `GET` is. Unknown paths get a JSON 404, known paths with
-another method a JSON 405 with `Allow`. `GatewayApp` owns the one engine `ClientSession`, the
-`Gateway` and the server: `start` brings them up in that order, `stop` takes them down in
-reverse, so every background task stops with the app.
+and/or `regime`), `GET /dashboard` (the live page and its script and style) and
+`GET /admin/dashboard` (the data it polls); `HEAD` wherever `GET` is. Unknown paths get a
+JSON 404, known paths with another method a JSON 405 with `Allow`. `GatewayApp` owns the one
+engine `ClientSession`, the `Gateway` and the server: `start` brings them up in that order,
+`stop` takes them down in reverse, so every background task stops with the app.
 
 Who may call what: clients' API keys (`api_keys`) open the OpenAI routes; `/admin/*` takes
-only an operator key (`admin_keys`, never a client's). Without operator keys `GET
-/admin/state` is open (read-only, like `/metrics`) and every admin write is refused (403).
+only an operator key (`admin_keys`, never a client's). Without operator keys the `GET`
+admin routes are open (read-only, like `/metrics`) and every admin write is refused (403).
 Request bodies are bounded by what could fit the context (`max_body_bytes` of the model
 limits), so an oversized one is refused from its `Content-Length` before it is read.
 """
@@ -27,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from prfaas.common.secret import DeploymentSecret, token_matches
 from prfaas.gateway.api.assembly import Gateway, build_gateway
+from prfaas.gateway.api.dashboard import DASHBOARD_PAGES, since_query
 from prfaas.gateway.deployment import DeploymentConfig
 from prfaas.http.server import Exchange, HttpLimits, HttpRequest, HttpResponse, HttpServer
 from prfaas.protocol.errors import APIError, invalid
@@ -126,11 +128,22 @@ async def set_admin_state(gw: Gateway, request: HttpRequest, exchange: Exchange)
     t = None if threshold is None else _threshold(threshold, gw.config.model.context_length)
     if regime is not None and regime not in ("bandwidth_scarce", "bandwidth_abundant"):
         raise invalid(f"'regime' must be bandwidth_scarce|bandwidth_abundant: {regime!r}", "regime")
+    state, by_hand = gw.router.state, "set by hand (POST /admin/state)"
     if t is not None:
-        gw.router.state.threshold = t
+        gw.activity.decision("threshold", by_hand, state.threshold, t)
+        state.threshold = t
     if regime is not None:
-        gw.router.state.regime = regime
+        gw.activity.decision("regime", by_hand, state.regime, regime)
+        state.regime = regime
     return _json(gw.admin_state())
+
+
+async def dashboard_data(gw: Gateway, request: HttpRequest, exchange: Exchange) -> HttpResponse:
+    """What `/dashboard` polls: `ActivityRecorder.snapshot`, newer than `?since=` (the
+    previous answer's `now`), with the wall-clock `time`. Like every `/admin` route, it
+    takes an operator key when any is configured."""
+    check_admin(gw, request, write=False)
+    return _json({**gw.activity.snapshot(since_query(request.query)), "time": time.time()})
 
 
 ROUTES: dict[str, dict[str, Route]] = {
@@ -140,6 +153,8 @@ ROUTES: dict[str, dict[str, Route]] = {
     "/health": {"GET": health},
     "/metrics": {"GET": metrics},
     "/admin/state": {"GET": admin_state, "POST": set_admin_state},
+    "/admin/dashboard": {"GET": dashboard_data},
+    **{path: {"GET": page} for path, page in DASHBOARD_PAGES.items()},
 }
 
 

@@ -8,15 +8,17 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_args
 
 import aiohttp
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from prfaas.common.secret import DeploymentSecret
 from prfaas.common.tokenizer import load_tokenizer
+from prfaas.engines.client import Role
 from prfaas.engines.sglang_client import SGLangClient, SGLangClientConfig
 from prfaas.gateway.admission import AdmissionManager
+from prfaas.gateway.api.activity import ActivityRecorder
 from prfaas.gateway.api.completions import CompletionService
 from prfaas.gateway.api.metrics import GatewayMetrics, egress_gauges, labelled_gauge
 from prfaas.gateway.deployment import DeploymentConfig, GatewayConfig, InstanceConfig
@@ -27,7 +29,12 @@ from prfaas.gateway.kv_index import KVIndexManager
 from prfaas.gateway.link import EgressMonitor
 from prfaas.gateway.router import RetryPolicy, Router, RoutingState
 from prfaas.policies.registry import create_policy
+from prfaas.policies.routing import Regime, Route
 from prfaas.protocol.openai_request import ModelLimits
+
+ROUTES: tuple[str, ...] = get_args(Route)
+ROLES: tuple[str, ...] = get_args(Role)
+REGIMES: tuple[str, ...] = get_args(Regime)
 
 
 @dataclass
@@ -48,14 +55,21 @@ class Gateway:
     link: dict[str, Any] = field(default_factory=dict)
     """Describes the cross-cluster link for `/admin/state` (embedded deployment)."""
     egress: EgressMonitor | None = None
+    activity: ActivityRecorder = field(init=False)
+    """Recent requests, the timeline and decisions, for the dashboard."""
+
+    def __post_init__(self) -> None:
+        self.activity = ActivityRecorder(self.admin_state)
 
     async def start(self) -> None:
         """Poll health once (so the first request sees real state), then start the feeds."""
         await self.health.poll_once()
         self.feed.start()
         self.health.start()
+        self.activity.start()
 
     async def stop(self) -> None:
+        await self.activity.stop()
         await self.health.stop()
         await self.feed.stop()
         for state in self.instances:
@@ -120,6 +134,18 @@ class Gateway:
                 (((s.instance_id,), 1.0 if s.healthy else 0.0) for s in self.instances),
             ),
             _ejections(self.instances),
+            labelled_gauge(
+                "prfaas_instances",
+                "Healthy instances per cluster and role (the role split).",
+                ("cluster", "role"),
+                _role_counts(self.instances),
+            ),
+            labelled_gauge(
+                "prfaas_bandwidth_regime",
+                "1 for the routing regime in force, 0 for the other.",
+                ("regime",),
+                (((r,), 1.0 if r == self.router.state.regime else 0.0) for r in REGIMES),
+            ),
             GaugeMetricFamily(
                 "prfaas_kv_index_entries", "(instance, block) entries.", len(self.index)
             ),
@@ -133,6 +159,16 @@ def _ejections(instances: InstanceManager) -> CounterMetricFamily:
     for s in instances:
         family.add_metric([s.instance_id], s.ejections)
     return family
+
+
+def _role_counts(instances: InstanceManager) -> list[tuple[tuple[str, str], float]]:
+    """Healthy instances per (cluster, role), every cluster and role listed (0 if none), so a
+    role that empties reads 0 rather than vanishing."""
+    counts = {(c, r): 0.0 for c in ROUTES for r in ROLES}
+    for s in instances:
+        if s.healthy:
+            counts[s.cluster, s.role] += 1
+    return list(counts.items())
 
 
 def _instance_json(s: InstanceState) -> dict[str, Any]:
@@ -214,6 +250,7 @@ def build_gateway(
     gateway = Gateway(
         config, instances, index, router, service, feed, health, metrics, session, token
     )
+    service.activity = gateway.activity
     metrics.add_gauges(gateway.gauges)
     return gateway
 

@@ -19,6 +19,7 @@ import orjson
 from prfaas.common.tokenizer import Tokenizer
 from prfaas.engines.client import EngineError
 from prfaas.gateway.admission import AdmissionManager, QueueFull
+from prfaas.gateway.api.activity import ActivityRecorder, FinishedRequest
 from prfaas.gateway.api.metrics import GatewayMetrics
 from prfaas.gateway.router import Dispatch, Router
 from prfaas.http.server import Exchange, HttpRequest, HttpResponse
@@ -45,6 +46,8 @@ class _Timing:
     prompt_tokens: int | None = None
     ttft: float | None = None
     incremental_tokens: int = 0
+    stream: bool = False
+    output_tokens: int = 0
 
 
 @dataclass
@@ -56,6 +59,8 @@ class CompletionService:
     limits: ModelLimits
     admission: AdmissionManager
     metrics: GatewayMetrics
+    activity: ActivityRecorder | None = None
+    """Where finished requests are booked for the dashboard."""
     api_keys: frozenset[str] = frozenset()
     retry_after_s: int = 1
     clock: Callable[[], float] = field(default=lambda: asyncio.get_running_loop().time())
@@ -90,15 +95,26 @@ class CompletionService:
             asyncio.get_running_loop().call_soon(self._account, timing)
 
     def _account(self, timing: _Timing) -> None:
-        metrics, route = self.metrics, timing.route
+        metrics, route, now = self.metrics, timing.route, self.clock()
         metrics.requests.labels(timing.api, route, str(timing.status)).inc()
         if timing.prompt_tokens is not None:
             metrics.prompt.observe(timing.prompt_tokens)
         if timing.ttft is not None:
             metrics.ttft.labels(route).observe(timing.ttft)
             metrics.incremental.labels(route).observe(timing.incremental_tokens)
+        e2e = tpot = None
         if timing.status == 200:
-            metrics.e2e.labels(route).observe(self.clock() - timing.start)
+            e2e = now - timing.start
+            metrics.e2e.labels(route).observe(e2e)
+            if timing.stream and timing.ttft is not None and timing.output_tokens > 1:
+                tpot = (e2e - timing.ttft) / (timing.output_tokens - 1)
+                metrics.tpot.labels(route).observe(tpot)
+        if self.activity is not None:
+            routed = timing.ttft is not None
+            incremental = timing.incremental_tokens if routed else None
+            self.activity.finished(
+                FinishedRequest(now, route, timing.status, incremental, timing.ttft, tpot, e2e)
+            )
 
     async def _handle(
         self, request: HttpRequest, exchange: Exchange, api: Api, timing: _Timing
@@ -140,12 +156,14 @@ class CompletionService:
             timing.route = routed.decision.route
             timing.ttft = self.clock() - timing.start
             timing.incremental_tokens = routed.decision.incremental_tokens
+            timing.stream = call.stream
             acc.index_cached_tokens = routed.decision.cached_tokens
             if call.stream:
                 await self._sse(exchange, acc, routed)
                 return None
             return await self._whole(acc, routed)
         finally:
+            timing.output_tokens = acc.last.completion_tokens if acc.last else 0
             routed.close()
 
     async def _whole(self, acc: Accumulator, routed: Dispatch) -> HttpResponse:

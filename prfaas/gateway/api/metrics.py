@@ -17,6 +17,7 @@ from prfaas.gateway.link import EgressMonitor
 from prfaas.gateway.router import RouteEvent
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 TOKEN_BUCKETS = (0, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
 GaugeSource = Callable[[], Iterable[Metric]]
@@ -102,6 +103,13 @@ class GatewayMetrics:
             registry=reg,
             buckets=LATENCY_BUCKETS_S,
         )
+        self.tpot = Histogram(
+            "prfaas_tpot_seconds",
+            "Time per output token after the first (streamed answers of 2+ tokens).",
+            ("route",),
+            registry=reg,
+            buckets=TPOT_BUCKETS_S,
+        )
         self.incremental = Histogram(
             "prfaas_incremental_tokens",
             "Uncached (incremental) prompt length at routing time.",
@@ -160,6 +168,11 @@ def egress_gauges(monitor: EgressMonitor) -> list[GaugeMetricFamily]:
             "prfaas_egress_bytes_per_second",
             "PrfaaS prefill KV egress per instance (transport telemetry).",
             "egress_bytes_per_s",
+        ),
+        per(
+            "prfaas_egress_capacity_bytes_per_second",
+            "Link capacity each instance's egress is measured against (0: unknown).",
+            "capacity_bytes_per_s",
         ),
         per(
             "prfaas_egress_bytes_sent",

@@ -1,17 +1,17 @@
 """The hand-off interface over the cross-DC KV transport (`prfaas.engines.transport`).
 
-The transport carries each layer id once per room; a full-attention layer whose KV is sent in
-several block ranges (prefill pieces) goes out as wire layer `part * LAYER_PART_STRIDE + layer`
-and is folded back on receipt. Transport errors surface as `HandoffError`.
+A thin adapter over the engine-neutral page mover (`prfaas.engines.kv_pages`): its
+`PageStream` numbers the pieces of a layer sent in several block ranges (prefill pieces) and
+`model_layer` folds them back on receipt. Transport errors surface as `HandoffError`.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Mapping
 
 import numpy as np
 
+from prfaas.engines.kv_pages import PageStream, model_layer
 from prfaas.engines.reference.handoff.base import (
     FULL_KV,
     LINEAR_STATE,
@@ -29,7 +29,6 @@ from prfaas.engines.transport import (
     TransferError,
 )
 
-LAYER_PART_STRIDE = 1 << 16
 _KINDS = {FULL_KV: Kind.FULL_KV, LINEAR_STATE: Kind.LINEAR_STATE}
 _NAMES = {v: k for k, v in _KINDS.items()}
 
@@ -39,8 +38,7 @@ class TransportOutbox:
 
     def __init__(self, handle: SendHandle) -> None:
         self._handle = handle
-        self._parts: dict[int, int] = {}
-        self._lock = threading.Lock()
+        self._stream = PageStream(handle)
 
     def send_layer(
         self,
@@ -50,13 +48,7 @@ class TransportOutbox:
         *,
         blocks: tuple[int, int] | None = None,
     ) -> None:
-        if not 0 <= layer < LAYER_PART_STRIDE:
-            raise ValueError(f"layer must be in 0..{LAYER_PART_STRIDE - 1}, got {layer}")
-        with self._lock:
-            part = self._parts.get(layer, 0)
-            self._parts[layer] = part + 1
-        wire = part * LAYER_PART_STRIDE + layer
-        self._handle.send_layer(wire, _KINDS[kind], arrays, blocks=blocks)
+        self._stream.send_arrays(layer, _KINDS[kind], arrays, blocks=blocks)
 
     def send_aux(self, name: str, payload: bytes) -> None:
         self._handle.send_aux(name, payload)
@@ -113,7 +105,7 @@ class TransportReceiver:
             raise HandoffError(str(exc)) from exc
         layers = tuple(
             ReceivedLayer(
-                item.layer % LAYER_PART_STRIDE,
+                model_layer(item.layer),
                 _NAMES[item.kind],
                 dict(item.arrays),
                 item.arrays.blocks,

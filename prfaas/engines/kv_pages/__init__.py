@@ -1,0 +1,48 @@
+"""The engine-neutral page/state mover: a paged KV pool's pages and state slots to transport
+messages and back, shared by every engine's hand-off (reference, vLLM, SGLang).
+
+Torch-free: an engine adapter describes its memory as numpy views (`PagedPool`; torch
+tensors through `torch_views.as_numpy`), and this package does the rest:
+
+    pool = PagedPool(pages={3: {"k": k3, "v": v3}}, states={0: {"conv": c0, "ssm": s0}})
+    stream = PageStream(send_handle)                 # prefill, one per request
+    stream.send_pages(pool, 3, block_ids=[7, 2], first_page=0)   # right after layer 3
+    stream.send_state(pool, 0, slot=5)               # once the state is final
+    stream.send_meta({"first_token": 17, "num_tokens": 20}); stream.finish()
+
+    placer = PagePlacer(pool, block_ids=[4, 9], slot=1)   # decode: its own ids and slot
+    async for item in transfer:                      # prfaas.engines.transport.Transfer
+        placer.place(item)
+    placer.check_complete(num_tokens=20)
+
+The wire conventions (logical page ranges, part numbering, meta) are in `wire.py`.
+"""
+
+from __future__ import annotations
+
+from prfaas.engines.kv_pages.errors import PageError
+from prfaas.engines.kv_pages.placer import PagePlacer
+from prfaas.engines.kv_pages.pool import PagedPool
+from prfaas.engines.kv_pages.stream import LayerSink, PageStream
+from prfaas.engines.kv_pages.wire import (
+    LAYER_PART_STRIDE,
+    META,
+    decode_meta,
+    encode_meta,
+    model_layer,
+    wire_layer,
+)
+
+__all__ = [
+    "LAYER_PART_STRIDE",
+    "META",
+    "LayerSink",
+    "PageError",
+    "PagePlacer",
+    "PageStream",
+    "PagedPool",
+    "decode_meta",
+    "encode_meta",
+    "model_layer",
+    "wire_layer",
+]

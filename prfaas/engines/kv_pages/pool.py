@@ -1,0 +1,141 @@
+"""`PagedPool`: an engine's paged KV pool and state slots, described as numpy views.
+
+An engine adapter builds one over its own memory (no copy): for every full-attention layer,
+each component ("k", "v", or one fused "kv" for MLA latents) as an array of shape
+`(num_pages, page_size, *token_shape)`, pages first and tokens in page order (a strided
+view of whatever layout the engine keeps, e.g. `cache[0].transpose(0, 2, 1, 3)` for a
+`(2, pages, heads, page_size, dim)` tensor); for every linear-attention (or Mamba) layer,
+each state component as `(num_slots, *state_shape)`. bfloat16 is viewed as uint16 (its
+bits travel unchanged).
+
+Reads (`gather`, `read_state`) copy, so the engine may reuse its pages at once; writes
+(`scatter`, `write_state`) go through the views into the engine's memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from prfaas.engines.kv_pages.errors import PageError
+
+Arrays = Mapping[str, np.ndarray]
+
+
+@dataclass(frozen=True, eq=False)
+class PagedPool:
+    """Page and state-slot views of one engine's KV memory (see the module docstring)."""
+
+    pages: Mapping[int, Arrays]
+    """Full-attention layer -> component -> `(num_pages, page_size, *token_shape)` view."""
+    states: Mapping[int, Arrays] = field(default_factory=dict)
+    """Linear-attention layer -> component -> `(num_slots, *state_shape)` view."""
+
+    def __post_init__(self) -> None:
+        sizes = {a.shape[1] for comps in self.pages.values() for a in comps.values() if a.ndim > 1}
+        for layer, comps in self.pages.items():
+            _check_components("pages", layer, comps, min_ndim=2)
+        for layer, comps in self.states.items():
+            _check_components("states", layer, comps, min_ndim=1)
+        if len(sizes) > 1:
+            raise ValueError(f"every page component must share one page size, got {sorted(sizes)}")
+
+    @property
+    def page_size(self) -> int:
+        """Tokens per page (0 for a pool without full-attention layers)."""
+        for comps in self.pages.values():
+            for array in comps.values():
+                return int(array.shape[1])
+        return 0
+
+    def gather(self, layer: int, block_ids: Sequence[int]) -> dict[str, np.ndarray]:
+        """A copy of `layer`'s pages `block_ids`, each component `(n, page_size, *token)`."""
+        ids = np.asarray(block_ids, dtype=np.int64)
+        return {name: array[ids] for name, array in self._layer_pages(layer).items()}
+
+    def scatter(
+        self, layer: int, arrays: Arrays, first_token: int, block_ids: Sequence[int]
+    ) -> int:
+        """Write token-ordered pages into this pool; returns how many tokens were written.
+
+        `arrays` holds `(n, sender_page_size, *token_shape)` per component: tokens
+        `first_token ..` of the request, whatever the sender's page size. `block_ids` is the
+        request's block table here; tokens past its capacity (the sender's padding of a last,
+        partial page) are dropped.
+
+        Raises:
+            PageError: unknown layer, missing component, or a token shape/dtype mismatch.
+        """
+        dest = self._layer_pages(layer)
+        if set(arrays) != set(dest):
+            raise PageError(
+                f"layer {layer}: got components {sorted(arrays)}, pool has {sorted(dest)}"
+            )
+        size = self.page_size
+        capacity = len(block_ids) * size
+        count = 0
+        for name, src in arrays.items():
+            target = dest[name]
+            if src.ndim != target.ndim or src.shape[2:] != target.shape[2:]:
+                raise PageError(
+                    f"layer {layer} {name!r}: token shape {src.shape[2:]} does not match the "
+                    f"pool's {target.shape[2:]}"
+                )
+            if src.dtype != target.dtype:
+                raise PageError(f"layer {layer} {name!r}: dtype {src.dtype} is not {target.dtype}")
+            tokens = src.reshape(-1, *src.shape[2:])  # (n * sender_page_size, *token)
+            count = max(0, min(len(tokens), capacity - first_token))
+            positions = np.arange(first_token, first_token + count)
+            ids = np.asarray(block_ids, dtype=np.int64)[positions // size]
+            target[ids, positions % size] = tokens[:count]
+        return count
+
+    def read_state(self, layer: int, slot: int) -> dict[str, np.ndarray]:
+        """A copy of `layer`'s state components in `slot`."""
+        return {name: array[slot].copy() for name, array in self._layer_states(layer).items()}
+
+    def write_state(self, layer: int, slot: int, arrays: Arrays) -> None:
+        """Write a state received for `layer` into `slot`.
+
+        Raises:
+            PageError: unknown layer, missing component, or a shape/dtype mismatch.
+        """
+        dest = self._layer_states(layer)
+        if set(arrays) != set(dest):
+            raise PageError(f"layer {layer}: got states {sorted(arrays)}, pool has {sorted(dest)}")
+        for name, src in arrays.items():
+            target = dest[name]
+            if src.shape != target.shape[1:] or src.dtype != target.dtype:
+                raise PageError(
+                    f"layer {layer} state {name!r}: {src.dtype}{list(src.shape)} does not match "
+                    f"the pool's {target.dtype}{list(target.shape[1:])}"
+                )
+            target[slot] = src
+
+    def _layer_pages(self, layer: int) -> Arrays:
+        comps = self.pages.get(layer)
+        if comps is None:
+            raise PageError(f"layer {layer} is not a paged (full-attention) layer of this pool")
+        return comps
+
+    def _layer_states(self, layer: int) -> Arrays:
+        comps = self.states.get(layer)
+        if comps is None:
+            raise PageError(f"layer {layer} is not a state (linear-attention) layer of this pool")
+        return comps
+
+
+def _check_components(what: str, layer: int, comps: Arrays, *, min_ndim: int) -> None:
+    if not comps:
+        raise ValueError(f"{what}[{layer}] has no components")
+    leading = {a.shape[0] for a in comps.values() if a.ndim >= min_ndim}
+    for name, array in comps.items():
+        if not isinstance(array, np.ndarray) or array.ndim < min_ndim:
+            raise ValueError(
+                f"{what}[{layer}][{name!r}] must be a numpy array with >= {min_ndim} dims, "
+                f"got {type(array).__name__} {getattr(array, 'shape', None)}"
+            )
+    if len(leading) != 1:
+        raise ValueError(f"{what}[{layer}] components disagree on their count: {sorted(leading)}")
