@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import os
 import random
 import re
@@ -486,6 +487,8 @@ def main() -> int:
     parser.add_argument("--threshold", type=float, default=768.0, help="gateway t (tokens)")
     parser.add_argument("--json", dest="json_out", default=None)
     args = parser.parse_args()
+    # the flood's own sockets, written to after the sender cut them: not news
+    logging.getLogger("asyncio").setLevel(logging.ERROR)
     result = asyncio.run(run(args))
     print_report(result)
     if args.json_out:

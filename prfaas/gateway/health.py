@@ -88,14 +88,18 @@ class HealthMonitor:
             await asyncio.sleep(self.policy.interval_s)
 
     async def poll_once(self) -> None:
-        """Check every instance once (mutates health, role and queue depth)."""
-        await asyncio.gather(*(self.refresh(s) for s in self._instances))
-        for poller in self._pollers:
-            try:
-                await poller.poll()
-            except Exception:  # a telemetry failure must never stop health checks
-                logger.exception("poller %r failed", poller)
+        """Check every instance once (mutates health, role and queue depth), the added
+        pollers alongside: a slow poller (telemetry of a stalled engine) must not stretch
+        the probe cadence that outlier detection counts on."""
+        probes = [self.refresh(s) for s in self._instances]
+        await asyncio.gather(*probes, *(self._poll(p) for p in self._pollers))
         self.polls += 1
+
+    async def _poll(self, poller: Poller) -> None:
+        try:
+            await poller.poll()
+        except Exception:  # a telemetry failure must never stop health checks
+            logger.exception("poller %r failed", poller)
 
     async def refresh(self, state: InstanceState) -> None:
         """Probe one instance now and apply its report."""
