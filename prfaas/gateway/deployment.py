@@ -15,16 +15,18 @@ api_keys = []               # clients' keys
 admin_keys = []             # operators' keys for /admin/* (distinct from api_keys)
 # secret_file = "secret.hex" # deployment secret shared with the engines
 
-[[instances]]                # running engines (SGLang-compatible), and/or ...
+[[instances]]                # running engines, and/or ...
 id = "prfaas-p0"
+engine = "sglang"            # sglang (SGLang's /generate: SGLang, reference) | vllm
 cluster = "prfaas"           # prfaas | pd
 role = "prefill"             # prefill | decode | both
 url = "http://127.0.0.1:30000"
 bootstrap_port = 8998        # prefill instances: where decode fetches KV
 kv_events = "tcp://127.0.0.1:5557"   # optional ZMQ KV event publisher
 
-[[launch]]                   # ... reference engines `prfaas serve` starts as children
+[[launch]]                   # ... engines `prfaas serve` starts as children
 id = "pd-d0"
+engine = "sglang"            # sglang: a reference engine; vllm: a vLLM server (connector)
 cluster = "pd"
 role = "decode"
 model = "qwen3-next-tiny"
@@ -41,16 +43,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any, Literal, get_args
 from urllib.parse import urlparse
 
 from prfaas.common.toml_tables import ConfigError, build, check, load_toml
 from prfaas.engines.client import Role
 from prfaas.policies.routing import Regime, Route
 
+EngineKind = Literal["sglang", "vllm"]
+"""How the gateway talks to an engine: SGLang's `/generate` PD protocol (SGLang servers and
+the reference engine), or vLLM's OpenAI API with PrfaaS `kv_transfer_params`."""
+
 _ROUTES = get_args(Route)
 _ROLES = get_args(Role)
 _REGIMES = get_args(Regime)
+_ENGINES = get_args(EngineKind)
 
 
 @dataclass(frozen=True)
@@ -136,7 +143,7 @@ class GatewayConfig:
 
 @dataclass(frozen=True)
 class InstanceConfig:
-    """One running SGLang-compatible engine."""
+    """One running engine."""
 
     id: str
     cluster: Route
@@ -147,9 +154,11 @@ class InstanceConfig:
     bootstrap_port: int | None = None
     kv_events: str | None = None
     """ZMQ endpoint of the engine's KV event publisher (`tcp://host:port`)."""
+    engine: EngineKind = "sglang"
 
     def __post_init__(self) -> None:
         check(bool(self.id), "id", self.id, "must not be empty")
+        check(self.engine in _ENGINES, "engine", self.engine, f"must be one of {_ENGINES}")
         check(self.cluster in _ROUTES, "cluster", self.cluster, f"must be one of {_ROUTES}")
         check(self.role in _ROLES, "role", self.role, f"must be one of {_ROLES}")
         parsed = urlparse(self.url)
@@ -169,14 +178,19 @@ class InstanceConfig:
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """A reference engine `prfaas serve` starts as a child process (page size = the model's
-    block size; KV events on a free local port)."""
+    """An engine `prfaas serve` starts as a child process (page size = the model's block
+    size; KV events on a free local port): a reference engine, or a vLLM server with the
+    PrfaaS connector (`engine = "vllm"`)."""
 
     id: str
     cluster: Route
     role: Role
     model: str = "qwen3-next-tiny"
-    """Preset name or local checkpoint directory."""
+    """Preset name or local checkpoint directory (vLLM: a checkpoint directory)."""
+    engine: EngineKind = "sglang"
+    python: str = ".venv-vllm/bin/python"
+    """vLLM engines: the interpreter of the vLLM environment (relative to the working
+    directory, or absolute)."""
     threads: int = 1
     egress_rate_mbps: float | None = None
     """Prefill roles: cap (emulate) this engine's whole KV egress, in Mbit/s."""
@@ -187,6 +201,7 @@ class LaunchConfig:
         check(bool(self.id), "id", self.id, "must not be empty")
         check(self.cluster in _ROUTES, "cluster", self.cluster, f"must be one of {_ROUTES}")
         check(self.role in _ROLES, "role", self.role, f"must be one of {_ROLES}")
+        check(self.engine in _ENGINES, "engine", self.engine, f"must be one of {_ENGINES}")
         check(self.threads >= 1, "threads", self.threads, "must be >= 1")
         rate = self.egress_rate_mbps
         check(rate is None or rate > 0, "egress_rate_mbps", rate, "must be > 0")

@@ -24,8 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from prfaas.engines.client import EngineError, EngineReport, Role
+from prfaas.engines.client import BaseEngineClient, EngineError, EngineReport, Role
 from prfaas.engines.sglang_client import SGLangClient
+from prfaas.engines.vllm_client import VLLMClient
 from prfaas.gateway.instances import InstanceManager, InstanceState
 
 logger = logging.getLogger(__name__)
@@ -104,16 +105,19 @@ class HealthMonitor:
     async def refresh(self, state: InstanceState) -> None:
         """Probe one instance now and apply its report."""
         client = state.client
-        if not isinstance(client, SGLangClient):
+        if isinstance(client, SGLangClient):
+            report = await client.probe()
+        elif isinstance(client, VLLMClient):  # vLLM's /health says alive or not, no more
+            report = EngineReport(alive=await client.health())
+        else:
             return
-        report = await client.probe()
         if report.alive:
             await self._answered(state, client, report)
         else:
             self._failed(state, report)
 
     async def _answered(
-        self, state: InstanceState, client: SGLangClient, report: EngineReport
+        self, state: InstanceState, client: BaseEngineClient, report: EngineReport
     ) -> None:
         if report.start_id is not None:
             if state.start_id is not None and report.start_id != state.start_id:
@@ -138,7 +142,9 @@ class HealthMonitor:
         with contextlib.suppress(EngineError):
             state.queued = (await client.stats()).waiting
 
-    async def _role_changed(self, state: InstanceState, client: SGLangClient, role: Role) -> None:
+    async def _role_changed(
+        self, state: InstanceState, client: BaseEngineClient, role: Role
+    ) -> None:
         logger.warning("instance %s reports role %s (was %s)", state.instance_id, role, state.role)
         if role != "decode" and state.bootstrap_port is None:
             try:  # a former decode: learn where it serves KV before routing prefills to it

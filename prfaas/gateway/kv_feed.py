@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from prfaas.gateway.kv_index import KVIndexManager
 from prfaas.protocol.kv_events import KVEventSubscriber, ReceivedBatch
+from prfaas.protocol.kv_events.vllm_events import VLLMEventDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -27,9 +28,12 @@ class KVEventFeed:
         index: KVIndexManager,
         endpoints: dict[str, str],
         on_resync: Callable[[str, str], None] | None = None,
+        vllm: frozenset[str] = frozenset(),
     ) -> None:
+        """`vllm`: the instances whose publisher speaks vLLM's event format."""
         self._index = index
         self._endpoints = dict(endpoints)
+        self._vllm = vllm
         self._on_resync = on_resync
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self.batches = 0
@@ -39,7 +43,10 @@ class KVEventFeed:
             self._subscribe(instance_id, endpoint)
 
     def _subscribe(self, instance_id: str, endpoint: str) -> None:
-        subscriber = KVEventSubscriber(endpoint)
+        if instance_id in self._vllm:
+            subscriber = KVEventSubscriber(endpoint, decode=VLLMEventDecoder().decode_frames)
+        else:
+            subscriber = KVEventSubscriber(endpoint)
         task = asyncio.get_running_loop().create_task(self._run(instance_id, subscriber))
         self._tasks[instance_id] = task
 

@@ -1,16 +1,18 @@
-"""`prfaas serve --config` with `[[launch]]` entries: start those reference engines as child
-processes (with the deployment secret in their environment: the configured one, else a
-fresh one), add them to the deployment as running instances, serve (with the PrfaaS
-prefill instances' egress telemetry polled, `assembly.egress_setup`), restart any that dies
-(`supervisor.Supervisor`), stop them on exit."""
+"""`prfaas serve --config` with `[[launch]]` entries: start those engines (reference engines,
+or vLLM servers for `engine = "vllm"`) as child processes (reference engines with the
+deployment secret in their environment: the configured one, else a fresh one), add them to
+the deployment as running instances, serve (with the PrfaaS prefill instances' egress
+telemetry polled, `assembly.egress_setup`), restart a reference engine that dies
+(`supervisor.Supervisor`), stop them all on exit."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 from prfaas.common.secret import ENV_SECRET, DeploymentSecret
 from prfaas.gateway.api.assembly import Gateway, egress_setup
@@ -18,6 +20,7 @@ from prfaas.gateway.deployment import DeploymentConfig, InstanceConfig, LaunchCo
 from prfaas.serve.processes import EngineProcess, EngineSpec, free_port, start_engine
 from prfaas.serve.run import serve_gateway, setups, signals_cancel_current_task
 from prfaas.serve.supervisor import Supervisor
+from prfaas.serve.vllm_engines import start_vllm
 
 
 def _spec(launch: LaunchConfig, page_size: int) -> EngineSpec:
@@ -33,12 +36,19 @@ def _spec(launch: LaunchConfig, page_size: int) -> EngineSpec:
 
 
 def _instance(launch: LaunchConfig, engine: EngineProcess) -> InstanceConfig:
-    # every reference engine serves KV at its bootstrap port, whatever its role: a decode
-    # switched to prefill later needs it
+    # a reference engine serves KV at its bootstrap port whatever its role (a decode
+    # switched to prefill later needs it); a vLLM decode has none
+    keep = launch.engine == "sglang" or launch.role != "decode"
     return InstanceConfig(
-        launch.id, launch.cluster, launch.role, engine.url, "127.0.0.1", engine.bootstrap_port,
+        launch.id,
+        launch.cluster,
+        launch.role,
+        engine.url,
+        "127.0.0.1",
+        engine.bootstrap_port if keep else None,
         engine.kv_events,
-    )  # fmt: skip
+        launch.engine,
+    )
 
 
 def launch_secret(config: DeploymentConfig) -> DeploymentSecret:
@@ -46,14 +56,23 @@ def launch_secret(config: DeploymentConfig) -> DeploymentSecret:
     return DeploymentSecret.from_env(path=config.gateway.secret_file) or DeploymentSecret.generate()
 
 
+def _start(
+    launch: LaunchConfig, config: DeploymentConfig, log_dir: Path, secret: DeploymentSecret
+) -> Coroutine[Any, Any, EngineProcess]:
+    """The start of one `[[launch]]` engine, by its engine kind."""
+    if launch.engine == "vllm":
+        return start_vllm(launch, config.model.name, log_dir)
+    env = {ENV_SECRET: secret.hex()}
+    return start_engine(_spec(launch, config.model.block_size), log_dir, env=env)
+
+
 async def start_launched(
     config: DeploymentConfig, log_dir: Path, secret: DeploymentSecret
 ) -> list[EngineProcess]:
     """Start every `[[launch]]` engine concurrently; on any failure stop the others."""
-    specs = [_spec(launch, config.model.block_size) for launch in config.launch]
-    env = {ENV_SECRET: secret.hex()}
     results = await asyncio.gather(
-        *(start_engine(s, log_dir, env=env) for s in specs), return_exceptions=True
+        *(_start(launch, config, log_dir, secret) for launch in config.launch),
+        return_exceptions=True,
     )
     engines = [r for r in results if isinstance(r, EngineProcess)]
     failures = [r for r in results if isinstance(r, BaseException)]
@@ -69,14 +88,20 @@ async def serve_launched(
     port: int,
     on_ready: Callable[[Gateway, int], None] | None = None,
 ) -> int:
-    """Start the `[[launch]]` engines, serve the whole deployment, restart engines that die,
-    stop them on exit."""
+    """Start the `[[launch]]` engines, serve the whole deployment, restart reference engines
+    that die, stop every engine on exit."""
     log_dir = Path(tempfile.mkdtemp(prefix="prfaas-serve-"))
-    print(f"starting {len(config.launch)} reference engine(s); logs in {log_dir}", flush=True)
+    print(f"starting {len(config.launch)} engine(s); logs in {log_dir}", flush=True)
     secret = launch_secret(config)
     with signals_cancel_current_task():
         engines = await start_launched(config, log_dir, secret)
-    supervisor = Supervisor({e.spec.name: e for e in engines}, log_dir, {ENV_SECRET: secret.hex()})
+    reference = {
+        e.spec.name: e
+        for la, e in zip(config.launch, engines, strict=True)
+        if la.engine == "sglang"
+    }
+    others = [e for e in engines if e.spec.name not in reference]
+    supervisor = Supervisor(reference, log_dir, {ENV_SECRET: secret.hex()})
     supervisor.start()
     try:
         started = tuple(_instance(la, e) for la, e in zip(config.launch, engines, strict=True))
@@ -84,5 +109,5 @@ async def serve_launched(
         setup = setups(egress_setup(), supervisor.attach)
         await serve_gateway(full, host, port, setup=setup, on_ready=on_ready, secret=secret)
     finally:
-        await supervisor.stop()
+        await asyncio.gather(supervisor.stop(), *(e.stop() for e in others))
     return 0

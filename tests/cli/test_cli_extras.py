@@ -18,7 +18,18 @@ from prfaas.cli.extras import EXTRAS
 
 EXTRA_MODULES = frozenset(m for modules in EXTRAS.values() for m in modules)
 # Modules that are the extras' own code: the reference engine, the planner's Figure 5.
-EXTRA_ONLY = ("prfaas.engines.reference.", "prfaas.cli.plan_plot")
+EXTRA_ONLY = (
+    "prfaas.engines.reference.",
+    "prfaas.cli.plan_plot",
+    # run inside SGLang (its own environment); the package itself imports without it
+    "prfaas.engines.sglang.",
+    # run inside vLLM (its own environment); launch.py and the client need no vLLM
+    "prfaas.engines.vllm.connector",
+    "prfaas.engines.vllm.metadata",
+    "prfaas.engines.vllm.scheduler_side",
+    "prfaas.engines.vllm.worker_side",
+    "prfaas.engines.vllm.bench_client",
+)
 LISTENING = re.compile(r"listening on (http://\S+)")
 
 # A meta-path finder that makes the blocked top-level modules raise ModuleNotFoundError, as

@@ -146,3 +146,17 @@ def test_launch_link_emulation(tmp_path: Path) -> None:
     paced_decode = text.replace('role = "decode"\n', 'role = "decode"\negress_delay_ms = 3\n')
     with pytest.raises(ConfigError, match=r"launch\[1\]\.role: has no KV egress to pace"):
         load_deployment(_write(tmp_path, paced_decode))
+
+
+def test_engine_kind_per_instance_defaults_to_sglang(tmp_path: Path) -> None:
+    """`engine = "vllm"` selects vLLM's protocol for an instance or a launched engine;
+    without it an instance speaks SGLang's; another kind is an error naming it."""
+    text = GOOD.replace('role = "prefill"', 'role = "prefill"\nengine = "vllm"')
+    text += '[[launch]]\nid = "v"\ncluster = "pd"\nrole = "decode"\nengine = "vllm"\n'
+    config = load_deployment(_write(tmp_path, text))
+    assert [i.engine for i in config.instances] == ["vllm", "sglang"]
+    assert config.launch[0].engine == "vllm"
+    assert config.launch[0].python == ".venv-vllm/bin/python"
+    bad = GOOD.replace('role = "decode"', 'role = "decode"\nengine = "trt"')
+    with pytest.raises(ConfigError, match=r"instances\[1\]\.engine: must be one of"):
+        load_deployment(_write(tmp_path, bad))

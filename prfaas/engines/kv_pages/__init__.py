@@ -2,7 +2,8 @@
 messages and back, shared by every engine's hand-off (reference, vLLM, SGLang).
 
 Torch-free: an engine adapter describes its memory as numpy views (`PagedPool`; torch
-tensors through `torch_views.as_numpy`), and this package does the rest:
+tensors through `torch_views.as_numpy`), or implements the `PagePool` interface itself
+when its pages live in device memory (the SGLang plugin does), and this package does the rest:
 
     pool = PagedPool(pages={3: {"k": k3, "v": v3}}, states={0: {"conv": c0, "ssm": s0}})
     stream = PageStream(send_handle)                 # prefill, one per request
@@ -10,7 +11,7 @@ tensors through `torch_views.as_numpy`), and this package does the rest:
     stream.send_state(pool, 0, slot=5)               # once the state is final
     stream.send_meta({"first_token": 17, "num_tokens": 20}); stream.finish()
 
-    placer = PagePlacer(pool, block_ids=[4, 9], slot=1)   # decode: its own ids and slot
+    placer = PagePlacer(pool, {3: [4, 9]}, {0: 1})   # decode: its own block ids and slots
     async for item in transfer:                      # prfaas.engines.transport.Transfer
         placer.place(item)
     placer.check_complete(num_tokens=20)
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from prfaas.engines.kv_pages.errors import PageError
 from prfaas.engines.kv_pages.placer import PagePlacer
-from prfaas.engines.kv_pages.pool import PagedPool
+from prfaas.engines.kv_pages.pool import PagedPool, PagePool
 from prfaas.engines.kv_pages.stream import LayerSink, PageStream
 from prfaas.engines.kv_pages.wire import (
     LAYER_PART_STRIDE,
@@ -39,6 +40,7 @@ __all__ = [
     "LayerSink",
     "PageError",
     "PagePlacer",
+    "PagePool",
     "PageStream",
     "PagedPool",
     "decode_meta",

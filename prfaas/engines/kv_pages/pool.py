@@ -1,4 +1,6 @@
-"""`PagedPool`: an engine's paged KV pool and state slots, described as numpy views.
+"""`PagedPool`: an engine's paged KV pool and state slots, described as numpy views; and
+`PagePool`, the interface `PageStream` and `PagePlacer` use (`PagedPool` implements it for
+host memory; an adapter whose pages live in device memory implements it itself).
 
 An engine adapter builds one over its own memory (no copy): for every full-attention layer,
 each component ("k", "v", or one fused "kv" for MLA latents) as an array of shape
@@ -14,14 +16,49 @@ Reads (`gather`, `read_state`) copy, so the engine may reuse its pages at once; 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
 from prfaas.engines.kv_pages.errors import PageError
 
 Arrays = Mapping[str, np.ndarray]
+
+
+class PagePool(Protocol):
+    """What the mover needs from a pool: reads return host (numpy) copies, writes take host
+    arrays, both in the wire layout of `wire.py` (see `PagedPool` for the semantics)."""
+
+    @property
+    def page_size(self) -> int: ...
+
+    @property
+    def page_layers(self) -> Collection[int]:
+        """The full-attention (paged) layers."""
+        ...
+
+    @property
+    def state_layers(self) -> Collection[int]:
+        """The linear-attention (state slot) layers."""
+        ...
+
+    def gather(self, layer: int, block_ids: Sequence[int]) -> dict[str, np.ndarray]: ...
+
+    def scatter(
+        self,
+        layer: int,
+        arrays: Arrays,
+        first_token: int,
+        block_ids: Sequence[int],
+        *,
+        skip: int = 0,
+    ) -> int: ...
+
+    def read_state(self, layer: int, slot: int) -> dict[str, np.ndarray]: ...
+
+    def write_state(self, layer: int, slot: int, arrays: Arrays) -> None: ...
 
 
 @dataclass(frozen=True, eq=False)
@@ -43,6 +80,16 @@ class PagedPool:
             raise ValueError(f"every page component must share one page size, got {sorted(sizes)}")
 
     @property
+    def page_layers(self) -> Collection[int]:
+        """The full-attention (paged) layers."""
+        return self.pages.keys()
+
+    @property
+    def state_layers(self) -> Collection[int]:
+        """The linear-attention (state slot) layers."""
+        return self.states.keys()
+
+    @property
     def page_size(self) -> int:
         """Tokens per page (0 for a pool without full-attention layers)."""
         for comps in self.pages.values():
@@ -56,14 +103,20 @@ class PagedPool:
         return {name: array[ids] for name, array in self._layer_pages(layer).items()}
 
     def scatter(
-        self, layer: int, arrays: Arrays, first_token: int, block_ids: Sequence[int]
+        self,
+        layer: int,
+        arrays: Arrays,
+        first_token: int,
+        block_ids: Sequence[int],
+        *,
+        skip: int = 0,
     ) -> int:
-        """Write token-ordered pages into this pool; returns how many tokens were written.
+        """Write token-ordered pages into this pool; returns the end of the tokens covered.
 
         `arrays` holds `(n, sender_page_size, *token_shape)` per component: tokens
         `first_token ..` of the request, whatever the sender's page size. `block_ids` is the
         request's block table here; tokens past its capacity (the sender's padding of a last,
-        partial page) are dropped.
+        partial page) and tokens below `skip` (already held here) are not written.
 
         Raises:
             PageError: unknown layer, missing component, or a token shape/dtype mismatch.
@@ -73,24 +126,18 @@ class PagedPool:
             raise PageError(
                 f"layer {layer}: got components {sorted(arrays)}, pool has {sorted(dest)}"
             )
+        for name, src in arrays.items():
+            _check_fits(f"layer {layer} {name!r}", src, dest[name])
         size = self.page_size
         capacity = len(block_ids) * size
-        count = 0
-        for name, src in arrays.items():
-            target = dest[name]
-            if src.ndim != target.ndim or src.shape[2:] != target.shape[2:]:
-                raise PageError(
-                    f"layer {layer} {name!r}: token shape {src.shape[2:]} does not match the "
-                    f"pool's {target.shape[2:]}"
-                )
-            if src.dtype != target.dtype:
-                raise PageError(f"layer {layer} {name!r}: dtype {src.dtype} is not {target.dtype}")
+        end = first_token
+        for name, src in arrays.items():  # validated first: a refused message writes nothing
             tokens = src.reshape(-1, *src.shape[2:])  # (n * sender_page_size, *token)
-            count = max(0, min(len(tokens), capacity - first_token))
-            positions = np.arange(first_token, first_token + count)
+            end = max(first_token, min(first_token + len(tokens), capacity))
+            positions = np.arange(max(first_token, skip), end)
             ids = np.asarray(block_ids, dtype=np.int64)[positions // size]
-            target[ids, positions % size] = tokens[:count]
-        return count
+            dest[name][ids, positions % size] = tokens[positions - first_token]
+        return end
 
     def read_state(self, layer: int, slot: int) -> dict[str, np.ndarray]:
         """A copy of `layer`'s state components in `slot`."""
@@ -139,3 +186,13 @@ def _check_components(what: str, layer: int, comps: Arrays, *, min_ndim: int) ->
             )
     if len(leading) != 1:
         raise ValueError(f"{what}[{layer}] components disagree on their count: {sorted(leading)}")
+
+
+def _check_fits(what: str, src: np.ndarray, target: np.ndarray) -> None:
+    """Received pages `(n, page, *token)` must match the pool's token shape and dtype."""
+    if src.ndim != target.ndim or src.shape[2:] != target.shape[2:]:
+        raise PageError(
+            f"{what}: token shape {src.shape[2:]} does not match the pool's {target.shape[2:]}"
+        )
+    if src.dtype != target.dtype:
+        raise PageError(f"{what}: dtype {src.dtype} is not {target.dtype}")

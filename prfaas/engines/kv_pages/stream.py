@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from prfaas.engines.kv_pages.pool import PagedPool
+from prfaas.engines.kv_pages.pool import PagePool
 from prfaas.engines.kv_pages.wire import META, encode_meta, wire_layer
 from prfaas.engines.transport import Kind
 
@@ -46,7 +46,7 @@ class PageStream:
         self._lock = threading.Lock()
 
     def send_pages(
-        self, pool: PagedPool, layer: int, block_ids: Sequence[int], first_page: int
+        self, pool: PagePool, layer: int, block_ids: Sequence[int], first_page: int
     ) -> None:
         """Ship `layer`'s pages `block_ids`, the request's logical pages `first_page ..`.
 
@@ -56,7 +56,7 @@ class PageStream:
             blocks = (first_page, first_page + len(block_ids))
             self.send_arrays(layer, Kind.FULL_KV, pool.gather(layer, block_ids), blocks=blocks)
 
-    def send_state(self, pool: PagedPool, layer: int, slot: int) -> None:
+    def send_state(self, pool: PagePool, layer: int, slot: int) -> None:
         """Ship `layer`'s final state from `slot` (a copy)."""
         self.send_arrays(layer, Kind.LINEAR_STATE, pool.read_state(layer, slot))
 
@@ -73,6 +73,12 @@ class PageStream:
             part = self._parts.get(layer, 0)
             self._parts[layer] = part + 1
         self.sink.send_layer(wire_layer(layer, part), kind, arrays, blocks=blocks)
+
+    def send_aux(self, name: str, payload: bytes) -> None:
+        """Named engine-specific bytes (e.g. SGLang's metadata buffers), in send order."""
+        if name == META:
+            raise ValueError(f"aux name {META!r} is reserved for send_meta")
+        self.sink.send_aux(name, payload)
 
     def send_meta(self, meta: Mapping[str, Any]) -> None:
         """The request's metadata (send it last, before `finish`)."""

@@ -15,13 +15,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from prfaas.common.secret import DeploymentSecret
 from prfaas.common.tokenizer import load_tokenizer
-from prfaas.engines.client import Role
+from prfaas.engines.client import BaseEngineClient, Role
 from prfaas.engines.sglang_client import SGLangClient, SGLangClientConfig
+from prfaas.engines.vllm_client import VLLMClient, VLLMEndpoint
 from prfaas.gateway.admission import AdmissionManager
 from prfaas.gateway.api.activity import ActivityRecorder
 from prfaas.gateway.api.completions import CompletionService
 from prfaas.gateway.api.metrics import GatewayMetrics, egress_gauges, labelled_gauge
-from prfaas.gateway.deployment import DeploymentConfig, GatewayConfig, InstanceConfig
+from prfaas.gateway.deployment import DeploymentConfig, GatewayConfig, InstanceConfig, ModelConfig
 from prfaas.gateway.health import HealthMonitor, HealthPolicy
 from prfaas.gateway.instances import InstanceManager, InstanceState
 from prfaas.gateway.kv_feed import KVEventFeed
@@ -172,7 +173,7 @@ def _role_counts(instances: InstanceManager) -> list[tuple[tuple[str, str], floa
 
 
 def _instance_json(s: InstanceState) -> dict[str, Any]:
-    url = s.client.base_url if isinstance(s.client, SGLangClient) else None
+    url = s.client.base_url if isinstance(s.client, SGLangClient | VLLMClient) else None
     return {
         "id": s.instance_id,
         "role": s.role,
@@ -191,10 +192,32 @@ def _client_config(g: GatewayConfig) -> SGLangClientConfig:
     return SGLangClientConfig(health_timeout_s=g.health_timeout_s)
 
 
+def _client(
+    cfg: InstanceConfig,
+    model: ModelConfig,
+    session: aiohttp.ClientSession,
+    g: GatewayConfig,
+    token: str | None,
+) -> BaseEngineClient:
+    """The engine client of an instance, by its engine kind (reference engines and SGLang
+    servers get the deployment's control token)."""
+    if cfg.engine == "vllm":
+        host = cfg.bootstrap_address if cfg.role != "decode" else None
+        endpoint = VLLMEndpoint(
+            cfg.url, cfg.role, model.name, host, cfg.bootstrap_port, model.block_size
+        )
+        return VLLMClient(cfg.id, endpoint, session, _client_config(g))
+    return SGLangClient(cfg.id, cfg.url, session, _client_config(g), token)
+
+
 def _instance(
-    cfg: InstanceConfig, session: aiohttp.ClientSession, g: GatewayConfig, token: str | None
+    cfg: InstanceConfig,
+    model: ModelConfig,
+    session: aiohttp.ClientSession,
+    g: GatewayConfig,
+    token: str | None,
 ) -> InstanceState:
-    client = SGLangClient(cfg.id, cfg.url, session, _client_config(g), token)
+    client = _client(cfg, model, session, g, token)
     has_bootstrap = cfg.bootstrap_port is not None
     return InstanceState(
         instance_id=cfg.id,
@@ -221,7 +244,7 @@ def build_gateway(
     token = secret.control_token() if secret is not None else None
     instances = InstanceManager()
     for cfg in config.instances:
-        instances.add(_instance(cfg, session, g, token))
+        instances.add(_instance(cfg, config.model, session, g, token))
     index = KVIndexManager(block_size=m.block_size, max_blocks=g.kv_index_max_blocks)
     metrics = GatewayMetrics()
     tokenizer = load_tokenizer(m.tokenizer)
@@ -244,7 +267,10 @@ def build_gateway(
         retry_after_s=g.retry_after_s,
     )
     endpoints = {c.id: c.kv_events for c in config.instances if c.kv_events}
-    feed = KVEventFeed(index, endpoints, lambda i, why: metrics.kv_resyncs.labels(i, why).inc())
+    vllm = frozenset(c.id for c in config.instances if c.engine == "vllm")
+    feed = KVEventFeed(
+        index, endpoints, lambda i, why: metrics.kv_resyncs.labels(i, why).inc(), vllm
+    )
     policy = HealthPolicy(g.health_interval_s, g.eject_after, g.readmit_after)
     health = HealthMonitor(instances, policy, on_restart=lambda i: feed.resync(i, "restart"))
     gateway = Gateway(

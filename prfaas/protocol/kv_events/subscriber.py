@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import zmq
@@ -57,7 +58,10 @@ class KVEventSubscriber:
         reconnect_ivl_max_ms: int = 5_000,
         replay_endpoint: str | None = None,
         replay_timeout_s: float = 1.0,
+        decode: Callable[[Sequence[bytes]], tuple[str, int, KVEventBatch]] = decode_frames,
     ) -> None:
+        """`decode` turns one message's frames into `(topic, seq, batch)`: SGLang's format by
+        default, `VLLMEventDecoder().decode_frames` for a vLLM publisher."""
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -69,6 +73,7 @@ class KVEventSubscriber:
         except zmq.ZMQError as exc:
             self.close()
             raise ValueError(f"cannot connect KV event subscriber to {endpoint!r}: {exc}") from exc
+        self._decode = decode
         self._replay_endpoint = replay_endpoint
         self._replay_timeout = replay_timeout_s
         self._ready: deque[ReceivedBatch] = deque()
@@ -98,7 +103,7 @@ class KVEventSubscriber:
         while True:
             frames = await self._sock.recv_multipart()
             try:
-                return decode_frames(frames)
+                return self._decode(frames)
             except KVEventDecodeError as exc:
                 self.num_decode_errors += 1
                 logger.warning("dropping malformed KV event message: %s", exc)

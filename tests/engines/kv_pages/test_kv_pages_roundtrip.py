@@ -88,7 +88,11 @@ async def _ship(
             stream.send_state(src, layer, src_slot)
         stream.send_meta({"num_tokens": num_tokens, "first_token": 11})
         stream.finish()
-        placer = PagePlacer(dst, dst_blocks, dst_slot)
+        placer = PagePlacer(
+            dst,
+            {layer: dst_blocks for layer in FULL_LAYERS},
+            {layer: dst_slot + layer % 2 for layer in LINEAR_LAYERS},
+        )
         async for item in transfer:
             placer.place(item)
         result = await transfer.complete()
@@ -116,7 +120,7 @@ async def test_pages_and_states_round_trip_bit_exact(
     src_blocks = [int(b) for b in rng.permutation(16)[: -(-num_tokens // src_page)]]
     dst_blocks = [int(b) for b in rng.permutation(256 // dst_page)[: -(-num_tokens // dst_page)]]
     untouched = {n: dst.pages[3][n].copy() for n in "kv"}
-    untouched_slot = dst.states[0]["conv"][1].copy()
+    untouched_slot = dst.states[0]["conv"][1].copy()  # layer 0 goes to slot 3, 1 to 4
     await _ship(src, dst, src_blocks, dst_blocks, 2, 3, num_tokens, pieces)
     for layer in FULL_LAYERS:
         for name in "kv":
@@ -125,7 +129,8 @@ async def test_pages_and_states_round_trip_bit_exact(
             assert got.tobytes() == want.tobytes(), (layer, name)
     for layer in LINEAR_LAYERS:
         for name in ("conv", "ssm"):
-            assert dst.states[layer][name][3].tobytes() == src.states[layer][name][2].tobytes()
+            got = dst.states[layer][name][3 + layer % 2]
+            assert got.tobytes() == src.states[layer][name][2].tobytes()
     others = np.setdiff1d(np.arange(256 // dst_page), dst_blocks)
     for name in "kv":
         assert np.array_equal(dst.pages[3][name][others], untouched[name][others])
@@ -137,7 +142,7 @@ async def test_missing_layer_is_reported_incomplete() -> None:
     rng = np.random.default_rng(1)
     src = vllm_like_pool(rng, pages=8, page=4, slots=2)
     dst = vllm_like_pool(rng, pages=8, page=4, slots=2)
-    placer = PagePlacer(dst, [5, 6], 0)
+    placer = PagePlacer(dst, {3: [5, 6], 7: [5, 6]}, dict.fromkeys(LINEAR_LAYERS, 0))
     arrays = LayerArrays(src.gather(3, [0, 1]), (0, 2))
     placer.place(LayerItem(wire_layer(3, 0), Kind.FULL_KV, arrays))
     for layer in LINEAR_LAYERS:
@@ -155,7 +160,7 @@ def test_mismatched_shapes_and_gaps_are_refused() -> None:
     rng = np.random.default_rng(2)
     dst = vllm_like_pool(rng, pages=8, page=4, slots=2)
     before = dst.pages[3]["k"].copy()
-    placer = PagePlacer(dst, [1, 2, 3], 0)
+    placer = PagePlacer(dst, {3: [1, 2, 3]}, {})
     wrong_heads = {n: _bits(rng, (1, 4, HEADS + 1, DIM)) for n in "kv"}
     with pytest.raises(PageError, match="layer 3 'k': token shape"):
         placer.place(LayerItem(3, Kind.FULL_KV, LayerArrays(wrong_heads, (0, 1))))
@@ -166,7 +171,10 @@ def test_mismatched_shapes_and_gaps_are_refused() -> None:
     with pytest.raises(PageError, match="token 8 arrived before"):
         placer.place(LayerItem(3, Kind.FULL_KV, LayerArrays(gap, (2, 3))))
     with pytest.raises(PageError, match="layer 0 is not a paged"):
-        placer.place(LayerItem(0, Kind.FULL_KV, LayerArrays(gap, (0, 1))))
+        dst.scatter(0, gap, 0, [1])
+    half = {"k": gap["k"], "v": wrong_dtype["v"]}
+    with pytest.raises(PageError, match="layer 3 'v': dtype float32"):
+        placer.place(LayerItem(3, Kind.FULL_KV, LayerArrays(half, (0, 1))))
     assert np.array_equal(dst.pages[3]["k"], before)
 
 
@@ -177,3 +185,18 @@ def test_pool_description_is_validated() -> None:
     with pytest.raises(ValueError, match="one page size"):
         PagedPool(pages={0: {"k": np.zeros((4, 2, 1))}, 1: {"k": np.zeros((4, 3, 1))}})
     assert PagedPool(pages={}).page_size == 0
+
+
+def test_local_prefix_hit_is_not_overwritten() -> None:
+    """With `skip_tokens`, pages covering a prefix the decode already holds leave those
+    tokens untouched and write only the rest; the layer counts as complete."""
+    rng = np.random.default_rng(3)
+    src = vllm_like_pool(rng, pages=8, page=4, slots=1)
+    dst = sglang_like_pool(rng, tokens=32, page=4, slots=1)
+    held = {n: dst.pages[3][n][2].copy() for n in "kv"}  # the decode's cached first page
+    placer = PagePlacer(dst, {3: [2, 5]}, {}, skip_tokens=4)
+    placer.place(LayerItem(3, Kind.FULL_KV, LayerArrays(src.gather(3, [6, 1]), (0, 2))))
+    assert placer.tokens(3) == 8 and placer.tokens(7) == 4
+    for n in "kv":
+        assert np.array_equal(dst.pages[3][n][2], held[n])
+        assert np.array_equal(dst.pages[3][n][5], src.pages[3][n][1])

@@ -1,0 +1,160 @@
+"""vLLM OpenAI servers with the PrfaaS connector: their command line, and (for tests and
+benchmarks) blocking start/stop of a set of them. No vLLM import here: the gateway side builds
+the command and runs it with the vLLM environment's Python."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CONNECTOR_MODULE = "prfaas.engines.vllm.connector"
+
+
+@dataclass(frozen=True)
+class VLLMServer:
+    """One vLLM server process to start."""
+
+    python: Path
+    """The vLLM environment's interpreter (`.venv-vllm/bin/python`)."""
+    model: Path
+    """Checkpoint directory."""
+    port: int
+    served_name: str = "model"
+    host: str = "127.0.0.1"
+    connector: Mapping[str, Any] | None = field(default=None)
+    """`kv_connector_extra_config` of the PrfaaS connector; None runs without a connector."""
+    kv_events_port: int | None = None
+    """Publish KV cache events (ZMQ PUB) on this port."""
+    kv_cache_bytes: int = 256 * 2**20
+    max_model_len: int = 4096
+    threads: int = 1
+
+    def command(self) -> list[str]:
+        args = [
+            str(self.python), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model), "--served-model-name", self.served_name,
+            "--host", self.host, "--port", str(self.port),
+            "--dtype", "bfloat16", "--enforce-eager",
+            "--max-model-len", str(self.max_model_len),
+            "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
+            "--enable-prefix-caching", "--enable-prompt-tokens-details",
+        ]  # fmt: skip
+        if self.connector is not None:
+            config = {
+                "kv_connector": "PrfaasConnector",
+                "kv_connector_module_path": CONNECTOR_MODULE,
+                "kv_role": "kv_both",
+                "kv_load_failure_policy": "fail",
+                "kv_connector_extra_config": dict(self.connector),
+            }
+            args += ["--kv-transfer-config", json.dumps(config)]
+        if self.kv_events_port is not None:
+            events = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                # vLLM binds only wildcard endpoints (it connects to any other)
+                "endpoint": f"tcp://*:{self.kv_events_port}",
+                "topic": "kv-events",
+            }
+            args += ["--kv-events-config", json.dumps(events)]
+        return args
+
+    def env(self) -> dict[str, str]:
+        """The environment: this one, with vLLM's CPU threads limited and unbound (several
+        engines share the machine's cores)."""
+        env = dict(os.environ)
+        env.update(
+            OMP_NUM_THREADS=str(self.threads),
+            VLLM_CPU_OMP_THREADS_BIND="nobind",
+            VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+            VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "WARNING"),
+            TOKENIZERS_PARALLELISM="false",
+        )
+        return env
+
+
+@dataclass
+class VLLMProcess:
+    """A started server: its process group (API server, engine core, worker) and log."""
+
+    server: VLLMServer
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.server.host}:{self.server.port}"
+
+    @property
+    def bootstrap_port(self) -> int:
+        if self.server.connector is None:
+            raise ValueError("this server runs without the PrfaaS connector")
+        return int(self.server.connector["bootstrap_port"])
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                return bool(r.status == 200)
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group."""
+        self._signal(signal.SIGKILL)
+        self.process.wait()
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM the process group, SIGKILL after `grace_s`."""
+        self._signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def _signal(self, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, sig)
+
+
+def start_servers(
+    servers: Mapping[str, VLLMServer], log_dir: Path, timeout_s: float = 420.0
+) -> dict[str, VLLMProcess]:
+    """Start every server at once (each in its own process group) and wait until all answer
+    `/health`; on failure stop them all.
+
+    Raises:
+        RuntimeError: a server exited or was not ready in time (with its log's tail).
+    """
+    started: dict[str, VLLMProcess] = {}
+    try:
+        for name, server in servers.items():
+            log = log_dir / f"{name}.log"
+            with log.open("wb") as out:
+                process = subprocess.Popen(
+                    server.command(), env=server.env(), stdout=out, stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )  # fmt: skip
+            started[name] = VLLMProcess(server, process, log)
+        deadline = time.monotonic() + timeout_s
+        for name, proc in started.items():
+            while not proc.healthy():
+                if proc.process.poll() is not None or time.monotonic() > deadline:
+                    tail = proc.log.read_text(errors="replace")[-3000:]
+                    raise RuntimeError(
+                        f"vLLM server {name} did not start (log {proc.log}):\n{tail}"
+                    )
+                time.sleep(0.5)
+    except BaseException:
+        for proc in started.values():
+            proc.stop()
+        raise
+    return started

@@ -1,0 +1,112 @@
+"""KV cache events in vLLM's wire format (`--kv-events-config`), turned into ours.
+
+vLLM publishes the same three ZMQ frames as SGLang (`[topic, seq, payload]`) and the same
+batch array `[ts, events, data_parallel_rank]`, but its events are msgpack *maps* tagged by a
+`type` key, its block hashes are bytes (or ints), and a hybrid model's blocks are reported per
+KV-cache group (`group_idx`, `kv_cache_spec_kind`). Only full-attention groups describe a
+reusable token prefix, so only their events are kept; hashes become ints (the last 8 bytes),
+which the index only uses to match a removal with its store; it re-hashes the token ids with
+its own function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Annotated
+
+import msgspec
+
+from prfaas.protocol.kv_events.events import (
+    SEQ_BYTES,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVEventBatch,
+    KVEventDecodeError,
+)
+
+Hash = int | bytes
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
+FULL_ATTENTION = "full_attention"
+
+
+class _VEvent(
+    msgspec.Struct, omit_defaults=True, gc=False, frozen=True, tag=True, tag_field="type"
+):
+    """vLLM's `KVCacheEvent`: a map with a `type` tag; unknown keys are ignored."""
+
+
+class VBlockStored(_VEvent, frozen=True, tag="BlockStored"):
+    block_hashes: tuple[Hash, ...]
+    parent_block_hash: Hash | None
+    token_ids: tuple[TokenId, ...]
+    block_size: Annotated[int, msgspec.Meta(gt=0)]
+    lora_id: int | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+
+
+class VBlockRemoved(_VEvent, frozen=True, tag="BlockRemoved"):
+    block_hashes: tuple[Hash, ...]
+    group_idx: int | None = None
+
+
+class VAllBlocksCleared(_VEvent, frozen=True, tag="AllBlocksCleared"):
+    pass
+
+
+class VEventBatch(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    ts: float
+    events: tuple[VBlockStored | VBlockRemoved | VAllBlocksCleared, ...]
+    data_parallel_rank: int | None = None
+
+
+_DECODER = msgspec.msgpack.Decoder(VEventBatch)
+
+
+def _int(value: Hash) -> int:
+    return value if isinstance(value, int) else int.from_bytes(value[-8:], "big")
+
+
+class VLLMEventDecoder:
+    """Decodes one publisher's vLLM batches into `KVEventBatch`es of our events.
+
+    Stateful: a `BlockRemoved` carries no spec kind, so the groups seen storing
+    full-attention blocks decide which removals are kept.
+    """
+
+    def __init__(self) -> None:
+        self._full_groups: set[int | None] = {None}
+        self._other_groups: set[int] = set()
+
+    def decode_batch(self, payload: bytes) -> KVEventBatch:
+        """Raises KVEventDecodeError: not a valid vLLM batch (names the path)."""
+        try:
+            batch = _DECODER.decode(payload)
+        except msgspec.DecodeError as exc:
+            raise KVEventDecodeError(f"bad vLLM KV event batch: {exc}") from exc
+        events = [e for e in map(self._convert, batch.events) if e is not None]
+        return KVEventBatch(batch.ts, tuple(events), batch.data_parallel_rank)
+
+    def decode_frames(self, frames: Sequence[bytes]) -> tuple[str, int, KVEventBatch]:
+        """`(topic, seq, batch)` from the three frames of one message."""
+        if len(frames) != 3 or len(frames[1]) != SEQ_BYTES:
+            raise KVEventDecodeError("expected 3 frames [topic, 8-byte seq, payload]")
+        topic = frames[0].decode("utf-8", errors="replace")
+        return topic, int.from_bytes(frames[1], "big"), self.decode_batch(frames[2])
+
+    def _convert(self, event: VBlockStored | VBlockRemoved | VAllBlocksCleared) -> KVEvent | None:
+        if isinstance(event, VAllBlocksCleared):
+            return AllBlocksCleared()
+        if isinstance(event, VBlockRemoved):
+            if event.group_idx in self._other_groups:
+                return None
+            return BlockRemoved(tuple(_int(h) for h in event.block_hashes))
+        if event.kv_cache_spec_kind not in (None, FULL_ATTENTION):
+            if event.group_idx is not None:
+                self._other_groups.add(event.group_idx)
+            return None
+        parent = None if event.parent_block_hash is None else _int(event.parent_block_hash)
+        hashes = tuple(_int(h) for h in event.block_hashes)
+        return BlockStored(hashes, parent, event.token_ids, event.block_size, event.lora_id)

@@ -1,0 +1,89 @@
+"""vLLM engines as child processes for `[[launch]]` entries with `engine = "vllm"`: a vLLM
+OpenAI server from the vLLM environment with the PrfaaS connector, ready once `/health`
+answers (vLLM prints no ready line of ours)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from pathlib import Path
+
+import aiohttp
+
+from prfaas.engines.vllm.launch import VLLMServer
+from prfaas.gateway.deployment import LaunchConfig
+from prfaas.serve.processes import EngineProcess, EngineSpec, free_port, stop_process
+
+START_TIMEOUT_S = 300.0
+
+
+def vllm_server(
+    launch: LaunchConfig, served_name: str, bootstrap_port: int, events_port: int
+) -> VLLMServer:
+    """The server a `[[launch]]` entry describes (prefill roles pace their egress as set).
+
+    Raises:
+        RuntimeError: the vLLM environment's interpreter does not exist.
+    """
+    if not os.path.exists(launch.python):
+        raise RuntimeError(
+            f"{launch.id}: no vLLM environment at {launch.python} (create it: make vllm-env)"
+        )
+    connector: dict[str, object] = {"bootstrap_port": bootstrap_port}
+    if launch.egress_rate_mbps is not None:
+        connector["egress_rate_mbps"] = launch.egress_rate_mbps
+    if launch.egress_delay_ms > 0:
+        connector["egress_delay_ms"] = launch.egress_delay_ms
+    return VLLMServer(
+        python=Path(launch.python),
+        model=Path(launch.model),
+        port=free_port(),
+        served_name=served_name,
+        connector=connector,
+        kv_events_port=events_port,
+        threads=launch.threads,
+    )
+
+
+async def start_vllm(launch: LaunchConfig, served_name: str, log_dir: Path) -> EngineProcess:
+    """Start one vLLM server and wait until it answers `/health`.
+
+    Raises:
+        RuntimeError: it exited or was not ready within START_TIMEOUT_S (names its log).
+    """
+    events, bootstrap = free_port(), free_port()
+    server = vllm_server(launch, served_name, bootstrap, events)
+    log = log_dir / f"{launch.id}.log"
+    with log.open("wb") as out:
+        process = await asyncio.create_subprocess_exec(
+            *server.command(), env=server.env(), stdout=out, stderr=asyncio.subprocess.STDOUT
+        )
+    url = f"http://{server.host}:{server.port}"
+    try:
+        await asyncio.wait_for(_healthy(process, url), START_TIMEOUT_S)
+    except (TimeoutError, EOFError):
+        await stop_process(process)
+        tail = log.read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"vLLM engine {launch.id} did not start (log {log}):\n{tail}") from None
+    except BaseException:
+        await asyncio.shield(stop_process(process))
+        raise
+    spec = EngineSpec(launch.id, launch.role, launch.model, kv_events_port=events)
+    reaper = asyncio.get_running_loop().create_task(_reap(process))  # output goes to the log
+    return EngineProcess(spec, process, url, bootstrap, log, reaper)
+
+
+async def _healthy(process: asyncio.subprocess.Process, url: str) -> None:
+    async with aiohttp.ClientSession() as session:
+        while process.returncode is None:
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                async with session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(2)) as r:
+                    if r.status == 200:
+                        return
+            await asyncio.sleep(0.5)
+    raise EOFError("vLLM exited before it was ready")
+
+
+async def _reap(process: asyncio.subprocess.Process) -> None:
+    await process.wait()

@@ -1,0 +1,121 @@
+"""Tiny random-weight checkpoints built locally (no hub): a byte-level tokenizer and a hybrid
+`Qwen3NextForCausalLM` (3:1 linear:full attention) that vLLM's CPU build serves.
+
+Run it with a Python that has torch and transformers (the vLLM environment)::
+
+    python -m prfaas.testing.tiny_checkpoint OUT_DIR
+
+Writing is atomic (a temporary directory renamed into place), so a finished `OUT_DIR` is a
+complete checkpoint and a cache check is `OUT_DIR/config.json` existing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer, decoders, pre_tokenizers
+from tokenizers.models import BPE
+
+CHATML = (
+    "{% for m in messages %}{% if loop.first and m['role'] != 'system' %}"
+    "<|im_start|>system\nYou are helpful.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIALS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
+
+# The hybrid shape the issue measured on vLLM's CPU build: 8 layers, every 4th full
+# attention, 4 experts; the CPU gated-delta-net kernel needs linear head dims of 128.
+QWEN3_NEXT = {
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "vocab_size": 384,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 8,
+    "full_attention_interval": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 2,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 128,
+    "shared_expert_intermediate_size": 128,
+    "decoder_sparse_step": 1,
+    "max_position_embeddings": 8192,
+    "rope_theta": 10000.0,
+    "partial_rotary_factor": 0.25,
+    # wider than the usual 0.02 so greedy choices are not near-ties of random logits
+    "initializer_range": 0.08,
+    "tie_word_embeddings": False,
+    "bos_token_id": 258,
+    "eos_token_id": 257,
+    "pad_token_id": 258,
+    "torch_dtype": "bfloat16",
+}
+
+
+def write_byte_level_tokenizer(root: Path, template: str = CHATML) -> Path:
+    """Write `tokenizer.json` + `tokenizer_config.json` into `root`: ids 0-255 are the byte
+    symbols, 256-258 the ChatML specials (so they fit a 260-id model)."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(BPE(vocab, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIALS))
+    tok.save(str(root / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "chat_template": template,
+    }
+    (root / "tokenizer_config.json").write_text(json.dumps(config))
+    return root
+
+
+def build_qwen3_next(out: Path, seed: int = 0) -> Path:
+    """Write a tiny random Qwen3-Next checkpoint (bf16 safetensors + tokenizer) to `out`,
+    unless one is already there. Needs torch and transformers."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    if (out / "config.json").exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=out.parent))
+    try:
+        torch.manual_seed(seed)
+        fields: dict[str, Any] = {
+            k: v for k, v in QWEN3_NEXT.items() if k not in ("architectures", "model_type")
+        }
+        model: Any = Qwen3NextForCausalLM(Qwen3NextConfig(**fields))
+        model = model.to(torch.bfloat16)
+        model.save_pretrained(tmp, safe_serialization=True)
+        write_byte_level_tokenizer(tmp)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, help="checkpoint directory (kept if complete)")
+    build_qwen3_next(parser.parse_args().out)
+
+
+if __name__ == "__main__":
+    main()

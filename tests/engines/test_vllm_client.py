@@ -1,0 +1,100 @@
+"""`VLLMClient`: the side of a request it plays (from the bootstrap address), its
+`/v1/completions` bodies, and answers of a real HTTP server in vLLM's shape (whole, streamed
+with token ids, failed) turned into chunks or errors. Real vLLM servers drive it in
+`tests/engines/vllm/`."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+
+from prfaas.engines.client import EngineError, collect
+from prfaas.engines.vllm_client import VLLMClient, VLLMEndpoint, completion_body
+from prfaas.protocol.generate import Bootstrap, GenerateRequest, SamplingParams
+
+PREFILL = VLLMEndpoint("http://127.0.0.1:1", "prefill", "tiny", "10.0.0.5", 8998)
+DECODE = VLLMEndpoint("http://127.0.0.1:2", "decode", "tiny")
+
+
+def test_the_bootstrap_address_tells_each_instance_its_side() -> None:
+    """The instance whose own KV sender is the bootstrap prefills (one token, unstreamed,
+    room R); any other decodes from that address; without a bootstrap it runs alone."""
+    sampling = SamplingParams(max_new_tokens=9, temperature=0.0, stop_token_ids=(5,))
+    boot = Bootstrap("10.0.0.5", 8998, 42)
+    request = GenerateRequest("r1", (1, 2, 3), sampling, True, boot)
+    pre, dec = completion_body(request, PREFILL), completion_body(request, DECODE)
+    assert pre["kv_transfer_params"] == {"do_remote_decode": True, "room": 42}
+    assert (pre["max_tokens"], pre["stream"], "stream_options" in pre) == (1, False, False)
+    assert dec["kv_transfer_params"] == {
+        "do_remote_prefill": True, "remote_host": "10.0.0.5", "remote_port": 8998, "room": 42,
+    }  # fmt: skip
+    assert (dec["max_tokens"], dec["stream"], dec["stop_token_ids"]) == (9, True, [5])
+    assert dec["prompt"] == [1, 2, 3] and dec["model"] == "tiny" and dec["return_token_ids"]
+    alone = completion_body(GenerateRequest("r2", (1,), sampling, False), DECODE)
+    assert "kv_transfer_params" not in alone
+
+
+def _event(ids: list[int], text: str, finish: str | None = None) -> bytes:
+    choice = {"index": 0, "text": text, "token_ids": ids, "finish_reason": finish}
+    return b"data: " + orjson.dumps({"choices": [choice]}) + b"\n\n"
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    body = orjson.loads(await request.read())
+    if body["prompt"] == [0]:
+        return web.json_response({"error": {"message": "bad prompt"}}, status=400)
+    if not body["stream"]:
+        choice = {"text": "ab", "token_ids": [7, 8], "finish_reason": "length"}
+        return web.json_response({"choices": [choice], "usage": {"prompt_tokens": 2}})
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    await resp.write(_event([7], "a"))
+    if body["prompt"] == [9]:  # the KV load failed: vLLM ends the request with an error
+        await resp.write(_event([], "", "error"))
+    else:
+        await resp.write(_event([8], "b", "length"))
+        usage = {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 2}}
+        await resp.write(b"data: " + orjson.dumps(usage) + b"\n\ndata: [DONE]\n\n")
+    return resp
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[VLLMClient]:
+    app = web.Application()
+    app.router.add_post("/v1/completions", _completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    async with aiohttp.ClientSession() as session:
+        endpoint = VLLMEndpoint(f"http://127.0.0.1:{port}", "decode", "tiny")
+        vllm = VLLMClient("d0", endpoint, session)
+        yield vllm
+        await vllm.close()
+    await runner.cleanup()
+
+
+async def test_streamed_and_whole_answers_become_chunks(client: VLLMClient) -> None:
+    sampling = SamplingParams(max_new_tokens=2, temperature=0.0)
+    streamed = await collect(client.generate(GenerateRequest("s", (1, 2), sampling, True)))
+    assert [(c.token_ids, c.text, c.completion_tokens, c.finish_reason) for c in streamed] == [
+        ((7,), "a", 1, None),
+        ((8,), "b", 2, "length"),
+    ]
+    whole = await collect(client.generate(GenerateRequest("w", (1, 2), sampling, False)))
+    assert [(c.token_ids, c.text, c.finish_reason) for c in whole] == [((7, 8), "ab", "length")]
+
+
+async def test_failures_are_engine_errors(client: VLLMClient) -> None:
+    """An error status and a request vLLM ends with `finish_reason: error` (a failed KV
+    load) fail the call with a message naming the instance."""
+    sampling = SamplingParams(max_new_tokens=2, temperature=0.0)
+    with pytest.raises(EngineError, match="d0: /v1/completions answered 400"):
+        await collect(client.generate(GenerateRequest("e", (0,), sampling, True)))
+    with pytest.raises(EngineError, match="d0: the request failed in the engine"):
+        await collect(client.generate(GenerateRequest("f", (9,), sampling, True)))
