@@ -50,6 +50,16 @@ class KVEventFeed:
         task = asyncio.get_running_loop().create_task(self._run(instance_id, subscriber))
         self._tasks[instance_id] = task
 
+    def restarted(self, instance_id: str) -> None:
+        """The instance's engine restarted (a new start id): drop its entries and subscribe
+        afresh, so the new publisher is joined at once instead of after the old socket's
+        reconnect backoff (events it publishes before a subscriber joins are lost)."""
+        endpoint = self._endpoints.get(instance_id)
+        if endpoint is None or instance_id not in self._tasks:
+            self.resync(instance_id, "restart")
+        else:
+            self.resubscribe(instance_id, endpoint)
+
     def resubscribe(self, instance_id: str, endpoint: str) -> None:
         """Follow an instance's publisher to a new endpoint (its engine restarted on another
         port); its entries are dropped first, since a restarted engine's cache is empty."""

@@ -272,7 +272,7 @@ def build_gateway(
         index, endpoints, lambda i, why: metrics.kv_resyncs.labels(i, why).inc(), vllm
     )
     policy = HealthPolicy(g.health_interval_s, g.eject_after, g.readmit_after)
-    health = HealthMonitor(instances, policy, on_restart=lambda i: feed.resync(i, "restart"))
+    health = HealthMonitor(instances, policy, on_restart=feed.restarted)
     gateway = Gateway(
         config, instances, index, router, service, feed, health, metrics, session, token
     )
