@@ -42,6 +42,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--model-cache", type=Path, help="where presets are materialised")
     parser.add_argument(
+        "--secret-file",
+        type=Path,
+        help="the deployment secret (hex): routes but /health then need its control token and "
+        "KV transport peers must prove they hold it (default: $PRFAAS_SECRET or "
+        "$PRFAAS_SECRET_FILE; none: open)",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -86,6 +93,7 @@ def _mbps(flag: str, value: float | None) -> float | None:
 
 def run(args: argparse.Namespace) -> int:
     require_extra("engine", "the reference engine")
+    from prfaas.common.secret import DeploymentSecret
     from prfaas.engines.reference.engine_config import EngineConfig, TransferConfig
     from prfaas.engines.reference.server.main import LaunchOptions, serve
 
@@ -117,9 +125,24 @@ def run(args: argparse.Namespace) -> int:
             threads=args.threads,
             engine=engine,
             transfer=transfer,
+            secret=DeploymentSecret.from_env(path=args.secret_file),
         )
         asyncio.run(serve(options))
     except (ValueError, OSError) as exc:
         print(f"prfaas engine: error: {exc}", file=sys.stderr)
         return 2
-    return 0
+    _exit_now()
+    return 0  # not reached
+
+
+def _exit_now() -> None:
+    """Leave at once once the engine has stopped (its sockets, ZMQ publisher and worker
+    thread already closed): the interpreter's own teardown of torch and its threads takes
+    seconds, and a supervisor waits for this exit before it starts a replacement."""
+    import logging
+    import os
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

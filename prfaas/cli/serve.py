@@ -35,6 +35,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threshold", type=float, help="threshold t in tokens (overrides)")
     parser.add_argument("--api-key", action="append", default=None, help="accepted API key")
     parser.add_argument(
+        "--admin-key",
+        action="append",
+        default=None,
+        help="operator key for /admin/* (distinct from API keys; without one admin writes "
+        "are refused)",
+    )
+    parser.add_argument(
+        "--secret-file",
+        metavar="FILE",
+        help="deployment secret (hex) shared with the engines (default: $PRFAAS_SECRET, "
+        "$PRFAAS_SECRET_FILE, or for launched engines a fresh one)",
+    )
+    parser.add_argument(
         "--link-gbps",
         type=float,
         default=None,
@@ -66,6 +79,10 @@ def _overrides(args: argparse.Namespace) -> dict[str, object]:
         out["threshold"] = args.threshold
     if args.api_key:
         out["api_keys"] = tuple(args.api_key)
+    if args.admin_key:
+        out["admin_keys"] = tuple(args.admin_key)
+    if args.secret_file is not None:
+        out["secret_file"] = args.secret_file
     return out
 
 

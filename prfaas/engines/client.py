@@ -28,13 +28,29 @@ class EngineError(RuntimeError):
     """An engine failed a request (unreachable, error status, broken stream, aborted transfer).
 
     `retryable` is True when the engine never accepted the work (unreachable, or it refused
-    with 429/503), so the caller may try another instance.
+    with 429/503), so the caller may try another instance. `unreachable` says no connection
+    could be opened at all (the process is not listening: not a stall). `rejected` says the
+    engine judged the request itself invalid (a 4xx other than 429): another instance would
+    refuse it too. `code` is a short, safe word for clients (never the engine's free text,
+    which may name bootstrap rooms); the message is for logs.
     """
 
-    def __init__(self, message: str, *, status: int = 502, retryable: bool = False) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 502,
+        retryable: bool = False,
+        unreachable: bool = False,
+        rejected: bool = False,
+        code: str = "engine_error",
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.retryable = retryable
+        self.unreachable = unreachable
+        self.rejected = rejected
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -56,6 +72,22 @@ class EngineInfo:
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     model: str = ""
+    start_id: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineReport:
+    """One health probe of an instance, from the engine's own answer: whether it answered,
+    and what it says about itself (None where the engine does not say)."""
+
+    alive: bool
+    refused: bool = False
+    """No connection could be opened (the process is gone), as opposed to a slow answer."""
+    role: Role | None = None
+    start_id: str | None = None
+    """Changes when the engine restarts (its caches are then empty)."""
+    draining: bool = False
+    """A role switch is draining it: it takes no new requests for now."""
 
 
 class EngineCall(ABC):
@@ -105,10 +137,10 @@ class BaseEngineClient(ABC):
     async def info(self) -> EngineInfo:
         """The instance's role, page size and bootstrap address."""
 
-    async def set_role(self, role: Role, *, timeout_s: float) -> float:
+    async def set_role(self, role: Role, *, timeout_s: float = 300.0) -> float:
         """Switch the instance to `role` through the engine's role API: the engine refuses new
         work, lets what it runs finish, then switches. Mutates the engine, not the client.
-        The caller stops routing to the instance first (see `gateway/scheduling/roles.py`).
+        The caller stops routing to the instance first (`HealthMonitor.switch_role`).
 
         Returns:
             The seconds the engine took (its drain included).

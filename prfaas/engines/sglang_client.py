@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
+import re
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -28,6 +30,7 @@ from prfaas.engines.client import (
     EngineCall,
     EngineError,
     EngineInfo,
+    EngineReport,
     EngineStats,
     QueuedCall,
     Role,
@@ -39,7 +42,20 @@ logger = logging.getLogger(__name__)
 STATS_PATHS = ("/stats", "/get_load")
 JSON_HEADERS = {"Content-Type": "application/json"}
 MAX_ERROR_BODY = 4096  # bytes of an error answer kept for its message
-_ROLES: dict[str, Role] = {"prefill": "prefill", "decode": "decode", "null": "both"}
+_ROLES: dict[str, Role] = {
+    "prefill": "prefill", "decode": "decode", "null": "both", "both": "both"
+}  # fmt: skip
+_SAFE_CODE = re.compile(r"[a-z_]{1,40}")
+
+
+def _error_code(body: bytes, default: str) -> str:
+    """The `error.code` of an OpenAI-style error body when it is a short identifier (safe to
+    show a client), else `default`."""
+    try:
+        code = orjson.loads(body)["error"]["code"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return default
+    return code if isinstance(code, str) and _SAFE_CODE.fullmatch(code) else default
 
 
 @dataclass(frozen=True)
@@ -53,7 +69,9 @@ class SGLangClientConfig:
     total_timeout_s: float = 3600.0
     """Whole generate call."""
     control_timeout_s: float = 5.0
-    """Whole `/health`, `/server_info`, `/get_load` and `/abort_request` calls."""
+    """Whole `/server_info`, `/get_load` and `/abort_request` calls."""
+    health_timeout_s: float = 2.0
+    """Whole `/health` probe (a slower answer counts as a failed probe)."""
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
@@ -119,19 +137,28 @@ class _GenerateCall(QueuedCall):
         if error is not None:
             if isinstance(error, ConnectFailed):
                 self.finish(EngineError(f"{client.instance_id}: unreachable: {error}",
-                                        retryable=True))  # fmt: skip
+                                        status=503, retryable=True, unreachable=True,
+                                        code="engine_unreachable"))  # fmt: skip
                 return
-            if not isinstance(error, EngineError):  # a bad stream event is one already
-                error = EngineError(f"{client.instance_id}: generate failed: {error!r}")
+            if isinstance(error, TimeoutError):
+                error = EngineError(f"{client.instance_id}: generate timed out: {error}",
+                                    status=504, code="engine_timeout")  # fmt: skip
+            elif not isinstance(error, EngineError):  # a bad stream event is one already
+                error = EngineError(f"{client.instance_id}: generate failed: {error!r}",
+                                    code="engine_connection_lost")  # fmt: skip
             self._fail(error)
             return
         if self.status != 200:
-            detail = bytes(self._body[:300]).decode(errors="replace")
+            body = bytes(self._body[:MAX_ERROR_BODY])
+            busy = self.status in (429, 503)
             self.finish(
                 EngineError(
-                    f"{client.instance_id}: /generate answered {self.status}: {detail}",
-                    status=503 if self.status in (429, 503) else 502,
-                    retryable=self.status in (429, 503),
+                    f"{client.instance_id}: /generate answered {self.status}: "
+                    f"{body[:300].decode(errors='replace')}",
+                    status=503 if busy else 502,
+                    retryable=busy,
+                    rejected=400 <= self.status < 500 and not busy,
+                    code=_error_code(body, "engine_busy" if busy else "engine_error"),
                 )
             )
             return
@@ -194,19 +221,30 @@ class SGLangClient(BaseEngineClient):
         base_url: str,
         session: aiohttp.ClientSession,
         config: SGLangClientConfig | None = None,
+        token: str | None = None,
     ) -> None:
+        """`token`: the deployment's control token, sent as `Authorization: Bearer` on every
+        call (the reference engine's routes need it when it has a secret; SGLang's
+        `--api-key` checks the same header)."""
         self.instance_id = instance_id
         self.base_url = base_url.rstrip("/")
         url = URL(self.base_url)
         if url.scheme not in ("http", "https") or url.host is None or url.port is None:
             raise ValueError(f"engine URL must be http(s)://host[:port], got {base_url!r}")
         self._generate_path = f"{url.path.rstrip('/')}/generate"
-        self._pool = ConnectionPool(url.host, url.port, tls=url.scheme == "https")
+        auth = {"Authorization": f"Bearer {token}"} if token else {}
+        self._headers = {**JSON_HEADERS, **auth}
+        self.auth_headers: dict[str, str] = auth
+        """What every call to this engine carries (for other pollers of it)."""
+        self._pool = ConnectionPool(url.host, url.port, tls=url.scheme == "https", headers=auth)
         self._session = session
         self._config = config or SGLangClientConfig()
         self._aborts: set[asyncio.Task[None]] = set()
         self._stats_path: str | None = None
         self._control_timeout = self._config.control_timeout()
+        self._health_timeout = aiohttp.ClientTimeout(
+            total=self._config.health_timeout_s, connect=self._config.connect_timeout_s
+        )
 
     def generate(self, request: GenerateRequest) -> EngineCall:
         return _GenerateCall(self, request)
@@ -241,27 +279,65 @@ class SGLangClient(BaseEngineClient):
         method: str,
         path: str,
         body: Any = None,
-        limit: aiohttp.ClientTimeout | None = None,
+        limits: aiohttp.ClientTimeout | None = None,
     ) -> Any:
         async with self._session.request(
             method,
             f"{self.base_url}{path}",
             data=None if body is None else orjson.dumps(body),
-            headers=JSON_HEADERS,
-            timeout=limit or self._control_timeout,
+            headers=self._headers,
+            timeout=limits or self._control_timeout,
         ) as resp:
             raw = await resp.read()
             if resp.status != 200:
-                raise EngineError(f"{self.instance_id}: {path} answered {resp.status}")
+                raise EngineError(
+                    f"{self.instance_id}: {path} answered {resp.status}",
+                    status=resp.status,
+                    code=_error_code(raw, "engine_error"),
+                )
             return orjson.loads(raw) if raw else None
 
     async def health(self) -> bool:
         """True when `/health` answers 200 within the control timeout."""
+        return (await self.probe()).alive
+
+    async def probe(self) -> EngineReport:
+        """One `/health` call: alive or not (and whether the connection was refused), plus
+        what the engine says about itself (the reference engine reports its role, start id
+        and whether it drains; SGLang's empty answer leaves them None)."""
         try:
-            await self._control("GET", "/health")
+            body = await self._control("GET", "/health", limits=self._health_timeout)
+        except aiohttp.ClientConnectorError as exc:
+            refused = exc.os_error.errno in (errno.ECONNREFUSED, errno.ECONNRESET)
+            return EngineReport(alive=False, refused=refused)
         except (aiohttp.ClientError, TimeoutError, EngineError, orjson.JSONDecodeError):
-            return False
-        return True
+            return EngineReport(alive=False)
+        if not isinstance(body, dict):
+            return EngineReport(alive=True)
+        role, start_id = body.get("role"), body.get("start_id")
+        return EngineReport(
+            alive=True,
+            role=_ROLES.get(role) if isinstance(role, str) else None,
+            start_id=start_id if isinstance(start_id, str) else None,
+            draining=body.get("draining") is True,
+        )
+
+    async def set_role(self, role: Role, *, timeout_s: float = 300.0) -> float:
+        """`POST /admin/role` (the engine drains, then switches); the switch time in seconds.
+
+        Raises:
+            EngineError: refused (401 without the deployment's token, 400 for a bad role,
+                503 when the drain timed out), unreachable, or past `timeout_s`.
+        """
+        timeout = aiohttp.ClientTimeout(total=timeout_s, connect=self._config.connect_timeout_s)
+        try:
+            body = await self._control("POST", "/admin/role", {"role": role}, timeout)
+        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
+            raise EngineError(f"{self.instance_id}: /admin/role failed: {exc!r}") from exc
+        try:
+            return float(body["switch_seconds"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EngineError(f"{self.instance_id}: /admin/role answered {body!r}") from exc
 
     async def stats(self) -> EngineStats:
         """Load from `/stats` (reference engine) or `/get_load` (SGLang), whichever answers."""
@@ -290,16 +366,8 @@ class SGLangClient(BaseEngineClient):
             bootstrap_host=info.get("disaggregation_bootstrap_host") or info.get("host"),
             bootstrap_port=int(port) if port is not None else None,
             model=str(info.get("served_model_name") or info.get("model_path") or ""),
+            start_id=info.get("start_id") if isinstance(info.get("start_id"), str) else None,
         )
-
-    async def set_role(self, role: Role, *, timeout_s: float) -> float:
-        """`POST /admin/role` (the reference engine's role API: it drains, then switches)."""
-        timeout = aiohttp.ClientTimeout(total=timeout_s, connect=self._config.connect_timeout_s)
-        try:
-            answer = await self._control("POST", "/admin/role", {"role": role}, timeout)
-        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
-            raise EngineError(f"{self.instance_id}: /admin/role failed: {exc!r}") from exc
-        return float(answer.get("switch_seconds") or 0.0) if isinstance(answer, dict) else 0.0
 
     async def close(self) -> None:
         """Wait for pending aborts, close pooled generate connections; the shared session

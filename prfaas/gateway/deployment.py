@@ -11,7 +11,9 @@ block_size = 64              # the engines' page size: KV-index block
 policy = "prfaas"
 threshold = 1024
 regime = "bandwidth_scarce"
-api_keys = []
+api_keys = []               # clients' keys
+admin_keys = []             # operators' keys for /admin/* (distinct from api_keys)
+# secret_file = "secret.hex" # deployment secret shared with the engines
 
 [[instances]]                # running engines, and/or ...
 id = "prfaas-p0"
@@ -92,13 +94,32 @@ class GatewayConfig:
     """Incremental-length threshold t, in tokens."""
     regime: Regime = "bandwidth_scarce"
     api_keys: tuple[str, ...] = ()
-    """Accepted `Authorization: Bearer` keys; empty disables authentication."""
+    """Accepted `Authorization: Bearer` keys of clients; empty disables authentication."""
+    admin_keys: tuple[str, ...] = ()
+    """Operator keys for `/admin/*` (client API keys never open it). Without any,
+    `GET /admin/state` is open and every admin write is refused."""
+    secret_file: str | None = None
+    """The deployment secret (hex) shared with the engines (default: `$PRFAAS_SECRET` or
+    `$PRFAAS_SECRET_FILE`); the gateway sends its control token to every engine."""
     max_running: int = 256
     """Requests dispatched to engines at once."""
     max_queued: int = 1024
     """Requests waiting for a slot; beyond this the gateway answers 429."""
     max_body_bytes: int = 16 * 1024 * 1024
     health_interval_s: float = 1.0
+    health_timeout_s: float = 2.0
+    """A `/health` probe slower than this fails."""
+    eject_after: int = 3
+    """Failed probes in a row that eject an instance (a refused connection ejects at once)."""
+    readmit_after: int = 2
+    """Good probes in a row that readmit an ejected instance."""
+    max_retries: int = 2
+    """Re-dispatches of a request that failed before its first token (another instance)."""
+    max_migrations: int = 2
+    """Re-dispatches of a request whose decode died mid-stream (prompt + tokens so far)."""
+    retry_wait_s: float = 30.0
+    """How long a request to be re-dispatched waits for an instance when none is left (a
+    lone decode restarting); new requests are refused at once (503) meanwhile."""
     retry_after_s: int = 1
     kv_index_max_blocks: int = 4_000_000
 
@@ -109,12 +130,20 @@ class GatewayConfig:
         for name in ("max_running", "max_body_bytes", "kv_index_max_blocks"):
             check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         check(self.max_queued >= 0, "max_queued", self.max_queued, "must be >= 0")
-        check(
-            self.health_interval_s > 0, "health_interval_s", self.health_interval_s, "must be > 0"
-        )
+        for name in ("health_interval_s", "health_timeout_s"):
+            check(getattr(self, name) > 0, name, getattr(self, name), "must be > 0")
+        for name in ("eject_after", "readmit_after"):
+            check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        for name in ("max_retries", "max_migrations"):
+            check(0 <= getattr(self, name) <= 10, name, getattr(self, name), "must be in 0..10")
+        wait = self.retry_wait_s
+        check(0 <= wait <= 600, "retry_wait_s", wait, "must be in [0, 600]")
         check(self.retry_after_s >= 1, "retry_after_s", self.retry_after_s, "must be >= 1")
-        ok = all(isinstance(k, str) and k for k in self.api_keys)
-        check(ok, "api_keys", self.api_keys, "must be non-empty strings")
+        for name in ("api_keys", "admin_keys"):
+            ok = all(isinstance(k, str) and k for k in getattr(self, name))
+            check(ok, name, "<hidden>", "must be non-empty strings")
+        shared = set(self.api_keys) & set(self.admin_keys)
+        check(not shared, "admin_keys", "<hidden>", "must differ from every API key")
 
 
 @dataclass(frozen=True)

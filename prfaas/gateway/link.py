@@ -62,10 +62,14 @@ def _opt(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
-async def fetch_sample(session: aiohttp.ClientSession, base_url: str) -> EgressSample:
-    """GET `base_url/transfer_stats`. Raises aiohttp.ClientError, TimeoutError, ValueError."""
+async def fetch_sample(
+    session: aiohttp.ClientSession, base_url: str, headers: Mapping[str, str] | None = None
+) -> EgressSample:
+    """GET `base_url/transfer_stats` (with `headers`: the engine's control token).
+    Raises aiohttp.ClientError, TimeoutError, ValueError."""
     timeout = aiohttp.ClientTimeout(total=2.0)
-    async with session.get(f"{base_url}{TRANSFER_STATS_PATH}", timeout=timeout) as resp:
+    url = f"{base_url}{TRANSFER_STATS_PATH}"
+    async with session.get(url, timeout=timeout, headers=headers) as resp:
         if resp.status == 404:
             raise NoTelemetry(f"{base_url} has no {TRANSFER_STATS_PATH}")
         if resp.status != 200:
@@ -82,8 +86,14 @@ class EgressMonitor:
         from then on; any other failure keeps its last sample out of the sums until it answers.
     """
 
-    def __init__(self, urls: Mapping[str, str], static: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        urls: Mapping[str, str],
+        static: Mapping[str, Any] | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         self._urls = dict(urls)
+        self._headers = dict(headers or {})
         self._session: aiohttp.ClientSession | None = None
         self.samples: dict[str, EgressSample] = {}
         self.state: dict[str, Any] = {**(static or {}), "instances": {}}
@@ -98,12 +108,17 @@ class EgressMonitor:
     async def _poll(self, instance_id: str, url: str) -> None:
         assert self._session is not None
         try:
-            self.samples[instance_id] = await fetch_sample(self._session, url)
+            self.samples[instance_id] = await fetch_sample(self._session, url, self._headers)
         except NoTelemetry:
             logger.info("%s has no transport telemetry; not polled again", instance_id)
             del self._urls[instance_id]
         except (aiohttp.ClientError, TimeoutError, ValueError):
             self.samples.pop(instance_id, None)
+
+    def relocate(self, instance_id: str, url: str) -> None:
+        """Poll `instance_id` at a new base URL (its engine restarted elsewhere)."""
+        if instance_id in self._urls:
+            self._urls[instance_id] = url
 
     def _publish(self) -> None:
         s = list(self.samples.values())

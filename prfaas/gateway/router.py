@@ -1,22 +1,28 @@
-"""The request path, independent of HTTP: hash, look up, decide, dispatch, relay.
+"""The request path, independent of HTTP: hash, look up, decide, dispatch, relay, and
+save what can be saved when an engine fails.
 
 `Router` is driven by the HTTP app in production and by the simulator on a virtual clock,
 so it reads time only through the running loop and does no I/O of its own beyond the engine
-clients it is given. There is one dispatch path: a streamed and a whole answer differ only
-in the `stream` flag the engines get (a whole answer is one chunk).
+clients it is given. There is one dispatch path (`Dispatch`): a streamed and a whole answer
+differ only in the `stream` flag the engines get (a whole answer is one chunk), and both
+get the same retries (a failure before any output goes to other instances, either
+cluster) and migrations (a decode that dies mid-stream: the prompt plus the tokens
+already streamed go to another decode, so a greedy answer equals an unfailed run's).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 import secrets
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import NoReturn, Protocol
 
 from prfaas.common.hashing import iter_block_hashes
-from prfaas.engines.client import EngineCall, EngineError
+from prfaas.engines.client import EngineError
+from prfaas.gateway.attempt import Attempt, Continuation
 from prfaas.gateway.instances import InstanceManager, InstanceState
 from prfaas.gateway.kv_index import KVIndexManager
 from prfaas.policies.routing import (
@@ -29,7 +35,31 @@ from prfaas.policies.routing import (
 from prfaas.policies.ttft_forecast import LoadForecast
 from prfaas.protocol.generate import Bootstrap, GenerateChunk, GenerateRequest, SamplingParams
 
-MAX_ATTEMPTS = 2
+logger = logging.getLogger(__name__)
+WAIT_POLL_S = 0.2
+"""How often a request with nowhere to go looks for a readmitted instance."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How far the Router goes to save a request whose engine failed."""
+
+    max_retries: int = 2
+    """Re-dispatches before the first token (on other instances, either cluster)."""
+    max_migrations: int = 2
+    """Re-dispatches after output began: the decode died mid-stream, so the prompt plus the
+    tokens already streamed go to another decode (a greedy answer then equals an unfailed
+    run's)."""
+    wait_s: float = 30.0
+    """How long a request that must be re-dispatched waits for an instance to come back
+    when none is left (a single decode restarting): it resumes on the readmitted one."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_retries", "max_migrations"):
+            if not 0 <= getattr(self, name) <= 10:
+                raise ValueError(f"{name} must be in 0..10, got {getattr(self, name)}")
+        if not 0 <= self.wait_s <= 600:
+            raise ValueError(f"wait_s must be in [0, 600], got {self.wait_s}")
 
 
 @dataclass
@@ -49,6 +79,10 @@ class RouteEvent:
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None
+    retries: int = 0
+    """Re-dispatches before the first token."""
+    migrations: int = 0
+    """Re-dispatches after output began."""
 
 
 class RoutingObserver(Protocol):
@@ -81,9 +115,12 @@ class Router:
     """Routes and dispatches requests with SGLang's PD protocol.
 
     `on_event` (optional) receives a `RouteEvent` per finished or failed request.
-    `room_source` draws bootstrap rooms (random 63-bit by default; seeded in simulation).
-    `observer` (optional) is the schedulers' view: it adds a load forecast to every snapshot
-    and hears of every dispatch, prefill end and finish.
+    `room_source` draws bootstrap rooms (63 bits from `secrets` by default; seeded in
+    simulation). `detokenize` (the gateway's tokenizer) rebuilds the text of a migrated
+    request from all of its output ids, so a character split across the migration point
+    comes out whole; without it the engines' text is passed on as is. `observer` (optional)
+    is the schedulers' view: it adds a load forecast to every snapshot and hears of every
+    dispatch, prefill end, first token and finish.
     """
 
     instances: InstanceManager
@@ -92,10 +129,13 @@ class Router:
     state: RoutingState
     on_event: Callable[[RouteEvent], None] | None = None
     room_source: Callable[[], int] = field(default=lambda: secrets.randbits(63))
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    detokenize: Callable[[Sequence[int]], str] | None = None
     observer: RoutingObserver | None = None
 
-    def decide(self, input_ids: Sequence[int]) -> RouteDecision:
-        """Route one prompt: chained block hashes, longest cached prefix per instance, policy.
+    def decide(self, input_ids: Sequence[int], exclude: Collection[str] = ()) -> RouteDecision:
+        """Route one prompt: chained block hashes, longest cached prefix per instance, policy;
+        instances in `exclude` are treated as unhealthy.
 
         Raises:
             NoInstanceAvailable: no healthy instance for a needed role.
@@ -104,7 +144,7 @@ class Router:
         cached = self.index.longest_prefix(iter_block_hashes(input_ids, self.index.block_size))
         snapshot = RoutingSnapshot(
             total_tokens=len(input_ids),
-            instances=self.instances.views(cached),
+            instances=self.instances.views(cached, exclude),
             threshold=self.state.threshold,
             regime=self.state.regime,
             forecast=None if self.observer is None else self.observer.forecast(),
@@ -119,36 +159,24 @@ class Router:
         piece, so it is the whole output). The caller reads the rest with `Dispatch.next`
         and must `close` it (closing early aborts the request on the engines).
 
-        A failure before any output retries once on a fresh decision, with an instance that
-        refused the work marked unhealthy.
+        A failure before any output is retried on a fresh decision without the instance
+        that failed (`RetryPolicy.max_retries`); one after output began is migrated
+        (`Dispatch.next`). An instance that could not even be connected to is ejected.
 
         Raises:
             NoInstanceAvailable: nowhere to run the request.
             EngineError: the request failed on an engine and could not be retried.
         """
-        ids = tuple(input_ids)
-        for attempt in range(1, MAX_ATTEMPTS + 1):
-            decision = self.decide(ids)
-            prefill = self.instances[decision.prefill_instance]
-            decode = self.instances[decision.decode_instance]
-            bootstrap = None if prefill is decode else self._bootstrap(prefill)
-            request = GenerateRequest(rid, ids, sampling, stream, bootstrap)
-            routed = Dispatch(self, decision, prefill, decode, request)
-            if self.observer is not None:
-                self.observer.dispatched(rid, decision)
-            try:
-                await routed.start()
-            except BaseException as exc:  # cancelled too: the calls are aborted
-                routed.close()
-                if not isinstance(exc, EngineError) or not routed.retryable:
-                    raise
-                if attempt == MAX_ATTEMPTS:
-                    raise
-                continue
-            return routed
-        raise AssertionError("unreachable: the last attempt returns or raises")
+        routed = Dispatch(self, rid, tuple(input_ids), sampling, stream)
+        try:
+            await routed.start()
+        except BaseException:  # cancelled too: the calls are aborted
+            routed.close()
+            raise
+        return routed
 
-    def _bootstrap(self, prefill: InstanceState) -> Bootstrap:
+    def bootstrap(self, prefill: InstanceState) -> Bootstrap:
+        """A fresh room at `prefill`'s bootstrap address."""
         if prefill.bootstrap_host is None or prefill.bootstrap_port is None:
             raise NoInstanceAvailable(f"prefill instance {prefill.instance_id} has no bootstrap")
         return Bootstrap(prefill.bootstrap_host, prefill.bootstrap_port, self.room_source())
@@ -161,117 +189,184 @@ class Router:
 
 
 class Dispatch:
-    """One routed request in flight: its prefill call and its decode call (one call when a
-    "both" instance does both), the decode's output, and the accounting of both instances.
+    """One request from its first dispatch to its end, across attempts: each attempt is a
+    prefill and a decode call (`Attempt`); a failed attempt is retried (before output) or
+    migrated (after output) on other instances, within the Router's `RetryPolicy`.
 
-    The prefill call is watched, not read: if it fails, the decode call is aborted with the
-    prefill's error (the decode would only wait for KV that never comes); if the decode
-    call fails, the prefill call is aborted. When both fail, the prefill's error wins.
+    Chunks handed out are the request's: token counts from the start of the request, text
+    that continues what was already handed out.
     """
 
     def __init__(
         self,
         router: Router,
-        decision: RouteDecision,
-        prefill: InstanceState,
-        decode: InstanceState,
-        request: GenerateRequest,
+        rid: str,
+        input_ids: tuple[int, ...],
+        sampling: SamplingParams,
+        stream: bool,
     ) -> None:
-        self.router, self.decision, self.request = router, decision, request
-        self.prefill, self.decode = prefill, decode
+        self.router, self.rid, self.input_ids = router, rid, input_ids
+        self.sampling, self.stream = sampling, stream
         self.first: GenerateChunk | None = None
-        self.retryable = False
+        self._decision: RouteDecision | None = None
+        self.retries = self.migrations = 0
+        self._attempt: Attempt | None = None
+        self._attempts = 0
+        self._excluded: dict[str, int] = {}  # failed instance -> its readmissions then
+        self._output: list[int] = []  # ids handed out so far
+        self._texts: list[str] = []  # text handed out so far (for a migration's text)
+        self._base = 0  # output tokens before the current attempt began
+        self._cached = 0  # cached prompt tokens the first answering engine reported
+        self._continuation: Continuation | None = None
         self._last: GenerateChunk | None = None
-        self._closed = self._reported = self._prefill_over = False
-        prefill.in_flight += 1
-        decode.in_flight += 1
-        self._decode_call = decode.client.generate(request)
-        self._prefill_call: EngineCall | None = None
-        if prefill is not decode:
-            self._prefill_call = prefill.client.generate(request)
-            self._prefill_call.ended.add_done_callback(self._prefill_ended)
+        self._reported = self._closed = False
 
-    def _prefill_ended(self, ended: asyncio.Future[None]) -> None:
-        self._prefill_done()
-        error = self._prefill_error()
-        if error is not None:
-            self._decode_call.abort(error)
-
-    def _prefill_done(self) -> None:
-        """Tell the observer, once, that this request's prefill is over."""
-        if self._prefill_over:
-            return
-        self._prefill_over = True
-        observer = self.router.observer
-        if observer is not None:
-            observer.prefill_ended(self.request.rid, self.decision)
-
-    def _prefill_error(self) -> EngineError | None:
-        """The prefill call's error, with a refusal marked, if it has failed."""
-        call = self._prefill_call
-        if call is None or not call.ended.done():
-            return None
-        error = call.ended.exception()
-        if not isinstance(error, EngineError):
-            return None
-        _mark_refusal(self.prefill, error)
-        return error
+    @property
+    def decision(self) -> RouteDecision:
+        """The decision of the current (or last) attempt: after `dispatch` returns, the one
+        that produced the first output."""
+        if self._decision is None:
+            raise RuntimeError("the request has not been routed yet")
+        return self._decision
 
     async def start(self) -> None:
         """Wait for the first output chunk.
 
         Raises:
-            EngineError: the request failed before any output (`retryable` tells whether
-                another instance may take it).
+            EngineError: the request failed before any output and could not be retried.
+            NoInstanceAvailable: no instance left to try.
         """
         first = await self.next()
         if first is None:
-            self._fail(EngineError("the engine returned no output"))
-        if self._prefill_call is None:
-            self._prefill_done()  # one instance does both: its first token ends the prefill
+            self._fail(EngineError("the engine returned no output", code="engine_no_output"))
         if self.router.observer is not None:
-            self.router.observer.first_token(self.request.rid)
+            self.router.observer.first_token(self.rid)
         self.first = first
 
     async def next(self) -> GenerateChunk | None:
-        """The next decode chunk; None at the end (after the prefill call is seen to have
-        ended well).
+        """The next output chunk; None at the end.
 
         Raises:
-            EngineError: either call failed (the prefill's error when both did).
+            EngineError: the request failed and could not be retried or migrated.
         """
-        try:
-            chunk = await self._decode_call.next()
-        except EngineError as exc:
-            self._fail(self._prefill_error() or _refused(self.decode, exc))
-        if chunk is not None:
-            self._last = chunk
-            return chunk
-        prefill = self._prefill_call
-        if prefill is not None:
-            if not prefill.ended.done():  # shielded: a cancelled wait must not cancel it
-                with contextlib.suppress(EngineError):
-                    await asyncio.shield(prefill.ended)
-            error = self._prefill_error()
-            if error is not None:
-                self._fail(error)
-        self._report(None)
-        return None
+        while True:
+            attempt = self._attempt or self._launch()
+            try:
+                chunk = await attempt.next()
+            except EngineError as exc:
+                await self._recover(attempt, exc)
+                continue
+            if chunk is None:
+                self._report(None)
+                return None
+            return self._hand_out(chunk)
+
+    def _launch(self) -> Attempt:
+        """Start a new attempt: the prompt (plus the output so far, after a migration) on a
+        fresh decision that avoids every instance that failed this request."""
+        ids, sampling = self.input_ids, self.sampling
+        if self._output:
+            ids = (*self.input_ids, *self._output)
+            left = self.sampling.max_new_tokens - len(self._output)
+            sampling = replace(self.sampling, max_new_tokens=max(left, 1))
+        router = self.router
+        decision = router.decide(ids, self._still_excluded())
+        prefill = router.instances[decision.prefill_instance]
+        decode = router.instances[decision.decode_instance]
+        bootstrap = None if prefill is decode else router.bootstrap(prefill)
+        rid = self.rid if not self._attempts else f"{self.rid}-{self._attempts}"
+        self._attempts += 1
+        request = GenerateRequest(rid, ids, sampling, self.stream, bootstrap)
+        self._decision = decision
+        self._base = len(self._output)
+        observer = router.observer
+        over = None if observer is None else partial(observer.prefill_ended, rid, decision)
+        self._attempt = Attempt(decision, prefill, decode, request, on_prefill_over=over)
+        if observer is not None:
+            observer.dispatched(rid, decision)
+        return self._attempt
+
+    def _still_excluded(self) -> set[str]:
+        """Instances that failed this request and were not readmitted since (a restarted
+        engine that proved healthy again may take it)."""
+        instances = self.router.instances
+        return {i for i, n in self._excluded.items() if instances[i].readmissions == n}
+
+    async def _recover(self, attempt: Attempt, exc: EngineError) -> None:
+        """After `attempt` failed with `exc`: blame the instance that failed, then set up a
+        retry or a migration (waiting up to `RetryPolicy.wait_s` for an instance when none
+        is left), or raise when neither is allowed."""
+        attempt.close()
+        self._attempt = None
+        failed = attempt.failed or attempt.decode
+        if exc.unreachable:
+            failed.eject("connection refused")
+        self._excluded[failed.instance_id] = failed.readmissions
+        if exc.rejected:
+            self._fail(exc)
+        if self._output:
+            self.migrations += 1
+            allowed = self.migrations <= self.router.retry.max_migrations
+        else:
+            self.retries += 1
+            allowed = self.retries <= self.router.retry.max_retries
+        if not allowed:
+            self._fail(exc)
+        logger.info("%s: %s on %s; %s", self.rid, exc.code, failed.instance_id,
+                    "migrating" if self._output else "retrying")  # fmt: skip
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.router.retry.wait_s
+        while True:
+            try:
+                self._launch()
+                return
+            except NoInstanceAvailable:
+                if loop.time() >= deadline:
+                    self._fail(exc)  # nowhere else to go: the engine's failure is the cause
+            await asyncio.sleep(WAIT_POLL_S)
+
+    def _hand_out(self, chunk: GenerateChunk) -> GenerateChunk:
+        if self._base == 0 and not self._output:
+            self._cached = chunk.cached_tokens
+        self._output.extend(chunk.token_ids)
+        if self._base:
+            chunk = self._continued(chunk)
+        self._texts.append(chunk.text)
+        self._last = chunk
+        return chunk
+
+    def _continued(self, chunk: GenerateChunk) -> GenerateChunk:
+        """A migrated attempt's chunk as the request's: counts from the request's start,
+        text continuing what was handed out."""
+        text = chunk.text
+        detokenize = self.router.detokenize
+        if detokenize is not None:
+            if self._continuation is None:
+                self._continuation = Continuation("".join(self._texts))
+            text = self._continuation.add(chunk, self._output, detokenize)
+        return GenerateChunk(
+            chunk.token_ids,
+            text,
+            len(self.input_ids),
+            self._base + chunk.completion_tokens,
+            self._cached,
+            chunk.finish_reason,
+        )
 
     def _fail(self, error: EngineError) -> NoReturn:
-        self.retryable = error.retryable and self._last is None
         self._report(str(error))
         raise error
 
     def _report(self, error: str | None) -> None:
-        if self._reported:
+        if self._reported or self._decision is None:
             return
         self._reported = True
-        last, request = self._last, self.request
+        last = self._last
         completion = last.completion_tokens if last is not None and error is None else 0
         self.router.report(
-            RouteEvent(request.rid, self.decision, len(request.input_ids), completion, error)
-        )
+            RouteEvent(self.rid, self.decision, len(self.input_ids), completion, error,
+                       self.retries, self.migrations)
+        )  # fmt: skip
 
     def close(self) -> None:
         """End the request: calls still running are aborted on their engines; the
@@ -279,21 +374,5 @@ class Dispatch:
         if self._closed:
             return
         self._closed = True
-        self._prefill_done()
-        self._decode_call.abort()
-        if self._prefill_call is not None:
-            self._prefill_call.abort()
-        self.prefill.in_flight -= 1
-        self.decode.in_flight -= 1
-
-
-def _mark_refusal(instance: InstanceState, exc: EngineError) -> None:
-    """An engine that refused the work (unreachable: retryable) is marked unhealthy until the
-    health poll sees it again, so the retry goes elsewhere."""
-    if exc.retryable:
-        instance.healthy = False
-
-
-def _refused(instance: InstanceState, exc: EngineError) -> EngineError:
-    _mark_refusal(instance, exc)
-    return exc
+        if self._attempt is not None:
+            self._attempt.close()

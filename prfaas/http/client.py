@@ -18,6 +18,7 @@ silence between reads, and the whole call.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from typing import Protocol
 
 import httptools
@@ -85,19 +86,29 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
 
+def _header_line(name: str, value: str) -> bytes:
+    if any(c in name + value for c in "\r\n"):
+        raise ValueError(f"header {name!r} contains a line break")
+    return f"{name}: {value}\r\n".encode("latin-1")
+
+
 class ConnectionPool:
     """Keep-alive connections to one `host:port`."""
 
-    def __init__(self, host: str, port: int, *, tls: bool = False) -> None:
+    def __init__(
+        self, host: str, port: int, *, tls: bool = False, headers: Mapping[str, str] | None = None
+    ) -> None:
+        """`headers` go on every request (e.g. `Authorization`), encoded once here."""
         self.host, self.port, self.tls = host, port, tls
         self._authority = f"{host}:{port}".encode()
+        self._extra = b"".join(_header_line(k, v) for k, v in (headers or {}).items())
         self._idle: list[_Connection] = []
 
     def request_bytes(self, path: str, body: bytes) -> bytes:
         """The bytes of `POST path` with a JSON body."""
         head = (
             b"POST " + path.encode() + b" HTTP/1.1\r\nHost: " + self._authority
-            + b"\r\nContent-Type: application/json\r\nContent-Length: "
+            + b"\r\n" + self._extra + b"Content-Type: application/json\r\nContent-Length: "
             + str(len(body)).encode() + b"\r\n\r\n"
         )  # fmt: skip
         return head + body

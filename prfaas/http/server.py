@@ -10,6 +10,7 @@ same parser aiohttp uses (llhttp):
 - keep-alive and pipelining (responses in request order; reading pauses while
   `MAX_PIPELINED` requests wait), HTTP/1.0 and `Connection: close`; an `Upgrade` request
   is answered as plain HTTP/1.1, then the connection closes;
+- exactly one `Host` header in HTTP/1.1 (RFC 9112 3.2; none or several: 400);
 - request bodies by `Content-Length` or chunked (any other transfer coding, or one in
   HTTP/1.0, is refused: 400, or 501 for a coding before chunked), `Expect: 100-continue`
   (answered when no earlier request is pending), a body limit (413,
@@ -360,6 +361,7 @@ class _HttpProtocol(asyncio.Protocol):
         self._head_bytes = 0
         self._body: list[bytes] = []
         self._body_bytes = 0
+        self._hosts = 0  # Host headers seen (RFC 9112 3.2: exactly one in HTTP/1.1)
         self._framed_body = False  # Transfer-Encoding present (a body, maybe chunked)
         self._coding = b""  # Transfer-Encoding as sent (repeated headers joined)
         self._partial_bytes = 0  # bytes read since this message began (see _bound_partial)
@@ -381,12 +383,16 @@ class _HttpProtocol(asyncio.Protocol):
             self._length = value
         elif len(name) == 6 and name.lower() == b"expect":
             self._expect = value.strip().lower() == b"100-continue"
+        elif len(name) == 4 and name.lower() == b"host":
+            self._hosts += 1
         elif len(name) == 17 and name.lower() == b"transfer-encoding":
             self._framed_body = True
             self._coding = b"%s, %s" % (self._coding, value) if self._coding else value
 
     def on_headers_complete(self) -> None:
         self._open_part = "body"
+        if self._hosts > 1 or (self._hosts == 0 and self.parser.get_http_version() == "1.1"):
+            raise _BadRequest(400, "an HTTP/1.1 request needs exactly one Host header")
         length = self._length.strip()
         if length.isdigit() and int(length) > self.limits.max_body_bytes:
             raise _BadRequest(413, f"request body over {self.limits.max_body_bytes} bytes")

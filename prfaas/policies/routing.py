@@ -193,7 +193,9 @@ class PrfaasPolicy(BaseRoutingPolicy):
         route: Route = PRFAAS if uncached > t else PD
         if route == PRFAAS and not snapshot.pool(PRFAAS, "prefill"):
             route, reason = PD, reason + "; no healthy PrfaaS prefill, fell back to PD"
-        elif route == PRFAAS and snapshot.forecast is not None:
+        elif route == PD and not snapshot.pool(PD, "prefill") and snapshot.pool(PRFAAS, "prefill"):
+            route, reason = PRFAAS, reason + "; no healthy PD prefill, fell back to PrfaaS"
+        elif route == PRFAAS and snapshot.forecast is not None and snapshot.pool(PD, "prefill"):
             prediction = _predict(snapshot, snapshot.forecast, prefix)
             if not prediction.offload:
                 route = PD

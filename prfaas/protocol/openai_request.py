@@ -23,6 +23,11 @@ from prfaas.protocol.generate import SamplingParams
 Api = Literal["completions", "chat"]
 MAX_STOP = 4
 DEFAULT_MAX_TOKENS = 16
+BODY_BYTES_PER_TOKEN = 32
+"""Generous JSON bytes per prompt token of a real body: a token id takes at most 12 with
+its separator, a text token a few UTF-8 bytes (6 per byte when escaped as `\\u00XX`)."""
+BODY_OVERHEAD_BYTES = 1024 * 1024
+"""Room for everything around the prompt (chat roles, stop strings, options)."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,12 @@ class CompletionCall:
     sampling: SamplingParams
     stream: bool
     include_usage: bool
+
+
+def max_body_bytes(limits: ModelLimits) -> int:
+    """The largest request body whose prompt could still fit the context: anything larger
+    is refused from its `Content-Length` (413), before a byte of it is parsed."""
+    return limits.context_length * BODY_BYTES_PER_TOKEN + BODY_OVERHEAD_BYTES
 
 
 def load_json(raw: bytes) -> dict[str, Any]:

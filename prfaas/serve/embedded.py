@@ -7,8 +7,11 @@ cluster egress link shared by every decode peer) with an added one-way delay, so
 engine to engine and never through the gateway; `POST /admin/egress` on that engine changes
 the rate at run time. Profiles the engines (the link's bandwidth measured over that
 transport), runs the planner to choose `t`, runs the dual-timescale schedulers on the
-measured profile, polls the transport's telemetry for `/metrics` and `/admin/state`, and
-serves until SIGINT/SIGTERM, when everything stops, children included.
+measured profile, polls the transport's telemetry for `/metrics` and `/admin/state`,
+restarts an engine that dies (`supervisor.Supervisor`), and serves until SIGINT/SIGTERM,
+when everything stops, children included. The engines and the gateway share a deployment
+secret (`$PRFAAS_SECRET` when set, else a fresh one) that the engines get in their
+environment.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 
 import aiohttp
 
+from prfaas.common.secret import ENV_SECRET, DeploymentSecret
 from prfaas.engines.sglang_client import SGLangClient
 from prfaas.gateway.api.assembly import Gateway, egress_setup
 from prfaas.gateway.deployment import DeploymentConfig, GatewayConfig, InstanceConfig, ModelConfig
@@ -39,8 +43,9 @@ from prfaas.serve.profiling import (
     measured_profile,
     plan_threshold,
 )
-from prfaas.serve.run import serve_gateway, signals_cancel_current_task
+from prfaas.serve.run import serve_gateway, setups, signals_cancel_current_task
 from prfaas.serve.summary import summary_lines
+from prfaas.serve.supervisor import Supervisor
 
 DEFAULT_LINK_MBPS = 10.0
 DEFAULT_DELAY_MS = 5.0
@@ -122,23 +127,33 @@ class EmbeddedOptions:
 
 @dataclass
 class Cluster:
-    """The started pieces, for cleanup."""
+    """The started pieces, for cleanup, and the deployment secret they hold."""
 
     engines: dict[str, EngineProcess]
+    secret: DeploymentSecret
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What an engine of this cluster gets in its environment."""
+        return {ENV_SECRET: self.secret.hex()}
 
 
-async def start_cluster(options: EmbeddedOptions, log_dir: Path) -> Cluster:
+async def start_cluster(
+    options: EmbeddedOptions, log_dir: Path, secret: DeploymentSecret | None = None
+) -> Cluster:
     """Start the three engines concurrently; the PrfaaS prefill paces its own egress."""
+    secret = secret or DeploymentSecret.from_env() or DeploymentSecret.generate()
+    env = {ENV_SECRET: secret.hex()}
     specs = [
         EngineSpec(name, role, options.model, options.page_size, options.threads, free_port(),
                    options.link_args() if name == "prfaas-p0" else ())
         for name, role in (("prfaas-p0", "prefill"), ("pd-p0", "prefill"), ("pd-d0", "decode"))
     ]  # fmt: skip
     results = await asyncio.gather(
-        *(start_engine(s, log_dir) for s in specs), return_exceptions=True
+        *(start_engine(s, log_dir, env=env) for s in specs), return_exceptions=True
     )
     started = {r.spec.name: r for r in results if isinstance(r, EngineProcess)}
-    cluster = Cluster(started)
+    cluster = Cluster(started, secret)
     failures = [r for r in results if isinstance(r, BaseException)]
     if failures:
         await stop_cluster(cluster)
@@ -163,7 +178,8 @@ def deployment_for(
                        e["prfaas-p0"].bootstrap_port, e["prfaas-p0"].kv_events),
         InstanceConfig("pd-p0", "pd", "prefill", e["pd-p0"].url, "127.0.0.1",
                        e["pd-p0"].bootstrap_port, e["pd-p0"].kv_events),
-        InstanceConfig("pd-d0", "pd", "decode", e["pd-d0"].url, kv_events=e["pd-d0"].kv_events),
+        InstanceConfig("pd-d0", "pd", "decode", e["pd-d0"].url, "127.0.0.1",
+                       e["pd-d0"].bootstrap_port, e["pd-d0"].kv_events),
     )  # fmt: skip
     model = ModelConfig(name=options.model, block_size=options.page_size)
     gateway = replace(options.gateway, threshold=threshold)
@@ -175,15 +191,15 @@ async def profile_and_plan(
 ) -> tuple[float, list[str], DeploymentProfile]:
     """Measure the engines, run the planner; returns `t`, summary lines and the measured
     profile (the schedulers' predictions and re-solves use it)."""
-    e = cluster.engines
+    e, token = cluster.engines, cluster.secret.control_token()
     async with aiohttp.ClientSession() as session:
-        client = {n: SGLangClient(n, p.url, session) for n, p in e.items()}
+        client = {n: SGLangClient(n, p.url, session, token=token) for n, p in e.items()}
         pd = Pair(client["pd-p0"], ("127.0.0.1", e["pd-p0"].bootstrap_port), client["pd-d0"])
         pf = Pair(client["prfaas-p0"], ("127.0.0.1", e["prfaas-p0"].bootstrap_port),
                   client["pd-d0"])  # fmt: skip
 
         def stats() -> Awaitable[EgressSample]:
-            return fetch_sample(session, e["prfaas-p0"].url)
+            return fetch_sample(session, e["prfaas-p0"].url, client["prfaas-p0"].auth_headers)
 
         measured = await measure(pd, pf, stats, ENGINE_MAX_BATCH)
         for c in client.values():
@@ -216,8 +232,11 @@ async def serve_embedded(options: EmbeddedOptions, host: str, port: int) -> int:
     """Run the embedded deployment until a signal; returns an exit code."""
     log_dir = Path(tempfile.mkdtemp(prefix="prfaas-serve-"))
     print(f"starting 3 reference engines ({options.model}); logs in {log_dir}", flush=True)
+    secret = DeploymentSecret.from_env(path=options.gateway.secret_file)
     with signals_cancel_current_task():
-        cluster = await start_cluster(options, log_dir)
+        cluster = await start_cluster(options, log_dir, secret)
+    supervisor = Supervisor(cluster.engines, log_dir, cluster.env)
+    supervisor.start()
     try:
         profile: DeploymentProfile | None = None
         if options.threshold_override is not None:
@@ -233,12 +252,13 @@ async def serve_embedded(options: EmbeddedOptions, host: str, port: int) -> int:
             deployment_for(cluster, options, t, scheduler),
             host,
             port,
-            setup=egress_setup(options.link_state()),
+            setup=setups(egress_setup(options.link_state()), supervisor.attach),
             on_ready=_printer(host, [*lines, f"  logs       {log_dir}"]),
             profile=profile,
+            secret=cluster.secret,
         )
     finally:
-        await stop_cluster(cluster)
+        await supervisor.stop()
     return 0
 
 

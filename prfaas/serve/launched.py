@@ -1,7 +1,9 @@
 """`prfaas serve --config` with `[[launch]]` entries: start those engines (reference engines,
-or vLLM servers for `engine = "vllm"`) as child processes, add them to the deployment as
-running instances, serve (with the PrfaaS prefill instances' egress telemetry polled,
-`assembly.egress_setup`), stop them on exit."""
+or vLLM servers for `engine = "vllm"`) as child processes (reference engines with the
+deployment secret in their environment: the configured one, else a fresh one), add them to
+the deployment as running instances, serve (with the PrfaaS prefill instances' egress
+telemetry polled, `assembly.egress_setup`), restart a reference engine that dies
+(`supervisor.Supervisor`), stop them all on exit."""
 
 from __future__ import annotations
 
@@ -12,10 +14,12 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+from prfaas.common.secret import ENV_SECRET, DeploymentSecret
 from prfaas.gateway.api.assembly import Gateway, egress_setup
 from prfaas.gateway.deployment import DeploymentConfig, InstanceConfig, LaunchConfig
 from prfaas.serve.processes import EngineProcess, EngineSpec, free_port, start_engine
-from prfaas.serve.run import serve_gateway, signals_cancel_current_task
+from prfaas.serve.run import serve_gateway, setups, signals_cancel_current_task
+from prfaas.serve.supervisor import Supervisor
 from prfaas.serve.vllm_engines import start_vllm
 
 
@@ -32,32 +36,43 @@ def _spec(launch: LaunchConfig, page_size: int) -> EngineSpec:
 
 
 def _instance(launch: LaunchConfig, engine: EngineProcess) -> InstanceConfig:
-    port = engine.bootstrap_port if launch.role != "decode" else None
+    # a reference engine serves KV at its bootstrap port whatever its role (a decode
+    # switched to prefill later needs it); a vLLM decode has none
+    keep = launch.engine == "sglang" or launch.role != "decode"
     return InstanceConfig(
         launch.id,
         launch.cluster,
         launch.role,
         engine.url,
         "127.0.0.1",
-        port,
+        engine.bootstrap_port if keep else None,
         engine.kv_events,
         launch.engine,
     )
 
 
+def launch_secret(config: DeploymentConfig) -> DeploymentSecret:
+    """The deployment's secret (config file or environment), else a fresh one."""
+    return DeploymentSecret.from_env(path=config.gateway.secret_file) or DeploymentSecret.generate()
+
+
 def _start(
-    launch: LaunchConfig, config: DeploymentConfig, log_dir: Path
+    launch: LaunchConfig, config: DeploymentConfig, log_dir: Path, secret: DeploymentSecret
 ) -> Coroutine[Any, Any, EngineProcess]:
     """The start of one `[[launch]]` engine, by its engine kind."""
     if launch.engine == "vllm":
         return start_vllm(launch, config.model.name, log_dir)
-    return start_engine(_spec(launch, config.model.block_size), log_dir)
+    env = {ENV_SECRET: secret.hex()}
+    return start_engine(_spec(launch, config.model.block_size), log_dir, env=env)
 
 
-async def start_launched(config: DeploymentConfig, log_dir: Path) -> list[EngineProcess]:
+async def start_launched(
+    config: DeploymentConfig, log_dir: Path, secret: DeploymentSecret
+) -> list[EngineProcess]:
     """Start every `[[launch]]` engine concurrently; on any failure stop the others."""
     results = await asyncio.gather(
-        *(_start(launch, config, log_dir) for launch in config.launch), return_exceptions=True
+        *(_start(launch, config, log_dir, secret) for launch in config.launch),
+        return_exceptions=True,
     )
     engines = [r for r in results if isinstance(r, EngineProcess)]
     failures = [r for r in results if isinstance(r, BaseException)]
@@ -73,15 +88,26 @@ async def serve_launched(
     port: int,
     on_ready: Callable[[Gateway, int], None] | None = None,
 ) -> int:
-    """Start the `[[launch]]` engines, serve the whole deployment, stop them on exit."""
+    """Start the `[[launch]]` engines, serve the whole deployment, restart reference engines
+    that die, stop every engine on exit."""
     log_dir = Path(tempfile.mkdtemp(prefix="prfaas-serve-"))
     print(f"starting {len(config.launch)} engine(s); logs in {log_dir}", flush=True)
+    secret = launch_secret(config)
     with signals_cancel_current_task():
-        engines = await start_launched(config, log_dir)
+        engines = await start_launched(config, log_dir, secret)
+    reference = {
+        e.spec.name: e
+        for la, e in zip(config.launch, engines, strict=True)
+        if la.engine == "sglang"
+    }
+    others = [e for e in engines if e.spec.name not in reference]
+    supervisor = Supervisor(reference, log_dir, {ENV_SECRET: secret.hex()})
+    supervisor.start()
     try:
         started = tuple(_instance(la, e) for la, e in zip(config.launch, engines, strict=True))
         full = dataclasses.replace(config, instances=config.instances + started, launch=())
-        await serve_gateway(full, host, port, setup=egress_setup(), on_ready=on_ready)
+        setup = setups(egress_setup(), supervisor.attach)
+        await serve_gateway(full, host, port, setup=setup, on_ready=on_ready, secret=secret)
     finally:
-        await asyncio.gather(*(e.stop() for e in engines))
+        await asyncio.gather(supervisor.stop(), *(e.stop() for e in others))
     return 0

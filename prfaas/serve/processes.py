@@ -2,19 +2,23 @@
 
 Each child runs `python -m prfaas.cli.main engine ...` and prints one line once it listens:
 `prfaas engine ready: http://HOST:PORT role=ROLE bootstrap_port=B`. Its stderr goes to a log
-file so a failed start can be diagnosed.
+file so a failed start can be diagnosed. The deployment secret reaches it through its
+environment (`PRFAAS_SECRET`), never its command line, which `ps` shows to every user.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
 import signal
 import socket
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 READY = re.compile(rb"prfaas engine ready: (http://\S+) role=(\w+) bootstrap_port=(\d+)")
 STOP_GRACE_S = 5.0
@@ -38,10 +42,15 @@ class EngineSpec:
     threads: int = 1
     kv_events_port: int | None = None
     extra_args: tuple[str, ...] = ()
+    port: int = 0
+    """HTTP port (0: any free one); a restart asks for the port it had."""
+    bootstrap_port: int = 0
+    """KV bootstrap port (0: any free one)."""
 
     def argv(self, host: str) -> list[str]:
         args = [sys.executable, "-m", "prfaas.cli.main", "engine", "--role", self.role]
-        args += ["--model", self.model, "--host", host, "--port", "0", "--bootstrap-port", "0"]
+        args += ["--model", self.model, "--host", host, "--port", str(self.port),
+                 "--bootstrap-port", str(self.bootstrap_port)]  # fmt: skip
         args += ["--page-size", str(self.page_size), "--threads", str(self.threads)]
         if self.kv_events_port is not None:
             args += ["--kv-events", f"tcp://{host}:{self.kv_events_port}"]
@@ -63,6 +72,10 @@ class EngineProcess:
     def kv_events(self) -> str | None:
         port = self.spec.kv_events_port
         return None if port is None else f"tcp://127.0.0.1:{port}"
+
+    @property
+    def port(self) -> int:
+        return int(urlparse(self.url).port or 0)
 
     async def stop(self) -> None:
         """SIGTERM, then SIGKILL after a grace period; always reaps the child."""
@@ -90,17 +103,27 @@ async def _drain(stream: asyncio.StreamReader) -> None:
 
 
 async def start_engine(
-    spec: EngineSpec, log_dir: Path, host: str = "127.0.0.1", timeout_s: float = 180.0
+    spec: EngineSpec,
+    log_dir: Path,
+    host: str = "127.0.0.1",
+    timeout_s: float = 180.0,
+    env: Mapping[str, str] | None = None,
+    log_name: str | None = None,
 ) -> EngineProcess:
-    """Start one engine and wait for its ready line.
+    """Start one engine and wait for its ready line. `env` is added to this process's
+    environment for the child (the deployment secret goes there); its stderr goes to
+    `log_dir/<log_name or name>.log`.
 
     Raises:
         RuntimeError: it exited or did not become ready in time (names its log file).
     """
-    log = log_dir / f"{spec.name}.log"
+    log = log_dir / f"{log_name or spec.name}.log"
     with log.open("wb") as err:
         process = await asyncio.create_subprocess_exec(
-            *spec.argv(host), stdout=asyncio.subprocess.PIPE, stderr=err
+            *spec.argv(host),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=err,
+            env={**os.environ, **(env or {})},
         )
     assert process.stdout is not None
     try:

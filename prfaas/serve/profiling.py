@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -68,7 +69,7 @@ class MeasuredProfile:
 
 async def _run_pair(pair: Pair, ids: list[int], max_new_tokens: int) -> float:
     loop = asyncio.get_running_loop()
-    room = random.getrandbits(63)
+    room = secrets.randbits(63)  # a room is a capability: never from a predictable stream
     request = GenerateRequest(
         rid=f"profile-{room}",
         input_ids=tuple(ids),

@@ -8,10 +8,23 @@ import gc
 import signal
 from collections.abc import Awaitable, Callable, Iterator
 
+from prfaas.common.secret import DeploymentSecret
 from prfaas.gateway.api.app import GatewayApp
 from prfaas.gateway.api.assembly import Gateway
 from prfaas.gateway.deployment import DeploymentConfig
 from prfaas.policies.profile import DeploymentProfile
+
+Setup = Callable[[Gateway], Awaitable[None]]
+
+
+def setups(*hooks: Setup) -> Setup:
+    """One `setup` hook that runs `hooks` in order."""
+
+    async def run(gateway: Gateway) -> None:
+        for hook in hooks:
+            await hook(gateway)
+
+    return run
 
 
 async def wait_for_signal() -> None:
@@ -48,13 +61,15 @@ async def serve_gateway(
     host: str,
     port: int,
     *,
-    setup: Callable[[Gateway], Awaitable[None]] | None = None,
+    setup: Setup | None = None,
     on_ready: Callable[[Gateway, int], None] | None = None,
     profile: DeploymentProfile | None = None,
+    secret: DeploymentSecret | None = None,
 ) -> None:
-    """Serve until a signal arrives; `on_ready(gateway, bound_port)` runs once listening;
-    `profile` feeds the schedulers (see `GatewayApp`)."""
-    app = GatewayApp(config, setup, profile)
+    """Serve until a signal arrives; `on_ready(gateway, bound_port)` runs once listening.
+    `profile` feeds the schedulers (see `GatewayApp`); `secret`: the deployment secret of
+    the engines (None: from the config or environment)."""
+    app = GatewayApp(config, setup, profile=profile, secret=secret)
     bound = await app.start(host, port)
     try:
         gc.freeze()  # start-up objects never die: keep them out of every later collection

@@ -71,7 +71,7 @@ class SimulatedPDInstance(BaseEngineClient):
         """Calls started and not yet ended."""
         return self._active
 
-    async def set_role(self, role: Role, *, timeout_s: float) -> float:
+    async def set_role(self, role: Role, *, timeout_s: float = 300.0) -> float:
         loop = asyncio.get_running_loop()
         start = loop.time()
         if role == "both":

@@ -21,7 +21,7 @@ from prfaas.engines.transport import Kind, KVReceiver, KVSender, SenderConfig
 from prfaas.gateway.api.app import GatewayApp
 from prfaas.gateway.api.assembly import egress_setup
 from prfaas.gateway.api.metrics import GatewayMetrics, egress_gauges
-from prfaas.gateway.health import HealthMonitor
+from prfaas.gateway.health import HealthMonitor, HealthPolicy
 from prfaas.gateway.instances import InstanceManager
 from prfaas.gateway.link import EgressMonitor, EgressSample
 from prfaas.serve.profiling import busy_rate
@@ -152,7 +152,7 @@ class _CountingPoller:
 async def test_health_monitor_runs_and_closes_pollers() -> None:
     """Pollers run after each health round; one that raises does not stop the others or the
     health checks; `stop()` closes them all."""
-    monitor = HealthMonitor(InstanceManager(), interval_s=0.01)
+    monitor = HealthMonitor(InstanceManager(), HealthPolicy(interval_s=0.01))
     broken, good = _CountingPoller(fail=True), _CountingPoller()
     monitor.add_poller(broken)
     monitor.add_poller(good)

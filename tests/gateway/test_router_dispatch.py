@@ -22,7 +22,7 @@ from prfaas.engines.client import (
 )
 from prfaas.gateway.instances import InstanceManager, InstanceState
 from prfaas.gateway.kv_index import KVIndexManager
-from prfaas.gateway.router import Router, RoutingState
+from prfaas.gateway.router import Dispatch, RetryPolicy, Router, RoutingState
 from prfaas.policies.routing import PrfaasPolicy
 from prfaas.protocol.generate import GenerateChunk, GenerateRequest, SamplingParams
 
@@ -40,9 +40,11 @@ class _Scripted(BaseEngineClient):
     def __init__(self, instance_id: str) -> None:
         self.instance_id = instance_id
         self.calls: list[_Call] = []
+        self.requests: list[GenerateRequest] = []
 
     def generate(self, request: GenerateRequest) -> EngineCall:
         self.calls.append(_Call())
+        self.requests.append(request)
         return self.calls[-1]
 
     async def stats(self) -> EngineStats:
@@ -57,7 +59,13 @@ def _router() -> tuple[Router, _Scripted, _Scripted]:
     prefill, decode = _Scripted("prfaas-p0"), _Scripted("pd-d0")
     instances.add(InstanceState("prfaas-p0", "prfaas", "prefill", prefill, "127.0.0.1", 9))
     instances.add(InstanceState("pd-d0", "pd", "decode", decode))
-    router = Router(instances, KVIndexManager(block_size=16), PrfaasPolicy(), RoutingState(0.0))
+    router = Router(
+        instances,
+        KVIndexManager(block_size=16),
+        PrfaasPolicy(),
+        RoutingState(0.0),
+        retry=RetryPolicy(wait_s=0),  # nothing comes back here: fail at once
+    )
     return router, prefill, decode
 
 
@@ -93,7 +101,9 @@ async def test_a_failed_prefill_aborts_the_waiting_decode_with_its_error() -> No
     assert decode.calls[0].aborted  # told to drop the request, not left waiting for KV
 
 
-async def test_a_prefill_that_fails_after_the_decode_finished_still_fails_the_request() -> None:
+async def test_a_prefill_that_fails_after_the_decode_answered_does_not_fail_the_request() -> None:
+    """The decode produced output, so it received (and verified) the KV: a prefill call
+    that fails afterwards (its answer lost, say) does not cut a complete answer."""
     router, prefill, decode = _router()
     routed_task = asyncio.ensure_future(
         router.dispatch("r", tuple(range(64)), SamplingParams(), stream=False)
@@ -104,7 +114,45 @@ async def test_a_prefill_that_fails_after_the_decode_finished_still_fails_the_re
     routed = await routed_task
     assert routed.first is not None and routed.first.text == "a"
     prefill.calls[0].finish(EngineError("prefill: transfer not acknowledged"))
-    with pytest.raises(EngineError, match="not acknowledged"):
-        await routed.next()
+    assert await routed.next() is None
     routed.close()
-    assert router.instances["pd-d0"].in_flight == 0
+    assert router.instances["pd-d0"].in_flight == 0 and routed.retries == 0
+
+
+async def test_a_lone_decode_that_dies_mid_stream_takes_the_request_back_once_readmitted() -> None:
+    """The only decode dies after one token: nowhere to migrate, so the request waits; once
+    the health monitor readmits the (restarted) decode, the prompt plus the token already
+    streamed go to it, and the counts continue from the request's start."""
+    router, prefill, decode = _router()
+    router.retry = RetryPolicy(wait_s=5)
+    routed = await _first(router, prefill, decode, GenerateChunk((7,), "a", 64, 1, 0))
+    assert routed.first is not None and routed.first.token_ids == (7,)
+    nxt = asyncio.ensure_future(routed.next())
+    decode.calls[0].finish(EngineError("pd-d0: unreachable", unreachable=True, retryable=True))
+    await asyncio.sleep(0.3)
+    state = router.instances["pd-d0"]
+    assert state.status == "ejected" and len(decode.calls) == 1 and not nxt.done()
+    state.status, state.readmissions = "healthy", state.readmissions + 1  # came back
+    await asyncio.sleep(0.3)  # the waiting request polls every 0.2 s
+    assert len(decode.calls) == 2
+    assert decode.requests[1].input_ids == (*range(64), 7)
+    assert decode.requests[1].sampling.max_new_tokens == 3
+    decode.calls[1].push(GenerateChunk((8, 9, 10), "bcd", 65, 3, 0, "length"))
+    decode.calls[1].finish()
+    prefill.calls[1].finish()
+    chunk = await nxt
+    assert chunk is not None and (chunk.completion_tokens, chunk.prompt_tokens) == (4, 64)
+    assert await routed.next() is None
+    routed.close()
+    assert routed.migrations == 1 and routed.retries == 0
+
+
+async def _first(
+    router: Router, prefill: _Scripted, decode: _Scripted, chunk: GenerateChunk
+) -> Dispatch:
+    sampling = SamplingParams(max_new_tokens=4, temperature=0)
+    task = asyncio.ensure_future(router.dispatch("r", tuple(range(64)), sampling, stream=True))
+    await asyncio.sleep(0)
+    decode.calls[0].push(chunk)
+    prefill.calls[0].finish()
+    return await task

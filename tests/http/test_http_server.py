@@ -545,3 +545,24 @@ async def test_client_still_uploading_gets_the_413_not_a_reset(served: Served) -
     assert resp.status == 413
     assert await read_eof(reader) == b""
     writer.close()
+
+
+@pytest.mark.parametrize(
+    "head",
+    [b"GET /echo HTTP/1.1\r\n\r\n", b"GET /echo HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n"],
+    ids=["no-host", "two-hosts"],
+)
+async def test_http11_needs_exactly_one_host(served: Served, head: bytes) -> None:
+    """RFC 9112 3.2: an HTTP/1.1 request without a Host header, or with two, is a 400 (the
+    handler never runs); HTTP/1.0 may omit it."""
+    reader, writer = await served.connect()
+    writer.write(head)
+    resp = await read_response(reader)
+    assert resp.status == 400 and "Host" in resp.json()["error"]["message"]
+    assert await read_eof(reader) == b""
+    writer.close()
+    assert served.probe.calls == []
+    reader, writer = await served.connect()
+    writer.write(b"GET /echo HTTP/1.0\r\n\r\n")
+    assert (await read_response(reader)).status == 200
+    writer.close()

@@ -94,6 +94,18 @@ def test_falls_back_to_pd_when_prfaas_unhealthy() -> None:
     assert d.route == "pd" and "fell back" in d.reason
 
 
+def test_falls_back_to_prfaas_when_no_pd_prefill() -> None:
+    """No healthy PD prefill (dead, or converted to decode): short prompts run in PrfaaS."""
+    snap = _snap(500)
+    sick = tuple(
+        InstanceView(i.instance_id, i.cluster, i.role,
+                     healthy=not (i.cluster == "pd" and i.role == "prefill"))
+        for i in snap.instances
+    )  # fmt: skip
+    d = PrfaasPolicy().decide(RoutingSnapshot(500, sick, threshold=1000))
+    assert d.route == "prfaas" and "no healthy PD prefill" in d.reason
+
+
 def test_no_decode_instance_is_an_error() -> None:
     """Without a healthy decode instance the policy raises, naming what is missing."""
     only_prefill = (InstanceView("pd-p0", "pd", "prefill"),)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import re
 import signal
@@ -28,10 +29,18 @@ from typing import Any
 import aiohttp
 import pytest
 
+from prfaas.common.secret import ENV_SECRET, DeploymentSecret
+
 START_TIMEOUT_S = 300
 READY = re.compile(r"\(Ctrl-C\) stops|Ctrl-C stops")
 LISTENING = re.compile(r"PrfaaS gateway listening on (http://\S+)")
 MODEL = "qwen3-next-tiny"
+
+
+# The deployment secret `prfaas serve` hands its engines: known here, so the test may call
+# an engine's control routes (`/admin/egress`) with its token, as an operator would.
+SECRET = DeploymentSecret.generate()
+ENGINE_AUTH = {"Authorization": f"Bearer {SECRET.control_token()}"}
 
 
 def _spawn(*args: str) -> subprocess.Popen[str]:
@@ -40,6 +49,7 @@ def _spawn(*args: str) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        env={**os.environ, ENV_SECRET: SECRET.hex()},
     )
 
 
@@ -133,7 +143,8 @@ async def test_link_drop_raises_t_and_the_last_decode_is_kept(embedded: str) -> 
         before = await _state(s, url)
         prfaas = before["clusters"]["prfaas"][0]["url"]
         probe = int(before["threshold"]) + 50
-        async with s.post(f"{prfaas}/admin/egress", json={"rate_mbps": 1}) as resp:
+        egress = f"{prfaas}/admin/egress"
+        async with s.post(egress, json={"rate_mbps": 1}, headers=ENGINE_AUTH) as resp:
             assert resp.status == 200
         lowered = time.monotonic()
         slow = [asyncio.create_task(_complete(s, url, probe, seed=70 + i)) for i in range(2)]
@@ -144,7 +155,7 @@ async def test_link_drop_raises_t_and_the_last_decode_is_kept(embedded: str) -> 
         status, after = await _complete(s, url, probe, seed=78)
         state = await _state(s, url)
         crawled = await asyncio.gather(*slow)
-        async with s.post(f"{prfaas}/admin/egress", json={"rate_mbps": 10}) as resp:
+        async with s.post(egress, json={"rate_mbps": 10}, headers=ENGINE_AUTH) as resp:
             assert resp.status == 200
     assert set(statuses) == {200}
     assert crawled == [(200, "prfaas")] * 2, crawled
@@ -215,8 +226,9 @@ def _deployment(tmp: Path) -> Path:
     return path
 
 
-def _get(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=10) as reply:
+def _get(url: str, headers: dict[str, str] | None = None) -> Any:
+    request = urllib.request.Request(url, headers=headers or {})
+    with urllib.request.urlopen(request, timeout=10) as reply:
         return json.load(reply)
 
 
@@ -237,10 +249,10 @@ async def test_prefill_heavy_load_converts_one_of_two_decodes(tmp_path: Path) ->
             roles = {i: v["role"] for i, v in pd.items()}
             if list(roles.values()).count("prefill") == 2:
                 converted = next(pd[i] for i in ("pd-d0", "pd-d1") if roles[i] == "prefill")
-        info = _get(f"{converted['url']}/server_info")
-        served_before = _get(f"{converted['url']}/stats")["prompt_tokens_total"]
+        info = _get(f"{converted['url']}/server_info", ENGINE_AUTH)
+        served_before = _get(f"{converted['url']}/stats", ENGINE_AUTH)["prompt_tokens_total"]
         statuses += await _load(url, 4.0, 900, 3, seed)
-        served_after = _get(f"{converted['url']}/stats")["prompt_tokens_total"]
+        served_after = _get(f"{converted['url']}/stats", ENGINE_AUTH)["prompt_tokens_total"]
         final = _get(f"{url}/admin/state")
     finally:
         _stop(proc)

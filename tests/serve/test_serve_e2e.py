@@ -20,6 +20,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -232,6 +233,59 @@ def test_chat_streaming_and_not_match_direct(running: Running) -> None:
     streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     ids = chat_ids(ByteTokenizer(), [ChatMessage("user", messages[0]["content"])])
     assert whole.choices[0].message.content == streamed == _direct_text(running, ids, 8)
+
+
+def _state(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(f"{url}/admin/state", timeout=10) as reply:
+        state: dict[str, Any] = json.load(reply)
+    return state
+
+
+def _cmdline(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+
+
+def test_a_killed_engine_comes_back_and_requests_survive(running: Running) -> None:
+    """Finding 6: `kill -9` of the PD prefill. A request sent right away is retried on the
+    PrfaaS prefill (200); the supervisor starts the engine again on its ports, the gateway
+    readmits it within 30 s, counts the restart, and the restarted engine's KV events feed
+    the index again (a prompt whose prefix it now caches routes pd)."""
+    url = running.gateway_url
+    victim = next(
+        c for c in _children(running.gateway.pid)
+        if "prefill" in _cmdline(c) and "--egress-rate-mbps" not in _cmdline(c)
+    )  # fmt: skip
+    os.kill(victim, signal.SIGKILL)
+    killed = time.monotonic()
+    prompt = _words(100, seed=7)
+    done = _gateway(running).completions.create(
+        model=MODEL, prompt=prompt, max_tokens=4, temperature=0
+    )
+    assert done.choices[0].text == _direct_text(running, ByteTokenizer().encode(prompt), 4)
+
+    def back() -> bool:
+        pd = {i["id"]: i for i in _state(url)["clusters"]["pd"]}["pd-p0"]
+        return pd["status"] == "healthy" and pd["ejections"] >= 1
+
+    while not back():
+        assert time.monotonic() - killed < 30, _state(url)
+        time.sleep(0.25)
+    assert victim not in _children(running.gateway.pid)
+    assert _scrape(url).value("prfaas_engine_restarts_total", instance="pd-p0") == 1
+    t = int(running.threshold)
+    first, extra = _words(t - 100, seed=8), _words(min(400, t // 2), seed=9)
+    client = _gateway(running)
+    assert (
+        client.completions.with_raw_response.create(
+            model=MODEL, prompt=first, max_tokens=2
+        ).headers["x-prfaas-route"]
+        == "pd"
+    )
+    time.sleep(0.5)  # KV events are asynchronous
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt=first + extra,
+                                                      max_tokens=2)  # fmt: skip
+    assert raw.headers["x-prfaas-route"] == "pd"
+    assert int(raw.headers["x-prfaas-incremental-tokens"]) < len(first + extra)
 
 
 def test_sigterm_stops_gateway_and_engines(running: Running) -> None:

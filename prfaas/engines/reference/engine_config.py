@@ -94,11 +94,13 @@ class TransferConfig:
         if not (math.isfinite(self.egress_delay_s) and 0 <= self.egress_delay_s <= 10):
             raise ValueError(f"egress_delay_s must be in [0, 10] s, got {self.egress_delay_s}")
 
-    def sender_config(self, host: str, port: int) -> SenderConfig:
-        """The transport's `SenderConfig` for a bootstrap listener on `host:port`."""
+    def sender_config(self, host: str, port: int, auth_key: bytes = b"") -> SenderConfig:
+        """The transport's `SenderConfig` for a bootstrap listener on `host:port`; peers
+        authenticate with `auth_key` (the deployment secret's transport key)."""
         return SenderConfig(
             host=host,
             port=port,
+            auth_key=auth_key,
             connections=self.connections,
             chunk_bytes=self.chunk_bytes,
             window_bytes=max(32 * MIB, self.chunk_bytes),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 MIB = 2**20
 
@@ -52,6 +52,23 @@ class SenderConfig:
     """Linux TCP_USER_TIMEOUT of data connections: a connection whose sent data stays
     unacknowledged this long is reset (a silent partition), so its frames are re-sent on
     the others instead of stalling the window. None leaves the kernel default."""
+    auth_key: bytes = field(default=b"", repr=False)
+    """Key of the handshake's HMAC challenge-response (the deployment secret's transport
+    key); empty authenticates nothing (any client that speaks the protocol is accepted)."""
+    handshake_timeout_s: float = 3.0
+    """A new connection must finish HELLO and AUTH within this, else it is closed."""
+    max_handshakes: int = 256
+    """Connections still in their handshake; a new one beyond this evicts the oldest."""
+    max_peers: int = 64
+    """Authenticated decode peers at once; a connection from one more is closed."""
+    max_parked_rooms: int = 4096
+    """REGISTERs for rooms not opened yet (all peers); one more is refused with ABORT."""
+    max_control_frames: int = 1024
+    """Control frames queued for one peer; past this (a peer that does not read) new ones
+    are dropped and counted."""
+    idle_timeout_s: float = 60.0
+    """An authenticated connection that sent nothing for this long while its peer has no
+    room (open or parked) is closed; the receiver reconnects when it needs to."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -69,9 +86,16 @@ class SenderConfig:
         _optional_rate("capacity_bytes_per_s", self.capacity_bytes_per_s)
         if not (math.isfinite(self.delay_s) and 0 <= self.delay_s <= 10):
             raise ValueError(f"delay_s must be in [0, 10], got {self.delay_s!r}")
-        for name in ("register_timeout_s", "transfer_timeout_s", "peer_timeout_s"):
+        for name in ("register_timeout_s", "transfer_timeout_s", "peer_timeout_s",
+                     "handshake_timeout_s", "idle_timeout_s"):  # fmt: skip
             _positive(name, getattr(self, name))
         _optional_rate("tcp_user_timeout_s", self.tcp_user_timeout_s)
+        for name in ("max_handshakes", "max_peers", "max_parked_rooms", "max_control_frames"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.auth_key, bytes):
+            raise ValueError("auth_key must be bytes")
 
     @property
     def capacity(self) -> float | None:
@@ -91,9 +115,14 @@ class ReceiverConfig:
     """Frames announcing a larger payload are a protocol error (garbage protection)."""
     max_message_bytes: int = 8 * 1024 * MIB
     """A message (one layer) announcing more bytes fails its transfer."""
+    auth_key: bytes = field(default=b"", repr=False)
+    """Key of the handshake (the senders' `auth_key`); a sender whose WELCOME proof does
+    not match is never talked to."""
 
     def __post_init__(self) -> None:
         _positive("connect_timeout_s", self.connect_timeout_s)
+        if not isinstance(self.auth_key, bytes):
+            raise ValueError("auth_key must be bytes")
         if self.max_buffered_bytes < MIB:
             raise ValueError(f"max_buffered_bytes must be >= {MIB}, got {self.max_buffered_bytes}")
         if self.max_message_bytes < self.max_frame_bytes:

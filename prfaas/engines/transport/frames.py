@@ -35,6 +35,7 @@ class Kind(enum.IntEnum):
     ACK = 4  # receiver -> sender: these (room, msg, part) frames arrived
     DONE = 5  # receiver -> sender: room delivered and verified
     CANCEL = 6  # receiver -> sender: room failed or given up (payload: reason)
+    AUTH = 7  # receiver -> sender: the handshake's proof (answer to WELCOME)
     FULL_KV = 16  # full-attention KV of a layer (a block range of pages)
     LINEAR_STATE = 17  # linear-attention conv/recurrent state of a layer
     SWA_KV = 18  # sliding-window attention KV of a layer

@@ -20,6 +20,8 @@ class TokenBucket:
         self._tokens = burst
         self._stamp: float | None = None
         self._lock = asyncio.Lock()
+        self.charged = 0
+        """Bytes taken from the bucket so far."""
 
     async def acquire(self, nbytes: int) -> None:
         """Wait until `nbytes` may be sent, then take them from the bucket."""
@@ -27,8 +29,14 @@ class TokenBucket:
             loop = asyncio.get_running_loop()
             self._refill(loop.time())
             self._tokens -= nbytes
+            self.charged += nbytes
             if self._tokens < 0:
-                await asyncio.sleep(-self._tokens / self.rate)
+                try:
+                    await asyncio.sleep(-self._tokens / self.rate)
+                except asyncio.CancelledError:  # not sent after all: give the bytes back
+                    self._tokens += nbytes
+                    self.charged -= nbytes
+                    raise
 
     def set_rate(self, rate: float, burst: float) -> None:
         """Change the rate (e.g. an emulated link slowing down); bytes already granted stay

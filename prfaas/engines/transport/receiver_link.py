@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import uuid
+import secrets
 from collections import OrderedDict
-from typing import Any
 
 from prfaas.engines.transport.config import ReceiverConfig
 from prfaas.engines.transport.errors import ProtocolError
 from prfaas.engines.transport.frames import LAYER_KINDS, Frame, Header, Kind, make_frame
+from prfaas.engines.transport.handshake import Hello, auth_frame, check_welcome, new_nonce
 from prfaas.engines.transport.receiver_protocol import FrameProtocol
 from prfaas.engines.transport.receiver_transfer import Transfer
-from prfaas.engines.transport.wire import ack_frame, json_frame, parse_json, reason_frame, verify
+from prfaas.engines.transport.wire import ack_frame, reason_frame, verify
 
 DATA_KINDS = LAYER_KINDS | {Kind.AUX, Kind.END}
 TOMBSTONES = 4096
@@ -38,12 +38,12 @@ class ReceiverLink:
         self.host, self.port = host, port
         self._config = config
         self._loop = asyncio.get_running_loop()
-        self.peer_id = uuid.uuid4().hex
+        self.peer_id = secrets.token_hex(16)
         self.transfers: dict[int, Transfer] = {}
         self._dead: OrderedDict[int, None] = OrderedDict()
         self.conns: dict[int, FrameProtocol] = {}
         self._protocols: set[FrameProtocol] = set()  # every open connection, attached or not
-        self._welcomes: dict[FrameProtocol, asyncio.Future[dict[str, Any]]] = {}
+        self._welcomes: dict[FrameProtocol, asyncio.Future[tuple[Header, bytes]]] = {}
         self._slots: dict[int, asyncio.Task[None]] = {}
         self._wanted: int | None = None
         self._pending: list[Frame] = []
@@ -134,11 +134,16 @@ class ReceiverLink:
             timeout,
         )
         welcome = self._welcomes[conn] = self._loop.create_future()
+        hello, key = Hello(self.peer_id, index, new_nonce()), self._config.auth_key
         try:
-            conn.write(_bytes(json_frame(Kind.HELLO, 0, {"peer": self.peer_id, "index": index})))
-            self._wanted = int((await asyncio.wait_for(welcome, timeout))["connections"])
-        except BaseException:
-            conn.fail(ConnectionError("handshake failed"))
+            conn.write(_bytes(hello.frame()))
+            settings = check_welcome(hello, key, *await asyncio.wait_for(welcome, timeout))
+            conn.write(_bytes(auth_frame(hello, key, settings["nonce"])))
+            self._wanted = int(settings["connections"])
+        except BaseException as exc:
+            conn.fail(
+                exc if isinstance(exc, ProtocolError) else ConnectionError("handshake failed")
+            )
             raise
         finally:
             del self._welcomes[conn]
@@ -201,6 +206,8 @@ class ReceiverLink:
     def frame_received(self, conn: FrameProtocol, header: Header, payload: memoryview) -> None:
         """FrameSink: dispatch one frame."""
         kind = header.kind
+        if self.conns.get(conn.index) is not conn and kind is not Kind.WELCOME:
+            raise ProtocolError(f"{kind.name} frame before the handshake completed")
         if kind in DATA_KINDS:
             conn.write(_bytes(ack_frame([(header.room, header.msg, header.part)])))
             self._on_data(header, payload)
@@ -209,9 +216,8 @@ class ReceiverLink:
             if transfer is not None:
                 transfer.fail(bytes(payload).decode("utf-8", "replace"), tell_sender=False)
         elif kind is Kind.WELCOME and conn in self._welcomes:
-            if not verify(header, payload):
-                raise ProtocolError("WELCOME with a bad checksum")
-            self._welcomes[conn].set_result(parse_json(header, bytes(payload)))
+            if not self._welcomes[conn].done():
+                self._welcomes[conn].set_result((header, bytes(payload)))
         else:
             raise ProtocolError(f"unexpected {kind.name} frame from a sender")
 

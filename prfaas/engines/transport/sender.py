@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Coroutine
@@ -18,23 +19,23 @@ from typing import Any
 from prfaas.engines.transport.config import SenderConfig
 from prfaas.engines.transport.errors import ProtocolError
 from prfaas.engines.transport.frames import Kind
+from prfaas.engines.transport.handshake import (
+    HANDSHAKE_MAX,
+    Hello,
+    check_auth,
+    new_nonce,
+    parse_hello,
+    welcome_frame,
+)
 from prfaas.engines.transport.pacing import TokenBucket
 from prfaas.engines.transport.sender_peer import SenderPeer
 from prfaas.engines.transport.sender_room import MAX_ROOM, SendHandle
 from prfaas.engines.transport.telemetry import EgressMeter, TransportTelemetry
-from prfaas.engines.transport.wire import (
-    CONTROL_MAX,
-    json_frame,
-    parse_json,
-    read_frame,
-    reason_frame,
-    verify,
-    write_frame,
-)
+from prfaas.engines.transport.wire import read_frame, reason_frame, write_frame
 
 __all__ = ["KVSender", "SendHandle"]
 
-HELLO_TIMEOUT_S = 5.0
+logger = logging.getLogger(__name__)
 TOMBSTONES = 4096
 
 
@@ -53,8 +54,12 @@ class KVSender:
         self._meter = EgressMeter()
         self._bucket: TokenBucket | None = None
         self._handshakes: set[asyncio.Task[None]] = set()
+        self._greeting: OrderedDict[asyncio.StreamWriter, None] = OrderedDict()  # in handshake
+        self._sweeper: asyncio.TimerHandle | None = None
         self._resent_closed = 0  # resent bytes of peers already gone
         self._closing = False
+        self.handshake_failures = 0
+        self.parked_refused = 0
 
     async def start(self) -> None:
         """Bind the bootstrap listener (config.host, config.port)."""
@@ -65,6 +70,7 @@ class KVSender:
         self._server = await asyncio.start_server(
             self._on_connection, self.config.host, self.config.port
         )
+        self._arm_sweeper()
 
     def set_process_rate(self, rate_bytes_per_s: float) -> None:
         """Re-pace the whole process's egress (the emulated link's rate) from now on; the
@@ -157,6 +163,11 @@ class KVSender:
         elif handle is None and room in self._tombstones:
             peer.push_control(reason_frame(Kind.ABORT, room, self._tombstones[room]))
         elif handle is None and room not in self._parked:
+            if len(self._parked) >= self.config.max_parked_rooms:
+                self.parked_refused += 1
+                peer.push_control(reason_frame(Kind.ABORT, room, "too many rooms waiting to "
+                                               "be opened on the prefill side"))  # fmt: skip
+                return
             assert self._loop is not None
             timer = self._loop.call_later(
                 self.config.register_timeout_s, self._parked_expired, room
@@ -189,6 +200,8 @@ class KVSender:
                 f"decode peer lost: no connection for peer_timeout_s={self.config.peer_timeout_s}",
                 tell_peer=False,
             )
+        for room in [r for r, (p, _) in self._parked.items() if p is peer]:
+            self._parked.pop(room)[1].cancel()
         if self._peers.get(peer.peer_id) is peer:
             del self._peers[peer.peer_id]
             self._resent_closed += peer.resent_bytes
@@ -199,44 +212,70 @@ class KVSender:
     async def _on_connection(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
+        self._admit(writer)
         try:
-            peer_id, index = await self._read_hello(reader)
-        except (
-            ProtocolError,
-            KeyError,
-            ValueError,
-            TypeError,
-            OSError,
-            TimeoutError,
-            asyncio.IncompleteReadError,
-        ):
+            hello = await asyncio.wait_for(
+                self._handshake(reader, writer), self.config.handshake_timeout_s
+            )
+        except (ProtocolError, OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
+            self.handshake_failures += 1
+            logger.debug("bootstrap connection refused: %r", exc)
             writer.close()
             return
+        finally:
+            self._greeting.pop(writer, None)
+        peer = self._peers.get(hello.peer)
+        if peer is None or peer.closed:
+            if self._closing or len(self._peers) >= self.config.max_peers:
+                writer.close()
+                return
+            peer = SenderPeer(hello.peer, self.config, self, self._meter, self._bucket)
+            self._peers[hello.peer] = peer
+        peer.attach(hello.index, reader, writer)
+
+    def _admit(self, writer: asyncio.StreamWriter) -> None:
+        """Track a connection in its handshake; past `max_handshakes` the oldest one is cut
+        (a flood of idle connections cannot keep a real peer's handshake out for long)."""
+        self._greeting[writer] = None
+        while len(self._greeting) > self.config.max_handshakes:
+            oldest, _ = self._greeting.popitem(last=False)
+            oldest.transport.abort()
+
+    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Hello:
+        """HELLO -> WELCOME -> AUTH (PROTOCOL.md); the authenticated HELLO.
+
+        Raises:
+            ProtocolError: anything but a valid HELLO, or a wrong AUTH proof.
+        """
+        key = self.config.auth_key
+        hello = parse_hello(*await read_frame(reader, HANDSHAKE_MAX), self.config.connections)
         if self._closing:
-            writer.close()
-            return
-        welcome = {
+            raise ProtocolError("the sender is closing")
+        settings = {
             "connections": self.config.connections,
             "window_bytes": self.config.window_bytes,
             "chunk_bytes": self.config.chunk_bytes,
         }
-        write_frame(writer, json_frame(Kind.WELCOME, 0, welcome))
-        peer = self._peers.get(peer_id)
-        if peer is None or peer.closed:
-            peer = SenderPeer(peer_id, self.config, self, self._meter, self._bucket)
-            self._peers[peer_id] = peer
-        peer.attach(index, reader, writer)
+        nonce = new_nonce()
+        write_frame(writer, welcome_frame(hello, key, nonce, settings))
+        check_auth(hello, key, nonce, *await read_frame(reader, HANDSHAKE_MAX))
+        return hello
 
-    async def _read_hello(self, reader: asyncio.StreamReader) -> tuple[str, int]:
-        """(peer id, slot index) from a new connection's HELLO; ProtocolError if invalid."""
-        header, payload = await asyncio.wait_for(read_frame(reader, CONTROL_MAX), HELLO_TIMEOUT_S)
-        if header.kind is not Kind.HELLO or not verify(header, payload):
-            raise ProtocolError(f"expected a valid HELLO, got {header.kind.name}")
-        hello = parse_json(header, payload)
-        peer_id, index = str(hello["peer"]), int(hello["index"])
-        if not 0 <= index < self.config.connections:
-            raise ProtocolError(f"connection index {index} out of 0..{self.config.connections - 1}")
-        return peer_id, index
+    def _arm_sweeper(self) -> None:
+        assert self._loop is not None
+        period = self.config.idle_timeout_s / 4
+        self._sweeper = self._loop.call_later(period, self._sweep)
+
+    def _sweep(self) -> None:
+        """Close authenticated connections idle past `idle_timeout_s` whose peer has no
+        room open or parked."""
+        assert self._loop is not None
+        busy = {h.peer for h in self._rooms.values()} | {p for p, _ in self._parked.values()}
+        now = self._loop.time()
+        for peer in list(self._peers.values()):
+            if peer not in busy:
+                peer.drop_idle(now - self.config.idle_timeout_s)
+        self._arm_sweeper()
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
@@ -267,11 +306,18 @@ class KVSender:
             peers=len(self._peers),
             active_transfers=len(self._rooms),
             connections=conns,
+            handshake_failures=self.handshake_failures,
+            parked_rooms=len(self._parked),
+            parked_refused=self.parked_refused,
+            control_dropped=sum(p.control_dropped for p in self._peers.values()),
+            paced_bytes=self._bucket.charged if self._bucket is not None else 0,
         )
 
     async def close(self) -> None:
         """Fail open transfers, close connections and the listener; idempotent."""
         self._closing = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         handles = list(self._rooms.values())
         for handle in handles:
             handle.fail("sender closed")
@@ -282,6 +328,8 @@ class KVSender:
         self._parked.clear()
         if self._server is not None:
             self._server.close()
+        for writer in list(self._greeting):
+            writer.transport.abort()
         for peer in list(self._peers.values()):
             await peer.close()
         self._peers.clear()

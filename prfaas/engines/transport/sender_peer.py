@@ -45,22 +45,26 @@ class _Conn:
     index: int
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
+    last_read: float
     bytes_sent: int = 0
     closed: bool = False
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
-class _InFlight:
-    frame: Frame
-    conn: _Conn
-    start: int  # window offset of the frame's first byte
-
-
-@dataclass(slots=True)
 class _Queued:
     ready_at: float
     frame: Frame
+    paced: bool = False
+    """Charged to the token buckets (and delayed) already: a frame queued again after its
+    connection died is neither charged nor delayed twice."""
+
+
+@dataclass(slots=True)
+class _InFlight:
+    item: _Queued
+    conn: _Conn
+    start: int  # window offset of the frame's first byte
 
 
 class SenderPeer:
@@ -86,6 +90,7 @@ class SenderPeer:
         self._unacked: dict[tuple[int, int, int], _InFlight] = {}
         self._sent = 0
         self.resent_bytes = 0
+        self.control_dropped = 0
         self._wake = asyncio.Event()
         self._lost_timer: asyncio.TimerHandle | None = None
         self.closed = False
@@ -104,7 +109,11 @@ class SenderPeer:
         self._wake.set()
 
     def push_control(self, frame: Frame) -> None:
-        """Queue a control frame ahead of data; not windowed, not acknowledged."""
+        """Queue a control frame ahead of data; not windowed, not acknowledged. Past
+        `max_control_frames` queued (a peer that does not read) it is dropped and counted."""
+        if len(self._control) >= self._config.max_control_frames:
+            self.control_dropped += 1
+            return
         self._control.append(frame)
         self._wake.set()
 
@@ -129,15 +138,16 @@ class SenderPeer:
     def _window_allows(self, nbytes: int) -> bool:
         return not self._unacked or self.in_flight_bytes + nbytes <= self._config.window_bytes
 
-    async def _next(self, conn: _Conn) -> tuple[Frame, float | None]:
+    async def _next(self, conn: _Conn) -> tuple[Frame, _Queued | None]:
+        """The next frame for `conn`: a control frame (None) or a data frame's queue item."""
         while not conn.closed:
             if self._control:
                 return self._control.popleft(), None
             if self._queue and self._window_allows(self._queue[0].frame.length):
                 item = self._queue.popleft()
-                self._unacked[item.frame.key] = _InFlight(item.frame, conn, self._sent)
+                self._unacked[item.frame.key] = _InFlight(item, conn, self._sent)
                 self._sent += item.frame.length
-                return item.frame, item.ready_at
+                return item.frame, item
             self._wake.clear()
             await self._wake.wait()
         raise ConnectionError("connection closed")
@@ -151,7 +161,7 @@ class SenderPeer:
         old = self.connections.get(index)
         if old is not None:
             self._drop(old)
-        conn = _Conn(index, reader, writer)
+        conn = _Conn(index, reader, writer, self._loop.time())
         set_user_timeout(writer.get_extra_info("socket"), self._config.tcp_user_timeout_s)
         self.connections[index] = conn
         conn.tasks = [
@@ -165,11 +175,12 @@ class SenderPeer:
     async def _write_loop(self, conn: _Conn) -> None:
         try:
             while True:
-                frame, ready_at = await self._next(conn)
-                if ready_at is not None:
+                frame, item = await self._next(conn)
+                if item is not None and not item.paced:
                     for bucket in self._buckets:
                         await bucket.acquire(frame.length)
-                    delay = ready_at - self._loop.time()
+                    item.paced = True
+                    delay = item.ready_at - self._loop.time()
                     if delay > 0:
                         await asyncio.sleep(delay)
                 if conn.closed:
@@ -187,6 +198,7 @@ class SenderPeer:
         try:
             while True:
                 header, payload = await read_frame(conn.reader, CONTROL_MAX)
+                conn.last_read = self._loop.time()
                 if not verify(header, payload):
                     raise ProtocolError(f"{header.kind.name} frame with a bad checksum")
                 self._dispatch(header.kind, header.room, payload)
@@ -224,11 +236,17 @@ class SenderPeer:
         lost = [(k, f) for k, f in self._unacked.items() if f.conn is conn]
         for key, _ in lost:
             del self._unacked[key]
-        self._queue.extendleft(_Queued(0.0, f.frame) for _, f in reversed(lost))
-        self.resent_bytes += sum(f.frame.length for _, f in lost)
+        self._queue.extendleft(f.item for _, f in reversed(lost))
+        self.resent_bytes += sum(f.item.frame.length for _, f in lost)
         self._wake.set()
         if not self.connections and not self.closed and self._lost_timer is None:
             self._lost_timer = self._loop.call_later(self._config.peer_timeout_s, self._lost)
+
+    def drop_idle(self, read_before: float) -> None:
+        """Close the connections that have read nothing since `read_before` (loop clock)."""
+        for conn in list(self.connections.values()):
+            if conn.last_read < read_before:
+                self._drop(conn)
 
     def _lost(self) -> None:
         self._lost_timer = None

@@ -48,6 +48,18 @@ class TransportTelemetry:
     peers: int
     active_transfers: int
     connections: tuple[ConnectionTelemetry, ...]
+    handshake_failures: int = 0
+    """Bootstrap connections closed before they authenticated (bad HELLO or AUTH, timeout,
+    evicted by newer ones)."""
+    parked_rooms: int = 0
+    """REGISTERs waiting for their room to be opened."""
+    parked_refused: int = 0
+    """REGISTERs refused because `max_parked_rooms` were parked."""
+    control_dropped: int = 0
+    """Control frames dropped because a peer did not read them."""
+    paced_bytes: int = 0
+    """Payload bytes charged to the process token bucket (0 when unpaced): each data frame
+    once, re-sends not again."""
 
 
 class EgressMeter:

@@ -8,24 +8,33 @@ data it polls); `HEAD` wherever `GET` is. Unknown paths get a JSON 404, known pa
 another method a JSON 405 with `Allow`. `GatewayApp` owns the one engine `ClientSession`, the
 `Gateway` and the server: `start` brings them up in that order, `stop` takes them down in
 reverse, so every background task stops with the app.
+
+Who may call what: clients' API keys (`api_keys`) open the OpenAI routes; `/admin/*` takes
+only an operator key (`admin_keys`, never a client's). Without operator keys the `GET`
+admin routes are open (read-only, like `/metrics`) and every admin write is refused (403).
+Request bodies are bounded by what could fit the context (`max_body_bytes` of the model
+limits), so an oversized one is refused from its `Content-Length` before it is read.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import aiohttp
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from prfaas.common.secret import DeploymentSecret, token_matches
 from prfaas.gateway.api.assembly import Gateway, build_gateway
 from prfaas.gateway.api.dashboard import DASHBOARD_PAGES, since_query
 from prfaas.gateway.deployment import DeploymentConfig
 from prfaas.http.server import Exchange, HttpLimits, HttpRequest, HttpResponse, HttpServer
 from prfaas.policies.profile import DeploymentProfile
 from prfaas.protocol.errors import APIError, invalid
-from prfaas.protocol.openai_request import load_json
+from prfaas.protocol.openai_request import ModelLimits, load_json, max_body_bytes
 
 SESSION_LIMIT = 0  # no cap on pooled connections: admission bounds concurrency
 Route = Callable[[Gateway, HttpRequest, Exchange], Awaitable[HttpResponse | None]]
@@ -76,37 +85,67 @@ async def metrics(gw: Gateway, request: HttpRequest, exchange: Exchange) -> Http
     return HttpResponse(200, gw.metrics.render(), CONTENT_TYPE_LATEST)
 
 
+def check_admin(gw: Gateway, request: HttpRequest, *, write: bool) -> None:
+    """Raises APIError unless the request carries an operator key (401), or, with none
+    configured, unless it only reads (403 for writes)."""
+    keys = gw.config.gateway.admin_keys
+    if not keys:
+        if write:
+            raise APIError(403, "admin writes are disabled: configure an operator key "
+                           "(admin_keys, --admin-key)", code="admin_disabled")  # fmt: skip
+        return
+    header = request.headers.get("authorization")
+    if not any(token_matches(header, key) for key in keys):
+        raise APIError(401, "/admin needs an operator key", code="invalid_admin_key")
+
+
 async def admin_state(gw: Gateway, request: HttpRequest, exchange: Exchange) -> HttpResponse:
-    gw.service.check_auth(request)
+    check_admin(gw, request, write=False)
     return _json({**gw.admin_state(), "time": time.time()})
+
+
+ADMIN_FIELDS = frozenset({"threshold", "regime", "scheduler"})
+
+
+def _threshold(value: Any, limit: int) -> float:
+    """A threshold in [1, context length] tokens: finite, and one that can route a prompt
+    either way (0 would send every prompt with one uncached token to PrfaaS)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (ok and math.isfinite(value) and 1 <= value <= limit):
+        raise invalid(f"'threshold' must be a number in [1, {limit}], got {value!r}", "threshold")
+    return float(value)
 
 
 async def set_admin_state(gw: Gateway, request: HttpRequest, exchange: Exchange) -> HttpResponse:
     """Move the threshold or regime by hand. With schedulers running, that pins them (the
-    loops stop moving them) until `{"scheduler": "auto"}` hands them back."""
-    gw.service.check_auth(request)
+    loops stop moving them) until `{"scheduler": "auto"}` hands them back. Every value is
+    checked before anything changes."""
+    check_admin(gw, request, write=True)
     body = load_json(request.body)
+    unknown = sorted(set(body) - ADMIN_FIELDS)
+    if unknown or not body:
+        raise invalid(
+            f"set 'threshold', 'regime' and/or 'scheduler'; unknown: {unknown}",
+            unknown[0] if unknown else None,
+        )
     threshold, regime = body.get("threshold"), body.get("regime")
-    state, by_hand = gw.router.state, "set by hand (POST /admin/state)"
-    if threshold is not None:
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or threshold < 0:
-            raise invalid(f"'threshold' must be a number >= 0, got {threshold!r}", "threshold")
-        threshold = float(threshold)
+    t = None if threshold is None else _threshold(threshold, gw.config.model.context_length)
     if regime is not None and regime not in ("bandwidth_scarce", "bandwidth_abundant"):
-        raise invalid(f"'regime' must be bandwidth_scarce|bandwidth_abundant: {regime!r}")
+        raise invalid(f"'regime' must be bandwidth_scarce|bandwidth_abundant: {regime!r}", "regime")
+    state, by_hand = gw.router.state, "set by hand (POST /admin/state)"
     mode = body.get("scheduler")
     if mode not in (None, "auto"):
         raise invalid(f"'scheduler' may only be \"auto\" (hand t back), got {mode!r}")
     scheduler = gw.scheduler
     if scheduler is not None:  # its decision board reports the change to the dashboard
-        if threshold is not None or regime is not None:
-            scheduler.pin(threshold=threshold, regime=regime)
+        if t is not None or regime is not None:
+            scheduler.pin(threshold=t, regime=regime)
         if mode == "auto":
             scheduler.release()
     else:
-        if threshold is not None:
-            gw.activity.decision("threshold", by_hand, state.threshold, threshold)
-            state.threshold = threshold
+        if t is not None:
+            gw.activity.decision("threshold", by_hand, state.threshold, t)
+            state.threshold = t
         if regime is not None:
             gw.activity.decision("regime", by_hand, state.regime, regime)
             state.regime = regime
@@ -115,8 +154,9 @@ async def set_admin_state(gw: Gateway, request: HttpRequest, exchange: Exchange)
 
 async def dashboard_data(gw: Gateway, request: HttpRequest, exchange: Exchange) -> HttpResponse:
     """What `/dashboard` polls: `ActivityRecorder.snapshot`, newer than `?since=` (the
-    previous answer's `now`), with the wall-clock `time`."""
-    gw.service.check_auth(request)
+    previous answer's `now`), with the wall-clock `time`. Like every `/admin` route, it
+    takes an operator key when any is configured."""
+    check_admin(gw, request, write=False)
     return _json({**gw.activity.snapshot(since_query(request.query)), "time": time.time()})
 
 
@@ -142,10 +182,14 @@ class GatewayApp:
         config: DeploymentConfig,
         setup: Callable[[Gateway], Awaitable[None]] | None = None,
         profile: DeploymentProfile | None = None,
+        secret: DeploymentSecret | None = None,
     ) -> None:
+        """`secret`: the deployment secret the engines hold (their control token goes on
+        every engine call); None reads it from `gateway.secret_file` or the environment."""
         self.config = config
         self._setup = setup
         self._profile = profile
+        self._secret = secret or DeploymentSecret.from_env(path=config.gateway.secret_file)
         self._gateway: Gateway | None = None
         self._session: aiohttp.ClientSession | None = None
         self._server: HttpServer | None = None
@@ -160,7 +204,9 @@ class GatewayApp:
         """Build and start the gateway, then listen; returns the bound port."""
         await self.open()
         try:
-            limits = HttpLimits(max_body_bytes=self.config.gateway.max_body_bytes)
+            m = self.config.model
+            fits = max_body_bytes(ModelLimits(m.name, m.context_length, m.vocab_size))
+            limits = HttpLimits(max_body_bytes=min(self.config.gateway.max_body_bytes, fits))
             self._server = HttpServer(self.dispatch, server_error, limits)
             return await self._server.start(host, port)
         except BaseException:
@@ -177,7 +223,7 @@ class GatewayApp:
             connector=connector, cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False
         )
         try:
-            gateway = build_gateway(self.config, self._session, self._profile)
+            gateway = build_gateway(self.config, self._session, self._secret, self._profile)
             if self._setup is not None:
                 await self._setup(gateway)
             self._gateway = gateway

@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any, get_args
 
 import aiohttp
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from prfaas.common.secret import DeploymentSecret
 from prfaas.common.tokenizer import load_tokenizer
 from prfaas.engines.client import BaseEngineClient, Role
 from prfaas.engines.sglang_client import SGLangClient, SGLangClientConfig
@@ -21,13 +22,13 @@ from prfaas.gateway.admission import AdmissionManager
 from prfaas.gateway.api.activity import ActivityRecorder
 from prfaas.gateway.api.completions import CompletionService
 from prfaas.gateway.api.metrics import GatewayMetrics, egress_gauges, labelled_gauge
-from prfaas.gateway.deployment import DeploymentConfig, InstanceConfig, ModelConfig
-from prfaas.gateway.health import HealthMonitor
+from prfaas.gateway.deployment import DeploymentConfig, GatewayConfig, InstanceConfig, ModelConfig
+from prfaas.gateway.health import HealthMonitor, HealthPolicy
 from prfaas.gateway.instances import InstanceManager, InstanceState
 from prfaas.gateway.kv_feed import KVEventFeed
 from prfaas.gateway.kv_index import KVIndexManager
 from prfaas.gateway.link import EgressMonitor
-from prfaas.gateway.router import Router, RoutingState
+from prfaas.gateway.router import RetryPolicy, Router, RoutingState
 from prfaas.gateway.scheduling.decisions import SchedulerCounters
 from prfaas.gateway.scheduling.scheduler import Scheduler
 from prfaas.gateway.scheduling.short_term import LinkReader
@@ -55,10 +56,14 @@ class Gateway:
     feed: KVEventFeed
     health: HealthMonitor
     metrics: GatewayMetrics
+    session: aiohttp.ClientSession
+    token: str | None = None
+    """The deployment's control token the engine clients send (None: engines are open)."""
     link: dict[str, Any] = field(default_factory=dict)
     """Describes the cross-cluster link for `/admin/state` (embedded deployment)."""
     scheduler: Scheduler | None = None
     """Dual-timescale scheduling, when the deployment asks for it."""
+    egress: EgressMonitor | None = None
     activity: ActivityRecorder = field(init=False)
     """Recent requests, the timeline and decisions, for the dashboard."""
 
@@ -84,6 +89,26 @@ class Gateway:
         for state in self.instances:
             await state.client.close()
 
+    async def relocate(
+        self, instance_id: str, url: str, bootstrap_port: int | None, kv_events: str | None
+    ) -> None:
+        """An engine came back at new addresses (a restart on other ports): point the
+        instance's client, bootstrap address, KV-event subscription and egress polling at
+        them. Its index entries are dropped (a restarted engine's cache is empty)."""
+        state = self.instances[instance_id]
+        old = state.client
+        config = _client_config(self.config.gateway)
+        state.client = SGLangClient(instance_id, url, self.session, config, self.token)
+        if bootstrap_port is not None:
+            state.bootstrap_port = bootstrap_port
+        if kv_events is not None:
+            self.feed.resubscribe(instance_id, kv_events)
+        else:
+            self.feed.resync(instance_id, "restart")
+        if self.egress is not None:
+            self.egress.relocate(instance_id, url)
+        await old.close()
+
     def admin_state(self) -> dict[str, Any]:
         """JSON for `GET /admin/state`."""
         admission = self.service.admission
@@ -102,7 +127,7 @@ class Gateway:
             "scheduler": None if self.scheduler is None else self.scheduler.to_json(),
         }
 
-    def gauges(self) -> list[GaugeMetricFamily]:
+    def gauges(self) -> list[Metric]:
         """Gauges sampled for `/metrics` (link telemetry adds its own, `egress_setup`)."""
         adm = self.service.admission
         return [
@@ -119,10 +144,11 @@ class Gateway:
             ),
             labelled_gauge(
                 "prfaas_instance_healthy",
-                "1 if the instance answers health checks.",
+                "1 if requests are routed to the instance (not ejected, not draining).",
                 ("instance",),
                 (((s.instance_id,), 1.0 if s.healthy else 0.0) for s in self.instances),
             ),
+            _ejections(self.instances),
             labelled_gauge(
                 "prfaas_instances",
                 "Healthy instances per cluster and role (the role split).",
@@ -141,6 +167,15 @@ class Gateway:
         ]
 
 
+def _ejections(instances: InstanceManager) -> CounterMetricFamily:
+    family = CounterMetricFamily(
+        "prfaas_instance_ejections", "Times an instance was ejected.", labels=["instance"]
+    )
+    for s in instances:
+        family.add_metric([s.instance_id], s.ejections)
+    return family
+
+
 def _role_counts(instances: InstanceManager) -> list[tuple[tuple[str, str], float]]:
     """Healthy instances per (cluster, role), every cluster and role listed (0 if none), so a
     role that empties reads 0 rather than vanishing."""
@@ -157,35 +192,53 @@ def _instance_json(s: InstanceState) -> dict[str, Any]:
         "id": s.instance_id,
         "role": s.role,
         "url": url,
+        "bootstrap_port": s.bootstrap_port,
         "healthy": s.healthy,
+        "status": s.status,
+        "draining": s.draining,
+        "ejections": s.ejections,
         "in_flight": s.in_flight,
         "queued": s.queued,
     }
 
 
+def _client_config(g: GatewayConfig) -> SGLangClientConfig:
+    return SGLangClientConfig(health_timeout_s=g.health_timeout_s)
+
+
 def _client(
-    cfg: InstanceConfig, model: ModelConfig, session: aiohttp.ClientSession
+    cfg: InstanceConfig,
+    model: ModelConfig,
+    session: aiohttp.ClientSession,
+    g: GatewayConfig,
+    token: str | None,
 ) -> BaseEngineClient:
-    """The engine client of an instance, by its engine kind."""
+    """The engine client of an instance, by its engine kind (reference engines and SGLang
+    servers get the deployment's control token)."""
     if cfg.engine == "vllm":
         host = cfg.bootstrap_address if cfg.role != "decode" else None
         endpoint = VLLMEndpoint(
             cfg.url, cfg.role, model.name, host, cfg.bootstrap_port, model.block_size
         )
-        return VLLMClient(cfg.id, endpoint, session, SGLangClientConfig())
-    return SGLangClient(cfg.id, cfg.url, session, SGLangClientConfig())
+        return VLLMClient(cfg.id, endpoint, session, _client_config(g))
+    return SGLangClient(cfg.id, cfg.url, session, _client_config(g), token)
 
 
 def _instance(
-    cfg: InstanceConfig, model: ModelConfig, session: aiohttp.ClientSession
+    cfg: InstanceConfig,
+    model: ModelConfig,
+    session: aiohttp.ClientSession,
+    g: GatewayConfig,
+    token: str | None,
 ) -> InstanceState:
-    client = _client(cfg, model, session)
+    client = _client(cfg, model, session, g, token)
+    has_bootstrap = cfg.bootstrap_port is not None
     return InstanceState(
         instance_id=cfg.id,
         cluster=cfg.cluster,
         role=cfg.role,
         client=client,
-        bootstrap_host=cfg.bootstrap_address if cfg.role != "decode" else None,
+        bootstrap_host=cfg.bootstrap_address if has_bootstrap else None,
         bootstrap_port=cfg.bootstrap_port,
     )
 
@@ -193,26 +246,38 @@ def _instance(
 def build_gateway(
     config: DeploymentConfig,
     session: aiohttp.ClientSession,
+    secret: DeploymentSecret | None = None,
     profile: DeploymentProfile | None = None,
 ) -> Gateway:
-    """Wire a gateway for `config`; engines are reached through `session` (caller owns it).
-    With a `[scheduler]` table the schedulers run on `profile` (e.g. `prfaas serve`'s
-    measured one), else on the file the table names.
+    """Wire a gateway for `config`; engines are reached through `session` (caller owns it)
+    with the control token of `secret` (None: the engines are open). With a `[scheduler]`
+    table the schedulers run on `profile` (e.g. `prfaas serve`'s measured one), else on the
+    file the table names.
 
     Raises:
         ValueError: unknown policy, unusable tokenizer, or a scheduler without a profile
             (ConfigError for an invalid profile file).
     """
     g, m = config.gateway, config.model
+    token = secret.control_token() if secret is not None else None
     instances = InstanceManager()
     for cfg in config.instances:
-        instances.add(_instance(cfg, config.model, session))
+        instances.add(_instance(cfg, config.model, session, g, token))
     index = KVIndexManager(block_size=m.block_size, max_blocks=g.kv_index_max_blocks)
     metrics = GatewayMetrics()
-    router = Router(instances, index, create_policy(g.policy), RoutingState(g.threshold, g.regime))
+    tokenizer = load_tokenizer(m.tokenizer)
+    router = Router(
+        instances,
+        index,
+        create_policy(g.policy),
+        RoutingState(g.threshold, g.regime),
+        on_event=metrics.route_event,
+        retry=RetryPolicy(g.max_retries, g.max_migrations, g.retry_wait_s),
+        detokenize=tokenizer.decode,
+    )
     service = CompletionService(
         router=router,
-        tokenizer=load_tokenizer(m.tokenizer),
+        tokenizer=tokenizer,
         limits=ModelLimits(m.name, m.context_length, m.vocab_size),
         admission=AdmissionManager(max_running=g.max_running, max_queued=g.max_queued),
         metrics=metrics,
@@ -224,10 +289,11 @@ def build_gateway(
     feed = KVEventFeed(
         index, endpoints, lambda i, why: metrics.kv_resyncs.labels(i, why).inc(), vllm
     )
-    health = HealthMonitor(
-        instances, g.health_interval_s, on_down=lambda i: feed.resync(i, "instance_down")
+    policy = HealthPolicy(g.health_interval_s, g.eject_after, g.readmit_after)
+    health = HealthMonitor(instances, policy, on_restart=feed.restarted)
+    gateway = Gateway(
+        config, instances, index, router, service, feed, health, metrics, session, token
     )
-    gateway = Gateway(config, instances, index, router, service, feed, health, metrics)
     service.activity = gateway.activity
     metrics.add_gauges(gateway.gauges)
     if config.scheduler is not None:
@@ -291,8 +357,10 @@ def egress_setup(static: Mapping[str, Any] | None = None) -> Callable[[Gateway],
             for s in gateway.instances
             if s.cluster == "prfaas" and s.role != "decode" and isinstance(s.client, SGLangClient)
         }
-        monitor = EgressMonitor(urls, static)
-        gateway.link = monitor.state
+        token = gateway.token
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        monitor = EgressMonitor(urls, static, headers)
+        gateway.link, gateway.egress = monitor.state, monitor
         gateway.metrics.add_gauges(lambda: egress_gauges(monitor))
         gateway.health.add_poller(monitor)
         if gateway.scheduler is not None:

@@ -8,6 +8,7 @@ Router's stream and so aborts the request on both the prefill and the decode eng
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
 from collections.abc import Callable
@@ -28,6 +29,10 @@ from prfaas.protocol.openai_request import Api, CompletionCall, ModelLimits, loa
 from prfaas.protocol.openai_response import Accumulator
 
 SSE_HEADERS = {"Cache-Control": "no-cache"}
+PARSE_IN_THREAD_BYTES = 64 * 1024
+"""Bodies larger than this are parsed and tokenized on a worker thread, so a burst of big
+bodies cannot hold the event loop (and `/health`) for long."""
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -115,10 +120,13 @@ class CompletionService:
         self, request: HttpRequest, exchange: Exchange, api: Api, timing: _Timing
     ) -> HttpResponse | None:
         self.check_auth(request)
-        call = parse_call(load_json(request.body), api, self.limits, self.tokenizer)
-        timing.prompt_tokens = len(call.input_ids)
+        if len(request.body) > PARSE_IN_THREAD_BYTES:
+            call = await asyncio.to_thread(self._parse, request.body, api)
+        else:
+            call = self._parse(request.body, api)
         try:
             async with self.admission.slot():
+                timing.prompt_tokens = len(call.input_ids)  # admitted requests only
                 return await self._serve(exchange, call, timing)
         except QueueFull as exc:
             raise APIError(
@@ -127,6 +135,9 @@ class CompletionService:
                 code="queue_full",
                 headers={"Retry-After": str(self.retry_after_s)},
             ) from None
+
+    def _parse(self, body: bytes, api: Api) -> CompletionCall:
+        return parse_call(load_json(body), api, self.limits, self.tokenizer)
 
     async def _serve(
         self, exchange: Exchange, call: CompletionCall, timing: _Timing
@@ -176,18 +187,23 @@ class CompletionService:
                 acc.add(chunk)
                 await resp.write(_sse(acc.chunk(chunk)))
                 chunk = await routed.next()
-        except EngineError as exc:  # too late for a status: tell the client in-band
+        except EngineError as exc:
+            # Too late for a status: an OpenAI error event, and no `[DONE]`, so a client
+            # that trusts `[DONE]` never takes the cut-off answer for a whole one.
             await resp.write(_sse(_engine_error(exc).body()))
         else:
             if acc.call.include_usage:
                 await resp.write(_sse(acc.usage_chunk()))
-        await resp.write(b"data: [DONE]\n\n")
+            await resp.write(b"data: [DONE]\n\n")
         await resp.end()
 
 
 def _engine_error(exc: EngineError) -> APIError:
+    """The client's view of an engine failure: its status and short code, never the
+    engine's own text (which may name bootstrap rooms or peers); that goes to the log."""
+    logger.warning("request failed on an engine: %s", exc)
     status = exc.status if exc.status in (502, 503, 504) else 502
-    return APIError(status, f"engine failure: {exc}", code="engine_error")
+    return APIError(status, f"the request failed on an engine ({exc.code})", code="engine_error")
 
 
 def route_headers(decision: RouteDecision) -> dict[str, str]:

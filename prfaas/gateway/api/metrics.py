@@ -14,13 +14,15 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from prfaas.gateway.link import EgressMonitor
+from prfaas.gateway.router import RouteEvent
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 TOKEN_BUCKETS = (0, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
-GaugeSource = Callable[[], Iterable[GaugeMetricFamily]]
-"""Gauges read at scrape time: a fresh family per metric name on every call."""
+GaugeSource = Callable[[], Iterable[Metric]]
+"""Gauges (or counters kept elsewhere) read at scrape time: a fresh family per metric name
+on every call."""
 
 
 def labelled_gauge(
@@ -116,9 +118,29 @@ class GatewayMetrics:
             buckets=TOKEN_BUCKETS,
         )
         self.prompt = Histogram(
-            "prfaas_prompt_tokens", "Prompt length.", registry=reg, buckets=TOKEN_BUCKETS
+            "prfaas_prompt_tokens",
+            "Prompt length of admitted requests.",
+            registry=reg,
+            buckets=TOKEN_BUCKETS,
+        )
+        self.retries = Counter(
+            "prfaas_request_retries",  # exported as prfaas_request_retries_total
+            "Re-dispatches of requests that failed on an engine before their first token.",
+            registry=reg,
+        )
+        self.migrations = Counter(
+            "prfaas_request_migrations",  # exported as prfaas_request_migrations_total
+            "Re-dispatches of requests whose decode engine failed mid-stream.",
+            registry=reg,
         )
         self._exported = _WithoutCreated(reg)
+
+    def route_event(self, event: RouteEvent) -> None:
+        """Book what the Router reports about a finished request (`Router.on_event`)."""
+        if event.retries:
+            self.retries.inc(event.retries)
+        if event.migrations:
+            self.migrations.inc(event.migrations)
 
     def add_gauges(self, source: GaugeSource) -> None:
         """Sample `source` at every scrape from now on.

@@ -130,7 +130,8 @@ async def test_regime_decides_use_of_prfaas_cache(
     tokens against the PD cache and routes prfaas (which then computes only 12); the abundant
     regime counts the PrfaaS cache, 12 <= t, and routes pd with the prefix transferred."""
     with KVEventPublisher("tcp://127.0.0.1:*") as pub:
-        config = deployment(null_engines.urls, kv_events={"prfaas-p0": pub.endpoint})
+        events = {"prfaas-p0": pub.endpoint}
+        config = deployment(null_engines.urls, kv_events=events, admin_keys=("op",))
         url, gateway = await gateway_factory(config)
         await _publish_until_indexed(pub, gateway, "prfaas-p0", _stored(LONG, 18))
         client = _client(url)
@@ -138,7 +139,9 @@ async def test_regime_decides_use_of_prfaas_cache(
             model="tiny", prompt=LONG, max_tokens=1
         )
         async with aiohttp.ClientSession() as s:
-            r = await s.post(f"{url}/admin/state", json={"regime": "bandwidth_abundant"})
+            admin = {"Authorization": "Bearer op"}
+            body = {"regime": "bandwidth_abundant"}
+            r = await s.post(f"{url}/admin/state", json=body, headers=admin)
             assert (await r.json())["regime"] == "bandwidth_abundant"
         abundant = await client.completions.with_raw_response.create(
             model="tiny", prompt=LONG, max_tokens=1

@@ -29,9 +29,14 @@ async def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, An
         return resp.status, resp.headers, await resp.read()
 
 
-async def _data(url: str, since: float | None = None) -> dict[str, Any]:
+async def _data(
+    url: str, headers: dict[str, str] | None = None, since: float | None = None
+) -> dict[str, Any]:
     query = "" if since is None else f"?since={since!r}"
-    async with aiohttp.ClientSession() as s, s.get(f"{url}/admin/dashboard{query}") as resp:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.get(f"{url}/admin/dashboard{query}", headers=headers) as resp,
+    ):
         assert resp.status == 200, await resp.text()
         body: dict[str, Any] = await resp.json()
         return body
@@ -128,10 +133,13 @@ async def test_refused_requests_count_as_errors_without_a_route(
 async def test_data_route_takes_the_admin_check(
     null_engines: Engines, gateway_factory: GatewayFactory
 ) -> None:
-    """With keys configured the data needs one (401 without); the page itself holds no
-    data and loads without (it then asks for the key)."""
-    url, _ = await gateway_factory(deployment(null_engines.urls, api_keys=("sesame",)))
+    """With operator keys configured the data needs one (401 without, and a client's API
+    key is not one); the page itself holds no data and loads without (it then asks for the
+    key)."""
+    config = deployment(null_engines.urls, api_keys=("client",), admin_keys=("sesame",))
+    url, _ = await gateway_factory(config)
     assert (await _get(f"{url}/admin/dashboard"))[0] == 401
+    assert (await _get(f"{url}/admin/dashboard", {"Authorization": "Bearer client"}))[0] == 401
     status, _, body = await _get(f"{url}/admin/dashboard", {"Authorization": "Bearer sesame"})
     assert status == 200 and b'"run_id"' in body
     assert (await _get(f"{url}/dashboard"))[0] == 200
@@ -151,12 +159,13 @@ async def test_hand_set_threshold_and_regime_are_decisions(
 ) -> None:
     """`POST /admin/state` records each change with before, after and reason; the regime
     gauge follows; the role-split gauge counts healthy instances per cluster and role."""
-    url, _ = await gateway_factory(deployment(null_engines.urls))
+    url, _ = await gateway_factory(deployment(null_engines.urls, admin_keys=("op",)))
     async with aiohttp.ClientSession() as s:
         body = {"threshold": 250, "regime": "bandwidth_abundant"}
-        async with s.post(f"{url}/admin/state", json=body) as resp:
+        op = {"Authorization": "Bearer op"}
+        async with s.post(f"{url}/admin/state", json=body, headers=op) as resp:
             assert resp.status == 200
-    decisions = (await _data(url))["decisions"]
+    decisions = (await _data(url, op))["decisions"]
     assert [(d["kind"], d["before"], d["after"], d["source"]) for d in decisions] == [
         ("threshold", 100.0, 250.0, "operator"),
         ("regime", "bandwidth_scarce", "bandwidth_abundant", "operator"),

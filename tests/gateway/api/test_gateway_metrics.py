@@ -32,6 +32,9 @@ GATEWAY_FAMILIES = {
     "prfaas_instances": "gauge",
     "prfaas_bandwidth_regime": "gauge",
     "prfaas_kv_index_entries": "gauge",
+    "prfaas_request_retries": "counter",
+    "prfaas_request_migrations": "counter",
+    "prfaas_instance_ejections": "counter",
 }
 # Escaping needed in a label value: a newline, a quote and a backslash.
 ODD_ID = 'pd-d0 "rack\\7"\nrow 2'

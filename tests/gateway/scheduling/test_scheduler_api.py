@@ -22,9 +22,11 @@ from prfaas.gateway.api.assembly import build_gateway
 from prfaas.gateway.deployment import load_deployment
 from prfaas.gateway.scheduling.config import SchedulerConfig
 
+OPERATOR = {"Authorization": "Bearer op-key"}
+
 
 def _scheduled(engines: Engines, profile: Path) -> object:
-    config = deployment(engines.urls)
+    config = deployment(engines.urls, admin_keys=("op-key",))
     return replace(config, scheduler=SchedulerConfig(profile=str(profile), tick_s=0.05))
 
 
@@ -36,7 +38,7 @@ async def test_admin_state_pin_release_and_metrics(
 ) -> None:
     caplog.set_level(logging.INFO, logger="prfaas.scheduler")
     url, gateway = await gateway_factory(_scheduled(null_engines, case_study_path))
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(headers=OPERATOR) as s:
         state = (await (await s.get(f"{url}/admin/state")).json())["scheduler"]
         assert (state["threshold"], state["set_point"], state["pinned"]) == (100, 100, False)
         assert state["roles"] == {"pd-p0": "prefill", "pd-d0": "decode"}

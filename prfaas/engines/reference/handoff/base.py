@@ -192,6 +192,7 @@ def _fail(room: _Room, error: HandoffError) -> None:
     for fut in (room.ready, room.delivered):
         if not fut.done():
             fut.set_exception(error)
+            fut.exception()  # retrieved: either side may be gone (a crash), never awaiting it
 
 
 class InProcessSender:

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from aiohttp import web
 
+from prfaas.common.secret import DeploymentSecret
 from prfaas.common.tokenizer import BYTE_LEVEL, load_tokenizer
 from prfaas.engines.reference.engine_config import EngineConfig, TransferConfig
 from prfaas.engines.reference.handoff.transport import TransportReceiver, TransportSender
@@ -23,6 +24,7 @@ from prfaas.engines.reference.server.app_keys import ModelInfo
 from prfaas.engines.reference.server.routes import create_app
 from prfaas.engines.reference.server.service import EngineService
 from prfaas.engines.reference.step.core import EngineCore
+from prfaas.engines.transport import ReceiverConfig
 from prfaas.protocol.kv_events import KVEvent, KVEventPublisher
 
 logger = logging.getLogger(__name__)
@@ -42,6 +44,9 @@ class LaunchOptions:
     engine: EngineConfig = field(default_factory=EngineConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     """KV transport of the prefill side (connections, egress pacing and delay)."""
+    secret: DeploymentSecret | None = None
+    """The deployment secret: with it, every route but `/health` needs its control token
+    and KV transport peers must prove they hold it; without it both are open."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -63,8 +68,14 @@ def build_app(options: LaunchOptions) -> tuple[web.Application, EngineService]:
     has_json = (source.path / "tokenizer.json").is_file()
     tokenizer = load_tokenizer(source.path if has_json else BYTE_LEVEL)
     core = EngineCore(runner, options.engine, tokenizer.decode)
-    sender = TransportSender(options.transfer.sender_config(options.host, options.bootstrap_port))
-    service = EngineService(core, sender, TransportReceiver())
+    secret = options.secret
+    key = secret.transport_key() if secret is not None else b""
+    if secret is None:
+        logger.warning("no deployment secret: control routes and the KV transport are open")
+    sender = TransportSender(
+        options.transfer.sender_config(options.host, options.bootstrap_port, key)
+    )
+    service = EngineService(core, sender, TransportReceiver(ReceiverConfig(auth_key=key)))
     info = ModelInfo(
         model=source.name,
         model_path=str(source.path),
@@ -73,7 +84,7 @@ def build_app(options: LaunchOptions) -> tuple[web.Application, EngineService]:
         vocab_size=runner.shape.vocab_size,
         tokenizer=tokenizer.name,
     )
-    app = create_app(service, tokenizer, info)
+    app = create_app(service, tokenizer, info, secret.control_token() if secret else None)
     if options.kv_events:
         app.cleanup_ctx.append(_kv_events(service, options.kv_events))
     return app, service

@@ -9,8 +9,8 @@ the same token ids and the same body shapes by either route.
 
 from __future__ import annotations
 
+import secrets
 import time
-import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 
@@ -45,7 +45,7 @@ async def _serve(request: web.Request, api: Api) -> web.StreamResponse:
     pool = service.core.pool.config
     limits = ModelLimits(info.model, pool.num_blocks * pool.block_size, info.vocab_size)
     call = parse_call(load_json(await request.read()), api, limits, tok)
-    rid = ("chatcmpl-" if api == "chat" else "cmpl-") + uuid.uuid4().hex
+    rid = ("chatcmpl-" if api == "chat" else "cmpl-") + secrets.token_hex(16)
     acc = Accumulator(call, rid, int(time.time()))
     events = service.generate(rid, list(call.input_ids), call.sampling, None)
     chunks = _chunks(events, tok.decode, len(call.input_ids))

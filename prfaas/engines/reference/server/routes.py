@@ -3,18 +3,19 @@ routes from `openai_routes.py`. Every error is an OpenAI-style JSON error (`erro
 
 from __future__ import annotations
 
+import secrets
 import time
-import uuid
 from contextlib import aclosing
 from dataclasses import asdict
 from typing import Any
 
 from aiohttp import web
 
+from prfaas.common.secret import token_matches
 from prfaas.common.tokenizer import Tokenizer
 from prfaas.engines.reference.handoff.transport import TransportSender
 from prfaas.engines.reference.server.app_keys import INFO, SERVICE, TOKENIZER, ModelInfo
-from prfaas.engines.reference.server.errors import error_middleware
+from prfaas.engines.reference.server.errors import Handler, error_middleware, json_error
 from prfaas.engines.reference.server.openai_routes import add_openai_routes
 from prfaas.engines.reference.server.service import EngineService
 from prfaas.engines.reference.server.streaming import (
@@ -37,7 +38,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     """SGLang `/generate`: JSON result, or an SSE stream of cumulative results."""
     service, tok = request.app[SERVICE], request.app[TOKENIZER]
     start = time.monotonic()
-    call = parse_request(await read_json(request), tok.encode, lambda: uuid.uuid4().hex)
+    call = parse_request(await read_json(request), tok.encode, lambda: secrets.token_hex(16))
     events = service.generate(call.rid, list(call.input_ids), call.sampling, call.bootstrap)
     if call.stream:
         return await _stream_generate(request, events, call, start)
@@ -83,7 +84,16 @@ def _add_final(acc: Collected, event: Any) -> None:
 
 
 async def health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok", "role": request.app[SERVICE].core.role})
+    """`GET /health`, open to anyone (load balancers): the engine's own report of its role,
+    whether a role switch is draining it, and its start id (a new one after a restart)."""
+    service = request.app[SERVICE]
+    body = {
+        "status": "ok",
+        "role": service.core.role,
+        "draining": service.draining,
+        "start_id": service.start_id,
+    }
+    return web.json_response(body)
 
 
 async def server_info(request: web.Request) -> web.Response:
@@ -107,6 +117,7 @@ async def server_info(request: web.Request) -> web.Response:
         "disaggregation_bootstrap_host": request.url.host,
         "disaggregation_bootstrap_port": service.sender.bootstrap_port,
         "last_role_switch_s": service.last_switch_s,
+        "start_id": service.start_id,
     }
     return web.json_response(body)
 
@@ -220,9 +231,36 @@ async def admin_egress(request: web.Request) -> web.Response:
     return web.json_response({"egress_rate_bytes_per_s": transport.config.process_rate_bytes_per_s})
 
 
-def create_app(service: EngineService, tokenizer: Tokenizer, info: ModelInfo) -> web.Application:
-    """The aiohttp application; starting it starts the engine, cleanup closes it."""
-    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
+OPEN_PATHS = frozenset({"/health"})
+"""Routes anyone may call when the engine has a control token (load-balancer probes)."""
+
+
+def auth_middleware(token: str) -> Any:
+    """Refuse (401) every request but `GET /health` unless it carries `Authorization: Bearer
+    <token>` (the deployment secret's control token; SGLang's `--api-key` header)."""
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path in OPEN_PATHS and request.method in ("GET", "HEAD"):
+            return await handler(request)
+        if not token_matches(request.headers.get("Authorization"), token):
+            error = APIError(401, "this engine needs the deployment's control token",
+                             code="invalid_api_key")  # fmt: skip
+            return json_error(error)
+        return await handler(request)
+
+    return check
+
+
+def create_app(
+    service: EngineService, tokenizer: Tokenizer, info: ModelInfo, token: str | None = None
+) -> web.Application:
+    """The aiohttp application; starting it starts the engine, cleanup closes it. With
+    `token`, every route but `/health` needs it as a bearer token."""
+    middlewares = (
+        [error_middleware] if token is None else [auth_middleware(token), error_middleware]
+    )
+    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app[SERVICE], app[TOKENIZER], app[INFO] = service, tokenizer, info
 
     async def lifecycle(app: web.Application) -> Any:

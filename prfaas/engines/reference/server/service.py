@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections.abc import AsyncGenerator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -54,6 +55,14 @@ class EngineService:
         self._draining = False
         self._active: dict[str, Request] = {}
         self.last_switch_s: float | None = None
+        self.start_id = secrets.token_hex(8)
+        """Names this process's life: a restarted engine reports another one, so the
+        gateway knows its prefix cache (and KV-index entries) are gone."""
+
+    @property
+    def draining(self) -> bool:
+        """Whether a role switch is draining the engine (new requests are refused)."""
+        return self._draining
 
     async def start(self) -> None:
         """Start the hand-off endpoint and the step loop."""
