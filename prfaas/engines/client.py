@@ -140,7 +140,7 @@ class BaseEngineClient(ABC):
     async def set_role(self, role: Role, *, timeout_s: float = 300.0) -> float:
         """Switch the instance to `role` through the engine's role API: the engine refuses new
         work, lets what it runs finish, then switches. Mutates the engine, not the client.
-        The caller stops routing to the instance first (`HealthMonitor.switch_role`).
+        The caller stops routing to the instance first (`gateway/scheduling/roles.py`).
 
         Returns:
             The seconds the engine took (its drain included).

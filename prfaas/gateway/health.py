@@ -11,8 +11,7 @@ then the added pollers run (e.g. the link's egress telemetry, `link.EgressMonito
 - Its KV-index entries are dropped only when the engine's own start identity changes (it
   restarted with an empty cache), never because a poll was missed.
 - Role and draining come from the engine's own report, so a role switch made on the engine
-  (by the scheduler or by hand) is seen at the next probe; `switch_role` does one through
-  the gateway and applies the new role at once.
+  (by the scheduler's `RoleConverter` or by hand) is seen at the next probe.
 """
 
 from __future__ import annotations
@@ -169,22 +168,6 @@ class HealthMonitor:
         elif state.status == "healthy":
             logger.warning("instance %s is suspect (a probe failed)", state.instance_id)
             state.status = "suspect"
-
-    async def switch_role(self, instance_id: str, role: Role, timeout_s: float = 300.0) -> float:
-        """Switch an instance's role through its engine (`POST /admin/role`, authenticated
-        with the deployment's token) and apply the engine's new report at once: no new
-        requests go to it while it drains. Returns the engine's switch time in seconds.
-
-        Raises:
-            KeyError: unknown instance. EngineError: the engine refused or failed.
-        """
-        state = self._instances[instance_id]
-        state.draining = True
-        try:
-            seconds = await state.client.set_role(role, timeout_s=timeout_s)
-        finally:
-            await self.refresh(state)
-        return seconds
 
     async def stop(self) -> None:
         if self._task is not None:

@@ -8,7 +8,7 @@ deployment's control token on every call; the KV hand-off in process).
   cannot be saved ends with an OpenAI error event and no `[DONE]`.
 - Finding 3: a role switched on the engine (behind the gateway's back) is seen at the next
   health probe, so requests stop going to a prefill that became a decode; the scheduler's
-  `HealthMonitor.switch_role` applies the new role at once.
+  the scheduler's `RoleConverter` applies the new role at once.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from prfaas.engines.reference.model.runner import ModelRunner
 from prfaas.gateway.api.app import GatewayApp
 from prfaas.gateway.api.assembly import Gateway
 from prfaas.gateway.deployment import DeploymentConfig, GatewayConfig, InstanceConfig, ModelConfig
+from prfaas.gateway.scheduling.roles import RoleConverter
 
 pytestmark = pytest.mark.timeout(120)
 SECRET = DeploymentSecret(b"g" * 32)
@@ -213,7 +214,7 @@ async def test_a_role_switched_on_the_engine_is_seen_by_the_gateway(model: Model
     """Finding 3: the PD prefill is switched to decode on the engine itself (with the
     deployment's token): the gateway sees the new role at the next probe and short prompts
     go to the PrfaaS prefill instead of waiting for KV that never comes. The scheduler's
-    `switch_role` switches it back and the gateway's view changes at once."""
+    `RoleConverter` switches it back and the gateway's view changes at once."""
     prompt = random_prompt(14, 40)
     async with cluster(model) as c:
         headers = {"Authorization": f"Bearer {SECRET.control_token()}"}
@@ -233,8 +234,9 @@ async def test_a_role_switched_on_the_engine_is_seen_by_the_gateway(model: Model
         )  # fmt: skip
         assert raw.headers["x-prfaas-route"] == "prfaas"
         assert raw.parse().choices[0].text == expected(model, prompt, 4)
-        seconds = await c.gateway.health.switch_role("pd-p0", "prefill")
-        assert seconds >= 0 and c.gateway.instances["pd-p0"].role == "prefill"
+        converter = RoleConverter(c.gateway.instances, drain_timeout_s=60)
+        result = await converter.convert("pd-p0", "prefill")
+        assert result.ok and c.gateway.instances["pd-p0"].role == "prefill"
         again = await c.client().completions.with_raw_response.create(
             model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
             extra_body={"ignore_eos": True},
