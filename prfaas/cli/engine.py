@@ -7,8 +7,12 @@ import argparse
 import asyncio
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prfaas.cli.extras import require_extra
+
+if TYPE_CHECKING:
+    from prfaas.engines.transport import TlsConfig
 
 HELP = "Run a CPU reference engine serving a hybrid-attention model."
 
@@ -56,6 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "makes more threads much slower; raise it on a dedicated machine)",
     )
     _add_transfer_arguments(parser.add_argument_group("KV transfer (prefill side)"))
+    _add_tls_arguments(parser.add_argument_group("KV transport TLS (links that leave the DC)"))
 
 
 def _add_transfer_arguments(group: argparse._ArgumentGroup) -> None:
@@ -81,6 +86,59 @@ def _add_transfer_arguments(group: argparse._ArgumentGroup) -> None:
         "--egress-capacity-mbps",
         type=float,
         help="link capacity for the utilisation in /transfer_stats (default: the egress rate)",
+    )
+
+
+def _add_tls_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--transport-tls-cert",
+        type=Path,
+        metavar="PEM",
+        help="this engine's certificate: its bootstrap port serves TLS with it (and it is the "
+        "client certificate of its fetches); needs --transport-tls-key and --transport-tls-ca",
+    )
+    group.add_argument("--transport-tls-key", type=Path, metavar="PEM", help="its private key")
+    group.add_argument(
+        "--transport-tls-ca",
+        type=Path,
+        metavar="PEM",
+        help="the deployment's CA: fetches verify prefill engines' certificates against it",
+    )
+    group.add_argument(
+        "--transport-tls-verify-client",
+        action="store_true",
+        help="mutual TLS: decode engines must present a certificate signed by the CA",
+    )
+    group.add_argument(
+        "--transport-tls-server-name",
+        metavar="NAME",
+        help="the name prefill certificates carry (default: the bootstrap host, so an IP "
+        "address needs an IP subjectAltName)",
+    )
+
+
+def _tls(args: argparse.Namespace) -> TlsConfig | None:
+    """The engine's transport TLS from its flags (all three files, or none of them)."""
+    from prfaas.engines.transport import TlsConfig
+
+    files = {"--transport-tls-cert": args.transport_tls_cert,
+             "--transport-tls-key": args.transport_tls_key,
+             "--transport-tls-ca": args.transport_tls_ca}  # fmt: skip
+    missing = [flag for flag, value in files.items() if value is None]
+    if len(missing) == len(files):
+        if args.transport_tls_verify_client or args.transport_tls_server_name:
+            raise ValueError("--transport-tls-verify-client and --transport-tls-server-name "
+                             "need --transport-tls-cert, --transport-tls-key and "
+                             "--transport-tls-ca")  # fmt: skip
+        return None
+    if missing:
+        raise ValueError(f"{', '.join(files)} go together: missing {', '.join(missing)}")
+    return TlsConfig(
+        cert_file=args.transport_tls_cert,
+        key_file=args.transport_tls_key,
+        ca_file=args.transport_tls_ca,
+        verify_client=args.transport_tls_verify_client,
+        server_name=args.transport_tls_server_name,
     )
 
 
@@ -126,6 +184,7 @@ def run(args: argparse.Namespace) -> int:
             engine=engine,
             transfer=transfer,
             secret=DeploymentSecret.from_env(path=args.secret_file),
+            tls=_tls(args),
         )
         asyncio.run(serve(options))
     except (ValueError, OSError) as exc:

@@ -32,6 +32,9 @@ role = "decode"
 model = "qwen3-next-tiny"
 # egress_rate_mbps = 10      # prefill roles: pace this engine's KV egress (emulated link)
 # egress_delay_ms = 5        # prefill roles: added one-way delay
+# transport_tls_cert = "certs/pd-d0.pem"   # KV transport TLS (reference engines; all three
+# transport_tls_key = "certs/pd-d0.key"    # files, on every launched engine or none; paths
+# transport_tls_ca = "certs/ca.pem"        # relative to this file)
 
 [scheduler]                  # optional: dual-timescale scheduling (gateway/scheduling/)
 profile = "profile.toml"     # planner profile (hardware, KV bytes), relative to this file
@@ -201,6 +204,17 @@ class LaunchConfig:
     """Prefill roles: cap (emulate) this engine's whole KV egress, in Mbit/s."""
     egress_delay_ms: float = 0.0
     """Prefill roles: added one-way delay of its KV transfers (emulated distance)."""
+    transport_tls_cert: str | None = None
+    """KV transport TLS (reference engines): this engine's certificate (PEM), served on its
+    bootstrap port and presented by its fetches; with `transport_tls_key` and
+    `transport_tls_ca`. Relative paths are relative to the deployment file."""
+    transport_tls_key: str | None = None
+    """The private key (PEM) of `transport_tls_cert`."""
+    transport_tls_ca: str | None = None
+    """The deployment's CA (PEM): this engine's fetches verify prefill engines against it."""
+    transport_tls_verify_client: bool = False
+    """Mutual TLS: this engine's bootstrap port also requires a client certificate signed
+    by the CA."""
 
     def __post_init__(self) -> None:
         check(bool(self.id), "id", self.id, "must not be empty")
@@ -213,14 +227,43 @@ class LaunchConfig:
         check(self.egress_delay_ms >= 0, "egress_delay_ms", self.egress_delay_ms, "must be >= 0")
         paced = rate is not None or self.egress_delay_ms > 0
         check(not paced or self.role != "decode", "role", self.role, "has no KV egress to pace")
+        files = self.tls_files()
+        for key, value in files.items():
+            check(value is None or bool(value), key, value, "must not be empty")
+        unset = [key for key, value in files.items() if value is None]
+        check(len(unset) in (0, len(files)), unset[0] if unset else "", None,
+              f"is required with {', '.join(k for k in files if k not in unset)}")  # fmt: skip
+        tls = not unset
+        check(not tls or self.engine == "sglang", "engine", self.engine,
+              "has no transport TLS settings here (reference engines only)")  # fmt: skip
+        check(tls or not self.transport_tls_verify_client, "transport_tls_verify_client",
+              True, "needs transport_tls_cert, transport_tls_key and transport_tls_ca")  # fmt: skip
+
+    def tls_files(self) -> dict[str, str | None]:
+        """The transport TLS files by key (None where unset)."""
+        return {
+            "transport_tls_cert": self.transport_tls_cert,
+            "transport_tls_key": self.transport_tls_key,
+            "transport_tls_ca": self.transport_tls_ca,
+        }
+
+    @property
+    def transport_tls(self) -> bool:
+        """Whether this engine's KV transport uses TLS."""
+        return self.transport_tls_cert is not None
 
     def engine_args(self) -> tuple[str, ...]:
-        """Extra `prfaas engine` flags for the link emulation, if any."""
+        """Extra `prfaas engine` flags for the link emulation and transport TLS, if any."""
         args: list[str] = []
         if self.egress_rate_mbps is not None:
             args += ["--egress-rate-mbps", f"{self.egress_rate_mbps:g}"]
         if self.egress_delay_ms > 0:
             args += ["--egress-delay-ms", f"{self.egress_delay_ms:g}"]
+        for key, value in self.tls_files().items():
+            if value is not None:
+                args += ["--" + key.replace("_", "-"), value]
+        if self.transport_tls_verify_client:
+            args.append("--transport-tls-verify-client")
         return tuple(args)
 
 
@@ -243,6 +286,11 @@ class DeploymentConfig:
         roles = {(i.cluster, i.role) for i in members}
         has_decode = any(c == "pd" and r in ("decode", "both") for c, r in roles)
         check(has_decode or not members, "instances", ids, "need a decode role in cluster 'pd'")
+        # a decode with TLS fetches from every prefill over TLS: all launched engines or none
+        tls = {la.id: la.transport_tls for la in self.launch if la.engine == "sglang"}
+        plain = sorted(i for i, on in tls.items() if not on)
+        check(len(plain) in (0, len(tls)), "launch", plain,
+              "lack the transport TLS the other launched engines use")  # fmt: skip
 
 
 def parse_deployment(data: dict[str, Any], source: str = "<config>") -> DeploymentConfig:
@@ -268,4 +316,30 @@ def load_deployment(path: str | Path) -> DeploymentConfig:
     if sched is not None and sched.profile is not None:  # relative to the deployment file
         profile = Path(path).parent / sched.profile
         config = replace(config, scheduler=replace(sched, profile=str(profile)))
-    return config
+    launch = tuple(_tls_files(la, Path(path), n) for n, la in enumerate(config.launch))
+    return replace(config, launch=launch)
+
+
+def _tls_files(launch: LaunchConfig, path: Path, index: int) -> LaunchConfig:
+    """`launch` with its transport TLS files relative to the deployment file, each checked
+    readable (ConfigError naming the key and the file otherwise); the engine loads them."""
+
+    def resolve(key: str, value: str | None) -> str | None:
+        if value is None:
+            return None
+        file = str(path.parent / value)
+        try:
+            with open(file, "rb"):
+                pass
+        except OSError as exc:
+            raise ConfigError(f"{path}: launch[{index}].{key}: cannot read {file!r}: "
+                              f"{exc.strerror or exc}") from None  # fmt: skip
+        return file
+
+    files = {key: resolve(key, value) for key, value in launch.tls_files().items()}
+    return replace(
+        launch,
+        transport_tls_cert=files["transport_tls_cert"],
+        transport_tls_key=files["transport_tls_key"],
+        transport_tls_ca=files["transport_tls_ca"],
+    )

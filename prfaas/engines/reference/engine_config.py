@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from prfaas.engines.transport import SenderConfig
+from prfaas.engines.transport import SenderConfig, TlsConfig
 
 ROLES = ("prefill", "decode", "both")
 MIB = 2**20
@@ -94,13 +94,17 @@ class TransferConfig:
         if not (math.isfinite(self.egress_delay_s) and 0 <= self.egress_delay_s <= 10):
             raise ValueError(f"egress_delay_s must be in [0, 10] s, got {self.egress_delay_s}")
 
-    def sender_config(self, host: str, port: int, auth_key: bytes = b"") -> SenderConfig:
+    def sender_config(
+        self, host: str, port: int, auth_key: bytes = b"", tls: TlsConfig | None = None
+    ) -> SenderConfig:
         """The transport's `SenderConfig` for a bootstrap listener on `host:port`; peers
-        authenticate with `auth_key` (the deployment secret's transport key)."""
+        authenticate with `auth_key` (the deployment secret's transport key), over `tls`
+        if given."""
         return SenderConfig(
             host=host,
             port=port,
             auth_key=auth_key,
+            tls=tls,
             connections=self.connections,
             chunk_bytes=self.chunk_bytes,
             window_bytes=max(32 * MIB, self.chunk_bytes),

@@ -2,7 +2,8 @@
 
 Torch-free. Prefill side: `KVSender` + `SendHandle` (thread-safe `send_layer`); decode side:
 `KVReceiver` + `Transfer` (async iterator of layers, `complete()`). Frames carry an xxh3-64
-checksum; wire format in PROTOCOL.md. Pacing, added delay and TCP_INFO telemetry included.
+checksum; wire format in PROTOCOL.md. Pacing, added delay, TCP_INFO telemetry and optional
+TLS (`TlsConfig`) included.
 
 Prefill (one `KVSender` per process, started on the event loop)::
 
@@ -33,6 +34,7 @@ from prfaas.engines.transport.receiver import KVReceiver, LayerItem, Transfer, T
 from prfaas.engines.transport.sender import KVSender, SendHandle
 from prfaas.engines.transport.tcp_info import TcpInfo, sample_tcp_info
 from prfaas.engines.transport.telemetry import ConnectionTelemetry, TransportTelemetry
+from prfaas.engines.transport.tls import TlsConfig
 
 __all__ = [
     "ConnectionTelemetry",
@@ -46,6 +48,7 @@ __all__ = [
     "SendHandle",
     "SenderConfig",
     "TcpInfo",
+    "TlsConfig",
     "Transfer",
     "TransferError",
     "TransferResult",

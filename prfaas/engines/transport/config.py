@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from prfaas.engines.transport.tls import TlsConfig
+
 MIB = 2**20
 
 
@@ -69,6 +71,9 @@ class SenderConfig:
     idle_timeout_s: float = 60.0
     """An authenticated connection that sent nothing for this long while its peer has no
     room (open or parked) is closed; the receiver reconnects when it needs to."""
+    tls: TlsConfig | None = None
+    """Serve TLS on the bootstrap port (needs `cert_file` and `key_file`); None: plain TCP.
+    The TLS handshake must finish within `handshake_timeout_s` too."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -96,6 +101,8 @@ class SenderConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if not isinstance(self.auth_key, bytes):
             raise ValueError("auth_key must be bytes")
+        if self.tls is not None and self.tls.cert_file is None:
+            raise ValueError("a TLS sender needs tls.cert_file and tls.key_file")
 
     @property
     def capacity(self) -> float | None:
@@ -118,6 +125,8 @@ class ReceiverConfig:
     auth_key: bytes = field(default=b"", repr=False)
     """Key of the handshake (the senders' `auth_key`); a sender whose WELCOME proof does
     not match is never talked to."""
+    tls: TlsConfig | None = None
+    """Connect to every sender over TLS, verifying its certificate; None: plain TCP."""
 
     def __post_init__(self) -> None:
         _positive("connect_timeout_s", self.connect_timeout_s)

@@ -99,7 +99,9 @@ def unpack_header(data: bytes | bytearray, max_length: int) -> Header:
     magic, version, kind, _flags, room, msg, layer, part, parts = fields[:9]
     offset, total, length, sum64, check = fields[9:]
     if magic != MAGIC:
-        raise ProtocolError(f"bad magic {magic!r}, expected {MAGIC!r}")
+        tls = magic[:2] == b"\x16\x03"  # a TLS handshake record (ClientHello)
+        hint = " (a TLS handshake: the peer uses transport TLS, this end does not)" if tls else ""
+        raise ProtocolError(f"bad magic {magic!r}, expected {MAGIC!r}{hint}")
     if check != _head_check(bytes(data[:CHECKED])):
         raise ProtocolError("header check mismatch (corrupted or garbage header)")
     if version != VERSION:

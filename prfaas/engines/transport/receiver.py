@@ -16,7 +16,10 @@ class KVReceiver:
     """One per decode engine process: one connection pool per prefill sender address."""
 
     def __init__(self, config: ReceiverConfig | None = None) -> None:
+        """Raises ValueError when a TLS certificate, key or CA file does not load."""
         self.config = config or ReceiverConfig()
+        tls = self.config.tls
+        self._tls_context = tls.client_context() if tls is not None else None
         self._links: dict[tuple[str, int], ReceiverLink] = {}
 
     async def fetch(
@@ -40,7 +43,8 @@ class KVReceiver:
         key = (bootstrap_host, bootstrap_port)
         link = self._links.get(key)
         if link is None or link.closed:
-            link = self._links[key] = ReceiverLink(bootstrap_host, bootstrap_port, self.config)
+            link = ReceiverLink(bootstrap_host, bootstrap_port, self.config, self._tls_context)
+            self._links[key] = link
         if room in link.transfers:
             raise ValueError(f"room {room} is already being fetched from {key}")
         transfer = Transfer(room, link, timeout_s)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+import ssl
 from collections import OrderedDict
 
 from prfaas.engines.transport.config import ReceiverConfig
@@ -20,6 +21,7 @@ from prfaas.engines.transport.frames import LAYER_KINDS, Frame, Header, Kind, ma
 from prfaas.engines.transport.handshake import Hello, auth_frame, check_welcome, new_nonce
 from prfaas.engines.transport.receiver_protocol import FrameProtocol
 from prfaas.engines.transport.receiver_transfer import Transfer
+from prfaas.engines.transport.tls import untrusted
 from prfaas.engines.transport.wire import ack_frame, reason_frame, verify
 
 DATA_KINDS = LAYER_KINDS | {Kind.AUX, Kind.END}
@@ -34,9 +36,12 @@ def _bytes(frame: Frame) -> bytes:
 class ReceiverLink:
     """Connections to one sender (host, port) shared by every room fetched from it."""
 
-    def __init__(self, host: str, port: int, config: ReceiverConfig) -> None:
+    def __init__(
+        self, host: str, port: int, config: ReceiverConfig, tls: ssl.SSLContext | None = None
+    ) -> None:
         self.host, self.port = host, port
         self._config = config
+        self._tls = tls
         self._loop = asyncio.get_running_loop()
         self.peer_id = secrets.token_hex(16)
         self.transfers: dict[int, Transfer] = {}
@@ -120,6 +125,10 @@ class ReceiverLink:
                 conn = await self._connect(index)
             except (OSError, TimeoutError, ProtocolError, KeyError, ValueError) as exc:
                 self.last_error = f"connect: {type(exc).__name__}: {exc}"
+                refused = untrusted(exc)
+                if refused is not None:  # a configuration error: retrying does not heal it
+                    self._fail_rooms(f"sender {self.host}:{self.port}: {refused}")
+                    return
                 self._check_lost()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, BACKOFF_S[1])
@@ -129,10 +138,7 @@ class ReceiverLink:
 
     async def _connect(self, index: int) -> FrameProtocol:
         timeout = self._config.connect_timeout_s
-        _, conn = await asyncio.wait_for(
-            self._loop.create_connection(lambda: self._protocol(index), self.host, self.port),
-            timeout,
-        )
+        _, conn = await asyncio.wait_for(self._open(index, timeout), timeout)
         welcome = self._welcomes[conn] = self._loop.create_future()
         hello, key = Hello(self.peer_id, index, new_nonce()), self._config.auth_key
         try:
@@ -149,6 +155,27 @@ class ReceiverLink:
             del self._welcomes[conn]
         self._attach(index, conn)
         return conn
+
+    async def _open(self, index: int, handshake_s: float) -> tuple[object, FrameProtocol]:
+        """The TCP connection of slot `index`, with TLS (the sender's certificate checked)
+        if configured."""
+        tls = self._tls
+        name = self._config.tls.server_name if self._config.tls is not None else None
+        try:
+            return await self._loop.create_connection(
+                lambda: self._protocol(index),
+                self.host,
+                self.port,
+                ssl=tls,
+                server_hostname=(name or self.host) if tls is not None else None,
+                ssl_handshake_timeout=handshake_s if tls is not None else None,
+                ssl_shutdown_timeout=handshake_s if tls is not None else None,
+            )
+        except (ssl.SSLError, ConnectionResetError) as exc:
+            if tls is None or untrusted(exc) is not None:
+                raise
+            raise ConnectionError(f"TLS handshake failed ({type(exc).__name__}: {exc}): does "
+                                  "the sender serve transport TLS?") from exc  # fmt: skip
 
     def _protocol(self, index: int) -> FrameProtocol:
         conn = FrameProtocol(self, index, self._config.max_frame_bytes)
@@ -177,23 +204,33 @@ class ReceiverLink:
             self.last_error = f"connection {conn.index}: {type(error).__name__}: {error}"
         welcome = self._welcomes.get(conn)
         if welcome is not None and not welcome.done():
-            welcome.set_exception(ConnectionError(f"closed during handshake ({error})"))
+            welcome.set_exception(self._handshake_lost(error))
         if self.conns.get(conn.index) is conn:
             del self.conns[conn.index]
         if not self.conns and self._lost_since is None:
             self._lost_since = self._loop.time()
+
+    def _handshake_lost(self, error: BaseException | None) -> BaseException:
+        """The error of a connection the sender closed before its WELCOME."""
+        if self._tls is None:
+            why = "a sender that serves transport TLS closes a plain connection so"
+        else:
+            why = "a sender that verifies client certificates closes an untrusted one so"
+        return ConnectionError(f"closed during handshake ({error}; {why})")
+
+    def _fail_rooms(self, reason: str) -> None:
+        for transfer in list(self.transfers.values()):
+            transfer.fail(reason, tell_sender=False)
 
     def _check_lost(self) -> None:
         """Fail every room once an established link stayed down for connect_timeout_s."""
         if self.conns or not self._connected_once or self._lost_since is None:
             return
         if self._loop.time() - self._lost_since >= self._config.connect_timeout_s:
-            reason = (
+            self._fail_rooms(
                 f"lost the connections to sender {self.host}:{self.port} and could not "
                 f"reconnect within {self._config.connect_timeout_s} s ({self.last_error})"
             )
-            for transfer in list(self.transfers.values()):
-                transfer.fail(reason, tell_sender=False)
 
     # -- frames (FrameSink) ------------------------------------------------------------------------
 

@@ -62,13 +62,26 @@ class KVSender:
         self.parked_refused = 0
 
     async def start(self) -> None:
-        """Bind the bootstrap listener (config.host, config.port)."""
+        """Bind the bootstrap listener (config.host, config.port), with TLS if configured.
+
+        Raises:
+            ValueError: a TLS certificate, key or CA file that does not load (named).
+            OSError: the address cannot be bound.
+        """
         self._loop = asyncio.get_running_loop()
         rate = self.config.process_rate_bytes_per_s
         if rate:
             self._bucket = TokenBucket(rate, max(self.config.chunk_bytes, rate * 0.005))
+        # with TLS, the TLS handshake runs before `_on_connection`, within its own
+        # handshake_timeout_s; a close waits as long for the peer's close_notify
+        tls, timeout = self.config.tls, self.config.handshake_timeout_s
         self._server = await asyncio.start_server(
-            self._on_connection, self.config.host, self.config.port
+            self._on_connection,
+            self.config.host,
+            self.config.port,
+            ssl=tls.server_context() if tls is not None else None,
+            ssl_handshake_timeout=timeout if tls is not None else None,
+            ssl_shutdown_timeout=timeout if tls is not None else None,
         )
         self._arm_sweeper()
 

@@ -24,7 +24,7 @@ from prfaas.engines.reference.server.app_keys import ModelInfo
 from prfaas.engines.reference.server.routes import create_app
 from prfaas.engines.reference.server.service import EngineService
 from prfaas.engines.reference.step.core import EngineCore
-from prfaas.engines.transport import ReceiverConfig
+from prfaas.engines.transport import ReceiverConfig, TlsConfig
 from prfaas.protocol.kv_events import KVEvent, KVEventPublisher
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,9 @@ class LaunchOptions:
     secret: DeploymentSecret | None = None
     """The deployment secret: with it, every route but `/health` needs its control token
     and KV transport peers must prove they hold it; without it both are open."""
+    tls: TlsConfig | None = None
+    """KV transport TLS, both ways: the bootstrap listener serves it, fetches from prefill
+    engines verify it; None: plain TCP."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -73,9 +76,10 @@ def build_app(options: LaunchOptions) -> tuple[web.Application, EngineService]:
     if secret is None:
         logger.warning("no deployment secret: control routes and the KV transport are open")
     sender = TransportSender(
-        options.transfer.sender_config(options.host, options.bootstrap_port, key)
+        options.transfer.sender_config(options.host, options.bootstrap_port, key, options.tls)
     )
-    service = EngineService(core, sender, TransportReceiver(ReceiverConfig(auth_key=key)))
+    receiver = TransportReceiver(ReceiverConfig(auth_key=key, tls=options.tls))
+    service = EngineService(core, sender, receiver)
     info = ModelInfo(
         model=source.name,
         model_path=str(source.path),
