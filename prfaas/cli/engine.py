@@ -117,7 +117,7 @@ def _add_tls_arguments(group: argparse._ArgumentGroup) -> None:
     )
 
 
-def _tls(args: argparse.Namespace) -> TlsConfig | None:
+def transport_tls(args: argparse.Namespace) -> TlsConfig | None:
     """The engine's transport TLS from its flags (all three files, or none of them)."""
     from prfaas.engines.transport import TlsConfig
 
@@ -184,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
             engine=engine,
             transfer=transfer,
             secret=DeploymentSecret.from_env(path=args.secret_file),
-            tls=_tls(args),
+            tls=transport_tls(args),
         )
         asyncio.run(serve(options))
     except (ValueError, OSError) as exc:

@@ -6,7 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from prfaas.cli.engine import transport_tls
+from prfaas.cli.main import build_parser
 from prfaas.common.toml_tables import ConfigError
+from prfaas.engines.transport import TlsConfig
 from prfaas.gateway.deployment import load_deployment
 
 GOOD = """
@@ -160,3 +163,55 @@ def test_engine_kind_per_instance_defaults_to_sglang(tmp_path: Path) -> None:
     bad = GOOD.replace('role = "decode"', 'role = "decode"\nengine = "trt"')
     with pytest.raises(ConfigError, match=r"instances\[1\]\.engine: must be one of"):
         load_deployment(_write(tmp_path, bad))
+
+
+def test_launch_transport_tls(tmp_path: Path) -> None:
+    """`transport_tls_*` fields of launched reference engines: paths relative to the file
+    become absolute `prfaas engine` flags, which parse back into the engine's `TlsConfig`;
+    the three files go together and must be readable (errors name the key and the file);
+    a deployment turns TLS on for every launched reference engine or for none (a TLS decode
+    fetches every prefill over TLS); vLLM engines have no TLS settings here."""
+    (tmp_path / "certs").mkdir()
+    for name in ("p.pem", "p.key", "d.pem", "d.key", "ca.pem"):
+        (tmp_path / "certs" / name).write_text("PEM\n")
+
+    def launch(id_: str, role: str, cert: str | None, verify: bool = False) -> str:
+        text = f'[[launch]]\nid = "{id_}"\ncluster = "pd"\nrole = "{role}"\n'
+        if cert is not None:
+            text += (f'transport_tls_cert = "certs/{cert}.pem"\n'
+                     f'transport_tls_key = "certs/{cert}.key"\n'
+                     'transport_tls_ca = "certs/ca.pem"\n')  # fmt: skip
+        return text + ("transport_tls_verify_client = true\n" if verify else "")
+
+    text = launch("p", "prefill", "p", verify=True) + launch("d", "decode", "d")
+    prefill, decode = load_deployment(_write(tmp_path, text)).launch
+    certs = tmp_path / "certs"
+    assert prefill.engine_args() == (
+        "--transport-tls-cert", str(certs / "p.pem"), "--transport-tls-key", str(certs / "p.key"),
+        "--transport-tls-ca", str(certs / "ca.pem"), "--transport-tls-verify-client",
+    )  # fmt: skip
+    args = build_parser().parse_args(["engine", *prefill.engine_args()])
+    assert transport_tls(args) == TlsConfig(
+        certs / "p.pem", certs / "p.key", certs / "ca.pem", verify_client=True
+    )
+    assert decode.transport_tls and "--transport-tls-verify-client" not in decode.engine_args()
+
+    partial = text.replace('transport_tls_key = "certs/d.key"\n', "")
+    match = r"launch\[1\]\.transport_tls_key: is required with transport_tls_cert, transport_tls_ca"
+    with pytest.raises(ConfigError, match=match):
+        load_deployment(_write(tmp_path, partial))
+    (certs / "ca.pem").unlink()
+    with pytest.raises(
+        ConfigError, match=r"launch\[0\]\.transport_tls_ca: cannot read '.*certs/ca"
+    ):
+        load_deployment(_write(tmp_path, text))
+    (certs / "ca.pem").write_text("PEM\n")
+    mixed = launch("p", "prefill", "p") + launch("d", "decode", None) + launch("e", "decode", None)
+    with pytest.raises(ConfigError, match=r"launch: lack the transport TLS .* \(got \['d', 'e'\]"):
+        load_deployment(_write(tmp_path, mixed))
+    vllm = text.replace('role = "decode"\n', 'role = "decode"\nengine = "vllm"\n')
+    with pytest.raises(ConfigError, match=r"launch\[1\]\.engine: has no transport TLS settings"):
+        load_deployment(_write(tmp_path, vllm))
+    loose = launch("d", "decode", None, verify=True)
+    with pytest.raises(ConfigError, match=r"launch\[0\]\.transport_tls_verify_client: needs"):
+        load_deployment(_write(tmp_path, loose))

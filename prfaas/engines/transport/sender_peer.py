@@ -272,7 +272,8 @@ class SenderPeer:
         """A TCP_INFO sample of each live connection."""
         samples = []
         for conn in self.connections.values():
-            info = sample_tcp_info(conn.writer.get_extra_info("socket"))
+            info = sample_tcp_info(conn.writer.get_extra_info("socket"))  # under TLS too
+            tls = conn.writer.get_extra_info("ssl_object")
             samples.append(
                 ConnectionTelemetry(
                     peer=self.peer_id,
@@ -288,6 +289,7 @@ class SenderPeer:
                         else None
                     ),
                     cwnd=info.snd_cwnd if info else None,
+                    tls=tls.version() if tls is not None else None,
                 )
             )
         return samples

@@ -22,6 +22,8 @@ class ConnectionTelemetry:
     delivery_rate_bytes_per_s: float | None
     """The kernel's delivery-rate estimate (tcpi_delivery_rate)."""
     cwnd: int | None
+    tls: str | None = None
+    """The connection's TLS version (`TLSv1.3`), None over plain TCP."""
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import dataclasses
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -49,16 +50,16 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
     return Certs(ca, ca.issue("prefill"), ca.issue("decode"), rogue_ca, rogue_ca.issue("x"))
 
 
-def serving(cert: IssuedCert, ca: CertAuthority | None = None, **sender: object) -> SenderConfig:
+def serving(cert: IssuedCert, ca: CertAuthority | None = None, **sender: Any) -> SenderConfig:
     """A sender serving `cert`; with `ca`, it requires client certificates signed by it."""
     tls = TlsConfig(cert.cert, cert.key, ca.cert if ca else None, verify_client=ca is not None)
-    return SenderConfig(auth_key=KEY, tls=tls, **sender)  # type: ignore[arg-type]
+    return SenderConfig(auth_key=KEY, tls=tls, **sender)
 
 
-def trusting(ca: CertAuthority, cert: IssuedCert | None = None, **tls: object) -> ReceiverConfig:
+def trusting(ca: CertAuthority, cert: IssuedCert | None = None, **tls: Any) -> ReceiverConfig:
     """A receiver trusting `ca` (presenting `cert` when asked)."""
-    files = (cert.cert, cert.key) if cert else (None, None)
-    return ReceiverConfig(auth_key=KEY, tls=TlsConfig(*files, ca.cert, **tls))  # type: ignore[arg-type]
+    cert_file, key_file = (cert.cert, cert.key) if cert else (None, None)
+    return ReceiverConfig(auth_key=KEY, tls=TlsConfig(cert_file, key_file, ca.cert, **tls))
 
 
 async def _round_trip(pair: Pair, room: int, layers: int = 6) -> None:
@@ -96,6 +97,7 @@ async def test_a_transfer_over_tls_is_bit_exact(certs: Certs) -> None:
         telemetry = pair.sender.telemetry()
         assert len(telemetry.connections) == 4 and telemetry.rtt_s is not None
         assert all(c.rtt_s is not None and c.segments_out for c in telemetry.connections)
+        assert {c.tls for c in telemetry.connections} == {"TLSv1.3"}
         assert sum(c.bytes_sent for c in telemetry.connections) > 6 * 40 * 64
         assert telemetry.handshake_failures == 0
     finally:
@@ -183,6 +185,7 @@ async def test_plain_and_tls_ends_do_not_talk(certs: Certs) -> None:
         assert plain_sender.telemetry().handshake_failures >= 1
         await _round_trip(Pair(tls_sender, tls), 12)
         await _round_trip(Pair(plain_sender, plain), 12)
+        assert {c.tls for c in plain_sender.telemetry().connections} == {None}
     finally:
         for receiver in (plain, tls):
             await receiver.close()
