@@ -18,6 +18,8 @@ SGLANG_DEPS := 'transformers==5.19.0' 'apache-tvm-ffi==0.1.11' triton psutil pyb
 	requests pillow ipython dill sentencepiece compressed-tensors loguru gguf \
 	partial-json-parser einops setproctitle fastapi uvicorn
 CHROMIUM ?= /usr/bin/chromium
+# The transport TLS tests make a throwaway CA with the openssl command line.
+OPENSSL ?= /usr/bin/openssl
 
 .PHONY: run plan test test-sglang lint bench clean vllm-env vllm-model
 
@@ -82,8 +84,15 @@ $(CHROMIUM):
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium
 	@test -x $(CHROMIUM) || { echo "make: apt installed chromium but $(CHROMIUM) is missing" >&2; exit 1; }
 
-test: $(STAMP) $(CHROMIUM) $(VLLM_STAMP) $(VLLM_MODEL)/config.json $(SGLANG_STAMP)
-	PRFAAS_CHROMIUM=$(CHROMIUM) $(BIN)/python -m pytest
+# The openssl command line (Debian's openssl package), installed with apt when missing.
+$(OPENSSL):
+	@command -v apt-get >/dev/null || { echo "make: $(OPENSSL) is missing and there is no apt-get: install OpenSSL's command line and run make test OPENSSL=/path/to/openssl" >&2; exit 1; }
+	apt-get update -q
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -q openssl
+	@test -x $(OPENSSL) || { echo "make: apt installed openssl but $(OPENSSL) is missing" >&2; exit 1; }
+
+test: $(STAMP) $(CHROMIUM) $(OPENSSL) $(VLLM_STAMP) $(VLLM_MODEL)/config.json $(SGLANG_STAMP)
+	PRFAAS_CHROMIUM=$(CHROMIUM) PRFAAS_OPENSSL=$(OPENSSL) $(BIN)/python -m pytest
 	$(SGLANG_BIN)/python -m pytest tests/engines/sglang
 	$(BIN)/ruff check prfaas tests benchmarks
 	$(BIN)/ruff format --check prfaas tests benchmarks

@@ -1,7 +1,9 @@
 """Benchmark: the cross-DC KV transport (prfaas.engines.transport).
 
 1. loopback: goodput (GB/s) and CPU seconds per GB (sender + receiver processes) with 1,
-   2, 4, 8 connections; sender and receiver are separate processes on 127.0.0.1.
+   2, 4, 8 connections; sender and receiver are separate processes on 127.0.0.1. With
+   --tls, each connection count also runs over transport TLS (TLS 1.3, a throwaway CA),
+   interleaved with the plain runs: the cost of TLS side by side.
 2. shaped: two network namespaces joined by a veth pair, `tc tbf` on the sender's side at
    1 Gbit/s and 200 Mbit/s; goodput with 1 and 4 connections as a fraction of the shaped
    rate (target >= 0.90). Needs root (ip netns); skipped with a message otherwise.
@@ -13,7 +15,7 @@
    pipelined <= 1.15 x max(compute, transfer), sequential ~ compute + transfer.
 Every figure is the median of --runs runs. The machine is shared and noisy (2 cores): read
 ratios measured side by side, not absolute numbers.
-Usage: python benchmarks/transport.py [--parts loopback,shaped,overlap] [--runs 3]
+Usage: python benchmarks/transport.py [--parts loopback,shaped,overlap] [--runs 3] [--tls]
        [--overlap reference,loop] [--json OUT]
 """
 
@@ -27,8 +29,10 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -36,7 +40,15 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
-from prfaas.engines.transport import Kind, KVReceiver, KVSender, ReceiverConfig, SenderConfig
+from prfaas.engines.transport import (
+    Kind,
+    KVReceiver,
+    KVSender,
+    ReceiverConfig,
+    SenderConfig,
+    TlsConfig,
+)
+from prfaas.testing.tls_certs import CertAuthority
 
 MIB = 2**20
 GB = 1e9
@@ -53,8 +65,11 @@ def _payload(layer_mib: int) -> np.ndarray:
 
 async def _run_sender(args: argparse.Namespace) -> None:
     """Send `rooms` transfers of `layers` x `layer_mib` MiB, one after the other."""
+    tls = None
+    if args.tls_dir:
+        tls = TlsConfig(Path(args.tls_dir, "prefill.pem"), Path(args.tls_dir, "prefill.key"))
     sender = KVSender(
-        SenderConfig(host=args.host, connections=args.connections, register_timeout_s=60)
+        SenderConfig(host=args.host, connections=args.connections, register_timeout_s=60, tls=tls)
     )
     await sender.start()
     print(f"READY {sender.bootstrap_port}", flush=True)
@@ -80,7 +95,8 @@ async def _run_sender(args: argparse.Namespace) -> None:
 
 async def _run_receiver(args: argparse.Namespace) -> None:
     """Fetch rooms 0..rooms-1 (registered up front), completing them in order."""
-    receiver = KVReceiver(ReceiverConfig(connect_timeout_s=30))
+    tls = TlsConfig(ca_file=Path(args.tls_dir, "ca.pem")) if args.tls_dir else None
+    receiver = KVReceiver(ReceiverConfig(connect_timeout_s=30, tls=tls))
     transfers = [
         await receiver.fetch(args.host, args.port, room, timeout_s=600)
         for room in range(args.rooms)
@@ -115,13 +131,19 @@ def _result(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
 
 
 def transfer_runs(
-    connections: int, layers: int, layer_mib: int, rooms: int, netns: tuple[str, str] | None
+    connections: int,
+    layers: int,
+    layer_mib: int,
+    rooms: int,
+    netns: tuple[str, str] | None,
+    tls_dir: str = "",
 ) -> tuple[list[dict[str, float]], dict[str, float]]:
-    """Start a sender and a receiver process; per-room goodput and CPU (first room: warm-up)."""
+    """Start a sender and a receiver process; per-room goodput and CPU (first room: warm-up).
+    With `tls_dir` (a CA and a `prefill` certificate for 127.0.0.1), over transport TLS."""
     host_s, host_r = ("10.77.0.1", "10.77.0.1") if netns else ("127.0.0.1", "127.0.0.1")
     sender = subprocess.Popen(
         _role_cmd("sender", netns[0] if netns else None, host=host_s, connections=connections,
-                  layers=layers, layer_mib=layer_mib, rooms=rooms + 1),
+                  layers=layers, layer_mib=layer_mib, rooms=rooms + 1, tls_dir=tls_dir),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -129,7 +151,7 @@ def transfer_runs(
         port = int(sender.stdout.readline().split()[1])
         receiver = subprocess.Popen(
             _role_cmd("receiver", netns[1] if netns else None, host=host_r, port=port,
-                      rooms=rooms + 1),
+                      rooms=rooms + 1, tls_dir=tls_dir),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         got = _result(receiver, 600)
@@ -154,11 +176,23 @@ def _median(runs: list[dict[str, float]]) -> dict[str, float]:
     return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
 
 
-def bench_loopback(runs: int) -> list[dict[str, Any]]:
+def bench_loopback(runs: int, tls: bool) -> list[dict[str, Any]]:
+    """Plain TCP rows, and with `tls` a TLS row after each, run right after it (the same
+    machine state, as far as a shared machine allows)."""
     rows = []
-    for connections in (1, 2, 4, 8):
-        measured, tcp = transfer_runs(connections, 32, 8, runs, None)
-        rows.append({"connections": connections, **_median(measured), **tcp, "runs": measured})
+    with tempfile.TemporaryDirectory(prefix="prfaas-bench-tls-") as tls_dir:
+        if tls:
+            CertAuthority.create(Path(tls_dir)).issue("prefill")
+        for connections in (1, 2, 4, 8):
+            for mode in ("tcp", "tls") if tls else ("tcp",):
+                measured, tcp = transfer_runs(
+                    connections, 32, 8, runs, None, tls_dir if mode == "tls" else ""
+                )
+                med = _median(measured)
+                plain = rows[-1]["goodput_GBps"] if mode == "tls" else med["goodput_GBps"]
+                rows.append({"connections": connections, "transport": mode, **med,
+                             "goodput_vs_tcp": med["goodput_GBps"] / plain, **tcp,
+                             "runs": measured})  # fmt: skip
     return rows
 
 
@@ -412,13 +446,14 @@ def main() -> int:
     parser.add_argument("--parts", default="loopback,shaped,overlap")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--json", dest="json_out", default=None)
+    parser.add_argument("--tls", action="store_true", help="loopback: TLS rows next to TCP's")
     parser.add_argument(
         "--overlap", default="loop,reference", help="overlap workloads: loop, reference"
     )
     parser.add_argument("--role", choices=["sender", "receiver"], help=argparse.SUPPRESS)
-    for name in ("host", "port", "connections", "layers", "layer-mib", "rooms"):
+    for name in ("host", "port", "connections", "layers", "layer-mib", "rooms", "tls-dir"):
         parser.add_argument(
-            f"--{name}", type=str if name == "host" else int, help=argparse.SUPPRESS
+            f"--{name}", type=str if name in ("host", "tls-dir") else int, help=argparse.SUPPRESS
         )
     args = parser.parse_args()
     if args.role == "sender":
@@ -430,9 +465,9 @@ def main() -> int:
     console, report = Console(width=150), {}
     parts = args.parts.split(",")
     if "loopback" in parts:
-        report["loopback"] = bench_loopback(args.runs)
-        cols = ["connections", "goodput_GBps", "cpu_s_per_GB", "sender_cpu_s_per_GB",
-                "receiver_cpu_s_per_GB"]  # fmt: skip
+        report["loopback"] = bench_loopback(args.runs, args.tls)
+        cols = ["connections", "transport", "goodput_GBps", "goodput_vs_tcp", "cpu_s_per_GB",
+                "sender_cpu_s_per_GB", "receiver_cpu_s_per_GB"]  # fmt: skip
         console.print(_table("loopback goodput (median)", report["loopback"], cols))
     if "shaped" in parts:
         shaped = report["shaped"] = bench_shaped(args.runs)

@@ -1,8 +1,9 @@
 """A throwaway certificate authority for trying transport TLS: NOT for production keys.
 
-It calls the `openssl` command line (no Python dependency): one CA, and certificates it
-signs for `127.0.0.1` and `localhost` (serverAuth and clientAuth, so one certificate serves
-an engine's bootstrap listener and its fetches). Keys are unencrypted P-256, valid 2 days.
+It calls the `openssl` command line (no Python dependency; `make test` installs it and
+names it in `$PRFAAS_OPENSSL`): one CA, and certificates it signs for `127.0.0.1` and
+`localhost` (serverAuth and clientAuth, so one certificate serves an engine's bootstrap
+listener and its fetches). Keys are unencrypted P-256, valid 2 days.
 Tests and `benchmarks/transport.py --tls` use it; by hand:
 `python -m prfaas.testing.tls_certs DIR [NAME ...]` writes `DIR/ca.pem` and `DIR/NAME.pem`,
 `DIR/NAME.key` for each name (default: `engine`).
@@ -11,6 +12,7 @@ Tests and `benchmarks/transport.py --tls` use it; by hand:
 from __future__ import annotations
 
 import argparse
+import os
 import secrets
 import shutil
 import subprocess
@@ -30,8 +32,9 @@ class IssuedCert:
 
 
 def _openssl(*args: str) -> None:
-    """Run `openssl args`; RuntimeError with its stderr when it fails or is missing."""
-    binary = shutil.which("openssl")
+    """Run `openssl args` ($PRFAAS_OPENSSL, else `openssl` on the PATH); RuntimeError with
+    its stderr when it fails or is missing."""
+    binary = os.environ.get("PRFAAS_OPENSSL") or shutil.which("openssl")
     if binary is None:
         raise RuntimeError("the openssl command line is not installed (apt-get install openssl)")
     done = subprocess.run([binary, *args], capture_output=True, text=True, check=False)
