@@ -1,4 +1,5 @@
-"""Helpers for the transport tests: random layers, a frame-aware TCP proxy, free ports."""
+"""Helpers for the transport tests: random layers, a frame-aware TCP proxy, free ports, TLS
+configurations of a throwaway CA."""
 
 from __future__ import annotations
 
@@ -7,11 +8,20 @@ import contextlib
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
-from prfaas.engines.transport import Kind, KVReceiver, KVSender, ReceiverConfig, SenderConfig
+from prfaas.engines.transport import (
+    Kind,
+    KVReceiver,
+    KVSender,
+    ReceiverConfig,
+    SenderConfig,
+    TlsConfig,
+)
 from prfaas.engines.transport.frames import HEADER_SIZE, Header, unpack_header
+from prfaas.testing.tls_certs import CertAuthority
 
 BIG = 1 << 30
 
@@ -59,6 +69,14 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def tls_configs(directory: Path) -> tuple[TlsConfig, TlsConfig]:
+    """(sender, receiver) TLS of a throwaway CA in `directory`: the sender serves a
+    certificate for 127.0.0.1, the receiver trusts the CA."""
+    ca = CertAuthority.create(directory)
+    cert = ca.issue("prefill")
+    return TlsConfig(cert.cert, cert.key), TlsConfig(ca_file=ca.cert)
 
 
 @dataclass

@@ -4,10 +4,11 @@ added delay and telemetry on a real connection."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import numpy as np
 import pytest
-from transport_helpers import assert_same, eventually, make_pair
+from transport_helpers import assert_same, eventually, make_pair, tls_configs
 
 from prfaas.engines.transport import Kind, KVReceiver, ReceiverConfig, SenderConfig
 
@@ -15,14 +16,17 @@ pytestmark = pytest.mark.timeout(60)
 MIB = 2**20
 
 
-async def test_slow_consumer_stalls_the_sender_within_bounds() -> None:
+@pytest.mark.parametrize("tls", [False, True], ids=["tcp", "tls"])
+async def test_slow_consumer_stalls_the_sender_within_bounds(tls: bool, tmp_path: Path) -> None:
     """A decode side that does not consume: the receiver stops reading at its buffer limit,
     the sender stops at its window, the rest stays queued (no buffer grows); once the
-    consumer reads, everything arrives exact."""
+    consumer reads, everything arrives exact. The same inside TLS (its layer pauses the
+    socket once its own bounded buffer fills)."""
     window, limit, layer_bytes = 1 * MIB, 1 * MIB, 256 * 1024
+    serve, trust = tls_configs(tmp_path) if tls else (None, None)
     pair = await make_pair(
-        SenderConfig(window_bytes=window, chunk_bytes=65536),
-        ReceiverConfig(max_buffered_bytes=limit),
+        SenderConfig(window_bytes=window, chunk_bytes=65536, tls=serve),
+        ReceiverConfig(max_buffered_bytes=limit, tls=trust),
     )
     rng = np.random.default_rng(0)
     layers = [rng.integers(0, 255, layer_bytes, dtype=np.uint8) for _ in range(40)]  # 10 MiB
