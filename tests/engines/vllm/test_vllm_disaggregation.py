@@ -117,7 +117,7 @@ async def generate(gw: Gateway, ids: list[int], max_tokens: int = 8) -> tuple[li
             chunk = await routed.next()
     finally:
         routed.close()
-    return out, routed.prefill.instance_id
+    return out, routed.decision.prefill_instance
 
 
 @dataclass(frozen=True)
