@@ -9,8 +9,16 @@ send-after-prefill. The rate is calibrated first (an unpaced prefill measures th
 of a prompt; D measures its prefill time), so that transfer time ~= prefill time.
 TTFT is measured at the client: both calls start at once, the decode call streams.
 Targets: layer-wise <= 1.15 x max(prefill, transfer) and <= 0.7 x send-after-prefill.
+
+The model's depth bounds what layer-wise streaming can hide: the last full-attention layer's
+pages (and the states of the linear layers after it) exist only when the forward ends, so with
+F full-attention layers about 1/F of the KV still travels after the prefill. The tests' tiny
+checkpoint has 8 layers (F = 2, the default); `--layers 48` gives Qwen3-Next-80B's depth
+(F = 12), built once under `.cache/` with the vLLM environment's torch. Three vLLM servers
+busy-poll on these 2 cores, so the transfer competes with the prefill for CPU (and more so
+the deeper the model): read the 48-layer ratios with that in mind.
 The machine is shared and has 2 cores: read the ratios, not the absolute numbers.
-Usage: python benchmarks/vllm_pd.py [--tokens 3000] [--runs 5] [--json OUT]
+Usage: python benchmarks/vllm_pd.py [--tokens 3000] [--runs 5] [--layers 8] [--json OUT]
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import argparse
 import http.client
 import random
 import statistics
+import subprocess
 import tempfile
 import threading
 import time
@@ -34,14 +43,23 @@ from prfaas.serve.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = ROOT / ".venv-vllm/bin/python"
-MODEL = ROOT / ".cache/tiny-qwen3-next"
+FULL_ATTENTION_INTERVAL = 4  # the tiny checkpoint's: every 4th layer is full attention
 
 
-def _server(trace: Path | None, **connector: Any) -> VLLMServer:
+def checkpoint(layers: int) -> Path:
+    """The tiny hybrid checkpoint with `layers` layers (8 is the tests' `make vllm-model`)."""
+    model = ROOT / (".cache/tiny-qwen3-next" + ("" if layers == 8 else f"-{layers}"))
+    if not (model / "config.json").exists():
+        subprocess.run([str(PYTHON), "-m", "prfaas.testing.tiny_checkpoint", str(model),
+                        "--layers", str(layers)], check=True)  # fmt: skip
+    return model
+
+
+def _server(model: Path, trace: Path | None, **connector: Any) -> VLLMServer:
     extra = {"bootstrap_port": free_port(), **connector}
     if trace is not None:
         extra["trace_path"] = str(trace)
-    return VLLMServer(PYTHON, MODEL, free_port(), "tiny", connector=extra, threads=1)
+    return VLLMServer(PYTHON, model, free_port(), "tiny", connector=extra, threads=1)
 
 
 def _post(url: str, body: dict[str, Any]) -> float:
@@ -92,6 +110,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=3000)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=8,
+        help="model depth, every 4th layer full attention (default %(default)s)",
+    )
     parser.add_argument("--json", dest="json_out", default=None)
     args = parser.parse_args()
     rng = random.Random(1)
@@ -99,11 +123,12 @@ def main() -> int:
     def prompt() -> list[int]:  # fresh each time: no prefix-cache hit anywhere
         return [rng.randrange(256) for _ in range(args.tokens)]
 
-    logs = Path(tempfile.mkdtemp(prefix="vllm-pd-"))
     console = Console()
-    console.print(f"calibrating (logs in {logs})")
+    model = checkpoint(args.layers)
+    logs = Path(tempfile.mkdtemp(prefix="vllm-pd-"))
+    console.print(f"calibrating {model.name} (logs in {logs})")
     servers = start_servers(
-        {"decode": _server(logs / "decode.jsonl"), "probe": _server(None)}, logs
+        {"decode": _server(model, logs / "decode.jsonl"), "probe": _server(model, None)}, logs
     )
     try:
         decode, probe = servers["decode"], servers["probe"]
@@ -117,8 +142,8 @@ def main() -> int:
             f"KV {nbytes / 1e6:.2f} MB, prefill {prefill_s:.3f} s -> {rate_mbps:.1f} Mbit/s"
         )
         servers.update(start_servers({
-            "layerwise": _server(None, egress_rate_mbps=rate_mbps),
-            "after": _server(None, egress_rate_mbps=rate_mbps, pipelined=False),
+            "layerwise": _server(model, None, egress_rate_mbps=rate_mbps),
+            "after": _server(model, None, egress_rate_mbps=rate_mbps, pipelined=False),
         }, logs))  # fmt: skip
         disaggregated_ttft(servers["layerwise"], decode, prompt())  # warm-up
         disaggregated_ttft(servers["after"], decode, prompt())
@@ -133,14 +158,17 @@ def main() -> int:
     med = {k: statistics.median(v) for k, v in ttft.items()}
     transfer_s = nbytes * 8 / (rate_mbps * 1e6)
     bound = max(med["aggregated"], transfer_s)
+    full_layers = args.layers // FULL_ATTENTION_INTERVAL
     result = {
-        "tokens": args.tokens, "runs": args.runs, "kv_bytes": nbytes, "rate_mbps": rate_mbps,
+        "tokens": args.tokens, "runs": args.runs, "layers": args.layers,
+        "full_attention_layers": full_layers, "kv_bytes": nbytes, "rate_mbps": rate_mbps,
         "prefill_s": med["aggregated"], "transfer_s": transfer_s, "ttft_s": ttft,
         "median_ttft_s": med,
         "layerwise_over_max": med["layer-wise"] / bound,
         "layerwise_over_after_prefill": med["layer-wise"] / med["after-prefill"],
     }  # fmt: skip
-    table = Table(title=f"vLLM P/D TTFT, {args.tokens}-token prompts, median of {args.runs}")
+    table = Table(title=f"vLLM P/D TTFT, {args.tokens}-token prompts, {args.layers} layers "
+                  f"({full_layers} full attention), median of {args.runs}")  # fmt: skip
     for col in ("mode", "median TTFT (s)", "vs max(prefill, transfer)"):
         table.add_column(col)
     for mode, value in med.items():

@@ -3,7 +3,7 @@
 
 Run it with a Python that has torch and transformers (the vLLM environment)::
 
-    python -m prfaas.testing.tiny_checkpoint OUT_DIR
+    python -m prfaas.testing.tiny_checkpoint OUT_DIR [--layers N]
 
 Writing is atomic (a temporary directory renamed into place), so a finished `OUT_DIR` is a
 complete checkpoint and a cache check is `OUT_DIR/config.json` existing.
@@ -86,9 +86,10 @@ def write_byte_level_tokenizer(root: Path, template: str = CHATML) -> Path:
     return root
 
 
-def build_qwen3_next(out: Path, seed: int = 0) -> Path:
-    """Write a tiny random Qwen3-Next checkpoint (bf16 safetensors + tokenizer) to `out`,
-    unless one is already there. Needs torch and transformers."""
+def build_qwen3_next(out: Path, seed: int = 0, layers: int = 8) -> Path:
+    """Write a tiny random Qwen3-Next checkpoint (bf16 safetensors + tokenizer) of `layers`
+    layers (every 4th full attention) to `out`, unless one is already there. Needs torch and
+    transformers."""
     import torch
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
@@ -101,6 +102,7 @@ def build_qwen3_next(out: Path, seed: int = 0) -> Path:
         fields: dict[str, Any] = {
             k: v for k, v in QWEN3_NEXT.items() if k not in ("architectures", "model_type")
         }
+        fields["num_hidden_layers"] = layers
         model: Any = Qwen3NextForCausalLM(Qwen3NextConfig(**fields))
         model = model.to(torch.bfloat16)
         model.save_pretrained(tmp, safe_serialization=True)
@@ -114,7 +116,14 @@ def build_qwen3_next(out: Path, seed: int = 0) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="checkpoint directory (kept if complete)")
-    build_qwen3_next(parser.parse_args().out)
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=QWEN3_NEXT["num_hidden_layers"],
+        help="model layers, every 4th full attention (default %(default)s)",
+    )
+    args = parser.parse_args()
+    build_qwen3_next(args.out, layers=args.layers)
 
 
 if __name__ == "__main__":

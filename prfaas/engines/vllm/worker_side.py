@@ -3,8 +3,11 @@ layers run, into the decode's own blocks as they arrive (a thin adapter over `kv
 
 Prefill: `save_kv_layer` of a full-attention layer sends the pages this step completed (a
 page the step only began waits for the next step, so no page travels twice; the prompt's last
-page goes with its last step); `wait_for_save` of the step that completes the prompt sends
-every linear layer's final state, the meta, and finishes.
+page goes with its last step). In the step that completes the prompt, it also sends the final
+state of every linear layer below it (those layers have run, so their states are final), and
+`wait_for_save` sends the states of the linear layers after the last full-attention layer,
+the meta, and finishes. Only the last layer's pages and the states above it wait for the end
+of the forward.
 Decode: each `RecvStart` becomes a transfer on the transport loop whose layers are placed as
 they arrive; completion (or failure) is reported through `transfer_results`.
 """
@@ -34,6 +37,7 @@ class _Outgoing:
     room: int
     stream: PageStream
     sent_pages: int = 0
+    sent_states: int = 0  # how many of the pool's state layers (in model order) went out
 
 
 @dataclass
@@ -69,6 +73,7 @@ class WorkerSide:
         self.trace = TransferTrace(config.trace_path)
         paged = [groups.block_size[groups.group_of[layer]] for layer in pool.pages]
         self._page_size = paged[0] if paged else 1
+        self._state_layers = sorted(pool.states)
         self._out: dict[str, _Outgoing] = {}
         self._meta: PrfaasMetadata | None = None
         self._steps: list[SendStep] = []
@@ -115,6 +120,8 @@ class WorkerSide:
             ids = step.block_ids[gid][first : _pages_done(step, size)]
             out.stream.send_pages(self.pool, layer, ids, first)
             self.trace("sent", out.room, layer=layer, tokens=step.end)
+            if step.last:
+                self._send_states(step, out, below=layer)
 
     def end_step(self, meta: PrfaasMetadata) -> None:
         """After the forward: states, meta and finish for prompts now complete."""
@@ -125,13 +132,20 @@ class WorkerSide:
             if not step.last:
                 continue
             self.trace("forward_done", out.room, tokens=step.end, blocks=step.block_ids)
-            for layer in self.pool.states:
-                slot = self.groups.state_slot(layer, step.block_ids, step.end)
-                out.stream.send_state(self.pool, layer, slot)
+            self._send_states(step, out)
             out.stream.send_meta({"num_tokens": step.end})
             out.stream.finish()
             del self._out[step.req_id]
         self._steps = []
+
+    def _send_states(self, step: SendStep, out: _Outgoing, below: int | None = None) -> None:
+        """Send the final states of the linear layers not sent yet (those below model layer
+        `below` only, when given: the layers this step has already run)."""
+        pending = self._state_layers[out.sent_states :]
+        for layer in pending if below is None else [x for x in pending if x < below]:
+            slot = self.groups.state_slot(layer, step.block_ids, step.end)
+            out.stream.send_state(self.pool, layer, slot)
+            out.sent_states += 1
 
     def transfer_results(
         self, finished_req_ids: set[str], meta: PrfaasMetadata | None
