@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -88,6 +89,8 @@ class EngineReport:
     """Changes when the engine restarts (its caches are then empty)."""
     draining: bool = False
     """A role switch is draining it: it takes no new requests for now."""
+    prefix_pull: bool = False
+    """It exports cached prefixes (`export_prefix`) and pulls them (`prefix_pull` requests)."""
 
 
 class EngineCall(ABC):
@@ -136,6 +139,18 @@ class BaseEngineClient(ABC):
     @abstractmethod
     async def info(self) -> EngineInfo:
         """The instance's role, page size and bootstrap address."""
+
+    async def export_prefix(self, input_ids: Sequence[int], room: int) -> int:
+        """Have the engine send the KV of the longest prefix of `input_ids` it caches into
+        `room` on its KV transport, for another engine to pull (`GenerateRequest.prefix_pull`).
+
+        Returns:
+            The prefix's length in tokens, once delivered (0: nothing cached).
+
+        Raises:
+            EngineError: no prefix export on this engine, or the export failed.
+        """
+        raise EngineError(f"{self.instance_id}: this engine cannot export a prefix", status=501)
 
     async def set_role(self, role: Role, *, timeout_s: float = 300.0) -> float:
         """Switch the instance to `role` through the engine's role API: the engine refuses new

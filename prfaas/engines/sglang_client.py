@@ -18,6 +18,7 @@ import contextlib
 import errno
 import logging
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -320,7 +321,18 @@ class SGLangClient(BaseEngineClient):
             role=_ROLES.get(role) if isinstance(role, str) else None,
             start_id=start_id if isinstance(start_id, str) else None,
             draining=body.get("draining") is True,
+            prefix_pull=body.get("prefix_pull") is True,
         )
+
+    async def export_prefix(self, input_ids: Sequence[int], room: int) -> int:
+        """`POST /kv/export` (a reference engine's; SGLang servers have none)."""
+        body = {"input_ids": list(input_ids), "room": room}
+        limits = aiohttp.ClientTimeout(total=self._config.total_timeout_s)
+        try:
+            answer = await self._control("POST", "/kv/export", body, limits)
+        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
+            raise EngineError(f"{self.instance_id}: /kv/export failed: {exc!r}") from exc
+        return int(answer["prefix_tokens"])
 
     async def set_role(self, role: Role, *, timeout_s: float = 300.0) -> float:
         """`POST /admin/role` (the engine drains, then switches); the switch time in seconds.

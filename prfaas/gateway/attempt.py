@@ -30,10 +30,12 @@ class Attempt:
         prefill: InstanceState,
         decode: InstanceState,
         request: GenerateRequest,
+        prefill_request: GenerateRequest | None = None,
         *,
         on_prefill_over: Callable[[], None] | None = None,
     ) -> None:
-        """`on_prefill_over` runs once when the prefill is over (its call ended, the one
+        """`prefill_request`: what the prefill gets when it differs from `request` (a prefix
+        pull). `on_prefill_over` runs once when the prefill is over (its call ended, the one
         instance that does both produced its first chunk, or the attempt closed)."""
         self.decision, self.request = decision, request
         self._on_prefill_over = on_prefill_over
@@ -47,7 +49,7 @@ class Attempt:
         decode.calls.add(self._decode_call)
         self._prefill_call: EngineCall | None = None
         if prefill is not decode:
-            self._prefill_call = prefill.client.generate(request)
+            self._prefill_call = prefill.client.generate(prefill_request or request)
             prefill.calls.add(self._prefill_call)
             self._prefill_call.ended.add_done_callback(self._prefill_ended)
 

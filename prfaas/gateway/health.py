@@ -128,6 +128,7 @@ class HealthMonitor:
         if report.role is not None and report.role != state.role:
             await self._role_changed(state, client, report.role)
         state.draining = report.draining
+        state.prefix_pull = report.prefix_pull
         state.failures = 0
         if state.status == "ejected":
             state.successes += 1

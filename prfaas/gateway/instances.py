@@ -48,6 +48,8 @@ class InstanceState:
     """Times it came back from an ejection (confirmed by good probes)."""
     in_flight: int = 0
     queued: int = 0  # waiting requests the engine last reported
+    prefix_pull: bool = False
+    """The engine exports and pulls cached prefixes (its health report says so)."""
     calls: set[EngineCall] = field(default_factory=set)
     """Calls running on it now (aborted if it is ejected)."""
 

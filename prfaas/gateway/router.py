@@ -132,6 +132,7 @@ class Router:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     detokenize: Callable[[Sequence[int]], str] | None = None
     observer: RoutingObserver | None = None
+    _exports: set[asyncio.Task[None]] = field(default_factory=set, init=False, repr=False)
 
     def decide(self, input_ids: Sequence[int], exclude: Collection[str] = ()) -> RouteDecision:
         """Route one prompt: chained block hashes, longest cached prefix per instance, policy;
@@ -180,6 +181,40 @@ class Router:
         if prefill.bootstrap_host is None or prefill.bootstrap_port is None:
             raise NoInstanceAvailable(f"prefill instance {prefill.instance_id} has no bootstrap")
         return Bootstrap(prefill.bootstrap_host, prefill.bootstrap_port, self.room_source())
+
+    def with_prefix_pull(
+        self, decision: RouteDecision, prefill: InstanceState, request: GenerateRequest
+    ) -> GenerateRequest:
+        """The prefill's request. When `decision` moves a cached prefix across clusters (the
+        bandwidth-abundant regime) and both engines can, the source starts exporting it into
+        a fresh room on its KV transport now, and the prefill is told to pull it from there
+        before computing the rest; otherwise `request` itself (the prefill computes it)."""
+        source_id = decision.prefix_source
+        if source_id is None or source_id not in self.instances:
+            return request
+        source = self.instances[source_id]
+        if not (prefill.prefix_pull and source.prefix_pull) or source is prefill:
+            return request
+        try:
+            room = self.bootstrap(source)
+        except NoInstanceAvailable:  # the source has no KV transport address
+            return request
+        task = asyncio.get_running_loop().create_task(
+            self._export(source, request.input_ids, room.room)
+        )
+        self._exports.add(task)
+        task.add_done_callback(self._exports.discard)
+        return replace(request, prefix_pull=room)
+
+    async def _export(self, source: InstanceState, ids: Sequence[int], room: int) -> None:
+        """The source's side of a prefix pull; a failure costs only the recompute (the
+        prefill's pull fails too and it computes the prefix itself)."""
+        try:
+            tokens = await source.client.export_prefix(ids, room)
+        except EngineError as exc:
+            logger.warning("prefix export from %s failed: %s", source.instance_id, exc)
+            return
+        logger.info("prefix export from %s: %d tokens", source.instance_id, tokens)
 
     def report(self, event: RouteEvent) -> None:
         if self.on_event is not None:
@@ -277,11 +312,15 @@ class Dispatch:
         rid = self.rid if not self._attempts else f"{self.rid}-{self._attempts}"
         self._attempts += 1
         request = GenerateRequest(rid, ids, sampling, self.stream, bootstrap)
+        pull = prefill is not decode and decision.prefix_source is not None
+        prefill_request = router.with_prefix_pull(decision, prefill, request) if pull else None
         self._decision = decision
         self._base = len(self._output)
         observer = router.observer
         over = None if observer is None else partial(observer.prefill_ended, rid, decision)
-        self._attempt = Attempt(decision, prefill, decode, request, on_prefill_over=over)
+        self._attempt = Attempt(
+            decision, prefill, decode, request, prefill_request, on_prefill_over=over
+        )
         if observer is not None:
             observer.dispatched(rid, decision)
         return self._attempt

@@ -110,6 +110,8 @@ class RouteDecision(msgspec.Struct, frozen=True):
     cached_tokens: int
     prefix_transfer_from: Route | None = None
     reason: str = ""
+    prefix_source: str | None = None
+    """The instance of `prefix_transfer_from` holding that prefix (the longest there)."""
 
 
 def _affinity_key(i: InstanceView) -> tuple[int, int, str]:
@@ -164,9 +166,11 @@ class BaseRoutingPolicy(ABC):
         """The decision to prefill on `prefill` (and pull the prefix cached in
         `prefix_from` first, if given) and decode on the PD cluster's pick."""
         decode = pick_instance(snapshot, PD, "decode")
-        cached = prefill.cached_tokens
+        cached, source = prefill.cached_tokens, None
         if prefix_from is not None:
             cached = max(cached, snapshot.cached_in(prefix_from))
+            holders = [i for i in snapshot.instances if i.healthy and i.cluster == prefix_from]
+            source = min(holders, key=_affinity_key).instance_id
         return RouteDecision(
             prefill.cluster,
             prefill.instance_id,
@@ -175,6 +179,7 @@ class BaseRoutingPolicy(ABC):
             cached,
             prefix_from,
             reason,
+            source,
         )
 
 

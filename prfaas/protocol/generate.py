@@ -22,7 +22,7 @@ DEFAULT_MAX_NEW_TOKENS = 128
 MAX_ROOM = 2**64 - 1
 REQUEST_FIELDS = frozenset({
     "text", "input_ids", "sampling_params", "stream", "rid", "bootstrap_host",
-    "bootstrap_port", "bootstrap_room", "return_logprob", "data_parallel_rank",
+    "bootstrap_port", "bootstrap_room", "return_logprob", "data_parallel_rank", "prefix_pull",
 })  # fmt: skip
 
 
@@ -153,6 +153,10 @@ class GenerateRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stream: bool = True
     bootstrap: Bootstrap | None = None
+    prefix_pull: Bootstrap | None = None
+    """PrfaaS extension, for engines that say `prefix_pull` in `/server_info`: before the
+    prefill, fetch the prompt's cached prefix from this room, which the engine at that
+    bootstrap address fills (`POST /kv/export`)."""
 
     @cached_property
     def body(self) -> bytes:
@@ -168,6 +172,9 @@ class GenerateRequest:
             body["bootstrap_host"] = self.bootstrap.host
             body["bootstrap_port"] = self.bootstrap.port
             body["bootstrap_room"] = self.bootstrap.room
+        if self.prefix_pull is not None:
+            pull = self.prefix_pull
+            body["prefix_pull"] = {"host": pull.host, "port": pull.port, "room": pull.room}
         return orjson.dumps(body)
 
 
@@ -201,20 +208,32 @@ def parse_request(
         raise InvalidRequest(f"rid must be a string, got {rid!r}", "rid")
     sampling = SamplingParams.from_json(body.get("sampling_params"))
     prompt = tuple(ids) if ids is not None else tuple(encode(text or ""))
-    return GenerateRequest(rid or new_rid(), prompt, sampling, stream, _bootstrap(body))
+    pull = body.get("prefix_pull")
+    if pull is not None and not (isinstance(pull, Mapping) and set(pull) == set(_PULL)):
+        raise InvalidRequest('prefix_pull must be {"host", "port", "room"}', "prefix_pull")
+    bootstrap = _bootstrap(body)
+    prefix_pull = None if pull is None else _bootstrap(pull, _PULL, "prefix_pull.")
+    return GenerateRequest(rid or new_rid(), prompt, sampling, stream, bootstrap, prefix_pull)
 
 
-def _bootstrap(body: Mapping[str, Any]) -> Bootstrap | None:
-    """The PD fields, all three or none."""
-    host, port, room = (body.get(k) for k in ("bootstrap_host", "bootstrap_port", "bootstrap_room"))
+_PD = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+_PULL = ("host", "port", "room")
+
+
+def _bootstrap(
+    body: Mapping[str, Any], names: tuple[str, str, str] = _PD, label: str = ""
+) -> Bootstrap | None:
+    """A transport address and room (the PD fields by default), all three or none."""
+    host, port, room = (body.get(k) for k in names)
     if host is None and port is None and room is None:
         return None
+    h, p, r = (label + name for name in names)
     if not isinstance(host, str) or not host:
-        raise InvalidRequest(f"bootstrap_host must be a non-empty string, got {host!r}")
+        raise InvalidRequest(f"{h} must be a non-empty string, got {host!r}")
     if type(port) is not int or not 0 < port < 65536:
-        raise InvalidRequest(f"bootstrap_port must be an integer in 1..65535, got {port!r}")
+        raise InvalidRequest(f"{p} must be an integer in 1..65535, got {port!r}")
     if type(room) is not int or not 0 <= room <= MAX_ROOM:
-        raise InvalidRequest(f"bootstrap_room must be an integer in 0..2^64-1, got {room!r}")
+        raise InvalidRequest(f"{r} must be an integer in 0..2^64-1, got {room!r}")
     return Bootstrap(host, port, room)
 
 

@@ -65,7 +65,7 @@ def test_boundary_is_inclusive() -> None:
 def test_scarce_regime_ignores_prfaas_cache() -> None:
     """Bandwidth-scarce: only the PD cache counts, even if PrfaaS caches more."""
     d = PrfaasPolicy().decide(_snap(5000, prfaas=4800, pd=0))
-    assert d.route == "prfaas" and d.prefix_transfer_from is None
+    assert d.route == "prfaas" and d.prefix_transfer_from is None and d.prefix_source is None
 
 
 def test_abundant_regime_uses_longest_prefix_anywhere() -> None:
@@ -73,6 +73,7 @@ def test_abundant_regime_uses_longest_prefix_anywhere() -> None:
     the remainder short, so PD computes it after the prefix is transferred from PrfaaS."""
     d = PrfaasPolicy().decide(_snap(5000, prfaas=4800, pd=1024, regime="bandwidth_abundant"))
     assert d.route == "pd" and d.prefix_transfer_from == "prfaas"
+    assert d.prefix_source == "pf-0"  # the instance the prefill pulls it from
     assert d.cached_tokens == 4800 and d.incremental_tokens == 200
 
 
@@ -80,6 +81,7 @@ def test_abundant_regime_long_remainder_pulls_pd_prefix() -> None:
     """Long remainder goes to PrfaaS; a longer PD cache is shipped over first."""
     d = PrfaasPolicy().decide(_snap(9000, prfaas=0, pd=2048, regime="bandwidth_abundant"))
     assert d.route == "prfaas" and d.prefix_transfer_from == "pd"
+    assert d.prefix_source in ("pd-p0", "pd-d0")  # both hold 2048 tokens here
     assert d.incremental_tokens == 9000 - 2048
 
 

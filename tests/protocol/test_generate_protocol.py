@@ -102,6 +102,9 @@ def test_an_encoded_request_parses_back_to_itself() -> None:
     assert parse_request(orjson.loads(request.body), _encode, _new_rid) == request
     plain = GenerateRequest("r2", (4,))
     assert parse_request(orjson.loads(plain.body), _encode, _new_rid) == plain
+    pull = GenerateRequest("r3", (5, 6), prefix_pull=Bootstrap("src", 7, 12))
+    assert orjson.loads(pull.body)["prefix_pull"] == {"host": "src", "port": 7, "room": 12}
+    assert parse_request(orjson.loads(pull.body), _encode, _new_rid) == pull
 
 
 def test_answers_parse_into_chunks_and_bad_shapes_are_errors() -> None:

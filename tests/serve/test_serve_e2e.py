@@ -33,6 +33,7 @@ START_TIMEOUT_S = 240
 LISTENING = re.compile(r"PrfaaS gateway listening on (http://\S+)")
 SUMMARY_END = re.compile(r"(Ctrl-C) stops")
 ENGINE_READY = re.compile(r"prfaas engine ready: (http://\S+)")
+ADMIN_KEY = "operator-key"
 
 
 @dataclass
@@ -81,7 +82,8 @@ def _children(pid: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def running() -> Iterator[Running]:
-    gateway = _spawn("serve", "--port", "0", "--no-scheduler")  # t stays the planner's
+    # t stays the planner's; the operator key lets a test pin the regime
+    gateway = _spawn("serve", "--port", "0", "--no-scheduler", "--admin-key", ADMIN_KEY)
     direct = _spawn("engine", "--role", "both", "--port", "0", "--threads", "1")
     seen: list[str] = []
     try:
@@ -90,7 +92,7 @@ def running() -> Iterator[Running]:
         assert match is not None, seen
         url = match.group(1)
         direct_url = _wait_line(direct, ENGINE_READY, [])
-        with urllib.request.urlopen(f"{url}/admin/state", timeout=10) as reply:
+        with urllib.request.urlopen(_admin(f"{url}/admin/state"), timeout=10) as reply:
             state = json.load(reply)
         yield Running(gateway, direct, url, direct_url, float(state["threshold"]), seen)
     finally:
@@ -101,6 +103,11 @@ def running() -> Iterator[Running]:
                     proc.wait(20)
                 except subprocess.TimeoutExpired:
                     proc.kill()
+
+
+def _admin(url: str) -> urllib.request.Request:
+    """A GET of an admin route with the operator key (admin reads need it once one is set)."""
+    return urllib.request.Request(url, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
 
 
 def _words(n_tokens: int, seed: int) -> str:
@@ -183,7 +190,7 @@ def test_prfaas_request_shows_egress_in_metrics_and_state(running: Running) -> N
         assert time.monotonic() < deadline, (before, _sent(after))
         time.sleep(0.2)  # telemetry is polled on the health cadence (1 s)
     assert 0 <= after.value("prfaas_egress_utilisation") <= 1.5
-    with urllib.request.urlopen(f"{running.gateway_url}/admin/state", timeout=10) as reply:
+    with urllib.request.urlopen(_admin(f"{running.gateway_url}/admin/state"), timeout=10) as reply:
         link = json.load(reply)["link"]
     assert link["egress_bytes_total"] >= _sent(after)
     assert link["capacity_bytes_per_s"] == link["emulated_rate_bytes_per_s"] == 10e6 / 8
@@ -235,8 +242,58 @@ def test_chat_streaming_and_not_match_direct(running: Running) -> None:
     assert whole.choices[0].message.content == streamed == _direct_text(running, ids, 8)
 
 
+def _set_regime(url: str, regime: str) -> None:
+    request = urllib.request.Request(
+        f"{url}/admin/state",
+        data=json.dumps({"regime": regime}).encode(),
+        headers={"Authorization": f"Bearer {ADMIN_KEY}", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=10) as reply:
+        assert json.load(reply)["regime"] == regime
+
+
+def test_abundant_regime_pulls_the_prefix_across_clusters(running: Running) -> None:
+    """Bandwidth-abundant regime, real engines: a long prompt computed in the PrfaaS cluster
+    leaves its prefix cached there only. Sent again, its uncached remainder (against both
+    clusters) is under t, so it routes pd, and the PD prefill pulls the prefix from the
+    PrfaaS prefill over the KV transport (the paced link: the PrfaaS egress grows by the
+    prefix's KV) instead of recomputing it; the answer is the same greedy text."""
+    url = running.gateway_url
+    prompt = _words(int(running.threshold) + 300, seed=8)
+    client = _gateway(running)
+    raw = client.completions.with_raw_response.create(
+        model=MODEL, prompt=prompt, max_tokens=8, temperature=0
+    )
+    assert raw.headers["x-prfaas-route"] == "prfaas"
+    computed = raw.parse().choices[0].text
+    _set_regime(url, "bandwidth_abundant")
+    try:
+        deadline = time.monotonic() + 10
+        while True:  # the PrfaaS prefill's KV events reach the index asynchronously
+            before = _sent(_scrape(url))
+            raw = client.completions.with_raw_response.create(
+                model=MODEL, prompt=prompt, max_tokens=8, temperature=0
+            )
+            if raw.headers["x-prfaas-route"] == "pd" or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+    finally:
+        _set_regime(url, "bandwidth_scarce")
+    assert raw.headers["x-prfaas-route"] == "pd"
+    assert int(raw.headers["x-prfaas-incremental-tokens"]) < 64 + 64
+    done = raw.parse()
+    assert done.choices[0].text == computed
+    assert done.usage is not None and done.usage.prompt_tokens_details is not None
+    pulled = done.usage.prompt_tokens_details.cached_tokens
+    assert pulled >= len(prompt) // 64 * 64 - 64  # computed in PD: only the tail
+    deadline = time.monotonic() + 10
+    while _sent(after := _scrape(url)) - before < pulled * 1000:  # >1 KB of KV per token
+        assert time.monotonic() < deadline, (before, _sent(after), pulled)
+        time.sleep(0.2)
+
+
 def _state(url: str) -> dict[str, Any]:
-    with urllib.request.urlopen(f"{url}/admin/state", timeout=10) as reply:
+    with urllib.request.urlopen(_admin(f"{url}/admin/state"), timeout=10) as reply:
         state: dict[str, Any] = json.load(reply)
     return state
 
@@ -303,7 +360,8 @@ def test_sigterm_stops_gateway_and_engines(running: Running) -> None:
 def test_sigterm_during_startup_stops_the_children() -> None:
     """SIGTERM while the engines are still loading: the started children are stopped too,
     and the gateway exits with a message instead of leaving orphans."""
-    gateway = _spawn("serve", "--port", "0", "--no-scheduler")  # t stays the planner's
+    # t stays the planner's; the operator key lets a test pin the regime
+    gateway = _spawn("serve", "--port", "0", "--no-scheduler", "--admin-key", ADMIN_KEY)
     try:
         deadline = time.monotonic() + 60
         while len(_children(gateway.pid)) < 3 and time.monotonic() < deadline:

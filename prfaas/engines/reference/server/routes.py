@@ -13,6 +13,7 @@ from aiohttp import web
 
 from prfaas.common.secret import token_matches
 from prfaas.common.tokenizer import Tokenizer
+from prfaas.engines.reference.handoff.base import HandoffError
 from prfaas.engines.reference.handoff.transport import TransportSender
 from prfaas.engines.reference.server.app_keys import INFO, SERVICE, TOKENIZER, ModelInfo
 from prfaas.engines.reference.server.errors import Handler, error_middleware, json_error
@@ -31,7 +32,7 @@ from prfaas.engines.reference.server.streaming import (
 )
 from prfaas.engines.transport import KVSender, TransportTelemetry
 from prfaas.protocol.errors import APIError, InvalidRequest
-from prfaas.protocol.generate import GenerateRequest, answer, parse_request
+from prfaas.protocol.generate import MAX_ROOM, GenerateRequest, answer, parse_request
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -39,7 +40,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
     service, tok = request.app[SERVICE], request.app[TOKENIZER]
     start = time.monotonic()
     call = parse_request(await read_json(request), tok.encode, lambda: secrets.token_hex(16))
-    events = service.generate(call.rid, list(call.input_ids), call.sampling, call.bootstrap)
+    events = service.generate(
+        call.rid, list(call.input_ids), call.sampling, call.bootstrap, call.prefix_pull
+    )
     if call.stream:
         return await _stream_generate(request, events, call, start)
     result = await collect(events)
@@ -85,13 +88,15 @@ def _add_final(acc: Collected, event: Any) -> None:
 
 async def health(request: web.Request) -> web.Response:
     """`GET /health`, open to anyone (load balancers): the engine's own report of its role,
-    whether a role switch is draining it, and its start id (a new one after a restart)."""
+    whether a role switch is draining it, its start id (a new one after a restart), and that
+    it can export and pull cached prefixes."""
     service = request.app[SERVICE]
     body = {
         "status": "ok",
         "role": service.core.role,
         "draining": service.draining,
         "start_id": service.start_id,
+        "prefix_pull": True,
     }
     return web.json_response(body)
 
@@ -118,12 +123,14 @@ async def server_info(request: web.Request) -> web.Response:
         "disaggregation_bootstrap_port": service.sender.bootstrap_port,
         "last_role_switch_s": service.last_switch_s,
         "start_id": service.start_id,
+        "prefix_pull": True,  # POST /kv/export, and `prefix_pull` on /generate
     }
     return web.json_response(body)
 
 
 async def stats(request: web.Request) -> web.Response:
-    core = request.app[SERVICE].core
+    service = request.app[SERVICE]
+    core = service.core
     counters, pool = core.counters.snapshot(), core.pool.stats()
     body = {
         "role": core.role,
@@ -142,6 +149,9 @@ async def stats(request: web.Request) -> web.Response:
         "generated_tokens_total": counters.generated_tokens,
         "prompt_tokens_per_s": counters.prompt_tokens_per_s,
         "generation_tokens_per_s": counters.generation_tokens_per_s,
+        "prefix_exported_tokens_total": service.prefix_exported_tokens,
+        "prefix_imported_tokens_total": service.prefix_imported_tokens,
+        "prefix_pull_failures_total": service.prefix_pull_failures,
     }
     transport = _transport(request.app[SERVICE])
     if transport is not None:
@@ -213,6 +223,24 @@ async def admin_role(request: web.Request) -> web.Response:
     return web.json_response({"role": body["role"], "switch_seconds": seconds})
 
 
+async def kv_export(request: web.Request) -> web.Response:
+    """`POST /kv/export {"input_ids": [...], "room": R}`: send the longest cached prefix of
+    the prompt into room R on this engine's KV transport (another engine pulls it, see
+    `/generate`'s `prefix_pull`); answers `{"prefix_tokens": n}` once it was delivered."""
+    body = await read_json(request)
+    ok = isinstance(body, dict) and set(body) == {"input_ids", "room"}
+    ids, room = (body["input_ids"], body["room"]) if ok else (None, None)
+    if not (isinstance(ids, list) and ids and all(type(t) is int for t in ids)):
+        raise InvalidRequest('the body must be {"input_ids": [<int>, ...], "room": <int>}')
+    if type(room) is not int or not 0 <= room <= MAX_ROOM:
+        raise InvalidRequest(f"room must be an integer in 0..2^64-1, got {room!r}", "room")
+    try:
+        tokens = await request.app[SERVICE].export_prefix(ids, room)
+    except HandoffError as exc:
+        raise APIError(502, f"prefix export failed: {exc}", code="kv_export_failed") from None
+    return web.json_response({"prefix_tokens": tokens})
+
+
 async def admin_egress(request: web.Request) -> web.Response:
     """`POST /admin/egress {"rate_mbps": R}`: re-pace this engine's KV egress (the emulated
     cross-DC link of `prfaas serve`) from now on; answers the transport's new settings."""
@@ -279,5 +307,6 @@ def create_app(
     app.router.add_post("/admin/role", admin_role)
     app.router.add_post("/admin/egress", admin_egress)
     app.router.add_post("/abort_request", abort_request)
+    app.router.add_post("/kv/export", kv_export)
     add_openai_routes(app)
     return app

@@ -14,8 +14,14 @@ import secrets
 from collections.abc import AsyncGenerator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from prfaas.engines.reference.handoff.base import HandoffReceiver, HandoffSender
+from prfaas.engines.reference.handoff.base import HandoffError, HandoffReceiver, HandoffSender
 from prfaas.engines.reference.step.core import EngineCore
+from prfaas.engines.reference.step.prefix_transfer import (
+    export_prefix,
+    import_prefix,
+    prefix_from_received,
+    send_prefix,
+)
 from prfaas.engines.reference.step.request import Request, TokenEvent
 from prfaas.engines.reference.step.sampling import resolve_seed
 from prfaas.protocol.errors import APIError, InvalidRequest
@@ -58,6 +64,8 @@ class EngineService:
         self.start_id = secrets.token_hex(8)
         """Names this process's life: a restarted engine reports another one, so the
         gateway knows its prefix cache (and KV-index entries) are gone."""
+        self.prefix_exported_tokens = self.prefix_imported_tokens = self.prefix_pull_failures = 0
+        """Prefix pulls (`export_prefix` here, `prefix_pull` of requests), for `/stats`."""
 
     @property
     def draining(self) -> bool:
@@ -114,10 +122,13 @@ class EngineService:
         prompt: list[int],
         params: SamplingParams,
         bootstrap: Bootstrap | None,
+        prefix_pull: Bootstrap | None = None,
     ) -> AsyncGenerator[TokenEvent, None]:
         """Check and start one request; iterate the result for its events, the last one with
         a finish reason. Closing the iteration early (client gone) aborts the request and
-        frees its blocks.
+        frees its blocks. With `prefix_pull` (prefill roles), the prompt's cached prefix is
+        first fetched from that engine's `export_prefix` into this engine's prefix cache; a
+        failed pull is logged and the prefix computed here instead.
 
         Raises:
             InvalidRequest, CapacityError: bad input (at once). Unavailable: draining.
@@ -135,10 +146,10 @@ class EngineService:
             )
         req = Request(rid, prompt, params, emit=_no_emit, seed=resolve_seed(params))
         self._active[rid] = req  # released when the iteration ends (callers always iterate)
-        return self._events(req, role, bootstrap)
+        return self._events(req, role, bootstrap, prefix_pull if role != "decode" else None)
 
     async def _events(
-        self, req: Request, role: str, bootstrap: Bootstrap | None
+        self, req: Request, role: str, bootstrap: Bootstrap | None, prefix_pull: Bootstrap | None
     ) -> AsyncGenerator[TokenEvent, None]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
@@ -159,6 +170,8 @@ class EngineService:
                     bootstrap.host, bootstrap.port, bootstrap.room,
                     timeout_s=self.core.config.handoff_timeout_s,
                 )  # fmt: skip
+            if prefix_pull is not None:
+                await self._pull_prefix(req, prefix_pull)
             self._submit(req)
             while not finished:
                 event = await queue.get()
@@ -174,6 +187,58 @@ class EngineService:
                 if req.outbox is not None:
                     req.outbox.abort("request aborted")
                 self._poke()
+
+    async def export_prefix(self, prompt: list[int], room: int) -> int:
+        """Send the KV and states of `prompt`'s longest cached prefix into `room` on this
+        engine's bootstrap endpoint (the importer fetches it); returns its length in tokens
+        once delivered. With nothing cached the room is aborted at once (the importer stops
+        waiting) and 0 is returned.
+
+        Raises:
+            InvalidRequest: the room is already open. HandoffError: delivery failed.
+        """
+        try:
+            outbox = self.sender.open(room)
+        except ValueError as exc:
+            raise InvalidRequest(f"room {room}: {exc}") from exc
+        try:
+            core = self.core
+            loop = asyncio.get_running_loop()
+            state = await loop.run_in_executor(  # between steps: the pool is the engine's
+                self._executor, export_prefix, core.pool, core.storage, prompt
+            )
+            if state is None:
+                outbox.abort("no prefix of this prompt is cached here")
+                return 0
+            send_prefix(outbox, state, core.pool.config.block_size)
+            await outbox.wait()
+        except BaseException:
+            outbox.abort("the prefix export failed")
+            raise
+        self.prefix_exported_tokens += state.length
+        return state.length
+
+    async def _pull_prefix(self, req: Request, source: Bootstrap) -> None:
+        """Fetch `req`'s prompt prefix from `source` into the prefix cache (best effort)."""
+        core = self.core
+        try:
+            received = await self.receiver.fetch(
+                source.host, source.port, source.room, timeout_s=core.config.handoff_timeout_s
+            )
+            shape, bs = core.runner.shape, core.pool.config.block_size
+            state = prefix_from_received(received, shape.layer_types, bs)
+            loop = asyncio.get_running_loop()
+            added = await loop.run_in_executor(
+                self._executor, import_prefix, core.pool, core.storage, req.prompt, state
+            )
+        except HandoffError as exc:
+            self.prefix_pull_failures += 1
+            logger.warning("request %s: prefix pull from %s:%d failed (%s); computing it here",
+                           req.rid, source.host, source.port, exc)  # fmt: skip
+            return
+        self.prefix_imported_tokens += added
+        logger.info("request %s: pulled a %d-token prefix from %s:%d (%d new here)",
+                    req.rid, state.length, source.host, source.port, added)  # fmt: skip
 
     def abort(self, rid: str) -> bool:
         """Abort the running or queued request `rid` (SGLang's `/abort_request`); False if

@@ -43,7 +43,7 @@ class LayerShipper:
             if kind == FULL:
                 self._send_kv(idx, cache)
             elif final:
-                arrays = {"conv": _np(cache.conv[idx][0]), "rec": _np(cache.rec[idx][0])}
+                arrays = {"conv": np_array(cache.conv[idx][0]), "rec": np_array(cache.rec[idx][0])}
                 self.outbox.send_layer(idx, LINEAR_STATE, arrays)
 
         return on_layer
@@ -51,13 +51,14 @@ class LayerShipper:
     def _send_kv(self, idx: int, cache: HybridCache) -> None:
         k, v = cache.keys[idx], cache.values[idx]
         start, end = self._sent.get(idx, 0), k.shape[-2]
-        arrays = {"k": _np(k[0, ..., start:end, :]), "v": _np(v[0, ..., start:end, :])}
+        arrays = {"k": np_array(k[0, ..., start:end, :]), "v": np_array(v[0, ..., start:end, :])}
         blocks = (start // self.block_size, -(-end // self.block_size))
         self.outbox.send_layer(idx, FULL_KV, arrays, blocks=blocks)
         self._sent[idx] = end
 
 
-def _np(t: torch.Tensor) -> np.ndarray:
+def np_array(t: torch.Tensor) -> np.ndarray:
+    """A contiguous numpy copy of `t`, for the wire."""
     return np.ascontiguousarray(t.detach().numpy())
 
 
@@ -139,8 +140,18 @@ def state_from_handoff(received: Received, layer_types: tuple[str, ...]) -> Hand
     if raw is None:
         raise HandoffError("hand-off carried no meta (first token)")
     meta: Mapping[str, int] = orjson.loads(raw)
+    state = assemble_state(received, int(meta["prompt_len"]), layer_types)
+    return HandedOff(state, int(meta["first_token"]), int(meta.get("cached_tokens", 0)))
+
+
+def assemble_state(received: Received, length: int, layer_types: tuple[str, ...]) -> SeqState:
+    """The `length`-token `SeqState` the received layers hold (KV pieces joined in order).
+
+    Raises:
+        HandoffError: a layer missing, or KV of another length.
+    """
     kv: dict[int, list[Mapping[str, np.ndarray]]] = {}
-    state = SeqState(length=int(meta["prompt_len"]))
+    state = SeqState(length=length)
     for item in received.layers:
         if item.kind == FULL_KV:
             kv.setdefault(item.layer, []).append(item.arrays)
@@ -152,7 +163,7 @@ def state_from_handoff(received: Received, layer_types: tuple[str, ...]) -> Hand
             joined = np.concatenate([p[name] for p in parts], axis=-2)
             dst[layer] = torch.from_numpy(joined)[None]
     _check_complete(state, layer_types)
-    return HandedOff(state, int(meta["first_token"]), int(meta.get("cached_tokens", 0)))
+    return state
 
 
 def _check_complete(state: SeqState, layer_types: tuple[str, ...]) -> None:

@@ -1,0 +1,105 @@
+"""Prefix pull between two engines (the bandwidth-abundant regime): one exports the KV and
+states of a prompt's cached prefix (`POST /kv/export`), the other pulls it into its own prefix
+cache (`prefix_pull` on `/generate`) and computes only the rest, with the same greedy output
+as plain `transformers`; a pull that finds nothing falls back to computing everything."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+from engine_harness import RunningEngine, engine_server
+from engine_helpers import hf_greedy, random_prompt
+from transformers import PreTrainedModel
+
+from prfaas.engines.reference.handoff.base import InProcessHub
+from prfaas.engines.reference.model.runner import ModelRunner
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+async def _post(s: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Any:
+    async with s.post(url, json=body) as r:
+        assert r.status == 200, await r.text()
+        return await r.json()
+
+
+async def _pull(
+    s: aiohttp.ClientSession, source: RunningEngine, target: RunningEngine, prompt: list[int]
+) -> tuple[int, dict[str, Any]]:
+    """Export from `source` and generate on `target` with the pull, at once (as the gateway
+    does); (exported prefix tokens, the target's answer)."""
+    room = 41
+    port = source.service.sender.bootstrap_port
+    export = _post(s, f"{source.url}/kv/export", {"input_ids": prompt, "room": room})
+    body = {
+        "input_ids": prompt,
+        "sampling_params": {"max_new_tokens": 6, **GREEDY},
+        "prefix_pull": {"host": "127.0.0.1", "port": port, "room": room},
+    }
+    exported, answer = await asyncio.gather(export, _post(s, f"{target.url}/generate", body))
+    return int(exported["prefix_tokens"]), answer
+
+
+async def test_pulled_prefix_is_reused_and_output_matches(
+    tiny_runner: ModelRunner, tiny_model: PreTrainedModel
+) -> None:
+    """A computes a 100-token prompt (16-token blocks: state saved at 96); B pulls that
+    prefix for the prompt + 30 tokens and reports 96 cached tokens; its greedy output equals
+    `transformers`' on the whole prompt, and its pool indexed the 6 pulled blocks."""
+    hub = InProcessHub()
+    first = random_prompt(11, 100)
+    prompt = first + random_prompt(12, 30)
+    async with (
+        engine_server(tiny_runner, hub, role="both") as a,
+        engine_server(tiny_runner, hub, role="both") as b,
+        aiohttp.ClientSession() as s,
+    ):
+        body = {"input_ids": first, "sampling_params": {"max_new_tokens": 1, **GREEDY}}
+        await _post(s, f"{a.url}/generate", body)
+        exported, answer = await _pull(s, a, b, prompt)
+        stats = await (await s.get(f"{b.url}/stats")).json()
+    assert exported == 96
+    assert answer["meta_info"]["cached_tokens"] == 96
+    assert answer["output_ids"] == hf_greedy(tiny_model, prompt, 6)
+    assert stats["prefix_imported_tokens_total"] == 96
+    assert stats["prefix_pull_failures_total"] == 0
+    assert b.service.core.pool.stats().cached_blocks >= 6
+
+
+async def test_nothing_cached_falls_back_to_computing(
+    tiny_runner: ModelRunner, tiny_model: PreTrainedModel
+) -> None:
+    """The source caches nothing: the export answers 0 and aborts the room, the pull fails
+    at once (logged, counted), and the target computes the whole prompt correctly."""
+    hub = InProcessHub()
+    prompt = random_prompt(13, 70)
+    async with (
+        engine_server(tiny_runner, hub, role="both") as a,
+        engine_server(tiny_runner, hub, role="both") as b,
+        aiohttp.ClientSession() as s,
+    ):
+        exported, answer = await asyncio.wait_for(_pull(s, a, b, prompt), 60)
+        stats = await (await s.get(f"{b.url}/stats")).json()
+    assert exported == 0
+    assert answer["meta_info"]["cached_tokens"] == 0
+    assert answer["output_ids"] == hf_greedy(tiny_model, prompt, 6)
+    assert stats["prefix_pull_failures_total"] == 1
+
+
+async def test_bad_export_and_pull_bodies_are_400(tiny_runner: ModelRunner) -> None:
+    async with (
+        engine_server(tiny_runner, InProcessHub(), role="both") as a,
+        aiohttp.ClientSession() as s,
+    ):
+        for body in ({"input_ids": [1, 2]}, {"input_ids": [], "room": 1},
+                     {"input_ids": [1], "room": -1}, {"input_ids": ["x"], "room": 1}):  # fmt: skip
+            async with s.post(f"{a.url}/kv/export", json=body) as r:
+                assert r.status == 400, body
+                assert (await r.json())["error"]["type"] == "invalid_request_error"
+        for pull in ({"host": "h", "port": 1}, {"host": "h", "port": 0, "room": 1}, "h:1"):
+            body = {"input_ids": [1, 2, 3], "prefix_pull": pull}
+            async with s.post(f"{a.url}/generate", json=body) as r:
+                assert r.status == 400, pull
+                assert "prefix_pull" in (await r.json())["error"]["message"]
