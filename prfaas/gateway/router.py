@@ -38,6 +38,7 @@ from prfaas.protocol.generate import Bootstrap, GenerateChunk, GenerateRequest, 
 logger = logging.getLogger(__name__)
 WAIT_POLL_S = 0.2
 """How often a request with nowhere to go looks for a readmitted instance."""
+PULL_RESULTS = ("started", "exported", "failed")
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,10 @@ class Router:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     detokenize: Callable[[Sequence[int]], str] | None = None
     observer: RoutingObserver | None = None
+    prefix_pulls: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(PULL_RESULTS, 0), init=False
+    )
+    """Prefix pulls by result: `started`, then `exported` or `failed` (the source's side)."""
     _exports: set[asyncio.Task[None]] = field(default_factory=set, init=False, repr=False)
 
     def decide(self, input_ids: Sequence[int], exclude: Collection[str] = ()) -> RouteDecision:
@@ -204,6 +209,7 @@ class Router:
         )
         self._exports.add(task)
         task.add_done_callback(self._exports.discard)
+        self.prefix_pulls["started"] += 1
         return replace(request, prefix_pull=room)
 
     async def _export(self, source: InstanceState, ids: Sequence[int], room: int) -> None:
@@ -212,9 +218,17 @@ class Router:
         try:
             tokens = await source.client.export_prefix(ids, room)
         except EngineError as exc:
+            self.prefix_pulls["failed"] += 1
             logger.warning("prefix export from %s failed: %s", source.instance_id, exc)
             return
+        self.prefix_pulls["exported" if tokens else "failed"] += 1
         logger.info("prefix export from %s: %d tokens", source.instance_id, tokens)
+
+    async def cancel_exports(self) -> None:
+        """Stop prefix exports still running (the gateway is stopping)."""
+        for task in list(self._exports):
+            task.cancel()
+        await asyncio.gather(*self._exports, return_exceptions=True)
 
     def report(self, event: RouteEvent) -> None:
         if self.on_event is not None:

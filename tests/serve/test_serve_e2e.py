@@ -290,6 +290,7 @@ def test_abundant_regime_pulls_the_prefix_across_clusters(running: Running) -> N
     while _sent(after := _scrape(url)) - before < pulled * 1000:  # >1 KB of KV per token
         assert time.monotonic() < deadline, (before, _sent(after), pulled)
         time.sleep(0.2)
+    assert after.value("prfaas_prefix_pulls_total", result="exported") >= 1
 
 
 def _state(url: str) -> dict[str, Any]:

@@ -86,6 +86,7 @@ class Gateway:
         await self.activity.stop()
         await self.health.stop()
         await self.feed.stop()
+        await self.router.cancel_exports()
         for state in self.instances:
             await state.client.close()
 
@@ -164,6 +165,7 @@ class Gateway:
             GaugeMetricFamily(
                 "prfaas_kv_index_entries", "(instance, block) entries.", len(self.index)
             ),
+            _prefix_pulls(self.router.prefix_pulls),
         ]
 
 
@@ -173,6 +175,17 @@ def _ejections(instances: InstanceManager) -> CounterMetricFamily:
     )
     for s in instances:
         family.add_metric([s.instance_id], s.ejections)
+    return family
+
+
+def _prefix_pulls(pulls: dict[str, int]) -> CounterMetricFamily:
+    family = CounterMetricFamily(
+        "prfaas_prefix_pulls",
+        "Cached prefixes pulled across clusters (bandwidth-abundant regime), by result.",
+        labels=["result"],
+    )
+    for result, n in pulls.items():
+        family.add_metric([result], n)
     return family
 
 

@@ -35,6 +35,7 @@ GATEWAY_FAMILIES = {
     "prfaas_request_retries": "counter",
     "prfaas_request_migrations": "counter",
     "prfaas_instance_ejections": "counter",
+    "prfaas_prefix_pulls": "counter",
 }
 # Escaping needed in a label value: a newline, a quote and a backslash.
 ODD_ID = 'pd-d0 "rack\\7"\nrow 2'

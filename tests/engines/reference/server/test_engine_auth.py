@@ -21,6 +21,7 @@ CONTROL = [  # the role switch last: a decode engine refuses a /generate without
     ("GET", "/server_info", None),
     ("GET", "/stats", None),
     ("POST", "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}),
+    ("POST", "/kv/export", {"input_ids": [1, 2], "room": 3}),
     ("POST", "/admin/role", {"role": "decode"}),
 ]
 
@@ -55,6 +56,7 @@ async def test_control_routes_need_the_token(tiny_runner: ModelRunner) -> None:
         "role": "both",
         "draining": False,
         "start_id": eng.service.start_id,
+        "prefix_pull": True,
     }
     assert statuses["/transfer_stats"] == 404  # in-process hand-off: no transport, but let in
     assert all(v == 200 for p, v in statuses.items() if p != "/transfer_stats"), statuses
