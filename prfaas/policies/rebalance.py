@@ -13,7 +13,8 @@ by `min_gain`.
 
 Guard rails (Kubernetes HPA stabilisation, Knative, Dynamo's planner):
 - at most one conversion per period, and none while one is draining;
-- the same move wanted for `confirm_periods` periods in a row;
+- the same move wanted for `confirm_periods` periods in a row, unless it gains at least
+  `urgent_gain` (a drift that large is not sampling noise);
 - a cooldown after each conversion, never shorter than that conversion's measured drain;
 - the pool losing an instance must still carry the estimated arrival rate with
   `load_margin` to spare, at its own best threshold;
@@ -50,6 +51,10 @@ class RebalanceConfig:
     """A conversion must raise the model's Lambda_max by at least this share."""
     confirm_periods: int = 2
     """Periods in a row that must want the same move."""
+    urgent_gain: float = 0.15
+    """A move that raises Lambda_max by at least this share needs no confirmation: noise in
+    one period's estimate moves the model by a few percent, not this much (HPA likewise
+    scales up without a stabilisation window). The other rails still apply."""
     cooldown_s: float = 30.0
     """Seconds after a conversion before the next (at least that conversion's drain)."""
     load_margin: float = 0.05
@@ -64,6 +69,7 @@ class RebalanceConfig:
         check(self.drift_tolerance >= 0, "drift_tolerance", self.drift_tolerance, "must be >= 0")
         check(self.min_gain >= 0, "min_gain", self.min_gain, "must be >= 0")
         check(self.confirm_periods >= 1, "confirm_periods", self.confirm_periods, "must be >= 1")
+        check(self.urgent_gain >= 0, "urgent_gain", self.urgent_gain, "must be >= 0")
         check(self.cooldown_s >= 0, "cooldown_s", self.cooldown_s, "must be >= 0")
         check(self.load_margin >= 0, "load_margin", self.load_margin, "must be >= 0")
         band = self.set_point_deadband
@@ -209,7 +215,7 @@ def rebalance(
     streak = state.streak + 1 if state.direction == direction else 1
     period.state = replace(state, direction=direction, streak=streak)
     move = f"{why}; one {lost} -> {gained} gains {gain:+.1%}"
-    if streak < config.confirm_periods:
+    if streak < config.confirm_periods and gain < config.urgent_gain:
         return period.out("pending", f"{move}; pending ({streak}/{config.confirm_periods} periods)")
     refusal = _refusal(config, period.state, nxt, direction, estimate.rate, now)
     if refusal is not None:

@@ -113,6 +113,20 @@ def test_decode_heavy_converts_a_prefill(profile: DeploymentProfile) -> None:
     assert d.reason.startswith("drift: prefill side 3.14 vs decode 1.30 req/s; one prefill")
 
 
+def test_a_large_gain_needs_no_confirmation(profile: DeploymentProfile) -> None:
+    """Output length x3: moving one prefill to decode gains far more than sampling noise
+    could (>= `urgent_gain`), so the first period that sees it converts; the bandwidth
+    drop's +9.2% above still waits for its second period."""
+    est = _estimate(out=3072, rate=1.6)
+    d = rebalance(CFG, RebalanceState(), profile, est, _pools(), now=0, set_point=19_456)
+    assert d.outcome == "convert" and d.conversion is not None
+    assert d.conversion.from_role == "prefill"
+    assert d.state == RebalanceState(direction=-1, streak=1)
+    slow = replace(CFG, urgent_gain=10.0)
+    d = rebalance(slow, RebalanceState(), profile, est, _pools(), now=0, set_point=19_456)
+    assert d.outcome == "pending"
+
+
 def test_a_reversed_move_restarts_the_confirmation(profile: DeploymentProfile) -> None:
     state = RebalanceState(direction=-1, streak=5)
     d = rebalance(CFG, state, profile, _estimate(gbps=10), _pools(), now=0, set_point=19_456)
@@ -217,4 +231,6 @@ def test_replan_profile_uses_the_estimate(profile: DeploymentProfile) -> None:
 def test_config_rejects_bad_values() -> None:
     with pytest.raises(ValueError, match=r"confirm_periods: must be >= 1 \(got 0\)"):
         RebalanceConfig(confirm_periods=0)
+    with pytest.raises(ValueError, match=r"urgent_gain: must be >= 0"):
+        RebalanceConfig(urgent_gain=-0.1)
     assert math.isinf(-RebalanceState().cooldown_until)

@@ -222,6 +222,8 @@ def _deployment(tmp: Path) -> Path:
     path.write_text(
         f'[gateway]\nthreshold = 1024\n\n{launch}\n[scheduler]\nprofile = "profile.toml"\n'
         "period_s = 3.0\n[scheduler.estimate]\nmin_samples = 5.0\n"
+        # every move confirmed over periods (no urgent path), so the test sees that rail
+        "[scheduler.rebalance]\nurgent_gain = inf\n"
     )
     return path
 

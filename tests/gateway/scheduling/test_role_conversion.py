@@ -8,6 +8,7 @@ import asyncio
 import itertools
 import json
 import logging
+import math
 from pathlib import Path
 
 import numpy as np
@@ -104,10 +105,13 @@ def test_converter_reports_an_engine_without_a_role_api(profile: DeploymentProfi
     run_virtual(main())
 
 
-def _scheduled(profile: DeploymentProfile, n_d: int) -> tuple[Scheduler, list[str]]:
+def _scheduled(
+    profile: DeploymentProfile, n_d: int, urgent_gain: float = 0.15
+) -> tuple[Scheduler, list[str]]:
     """A prefill-heavy load (30K-token prompts, 16 output tokens) on 1 prefill + `n_d`
     decode instances for 100 s, the schedulers on 10-second periods."""
-    config = SchedulerConfig(period_s=10.0, rebalance=RebalanceConfig(cooldown_s=5.0))
+    rebalance = RebalanceConfig(cooldown_s=5.0, urgent_gain=urgent_gain)
+    config = SchedulerConfig(period_s=10.0, rebalance=rebalance)
 
     async def main() -> tuple[Scheduler, list[str]]:
         cluster = SimCluster(profile, _deployment(profile, 1, n_d), SimOptions())
@@ -127,9 +131,9 @@ def test_prefill_heavy_load_converts_a_decode(
 ) -> None:
     """Two decodes, one prefill, a prefill-bound load: after the confirmation periods one
     decode becomes a prefill (drained first); no request fails; the schedule's roles, the
-    log and the set-point follow."""
+    log and the set-point follow. (No urgent path here: every move is confirmed.)"""
     caplog.set_level(logging.INFO, logger="prfaas.scheduler")
-    scheduler, errors = _scheduled(profile, 2)
+    scheduler, errors = _scheduled(profile, 2, urgent_gain=math.inf)
     assert errors == []
     done = [c for c in scheduler.long.conversions if c.ok]
     assert len(done) >= 1 and done[0].to_role == "prefill"
@@ -140,6 +144,21 @@ def test_prefill_heavy_load_converts_a_decode(
     logged = [json.loads(r.message) for r in caplog.records if r.name == "prfaas.scheduler"]
     pending = [d for d in logged if d["inputs"].get("outcome") == "pending"]
     assert pending and pending[0]["at"] < done[0].started_at  # confirmed before converting
+
+
+def test_a_large_drift_converts_at_the_first_period_that_sees_it(
+    profile: DeploymentProfile, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same load with the default urgent gain: the move gains far more than noise
+    could, so the first period that wants it converts, with no pending period before."""
+    caplog.set_level(logging.INFO, logger="prfaas.scheduler")
+    scheduler, errors = _scheduled(profile, 2)
+    assert errors == []
+    done = [c for c in scheduler.long.conversions if c.ok]
+    assert done and done[0].to_role == "prefill"
+    logged = [json.loads(r.message) for r in caplog.records if r.name == "prfaas.scheduler"]
+    wanted = [d for d in logged if d["inputs"].get("outcome") in ("pending", "convert")]
+    assert wanted[0]["inputs"]["outcome"] == "convert"
 
 
 def test_the_last_decode_is_never_converted(profile: DeploymentProfile) -> None:
