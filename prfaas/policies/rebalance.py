@@ -61,6 +61,10 @@ class RebalanceConfig:
     """The losing pool must carry the estimated rate times (1 + margin)."""
     set_point_deadband: float = 0.15
     """The set-point moves only when the re-solved t differs by more than this share."""
+    urgent_set_point: float = 2.0
+    """A re-solved t this many times above or below the set-point applies at once, with no
+    confirmation (sampling noise does not move t by a factor; a plan made for another
+    workload does)."""
     t_step: int = 64
     exact: bool = True
     """Cost each class by E[T(L)] (True) or the paper's T(E[L])."""
@@ -74,6 +78,8 @@ class RebalanceConfig:
         check(self.load_margin >= 0, "load_margin", self.load_margin, "must be >= 0")
         band = self.set_point_deadband
         check(0 <= band < 1, "set_point_deadband", band, "must be in [0, 1)")
+        urgent = self.urgent_set_point
+        check(urgent > 1, "urgent_set_point", urgent, "must be > 1")
         check(self.t_step >= 1, "t_step", self.t_step, "must be >= 1")
 
 
@@ -169,10 +175,13 @@ def rebalance(
     set_point: float,
     min_samples: float = 1.0,
     stepped: bool = False,
+    set_point_only: bool = False,
 ) -> RebalanceDecision:
     """One period of the rebalancer (see the module docstring). `stepped`: the period was
     started by a step of the measured link, so the re-solved set-point applies at once (a
-    measurement is not sampling noise); conversions still need their confirmation."""
+    measurement is not sampling noise); conversions still need their confirmation.
+    `set_point_only`: an early look on few samples (the first period): the set-point may
+    move, no conversion is wanted or confirmed."""
     n_p, n_d = len(pools.prefill), len(pools.decode)
     if estimate is None or estimate.samples < min_samples:
         return RebalanceDecision(state, "skipped", "too few requests observed", set_point)
@@ -190,8 +199,8 @@ def rebalance(
     util = planned_utilisation(replanned, new_set_point, rate, exact=config.exact)
     period = _Period(config, state, new_set_point, _numbers(current, estimate), util)
     direction, why = _drift(config, current)
-    if direction == 0:
-        return period.reset("hold", why)
+    if direction == 0 or set_point_only:
+        return period.reset("hold", why + ("; set-point only" if set_point_only else ""))
     lost: Role = "decode" if direction > 0 else "prefill"
     gained: Role = "prefill" if direction > 0 else "decode"
     losing = pools.decode if direction > 0 else pools.prefill
@@ -259,12 +268,16 @@ def _set_point(
     stepped: bool = False,
 ) -> tuple[float, RebalanceState]:
     """The re-solved t replaces the set-point once it has lain beyond the dead band, on the
-    same side, for `confirm_periods` periods in a row (sampling noise does not churn it)."""
+    same side, for `confirm_periods` periods in a row (sampling noise does not churn it), or
+    at once after a link step or when it is `urgent_set_point` times off."""
     if current > 0 and abs(solved - current) <= config.set_point_deadband * current:
         return current, replace(state, set_point_side=0, set_point_streak=0)
     side = 1 if solved > current else -1
     streak = state.set_point_streak + 1 if state.set_point_side == side else 1
-    if streak < config.confirm_periods and not stepped:
+    far = current <= 0 or max(solved / current, current / max(solved, 1e-9)) >= (
+        config.urgent_set_point
+    )
+    if streak < config.confirm_periods and not stepped and not far:
         return current, replace(state, set_point_side=side, set_point_streak=streak)
     return solved, replace(state, set_point_side=0, set_point_streak=0)
 

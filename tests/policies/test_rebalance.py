@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from prfaas.policies.distributions import TruncatedLogNormal
-from prfaas.policies.planner import plan
+from prfaas.policies.planner import best_for_split, plan
 from prfaas.policies.profile import DeploymentProfile, load_profile
 from prfaas.policies.rebalance import (
     Conversion,
@@ -111,6 +111,20 @@ def test_decode_heavy_converts_a_prefill(profile: DeploymentProfile) -> None:
     assert d.outcome == "convert" and d.conversion is not None
     assert (d.conversion.instance_id, d.conversion.from_role) == ("pd-p0", "prefill")
     assert d.reason.startswith("drift: prefill side 3.14 vs decode 1.30 req/s; one prefill")
+
+
+def test_a_set_point_far_off_applies_at_once(profile: DeploymentProfile) -> None:
+    """Prompts far shorter than the prior (mu 8.3 against 9.9): the re-solved t is more than
+    2x below the set-point, so it applies in the first period; a t 20% off (beyond the dead
+    band, within the factor) still waits for its confirmation."""
+    est = _estimate(mu=8.3)
+    t_star = best_for_split(plan(replan_profile(profile, est, 4, 8), exact=True).grid, 3)
+    assert t_star.threshold_tokens * 2 <= 19_456
+    d = rebalance(CFG, RebalanceState(), profile, est, _pools(), now=0, set_point=19_456)
+    assert d.set_point == t_star.threshold_tokens
+    near = t_star.threshold_tokens * 1.2
+    d = rebalance(CFG, RebalanceState(), profile, est, _pools(), now=0, set_point=near)
+    assert d.set_point == near and d.state.set_point_streak == 1
 
 
 def test_a_large_gain_needs_no_confirmation(profile: DeploymentProfile) -> None:
@@ -233,4 +247,6 @@ def test_config_rejects_bad_values() -> None:
         RebalanceConfig(confirm_periods=0)
     with pytest.raises(ValueError, match=r"urgent_gain: must be >= 0"):
         RebalanceConfig(urgent_gain=-0.1)
+    with pytest.raises(ValueError, match=r"urgent_set_point: must be > 1"):
+        RebalanceConfig(urgent_set_point=1.0)
     assert math.isinf(-RebalanceState().cooldown_until)

@@ -66,13 +66,18 @@ class LongTermLoop:
         self.capacity_seen: float | None = None
         """The link capacity the last period planned with."""
 
-    def period(self, *, stepped: bool = False) -> RebalanceDecision:
+    def period(self, *, stepped: bool = False, first_look: bool = False) -> RebalanceDecision:
         """Estimate, decide, and start what was decided (`stepped`: woken early by a step of
-        the measured link)."""
-        samples = self._observer.take_samples()
-        now = self._observer.now()
+        the measured link). `first_look`: an early look at the first requests, before the
+        first period ends; it only moves the set-point when the re-solved `t` is far off
+        (`urgent_set_point`), and keeps nothing else: the samples, the estimate and the
+        confirmation streaks stay with the first real period."""
+        observer = self._observer
+        samples = observer.peek_samples() if first_look else observer.take_samples()
+        now = observer.now()
         capacity = self._period_capacity(samples.mean_capacity())
-        self.capacity_seen = capacity
+        if not first_look:
+            self.capacity_seen = capacity
         lengths = self._profile.workload.lengths
         lo, hi = round(lengths.lo), round(lengths.hi)
         clamped = [min(max(n, lo), hi) for n in samples.incremental]
@@ -84,19 +89,27 @@ class LongTermLoop:
             capacity,
             occupancy_output=self._occupancy_output(samples, duration),
         )
-        self.estimate = update_estimate(self._config.estimate, self.estimate, obs)
+        estimate = update_estimate(self._config.estimate, self.estimate, obs)
         board = self._board
         decision = rebalance(
             self._config.rebalance,
             self.state,
             self._profile,
-            self.estimate,
+            estimate,
             self.pools(),
             now=now,
             set_point=board.state.set_point,
             min_samples=self._config.estimate.min_samples,
             stepped=stepped,
+            set_point_only=first_look,
         )
+        if first_look:
+            if decision.set_point != board.state.set_point:
+                inputs = {"outcome": "first look", **(decision.numbers or {})}
+                self._set_point(decision.set_point, decision.planned_utilisation, inputs)
+                self._short.planned(decision.planned_utilisation)
+            return decision
+        self.estimate = estimate
         self.state, self.last = decision.state, decision
         counters = board.counters
         if counters is not None:

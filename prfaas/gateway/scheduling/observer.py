@@ -109,6 +109,15 @@ class SchedulingObserver:
         now = self._clock()
         return min((self.ledger.backlog(i, now) for i in instance_ids), default=0.0)
 
+    @property
+    def num_samples(self) -> int:
+        """Requests routed since the last `take_samples`."""
+        return len(self._samples.incremental)
+
+    def peek_samples(self) -> PeriodSamples:
+        """The samples since the last `take_samples`, which keeps them (read them only)."""
+        return self._samples
+
     def take_samples(self) -> PeriodSamples:
         """The samples since the last call; a new period starts now."""
         samples, self._samples = self._samples, PeriodSamples(self._clock())

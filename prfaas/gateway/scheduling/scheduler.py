@@ -68,6 +68,7 @@ class Scheduler:
         self._instances = instances
         self._tasks: list[asyncio.Task[None]] = []
         self._wake_long = asyncio.Event()
+        self._looked = False  # the early first look ran
         router.observer = self.observer
 
     def attach_link(self, reader: LinkReader) -> None:
@@ -89,6 +90,18 @@ class Scheduler:
             self.observer.measured(self.short.read_link())
         if self.config.long_term and self.long.capacity_stepped():
             self._wake_long.set()
+        elif self.config.long_term and self._first_look():
+            _guarded(functools.partial(self.long.period, first_look=True))
+
+    def _first_look(self) -> bool:
+        """Whether to take the first look now (`LongTermLoop.period(first_look=True)`): once,
+        as soon as enough requests were seen to estimate the workload, before the first
+        period ends (the deployment's profile is only a prior; a plan made for another
+        workload should not run for a whole period)."""
+        if self._looked or self.long.estimate is not None:
+            return False
+        self._looked = self.observer.num_samples >= self.config.estimate.min_samples
+        return self._looked
 
     async def _ticks(self) -> None:
         while True:

@@ -161,6 +161,40 @@ def test_a_large_drift_converts_at_the_first_period_that_sees_it(
     assert wanted[0]["inputs"]["outcome"] == "convert"
 
 
+def test_a_first_look_moves_a_far_off_set_point_before_the_first_period(
+    profile: DeploymentProfile,
+) -> None:
+    """2,000-token prompts where the profile's prior expects a median of 20K: as soon as
+    `min_samples` requests were routed, a first look re-solves `t` and, being more than 2x
+    off, applies it; the first period still ends at 60 s (the look keeps its samples)."""
+    config = SchedulerConfig(period_s=60.0)  # min_samples 20 by default
+
+    async def main() -> tuple[float | None, float | None, float]:
+        cluster = SimCluster(profile, _deployment(profile, 1, 2), SimOptions())
+        scheduler = Scheduler(config, profile, cluster.router, cluster.instances)
+        prior = scheduler.board.state.set_point
+        scheduler.start()
+        loop = asyncio.get_running_loop()
+        start, moved, period = loop.time(), None, None
+        try:
+            load = asyncio.create_task(_load(cluster.router, 70.0, 1.0, 2_000, 16))
+            while loop.time() - start < 70:
+                await asyncio.sleep(1.0)
+                if moved is None and scheduler.board.state.set_point != prior:
+                    moved = loop.time() - start
+                if period is None and scheduler.long.estimate is not None:
+                    period = loop.time() - start
+            assert await load == []
+        finally:
+            await scheduler.stop()
+        return moved, period, scheduler.board.state.set_point / prior
+
+    moved, period, ratio = run_virtual(main())
+    assert moved is not None and 20 <= moved < 25  # the 20th request arrives at 19 s
+    assert period is not None and 60 <= period < 62
+    assert ratio <= 0.5
+
+
 def test_the_last_decode_is_never_converted(profile: DeploymentProfile) -> None:
     """The same load with one decode: the rebalancer wants more prefill but the guard rail
     refuses, every period, and says why."""
