@@ -245,3 +245,39 @@ async def collect(call: EngineCall) -> list[GenerateChunk]:
     finally:
         call.abort()  # a no-op once it has ended
     return chunks
+
+
+MAX_ERROR_BODY = 4096
+"""Bytes of an error answer kept for its message."""
+
+
+class AnsweredCall(QueuedCall):
+    """A `QueuedCall` fed by one HTTP answer (the `ResponseHandler` that
+    `prfaas.http.client.post` drives): it keeps the status and the body of a whole or failed
+    answer (an error's first `MAX_ERROR_BODY` bytes), and hands each complete line of a
+    streamed 200 answer to `_line`."""
+
+    def __init__(self, stream: bool) -> None:
+        super().__init__()
+        self.stream = stream
+        self.status = 0
+        self._body = bytearray()  # a whole answer, or a stream's unfinished line
+
+    def on_head(self, status: int) -> None:
+        self.status = status
+
+    def on_body(self, data: bytes) -> None:
+        if self.status != 200 or not self.stream:
+            if self.status == 200 or len(self._body) < MAX_ERROR_BODY:
+                self._body += data
+            return
+        self._body += data
+        start = 0
+        while (end := self._body.find(b"\n", start)) >= 0:
+            self._line(bytes(self._body[start:end]))
+            start = end + 1
+        del self._body[:start]
+
+    @abstractmethod
+    def _line(self, line: bytes) -> None:
+        """One complete line of a streamed answer (without its newline)."""

@@ -27,13 +27,14 @@ import orjson
 from yarl import URL
 
 from prfaas.engines.client import (
+    MAX_ERROR_BODY,
+    AnsweredCall,
     BaseEngineClient,
     EngineCall,
     EngineError,
     EngineInfo,
     EngineReport,
     EngineStats,
-    QueuedCall,
     Role,
 )
 from prfaas.http.client import ConnectFailed, ConnectionPool, HttpCall, post
@@ -42,7 +43,6 @@ from prfaas.protocol.generate import AnswerError, GenerateChunk, GenerateRequest
 logger = logging.getLogger(__name__)
 STATS_PATHS = ("/stats", "/get_load")
 JSON_HEADERS = {"Content-Type": "application/json"}
-MAX_ERROR_BODY = 4096  # bytes of an error answer kept for its message
 _ROLES: dict[str, Role] = {
     "prefill": "prefill", "decode": "decode", "null": "both", "both": "both"
 }  # fmt: skip
@@ -98,7 +98,7 @@ def _parse_load(load: Any) -> EngineStats:
     )
 
 
-class _GenerateCall(QueuedCall):
+class _GenerateCall(AnsweredCall):
     """One `/generate` call: the HTTP response handler that turns the answer into chunks.
 
     A whole answer becomes one chunk when it is complete; a stream's `data:` events become
@@ -106,30 +106,13 @@ class _GenerateCall(QueuedCall):
     """
 
     def __init__(self, client: SGLangClient, request: GenerateRequest) -> None:
-        super().__init__()
-        self.client, self.rid, self.stream = client, request.rid, request.stream
-        self.status = 0
-        self._body = bytearray()  # a whole answer, or a stream's unfinished line
+        super().__init__(request.stream)
+        self.client, self.rid = client, request.rid
         self._text_len = self._ids_len = 0
         self._stream_done = False
         self.http: HttpCall = client.post(request, self)
 
     # -- ResponseHandler -------------------------------------------------------------------
-
-    def on_head(self, status: int) -> None:
-        self.status = status
-
-    def on_body(self, data: bytes) -> None:
-        if self.status != 200 or not self.stream:
-            if len(self._body) < MAX_ERROR_BODY or self.status == 200:
-                self._body += data
-            return
-        self._body += data
-        start = 0
-        while (end := self._body.find(b"\n", start)) >= 0:
-            self._line(bytes(self._body[start:end]))
-            start = end + 1
-        del self._body[:start]
 
     def on_end(self, error: BaseException | None) -> None:
         if self.ended.done():

@@ -21,12 +21,12 @@ import orjson
 from yarl import URL
 
 from prfaas.engines.client import (
+    AnsweredCall,
     BaseEngineClient,
     EngineCall,
     EngineError,
     EngineInfo,
     EngineStats,
-    QueuedCall,
     Role,
 )
 from prfaas.engines.sglang_client import SGLangClientConfig
@@ -34,7 +34,6 @@ from prfaas.http.client import ConnectFailed, ConnectionPool, HttpCall, post
 from prfaas.protocol.generate import GenerateChunk, GenerateRequest
 from prfaas.protocol.kv_transfer import RemoteDecode, RemotePrefill
 
-MAX_ERROR_BODY = 4096
 _GAUGE = re.compile(rb"^(vllm:[a-z_]+)\{[^}]*\} ([0-9.eE+-]+)$", re.MULTILINE)
 
 
@@ -85,33 +84,15 @@ def completion_body(request: GenerateRequest, endpoint: VLLMEndpoint) -> dict[st
     return body
 
 
-class _CompletionCall(QueuedCall):
+class _CompletionCall(AnsweredCall):
     """One `/v1/completions` call; its answer (whole, or SSE deltas) becomes chunks."""
 
     def __init__(self, client: VLLMClient, request: GenerateRequest) -> None:
-        super().__init__()
-        self.client, self.prompt_tokens = client, len(request.input_ids)
         body = completion_body(request, client.endpoint)
-        self.stream = bool(body["stream"])
-        self.status = 0
-        self._body = bytearray()
+        super().__init__(bool(body["stream"]))
+        self.client, self.prompt_tokens = client, len(request.input_ids)
         self._completion = 0
         self.http: HttpCall = client.post(orjson.dumps(body), self)
-
-    def on_head(self, status: int) -> None:
-        self.status = status
-
-    def on_body(self, data: bytes) -> None:
-        if self.status != 200 or not self.stream:
-            if self.status == 200 or len(self._body) < MAX_ERROR_BODY:
-                self._body += data
-            return
-        self._body += data
-        start = 0
-        while (end := self._body.find(b"\n", start)) >= 0:
-            self._line(bytes(self._body[start:end]))
-            start = end + 1
-        del self._body[:start]
 
     def on_end(self, error: BaseException | None) -> None:
         if self.ended.done():
