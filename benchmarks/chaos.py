@@ -53,6 +53,7 @@ from rich.table import Table
 from prfaas.common.secret import ENV_SECRET
 from prfaas.engines.transport.frames import Kind, make_frame
 from prfaas.engines.transport.wire import json_frame
+from prfaas.testing.processes import child_pids
 
 MODEL = "qwen3-next-tiny"
 MAX_TOKENS = 16
@@ -87,18 +88,6 @@ def _wait_line(proc: subprocess.Popen[str], pattern: re.Pattern[str], timeout_s:
     raise RuntimeError(f"not ready within {timeout_s} s")
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            kids.append(int(stat.parent.name))
-    return kids
-
-
 def _engine_name(pid: int) -> str | None:
     """Which embedded engine a child is, from its command line."""
     try:
@@ -113,7 +102,7 @@ def _engine_name(pid: int) -> str | None:
 
 
 def engine_pids(gateway_pid: int) -> dict[str, int]:
-    found = {(_engine_name(p), p) for p in _children(gateway_pid)}
+    found = {(_engine_name(p), p) for p in child_pids(gateway_pid)}
     return {name: pid for name, pid in found if name is not None}
 
 

@@ -27,6 +27,7 @@ import pytest
 from metrics_helpers import Scrape
 
 from prfaas.common.tokenizer import ByteTokenizer, ChatMessage, chat_ids
+from prfaas.testing.processes import child_pids
 
 MODEL = "qwen3-next-tiny"
 START_TIMEOUT_S = 240
@@ -66,18 +67,6 @@ def _spawn(*args: str) -> subprocess.Popen[str]:
         stderr=subprocess.STDOUT,
         text=True,
     )
-
-
-def _children(pid: int) -> list[int]:
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            kids.append(int(stat.parent.name))
-    return kids
 
 
 @pytest.fixture(scope="module")
@@ -310,7 +299,7 @@ def test_a_killed_engine_comes_back_and_requests_survive(running: Running) -> No
     the index again (a prompt whose prefix it now caches routes pd)."""
     url = running.gateway_url
     victim = next(
-        c for c in _children(running.gateway.pid)
+        c for c in child_pids(running.gateway.pid)
         if "prefill" in _cmdline(c) and "--egress-rate-mbps" not in _cmdline(c)
     )  # fmt: skip
     os.kill(victim, signal.SIGKILL)
@@ -328,7 +317,7 @@ def test_a_killed_engine_comes_back_and_requests_survive(running: Running) -> No
     while not back():
         assert time.monotonic() - killed < 30, _state(url)
         time.sleep(0.25)
-    assert victim not in _children(running.gateway.pid)
+    assert victim not in child_pids(running.gateway.pid)
     assert _scrape(url).value("prfaas_engine_restarts_total", instance="pd-p0") == 1
     t = int(running.threshold)
     first, extra = _words(t - 100, seed=8), _words(min(400, t // 2), seed=9)
@@ -349,7 +338,7 @@ def test_a_killed_engine_comes_back_and_requests_survive(running: Running) -> No
 def test_sigterm_stops_gateway_and_engines(running: Running) -> None:
     """SIGTERM: the gateway and its three engine children are gone within seconds."""
     pid = running.gateway.pid
-    children = _children(pid)
+    children = child_pids(pid)
     assert len(children) == 3
     start = time.monotonic()
     os.kill(pid, signal.SIGTERM)
@@ -358,16 +347,16 @@ def test_sigterm_stops_gateway_and_engines(running: Running) -> None:
     assert not [c for c in children if Path(f"/proc/{c}").exists()]
 
 
-def test_sigterm_during_startup_stops_the_children() -> None:
+def test_sigterm_during_startup_stops_thechild_pids() -> None:
     """SIGTERM while the engines are still loading: the started children are stopped too,
     and the gateway exits with a message instead of leaving orphans."""
     # t stays the planner's; the operator key lets a test pin the regime
     gateway = _spawn("serve", "--port", "0", "--no-scheduler", "--admin-key", ADMIN_KEY)
     try:
         deadline = time.monotonic() + 60
-        while len(_children(gateway.pid)) < 3 and time.monotonic() < deadline:
+        while len(child_pids(gateway.pid)) < 3 and time.monotonic() < deadline:
             time.sleep(0.1)
-        children = _children(gateway.pid)
+        children = child_pids(gateway.pid)
         assert len(children) == 3
         time.sleep(1.0)
         gateway.send_signal(signal.SIGTERM)
