@@ -13,7 +13,7 @@ BlockIds = tuple[list[int], ...]  # one block table per KV-cache group
 @dataclass(frozen=True)
 class SendStep:
     """Prefill side: this step computes tokens [start, end) of a request whose KV goes to
-    room `room`; `last` when it completes the (truncated) prompt."""
+    room `room` (`end` capped at the tokens that go out); `last` when it reaches that cap."""
 
     req_id: str
     room: int
@@ -21,6 +21,8 @@ class SendStep:
     start: int
     end: int
     last: bool
+    error: str | None = None
+    """Why the transfer fails instead (the step ran past the handoff point)."""
 
 
 @dataclass(frozen=True)

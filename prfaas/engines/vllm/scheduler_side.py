@@ -1,17 +1,23 @@
 """The scheduler half of the connector: which requests send or receive, and their blocks.
 
-Prefill (`do_remote_decode`): the request's last prompt token is dropped on arrival (the
-decode computes it from the linear states at N-1, which a recurrent state cannot be rewound
-to) and it stops after one token; every step that computes part of it becomes a `SendStep`.
-Decode (`do_remote_prefill`): N-1 prompt tokens are loaded asynchronously into the blocks the
-scheduler allocates, then vLLM computes the last one.
+Both sides hand over at the same token C of an N-token prompt (`handoff`): the
+prefill ships the KV of [0, C) and the linear states at C, the decode computes [C, N) itself
+(a recurrent state cannot be rewound, so the decode must compute at least the last token to
+sample from). With vLLM's Mamba "align" cache mode, C is where vLLM ends the aggregated
+run's second-to-last chunk, so the decode's piece is the aggregated run's last chunk and the
+states at C are final a whole chunk before the prefill's forward ends.
+Prefill (`do_remote_decode`): the prompt is cut on arrival (to C + 1 tokens in "align" mode:
+vLLM then stops a chunk at C, as it does for the whole prompt) and it stops after one token;
+every step that computes part of [0, C) becomes a `SendStep`, the one reaching C the last.
+Decode (`do_remote_prefill`): C prompt tokens are loaded asynchronously into the blocks the
+scheduler allocates, then vLLM computes the rest.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from prfaas.engines.vllm.metadata import BlockIds, PrfaasMetadata, RecvStart, SendStep
 from prfaas.protocol.kv_transfer import RemoteDecode, RemotePrefill, parse_kv_transfer_params
@@ -19,17 +25,53 @@ from prfaas.protocol.kv_transfer import RemoteDecode, RemotePrefill, parse_kv_tr
 logger = logging.getLogger(__name__)
 
 
+class Handoff(NamedTuple):
+    """Where the prefill hands a prompt over to the decode."""
+
+    tokens: int
+    """C: the prompt tokens whose KV (and the linear states after them) the prefill sends."""
+    prefill_tokens: int
+    """The prefill's prompt, cut so that one of its chunks ends at C."""
+
+
+def handoff(prompt_len: int, state_block: int | None) -> Handoff:
+    """Where an N-token prompt is handed over.
+
+    `state_block` is vLLM's block size when it caches Mamba states in "align" mode (None
+    otherwise). There vLLM ends a prefill chunk at the last block boundary before the
+    prompt's last token (`get_mamba_prefill_checkpoint_position`) and keeps the states at it
+    in that block's slot: C is that boundary, and the prefill's prompt is C + 1 tokens (its
+    chunks then end where the whole prompt's do, up to C). Elsewhere, and for prompts of at
+    most one block, C is N - 1 and the prefill computes just those (vLLM's own Mooncake
+    connector does the same for hybrid models).
+    """
+    if state_block is not None:
+        boundary = (prompt_len - 1) // state_block * state_block
+        if boundary > 0:
+            return Handoff(boundary, boundary + 1)
+    return Handoff(prompt_len - 1, prompt_len - 1)
+
+
+def state_block_size(vllm_config: Any, has_states: bool) -> int | None:
+    """vLLM's block size where it splits prefills at Mamba checkpoints ("align" mode)."""
+    cache = vllm_config.cache_config
+    if has_states and cache.mamba_cache_mode == "align":
+        return int(cache.block_size)
+    return None
+
+
 @dataclass
 class _Sending:
     room: int
-    prompt_len: int  # after truncation
+    tokens: int  # C: the tokens whose KV goes out
     block_ids: BlockIds = ()
 
 
 class SchedulerSide:
     """Per-request bookkeeping between vLLM's scheduler and the worker half."""
 
-    def __init__(self) -> None:
+    def __init__(self, state_block: int | None) -> None:
+        self._state_block = state_block
         self._sending: dict[str, _Sending] = {}
         self._recvs: list[RecvStart] = []
         self._local_hits: dict[str, int] = {}
@@ -37,8 +79,9 @@ class SchedulerSide:
     def on_new_request(self, request: Any) -> None:
         side = _side(request)
         if isinstance(side, RemoteDecode) and request.num_prompt_tokens > 1:
-            _truncate_last_token(request)
-            self._sending[request.request_id] = _Sending(side.room, request.num_prompt_tokens)
+            point = handoff(request.num_prompt_tokens, self._state_block)
+            _truncate(request, point.prefill_tokens)
+            self._sending[request.request_id] = _Sending(side.room, point.tokens)
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -46,7 +89,8 @@ class SchedulerSide:
         side = _side(request)
         if not isinstance(side, RemotePrefill):
             return 0, False
-        count = request.num_prompt_tokens - 1 - num_computed_tokens
+        count = handoff(request.num_prompt_tokens, self._state_block).tokens
+        count -= num_computed_tokens
         if count <= 0:
             return 0, False
         self._local_hits[request.request_id] = num_computed_tokens
@@ -81,7 +125,7 @@ class SchedulerSide:
             sending = self._sending.get(new.req_id)
             if sending is not None:
                 sending.block_ids = tuple(list(ids) for ids in new.block_ids)
-                meta.sends.append(_step(new.req_id, sending, new.num_computed_tokens, scheduled))
+                self._add_step(meta, new.req_id, sending, new.num_computed_tokens, scheduled)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             sending = self._sending.get(req_id)
@@ -91,19 +135,39 @@ class SchedulerSide:
             if added is not None:
                 pairs = zip(sending.block_ids, added, strict=True)
                 sending.block_ids = tuple([*old, *new] for old, new in pairs)
-            meta.sends.append(_step(req_id, sending, cached.num_computed_tokens[i], scheduled))
+            self._add_step(meta, req_id, sending, cached.num_computed_tokens[i], scheduled)
         return meta
+
+    def _add_step(
+        self,
+        meta: PrfaasMetadata,
+        req_id: str,
+        sending: _Sending,
+        start: int,
+        scheduled: dict[str, int],
+    ) -> None:
+        """The step computing [start, ...) sends up to C; the one reaching C is the last
+        (the prefill's remaining token, [C, C + 1), sends nothing). A step that runs past C
+        never had the states at C (vLLM did not stop there: other split rules than
+        `handoff` knows): its transfer fails, naming both, rather than send wrong states."""
+        end = start + scheduled[req_id]
+        error = None
+        if end > sending.tokens:
+            error = (f"vLLM computed tokens {start}..{end} in one step, past the handoff point "
+                     f"{sending.tokens}: the linear states there were not kept")  # fmt: skip
+            logger.error("request %s: %s", req_id, error)
+        end = min(end, sending.tokens)
+        last = end == sending.tokens
+        step = SendStep(req_id, sending.room, sending.block_ids, start, end, last, error)
+        meta.sends.append(step)
+        if last:
+            del self._sending[req_id]
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         """The worker copies pages as it sends them: blocks are freed at once."""
         self._sending.pop(request.request_id, None)
         self._local_hits.pop(request.request_id, None)
         return False, None
-
-
-def _step(req_id: str, sending: _Sending, start: int, scheduled: dict[str, int]) -> SendStep:
-    end = start + scheduled[req_id]
-    return SendStep(req_id, sending.room, sending.block_ids, start, end, end >= sending.prompt_len)
 
 
 def _side(request: Any) -> RemoteDecode | RemotePrefill | None:
@@ -114,10 +178,11 @@ def _side(request: Any) -> RemoteDecode | RemotePrefill | None:
         return None
 
 
-def _truncate_last_token(request: Any) -> None:
-    """Drop the prompt's last token and stop after one output token (vLLM's own Mooncake
-    connector does the same for hybrid models)."""
-    request.prompt_token_ids.pop()
-    request._all_token_ids.pop()
-    request.num_prompt_tokens -= 1
+def _truncate(request: Any, length: int) -> None:
+    """Cut the prompt to its first `length` tokens and stop after one output token (in
+    place: vLLM's read-only views of the lists stay valid). Its block hashes past `length`
+    stay, unused: vLLM caps prefix-cache lookups at the prompt's length."""
+    del request.prompt_token_ids[length:]
+    del request._all_token_ids[length:]
+    request.num_prompt_tokens = length
     request.max_tokens = 1

@@ -2,12 +2,13 @@
 layers run, into the decode's own blocks as they arrive (a thin adapter over `kv_pages`).
 
 Prefill: `save_kv_layer` of a full-attention layer sends the pages this step completed (a
-page the step only began waits for the next step, so no page travels twice; the prompt's last
-page goes with its last step). In the step that completes the prompt, it also sends the final
-state of every linear layer below it (those layers have run, so their states are final), and
-`wait_for_save` sends the states of the linear layers after the last full-attention layer,
-the meta, and finishes. Only the last layer's pages and the states above it wait for the end
-of the forward.
+page the step only began waits for the next step, so no page travels twice; the last page
+of the handed-over tokens goes with the last step). In the step that reaches the handoff
+point (`scheduler_side.handoff`), it also sends the state of every linear layer below
+it at that point (those layers have run, so their states are final), and `wait_for_save`
+sends the states of the linear layers after the last full-attention layer, the meta, and
+finishes. Only the last layer's pages and the states above it wait for the end of that
+step's forward; the prefill's remaining token computes while they travel.
 Decode: each `RecvStart` becomes a transfer on the transport loop whose layers are placed as
 they arrive; completion (or failure) is reported through `transfer_results`.
 """
@@ -115,6 +116,8 @@ class WorkerSide:
         gid = self.groups.group_of[layer]
         size = self.groups.block_size[gid]
         for step in self._steps:
+            if step.error is not None:
+                continue
             out = self._out[step.req_id]
             first = out.sent_pages
             ids = step.block_ids[gid][first : _pages_done(step, size)]
@@ -124,11 +127,15 @@ class WorkerSide:
                 self._send_states(step, out, below=layer)
 
     def end_step(self, meta: PrfaasMetadata) -> None:
-        """After the forward: states, meta and finish for prompts now complete."""
+        """After the forward: states, meta and finish for requests now at their handoff."""
         self.start_sends(meta)
         for step in self._steps:
             out = self._out[step.req_id]
             out.sent_pages = _pages_done(step, self._page_size)
+            if step.error is not None:
+                out.stream.abort(step.error)
+                del self._out[step.req_id]
+                continue
             if not step.last:
                 continue
             self.trace("forward_done", out.room, tokens=step.end, blocks=step.block_ids)
@@ -157,7 +164,7 @@ class WorkerSide:
         that the prefill on the same machine, or the receive itself, needs."""
         for req_id in finished_req_ids:
             out = self._out.pop(req_id, None)
-            if out is not None:  # ended (aborted) before its prompt was complete
+            if out is not None:  # ended (aborted) before its handoff point
                 out.stream.abort("the prefill request ended before its KV was complete")
             if req_id in self._receiving:
                 self.transport.soon(functools.partial(self._cancel, req_id))
