@@ -3,10 +3,11 @@ OpenAI request, read by our vLLM connector (`prfaas.engines.vllm`) and written b
 gateway's vLLM client. The whole exchange is in `prfaas/engines/vllm/PROTOCOL.md`.
 
 - To the prefill instance: `{"do_remote_decode": true, "room": R}`; it computes the prompt
-  but its last token (the decode computes that one, from the linear states at N-1) and
-  streams the KV to whichever decode registers room R at its KV sender.
+  up to a handoff point C < N that both sides derive from N (vLLM's last Mamba checkpoint
+  before the last token, or N-1) and streams its KV and the linear states at C to whichever
+  decode registers room R at its KV sender.
 - To the decode instance: `{"do_remote_prefill": true, "remote_host": H, "remote_port": P,
-  "room": R}`; it loads N-1 tokens of KV and the linear states from the prefill's KV sender
+  "room": R}`; it loads C tokens of KV and the linear states from the prefill's KV sender
   at H:P into its own blocks, then computes the rest.
 """
 

@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from prfaas.engines.vllm.config import ConnectorConfig
 from prfaas.engines.vllm.layout import GroupLayout, build_pool, layer_index
 from prfaas.engines.vllm.metadata import PrfaasMetadata
-from prfaas.engines.vllm.scheduler_side import SchedulerSide, state_block_size
+from prfaas.engines.vllm.scheduler_side import SchedulerSide, StateBlocks
 from prfaas.engines.vllm.worker_side import WorkerSide
 
 logger = logging.getLogger(__name__)
@@ -40,8 +40,8 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._groups = GroupLayout.from_kv_cache_config(kv_cache_config)
         self._scheduler: SchedulerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            state_block = state_block_size(vllm_config, any(self._groups.is_state))
-            self._scheduler = SchedulerSide(state_block)
+            blocks = StateBlocks(vllm_config.cache_config, any(self._groups.is_state))
+            self._scheduler = SchedulerSide(blocks)
         self._worker: WorkerSide | None = None
 
     # -- scheduler side ----------------------------------------------------------------------

@@ -16,6 +16,7 @@ scheduler allocates, then vLLM computes the rest.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -52,12 +53,18 @@ def handoff(prompt_len: int, state_block: int | None) -> Handoff:
     return Handoff(prompt_len - 1, prompt_len - 1)
 
 
-def state_block_size(vllm_config: Any, has_states: bool) -> int | None:
-    """vLLM's block size where it splits prefills at Mamba checkpoints ("align" mode)."""
-    cache = vllm_config.cache_config
-    if has_states and cache.mamba_cache_mode == "align":
-        return int(cache.block_size)
-    return None
+class StateBlocks:
+    """vLLM's block size where it splits prefills at Mamba checkpoints ("align" mode), read
+    when asked: vLLM changes `cache_config.block_size` after it has created the connector
+    (measured with the tiny model on CPU: 384 then, 128 when the scheduler splits)."""
+
+    def __init__(self, cache_config: Any, has_states: bool) -> None:
+        self._cache, self._has_states = cache_config, has_states
+
+    def __call__(self) -> int | None:
+        if self._has_states and self._cache.mamba_cache_mode == "align":
+            return int(self._cache.block_size)
+        return None
 
 
 @dataclass
@@ -70,7 +77,7 @@ class _Sending:
 class SchedulerSide:
     """Per-request bookkeeping between vLLM's scheduler and the worker half."""
 
-    def __init__(self, state_block: int | None) -> None:
+    def __init__(self, state_block: Callable[[], int | None]) -> None:
         self._state_block = state_block
         self._sending: dict[str, _Sending] = {}
         self._recvs: list[RecvStart] = []
@@ -79,7 +86,7 @@ class SchedulerSide:
     def on_new_request(self, request: Any) -> None:
         side = _side(request)
         if isinstance(side, RemoteDecode) and request.num_prompt_tokens > 1:
-            point = handoff(request.num_prompt_tokens, self._state_block)
+            point = handoff(request.num_prompt_tokens, self._state_block())
             _truncate(request, point.prefill_tokens)
             self._sending[request.request_id] = _Sending(side.room, point.tokens)
 
@@ -89,7 +96,7 @@ class SchedulerSide:
         side = _side(request)
         if not isinstance(side, RemotePrefill):
             return 0, False
-        count = handoff(request.num_prompt_tokens, self._state_block).tokens
+        count = handoff(request.num_prompt_tokens, self._state_block()).tokens
         count -= num_computed_tokens
         if count <= 0:
             return 0, False
