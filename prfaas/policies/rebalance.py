@@ -14,7 +14,8 @@ by `min_gain`.
 Guard rails (Kubernetes HPA stabilisation, Knative, Dynamo's planner):
 - at most one conversion per period, and none while one is draining;
 - the same move wanted for `confirm_periods` periods in a row, unless it gains at least
-  `urgent_gain` (a drift that large is not sampling noise);
+  `urgent_gain` (a drift that large is not sampling noise) or a measured step of answer
+  length started the period;
 - a cooldown after each conversion, never shorter than that conversion's measured drain;
 - the pool losing an instance must still carry the estimated arrival rate with
   `load_margin` to spare, at its own best threshold;
@@ -175,11 +176,15 @@ def rebalance(
     set_point: float,
     min_samples: float = 1.0,
     stepped: bool = False,
+    output_stepped: bool = False,
     set_point_only: bool = False,
 ) -> RebalanceDecision:
     """One period of the rebalancer (see the module docstring). `stepped`: the period was
-    started by a step of the measured link, so the re-solved set-point applies at once (a
-    measurement is not sampling noise); conversions still need their confirmation.
+    started by a step of the measured link or answer length, so the re-solved set-point
+    applies at once (a measurement is not sampling noise). `output_stepped`: the step was
+    one of answer length, so a wanted move needs no confirmation either (the estimate took
+    the answers decoding now, not a noisy period's sample; after a link step, moves still
+    wait: converting at once there made the bandwidth-drop scenario's P90 worse).
     `set_point_only`: an early look on few samples (the first period): the set-point may
     move, no conversion is wanted or confirmed."""
     n_p, n_d = len(pools.prefill), len(pools.decode)
@@ -224,7 +229,7 @@ def rebalance(
     streak = state.streak + 1 if state.direction == direction else 1
     period.state = replace(state, direction=direction, streak=streak)
     move = f"{why}; one {lost} -> {gained} gains {gain:+.1%}"
-    if streak < config.confirm_periods and gain < config.urgent_gain:
+    if streak < config.confirm_periods and gain < config.urgent_gain and not output_stepped:
         return period.out("pending", f"{move}; pending ({streak}/{config.confirm_periods} periods)")
     refusal = _refusal(config, period.state, nxt, direction, estimate.rate, now)
     if refusal is not None:

@@ -141,6 +141,25 @@ def test_a_large_gain_needs_no_confirmation(profile: DeploymentProfile) -> None:
     assert d.outcome == "pending"
 
 
+def test_a_measured_step_of_answer_length_needs_no_confirmation(
+    profile: DeploymentProfile,
+) -> None:
+    """The same move where it gains less than `urgent_gain`: pending in a period the clock
+    started; converting in one a step of answer length started (the estimate took the
+    answers decoding then); a link step alone still waits."""
+    est = _estimate(out=3072, rate=1.6)
+    slow = replace(CFG, urgent_gain=10.0)
+
+    def outcome(**step: bool) -> str:
+        d = rebalance(slow, RebalanceState(), profile, est, _pools(), now=0, set_point=19_456,
+                      **step)  # fmt: skip
+        return d.outcome
+
+    assert outcome() == "pending"
+    assert outcome(stepped=True) == "pending"
+    assert outcome(stepped=True, output_stepped=True) == "convert"
+
+
 def test_a_reversed_move_restarts_the_confirmation(profile: DeploymentProfile) -> None:
     state = RebalanceState(direction=-1, streak=5)
     d = rebalance(CFG, state, profile, _estimate(gbps=10), _pools(), now=0, set_point=19_456)

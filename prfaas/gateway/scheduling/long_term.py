@@ -2,7 +2,13 @@
 set-point, and convert one PD-cluster instance when the rebalancer says so.
 
 A step in the measured link capacity (more than 25%) starts a period at once rather than at
-the period's end: a measurement needs no sampling window to be believed. The slow loop owns
+the period's end: a measurement needs no sampling window to be believed. So does a step in
+output length: when the requests decoding now imply (Little's law) answers at least 1.5x
+longer or shorter than the estimate's, for 5 ticks in a row. Longer answers show in
+finished requests only a whole answer later, and in the period's mean occupancy diluted by
+the time before the step; the count of requests decoding shows them as soon as they outlive
+the old answers (and shorter ones as soon as the long ones have ended). That period takes
+the output length from the count now, unblended. The slow loop owns
 the set-point: when the re-solved `t` moves beyond the dead band, `t` is
 reset to it (the fast loop then trims around the new value). A conversion runs in the
 background (its drain may outlast a period); when it is done the instance's new role and
@@ -14,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from dataclasses import replace
 from typing import Any
 
 from prfaas.gateway.instances import InstanceManager
@@ -36,6 +43,8 @@ from prfaas.policies.workload_estimate import PeriodObservation, WorkloadEstimat
 
 logger = logging.getLogger(__name__)
 CAPACITY_STEP = 0.25  # a relative change of measured link capacity that is a step
+OUTPUT_STEP = 1.5  # decoding now implies answers this many times the estimate: a step
+OUTPUT_STEP_TICKS = 5  # ... for this many ticks in a row
 
 
 class LongTermLoop:
@@ -65,6 +74,8 @@ class LongTermLoop:
         self.conversions: list[ConversionResult] = []
         self.capacity_seen: float | None = None
         """The link capacity the last period planned with."""
+        self._step_ticks = 0  # ticks in a row whose occupancy implied a step of answer length
+        self._answers_seen = 0  # finished requests the periods have seen
 
     def period(self, *, stepped: bool = False, first_look: bool = False) -> RebalanceDecision:
         """Estimate, decide, and start what was decided (`stepped`: woken early by a step of
@@ -82,14 +93,15 @@ class LongTermLoop:
         lo, hi = round(lengths.lo), round(lengths.hi)
         clamped = [min(max(n, lo), hi) for n in samples.incremental]
         duration = max(now - samples.started, 1e-9)
+        output_step = not first_look and self._step_ticks >= OUTPUT_STEP_TICKS
+        occupancy = self._occupancy_output(samples, duration, now=output_step)
         obs = PeriodObservation.of(
-            duration,
-            clamped,
-            samples.outputs,
-            capacity,
-            occupancy_output=self._occupancy_output(samples, duration),
+            duration, clamped, samples.outputs, capacity, occupancy_output=occupancy
         )
         estimate = update_estimate(self._config.estimate, self.estimate, obs)
+        if output_step and occupancy is not None:  # a step, not a sample: taken unblended
+            estimate = replace(estimate, output_sum=occupancy, output_n=1.0)
+            self._step_ticks = 0
         board = self._board
         decision = rebalance(
             self._config.rebalance,
@@ -101,6 +113,7 @@ class LongTermLoop:
             set_point=board.state.set_point,
             min_samples=self._config.estimate.min_samples,
             stepped=stepped,
+            output_stepped=output_step,
             set_point_only=first_look,
         )
         if first_look:
@@ -110,6 +123,7 @@ class LongTermLoop:
                 self._short.planned(decision.planned_utilisation)
             return decision
         self.estimate = estimate
+        self._answers_seen += len(samples.outputs)
         self.state, self.last = decision.state, decision
         counters = board.counters
         if counters is not None:
@@ -123,14 +137,46 @@ class LongTermLoop:
             self._start(decision.conversion, inputs)
         return decision
 
-    def _occupancy_output(self, samples: PeriodSamples, duration: float) -> float | None:
-        """Output length by Little's law: mean requests decoding = rate x L_out x step."""
+    def _occupancy_output(
+        self, samples: PeriodSamples, duration: float, *, now: bool = False
+    ) -> float | None:
+        """Output length by Little's law: mean requests decoding = rate x L_out x step
+        (`now`: the requests decoding now rather than the period's mean)."""
         step = self._profile.pd.hardware.decode_step_seconds
         decoding = samples.mean_decoding()
+        if now:
+            decoding = float(self._observer.decoding_now)
         rate = len(samples.incremental) / duration
         if step is None or decoding is None or rate <= 0:
             return None
         return decoding / (rate * step)
+
+    def output_stepped(self) -> bool:
+        """Called every tick: whether the requests decoding now have implied answers at
+        least `OUTPUT_STEP` times longer, or shorter, than the estimate's for
+        `OUTPUT_STEP_TICKS` ticks in a row (the scheduler then runs a period at once).
+
+        The arrival rate it divides by is the estimate's or this period's so far (once it
+        has `min_samples`), whichever makes the step smaller: more arrivals also mean more
+        requests decoding (a burst is not longer answers), fewer mean fewer. It waits for
+        `min_samples` finished requests: until the first answers end, the occupancy is still
+        filling up and the estimate it made is too short (a warm-up, not a step)."""
+        estimate, step = self.estimate, self._profile.pd.hardware.decode_step_seconds
+        output = None if estimate is None else estimate.output_tokens
+        if estimate is None or output is None or step is None or estimate.rate <= 0:
+            return False
+        if self._answers_seen < self._config.estimate.min_samples:
+            return False
+        rates = [estimate.rate]
+        samples = self._observer.peek_samples()
+        if len(samples.incremental) >= self._config.estimate.min_samples:
+            now = self._observer.now()
+            rates.append(len(samples.incremental) / max(now - samples.started, 1e-9))
+        decoding = self._observer.decoding_now
+        longer = decoding / (max(rates) * step) >= OUTPUT_STEP * output
+        shorter = decoding / (min(rates) * step) <= output / OUTPUT_STEP
+        self._step_ticks = self._step_ticks + 1 if longer or shorter else 0
+        return self._step_ticks >= OUTPUT_STEP_TICKS
 
     def _period_capacity(self, mean: float | None) -> float | None:
         """The period's mean measured capacity, or the latest measurement when the link

@@ -110,6 +110,11 @@ class SchedulingObserver:
         return min((self.ledger.backlog(i, now) for i in instance_ids), default=0.0)
 
     @property
+    def decoding_now(self) -> int:
+        """Requests decoding now (first token out, not finished)."""
+        return len(self._decoding)
+
+    @property
     def num_samples(self) -> int:
         """Requests routed since the last `take_samples`."""
         return len(self._samples.incremental)

@@ -83,12 +83,13 @@ class Scheduler:
 
     def _tick(self) -> None:
         """The short-term step (measurement only when its loop is off), and the long-term
-        loop's early wake on a link step."""
+        loop's early wake on a step of the link or of the output length."""
         if self.config.short_term:
             self.short.tick()
         else:
             self.observer.measured(self.short.read_link())
-        if self.config.long_term and self.long.capacity_stepped():
+        longer = self.config.long_term and self.long.output_stepped()  # counts every tick
+        if self.config.long_term and (self.long.capacity_stepped() or longer):
             self._wake_long.set()
         elif self.config.long_term and self._first_look():
             _guarded(functools.partial(self.long.period, first_look=True))
