@@ -34,9 +34,14 @@ class EstimateConfig:
     min_samples: float = 20.0
     """Length samples (`WorkloadEstimate.samples`) below which the estimate is too thin to
     re-plan on."""
+    rate_window_s: float = 10.0
+    """A period shorter than this (one a step woke early) leaves the arrival rate as it was:
+    a few seconds of arrivals tell it poorly, and none (a step right after a period) would
+    read as a rate of zero. The long-term loop uses at most half its period."""
 
     def __post_init__(self) -> None:
         check(0 < self.alpha <= 1, "alpha", self.alpha, "must be in (0, 1]")
+        check(self.rate_window_s >= 0, "rate_window_s", self.rate_window_s, "must be >= 0")
         ok = 0 < self.bandwidth_alpha <= 1
         check(ok, "bandwidth_alpha", self.bandwidth_alpha, "must be in (0, 1]")
         check(self.min_samples >= 1, "min_samples", self.min_samples, "must be >= 1")
@@ -180,6 +185,8 @@ def update_estimate(
     elif capacity is None:
         capacity = old_cap
     seen, done = obs.lengths.n > 0, obs.finished > 0  # an idle period teaches nothing new
+    if obs.duration_s < config.rate_window_s:
+        rate = estimate.rate
     return WorkloadEstimate(
         rate=k * estimate.rate + a * rate,
         lengths=estimate.lengths.blend(obs.lengths, a) if seen else estimate.lengths,

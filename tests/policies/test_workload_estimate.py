@@ -68,12 +68,24 @@ def test_first_period_is_taken_as_is_then_blended() -> None:
 def test_a_step_is_followed_geometrically() -> None:
     """alpha 0.6: 60%, 84%, 93.6% of a rate step after 1, 2, 3 periods."""
     cfg = EstimateConfig(alpha=0.6)
-    e = update_estimate(cfg, None, PeriodObservation.of(1.0, [100] * 1, []))
+    e = update_estimate(cfg, None, PeriodObservation.of(10.0, [100] * 10, []))
     seen = []
     for _ in range(3):
-        e = update_estimate(cfg, e, PeriodObservation.of(1.0, [100] * 11, []))
+        e = update_estimate(cfg, e, PeriodObservation.of(10.0, [100] * 110, []))
         seen.append(round((e.rate - 1) / 10, 4))
     assert seen == [0.6, 0.84, 0.936]
+
+
+def test_a_period_shorter_than_the_rate_window_keeps_the_rate() -> None:
+    """A period a step woke right after another (no arrivals in 0.1 s) or a few seconds in
+    does not move the rate; lengths and outputs it saw still count."""
+    cfg = EstimateConfig(alpha=0.5)
+    e = update_estimate(cfg, None, PeriodObservation.of(60.0, [1000] * 120, [50] * 100))
+    empty = update_estimate(cfg, e, PeriodObservation.of(0.1, [], []))
+    assert empty.rate == 2.0
+    short = update_estimate(cfg, e, PeriodObservation.of(5.0, [3000] * 30, [150] * 10))
+    assert short.rate == 2.0 and short.lengths.mu > e.lengths.mu
+    assert short.output_tokens is not None and short.output_tokens > 50
 
 
 def test_bandwidth_follows_the_latest_measurement_by_default() -> None:

@@ -75,6 +75,10 @@ class LongTermLoop:
         self.capacity_seen: float | None = None
         """The link capacity the last period planned with."""
         self._step_ticks = 0  # ticks in a row whose occupancy implied a step of answer length
+        window = min(config.estimate.rate_window_s, config.period_s / 2)
+        self._estimating = replace(config.estimate, rate_window_s=window)
+        """The estimate's settings, its rate window at most half a period (short periods,
+        as in tests, still learn the rate)."""
         self._answers_seen = 0  # finished requests the periods have seen
 
     def period(self, *, stepped: bool = False, first_look: bool = False) -> RebalanceDecision:
@@ -93,15 +97,19 @@ class LongTermLoop:
         lo, hi = round(lengths.lo), round(lengths.hi)
         clamped = [min(max(n, lo), hi) for n in samples.incremental]
         duration = max(now - samples.started, 1e-9)
-        output_step = not first_look and self._step_ticks >= OUTPUT_STEP_TICKS
-        occupancy = self._occupancy_output(samples, duration, now=output_step)
+        occupancy = self._occupancy_output(samples, duration)
         obs = PeriodObservation.of(
             duration, clamped, samples.outputs, capacity, occupancy_output=occupancy
         )
-        estimate = update_estimate(self._config.estimate, self.estimate, obs)
-        if output_step and occupancy is not None:  # a step, not a sample: taken unblended
-            estimate = replace(estimate, output_sum=occupancy, output_n=1.0)
-            self._step_ticks = 0
+        stepped_output = None  # the answers decoding now, at the long-run arrival rate
+        output_step = not first_look and self._step_ticks >= OUTPUT_STEP_TICKS
+        if output_step and self.estimate is not None:
+            stepped_output = self._little(observer.decoding_now, self.estimate.rate)
+        estimate = update_estimate(self._estimating, self.estimate, obs)
+        if stepped_output is not None:  # a step, not a sample: taken unblended
+            estimate = replace(estimate, output_sum=stepped_output, output_n=1.0)
+        if not first_look:
+            self._step_ticks = 0  # a new period: its own decode arrivals decide
         board = self._board
         decision = rebalance(
             self._config.rebalance,
@@ -137,17 +145,19 @@ class LongTermLoop:
             self._start(decision.conversion, inputs)
         return decision
 
-    def _occupancy_output(
-        self, samples: PeriodSamples, duration: float, *, now: bool = False
-    ) -> float | None:
-        """Output length by Little's law: mean requests decoding = rate x L_out x step
-        (`now`: the requests decoding now rather than the period's mean)."""
-        step = self._profile.pd.hardware.decode_step_seconds
+    def _occupancy_output(self, samples: PeriodSamples, duration: float) -> float | None:
+        """Output length by Little's law at the decode stage: the period's mean requests
+        decoding over their arrival rate (first tokens) x decode step. The gateway's arrival
+        rate would not do: a burst, or a prefill backlog, reaches the decodes later."""
         decoding = samples.mean_decoding()
-        if now:
-            decoding = float(self._observer.decoding_now)
-        rate = len(samples.incremental) / duration
-        if step is None or decoding is None or rate <= 0:
+        if decoding is None:
+            return None
+        return self._little(decoding, samples.decode_starts / duration)
+
+    def _little(self, decoding: float, rate: float) -> float | None:
+        """Answer length (tokens) that `decoding` requests in flight imply at `rate`."""
+        step = self._profile.pd.hardware.decode_step_seconds
+        if step is None or rate <= 0:
             return None
         return decoding / (rate * step)
 
@@ -156,26 +166,29 @@ class LongTermLoop:
         least `OUTPUT_STEP` times longer, or shorter, than the estimate's for
         `OUTPUT_STEP_TICKS` ticks in a row (the scheduler then runs a period at once).
 
-        The arrival rate it divides by is the estimate's or this period's so far (once it
-        has `min_samples`), whichever makes the step smaller: more arrivals also mean more
-        requests decoding (a burst is not longer answers), fewer mean fewer. It waits for
-        `min_samples` finished requests: until the first answers end, the occupancy is still
-        filling up and the estimate it made is too short (a warm-up, not a step)."""
-        estimate, step = self.estimate, self._profile.pd.hardware.decode_step_seconds
+        Little's law on the estimate's arrival rate and on this period's decode arrivals
+        (first tokens; it waits for `min_samples` of them), whichever makes the step
+        smaller: the estimate lags a burst, and a burst or a prefill backlog reaches the
+        decodes late. It also waits for `min_samples` finished requests: until the first
+        answers end, the occupancy is still filling up and the estimate made from it is too
+        short (a warm-up, not a step)."""
+        estimate = self.estimate
         output = None if estimate is None else estimate.output_tokens
-        if estimate is None or output is None or step is None or estimate.rate <= 0:
-            return False
-        if self._answers_seen < self._config.estimate.min_samples:
-            return False
-        rates = [estimate.rate]
         samples = self._observer.peek_samples()
-        if len(samples.incremental) >= self._config.estimate.min_samples:
-            now = self._observer.now()
-            rates.append(len(samples.incremental) / max(now - samples.started, 1e-9))
+        enough = self._config.estimate.min_samples
+        if estimate is None or output is None or self._answers_seen < enough:
+            return False
+        if samples.decode_starts < enough:
+            self._step_ticks = 0
+            return False
+        duration = max(self._observer.now() - samples.started, 1e-9)
+        rates = (estimate.rate, samples.decode_starts / duration)
         decoding = self._observer.decoding_now
-        longer = decoding / (max(rates) * step) >= OUTPUT_STEP * output
-        shorter = decoding / (min(rates) * step) <= output / OUTPUT_STEP
-        self._step_ticks = self._step_ticks + 1 if longer or shorter else 0
+        longest, shortest = self._little(decoding, min(rates)), self._little(decoding, max(rates))
+        if longest is None or shortest is None:
+            return False
+        step_seen = shortest >= OUTPUT_STEP * output or longest <= output / OUTPUT_STEP
+        self._step_ticks = self._step_ticks + 1 if step_seen else 0
         return self._step_ticks >= OUTPUT_STEP_TICKS
 
     def _period_capacity(self, mean: float | None) -> float | None:

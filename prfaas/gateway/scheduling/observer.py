@@ -30,6 +30,8 @@ class PeriodSamples:
     """Link capacity measured at each short-term tick (bytes/s)."""
     decoding: list[int] = field(default_factory=list)
     """Requests decoding (first token out, not finished) at each tick."""
+    decode_starts: int = 0
+    """Requests whose first token came out in the period (the decode stage's arrivals)."""
 
     def mean_decoding(self) -> float | None:
         return sum(self.decoding) / len(self.decoding) if self.decoding else None
@@ -91,6 +93,7 @@ class SchedulingObserver:
 
     def first_token(self, rid: str) -> None:
         self._decoding.add(rid)
+        self._samples.decode_starts += 1
 
     def finished(self, event: RouteEvent) -> None:
         self._decoding.discard(event.rid)
