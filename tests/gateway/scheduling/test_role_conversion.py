@@ -1,6 +1,7 @@
-"""Role conversion through the engines' role API, and the long-term loop's guard rails, on
-the virtual clock with the real Router, registry and schedulers over simulated engines
-(the simulated PD instances implement the role API: drain, then switch)."""
+"""Role conversion through the engines' role API, and the long-term loop's guard rails and
+early wakes, on the virtual clock with the real Router, registry and schedulers over
+simulated engines (the simulated PD instances implement the role API: drain, then switch;
+the case study's decode step is 25 ms)."""
 
 from __future__ import annotations
 
@@ -208,3 +209,45 @@ def test_the_last_decode_is_never_converted(profile: DeploymentProfile) -> None:
     )
     shown = scheduler.to_json()["recent"]
     assert any(d["inputs"].get("outcome") == "refused" for d in shown)
+
+
+def _output_estimates(profile: DeploymentProfile, step_at: float) -> dict[float, float | None]:
+    """Two requests a second answering 100 tokens (2.5 s), from `step_at` on 600 (15 s), on
+    2P/2D with 20-second periods; the estimated output length every half second."""
+
+    async def main() -> dict[float, float | None]:
+        cluster = SimCluster(profile, _deployment(profile, 2, 2), SimOptions())
+        scheduler = Scheduler(SchedulerConfig(period_s=20.0), profile, cluster.router,
+                              cluster.instances)  # fmt: skip
+        scheduler.start()
+        loop = asyncio.get_running_loop()
+        start, errors, tasks = loop.time(), [], []
+        seen: dict[float, float | None] = {}
+        try:
+            while (now := loop.time() - start) < step_at + 20:
+                out = 100 if now < step_at else 600
+                tasks.append(asyncio.create_task(_request(cluster.router, 2_000, out, errors)))
+                await asyncio.sleep(0.5)
+                estimate = scheduler.long.estimate
+                seen[round(now + 0.5, 1)] = None if estimate is None else estimate.output_tokens
+            await asyncio.gather(*tasks)
+        finally:
+            await scheduler.stop()
+        assert errors == []
+        return seen
+
+    return run_virtual(main())
+
+
+def test_longer_answers_wake_the_long_term_loop_before_its_period_ends(
+    profile: DeploymentProfile,
+) -> None:
+    """Answers step from 100 to 600 tokens at 45 s: within 13 s (the requests decoding now
+    outlive the old answers; 5 ticks confirm), before the period due at 60 s, a period runs
+    and takes the longer answers (unblended); without the wake the estimate would still be
+    the 100 tokens that the periods at 20 and 40 s saw."""
+    seen = _output_estimates(profile, step_at=45.0)
+    before = seen[44.0]
+    assert before is not None and 80 <= before <= 130
+    after = seen[58.0]
+    assert after is not None and after >= 1.5 * before, (before, after)
