@@ -8,8 +8,9 @@ longer or shorter than the estimate's, for 5 ticks in a row. Longer answers show
 finished requests only a whole answer later, and in the period's mean occupancy diluted by
 the time before the step; the count of requests decoding shows them as soon as they outlive
 the old answers (and shorter ones as soon as the long ones have ended). That period takes
-the output length from the count now, unblended. The slow loop owns
-the set-point: when the re-solved `t` moves beyond the dead band, `t` is
+the output length from the count now, unblended.
+
+The slow loop owns the set-point: when the re-solved `t` moves beyond the dead band, `t` is
 reset to it (the fast loop then trims around the new value). A conversion runs in the
 background (its drain may outlast a period); when it is done the instance's new role and
 the set-point re-solved for the new split are applied together.

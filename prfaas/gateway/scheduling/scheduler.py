@@ -88,8 +88,8 @@ class Scheduler:
             self.short.tick()
         else:
             self.observer.measured(self.short.read_link())
-        longer = self.config.long_term and self.long.output_stepped()  # counts every tick
-        if self.config.long_term and (self.long.capacity_stepped() or longer):
+        answers = self.config.long_term and self.long.output_stepped()  # counts every tick
+        if self.config.long_term and (self.long.capacity_stepped() or answers):
             self._wake_long.set()
         elif self.config.long_term and self._first_look():
             _guarded(functools.partial(self.long.period, first_look=True))
