@@ -88,6 +88,21 @@ def test_a_period_shorter_than_the_rate_window_keeps_the_rate() -> None:
     assert short.output_tokens is not None and short.output_tokens > 50
 
 
+def test_the_occupancy_stands_for_finished_answers_only_well_above_them() -> None:
+    """Little's law on the decode occupancy reads within about 10% of the true answer
+    length: within 20% of the finished answers it is noise (taking the larger
+    of the two would bias the estimate up); well above them it is answers that have not
+    finished yet; with none finished it is all there is."""
+
+    def mean_output(finished: list[int], occupancy: float) -> float:
+        obs = PeriodObservation.of(60.0, [1000] * 100, finished, occupancy_output=occupancy)
+        return obs.output_tokens / obs.finished
+
+    assert mean_output([1024] * 100, 1126) == 1024  # 10% above: within the noise
+    assert mean_output([1024] * 100, 3072) == 3072
+    assert mean_output([], 900) == 900
+
+
 def test_bandwidth_follows_the_latest_measurement_by_default() -> None:
     e = update_estimate(EstimateConfig(), None, PeriodObservation.of(1.0, [100], [], 1e10))
     e = update_estimate(EstimateConfig(), e, PeriodObservation.of(1.0, [100], [], 1e9))
