@@ -11,9 +11,13 @@ inside a band around the long-term loop's set-point:
   is sent to PrfaaS, at once. A link running full while PD prefill is the busier side is
   left alone: a link-bound optimum (the planner's answer on a slow link) runs it near 100%,
   and moving work to PD would only move the queue;
-- **lower, additively** (`t -= lower_step`) after `clear_ticks` ticks without PrfaaS
-  congestion: down to the band's floor while the PD-prefill queue exceeds the PrfaaS one
-  by `queue_gap_s`, or back toward the set-point once the link is below its low-water mark;
+- **lower** after `clear_ticks` ticks without PrfaaS congestion: down to the band's floor
+  while the PD-prefill queue exceeds the PrfaaS one by `queue_gap_s`, at the pace raising
+  keeps (a factor `raise_factor` per `holdoff_ticks`, in steps of at least `lower_step`:
+  two compute queues are balanced, nothing is probed, and near capacity a slower pace let
+  the PD queue grow for minutes after a raise, TTFT swinging between the pools); or
+  additively (`t -= lower_step`) back toward the set-point once the link is below its
+  low-water mark (probing the link, as TCP's additive increase does);
 - **relax up** additively toward the set-point when `t` sits below it and neither side is
   congested;
 - hold otherwise (between the marks there is a dead band).
@@ -64,7 +68,8 @@ class TrimConfig:
     """Congested ticks in a row before a raise."""
     holdoff_ticks: int = 10
     """Ticks after a raise before the next one: the transfers already queued on the link
-    must drain before its utilisation shows what the new `t` does."""
+    must drain before its utilisation shows what the new `t` does. (Lowering for a
+    congested PD prefill keeps the same pace.)"""
     clear_ticks: int = 3
     """Quiet ticks in a row before each lowering step."""
     memory_s: float = 300.0
@@ -83,7 +88,7 @@ class TrimConfig:
         lo, hi = self.band if len(self.band) == 2 else (0.0, 0.0)
         check(0 < lo <= 1 <= hi, "band", self.band, "must be [low <= 1, high >= 1], low > 0")
         check(self.confirm_ticks >= 1, "confirm_ticks", self.confirm_ticks, "must be >= 1")
-        check(self.holdoff_ticks >= 0, "holdoff_ticks", self.holdoff_ticks, "must be >= 0")
+        check(self.holdoff_ticks >= 1, "holdoff_ticks", self.holdoff_ticks, "must be >= 1")
         check(self.clear_ticks >= 1, "clear_ticks", self.clear_ticks, "must be >= 1")
         check(self.memory_s >= 0, "memory_s", self.memory_s, "must be >= 0")
 
@@ -177,7 +182,8 @@ def trim(config: TrimConfig, state: TrimState, obs: TrimObservation) -> TrimDeci
             f"PD queue {pd:.1f}s > {config.queue_ratio:g} x PrfaaS {pf:.1f}s"
             f" + {config.queue_gap_s:g}s"
         )
-        return _lower(config, state, lo, why, remembered=False)
+        step = t * (1 - 1 / config.raise_factor) * config.clear_ticks / config.holdoff_ticks
+        return _lower(config, state, lo, why, step=step, remembered=False)
     if t > sp and (util is None or util < config.low_water):
         util_text = "unknown" if util is None else f"{util:.2f}"
         return _lower(config, state, sp, f"egress {util_text} < {config.low_water:g}")
@@ -219,17 +225,25 @@ def _raise(config: TrimConfig, state: TrimState, obs: TrimObservation, why: str)
 
 
 def _lower(
-    config: TrimConfig, state: TrimState, target: float, why: str, *, remembered: bool = True
+    config: TrimConfig,
+    state: TrimState,
+    target: float,
+    why: str,
+    *,
+    step: float = 0.0,
+    remembered: bool = True,
 ) -> TrimDecision:
-    """Lower toward `target`; with `remembered`, not below one step above the last
-    congested `t` (a queue imbalance toward PD overrides that memory)."""
+    """Lower toward `target` by `step` (at least `lower_step_tokens`); with `remembered`,
+    not below one step above the last congested `t` (a queue imbalance toward PD overrides
+    that memory)."""
     t = state.threshold
     floor = target
     if remembered and state.congested_at is not None:
         floor = max(floor, state.congested_at + config.lower_step_tokens)
     if t <= floor:
         return TrimDecision(state, False, f"hold: {why}, t at its floor {floor:.0f}")
-    return _moved(state, max(t - config.lower_step_tokens, floor), f"lower: {why}")
+    step = max(step, config.lower_step_tokens)
+    return _moved(state, max(t - step, floor), f"lower: {why}")
 
 
 def _moved(state: TrimState, threshold: float, why: str) -> TrimDecision:

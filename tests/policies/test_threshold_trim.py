@@ -52,9 +52,8 @@ def test_a_full_link_raises_only_while_prfaas_is_the_busier_side() -> None:
     d = trim(CFG, s, _obs(0, 1.0, pf=2.0, pd=2.0))
     assert not d.changed and d.reason == "hold: within the dead band"
     d = trim(CFG, s, _obs(0, 1.0, pf=0.0, pd=10.0))
-    assert (
-        d.state.threshold == 9_488 and d.reason == "lower: PD queue 10.0s > 1.5 x PrfaaS 0.0s + 3s"
-    )
+    assert d.state.threshold == 9_400  # 10,000 x (1 - 1/1.25) x 3/10: the raising pace
+    assert d.reason == "lower: PD queue 10.0s > 1.5 x PrfaaS 0.0s + 3s"
 
 
 def test_the_plan_lifts_the_high_water_mark() -> None:
@@ -98,7 +97,8 @@ def test_dead_band_holds() -> None:
 
 
 def test_busy_pd_prefill_lowers_below_the_set_point_to_the_band_floor() -> None:
-    """PD queue 10 s vs PrfaaS 1 s: t falls by 512 per 3 quiet ticks down to 5,000."""
+    """PD queue 10 s vs PrfaaS 1 s: t falls by 512 per 3 quiet ticks (the minimum step:
+    the raising pace would be 6% of 5,600) down to 5,000."""
     s = TrimState(5_600, 10_000, quiet_ticks=2)
     d = trim(CFG, s, _obs(0, 0.1, pf=1.0, pd=10.0))
     assert d.state.threshold == 5_088
@@ -107,6 +107,17 @@ def test_busy_pd_prefill_lowers_below_the_set_point_to_the_band_floor() -> None:
     assert d.state.threshold == 5_000
     d = trim(CFG, replace(d.state, quiet_ticks=2), _obs(2, 0.1, pf=1.0, pd=10.0))
     assert not d.changed and "t at its floor 5000" in d.reason
+
+
+def test_a_congested_pd_pulls_t_down_at_the_pace_a_congested_prfaas_pushes_it_up() -> None:
+    """30 ticks of one pool's queue far ahead: PrfaaS congested raises t x1.25 three times
+    (ticks 2, 12, 22); PD congested lowers it by 6% every 3 ticks, ten times. Additive
+    512-token steps would have taken it only from 40,000 to 34,880."""
+    up = _run(TrimState(20_000, 20_000), [_obs(i, 0.1, pf=20.0, pd=0.0) for i in range(30)])
+    assert up[-1][0] == 20_000 * 1.25**3
+    down = _run(TrimState(40_000, 40_000), [_obs(i, 0.1, pf=0.0, pd=20.0) for i in range(30)])
+    assert down[-1][0] == pytest.approx(40_000 * 0.94**10)
+    assert down[-1][0] < 40_000 / 1.25**2
 
 
 def test_relaxes_up_to_the_set_point_once_pd_is_no_longer_congested() -> None:
