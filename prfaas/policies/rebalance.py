@@ -13,9 +13,11 @@ by `min_gain`.
 
 Guard rails (Kubernetes HPA stabilisation, Knative, Dynamo's planner):
 - at most one conversion per period, and none while one is draining;
+- a move gains at least `min_gain` of Lambda_max (`busy_min_gain` when the split runs near
+  its capacity, where a little more of it cuts the queues most);
 - the same move wanted for `confirm_periods` periods in a row, unless it gains at least
   `urgent_gain` (a drift that large is not sampling noise) or a measured step of answer
-  length started the period;
+  or incremental length started the period;
 - a cooldown after each conversion, never shorter than that conversion's measured drain;
 - the pool losing an instance must still carry the estimated arrival rate with
   `load_margin` to spare, at its own best threshold;
@@ -49,7 +51,14 @@ class RebalanceConfig:
     drift_tolerance: float = 0.1
     """Relative gap between the prefill side's and decode's rate limits that counts as drift."""
     min_gain: float = 0.03
-    """A conversion must raise the model's Lambda_max by at least this share."""
+    """A conversion must raise the model's Lambda_max by at least this share ..."""
+    busy_load: float = 0.9
+    busy_min_gain: float = 0.01
+    """... or by this share when the estimated rate is at least `busy_load` of the current
+    split's Lambda_max. Near its capacity a split's queues grow as 1 / (1 - load): there a
+    few percent more capacity halve the wait (at 96% load, 5% more takes the load to 91%),
+    while the 3% rule, meant for noise at ordinary load, held such a move for 10 minutes
+    (the estimate read a 5% gain as 3% or less)."""
     confirm_periods: int = 2
     """Periods in a row that must want the same move."""
     urgent_gain: float = 0.15
@@ -73,6 +82,8 @@ class RebalanceConfig:
     def __post_init__(self) -> None:
         check(self.drift_tolerance >= 0, "drift_tolerance", self.drift_tolerance, "must be >= 0")
         check(self.min_gain >= 0, "min_gain", self.min_gain, "must be >= 0")
+        check(self.busy_load > 0, "busy_load", self.busy_load, "must be > 0")
+        check(self.busy_min_gain >= 0, "busy_min_gain", self.busy_min_gain, "must be >= 0")
         check(self.confirm_periods >= 1, "confirm_periods", self.confirm_periods, "must be >= 1")
         check(self.urgent_gain >= 0, "urgent_gain", self.urgent_gain, "must be >= 0")
         check(self.cooldown_s >= 0, "cooldown_s", self.cooldown_s, "must be >= 0")
@@ -176,15 +187,16 @@ def rebalance(
     set_point: float,
     min_samples: float = 1.0,
     stepped: bool = False,
-    output_stepped: bool = False,
+    workload_stepped: bool = False,
     set_point_only: bool = False,
 ) -> RebalanceDecision:
     """One period of the rebalancer (see the module docstring). `stepped`: the period was
-    started by a step of the measured link or answer length, so the re-solved set-point
-    applies at once (a measurement is not sampling noise). `output_stepped`: the step was
-    one of answer length, so a wanted move needs no confirmation either (the estimate took
-    the answers decoding now, not a noisy period's sample; after a link step, moves still
-    wait: converting at once there made the bandwidth-drop scenario's P90 worse).
+    started by a step of the measured link, the answer length or the incremental length, so
+    the re-solved set-point applies at once (a measurement is not sampling noise).
+    `workload_stepped`: the step was one of answer or incremental length, so a wanted move
+    needs no confirmation either (the estimate took what the step test saw, not a noisy
+    period's blend; after a link step, moves still wait: converting at once there made the
+    bandwidth-drop scenario's P90 worse).
     `set_point_only`: an early look on few samples (the first period): the set-point may
     move, no conversion is wanted or confirmed."""
     n_p, n_d = len(pools.prefill), len(pools.decode)
@@ -222,14 +234,18 @@ def rebalance(
         "lambda_max": nxt.lambda_max,
     }
     gain = nxt.lambda_max / current.lambda_max - 1 if current.lambda_max > 0 else math.inf
-    if gain < config.min_gain:
+    load = estimate.rate / current.lambda_max if current.lambda_max > 0 else math.inf
+    busy = load >= config.busy_load
+    needed = config.busy_min_gain if busy else config.min_gain
+    if gain < needed:
+        at = f" (at {load:.0%} load)" if busy else ""
         return period.reset(
-            "hold", f"{why}; hold: converting one {lost} gains {gain:+.1%} < {config.min_gain:.0%}"
+            "hold", f"{why}; hold: converting one {lost} gains {gain:+.1%} < {needed:.0%}{at}"
         )
     streak = state.streak + 1 if state.direction == direction else 1
     period.state = replace(state, direction=direction, streak=streak)
     move = f"{why}; one {lost} -> {gained} gains {gain:+.1%}"
-    if streak < config.confirm_periods and gain < config.urgent_gain and not output_stepped:
+    if streak < config.confirm_periods and gain < config.urgent_gain and not workload_stepped:
         return period.out("pending", f"{move}; pending ({streak}/{config.confirm_periods} periods)")
     refusal = _refusal(config, period.state, nxt, direction, estimate.rate, now)
     if refusal is not None:

@@ -157,7 +157,25 @@ def test_a_measured_step_of_answer_length_needs_no_confirmation(
 
     assert outcome() == "pending"
     assert outcome(stepped=True) == "pending"
-    assert outcome(stepped=True, output_stepped=True) == "convert"
+    assert outcome(stepped=True, workload_stepped=True) == "convert"
+
+
+def test_near_capacity_a_smaller_gain_is_worth_a_move(profile: DeploymentProfile) -> None:
+    """Lengths of the length-shift scenario's estimate (mu 10.54) on 4P/4D: one more prefill
+    raises Lambda_max by about 2%. At 60% load that is noise and the split holds; at 95%
+    of the split's capacity it is wanted (its queues would grow as 1 / (1 - load))."""
+    est = _estimate(mu=10.54)
+    current = best_for_split(plan(replan_profile(profile, est, 4, 8), exact=True).grid, 4)
+
+    def decide(load: float) -> tuple[str, str]:
+        at = replace(est, rate=load * current.lambda_max)
+        d = rebalance(CFG, RebalanceState(), profile, at, _pools(4, 4), now=0, set_point=30_000)
+        return d.outcome, d.reason
+
+    outcome, reason = decide(0.6)
+    assert outcome == "hold" and reason.endswith("< 3%"), reason
+    outcome, reason = decide(0.95)
+    assert outcome == "pending" and "one decode -> prefill gains +2." in reason, reason
 
 
 def test_a_reversed_move_restarts_the_confirmation(profile: DeploymentProfile) -> None:

@@ -8,7 +8,10 @@ longer or shorter than the estimate's, for 5 ticks in a row. Longer answers show
 finished requests only a whole answer later, and in the period's mean occupancy diluted by
 the time before the step; the count of requests decoding shows them as soon as they outlive
 the old answers (and shorter ones as soon as the long ones have ended). That period takes
-the output length from the count now, unblended.
+the output length from the count now, unblended. And so does a step in incremental length:
+when the last 100 lengths routed have a mean ln L at least 0.4 from the estimate's, for 5
+ticks in a row (that period takes its lengths from those 100, unblended). A move either
+step wants needs no confirmation.
 
 The slow loop owns the set-point: when the re-solved `t` moves beyond the dead band, `t` is
 reset to it (the fast loop then trims around the new value). A conversion runs in the
@@ -21,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
@@ -40,12 +44,21 @@ from prfaas.policies.rebalance import (
     rebalance,
 )
 from prfaas.policies.schedule_state import InstanceRole
-from prfaas.policies.workload_estimate import PeriodObservation, WorkloadEstimate, update_estimate
+from prfaas.policies.workload_estimate import (
+    Moments,
+    PeriodObservation,
+    WorkloadEstimate,
+    update_estimate,
+)
 
 logger = logging.getLogger(__name__)
 CAPACITY_STEP = 0.25  # a relative change of measured link capacity that is a step
 OUTPUT_STEP = 1.5  # decoding now implies answers this many times the estimate: a step
-OUTPUT_STEP_TICKS = 5  # ... for this many ticks in a row
+LENGTH_STEP = 0.4
+"""The recent incremental lengths' mean ln L this far from the estimate's: a step. Their
+mean has a standard error of about 0.09 (sigma of ln L about 0.9, 100 lengths): 0.4 is over
+four of those, and under the 0.59 by which the length-shift scenario moves the sample mean."""
+STEP_TICKS = 5  # a step of the workload must be seen for this many ticks in a row
 
 
 class LongTermLoop:
@@ -76,6 +89,7 @@ class LongTermLoop:
         self.capacity_seen: float | None = None
         """The link capacity the last period planned with."""
         self._step_ticks = 0  # ticks in a row whose occupancy implied a step of answer length
+        self._length_ticks = 0  # ticks in a row whose recent lengths were a step
         window = min(config.estimate.rate_window_s, config.period_s / 2)
         self._estimating = replace(config.estimate, rate_window_s=window)
         """The estimate's settings, its rate window at most half a period (short periods,
@@ -94,23 +108,24 @@ class LongTermLoop:
         capacity = self._period_capacity(samples.mean_capacity())
         if not first_look:
             self.capacity_seen = capacity
-        lengths = self._profile.workload.lengths
-        lo, hi = round(lengths.lo), round(lengths.hi)
-        clamped = [min(max(n, lo), hi) for n in samples.incremental]
+        clamped = self._clamped(samples.incremental)
         duration = max(now - samples.started, 1e-9)
         occupancy = self._occupancy_output(samples, duration)
         obs = PeriodObservation.of(
             duration, clamped, samples.outputs, capacity, occupancy_output=occupancy
         )
         stepped_output = None  # the answers decoding now, at the long-run arrival rate
-        output_step = not first_look and self._step_ticks >= OUTPUT_STEP_TICKS
+        output_step = not first_look and self._step_ticks >= STEP_TICKS
+        length_step = not first_look and self._length_ticks >= STEP_TICKS
         if output_step and self.estimate is not None:
             stepped_output = self._little(observer.decoding_now, self.estimate.rate)
         estimate = update_estimate(self._estimating, self.estimate, obs)
         if stepped_output is not None:  # a step, not a sample: taken unblended
             estimate = replace(estimate, output_sum=stepped_output, output_n=1.0)
+        if length_step:  # likewise: the lengths since the step, not blended with before
+            estimate = replace(estimate, lengths=Moments.of(self._clamped(observer.recent_lengths)))
         if not first_look:
-            self._step_ticks = 0  # a new period: its own decode arrivals decide
+            self._step_ticks = self._length_ticks = 0  # a new period: its own samples decide
         board = self._board
         decision = rebalance(
             self._config.rebalance,
@@ -122,7 +137,7 @@ class LongTermLoop:
             set_point=board.state.set_point,
             min_samples=self._config.estimate.min_samples,
             stepped=stepped,
-            output_stepped=output_step,
+            workload_stepped=output_step or length_step,
             set_point_only=first_look,
         )
         if first_look:
@@ -146,6 +161,12 @@ class LongTermLoop:
             self._start(decision.conversion, inputs)
         return decision
 
+    def _clamped(self, incremental: Iterable[int]) -> list[int]:
+        """Incremental lengths clamped into the profile's range (the fit's support)."""
+        lengths = self._profile.workload.lengths
+        lo, hi = round(lengths.lo), round(lengths.hi)
+        return [min(max(n, lo), hi) for n in incremental]
+
     def _occupancy_output(self, samples: PeriodSamples, duration: float) -> float | None:
         """Output length by Little's law at the decode stage: the period's mean requests
         decoding over their arrival rate (first tokens) x decode step. The gateway's arrival
@@ -162,10 +183,28 @@ class LongTermLoop:
             return None
         return decoding / (rate * step)
 
-    def output_stepped(self) -> bool:
-        """Called every tick: whether the requests decoding now have implied answers at
-        least `OUTPUT_STEP` times longer, or shorter, than the estimate's for
-        `OUTPUT_STEP_TICKS` ticks in a row (the scheduler then runs a period at once).
+    def workload_stepped(self) -> bool:
+        """Called every tick: whether the answers or the incremental lengths have stepped
+        (the scheduler then runs a period at once). Both tests run every tick (each counts
+        its ticks in a row)."""
+        answers, lengths = self._output_stepped(), self._length_stepped()
+        return answers or lengths
+
+    def _length_stepped(self) -> bool:
+        """Whether the last `RECENT_LENGTHS` incremental lengths have had a mean ln L at
+        least `LENGTH_STEP` above or below the estimate's for `STEP_TICKS` ticks in a row."""
+        estimate, recent = self.estimate, self._observer.recent_lengths
+        if estimate is None or estimate.lengths.n <= 0 or len(recent) < (recent.maxlen or 0):
+            self._length_ticks = 0
+            return False
+        mean = Moments.of(self._clamped(recent)).mu
+        step_seen = abs(mean - estimate.lengths.mu) >= LENGTH_STEP
+        self._length_ticks = self._length_ticks + 1 if step_seen else 0
+        return self._length_ticks >= STEP_TICKS
+
+    def _output_stepped(self) -> bool:
+        """Whether the requests decoding now have implied answers at least `OUTPUT_STEP`
+        times longer, or shorter, than the estimate's for `STEP_TICKS` ticks in a row.
 
         Little's law on the estimate's arrival rate and on this period's decode arrivals
         (first tokens; it waits for `min_samples` of them), whichever makes the step
@@ -190,7 +229,7 @@ class LongTermLoop:
             return False
         step_seen = shortest >= OUTPUT_STEP * output or longest <= output / OUTPUT_STEP
         self._step_ticks = self._step_ticks + 1 if step_seen else 0
-        return self._step_ticks >= OUTPUT_STEP_TICKS
+        return self._step_ticks >= STEP_TICKS
 
     def _period_capacity(self, mean: float | None) -> float | None:
         """The period's mean measured capacity, or the latest measurement when the link

@@ -10,6 +10,7 @@ Times come from the running loop's clock.
 from __future__ import annotations
 
 import asyncio
+import collections
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -17,6 +18,8 @@ from prfaas.gateway.router import RouteEvent
 from prfaas.policies.backlog import BacklogLedger
 from prfaas.policies.routing import RouteDecision
 from prfaas.policies.ttft_forecast import LinkState, LoadForecast, PrefillCosts
+
+RECENT_LENGTHS = 100  # incremental lengths kept across periods for the step test
 
 
 @dataclass
@@ -61,6 +64,8 @@ class SchedulingObserver:
         self._clock = clock or asyncio.get_running_loop().time
         self._samples = PeriodSamples(self._clock())
         self._decoding: set[str] = set()
+        self.recent_lengths: collections.deque[int] = collections.deque(maxlen=RECENT_LENGTHS)
+        """The last `RECENT_LENGTHS` incremental lengths routed, whatever the period."""
 
     def now(self) -> float:
         return self._clock()
@@ -72,6 +77,7 @@ class SchedulingObserver:
 
     def dispatched(self, rid: str, decision: RouteDecision) -> None:
         self._samples.incremental.append(decision.incremental_tokens)
+        self.recent_lengths.append(decision.incremental_tokens)
         if self.costs is not None:
             seconds = self.occupancy_s(decision.route, decision.incremental_tokens)
             self.ledger.admit(decision.prefill_instance, rid, seconds, self._clock())

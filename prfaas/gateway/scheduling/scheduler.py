@@ -83,13 +83,13 @@ class Scheduler:
 
     def _tick(self) -> None:
         """The short-term step (measurement only when its loop is off), and the long-term
-        loop's early wake on a step of the link or of the output length."""
+        loop's early wake on a step of the link, the output length or the incremental length."""
         if self.config.short_term:
             self.short.tick()
         else:
             self.observer.measured(self.short.read_link())
-        answers = self.config.long_term and self.long.output_stepped()  # counts every tick
-        if self.config.long_term and (self.long.capacity_stepped() or answers):
+        workload = self.config.long_term and self.long.workload_stepped()  # counts every tick
+        if self.config.long_term and (self.long.capacity_stepped() or workload):
             self._wake_long.set()
         elif self.config.long_term and self._first_look():
             _guarded(functools.partial(self.long.period, first_look=True))

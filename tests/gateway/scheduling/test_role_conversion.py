@@ -10,6 +10,7 @@ import itertools
 import json
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,7 @@ from prfaas.gateway.scheduling.roles import RoleConverter
 from prfaas.gateway.scheduling.scheduler import Scheduler
 from prfaas.policies.profile import DeploymentProfile, load_profile
 from prfaas.policies.rebalance import RebalanceConfig
+from prfaas.policies.workload_estimate import WorkloadEstimate
 from prfaas.protocol.generate import SamplingParams
 from prfaas.sim.cluster import SimCluster
 from prfaas.sim.deployments import Deployment, SimOptions
@@ -211,25 +213,29 @@ def test_the_last_decode_is_never_converted(profile: DeploymentProfile) -> None:
     assert any(d["inputs"].get("outcome") == "refused" for d in shown)
 
 
-def _output_estimates(profile: DeploymentProfile, step_at: float) -> dict[float, float | None]:
-    """Two requests a second answering 100 tokens (2.5 s), from `step_at` on 600 (15 s), on
-    2P/2D with 20-second periods; the estimated output length every half second."""
+def _estimates(
+    profile: DeploymentProfile,
+    request: Callable[[float], tuple[int, int]],
+    seconds: float,
+    period_s: float,
+) -> dict[float, WorkloadEstimate | None]:
+    """Two requests a second, `request(now)` giving each its prompt and answer tokens, on
+    2P/2D for `seconds`; the long-term estimate every half second."""
 
-    async def main() -> dict[float, float | None]:
+    async def main() -> dict[float, WorkloadEstimate | None]:
         cluster = SimCluster(profile, _deployment(profile, 2, 2), SimOptions())
-        scheduler = Scheduler(SchedulerConfig(period_s=20.0), profile, cluster.router,
+        scheduler = Scheduler(SchedulerConfig(period_s=period_s), profile, cluster.router,
                               cluster.instances)  # fmt: skip
         scheduler.start()
         loop = asyncio.get_running_loop()
         start, errors, tasks = loop.time(), [], []
-        seen: dict[float, float | None] = {}
+        seen: dict[float, WorkloadEstimate | None] = {}
         try:
-            while (now := loop.time() - start) < step_at + 20:
-                out = 100 if now < step_at else 600
-                tasks.append(asyncio.create_task(_request(cluster.router, 2_000, out, errors)))
+            while (now := loop.time() - start) < seconds:
+                tokens, out = request(now)
+                tasks.append(asyncio.create_task(_request(cluster.router, tokens, out, errors)))
                 await asyncio.sleep(0.5)
-                estimate = scheduler.long.estimate
-                seen[round(now + 0.5, 1)] = None if estimate is None else estimate.output_tokens
+                seen[round(now + 0.5, 1)] = scheduler.long.estimate
             await asyncio.gather(*tasks)
         finally:
             await scheduler.stop()
@@ -239,15 +245,58 @@ def _output_estimates(profile: DeploymentProfile, step_at: float) -> dict[float,
     return run_virtual(main())
 
 
+def _periods_at(seen: dict[float, WorkloadEstimate | None]) -> list[float]:
+    """When a period ran (a new estimate appeared), to the half second."""
+    times, before = [], None
+    for at, estimate in seen.items():
+        if estimate is not None and estimate is not before:
+            times.append(at)
+        before = estimate
+    return times
+
+
 def test_longer_answers_wake_the_long_term_loop_before_its_period_ends(
     profile: DeploymentProfile,
 ) -> None:
-    """Answers step from 100 to 600 tokens at 45 s: within 13 s (the requests decoding now
-    outlive the old answers; 5 ticks confirm), before the period due at 60 s, a period runs
-    and takes the longer answers (unblended); without the wake the estimate would still be
-    the 100 tokens that the periods at 20 and 40 s saw."""
-    seen = _output_estimates(profile, step_at=45.0)
-    before = seen[44.0]
-    assert before is not None and 80 <= before <= 130
-    after = seen[58.0]
-    assert after is not None and after >= 1.5 * before, (before, after)
+    """Answers step from 100 to 600 tokens (2.5 to 15 s) at 45 s: within 13 s (the requests
+    decoding now outlive the old answers; 5 ticks confirm), before the period due at 60 s,
+    a period runs and takes the longer answers (unblended); without the wake the estimate
+    would still be the 100 tokens that the periods at 20 and 40 s saw."""
+    seen = _estimates(profile, lambda now: (2_000, 100 if now < 45 else 600), 65.0, 20.0)
+    before, after = seen[44.0], seen[58.0]
+    assert before is not None and after is not None
+    assert before.output_tokens is not None and 80 <= before.output_tokens <= 130
+    assert after.output_tokens is not None and after.output_tokens >= 1.5 * before.output_tokens
+
+
+def test_longer_prompts_wake_the_long_term_loop_before_its_period_ends(
+    profile: DeploymentProfile,
+) -> None:
+    """Prompts step from 2,000 to 8,000 tokens at 65 s (30-second periods): once about 30
+    of the last 100 are long, their mean ln L lies 0.4 above the estimate's, and 5 ticks
+    later, before the period due at 90 s, a period runs and takes those 100 lengths
+    (unblended); without the wake the estimate would still be the 2,000 tokens of the
+    period at 60 s."""
+    seen = _estimates(profile, lambda now: (2_000 if now < 65 else 8_000, 16), 95.0, 30.0)
+    before, after = seen[64.0], seen[89.0]
+    assert before is not None and after is not None
+    assert before.lengths.mu == pytest.approx(math.log(2_000), abs=0.01)
+    assert after.lengths.mu >= math.log(2_000) + 0.4, after.lengths.mu
+    assert any(65 < at < 90 for at in _periods_at(seen))
+
+
+def test_steady_log_normal_lengths_do_not_wake_the_long_term_loop(
+    profile: DeploymentProfile,
+) -> None:
+    """Ten minutes of log-normal prompts (sigma 1, the case study's spread) at a steady
+    rate: the recent lengths' mean wanders with the sample, never as far as a step, so
+    every period runs on its 60-second clock."""
+    rng = np.random.default_rng(7)
+
+    def request(now: float) -> tuple[int, int]:
+        return int(np.clip(rng.lognormal(7.6, 1.0), 128, 131_072)), 16
+
+    seen = _estimates(profile, request, 600.0, 60.0)
+    periods = _periods_at(seen)
+    assert [round(at / 60.0) for at in periods] == list(range(1, 11)), periods
+    assert all(abs(at - 60.0 * round(at / 60.0)) <= 1.0 for at in periods), periods
