@@ -122,7 +122,7 @@ class LongTermLoop:
         estimate = update_estimate(self._estimating, self.estimate, obs)
         if stepped_output is not None:  # a step, not a sample: taken unblended
             estimate = replace(estimate, output_sum=stepped_output, output_n=1.0)
-        if length_step:  # likewise: the lengths since the step, not blended with before
+        if length_step:  # likewise: the last lengths routed, not blended with older periods
             estimate = replace(estimate, lengths=Moments.of(self._clamped(observer.recent_lengths)))
         if not first_look:
             self._step_ticks = self._length_ticks = 0  # a new period: its own samples decide
@@ -152,7 +152,10 @@ class LongTermLoop:
         counters = board.counters
         if counters is not None:
             counters.rebalance.labels(decision.outcome).inc()
-        inputs = {"outcome": decision.outcome, **(decision.numbers or {})}
+        woken = [n for n, on in (("answers", output_step), ("lengths", length_step)) if on]
+        if stepped and not woken:
+            woken = ["link"]
+        inputs = {"outcome": decision.outcome, "woken_by": woken, **(decision.numbers or {})}
         if decision.outcome in ("refused", "convert", "pending"):
             board.note("long-term", "rebalance", decision.reason, inputs)
         self._set_point(decision.set_point, decision.planned_utilisation, inputs)

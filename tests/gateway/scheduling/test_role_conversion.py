@@ -19,6 +19,7 @@ import pytest
 from prfaas.engines.client import EngineError
 from prfaas.gateway.router import Router
 from prfaas.gateway.scheduling.config import SchedulerConfig
+from prfaas.gateway.scheduling.decisions import Decision
 from prfaas.gateway.scheduling.roles import RoleConverter
 from prfaas.gateway.scheduling.scheduler import Scheduler
 from prfaas.policies.profile import DeploymentProfile, load_profile
@@ -218,9 +219,11 @@ def _estimates(
     request: Callable[[float], tuple[int, int]],
     seconds: float,
     period_s: float,
+    decisions: list[Decision] | None = None,
 ) -> dict[float, WorkloadEstimate | None]:
     """Two requests a second, `request(now)` giving each its prompt and answer tokens, on
-    2P/2D for `seconds`; the long-term estimate every half second."""
+    2P/2D for `seconds`; the long-term estimate every half second (and the schedulers'
+    recent decisions appended to `decisions`)."""
 
     async def main() -> dict[float, WorkloadEstimate | None]:
         cluster = SimCluster(profile, _deployment(profile, 2, 2), SimOptions())
@@ -240,6 +243,8 @@ def _estimates(
         finally:
             await scheduler.stop()
         assert errors == []
+        if decisions is not None:
+            decisions.extend(scheduler.board.recent)
         return seen
 
     return run_virtual(main())
@@ -276,13 +281,17 @@ def test_longer_prompts_wake_the_long_term_loop_before_its_period_ends(
     of the last 100 are long, their mean ln L lies 0.4 above the estimate's, and 5 ticks
     later, before the period due at 90 s, a period runs and takes those 100 lengths
     (unblended); without the wake the estimate would still be the 2,000 tokens of the
-    period at 60 s."""
-    seen = _estimates(profile, lambda now: (2_000 if now < 65 else 8_000, 16), 95.0, 30.0)
+    period at 60 s. The set-point it re-solves is logged with what woke it."""
+    decisions: list[Decision] = []
+    seen = _estimates(profile, lambda now: (2_000 if now < 65 else 8_000, 16), 95.0, 30.0,
+                      decisions)  # fmt: skip
     before, after = seen[64.0], seen[89.0]
     assert before is not None and after is not None
     assert before.lengths.mu == pytest.approx(math.log(2_000), abs=0.01)
     assert after.lengths.mu >= math.log(2_000) + 0.4, after.lengths.mu
     assert any(65 < at < 90 for at in _periods_at(seen))
+    woken = [d.kind for d in decisions if d.inputs.get("woken_by") == ["lengths"]]
+    assert "set_point" in woken  # the log says what woke the period that moved t
 
 
 def test_steady_log_normal_lengths_do_not_wake_the_long_term_loop(
