@@ -116,10 +116,9 @@ class PeriodObservation:
         when the occupancy implies `OCCUPANCY_MARGIN` times more than they do (or none has
         finished), it stands for them."""
         total, count = float(sum(outputs)), len(outputs)
-        stand_in = occupancy_output is not None and (
+        if occupancy_output is not None and (
             count == 0 or occupancy_output * count > OCCUPANCY_MARGIN * total
-        )
-        if stand_in and occupancy_output is not None:
+        ):
             count = max(count, 1)
             total = occupancy_output * count
         return cls(
