@@ -19,6 +19,8 @@ Guard rails (Kubernetes HPA stabilisation, Knative, Dynamo's planner):
   `urgent_gain` (a drift that large is not sampling noise) or a measured step of answer
   or incremental length started the period;
 - a cooldown after each conversion, never shorter than that conversion's measured drain;
+  a move refused only by the cooldown (or by a conversion still draining) comes back as
+  `deferred`, for the loop to make when the cooldown ends rather than a period later;
 - the pool losing an instance must still carry the estimated arrival rate with
   `load_margin` to spare, at its own best threshold;
 - at least one prefill and one decode instance stay.
@@ -156,6 +158,10 @@ class RebalanceDecision:
     conversion: Conversion | None = None
     numbers: dict[str, Any] | None = None
     """The re-solve's figures (for logs and `/admin/state`)."""
+    deferred: Conversion | None = None
+    """A move that every rail but time allowed (refused by the cooldown, or by a conversion
+    still draining): the loop makes it once that is over, unless a later period decides
+    otherwise first."""
     planned_utilisation: float | None = None
     """The link utilisation the plan expects at `set_point` for the estimated rate (the
     short-term trimmer's high-water mark rises above it: a link-bound plan runs it full)."""
@@ -249,7 +255,7 @@ def rebalance(
     move = f"{why}; one {lost} -> {gained} gains {gain:+.1%}"
     if streak < config.confirm_periods and gain < config.urgent_gain and not workload_stepped:
         return period.out("pending", f"{move}; pending ({streak}/{config.confirm_periods} periods)")
-    refusal = _refusal(config, period.state, nxt, direction, estimate.rate, now)
+    refusal = _overload(config, nxt, direction, estimate.rate)
     if refusal is not None:
         return period.out("refused", f"{move}; refused: {refusal}")
     chosen = min(losing, key=lambda m: (m.load, m.instance_id))
@@ -257,6 +263,9 @@ def rebalance(
         replanned, nxt.threshold_tokens, min(estimate.rate, nxt.lambda_max), exact=config.exact
     )
     conversion = Conversion(chosen.instance_id, lost, gained, nxt.threshold_tokens, after)
+    wait = _wait(period.state, now)
+    if wait is not None:
+        return period.out("refused", f"{move}; refused: {wait}; deferred", deferred=conversion)
     return period.out("convert", f"{move}; converting {chosen.instance_id}", conversion)
 
 
@@ -276,10 +285,22 @@ class _Period:
         return self.out(outcome, reason)
 
     def out(
-        self, outcome: Outcome, reason: str, conversion: Conversion | None = None
+        self,
+        outcome: Outcome,
+        reason: str,
+        conversion: Conversion | None = None,
+        *,
+        deferred: Conversion | None = None,
     ) -> RebalanceDecision:
         return RebalanceDecision(
-            self.state, outcome, reason, self.set_point, conversion, self.numbers, self.utilisation
+            self.state,
+            outcome,
+            reason,
+            self.set_point,
+            conversion,
+            self.numbers,
+            planned_utilisation=self.utilisation,
+            deferred=deferred,
         )
 
 
@@ -316,18 +337,19 @@ def _drift(config: RebalanceConfig, opt: SplitOptimum) -> tuple[int, str]:
     return 0, f"balanced: {text}"
 
 
-def _refusal(
-    config: RebalanceConfig,
-    state: RebalanceState,
-    nxt: SplitOptimum,
-    direction: int,
-    rate: float,
-    now: float,
-) -> str | None:
+def _wait(state: RebalanceState, now: float) -> str | None:
+    """The rails of time: a conversion draining, the cooldown after one."""
     if state.converting is not None:
         return f"{state.converting} is still converting"
     if now < state.cooldown_until:
         return f"cooldown for {state.cooldown_until - now:.0f} s more"
+    return None
+
+
+def _overload(
+    config: RebalanceConfig, nxt: SplitOptimum, direction: int, rate: float
+) -> str | None:
+    """Whether the pool losing an instance would no longer carry the load."""
     losing = nxt.decode_bound if direction > 0 else nxt.prefill_bound
     need = rate * (1 + config.load_margin)
     if losing < need:

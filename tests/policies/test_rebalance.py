@@ -198,10 +198,30 @@ def test_the_next_step_needs_no_new_confirmation(profile: DeploymentProfile) -> 
     assert state == RebalanceState(direction=-1, streak=2, cooldown_until=180.0)
     est = _estimate(out=3072, rate=1.6)
     d = rebalance(CFG, state, profile, est, _pools(2, 6), now=170, set_point=19_456)
-    assert d.outcome == "refused" and d.reason.endswith("refused: cooldown for 10 s more")
+    assert d.outcome == "refused" and d.conversion is None
+    assert d.reason.endswith("refused: cooldown for 10 s more; deferred")
     d = rebalance(CFG, state, profile, est, _pools(2, 6), now=180, set_point=19_456)
     assert d.outcome == "convert" and d.conversion is not None
-    assert d.conversion.instance_id == "pd-p0"
+    assert d.conversion.instance_id == "pd-p0" and d.deferred is None
+
+
+def test_a_move_refused_only_by_time_is_deferred(profile: DeploymentProfile) -> None:
+    """The cooldown and a conversion still draining refuse a move that every other rail
+    allows: it comes back as `deferred`, for the loop to make when they are over. A move
+    the losing pool could not carry is refused outright."""
+    est = _estimate(out=3072, rate=1.6)
+    cooling = RebalanceState(direction=-1, streak=2, cooldown_until=180.0)
+    d = rebalance(CFG, cooling, profile, est, _pools(2, 6), now=170, set_point=19_456)
+    assert d.deferred is not None and d.conversion is None
+    assert (d.deferred.instance_id, d.deferred.from_role, d.deferred.to_role) == (
+        "pd-p0", "prefill", "decode",
+    )  # fmt: skip
+    draining = RebalanceState(direction=-1, streak=2).started("pd-p1")
+    d = rebalance(CFG, draining, profile, est, _pools(2, 6), now=170, set_point=19_456)
+    assert d.outcome == "refused" and d.deferred is not None
+    heavy = _estimate(out=3072, rate=2.9)  # more than one prefill could carry
+    d = rebalance(CFG, cooling, profile, heavy, _pools(2, 6), now=170, set_point=19_456)
+    assert d.outcome == "refused" and "pool would carry" in d.reason and d.deferred is None
 
 
 def test_cooldown_is_never_shorter_than_the_drain() -> None:
@@ -212,7 +232,8 @@ def test_cooldown_is_never_shorter_than_the_drain() -> None:
 def test_no_second_conversion_while_one_drains(profile: DeploymentProfile) -> None:
     state = RebalanceState(direction=1, streak=1).started("pd-d3")
     d = rebalance(CFG, state, profile, _estimate(gbps=10), _pools(), now=0, set_point=19_456)
-    assert d.outcome == "refused" and d.reason.endswith("refused: pd-d3 is still converting")
+    assert d.outcome == "refused"
+    assert d.reason.endswith("refused: pd-d3 is still converting; deferred")
 
 
 def test_at_least_one_decode_stays(profile: DeploymentProfile) -> None:

@@ -8,10 +8,20 @@ longer or shorter than the estimate's, for 5 ticks in a row. Longer answers show
 finished requests only a whole answer later, and in the period's mean occupancy diluted by
 the time before the step; the count of requests decoding shows them as soon as they outlive
 the old answers (and shorter ones as soon as the long ones have ended). That period takes
-the output length from the count now, unblended. And so does a step in incremental length:
+the output length from the count now, unblended (and the next regular period only the
+answers of the requests that came after it: a long answer begun before a step down ends
+after it). And so does a step in incremental length:
 when the last 100 lengths routed have a mean ln L at least 0.4 from the estimate's, for 5
-ticks in a row (that period takes its lengths from those 100, unblended). A move either
-step wants needs no confirmation.
+ticks in a row (that period takes its lengths from those 100, unblended, and the next
+regular period only its own: the 100 still held lengths from before the step, and blending
+would keep them for periods). A move either step wants needs no confirmation.
+
+A move that the rebalancer refused only because a conversion was draining or cooling
+down (`deferred`) is made on the tick that the cooldown ends, if a period has passed since
+the last conversion began (at most one per period) and no later period decided otherwise.
+Waiting for the next period instead cost up to a period for every instance of a
+several-instance step. A period during a drain plans with the split the conversion makes
+(`pools(planned=True)`).
 
 The slow loop owns the set-point: when the re-solved `t` moves beyond the dead band, `t` is
 reset to it (the fast loop then trims around the new value). A conversion runs in the
@@ -24,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
@@ -95,6 +106,11 @@ class LongTermLoop:
         """The estimate's settings, its rate window at most half a period (short periods,
         as in tests, still learn the rate)."""
         self._answers_seen = 0  # finished requests the periods have seen
+        self._lengths_restart = False  # the last period was woken by a step of length
+        self._answers_since: float | None = None  # when the last period woken by answers ran
+        self._deferred: Conversion | None = None  # the last period's move, waiting for time
+        self._last_start = -math.inf  # when the last conversion began
+        self._moving: Conversion | None = None  # the conversion under way
 
     def period(self, *, stepped: bool = False, first_look: bool = False) -> RebalanceDecision:
         """Estimate, decide, and start what was decided (`stepped`: woken early by a step of
@@ -111,9 +127,9 @@ class LongTermLoop:
         clamped = self._clamped(samples.incremental)
         duration = max(now - samples.started, 1e-9)
         occupancy = self._occupancy_output(samples, duration)
-        obs = PeriodObservation.of(
-            duration, clamped, samples.outputs, capacity, occupancy_output=occupancy
-        )
+        since = self._answers_since
+        outputs = samples.outputs if since is None else samples.answers_since(since)
+        obs = PeriodObservation.of(duration, clamped, outputs, capacity, occupancy_output=occupancy)
         stepped_output = None  # the answers decoding now, at the long-run arrival rate
         output_step = not first_look and self._step_ticks >= STEP_TICKS
         length_step = not first_look and self._length_ticks >= STEP_TICKS
@@ -122,17 +138,23 @@ class LongTermLoop:
         estimate = update_estimate(self._estimating, self.estimate, obs)
         if stepped_output is not None:  # a step, not a sample: taken unblended
             estimate = replace(estimate, output_sum=stepped_output, output_n=1.0)
+        elif since is not None and obs.finished > 0:  # only requests that came after the step
+            estimate = replace(estimate, output_sum=obs.output_tokens, output_n=obs.finished)
         if length_step:  # likewise: the last lengths routed, not blended with older periods
             estimate = replace(estimate, lengths=Moments.of(self._clamped(observer.recent_lengths)))
+        elif self._lengths_restart and obs.lengths.n >= self._config.estimate.min_samples:
+            estimate = replace(estimate, lengths=obs.lengths)  # all of them after the step
         if not first_look:
             self._step_ticks = self._length_ticks = 0  # a new period: its own samples decide
+            self._lengths_restart = length_step
+            self._answers_since = now if output_step else None
         board = self._board
         decision = rebalance(
             self._config.rebalance,
             self.state,
             self._profile,
             estimate,
-            self.pools(),
+            self.pools(planned=True),
             now=now,
             set_point=board.state.set_point,
             min_samples=self._config.estimate.min_samples,
@@ -149,6 +171,7 @@ class LongTermLoop:
         self.estimate = estimate
         self._answers_seen += len(samples.outputs)
         self.state, self.last = decision.state, decision
+        self._deferred = decision.deferred
         counters = board.counters
         if counters is not None:
             counters.rebalance.labels(decision.outcome).inc()
@@ -251,14 +274,24 @@ class LongTermLoop:
             return False
         return abs(link.capacity_bytes_per_s - seen) > CAPACITY_STEP * seen
 
-    def pools(self) -> Pools:
-        """The PD cluster as it is now: healthy, not draining (a "both" instance is neither)."""
+    def pools(self, *, planned: bool = False) -> Pools:
+        """The PD cluster as it is now: healthy, not draining (a "both" instance is neither).
+        `planned`: as the rebalancer plans with it, the instance being converted counted in
+        its new role (a period during the drain decides on the split the conversion makes;
+        without it, it saw one instance short and wanted the move under way once more)."""
         live = [s for s in self._instances if s.healthy and not s.draining]
         pd = [s for s in live if s.cluster == "pd"]
+        prefill = [Member(s.instance_id, s.in_flight) for s in pd if s.role == "prefill"]
+        decode = [Member(s.instance_id, s.in_flight) for s in pd if s.role == "decode"]
+        moving = self._moving
+        if planned and moving is not None:
+            prefill = [m for m in prefill if m.instance_id != moving.instance_id]
+            decode = [m for m in decode if m.instance_id != moving.instance_id]
+            (prefill if moving.to_role == "prefill" else decode).append(Member(moving.instance_id))
         return Pools(
             n_prfaas=sum(s.cluster == "prfaas" and s.role != "decode" for s in live),
-            prefill=tuple(Member(s.instance_id, s.in_flight) for s in pd if s.role == "prefill"),
-            decode=tuple(Member(s.instance_id, s.in_flight) for s in pd if s.role == "decode"),
+            prefill=tuple(prefill),
+            decode=tuple(decode),
         )
 
     def _set_point(self, solved: float, planned: float | None, inputs: dict[str, Any]) -> None:
@@ -277,7 +310,41 @@ class LongTermLoop:
         )
         self._short.reset_set_point(set_point, planned)
 
+    @property
+    def deferred(self) -> Conversion | None:
+        """The move waiting for the cooldown to end, if any."""
+        return self._deferred
+
+    def make_deferred(self) -> None:
+        """Called every tick: make the move the last period deferred, once no conversion
+        is draining, its cooldown is over and a period has passed since it began. The move
+        goes to the least loaded member of the losing pool as it is now, and is dropped if
+        that pool is down to one instance."""
+        move, now = self._deferred, self._observer.now()
+        if move is None or self.converting or self.state.converting is not None:
+            return
+        if now < max(self.state.cooldown_until, self._last_start + self._config.period_s):
+            return
+        self._deferred = None
+        pools = self.pools()
+        losing = pools.decode if move.from_role == "decode" else pools.prefill
+        last = self.last
+        inputs = {"outcome": "convert", "deferred": True, **((last and last.numbers) or {})}
+        if len(losing) <= 1:
+            why = f"deferred {move.from_role} -> {move.to_role} dropped: one {move.from_role} left"
+            self._board.note("long-term", "rebalance", why, {**inputs, "outcome": "refused"})
+            return
+        chosen = min(losing, key=lambda m: (m.load, m.instance_id))
+        why = f"deferred {move.from_role} -> {move.to_role}: converting {chosen.instance_id}"
+        self._board.note("long-term", "rebalance", why, inputs)
+        counters = self._board.counters
+        if counters is not None:
+            counters.rebalance.labels("convert").inc()
+        self._start(replace(move, instance_id=chosen.instance_id), inputs)
+
     def _start(self, conversion: Conversion, inputs: dict[str, Any]) -> None:
+        self._last_start = self._observer.now()
+        self._moving = conversion
         self.state = self.state.started(conversion.instance_id)
         task = asyncio.get_running_loop().create_task(self._convert(conversion, inputs))
         self._conversion = task
@@ -292,6 +359,7 @@ class LongTermLoop:
                 conversion.instance_id, conversion.to_role, False, now, 0.0, repr(exc)
             )
         self.conversions.append(result)
+        self._moving = None
         board = self._board
         now = self._observer.now()
         self.state = self.state.finished(self._config.rebalance, now, result.drain_s)

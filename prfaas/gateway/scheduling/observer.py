@@ -29,12 +29,18 @@ class PeriodSamples:
     started: float
     incremental: list[int] = field(default_factory=list)
     outputs: list[int] = field(default_factory=list)
+    arrivals: list[float] = field(default_factory=list)
+    """When each of `outputs`' requests was first dispatched."""
     capacities: list[float] = field(default_factory=list)
     """Link capacity measured at each short-term tick (bytes/s)."""
     decoding: list[int] = field(default_factory=list)
     """Requests decoding (first token out, not finished) at each tick."""
     decode_starts: int = 0
     """Requests whose first token came out in the period (the decode stage's arrivals)."""
+
+    def answers_since(self, at: float) -> list[int]:
+        """The answers of the requests first dispatched at or after `at`."""
+        return [n for n, t in zip(self.outputs, self.arrivals, strict=True) if t >= at]
 
     def mean_decoding(self) -> float | None:
         return sum(self.decoding) / len(self.decoding) if self.decoding else None
@@ -64,6 +70,7 @@ class SchedulingObserver:
         self._clock = clock or asyncio.get_running_loop().time
         self._samples = PeriodSamples(self._clock())
         self._decoding: set[str] = set()
+        self._arrived: dict[str, float] = {}  # requests in flight: when first dispatched
         self.recent_lengths: collections.deque[int] = collections.deque(maxlen=RECENT_LENGTHS)
         """The last `RECENT_LENGTHS` incremental lengths routed, whatever the period."""
 
@@ -76,6 +83,7 @@ class SchedulingObserver:
         return LoadForecast(self.costs, self.ledger.backlogs(self._clock()), self.link)
 
     def dispatched(self, rid: str, decision: RouteDecision) -> None:
+        self._arrived.setdefault(rid, self._clock())
         self._samples.incremental.append(decision.incremental_tokens)
         self.recent_lengths.append(decision.incremental_tokens)
         if self.costs is not None:
@@ -103,8 +111,10 @@ class SchedulingObserver:
 
     def finished(self, event: RouteEvent) -> None:
         self._decoding.discard(event.rid)
+        arrived = self._arrived.pop(event.rid, self._samples.started)
         if event.error is None:
             self._samples.outputs.append(event.completion_tokens)
+            self._samples.arrivals.append(arrived)
 
     def measured(self, link: LinkState | None) -> None:
         """The short-term loop's link measurement of this tick."""

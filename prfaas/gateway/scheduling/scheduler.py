@@ -83,11 +83,14 @@ class Scheduler:
 
     def _tick(self) -> None:
         """The short-term step (measurement only when its loop is off), and the long-term
-        loop's early wake on a step of the link, the output length or the incremental length."""
+        loop's deferred move and its early wake on a step of the link, the output length or
+        the incremental length."""
         if self.config.short_term:
             self.short.tick()
         else:
             self.observer.measured(self.short.read_link())
+        if self.config.long_term:
+            self.long.make_deferred()
         workload = self.config.long_term and self.long.workload_stepped()  # counts every tick
         if self.config.long_term and (self.long.capacity_stepped() or workload):
             self._wake_long.set()
@@ -150,7 +153,7 @@ class Scheduler:
     def to_json(self) -> dict[str, Any]:
         """The `scheduler` part of `/admin/state`."""
         long, estimate = self.long, self.long.estimate
-        last = long.last
+        last, deferred = long.last, long.deferred
         return {
             **self.board.to_json(),
             "pinned": self.short.pinned,
@@ -172,6 +175,9 @@ class Scheduler:
                 },
                 "converting": long.state.converting,
                 "cooldown_until": long.state.cooldown_until,
+                "deferred": None
+                if deferred is None
+                else f"{deferred.from_role} -> {deferred.to_role}",
             },
         }
 

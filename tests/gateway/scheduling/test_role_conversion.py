@@ -110,11 +110,11 @@ def test_converter_reports_an_engine_without_a_role_api(profile: DeploymentProfi
 
 
 def _scheduled(
-    profile: DeploymentProfile, n_d: int, urgent_gain: float = 0.15
+    profile: DeploymentProfile, n_d: int, urgent_gain: float = 0.15, cooldown_s: float = 5.0
 ) -> tuple[Scheduler, list[str]]:
     """A prefill-heavy load (30K-token prompts, 16 output tokens) on 1 prefill + `n_d`
     decode instances for 100 s, the schedulers on 10-second periods."""
-    rebalance = RebalanceConfig(cooldown_s=5.0, urgent_gain=urgent_gain)
+    rebalance = RebalanceConfig(cooldown_s=cooldown_s, urgent_gain=urgent_gain)
     config = SchedulerConfig(period_s=10.0, rebalance=rebalance)
 
     async def main() -> tuple[Scheduler, list[str]]:
@@ -197,6 +197,63 @@ def test_a_first_look_moves_a_far_off_set_point_before_the_first_period(
     assert moved is not None and 20 <= moved < 25  # the 20th request arrives at 19 s
     assert period is not None and 60 <= period < 62
     assert ratio <= 0.5
+
+
+def test_a_move_the_cooldown_refused_is_made_when_the_cooldown_ends(
+    profile: DeploymentProfile, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Three decodes and a 15-second cooldown on 10-second periods: the period after the
+    first conversion wants the next one too, and the cooldown refuses it. The move is made
+    on the tick the cooldown ends, not at the next period (a period's clock would put it
+    within a second of a multiple of 10 s after the first period)."""
+    caplog.set_level(logging.INFO, logger="prfaas.scheduler")
+    scheduler, errors = _scheduled(profile, 3, cooldown_s=15.0)
+    assert errors == []
+    first, second = [c for c in scheduler.long.conversions if c.ok][:2]
+    assert first.to_role == second.to_role == "prefill"
+    cooled = first.started_at + first.drain_s + 15.0
+    assert cooled <= second.started_at <= cooled + 1.0  # the next tick
+    logged = [json.loads(r.message) for r in caplog.records if r.name == "prfaas.scheduler"]
+    refused = [d for d in logged if first.started_at < d["at"] < second.started_at
+               and d["reason"].endswith("; deferred")]  # fmt: skip
+    assert refused and "refused: cooldown for" in refused[-1]["reason"]
+    made = [d for d in logged if d["inputs"].get("deferred")]
+    assert made and made[0]["at"] == pytest.approx(second.started_at, abs=0.01)
+    assert made[0]["reason"] == f"deferred decode -> prefill: converting {second.instance_id}"
+
+
+def test_a_period_during_a_conversion_plans_with_the_split_it_makes(
+    profile: DeploymentProfile,
+) -> None:
+    """While a decode drains on its way to prefill, the live pools leave it out (nothing
+    is routed to it) and the rebalancer's pools count it as a prefill already: a period in
+    the drain decides on the split the conversion makes, not on one instance short."""
+    rebalance = RebalanceConfig(cooldown_s=5.0)
+
+    async def main() -> list[tuple[int, int, int, int]]:
+        cluster = SimCluster(profile, _deployment(profile, 1, 3), SimOptions())
+        scheduler = Scheduler(SchedulerConfig(period_s=10.0, rebalance=rebalance), profile,
+                              cluster.router, cluster.instances)  # fmt: skip
+        scheduler.start()
+        seen = []
+        load = asyncio.create_task(_load(cluster.router, 60.0, 0.5, 30_000, 16))
+        try:
+            while not load.done():
+                await asyncio.sleep(0.5)
+                if scheduler.long.converting:
+                    live, planned = scheduler.long.pools(), scheduler.long.pools(planned=True)
+                    seen.append((len(live.prefill), len(live.decode),
+                                 len(planned.prefill), len(planned.decode)))  # fmt: skip
+            assert await load == []
+        finally:
+            await scheduler.stop()
+        return seen
+
+    seen = run_virtual(main())
+    assert seen  # a conversion drained while we looked
+    assert seen[0][2:] == (2, 2)  # the first conversion makes 2P/2D of 1P/3D
+    assert all(p + d == 4 and p == lp + 1 for lp, _, p, d in seen), seen  # decode -> prefill
+    assert (1, 2) in {(lp, ld) for lp, ld, _, _ in seen}  # draining: in neither live pool
 
 
 def test_the_last_decode_is_never_converted(profile: DeploymentProfile) -> None:
@@ -292,6 +349,40 @@ def test_longer_prompts_wake_the_long_term_loop_before_its_period_ends(
     assert any(65 < at < 90 for at in _periods_at(seen))
     woken = [d.kind for d in decisions if d.inputs.get("woken_by") == ["lengths"]]
     assert "set_point" in woken  # the log says what woke the period that moved t
+
+
+def test_the_period_after_a_length_wake_forgets_the_lengths_before_the_step(
+    profile: DeploymentProfile,
+) -> None:
+    """The same step: each period the step woke took the last 100 lengths, some of them
+    from before the step (while those still lie 0.4 off the estimate, a second wake
+    follows); the next regular period takes only its own lengths, all after the step,
+    where blending (weight 0.3) would have put its mean ln L 0.26 short."""
+    seen = _estimates(profile, lambda now: (2_000 if now < 65 else 8_000, 16), 135.0, 30.0)
+    *_, woken, regular = _periods_at(seen)
+    assert 65 < woken < 120 and regular == pytest.approx(woken + 30, abs=1.0)
+    at_wake, restarted = seen[woken], seen[regular]
+    assert at_wake is not None and restarted is not None
+    assert at_wake.lengths.n == 100 and at_wake.lengths.mu < math.log(8_000) - 0.3
+    assert restarted.lengths.mu == pytest.approx(math.log(8_000), abs=1e-6)
+    assert restarted.lengths.n == pytest.approx(60, abs=2)  # that period's 30 s of requests
+
+
+def test_the_period_after_an_answer_wake_counts_only_answers_begun_after_it(
+    profile: DeploymentProfile,
+) -> None:
+    """Answers step down from 600 to 100 tokens at 45 s (20-second periods): the wakes
+    read the answers from the requests decoding then (80-240 tokens, Little's law while the
+    long ones drain); the next regular period takes the answers of the requests that came
+    after the last wake, exactly 100 tokens each, unblended: neither the wakes' readings nor
+    a long answer that began before the step stays in the estimate."""
+    seen = _estimates(profile, lambda now: (2_000, 600 if now < 45 else 100), 95.0, 20.0)
+    *_, woken, regular = _periods_at(seen)
+    at_wake, restarted = seen[woken], seen[regular]
+    assert at_wake is not None and restarted is not None
+    assert at_wake.output_n == 1 and at_wake.output_tokens != 100  # Little's law's reading
+    assert regular == pytest.approx(woken + 20, abs=1.0)
+    assert restarted.output_tokens == 100 and restarted.output_n >= 20
 
 
 def test_steady_log_normal_lengths_do_not_wake_the_long_term_loop(
