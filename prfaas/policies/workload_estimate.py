@@ -32,8 +32,12 @@ estimate up (by 3-5%, enough to hold a conversion the model wants by 5%)."""
 
 @dataclass(frozen=True)
 class EstimateConfig:
-    alpha: float = 0.6
-    """Weight of the newest period (rate, lengths, output)."""
+    alpha: float = 0.3
+    """Weight of the newest period (rate, lengths, output). A step of the link, answer or
+    incremental length wakes the loop, which then takes the new values unblended, so the
+    blend need not follow steps: it smooths the noise of steady traffic (one period of ~150
+    requests puts mu within about 0.07, enough to swing a knife-edge move by 5%). With 0.6,
+    set-points moved and a move was made and undone late in steady phases."""
     bandwidth_alpha: float = 1.0
     """Weight of the newest period's mean measured link capacity."""
     min_samples: float = 20.0

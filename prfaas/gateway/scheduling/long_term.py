@@ -138,12 +138,16 @@ class LongTermLoop:
         estimate = update_estimate(self._estimating, self.estimate, obs)
         if stepped_output is not None:  # a step, not a sample: taken unblended
             estimate = replace(estimate, output_sum=stepped_output, output_n=1.0)
-        elif since is not None and obs.finished > 0:  # only requests that came after the step
+        fresh = []  # what this period, the first after a wake, takes unblended
+        if stepped_output is None and since is not None and obs.finished > 0:
             estimate = replace(estimate, output_sum=obs.output_tokens, output_n=obs.finished)
+            fresh.append("answers")  # only those of requests that came after the wake
         if length_step:  # likewise: the last lengths routed, not blended with older periods
-            estimate = replace(estimate, lengths=Moments.of(self._clamped(observer.recent_lengths)))
+            recent = Moments.of(self._clamped(observer.recent_lengths))
+            estimate = replace(estimate, lengths=recent, samples=recent.n)
         elif self._lengths_restart and obs.lengths.n >= self._config.estimate.min_samples:
-            estimate = replace(estimate, lengths=obs.lengths)  # all of them after the step
+            estimate = replace(estimate, lengths=obs.lengths, samples=obs.lengths.n)
+            fresh.append("lengths")  # all of them after the step
         if not first_look:
             self._step_ticks = self._length_ticks = 0  # a new period: its own samples decide
             self._lengths_restart = length_step
@@ -159,7 +163,7 @@ class LongTermLoop:
             set_point=board.state.set_point,
             min_samples=self._config.estimate.min_samples,
             stepped=stepped,
-            workload_stepped=output_step or length_step,
+            workload_stepped=output_step or length_step or bool(fresh),
             set_point_only=first_look,
         )
         if first_look:
@@ -178,7 +182,12 @@ class LongTermLoop:
         woken = [n for n, on in (("answers", output_step), ("lengths", length_step)) if on]
         if stepped and not woken:
             woken = ["link"]
-        inputs = {"outcome": decision.outcome, "woken_by": woken, **(decision.numbers or {})}
+        inputs = {
+            "outcome": decision.outcome,
+            "woken_by": woken,
+            "after_wake": fresh,
+            **(decision.numbers or {}),
+        }
         if decision.outcome in ("refused", "convert", "pending"):
             board.note("long-term", "rebalance", decision.reason, inputs)
         self._set_point(decision.set_point, decision.planned_utilisation, inputs)

@@ -385,6 +385,26 @@ def test_the_period_after_an_answer_wake_counts_only_answers_begun_after_it(
     assert restarted.output_tokens == 100 and restarted.output_n >= 20
 
 
+def test_the_decision_after_a_wake_names_what_it_took_unblended(
+    profile: DeploymentProfile,
+) -> None:
+    """Answers step up from 100 to 1,500 tokens at 45 s on 2P/2D: the wakes move decodes
+    in, and the next regular period, which reads the new answers from the requests that came
+    after the last wake (the occupancy's, none has finished yet), logs `after_wake` (its
+    move, like the wake's, needs no confirmation)."""
+    decisions: list[Decision] = []
+    seen = _estimates(profile, lambda now: (2_000, 100 if now < 45 else 1_500), 95.0, 20.0,
+                      decisions)  # fmt: skip
+    *_, woken, regular = _periods_at(seen)
+    logged = {d.at: d.inputs for d in decisions if d.kind == "rebalance" and "woken_by" in d.inputs}
+    assert logged[woken - 0.5]["woken_by"] == ["answers"]
+    assert logged[regular - 0.5]["after_wake"] == ["answers"]
+    assert logged[regular - 0.5]["woken_by"] == []
+    restarted = seen[regular]
+    assert restarted is not None and restarted.output_tokens is not None
+    assert restarted.output_tokens >= 1_300
+
+
 def test_steady_log_normal_lengths_do_not_wake_the_long_term_loop(
     profile: DeploymentProfile,
 ) -> None:
