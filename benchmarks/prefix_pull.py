@@ -2,16 +2,17 @@
 simulator's model of it.
 
 The simulator (`SimulatedPrefillEngine._fetch_prefix`) charges the pull of an n-token prefix
-cached in the other cluster, when the puller caches c tokens of it, as S_kv(n) - S_kv(c)
-bytes over the link; S_kv is the profile's KV size, which start-up profiling measures as
-what a PD hand-off of n tokens sends. On one paced link, for a few n, this measures side by
-side (fresh random prompts: nothing is cached anywhere before):
+cached in the other cluster as S_kv(n) bytes over the link (until 2026-12-01: S_kv(n) -
+S_kv(c), c the tokens the puller caches, which this benchmark showed to be short); S_kv is
+the profile's KV size, which start-up profiling measures as what a PD hand-off of n tokens
+sends. On one paced link, for a few n, this measures side by side (fresh random prompts:
+nothing is cached anywhere before):
 - S_kv(n): what the prefill's transport sent for a PD hand-off of an (n+1)-token prompt;
 - the pull of that prompt's cached n-token prefix into a third engine: what the same
   transport sent (its egress counter), and how long the export took (it answers once the
   puller has it all);
-then prints the pull's bytes against S_kv(n) and against the simulator's charge (c = 0),
-and its duration against bytes / rate. Medians of `--runs`.
+then prints the pull's bytes against S_kv(n) (the simulator's charge) and against the old
+charge S_kv(n) - S_kv(0), and its duration against bytes / rate. Medians of `--runs`.
 Usage: python benchmarks/prefix_pull.py [--rate-mbps 100] [--lengths 512,2048,8192]
        [--runs 3] [--json OUT]
 """
@@ -122,11 +123,11 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for n in lengths:
         m = med[n]
-        charge = float(s_kv(n)) - float(s_kv(0))  # the simulator's charge, nothing cached
+        old = float(s_kv(n)) - float(s_kv(0))  # the simulator's old charge, nothing cached
         link_s = m["pull_bytes"] / rate
-        rows.append({"prefix_tokens": n, **m, "sim_charge_bytes": charge, "link_s": link_s,
+        rows.append({"prefix_tokens": n, **m, "old_charge_bytes": old, "link_s": link_s,
                      "pull_vs_skv": m["pull_bytes"] / m["handoff_bytes"],
-                     "pull_vs_sim_charge": m["pull_bytes"] / charge,
+                     "pull_vs_old_charge": m["pull_bytes"] / old,
                      "pull_s_vs_link_s": m["pull_s"] / link_s})  # fmt: skip
     return {"benchmark": "prefix_pull", "model": args.model, "rate_mbps": args.rate_mbps,
             "runs": args.runs, "rows": rows}  # fmt: skip
@@ -137,8 +138,8 @@ COLUMNS = (
     ("S_kv(n) B", "handoff_bytes", "{:,.0f}"),
     ("pull B", "pull_bytes", "{:,.0f}"),
     ("pull/S_kv", "pull_vs_skv", "{:.3f}"),
-    ("sim charge B", "sim_charge_bytes", "{:,.0f}"),
-    ("pull/sim", "pull_vs_sim_charge", "{:.3f}"),
+    ("old charge B", "old_charge_bytes", "{:,.0f}"),
+    ("pull/old", "pull_vs_old_charge", "{:.3f}"),
     ("pull s", "pull_s", "{:.3f}"),
     ("bytes/rate s", "link_s", "{:.3f}"),
     ("pull/link", "pull_s_vs_link_s", "{:.2f}"),

@@ -94,8 +94,9 @@ class RoutingObserver(Protocol):
         """The load forecast to put in the next request's snapshot (None: none)."""
         ...
 
-    def dispatched(self, rid: str, decision: RouteDecision) -> None:
-        """A request was sent to its instances."""
+    def dispatched(self, rid: str, decision: RouteDecision, request: str) -> None:
+        """An attempt `rid` of request `request` was sent to its instances (a retry or a
+        migration is a new attempt of the same request)."""
         ...
 
     def prefill_ended(self, rid: str, decision: RouteDecision) -> None:
@@ -336,7 +337,7 @@ class Dispatch:
             decision, prefill, decode, request, prefill_request, on_prefill_over=over
         )
         if observer is not None:
-            observer.dispatched(rid, decision)
+            observer.dispatched(rid, decision, self.rid)
         return self._attempt
 
     def _still_excluded(self) -> set[str]:
@@ -427,5 +428,6 @@ class Dispatch:
         if self._closed:
             return
         self._closed = True
+        self._report("aborted: the request was closed before its end")  # unless it ended
         if self._attempt is not None:
             self._attempt.close()

@@ -9,8 +9,9 @@ finished requests only a whole answer later, and in the period's mean occupancy 
 the time before the step; the count of requests decoding shows them as soon as they outlive
 the old answers (and shorter ones as soon as the long ones have ended). That period takes
 the output length from the count now, unblended (and the next regular period only the
-answers of the requests that came after it: a long answer begun before a step down ends
-after it). And so does a step in incremental length:
+answers of the requests that came after it, a long answer begun before a step down ending
+after it; until one of those has finished, as after a step up, that period's occupancy by
+Little's law stands for them, as in any period). And so does a step in incremental length:
 when the last 100 lengths routed have a mean ln L at least 0.4 from the estimate's, for 5
 ticks in a row (that period takes its lengths from those 100, unblended, and the next
 regular period only its own: the 100 still held lengths from before the step, and blending
@@ -109,6 +110,7 @@ class LongTermLoop:
         self._lengths_restart = False  # the last period was woken by a step of length
         self._answers_since: float | None = None  # when the last period woken by answers ran
         self._deferred: Conversion | None = None  # the last period's move, waiting for time
+        self._deferred_split = (0, 0)  # the (prefill, decode) split it was decided on
         self._last_start = -math.inf  # when the last conversion began
         self._moving: Conversion | None = None  # the conversion under way
 
@@ -153,12 +155,13 @@ class LongTermLoop:
             self._lengths_restart = length_step
             self._answers_since = now if output_step else None
         board = self._board
+        pools = self.pools(planned=True)
         decision = rebalance(
             self._config.rebalance,
-            self.state,
+            self._spaced(self.state, now),
             self._profile,
             estimate,
-            self.pools(planned=True),
+            pools,
             now=now,
             set_point=board.state.set_point,
             min_samples=self._config.estimate.min_samples,
@@ -176,6 +179,7 @@ class LongTermLoop:
         self._answers_seen += len(samples.outputs)
         self.state, self.last = decision.state, decision
         self._deferred = decision.deferred
+        self._deferred_split = (len(pools.prefill), len(pools.decode))
         counters = board.counters
         if counters is not None:
             counters.rebalance.labels(decision.outcome).inc()
@@ -332,15 +336,18 @@ class LongTermLoop:
         move, now = self._deferred, self._observer.now()
         if move is None or self.converting or self.state.converting is not None:
             return
-        if now < max(self.state.cooldown_until, self._last_start + self._config.period_s):
+        if now < self._spaced(self.state, now).cooldown_until:
             return
         self._deferred = None
         pools = self.pools()
         losing = pools.decode if move.from_role == "decode" else pools.prefill
         last = self.last
         inputs = {"outcome": "convert", "deferred": True, **((last and last.numbers) or {})}
-        if len(losing) <= 1:
-            why = f"deferred {move.from_role} -> {move.to_role} dropped: one {move.from_role} left"
+        split = (len(pools.prefill), len(pools.decode))
+        if split != self._deferred_split:  # an instance failed, left or came: decide anew
+            (p0, d0), (p1, d1) = self._deferred_split, split
+            move_text = f"{move.from_role} -> {move.to_role}"
+            why = f"deferred {move_text} dropped: {p0}P/{d0}D is now {p1}P/{d1}D"
             self._board.note("long-term", "rebalance", why, {**inputs, "outcome": "refused"})
             return
         chosen = min(losing, key=lambda m: (m.load, m.instance_id))
@@ -350,6 +357,14 @@ class LongTermLoop:
         if counters is not None:
             counters.rebalance.labels("convert").inc()
         self._start(replace(move, instance_id=chosen.instance_id), inputs)
+
+    def _spaced(self, state: RebalanceState, now: float) -> RebalanceState:
+        """`state` with a period since the last conversion began counted as cooldown too
+        (at most one conversion per period, whatever woke the period or deferred a move)."""
+        spaced = self._last_start + self._config.period_s
+        if spaced <= max(state.cooldown_until, now):
+            return state
+        return replace(state, cooldown_until=spaced)
 
     def _start(self, conversion: Conversion, inputs: dict[str, Any]) -> None:
         self._last_start = self._observer.now()
@@ -380,6 +395,7 @@ class LongTermLoop:
         facts = {**inputs, "instance": conversion.instance_id, "drain_s": result.drain_s}
         roles = self._roles()
         if not result.ok:
+            self._deferred = None  # decided on a split that did not come to be
             board.change(
                 "long-term",
                 "role",

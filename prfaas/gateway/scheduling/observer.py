@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -82,8 +83,8 @@ class SchedulingObserver:
             return None
         return LoadForecast(self.costs, self.ledger.backlogs(self._clock()), self.link)
 
-    def dispatched(self, rid: str, decision: RouteDecision) -> None:
-        self._arrived.setdefault(rid, self._clock())
+    def dispatched(self, rid: str, decision: RouteDecision, request: str) -> None:
+        self._arrived.setdefault(request, self._clock())
         self._samples.incremental.append(decision.incremental_tokens)
         self.recent_lengths.append(decision.incremental_tokens)
         if self.costs is not None:
@@ -111,7 +112,7 @@ class SchedulingObserver:
 
     def finished(self, event: RouteEvent) -> None:
         self._decoding.discard(event.rid)
-        arrived = self._arrived.pop(event.rid, self._samples.started)
+        arrived = self._arrived.pop(event.rid, -math.inf)
         if event.error is None:
             self._samples.outputs.append(event.completion_tokens)
             self._samples.arrivals.append(arrived)

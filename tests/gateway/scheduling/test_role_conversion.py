@@ -217,9 +217,74 @@ def test_a_move_the_cooldown_refused_is_made_when_the_cooldown_ends(
     refused = [d for d in logged if first.started_at < d["at"] < second.started_at
                and d["reason"].endswith("; deferred")]  # fmt: skip
     assert refused and "refused: cooldown for" in refused[-1]["reason"]
+    during = [d for d in logged if "is still converting" in d["reason"]]
+    assert during and during[0]["inputs"]["n_p"] == 2  # planned with the split it makes
     made = [d for d in logged if d["inputs"].get("deferred")]
     assert made and made[0]["at"] == pytest.approx(second.started_at, abs=0.01)
     assert made[0]["reason"] == f"deferred decode -> prefill: converting {second.instance_id}"
+
+
+def test_a_deferred_move_is_dropped_when_the_split_changed(
+    profile: DeploymentProfile, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Three decodes and a 15-second cooldown, as above: while a move waits for the
+    cooldown (the period at 30 s deferred it), a decode is ejected. When the cooldown ends
+    the move is not made on a split it was not decided for; the log says why."""
+    caplog.set_level(logging.INFO, logger="prfaas.scheduler")
+    config = SchedulerConfig(period_s=10.0, rebalance=RebalanceConfig(cooldown_s=15.0))
+
+    async def main() -> tuple[Scheduler, float]:
+        cluster = SimCluster(profile, _deployment(profile, 1, 3), SimOptions())
+        scheduler = Scheduler(config, profile, cluster.router, cluster.instances)
+        scheduler.start()
+        loop = asyncio.get_running_loop()
+        load = asyncio.create_task(_load(cluster.router, 60.0, 0.5, 30_000, 16))
+        ejected_at = math.nan
+        try:
+            while not load.done():
+                await asyncio.sleep(0.5)
+                long, last = scheduler.long, scheduler.long.last
+                waiting = last is not None and "refused: cooldown" in last.reason
+                if math.isnan(ejected_at) and long.deferred is not None and waiting:
+                    decode = next(s for s in cluster.instances
+                                  if s.cluster == "pd" and s.role == "decode")  # fmt: skip
+                    decode.eject("test: the instance died")
+                    ejected_at = loop.time()
+            await load
+        finally:
+            await scheduler.stop()
+        return scheduler, ejected_at
+
+    scheduler, ejected_at = run_virtual(main())
+    assert not math.isnan(ejected_at)  # a move was deferred
+    logged = [json.loads(r.message) for r in caplog.records if r.name == "prfaas.scheduler"]
+    dropped = [d for d in logged if "dropped:" in d["reason"]]
+    assert dropped and dropped[0]["reason"] == (
+        "deferred decode -> prefill dropped: 2P/2D is now 2P/1D"
+    )
+    assert not [c for c in scheduler.long.conversions if c.started_at >= ejected_at]
+
+
+def test_a_request_closed_before_its_end_leaves_the_schedulers_books(
+    profile: DeploymentProfile,
+) -> None:
+    """A client reads the first token of a long answer and goes away: the Router reports
+    the request as aborted, so the observer no longer counts it as decoding (the decode
+    occupancy it estimates answers from) nor keeps its start time."""
+
+    async def main() -> tuple[int, int, int]:
+        cluster = SimCluster(profile, _deployment(profile, 1, 1), SimOptions())
+        scheduler = Scheduler(SchedulerConfig(), profile, cluster.router, cluster.instances)
+        ids = tuple(range(1, 2_001))
+        routed = await cluster.router.dispatch("gone", ids, SamplingParams(max_new_tokens=400),
+                                               stream=True)  # fmt: skip
+        observer = scheduler.observer
+        decoding = observer.decoding_now
+        routed.close()
+        return decoding, observer.decoding_now, len(observer._arrived)
+
+    before, after, kept = run_virtual(main())
+    assert (before, after, kept) == (1, 0, 0)
 
 
 def test_a_period_during_a_conversion_plans_with_the_split_it_makes(
