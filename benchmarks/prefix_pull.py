@@ -33,16 +33,8 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from prfaas.common.tokenizer import ByteTokenizer
-from prfaas.engines.reference.engine_config import EngineConfig
-from prfaas.engines.reference.handoff.transport import TransportReceiver, TransportSender
-from prfaas.engines.reference.model.presets import load_model, resolve
-from prfaas.engines.reference.model.runner import ModelRunner
-from prfaas.engines.reference.server.app_keys import ModelInfo
-from prfaas.engines.reference.server.routes import create_app
-from prfaas.engines.reference.server.service import EngineService
-from prfaas.engines.reference.step.core import EngineCore
-from prfaas.engines.transport import SenderConfig
+from prfaas.engines.reference.engine_config import EngineConfig, TransferConfig
+from prfaas.engines.reference.server.main import LaunchOptions, build_app
 from prfaas.policies.tables import PiecewiseLinear
 
 BLOCK = 64
@@ -50,19 +42,18 @@ ONE_TOKEN = {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}
 
 
 @contextlib.asynccontextmanager
-async def engine(runner: ModelRunner, role: str, rate: float | None) -> AsyncIterator[Any]:
-    """A reference engine on real sockets; its KV transport paced at `rate` bytes/s."""
+async def engine(model: str, role: str, rate: float | None) -> AsyncIterator[Any]:
+    """A reference engine (`prfaas engine`'s wiring) on real sockets; its KV transport paced
+    at `rate` bytes/s."""
     config = EngineConfig(block_size=BLOCK, kv_capacity_tokens=65536, role=role)
-    core = EngineCore(runner, config, ByteTokenizer().decode)
-    sender = TransportSender(SenderConfig(host="127.0.0.1", port=0, process_rate_bytes_per_s=rate))
-    service = EngineService(core, sender, TransportReceiver())
-    shape = runner.shape
-    info = ModelInfo("tiny", "-", shape.model_type, shape.layer_types, shape.vocab_size, "byte")
-    app_runner = web.AppRunner(create_app(service, ByteTokenizer(), info), access_log=None)
+    options = LaunchOptions(model, port=0, engine=config,
+                            transfer=TransferConfig(egress_rate_bytes_per_s=rate))  # fmt: skip
+    app, service = build_app(options)
+    app_runner = web.AppRunner(app, access_log=None)
     await app_runner.setup()
     await web.TCPSite(app_runner, "127.0.0.1", 0).start()
     try:
-        yield f"http://127.0.0.1:{app_runner.addresses[0][1]}", sender.bootstrap_port
+        yield f"http://127.0.0.1:{app_runner.addresses[0][1]}", service.sender.bootstrap_port
     finally:
         await app_runner.cleanup()
 
@@ -105,13 +96,12 @@ async def one_run(s: aiohttp.ClientSession, urls: dict[str, Any], n: int) -> dic
 
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
-    runner = ModelRunner(load_model(resolve(args.model)))
     rate = args.rate_mbps * 1e6 / 8
     lengths = [int(x) for x in args.lengths.split(",")]
     async with (
-        engine(runner, "prefill", rate) as prefill,
-        engine(runner, "decode", None) as decode,
-        engine(runner, "both", None) as puller,
+        engine(args.model, "prefill", rate) as prefill,
+        engine(args.model, "decode", None) as decode,
+        engine(args.model, "both", None) as puller,
         aiohttp.ClientSession() as s,
     ):
         urls = {"prefill": prefill, "decode": decode, "puller": puller}

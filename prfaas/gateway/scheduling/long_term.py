@@ -334,7 +334,7 @@ class LongTermLoop:
         goes to the least loaded member of the losing pool as it is now, and is dropped if
         that pool is down to one instance."""
         move, now = self._deferred, self._observer.now()
-        if move is None or self.converting or self.state.converting is not None:
+        if move is None or self.state.converting is not None:  # one is draining
             return
         if now < self._spaced(self.state, now).cooldown_until:
             return
