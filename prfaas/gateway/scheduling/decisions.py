@@ -59,7 +59,9 @@ class SchedulerCounters:
         )
         self.rebalance = Counter(
             "prfaas_rebalance_periods",
-            "Long-term periods by outcome (hold, pending, refused, convert, skipped).",
+            "Long-term periods by outcome (hold, pending, refused, convert, skipped); a move"
+            " refused only by the cooldown and made when it ends counts as refused here and"
+            " once in prfaas_role_conversions.",
             ("outcome",),
             registry=registry,
         )

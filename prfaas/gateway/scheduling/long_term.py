@@ -353,9 +353,6 @@ class LongTermLoop:
         chosen = min(losing, key=lambda m: (m.load, m.instance_id))
         why = f"deferred {move.from_role} -> {move.to_role}: converting {chosen.instance_id}"
         self._board.note("long-term", "rebalance", why, inputs)
-        counters = self._board.counters
-        if counters is not None:
-            counters.rebalance.labels("convert").inc()
         self._start(replace(move, instance_id=chosen.instance_id), inputs)
 
     def _spaced(self, state: RebalanceState, now: float) -> RebalanceState:

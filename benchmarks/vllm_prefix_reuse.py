@@ -1,0 +1,145 @@
+"""Benchmark: how much of a prompt the gateway's KV index says a vLLM instance caches, against
+what vLLM then reuses (its `usage.prompt_tokens_details.cached_tokens`), on the tiny hybrid
+checkpoint (`make vllm-env vllm-model`).
+
+One vLLM server publishes its KV events (`--kv-events-config`); they go through the gateway's
+own decoder (`VLLMEventDecoder`) into its own index (`KVIndexManager`). For each of a few
+random prefixes: one request of the prefix alone, then requests that extend it. Before each
+follower the index is asked for the instance's cached prefix; the follower's answer says what
+vLLM reused.
+
+Hybrid models keep vLLM's prefix cache in Mamba "align" mode: a prefix is reusable only
+where a linear-attention state was kept, and the KV events report the full-attention blocks
+(the Mamba groups' events carry no block hashes), so the two can differ.
+Usage: python benchmarks/vllm_prefix_reuse.py [--prefixes 3] [--tokens 3000] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import orjson
+import zmq
+from rich.console import Console
+from rich.table import Table
+
+from prfaas.common.hashing import iter_block_hashes
+from prfaas.engines.vllm.launch import VLLMServer, start_servers
+from prfaas.gateway.kv_index import KVIndexManager
+from prfaas.protocol.kv_events.vllm_events import VLLMEventDecoder
+from prfaas.serve.processes import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ROOT / ".cache/tiny-qwen3-next"
+BLOCK = 384  # vLLM's block size for this checkpoint (the deployment's model.block_size)
+FOLLOWERS = (20, 500, 500, 1000)  # tokens each follower adds to the prefix
+
+
+class Feed:
+    """The server's KV events, decoded as the gateway decodes them, into an index."""
+
+    def __init__(self, port: int) -> None:
+        self.index = KVIndexManager(block_size=BLOCK)
+        self._decoder = VLLMEventDecoder()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(port,), daemon=True)
+        self._thread.start()
+
+    def _run(self, port: int) -> None:
+        with zmq.Context() as ctx, ctx.socket(zmq.SUB) as sock:
+            sock.connect(f"tcp://127.0.0.1:{port}")
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+            sock.setsockopt(zmq.RCVTIMEO, 200)
+            while not self._stop.is_set():
+                try:
+                    frames = sock.recv_multipart()
+                except zmq.Again:
+                    continue
+                _, _, batch = self._decoder.decode_frames(frames)
+                with self._lock:
+                    self.index.apply("vllm", batch.events)
+
+    def cached(self, ids: list[int]) -> int:
+        with self._lock:
+            return self.index.longest_prefix(iter_block_hashes(ids, BLOCK)).get("vllm", 0)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def reused(url: str, ids: list[int]) -> int:
+    """Prompt tokens vLLM took from its prefix cache for `ids` (one output token)."""
+    body = {"model": "tiny", "prompt": ids, "max_tokens": 1, "temperature": 0}
+    request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(request, timeout=120) as r:
+        usage = json.loads(r.read())["usage"]
+    return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prefixes", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=3000, help="prefix length")
+    parser.add_argument("--json", dest="json_out", default=None)
+    args = parser.parse_args()
+    rng = random.Random(5)
+    events = free_port()
+    server = VLLMServer(ROOT / ".venv-vllm/bin/python", MODEL, free_port(), "tiny",
+                        kv_events_port=events)  # fmt: skip
+    logs = Path(tempfile.mkdtemp(prefix="vllm-reuse-"))
+    rows: list[dict[str, Any]] = []
+    servers = start_servers({"vllm": server}, logs)
+    feed = Feed(events)
+    try:
+        url = servers["vllm"].url
+        time.sleep(1.0)  # the subscription joins
+        for p in range(args.prefixes):
+            prefix = [rng.randrange(256) for _ in range(args.tokens)]
+            for n, extra in enumerate((0, *FOLLOWERS)):
+                ids = prefix + [rng.randrange(256) for _ in range(extra)]
+                said = feed.cached(ids)
+                got = reused(url, ids)
+                rows.append({"prefix": p, "request": n, "tokens": len(ids),
+                             "index_cached": said, "vllm_reused": got})  # fmt: skip
+                time.sleep(0.5)  # its events reach the feed
+    finally:
+        feed.close()
+        servers["vllm"].stop()
+    table = Table(title=f"vLLM prefix reuse vs the KV index, {args.tokens}-token prefixes")
+    for col in ("prefix", "request", "prompt tokens", "index says cached", "vLLM reused"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(str(r["prefix"]), "prefix alone" if r["request"] == 0 else
+                      f"follower {r['request']}", str(r["tokens"]), str(r["index_cached"]),
+                      str(r["vllm_reused"]))  # fmt: skip
+    Console().print(table)
+    followers = [r for r in rows if r["request"] > 0]
+    over = [r for r in followers if r["index_cached"] > r["vllm_reused"]]
+    summary = {
+        "followers": len(followers),
+        "index_over_vllm": len(over),
+        "first_followers_over": sum(r["request"] == 1 for r in over),
+        "index_tokens": sum(r["index_cached"] for r in followers),
+        "vllm_tokens": sum(r["vllm_reused"] for r in followers),
+    }
+    Console().print(summary)
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        out = {"tokens": args.tokens, "rows": rows, **summary}
+        Path(args.json_out).write_bytes(orjson.dumps(out, option=orjson.OPT_INDENT_2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
