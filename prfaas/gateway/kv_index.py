@@ -5,6 +5,12 @@ re-hashes the tokens with PrfaaS's chained xxh3-64 (`prfaas.common.hashing`) so 
 depend on an engine's hash function. Each instance keeps a map engine-hash -> our hash to
 resolve parents and removals. Memory is bounded: past `max_blocks` entries the oldest
 insertions are forgotten (the index may then under-report a cache, never over-report it).
+
+Hybrid engines (linear attention beside full attention) reuse a prefix only up to a block
+at whose end they kept the linear states. An instance that has sent `StatesStored` is such
+an engine: its match is cut back to the last block it kept states for (none: 0). vLLM keeps
+none where a prefix was first computed, so without this the index counted that prefix one
+request early (`benchmarks/vllm_prefix_reuse.py`).
 """
 
 from __future__ import annotations
@@ -15,7 +21,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from prfaas.common.hashing import hash_blocks
-from prfaas.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from prfaas.protocol.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    StatesRemoved,
+    StatesStored,
+)
 
 _NONE: frozenset[str] = frozenset()  # holders of an unknown block
 
@@ -25,6 +38,9 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _InstanceBlocks:
     ours: dict[int, int] = field(default_factory=dict)  # engine hash -> our hash
+    states: set[int] | None = None
+    """Our hashes of the blocks after which a hybrid engine kept its linear states (None:
+    the engine has reported no states, so every cached block is reusable)."""
 
 
 class KVIndexManager:
@@ -50,7 +66,9 @@ class KVIndexManager:
         return list(self._instances)
 
     def apply(self, instance_id: str, events: Iterable[KVEvent]) -> None:
-        """Apply one engine's events in order (mutates the index)."""
+        """Apply one engine's events in order (mutates the index). States stored are taken
+        after the batch's blocks: vLLM sends a step's Mamba groups before its attention."""
+        states: list[StatesStored] = []
         for event in events:
             if isinstance(event, BlockStored):
                 self._stored(instance_id, event)
@@ -58,6 +76,30 @@ class KVIndexManager:
                 self._remove(instance_id, event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
                 self.clear_instance(instance_id)
+            elif isinstance(event, StatesStored):
+                states.append(event)
+            elif isinstance(event, StatesRemoved):
+                self._states_removed(instance_id, event.block_hashes)
+        for stored in states:
+            self._states_stored(instance_id, stored.block_hashes)
+
+    def _states_stored(self, instance_id: str, engine_hashes: Sequence[int]) -> None:
+        blocks = self._instances.setdefault(instance_id, _InstanceBlocks())
+        if blocks.states is None:
+            blocks.states = set()
+        for engine_hash in engine_hashes:
+            ours = blocks.ours.get(engine_hash)
+            if ours is not None:  # else its block is not indexed: nothing to reuse there
+                blocks.states.add(ours)
+
+    def _states_removed(self, instance_id: str, engine_hashes: Sequence[int]) -> None:
+        blocks = self._instances.get(instance_id)
+        if blocks is None or blocks.states is None:
+            return
+        for engine_hash in engine_hashes:
+            ours = blocks.ours.get(engine_hash)
+            if ours is not None:
+                blocks.states.discard(ours)
 
     def clear_instance(self, instance_id: str) -> None:
         """Forget everything an instance caches (restart, flush, or a lost event stream)."""
@@ -114,6 +156,8 @@ class KVIndexManager:
             ours = blocks.ours.pop(engine_hash, None)
             if ours is None:
                 continue
+            if blocks.states is not None:
+                blocks.states.discard(ours)
             self._fifo.pop((instance_id, engine_hash), None)
             holders = self._holders.get(ours)
             if holders is not None:
@@ -131,8 +175,12 @@ class KVIndexManager:
         result = dict.fromkeys(self._instances, 0)
         alive = set(self._instances)
         holders_of = self._holders.get
+        hybrid = {i: b.states for i, b in self._instances.items() if b.states is not None}
+        seen: list[int] = []  # the hashes read, kept only when a hybrid instance needs them
         matched = 0  # blocks every instance in `alive` holds
         for h in block_hashes:
+            if hybrid:
+                seen.append(h)
             holders = holders_of(h, _NONE)
             if alive <= holders:  # the common case: no instance drops out at this block
                 matched += 1
@@ -142,8 +190,13 @@ class KVIndexManager:
                 result[gone] = matched * self.block_size
             alive = still
             if not alive:
-                return result
+                break
             matched += 1
         for inst in alive:
             result[inst] = matched * self.block_size
+        for inst, states in hybrid.items():
+            blocks = result[inst] // self.block_size
+            while blocks > 0 and seen[blocks - 1] not in states:
+                blocks -= 1
+            result[inst] = blocks * self.block_size
         return result

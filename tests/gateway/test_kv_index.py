@@ -1,5 +1,5 @@
 """The global KV index: re-hashing of engine events, longest prefix per instance, removal,
-clears, rejected events and the memory bound."""
+clears, rejected events, the memory bound, and hybrid engines' state checkpoints."""
 
 from __future__ import annotations
 
@@ -7,7 +7,13 @@ from collections.abc import Iterator
 
 from prfaas.common.hashing import hash_blocks, iter_block_hashes
 from prfaas.gateway.kv_index import KVIndexManager
-from prfaas.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from prfaas.protocol.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    StatesRemoved,
+    StatesStored,
+)
 
 BS = 4
 
@@ -103,3 +109,24 @@ def test_lookup_with_many_blocks() -> None:
     query = hash_blocks([i for i in range(64 * 2048)], 64)
     result = index.longest_prefix(query)
     assert result == {"e0": 64 * 2048, "e1": 0, "e2": 0, "e3": 0}
+
+
+def test_a_hybrid_instance_matches_only_up_to_its_last_kept_state() -> None:
+    """An instance that reports states reuses a prefix only up to a block it kept them
+    after. Four blocks cached, states after the second and the fourth: 16 tokens; the
+    fourth's state dropped: 8; the second block evicted (its state goes with it): 0; the
+    second block and its state stored again: 8. An instance that never reported states
+    keeps every cached block; a state for a block the index does not hold is ignored."""
+    index = KVIndexManager(block_size=BS)
+    tokens = list(range(16))
+    prompt = hash_blocks([*tokens, 7, 7, 7, 7], BS)
+    index.apply("plain", [_stored(tokens, [1, 2, 3, 4])])
+    index.apply("hybrid", [StatesStored((2, 4, 99)), _stored(tokens, [1, 2, 3, 4])])
+    assert index.longest_prefix(prompt) == {"plain": 16, "hybrid": 16}
+    index.apply("hybrid", [StatesRemoved((4,))])
+    assert index.longest_prefix(prompt) == {"plain": 16, "hybrid": 8}
+    index.apply("hybrid", [BlockRemoved((2,))])
+    assert index.longest_prefix(prompt) == {"plain": 16, "hybrid": 0}
+    index.apply("hybrid", [_stored(tokens[4:8], [2], parent=1), StatesStored((2,))])
+    assert index.longest_prefix(prompt) == {"plain": 16, "hybrid": 8}
+    assert index.longest_prefix(hash_blocks(tokens[:4], BS)) == {"plain": 4, "hybrid": 0}

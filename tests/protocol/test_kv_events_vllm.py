@@ -8,7 +8,13 @@ import pytest
 
 from prfaas.common.hashing import hash_blocks
 from prfaas.gateway.kv_index import KVIndexManager
-from prfaas.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from prfaas.protocol.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    StatesRemoved,
+    StatesStored,
+)
 from prfaas.protocol.kv_events.events import KVEventDecodeError
 from prfaas.protocol.kv_events.vllm_events import VLLMEventDecoder
 
@@ -26,26 +32,38 @@ def batch(*events: dict[str, object]) -> bytes:
     return msgspec.msgpack.encode([1.5, list(events), None])
 
 
-def test_full_attention_events_reach_the_index_and_other_groups_do_not() -> None:
-    """Stores of the full-attention group become our `BlockStored` (hashes as ints); the
-    same blocks reported by a Mamba group, and that group's removals, are dropped."""
+def test_full_attention_blocks_and_mamba_states_reach_the_index() -> None:
+    """As vLLM 0.32 reports a hybrid model (measured with the tiny Qwen3-Next): the request
+    that first computes a prefix stores its full-attention blocks and Mamba events without
+    hashes (no states kept at a block end), so the index counts nothing reusable yet; a
+    later Mamba store naming the second block makes both blocks reusable; that state's
+    removal takes it back. A sliding-window group's events are dropped."""
     tokens = list(range(8))
     hashes = [b"\x01" * 32, b"\x02" * 32]
+    ints = tuple(int.from_bytes(h[-8:], "big") for h in hashes)
     decoder = VLLMEventDecoder()
-    got = decoder.decode_batch(batch(stored(hashes, tokens, 0, "mamba"),
+    got = decoder.decode_batch(batch(stored([], tokens, 0, "mamba"),
+                                     stored(hashes, tokens, 1, "sliding_window"),
                                      stored(hashes, tokens, 3, "full_attention")))  # fmt: skip
     assert got.ts == 1.5
-    assert got.events == (
-        BlockStored((int.from_bytes(b"\x01" * 8, "big"), int.from_bytes(b"\x02" * 8, "big")),
-                    None, tuple(tokens), BS),
-    )  # fmt: skip
+    assert got.events == (StatesStored(()), BlockStored(ints, None, tuple(tokens), BS))
     index = KVIndexManager(block_size=BS)
     index.apply("d0", got.events)
-    assert index.longest_prefix(hash_blocks([*tokens, 99, 98, 97, 96], BS)) == {"d0": 8}
+    prompt = hash_blocks([*tokens, 99, 98, 97, 96], BS)
+    assert index.longest_prefix(prompt) == {"d0": 0}
+    kept = decoder.decode_batch(batch(stored(hashes[1:], tokens[4:], 0, "mamba"))).events
+    assert kept == (StatesStored(ints[1:]),)
+    index.apply("d0", kept)
+    assert index.longest_prefix(prompt) == {"d0": 8}
     removed = {"type": "BlockRemoved", "block_hashes": [hashes[1]], "medium": "GPU"}
-    assert decoder.decode_batch(batch({**removed, "group_idx": 0})).events == ()
-    index.apply("d0", decoder.decode_batch(batch({**removed, "group_idx": 3})).events)
-    assert index.longest_prefix(hash_blocks(tokens, BS)) == {"d0": 4}
+    dropped = decoder.decode_batch(batch({**removed, "group_idx": 0})).events
+    assert dropped == (StatesRemoved(ints[1:]),)
+    index.apply("d0", dropped)
+    assert index.longest_prefix(prompt) == {"d0": 0}
+    assert decoder.decode_batch(batch({**removed, "group_idx": 1})).events == ()
+    assert decoder.decode_batch(batch({**removed, "group_idx": 3})).events == (
+        BlockRemoved(ints[1:]),
+    )
     cleared = decoder.decode_batch(batch({"type": "AllBlocksCleared"})).events
     assert cleared == (AllBlocksCleared(),)
     assert isinstance(decoder.decode_batch(batch(removed)).events[0], BlockRemoved)

@@ -11,7 +11,10 @@ structs declared as SGLang declares its own, `array_like=True` with `tag=True` o
   the decoder also takes SGLang's older two-field `[ts, events]`;
 * each event is an array whose first element is the class name as the tag:
   `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id]`,
-  `["BlockRemoved", block_hashes]` and `["AllBlocksCleared"]`.
+  `["BlockRemoved", block_hashes]` and `["AllBlocksCleared"]`. Two events of ours ride
+  the same layout, `["StatesStored", block_hashes]` and `["StatesRemoved", block_hashes]`:
+  where a hybrid engine kept linear-attention states (SGLang sends neither; the vLLM
+  decoder makes them from its Mamba groups' events).
 
 Decoding is typed (msgspec validates in C) and ignores unknown trailing fields, so newer
 publishers stay readable (vLLM's array-form `medium` is skipped). Map-form events are
@@ -36,6 +39,8 @@ from prfaas.protocol.kv_events.events import (
     KVEvent,
     KVEventBatch,
     KVEventDecodeError,
+    StatesRemoved,
+    StatesStored,
     decode_batch,
     decode_frames,
     encode_batch,
@@ -56,6 +61,8 @@ __all__ = [
     "KVEventPublisher",
     "KVEventSubscriber",
     "ReceivedBatch",
+    "StatesRemoved",
+    "StatesStored",
     "decode_batch",
     "decode_frames",
     "encode_batch",

@@ -52,7 +52,22 @@ class AllBlocksCleared(_KVEventBase, frozen=True):
     """The whole prefix cache was flushed."""
 
 
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+class StatesStored(_KVEventBase, frozen=True):
+    """PrfaaS extension, not on SGLang's wire (the vLLM decoder makes it from a Mamba
+    group's `BlockStored`): a hybrid engine kept its linear-attention states at the end of
+    these blocks (its hashes of blocks it reports KV for too). Such an engine reuses a
+    prefix only up to a block with states; an empty one says the engine is hybrid."""
+
+    block_hashes: tuple[int, ...]
+
+
+class StatesRemoved(_KVEventBase, frozen=True):
+    """PrfaaS extension: the states kept at the end of these blocks were dropped."""
+
+    block_hashes: tuple[int, ...]
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared | StatesStored | StatesRemoved
 
 
 class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):

@@ -3,10 +3,13 @@
 vLLM publishes the same three ZMQ frames as SGLang (`[topic, seq, payload]`) and the same
 batch array `[ts, events, data_parallel_rank]`, but its events are msgpack *maps* tagged by a
 `type` key, its block hashes are bytes (or ints), and a hybrid model's blocks are reported per
-KV-cache group (`group_idx`, `kv_cache_spec_kind`). Only full-attention groups describe a
-reusable token prefix, so only their events are kept; hashes become ints (the last 8 bytes),
-which the index only uses to match a removal with its store; it re-hashes the token ids with
-its own function.
+KV-cache group (`group_idx`, `kv_cache_spec_kind`). Full-attention groups describe the cached
+token prefix: their events become ours. A Mamba group's `BlockStored` names only the blocks
+at whose end vLLM kept the linear-attention states (none for the request that first computes
+a prefix), the only places a hybrid prefix can be reused from: those become `StatesStored`
+(and its removals `StatesRemoved`). Other groups' events are dropped. Hashes become ints
+(the last 8 bytes), which the index only uses to match a removal with its store and a state
+with its block; it re-hashes the token ids with its own function.
 """
 
 from __future__ import annotations
@@ -24,11 +27,14 @@ from prfaas.protocol.kv_events.events import (
     KVEvent,
     KVEventBatch,
     KVEventDecodeError,
+    StatesRemoved,
+    StatesStored,
 )
 
 Hash = int | bytes
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
 FULL_ATTENTION = "full_attention"
+MAMBA = "mamba"
 
 
 class _VEvent(
@@ -72,12 +78,12 @@ def _int(value: Hash) -> int:
 class VLLMEventDecoder:
     """Decodes one publisher's vLLM batches into `KVEventBatch`es of our events.
 
-    Stateful: a `BlockRemoved` carries no spec kind, so the groups seen storing
-    full-attention blocks decide which removals are kept.
+    Stateful: a `BlockRemoved` carries no spec kind, so the groups seen storing Mamba
+    states, or blocks of another kind, decide what a removal means.
     """
 
     def __init__(self) -> None:
-        self._full_groups: set[int | None] = {None}
+        self._state_groups: set[int] = set()
         self._other_groups: set[int] = set()
 
     def decode_batch(self, payload: bytes) -> KVEventBatch:
@@ -99,14 +105,19 @@ class VLLMEventDecoder:
     def _convert(self, event: VBlockStored | VBlockRemoved | VAllBlocksCleared) -> KVEvent | None:
         if isinstance(event, VAllBlocksCleared):
             return AllBlocksCleared()
+        hashes = tuple(_int(h) for h in event.block_hashes)
         if isinstance(event, VBlockRemoved):
-            if event.group_idx in self._other_groups:
-                return None
-            return BlockRemoved(tuple(_int(h) for h in event.block_hashes))
-        if event.kv_cache_spec_kind not in (None, FULL_ATTENTION):
-            if event.group_idx is not None:
-                self._other_groups.add(event.group_idx)
+            if event.group_idx in self._state_groups:
+                return StatesRemoved(hashes)
+            return None if event.group_idx in self._other_groups else BlockRemoved(hashes)
+        kind, group = event.kv_cache_spec_kind, event.group_idx
+        if kind == MAMBA:
+            if group is not None:
+                self._state_groups.add(group)
+            return StatesStored(hashes)
+        if kind not in (None, FULL_ATTENTION):
+            if group is not None:
+                self._other_groups.add(group)
             return None
         parent = None if event.parent_block_hash is None else _int(event.parent_block_hash)
-        hashes = tuple(_int(h) for h in event.block_hashes)
         return BlockStored(hashes, parent, event.token_ids, event.block_size, event.lora_id)

@@ -41,6 +41,7 @@ from vllm_helpers import (
     wait_until,
 )
 
+from prfaas.common.hashing import iter_block_hashes
 from prfaas.engines.vllm.launch import VLLMProcess
 from prfaas.gateway.api.assembly import Gateway, build_gateway
 from prfaas.gateway.deployment import DeploymentConfig, GatewayConfig, InstanceConfig, ModelConfig
@@ -262,6 +263,44 @@ def test_vllm_benchmark_client_runs_against_prfaas_serve(cluster: Cluster, tmp_p
     finally:
         gw.terminate()
         gw.wait(30)
+
+
+async def test_the_kv_index_counts_what_vllm_reuses(cluster: Cluster) -> None:
+    """A 3,000-token prefix computed on one engine, then extended twice. vLLM reuses none
+    of it for the first extension (it kept no linear states at a block end where it first
+    computed the prefix) and 2,688 tokens for the second; before each, the gateway's index,
+    fed by that engine's KV events, says the same. (It said 2,688 for the first too before
+    it took the Mamba groups' events.)"""
+    url = cluster.engines["pd-p0"].url
+    rng = random.Random(21)
+
+    def run(ids: list[int]) -> int:
+        usage = completion(url, {"model": "tiny", "prompt": ids, "max_tokens": 1})["usage"]
+        return int(usage["prompt_tokens_details"]["cached_tokens"] or 0)
+
+    async with gateway(cluster) as gw:
+        index = gw.router.index
+
+        def said(ids: list[int]) -> int:
+            return index.longest_prefix(iter_block_hashes(ids, index.block_size)).get("pd-p0", 0)
+
+        def holds(entries: int) -> bool:
+            return len(index) >= entries
+
+        while not holds(1):  # the subscription is live once a warm-up's blocks show
+            await asyncio.to_thread(run, [rng.randrange(256) for _ in range(800)])
+            await asyncio.sleep(0.5)
+        prefix = [rng.randrange(256) for _ in range(3000)]
+        before = len(index)
+        await asyncio.to_thread(run, prefix)
+        await asyncio.to_thread(wait_until, lambda: holds(before + 7), 30, "the prefix's blocks")
+        first = prefix + [rng.randrange(256) for _ in range(20)]
+        assert said(first) == 0
+        assert await asyncio.to_thread(run, first) == 0
+        second = prefix + [rng.randrange(256) for _ in range(500)]
+        await asyncio.to_thread(wait_until, lambda: said(second) > 0, 30, "the kept states")
+        assert said(second) == 2_688
+        assert await asyncio.to_thread(run, second) == 2_688
 
 
 def test_a_decode_waiting_for_its_kv_does_not_spin(cluster: Cluster) -> None:
