@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from prfaas.common.hashing import hash_blocks
@@ -177,10 +177,10 @@ class KVIndexManager:
         holders_of = self._holders.get
         hybrid = {i: b.states for i, b in self._instances.items() if b.states is not None}
         seen: list[int] = []  # the hashes read, kept only when a hybrid instance needs them
+        if hybrid:
+            block_hashes = _kept(block_hashes, seen)
         matched = 0  # blocks every instance in `alive` holds
         for h in block_hashes:
-            if hybrid:
-                seen.append(h)
             holders = holders_of(h, _NONE)
             if alive <= holders:  # the common case: no instance drops out at this block
                 matched += 1
@@ -200,3 +200,10 @@ class KVIndexManager:
                 blocks -= 1
             result[inst] = blocks * self.block_size
         return result
+
+
+def _kept(hashes: Iterable[int], into: list[int]) -> Iterator[int]:
+    """`hashes`, each also appended to `into` as it is read."""
+    for h in hashes:
+        into.append(h)
+        yield h
