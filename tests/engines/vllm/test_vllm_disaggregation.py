@@ -338,7 +338,7 @@ def test_prefill_killed_mid_transfer_fails_the_decode_and_frees_its_blocks(
     (not a hang, not a wrong answer) and its KV usage returns to the baseline. Runs last:
     it kills an engine. The prompt is near the context limit so that the prefill's second
     chunk (about 1,800 tokens, whose last layer's pages and states leave only when its
-    forward ends) leaves the kill a window of over half a second on a loaded machine."""
+    forward ends) widens the kill's window; a kill that came too late says so."""
     e = cluster.engines
     baseline = gauge(e["pd-d0"].url, "vllm:kv_cache_usage_perc")
     room = random.getrandbits(63)
