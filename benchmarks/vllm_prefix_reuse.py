@@ -34,6 +34,7 @@ from rich.table import Table
 from prfaas.common.hashing import iter_block_hashes
 from prfaas.engines.vllm.launch import VLLMServer, start_servers
 from prfaas.gateway.kv_index import KVIndexManager
+from prfaas.protocol.kv_events import KVEventDecodeError
 from prfaas.protocol.kv_events.vllm_events import VLLMEventDecoder
 from prfaas.serve.processes import free_port
 
@@ -51,6 +52,7 @@ class Feed:
         self._decoder = VLLMEventDecoder()
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self.bad_batches = 0
         self._thread = threading.Thread(target=self._run, args=(port,), daemon=True)
         self._thread.start()
 
@@ -64,7 +66,11 @@ class Feed:
                     frames = sock.recv_multipart()
                 except zmq.Again:
                     continue
-                _, _, batch = self._decoder.decode_frames(frames)
+                try:
+                    _, _, batch = self._decoder.decode_frames(frames)
+                except KVEventDecodeError:
+                    self.bad_batches += 1
+                    continue
                 with self._lock:
                     self.index.apply("vllm", batch.events)
 
@@ -132,6 +138,7 @@ def main() -> int:
         "first_followers_over": sum(r["request"] == 1 for r in over),
         "index_tokens": sum(r["index_cached"] for r in followers),
         "vllm_tokens": sum(r["vllm_reused"] for r in followers),
+        "undecodable_batches": feed.bad_batches,
     }
     Console().print(summary)
     if args.json_out:
