@@ -287,9 +287,12 @@ async def test_the_kv_index_counts_what_vllm_reuses(cluster: Cluster) -> None:
         def holds(entries: int) -> bool:
             return len(index) >= entries
 
-        while not holds(1):  # the subscription is live once a warm-up's blocks show
+        for _ in range(30):  # the subscription is live once a warm-up's blocks show
             await asyncio.to_thread(run, [rng.randrange(256) for _ in range(800)])
             await asyncio.sleep(0.5)
+            if holds(1):
+                break
+        assert holds(1), "no KV events from pd-p0 reached the gateway"
         prefix = [rng.randrange(256) for _ in range(3000)]
         before = len(index)
         await asyncio.to_thread(run, prefix)
