@@ -2,85 +2,43 @@
 what vLLM then reuses (its `usage.prompt_tokens_details.cached_tokens`), on the tiny hybrid
 checkpoint (`make vllm-env vllm-model`).
 
-One vLLM server publishes its KV events (`--kv-events-config`); they go through the gateway's
-own decoder (`VLLMEventDecoder`) into its own index (`KVIndexManager`). For each of a few
-random prefixes: one request of the prefix alone, then requests that extend it. Before each
-follower the index is asked for the instance's cached prefix; the follower's answer says what
-vLLM reused.
+One vLLM server publishes its KV events (`--kv-events-config`); the gateway's own feed
+(`KVEventFeed`, vLLM's format) applies them to its own index (`KVIndexManager`). For each of
+a few random prefixes: one request of the prefix alone, then requests that extend it. Before
+each follower the index is asked for the instance's cached prefix; the follower's answer says
+what vLLM reused.
 
 Hybrid models keep vLLM's prefix cache in Mamba "align" mode: a prefix is reusable only
-where a linear-attention state was kept, and the KV events report the full-attention blocks
-(the Mamba groups' events carry no block hashes), so the two can differ.
+where a linear-attention state was kept. The index learns where from the Mamba groups'
+events (`StatesStored`); this checks that it counts what vLLM reuses.
 Usage: python benchmarks/vllm_prefix_reuse.py [--prefixes 3] [--tokens 3000] [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import random
 import tempfile
-import threading
-import time
 import urllib.request
 from pathlib import Path
-from typing import Any
 
 import orjson
-import zmq
 from rich.console import Console
 from rich.table import Table
 
 from prfaas.common.hashing import iter_block_hashes
 from prfaas.engines.vllm.launch import VLLMServer, start_servers
+from prfaas.gateway.kv_feed import KVEventFeed
 from prfaas.gateway.kv_index import KVIndexManager
-from prfaas.protocol.kv_events import KVEventDecodeError
-from prfaas.protocol.kv_events.vllm_events import VLLMEventDecoder
 from prfaas.serve.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / ".cache/tiny-qwen3-next"
 BLOCK = 384  # vLLM's block size for this checkpoint (the deployment's model.block_size)
 FOLLOWERS = (20, 500, 500, 1000)  # tokens each follower adds to the prefix
-
-
-class Feed:
-    """The server's KV events, decoded as the gateway decodes them, into an index."""
-
-    def __init__(self, port: int) -> None:
-        self.index = KVIndexManager(block_size=BLOCK)
-        self._decoder = VLLMEventDecoder()
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self.bad_batches = 0
-        self._thread = threading.Thread(target=self._run, args=(port,), daemon=True)
-        self._thread.start()
-
-    def _run(self, port: int) -> None:
-        with zmq.Context() as ctx, ctx.socket(zmq.SUB) as sock:
-            sock.connect(f"tcp://127.0.0.1:{port}")
-            sock.setsockopt(zmq.SUBSCRIBE, b"")
-            sock.setsockopt(zmq.RCVTIMEO, 200)
-            while not self._stop.is_set():
-                try:
-                    frames = sock.recv_multipart()
-                except zmq.Again:
-                    continue
-                try:
-                    _, _, batch = self._decoder.decode_frames(frames)
-                except KVEventDecodeError:
-                    self.bad_batches += 1
-                    continue
-                with self._lock:
-                    self.index.apply("vllm", batch.events)
-
-    def cached(self, ids: list[int]) -> int:
-        with self._lock:
-            return self.index.longest_prefix(iter_block_hashes(ids, BLOCK)).get("vllm", 0)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
+Row = dict[str, int]
 
 
 def reused(url: str, ids: list[int]) -> int:
@@ -93,34 +51,44 @@ def reused(url: str, ids: list[int]) -> int:
     return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
 
 
+async def measure(url: str, events_port: int, prefixes: int, tokens: int) -> list[Row]:
+    """Each prefix alone, then its followers; before each, what the index says."""
+    index = KVIndexManager(block_size=BLOCK)
+    feed = KVEventFeed(index, {"vllm": f"tcp://127.0.0.1:{events_port}"},
+                       vllm=frozenset({"vllm"}))  # fmt: skip
+    feed.start()
+    rng = random.Random(5)
+    rows: list[Row] = []
+    try:
+        await asyncio.sleep(1.0)  # the subscription joins
+        for p in range(prefixes):
+            prefix = [rng.randrange(256) for _ in range(tokens)]
+            for n, extra in enumerate((0, *FOLLOWERS)):
+                ids = prefix + [rng.randrange(256) for _ in range(extra)]
+                said = index.longest_prefix(iter_block_hashes(ids, BLOCK)).get("vllm", 0)
+                got = await asyncio.to_thread(reused, url, ids)
+                rows.append({"prefix": p, "request": n, "tokens": len(ids),
+                             "index_cached": said, "vllm_reused": got})  # fmt: skip
+                await asyncio.sleep(0.5)  # its events reach the feed
+    finally:
+        await feed.stop()
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prefixes", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=3000, help="prefix length")
     parser.add_argument("--json", dest="json_out", default=None)
     args = parser.parse_args()
-    rng = random.Random(5)
     events = free_port()
     server = VLLMServer(ROOT / ".venv-vllm/bin/python", MODEL, free_port(), "tiny",
                         kv_events_port=events)  # fmt: skip
     logs = Path(tempfile.mkdtemp(prefix="vllm-reuse-"))
-    rows: list[dict[str, Any]] = []
     servers = start_servers({"vllm": server}, logs)
-    feed = Feed(events)
     try:
-        url = servers["vllm"].url
-        time.sleep(1.0)  # the subscription joins
-        for p in range(args.prefixes):
-            prefix = [rng.randrange(256) for _ in range(args.tokens)]
-            for n, extra in enumerate((0, *FOLLOWERS)):
-                ids = prefix + [rng.randrange(256) for _ in range(extra)]
-                said = feed.cached(ids)
-                got = reused(url, ids)
-                rows.append({"prefix": p, "request": n, "tokens": len(ids),
-                             "index_cached": said, "vllm_reused": got})  # fmt: skip
-                time.sleep(0.5)  # its events reach the feed
+        rows = asyncio.run(measure(servers["vllm"].url, events, args.prefixes, args.tokens))
     finally:
-        feed.close()
         servers["vllm"].stop()
     table = Table(title=f"vLLM prefix reuse vs the KV index, {args.tokens}-token prefixes")
     for col in ("prefix", "request", "prompt tokens", "index says cached", "vLLM reused"):
@@ -138,7 +106,6 @@ def main() -> int:
         "first_followers_over": sum(r["request"] == 1 for r in over),
         "index_tokens": sum(r["index_cached"] for r in followers),
         "vllm_tokens": sum(r["vllm_reused"] for r in followers),
-        "undecodable_batches": feed.bad_batches,
     }
     Console().print(summary)
     if args.json_out:
