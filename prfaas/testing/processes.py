@@ -1,18 +1,29 @@
-"""Process-tree helpers for tests and benchmarks that watch `prfaas serve`'s children."""
+"""Process-tree helpers for tests and benchmarks that watch engine processes (Linux `/proc`)."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 
-def child_pids(pid: int) -> list[int]:
-    """The ids of `pid`'s direct children (Linux `/proc`)."""
-    kids = []
+def _stats() -> Iterator[tuple[int, list[str]]]:
+    """(pid, the `/proc/PID/stat` fields after "pid (comm)": state, ppid, pgrp, ...) of each
+    live process."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:  # the process ended while we looked
             continue
-        if int(fields[1]) == pid:
-            kids.append(int(stat.parent.name))
-    return kids
+        yield int(stat.parent.name), fields
+
+
+def child_pids(pid: int) -> list[int]:
+    """The ids of `pid`'s direct children."""
+    return [child for child, fields in _stats() if int(fields[1]) == pid]
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """CPU time (user + system) the live processes of process group `pgid` have used."""
+    ticks = sum(int(f[11]) + int(f[12]) for _, f in _stats() if int(f[2]) == pgid)
+    return ticks / os.sysconf("SC_CLK_TCK")

@@ -67,22 +67,6 @@ def gauge(url: str, name: str) -> float:
     )
 
 
-def cpu_seconds(pgid: int) -> float:
-    """CPU time (user + system) the live processes of process group `pgid` have used."""
-    total = 0.0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:  # ended meanwhile
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
-        if int(fields[2]) == pgid:  # fields: state ppid pgrp ... utime stime (11, 12)
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
-
-
 def read_trace(path: Path) -> list[dict[str, Any]]:
     """The JSON lines a connector's `trace_path` collected."""
     if not path.exists():

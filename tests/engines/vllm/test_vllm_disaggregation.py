@@ -30,7 +30,6 @@ from vllm_helpers import (
     ROOT,
     VLLM_PYTHON,
     completion,
-    cpu_seconds,
     gauge,
     read_trace,
     require_vllm,
@@ -47,6 +46,7 @@ from prfaas.gateway.api.assembly import Gateway, build_gateway
 from prfaas.gateway.deployment import DeploymentConfig, GatewayConfig, InstanceConfig, ModelConfig
 from prfaas.protocol.generate import SamplingParams
 from prfaas.serve.processes import free_port
+from prfaas.testing.processes import group_cpu_seconds
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -324,9 +324,9 @@ def test_a_decode_waiting_for_its_kv_does_not_spin(cluster: Cluster) -> None:
         client.sendall(head + data)
         wait_until(lambda: gauge(decode.url, "vllm:num_requests_waiting") >= 1, 30,
                    "the decode waiting for its KV")  # fmt: skip
-        before = cpu_seconds(decode.process.pid)
+        before = group_cpu_seconds(decode.process.pid)
         time.sleep(3.0)
-        used = cpu_seconds(decode.process.pid) - before
+        used = group_cpu_seconds(decode.process.pid) - before
     assert used < 1.0, f"the waiting decode used {used:.2f} CPU seconds in 3 s"
     wait_until(lambda: gauge(decode.url, "vllm:num_requests_waiting") == 0, 30, "the abort")
     wait_until(lambda: gauge(decode.url, "vllm:kv_cache_usage_perc") <= baseline, 30,
