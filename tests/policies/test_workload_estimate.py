@@ -50,6 +50,26 @@ def test_degenerate_samples_keep_a_valid_sigma() -> None:
     assert math.isnan(Moments().mu) and math.isnan(Moments().sigma)
 
 
+def test_shifted_moments_are_those_of_the_shifted_sample() -> None:
+    """Moving every ln L by d: the sums equal those of the sample multiplied by e^d."""
+    sample = [300, 2_000, 9_000, 40_000]
+    d = 0.25
+    shifted = Moments.of(sample).shifted(d)
+    direct = Moments.of([round(x * math.exp(d)) for x in sample])
+    assert shifted.n == direct.n
+    assert shifted.mu == pytest.approx(direct.mu, abs=1e-3)
+    assert shifted.sigma == pytest.approx(direct.sigma, abs=1e-3)
+
+
+def test_the_length_standard_error_shrinks_with_the_samples() -> None:
+    obs = PeriodObservation.of(60.0, [1_000, 3_000, 9_000, 27_000] * 25, [])
+    small = update_estimate(EstimateConfig(), None, obs)
+    assert small.samples == 100
+    assert small.length_mu_se == pytest.approx(small.lengths.sigma / 10)
+    bigger = update_estimate(EstimateConfig(), small, obs)
+    assert bigger.length_mu_se < small.length_mu_se
+
+
 def test_first_period_is_taken_as_is_then_blended() -> None:
     """alpha 0.5: rate 2 then 4 req/s -> 3; lengths e^8 then e^10 (equal counts) -> mu 9."""
     cfg = EstimateConfig(alpha=0.5, bandwidth_alpha=0.5)

@@ -168,6 +168,7 @@ class LongTermLoop:
             stepped=stepped,
             workload_stepped=output_step or length_step or bool(fresh),
             set_point_only=first_look,
+            step_measured=output_step or length_step or "lengths" in fresh,
         )
         if first_look:
             if decision.set_point != board.state.set_point:
