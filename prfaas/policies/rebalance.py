@@ -15,7 +15,7 @@ Guard rails (Kubernetes HPA stabilisation, Knative, Dynamo's planner):
 - at most one conversion per period, and none while one is draining;
 - a move gains at least `min_gain` of Lambda_max (`busy_min_gain` when the split runs near
   its capacity, where a little more of it cuts the queues most), and still does with the
-  estimated mean ln L a standard error off (`noise_se`; not after a measured step);
+  estimated mean length a standard error off (`noise_se`; not after a measured step);
 - the same move wanted for `confirm_periods` periods in a row, unless it gains at least
   `urgent_gain` (a drift that large is not sampling noise) or a measured step of answer
   or incremental length started the period;
@@ -81,7 +81,7 @@ class RebalanceConfig:
     confirmation (sampling noise does not move t by a factor; a plan made for another
     workload does)."""
     noise_se: float = 1.0
-    """A move must still gain `min_gain` (or `busy_min_gain`) with the estimated mean ln L
+    """A move must still gain `min_gain` (or `busy_min_gain`) with the estimated mean length
     this many standard errors off, on the side that gains least (0: no such test). Near
     the case study's knife edge one standard error of a period's blend moves the gain by
     3-5%: the estimate read a 0.6% move at 5-9% for periods on end, and the move was made
@@ -271,7 +271,7 @@ def rebalance(
             return period.reset(
                 "hold",
                 f"{why}; hold: converting one {lost} gains {gain:+.1%}, {robust:+.1%} with the "
-                f"mean ln L {config.noise_se:g} standard error off, < {needed:.0%}{at}",
+                f"mean length {config.noise_se:g} standard error off, < {needed:.0%}{at}",
             )
     streak = state.streak + 1 if state.direction == direction else 1
     period.state = replace(state, direction=direction, streak=streak)
@@ -304,10 +304,10 @@ def _robust_gain(
     pools: Pools,
     direction: int,
 ) -> float:
-    """The move's gain (each split at its best threshold) with the estimate's mean ln L
-    `noise_se` standard errors lower and higher, whichever gains less (-inf when a shifted
-    estimate cannot be planned)."""
-    off = config.noise_se * estimate.length_mu_se
+    """The move's gain (each split at its best threshold) with the estimated mean length
+    `noise_se` standard errors of ln E[L] lower and higher (mu shifted, sigma kept),
+    whichever gains less (-inf when a shifted estimate cannot be planned)."""
+    off = config.noise_se * estimate.log_mean_length_se
     n_p, n_pd = len(pools.prefill), len(pools.prefill) + len(pools.decode)
     gains = []
     for d in (-off, off):

@@ -165,12 +165,15 @@ class WorkloadEstimate:
     length estimate rests on (at light load, several periods' worth)."""
 
     @property
-    def length_mu_se(self) -> float:
-        """The standard error of the mean ln L, the sample's spread / sqrt(`samples`) (0
-        when every length is equal). For a blend of periods this overstates it: the blend
-        rests on up to (2 - alpha) times `samples` (1.7 at weight 0.3), so the error is up
-        to 1.3x too large (on the cautious side)."""
-        return self.lengths.spread / math.sqrt(max(self.samples, 1.0))
+    def log_mean_length_se(self) -> float:
+        """The standard error of ln E[L] = mu + sigma^2 / 2 (the log of the log-normal's
+        mean length, which the prefill work follows), by the delta method: spread /
+        sqrt(n) x sqrt(1 + spread^2 / 2), n = `samples` (0 when every length is equal). The
+        spread's error counts: at sigma 0.9 it adds a fifth to the mean's. For a blend of
+        periods this overstates it: the blend rests on up to (2 - alpha) times `samples`
+        (1.7 at weight 0.3), so the error is up to 1.3x too large (on the cautious side)."""
+        spread = self.lengths.spread
+        return spread / math.sqrt(max(self.samples, 1.0)) * math.sqrt(1 + spread * spread / 2)
 
     @property
     def output_tokens(self) -> float | None:

@@ -184,10 +184,11 @@ def test_near_capacity_a_smaller_gain_is_worth_a_move(profile: DeploymentProfile
 
 def test_a_gain_within_the_length_estimates_noise_holds(profile: DeploymentProfile) -> None:
     """At mu 10.05 the planner values one more prefill on 3P/5D at +7.5%, above the 5% rule.
-    Read from 300 lengths (a standard error of about 0.05 in mu), the same move with mu one
-    error lower gains under 5%: it is held, and the reason says so. From 1,000 lengths it
-    survives the error and is wanted; a period acting on a measured step of the workload
-    is not held back by the rail, nor a config that turns it off."""
+    Read from 300 lengths (a standard error of about 0.06 in ln E[L]), the same move with
+    the mean length one error lower gains under 5% (+3.8%): it is held, and the reason says
+    so. From 1,000 lengths it survives the error (+6.3%) and is wanted; a period acting on a
+    measured step of the workload is not held back by the rail, nor a config that turns it
+    off."""
 
     def decide(n: float, **kw: Any) -> RebalanceDecision:
         config = replace(CFG, **kw.pop("config", {}))
@@ -197,7 +198,7 @@ def test_a_gain_within_the_length_estimates_noise_holds(profile: DeploymentProfi
     noisy = decide(300)
     assert noisy.outcome == "hold" and noisy.conversion is None
     assert "gains +7.5%, +" in noisy.reason
-    assert noisy.reason.endswith("with the mean ln L 1 standard error off, < 5%"), noisy.reason
+    assert noisy.reason.endswith("with the mean length 1 standard error off, < 5%"), noisy.reason
     assert noisy.numbers is not None and 0 < noisy.numbers["robust_gain"] < 0.05
     assert decide(1_000).outcome == "pending"
     assert decide(300, step_measured=True).outcome == "pending"

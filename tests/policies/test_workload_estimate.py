@@ -61,13 +61,16 @@ def test_shifted_moments_are_those_of_the_shifted_sample() -> None:
     assert shifted.sigma == pytest.approx(direct.sigma, abs=1e-3)
 
 
-def test_the_length_standard_error_shrinks_with_the_samples() -> None:
+def test_the_mean_lengths_standard_error_shrinks_with_the_samples() -> None:
     obs = PeriodObservation.of(60.0, [1_000, 3_000, 9_000, 27_000] * 25, [])
     small = update_estimate(EstimateConfig(), None, obs)
     assert small.samples == 100
-    assert small.length_mu_se == pytest.approx(small.lengths.sigma / 10)
+    spread = small.lengths.spread
+    assert small.log_mean_length_se == pytest.approx(spread / 10 * math.sqrt(1 + spread**2 / 2))
     bigger = update_estimate(EstimateConfig(), small, obs)
-    assert bigger.length_mu_se < small.length_mu_se
+    assert bigger.log_mean_length_se < small.log_mean_length_se
+    same = PeriodObservation.of(60.0, [2_000] * 100, [])
+    assert update_estimate(EstimateConfig(), None, same).log_mean_length_se == pytest.approx(0)
 
 
 def test_first_period_is_taken_as_is_then_blended() -> None:
