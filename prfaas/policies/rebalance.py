@@ -33,6 +33,7 @@ gateway's loop drains the instance and calls the engine's role API.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -40,7 +41,7 @@ import numpy as np
 
 from prfaas.common.toml_tables import check
 from prfaas.policies import throughput as tp
-from prfaas.policies.planner import SplitOptimum, best_for_split, plan
+from prfaas.policies.planner import PlanGrid, SplitOptimum, best_for_split, plan
 from prfaas.policies.profile import DeploymentProfile, WorkloadProfile
 from prfaas.policies.throughput import bytes_per_s_to_gbps
 from prfaas.policies.workload_estimate import WorkloadEstimate
@@ -232,7 +233,10 @@ def rebalance(
         return RebalanceDecision(state, "skipped", f"the estimate cannot be planned: {exc}",
                                  set_point)  # fmt: skip
     current = best_for_split(grid, n_p)
-    new_set_point, state = _set_point(config, state, set_point, current.threshold_tokens, stepped)
+    noise = _Noise(config, profile, estimate, pools, measured=step_measured)
+    new_set_point, state = _set_point(
+        config, state, set_point, current.threshold_tokens, stepped, noise.set_points
+    )
     rate = min(estimate.rate, current.lambda_max)
     util = planned_utilisation(replanned, new_set_point, rate, exact=config.exact)
     period = _Period(config, state, new_set_point, _numbers(current, estimate), util)
@@ -263,8 +267,8 @@ def rebalance(
         return period.reset(
             "hold", f"{why}; hold: converting one {lost} gains {gain:+.1%} < {needed:.0%}{at}"
         )
-    if config.noise_se > 0 and not step_measured:
-        robust = _robust_gain(config, profile, estimate, pools, direction)
+    robust = noise.gain(direction)
+    if robust is not None:
         period.numbers["robust_gain"] = robust
         if robust < needed:
             at = f" (at {load:.0%} load)" if busy else ""
@@ -297,28 +301,60 @@ def _gain(current: SplitOptimum, nxt: SplitOptimum) -> float:
     return nxt.lambda_max / current.lambda_max - 1 if current.lambda_max > 0 else math.inf
 
 
-def _robust_gain(
-    config: RebalanceConfig,
-    profile: DeploymentProfile,
-    estimate: WorkloadEstimate,
-    pools: Pools,
-    direction: int,
-) -> float:
-    """The move's gain (each split at its best threshold) with the estimated mean length
-    `noise_se` standard errors of ln E[L] lower and higher (mu shifted, sigma kept),
-    whichever gains less (-inf when a shifted estimate cannot be planned)."""
-    off = config.noise_se * estimate.log_mean_length_se
-    n_p, n_pd = len(pools.prefill), len(pools.prefill) + len(pools.decode)
-    gains = []
-    for d in (-off, off):
-        shifted = replace(estimate, lengths=estimate.lengths.shifted(d))
-        try:
-            replanned = replan_profile(profile, shifted, pools.n_prfaas, n_pd)
-            grid = plan(replanned, t_step=config.t_step, exact=config.exact).grid
-        except (ValueError, ZeroDivisionError, FloatingPointError):
+class _Noise:
+    """The re-solve with the estimated mean length `noise_se` standard errors of ln E[L]
+    lower and higher (mu shifted, sigma kept), planned once a rail asks for it. Off (every
+    answer None) when `noise_se` is 0 or the period acts on a measured step."""
+
+    def __init__(
+        self,
+        config: RebalanceConfig,
+        profile: DeploymentProfile,
+        estimate: WorkloadEstimate,
+        pools: Pools,
+        *,
+        measured: bool,
+    ) -> None:
+        self._config, self._profile, self._estimate, self._pools = config, profile, estimate, pools
+        self._on = config.noise_se > 0 and not measured
+        self._grids: list[PlanGrid] | None = None
+
+    def _planned(self) -> list[PlanGrid] | None:
+        """The two shifted grids (None when one cannot be planned)."""
+        if self._grids is None:
+            config, estimate, pools = self._config, self._estimate, self._pools
+            off = config.noise_se * estimate.log_mean_length_se
+            n_pd = len(pools.prefill) + len(pools.decode)
+            grids = []
+            for d in (-off, off):
+                shifted = replace(estimate, lengths=estimate.lengths.shifted(d))
+                replanned = replan_profile(self._profile, shifted, pools.n_prfaas, n_pd)
+                try:
+                    grids.append(plan(replanned, t_step=config.t_step, exact=config.exact).grid)
+                except (ValueError, ZeroDivisionError, FloatingPointError):
+                    return None
+            self._grids = grids
+        return self._grids
+
+    def gain(self, direction: int) -> float | None:
+        """The move's gain (each split at its best threshold), whichever side gains less
+        (-inf when a shifted estimate cannot be planned)."""
+        if not self._on:
+            return None
+        grids = self._planned()
+        if grids is None:
             return -math.inf
-        gains.append(_gain(best_for_split(grid, n_p), best_for_split(grid, n_p + direction)))
-    return min(gains)
+        n_p = len(self._pools.prefill)
+        return min(_gain(best_for_split(g, n_p), best_for_split(g, n_p + direction)) for g in grids)
+
+    def set_points(self) -> list[float] | None:
+        """The best threshold of the split now on each side (an empty list when a shifted
+        estimate cannot be planned)."""
+        if not self._on:
+            return None
+        grids = self._planned()
+        n_p = len(self._pools.prefill)
+        return [] if grids is None else [best_for_split(g, n_p).threshold_tokens for g in grids]
 
 
 @dataclass
@@ -362,17 +398,32 @@ def _set_point(
     current: float,
     solved: float,
     stepped: bool = False,
+    noisy: Callable[[], list[float] | None] = lambda: None,
 ) -> tuple[float, RebalanceState]:
     """The re-solved t replaces the set-point once it has lain beyond the dead band, on the
     same side, for `confirm_periods` periods in a row (sampling noise does not churn it), or
-    at once after a link step or when it is `urgent_set_point` times off."""
-    if current > 0 and abs(solved - current) <= config.set_point_deadband * current:
-        return current, replace(state, set_point_side=0, set_point_streak=0)
-    side = 1 if solved > current else -1
-    streak = state.set_point_streak + 1 if state.set_point_side == side else 1
+    at once after a link step or when it is `urgent_set_point` times off. `noisy` gives the
+    re-solved t with the mean length a standard error off each way (None: no such test);
+    each must lie beyond the band on the same side too, or the period counts as inside it
+    (on a plateau of Lambda_max the best t moves far on a little noise)."""
+    band = config.set_point_deadband * current
+
+    def beyond(t: float) -> int:
+        return 0 if current > 0 and abs(t - current) <= band else (1 if t > current else -1)
+
+    side = beyond(solved)
     far = current <= 0 or max(solved / current, current / max(solved, 1e-9)) >= (
         config.urgent_set_point
     )
+    if side != 0 and not stepped and not far:
+        alternatives = noisy()
+        if alternatives is not None and (
+            not alternatives or any(beyond(t) != side for t in alternatives)
+        ):
+            side = 0  # within the estimate's noise (or not plannable): as if inside the band
+    if side == 0:
+        return current, replace(state, set_point_side=0, set_point_streak=0)
+    streak = state.set_point_streak + 1 if state.set_point_side == side else 1
     if streak < config.confirm_periods and not stepped and not far:
         return current, replace(state, set_point_side=side, set_point_streak=streak)
     return solved, replace(state, set_point_side=0, set_point_streak=0)

@@ -125,7 +125,10 @@ def test_a_set_point_far_off_applies_at_once(profile: DeploymentProfile) -> None
     d = rebalance(CFG, RebalanceState(), profile, est, _pools(), now=0, set_point=19_456)
     assert d.set_point == t_star.threshold_tokens
     near = t_star.threshold_tokens * 1.2
-    d = rebalance(CFG, RebalanceState(), profile, est, _pools(), now=0, set_point=near)
+    # on this split's plateau of Lambda_max a token's noise moves t* past 20%: without the
+    # noise rail, the confirmation is what keeps such a set-point
+    quiet = replace(CFG, noise_se=0.0)
+    d = rebalance(quiet, RebalanceState(), profile, est, _pools(), now=0, set_point=near)
     assert d.set_point == near and d.state.set_point_streak == 1
 
 
@@ -300,8 +303,9 @@ def test_a_link_step_moves_the_set_point_at_once(profile: DeploymentProfile) -> 
 
 def test_set_point_moves_only_beyond_the_dead_band(profile: DeploymentProfile) -> None:
     """Within 15% of t* nothing moves; beyond, the same side twice in a row moves it; a
-    period back inside the band starts the count over."""
-    est = _estimate()
+    period back inside the band starts the count over (on so many lengths that the
+    estimate's noise moves t* by nothing: the next test is about that noise)."""
+    est = _estimate(n=100_000)
     t_star, _ = _optimum(profile, est)
     near = t_star * 1.14
     d = rebalance(CFG, RebalanceState(), profile, est, _pools(), now=0, set_point=near)
@@ -313,6 +317,27 @@ def test_set_point_moves_only_beyond_the_dead_band(profile: DeploymentProfile) -
     assert back.state.set_point_streak == 0
     d = rebalance(CFG, d.state, profile, est, _pools(), now=60, set_point=far)
     assert d.set_point == t_star
+
+
+def test_a_set_point_off_by_less_than_the_estimates_noise_stays(
+    profile: DeploymentProfile,
+) -> None:
+    """A set-point 20% above t*: on 100,000 lengths it is beyond the band (the count starts);
+    on 200 lengths t* with the mean length a standard error lower or higher lies within the
+    band of it, so the period counts as inside it. A period acting on a measured step
+    still starts the count."""
+    t_star, _ = _optimum(profile, _estimate())
+    far = t_star * 1.2
+
+    def streak(n: float, **kw: bool) -> int:
+        d = rebalance(CFG, RebalanceState(), profile, _estimate(n=n), _pools(), now=0,
+                      set_point=far, **kw)  # fmt: skip
+        assert d.set_point == far
+        return d.state.set_point_streak
+
+    assert streak(100_000) == 1
+    assert streak(200) == 0
+    assert streak(200, step_measured=True) == 1
 
 
 def test_replan_profile_uses_the_estimate(profile: DeploymentProfile) -> None:
