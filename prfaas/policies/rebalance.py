@@ -4,8 +4,10 @@ convert one PD-cluster instance between prefill and decode when the stages drift
 Each period the planner is re-run on the current estimate (incremental lengths, output
 length, bandwidth) with the instances that exist now. The set-point `t` becomes the best
 threshold for the *current* split once that has lain beyond a dead band, on the same side,
-for `confirm_periods` periods (so sampling noise does not churn it); a conversion brings
-the best threshold of its new split with it. The stages have drifted apart when the prefill
+for `confirm_periods` periods (so sampling noise does not churn it), and does so with the
+estimated mean length `noise_se` standard errors off either way too (on a plateau of
+Lambda_max the best threshold follows noise far); a conversion brings the best threshold
+of its new split with it. The stages have drifted apart when the prefill
 side's arrival-rate limit and the decode stage's (Eq. 8, which at Eq. 7's balance is
 Theta_prfaas + Theta_pd_p = Theta_pd_d) differ by more than `drift_tolerance`; the wanted
 move is one instance toward the starved side, and it is made only if it raises Lambda_max
@@ -82,12 +84,12 @@ class RebalanceConfig:
     confirmation (sampling noise does not move t by a factor; a plan made for another
     workload does)."""
     noise_se: float = 1.0
-    """A move must still gain `min_gain` (or `busy_min_gain`) with the estimated mean length
-    this many standard errors off, on the side that gains least (0: no such test). Near
-    the case study's knife edge one standard error of a period's blend moves the gain by
-    3-5%: the estimate read a 0.6% move at 5-9% for periods on end, and the move was made
-    and later undone. A period acting on a measured step of the workload is exempt
-    (`step_measured`)."""
+    """A move must still gain `min_gain` (or `busy_min_gain`), and a re-solved t still lie
+    beyond the dead band on the same side, with the estimated mean length this many
+    standard errors off either way (0: no such test). Near the case study's knife edge one
+    standard error of a period's blend moves the gain by 4-6%: the estimate read a 0.6%
+    move at 7-9% for five periods, and the move was made. A period acting on a measured
+    step of the workload is exempt (`step_measured`)."""
     t_step: int = 64
     exact: bool = True
     """Cost each class by E[T(L)] (True) or the paper's T(E[L])."""
