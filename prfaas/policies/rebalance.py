@@ -242,6 +242,8 @@ def rebalance(
     rate = min(estimate.rate, current.lambda_max)
     util = planned_utilisation(replanned, new_set_point, rate, exact=config.exact)
     period = _Period(config, state, new_set_point, _numbers(current, estimate), util)
+    if noise.planned:  # the set-point's noise rail ran: what it saw
+        period.numbers["t_best_noise"] = noise.set_points()
     direction, why = _drift(config, current)
     if direction == 0 or set_point_only:
         return period.reset("hold", why + ("; set-point only" if set_point_only else ""))
@@ -330,13 +332,18 @@ class _Noise:
             grids = []
             for d in (-off, off):
                 shifted = replace(estimate, lengths=estimate.lengths.shifted(d))
-                replanned = replan_profile(self._profile, shifted, pools.n_prfaas, n_pd)
                 try:
+                    replanned = replan_profile(self._profile, shifted, pools.n_prfaas, n_pd)
                     grids.append(plan(replanned, t_step=config.t_step, exact=config.exact).grid)
                 except (ValueError, ZeroDivisionError, FloatingPointError):
                     return None
             self._grids = grids
         return self._grids
+
+    @property
+    def planned(self) -> bool:
+        """Whether a rail has asked (and the shifted estimates were planned)."""
+        return self._grids is not None
 
     def gain(self, direction: int) -> float | None:
         """The move's gain (each split at its best threshold), whichever side gains less

@@ -329,15 +329,20 @@ def test_a_set_point_off_by_less_than_the_estimates_noise_stays(
     t_star, _ = _optimum(profile, _estimate())
     far = t_star * 1.2
 
-    def streak(n: float, **kw: bool) -> int:
+    def decide(n: float, **kw: bool) -> RebalanceDecision:
         d = rebalance(CFG, RebalanceState(), profile, _estimate(n=n), _pools(), now=0,
                       set_point=far, **kw)  # fmt: skip
         assert d.set_point == far
-        return d.state.set_point_streak
+        return d
 
-    assert streak(100_000) == 1
-    assert streak(200) == 0
-    assert streak(200, step_measured=True) == 1
+    assert decide(100_000).state.set_point_streak == 1
+    noisy = decide(200)
+    assert noisy.state.set_point_streak == 0
+    assert noisy.numbers is not None
+    assert any(abs(t - far) <= 0.15 * far for t in noisy.numbers["t_best_noise"])
+    measured = decide(200, step_measured=True)
+    assert measured.state.set_point_streak == 1
+    assert measured.numbers is not None and "t_best_noise" not in measured.numbers
 
 
 def test_replan_profile_uses_the_estimate(profile: DeploymentProfile) -> None:
