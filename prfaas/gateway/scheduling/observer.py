@@ -74,6 +74,8 @@ class SchedulingObserver:
         self._arrived: dict[str, float] = {}  # requests in flight: when first dispatched
         self.recent_lengths: collections.deque[int] = collections.deque(maxlen=RECENT_LENGTHS)
         """The last `RECENT_LENGTHS` incremental lengths routed, whatever the period."""
+        self.lengths_routed = 0
+        """Incremental lengths routed in all (which of `recent_lengths` are new)."""
 
     def now(self) -> float:
         return self._clock()
@@ -87,6 +89,7 @@ class SchedulingObserver:
         self._arrived.setdefault(request, self._clock())
         self._samples.incremental.append(decision.incremental_tokens)
         self.recent_lengths.append(decision.incremental_tokens)
+        self.lengths_routed += 1
         if self.costs is not None:
             seconds = self.occupancy_s(decision.route, decision.incremental_tokens)
             self.ledger.admit(decision.prefill_instance, rid, seconds, self._clock())

@@ -416,21 +416,40 @@ def test_longer_prompts_wake_the_long_term_loop_before_its_period_ends(
     assert "set_point" in woken  # the log says what woke the period that moved t
 
 
-def test_the_period_after_a_length_wake_forgets_the_lengths_before_the_step(
+def test_a_length_wake_takes_the_lengths_since_the_step(profile: DeploymentProfile) -> None:
+    """The same step: the CUSUM sounds after about 18 long prompts (each adds ln 4 - 0.25)
+    and the woken period takes the lengths since it last stood at zero (at least 20: at
+    most a couple of them from before the step), not the last 100 (70 of them short); the
+    next regular period takes only its own lengths, all after the step."""
+    decisions: list[Decision] = []
+    seen = _estimates(profile, lambda now: (2_000 if now < 65 else 8_000, 16), 135.0, 30.0,
+                      decisions)  # fmt: skip
+    logged = [d for d in decisions if d.kind == "rebalance" and "woken_by" in d.inputs]
+    woken = next(d.at for d in logged if d.inputs["woken_by"] == ["lengths"])
+    after = next(d.at for d in logged if d.at > woken and "lengths" in d.inputs["after_wake"])
+    assert 65 < woken < 80, woken
+    at_wake, restarted = seen[woken + 0.5], seen[after + 0.5]
+    assert at_wake is not None and restarted is not None
+    assert at_wake.lengths.n == 20 and at_wake.lengths.mu > math.log(8_000) - 0.15
+    assert restarted.lengths.mu == pytest.approx(math.log(8_000), abs=1e-6)
+
+
+def test_a_step_the_periods_half_blended_still_wakes_the_loop(
     profile: DeploymentProfile,
 ) -> None:
-    """The same step: each period the step woke took the last 100 lengths, some of them
-    from before the step (while those still lie 0.4 off the estimate, a second wake
-    follows); the next regular period takes only its own lengths, all after the step,
-    where blending (weight 0.3) would have put its mean ln L 0.26 short."""
-    seen = _estimates(profile, lambda now: (2_000 if now < 65 else 8_000, 16), 135.0, 30.0)
-    *_, woken, regular = _periods_at(seen)
-    assert 65 < woken < 120 and regular == pytest.approx(woken + 30, abs=1.0)
-    at_wake, restarted = seen[woken], seen[regular]
-    assert at_wake is not None and restarted is not None
-    assert at_wake.lengths.n == 100 and at_wake.lengths.mu < math.log(8_000) - 0.3
-    assert restarted.lengths.mu == pytest.approx(math.log(8_000), abs=1e-6)
-    assert restarted.lengths.n == pytest.approx(60, abs=2)  # that period's 30 s of requests
+    """A step of ln 1.7 (2,000 to 3,400 tokens) at 50 s with 30-second periods: the period
+    at 60 s blends a third of a period of it in, and the one at 90 s the rest of its share,
+    so the last 100 lengths never lie 0.4 from the estimate for long. The CUSUM keeps its
+    evidence across those periods (about 0.28 per long prompt) and wakes the loop before
+    the period due at 120 s; the estimate after it is the new length."""
+    decisions: list[Decision] = []
+    seen = _estimates(profile, lambda now: (2_000 if now < 50 else 3_400, 16), 125.0, 30.0,
+                      decisions)  # fmt: skip
+    woken = [d.at for d in decisions if d.inputs.get("woken_by") == ["lengths"]]
+    assert woken and 50 < woken[0] < 119, woken
+    at_wake = seen[woken[0] + 0.5]
+    assert at_wake is not None
+    assert at_wake.lengths.mu > math.log(3_400) - 0.1, at_wake.lengths.mu
 
 
 def test_the_period_after_an_answer_wake_counts_only_answers_begun_after_it(
