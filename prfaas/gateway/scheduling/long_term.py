@@ -49,6 +49,7 @@ from prfaas.gateway.scheduling.decisions import ScheduleBoard
 from prfaas.gateway.scheduling.observer import PeriodSamples, SchedulingObserver
 from prfaas.gateway.scheduling.roles import ConversionResult, RoleConverter
 from prfaas.gateway.scheduling.short_term import ShortTermLoop
+from prfaas.policies.length_cusum import LengthCusum
 from prfaas.policies.profile import DeploymentProfile
 from prfaas.policies.rebalance import (
     Conversion,
@@ -74,14 +75,6 @@ LENGTH_STEP = 0.4
 mean has a standard error of about 0.09 (sigma of ln L about 0.9, 100 lengths): 0.4 is over
 four of those, and under the 0.59 by which the length-shift scenario moves the sample mean."""
 STEP_TICKS = 5  # a step of the workload must be seen for this many ticks in a row
-CUSUM_K = 0.25
-"""The CUSUM's slack in ln L: drifts of the incremental lengths' mean smaller than this
-add nothing."""
-CUSUM_H = 20.0
-"""The CUSUM's alarm level in ln L (21.5 standard deviations of ln L at the case study's
-0.93): with `CUSUM_K`, steady traffic raises a false alarm on one side about once in 1.4
-million lengths (once in 300,000 with the estimate's mean a standard error off; Siegmund's
-approximation), and a step of 0.59 (length-shift's) sounds it after about 60 lengths."""
 
 
 class LongTermLoop:
@@ -113,8 +106,7 @@ class LongTermLoop:
         """The link capacity the last period planned with."""
         self._step_ticks = 0  # ticks in a row whose occupancy implied a step of answer length
         self._length_ticks = 0  # ticks in a row whose recent lengths were a step
-        self._cusum = (0.0, 0.0)  # CUSUM of ln L against the estimate: upward, downward
-        self._cusum_n = (0, 0)  # lengths since each side of the CUSUM was last zero
+        self._cusum = LengthCusum()  # of ln L against the estimate's mean
         self._lengths_read = 0  # `observer.lengths_routed` when the CUSUM last read them
         window = min(config.estimate.rate_window_s, config.period_s / 2)
         self._estimating = replace(config.estimate, rate_window_s=window)
@@ -148,7 +140,7 @@ class LongTermLoop:
         obs = PeriodObservation.of(duration, clamped, outputs, capacity, occupancy_output=occupancy)
         stepped_output = None  # the answers decoding now, at the long-run arrival rate
         output_step = not first_look and self._step_ticks >= STEP_TICKS
-        alarm = self._cusum_alarm()
+        alarm = self._cusum.alarm
         length_step = not first_look and (self._length_ticks >= STEP_TICKS or alarm > 0)
         if output_step and self.estimate is not None:
             stepped_output = self._little(observer.decoding_now, self.estimate.rate)
@@ -164,7 +156,7 @@ class LongTermLoop:
             if alarm > 0:  # those since the CUSUM last stood at zero (the step's start)
                 lengths = lengths[-max(alarm, int(self._config.estimate.min_samples)) :]
             recent = Moments.of(self._clamped(lengths))
-            self._cusum, self._cusum_n = (0.0, 0.0), (0, 0)  # the step is taken
+            self._cusum.reset()  # the step is taken
             if alarm > 0:  # the first test waits for 100 lengths that all came after it
                 observer.recent_lengths.clear()
             estimate = replace(estimate, lengths=recent, samples=recent.n)
@@ -255,7 +247,7 @@ class LongTermLoop:
         """Whether the incremental lengths have stepped: the mean ln L of the last
         `RECENT_LENGTHS` has lain at least `LENGTH_STEP` above or below the estimate's for
         `STEP_TICKS` ticks in a row (a large step, at once), or the CUSUM of ln L against
-        the estimate's mean has reached `CUSUM_H` (Page's test: it keeps its evidence across
+        the estimate's mean has sounded (`LengthCusum`, Page's test: it keeps its evidence across
         periods, so a step that the periods have half blended into the estimate before the
         first test saw it still sounds it)."""
         estimate, recent = self.estimate, self._observer.recent_lengths
@@ -266,7 +258,7 @@ class LongTermLoop:
         mean = Moments.of(self._clamped(recent)).mu
         step_seen = abs(mean - estimate.lengths.mu) >= LENGTH_STEP
         self._length_ticks = self._length_ticks + 1 if step_seen else 0
-        return self._length_ticks >= STEP_TICKS or self._cusum_alarm() > 0
+        return self._length_ticks >= STEP_TICKS or self._cusum.alarm > 0
 
     def _read_lengths(self) -> None:
         """Add the lengths routed since the last tick to the CUSUM."""
@@ -274,20 +266,10 @@ class LongTermLoop:
         new = min(observer.lengths_routed - self._lengths_read, len(observer.recent_lengths))
         self._lengths_read = observer.lengths_routed
         if estimate is None or estimate.lengths.n <= 0:
-            self._cusum, self._cusum_n = (0.0, 0.0), (0, 0)
+            self._cusum.reset()
             return
-        mu = estimate.lengths.mu
-        (up, down), (up_n, down_n) = self._cusum, self._cusum_n
-        for x in self._clamped(list(observer.recent_lengths)[-new:] if new > 0 else []):
-            d = math.log(max(x, 1)) - mu
-            up, down = max(0.0, up + d - CUSUM_K), max(0.0, down - d - CUSUM_K)
-            up_n, down_n = (up_n + 1 if up > 0 else 0), (down_n + 1 if down > 0 else 0)
-        self._cusum, self._cusum_n = (up, down), (up_n, down_n)
-
-    def _cusum_alarm(self) -> int:
-        """The lengths since the step began when the CUSUM sounds (0: it does not)."""
-        (up, down), (up_n, down_n) = self._cusum, self._cusum_n
-        return up_n if up >= CUSUM_H else down_n if down >= CUSUM_H else 0
+        lengths = list(observer.recent_lengths)[-new:] if new > 0 else []
+        self._cusum.add(self._clamped(lengths), estimate.lengths.mu)
 
     def _output_stepped(self) -> bool:
         """Whether the requests decoding now have implied answers at least `OUTPUT_STEP`
