@@ -12,16 +12,18 @@ through `load_tokenizer`, so the same chat gives the same token ids by either ro
 
 The chat-template rule (`chat_ids`): a checkpoint's own Jinja template is rendered the way
 `transformers` renders it (sandboxed Jinja, `trim_blocks`/`lstrip_blocks`, the special
-tokens as variables, the generation prompt on) and encoded with special tokens recognised,
-adding nothing it did not render; without one, the minimal template
+tokens as variables, then the tools, the generation prompt or the continued final message,
+and the request's template kwargs) and encoded with special tokens recognised, adding
+nothing it did not render; without one, the minimal template
 `<|role|>\\ncontent\\n ... <|assistant|>\\n` is encoded after the tokenizer's BOS id, if any.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -37,6 +39,26 @@ class ChatMessage:
     content: str
 
 
+@dataclass(frozen=True, eq=False)
+class ChatPrompt:
+    """Everything a chat template renders: the messages as the template sees them (dicts
+    with `role`, `content` and, where given, `tool_calls`, `tool_call_id`, `name`), the
+    tools, and the generation options (`prfaas.protocol.openai_chat` builds it from an
+    OpenAI body)."""
+
+    messages: Sequence[Mapping[str, Any]]
+    tools: Sequence[Mapping[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    """End the prompt inside the last (assistant) message, for the model to continue it."""
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """Extra template variables (`chat_template_kwargs`, e.g. `enable_thinking`)."""
+
+    @classmethod
+    def of(cls, messages: Sequence[ChatMessage]) -> ChatPrompt:
+        return cls([{"role": m.role, "content": m.content} for m in messages])
+
+
 class Tokenizer(Protocol):
     """What the gateway and the engines need from a tokenizer."""
 
@@ -46,9 +68,10 @@ class Tokenizer(Protocol):
     chat_template: str | None
     """The checkpoint's Jinja chat template, if it has one."""
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, no special tokens added (special-token text is recognised
-        where the tokenizer has such tokens)."""
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`: the tokenizer's own special tokens (a BOS its post-processor
+        adds) only with `add_special_tokens`, as vLLM's completions tokenize by default;
+        special-token text is recognised where the tokenizer has such tokens."""
         ...
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -65,21 +88,35 @@ def minimal_chat(messages: Sequence[ChatMessage]) -> str:
     return "".join(f"<|{m.role}|>\n{m.content}\n" for m in messages) + "<|assistant|>\n"
 
 
-def chat_ids(tokenizer: Tokenizer, messages: Sequence[ChatMessage]) -> list[int]:
-    """Token ids of a chat, ending with the assistant's generation prompt (the module
-    docstring states the rule).
+def chat_ids(tokenizer: Tokenizer, chat: ChatPrompt | Sequence[ChatMessage]) -> list[int]:
+    """Token ids of a chat (the module docstring states the rule).
 
     Raises:
-        ValueError: the checkpoint's template failed to render (its message says why).
+        ValueError: the checkpoint's template failed to render (its message says why), or
+            a chat the minimal template cannot render (tools, tool calls, no generation
+            prompt).
     """
+    prompt = chat if isinstance(chat, ChatPrompt) else ChatPrompt.of(chat)
     if tokenizer.chat_template is None:
         head = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
-        return head + tokenizer.encode(minimal_chat(messages))
-    return tokenizer.encode(render_template(tokenizer, messages))
+        return head + tokenizer.encode(minimal_chat(_plain(prompt)))
+    return tokenizer.encode(render_template(tokenizer, prompt))
 
 
-def render_template(tokenizer: Tokenizer, messages: Sequence[ChatMessage]) -> str:
-    """Render `tokenizer.chat_template` for `messages` as `transformers` does."""
+def _plain(prompt: ChatPrompt) -> list[ChatMessage]:
+    """The chat as plain text turns, for the minimal template."""
+    options = prompt.tools or prompt.continue_final_message or not prompt.add_generation_prompt
+    turns = []
+    for m in prompt.messages:
+        role, content = m.get("role"), m.get("content")
+        if options or set(m) - {"role", "content"} or not isinstance(content, str):
+            raise ValueError("this tokenizer has no chat template: it renders text turns only")
+        turns.append(ChatMessage(str(role), content))
+    return turns
+
+
+def render_template(tokenizer: Tokenizer, chat: ChatPrompt | Sequence[ChatMessage]) -> str:
+    """Render `tokenizer.chat_template` for `chat` as `transformers` does."""
     from jinja2 import TemplateError
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -93,17 +130,62 @@ def render_template(tokenizer: Tokenizer, messages: Sequence[ChatMessage]) -> st
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
     )
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    prompt = chat if isinstance(chat, ChatPrompt) else ChatPrompt.of(chat)
+    messages = [dict(m) for m in prompt.messages]
+    if prompt.continue_final_message:
+        messages[-1] = _tagged(messages[-1])
+    variables = {**tokenizer.template_variables(), **prompt.template_kwargs}
     try:
         template = env.from_string(tokenizer.chat_template or "")
-        return template.render(
-            messages=[{"role": m.role, "content": m.content} for m in messages],
-            add_generation_prompt=True,
-            **tokenizer.template_variables(),
+        rendered = template.render(
+            messages=messages,
+            tools=None if prompt.tools is None else [dict(t) for t in prompt.tools],
+            documents=variables.pop("documents", None),
+            add_generation_prompt=prompt.add_generation_prompt,
+            **variables,
         )
     except TemplateError as exc:
         raise ValueError(f"the chat template of {tokenizer.name} failed: {exc}") from None
+    return _continued(rendered) if prompt.continue_final_message else rendered
+
+
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+"""`transformers`' marker of where a continued final message ends."""
+
+
+def _tagged(message: dict[str, Any]) -> dict[str, Any]:
+    """The final message with `CONTINUE_TAG` after its (last) text, as `transformers` marks
+    it for `continue_final_message`."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return {**message, "content": content + CONTINUE_TAG}
+    if isinstance(content, list):
+        parts = [dict(p) for p in content]
+        for part in reversed(parts):
+            if "text" in part:
+                part["text"] = str(part["text"]) + CONTINUE_TAG
+                return {**message, "content": parts}
+    raise ValueError("continue_final_message is set but the final message has no text")
+
+
+def _continued(rendered: str) -> str:
+    """The rendered chat cut where the tagged final message ends (its trailing spaces
+    trimmed if the template trimmed the tag's)."""
+    tag = CONTINUE_TAG.strip()
+    if tag not in rendered:
+        raise ValueError("continue_final_message is set but the final message does not appear "
+                         "in the chat after applying the chat template")  # fmt: skip
+    at = rendered.rindex(tag)
+    if rendered[at : at + len(CONTINUE_TAG)] == CONTINUE_TAG:
+        return rendered[:at]
+    return rendered[:at].rstrip()
 
 
 class ByteTokenizer:
@@ -120,8 +202,8 @@ class ByteTokenizer:
     vocab_size = BYTE_VOCAB + 4  # one spare id, reserved
     chat_template: str | None = None
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text` (no specials added)."""
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text` (no specials added: byte-level has no post-processor)."""
         return list(text.encode("utf-8"))
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -163,8 +245,8 @@ class HFTokenizer:
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=True))

@@ -33,7 +33,9 @@ class EngineError(RuntimeError):
     could be opened at all (the process is not listening: not a stall). `rejected` says the
     engine judged the request itself invalid (a 4xx other than 429): another instance would
     refuse it too. `code` is a short, safe word for clients (never the engine's free text,
-    which may name bootstrap rooms); the message is for logs.
+    which may name bootstrap rooms); the message is for logs. `answer` is an OpenAI engine's
+    own refusal of the client's body (its error JSON, with `status`): the engine answered
+    the client, so the client gets it as written.
     """
 
     def __init__(
@@ -45,8 +47,10 @@ class EngineError(RuntimeError):
         unreachable: bool = False,
         rejected: bool = False,
         code: str = "engine_error",
+        answer: bytes | None = None,
     ) -> None:
         super().__init__(message)
+        self.answer = answer
         self.status = status
         self.retryable = retryable
         self.unreachable = unreachable

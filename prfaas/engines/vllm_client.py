@@ -1,4 +1,4 @@
-"""The vLLM engine client: vLLM's OpenAI `/v1/completions` with PrfaaS `kv_transfer_params`
+"""The vLLM engine client: vLLM's OpenAI routes with PrfaaS `kv_transfer_params`
 (`prfaas.protocol.kv_transfer`), for vLLM servers running our connector.
 
 The Router hands every engine the same `GenerateRequest` (one bootstrap room) and starts the
@@ -6,8 +6,18 @@ prefill and the decode call at once; this client tells which side it is from the
 address: its own KV sender's address makes it the prefill (it computes the prompt and streams
 the KV to room R), any other makes it the decode (it fetches room R from there while the
 prefill still computes, then generates). Without a bootstrap it runs the request alone.
-Prompts travel as token ids and answers carry token ids (`return_token_ids`); aborting a
-call drops its connection, which vLLM turns into an abort of the request (blocks freed).
+
+Two bodies, as vLLM's own P/D proxies build them:
+- A request with the client's OpenAI body (`request.openai`) goes to the route the client
+  called, whole, plus `kv_transfer_params`. The decode gets everything; the prefill what
+  computing the prompt's KV needs: the same rendering fields, one token, one sequence,
+  unstreamed, no grammar (`prefill_fields`). The decode's answer is relayed as vLLM wrote it
+  (`GenerateChunk.raw`); a streamed one is asked for its usage (and that event kept from a
+  client that did not ask) so the gateway can count its tokens. An engine's own refusal
+  (a 4xx but 429) keeps its status and body for the client.
+- A request without one (token-id callers, migrations, the simulator) is a `/v1/completions`
+  body of its token ids with answers carrying token ids (`return_token_ids`).
+Aborting a call drops its connection, which vLLM turns into an abort of the request.
 """
 
 from __future__ import annotations
@@ -33,8 +43,17 @@ from prfaas.engines.sglang_client import SGLangClientConfig
 from prfaas.http.client import ConnectFailed, ConnectionPool, HttpCall, post
 from prfaas.protocol.generate import GenerateChunk, GenerateRequest
 from prfaas.protocol.kv_transfer import RemoteDecode, RemotePrefill
+from prfaas.protocol.openai_body import OpenAIBody
 
 _GAUGE = re.compile(rb"^(vllm:[a-z_]+)\{[^}]*\} ([0-9.eE+-]+)$", re.MULTILINE)
+PREFILL_DROPS = frozenset({
+    "max_completion_tokens", "min_tokens", "n", "best_of", "stream_options", "logprobs",
+    "top_logprobs", "prompt_logprobs", "echo", "return_token_ids", "response_format",
+    "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "guided_decoding_backend", "guided_whitespace_pattern", "parallel_tool_calls",
+})  # fmt: skip
+"""What a prefill's body leaves out: its one token is thrown away, so nothing that shapes
+the output (counts, grammars, log-probabilities) is worth computing there."""
 
 
 @dataclass(frozen=True)
@@ -84,15 +103,58 @@ def completion_body(request: GenerateRequest, endpoint: VLLMEndpoint) -> dict[st
     return body
 
 
+def prefill_fields(body: OpenAIBody) -> dict[str, Any]:
+    """A prefill's copy of the client's body: the same prompt rendering (messages, tools,
+    template kwargs, prompt, cache salt), one token, one sequence, unstreamed, no grammar
+    (tools are rendered with `tool_choice` none, so no tool grammar either)."""
+    fields = {k: v for k, v in body.fields.items() if k not in PREFILL_DROPS}
+    fields.update(max_tokens=1, stream=False)
+    if fields.get("tool_choice") is not None:
+        fields["tool_choice"] = "none"
+    return fields
+
+
+def openai_body(request: GenerateRequest, endpoint: VLLMEndpoint) -> dict[str, Any]:
+    """The body of a request that carries the client's OpenAI body (`request.openai`) on
+    `endpoint`: the prefill's (`prefill_fields`), the decode's or the lone engine's (the
+    client's, whole)."""
+    assert request.openai is not None
+    boot = request.bootstrap
+    if boot is not None and (boot.host, boot.port) == (endpoint.bootstrap_host,
+                                                       endpoint.bootstrap_port):  # fmt: skip
+        return {**prefill_fields(request.openai), "model": endpoint.model,
+                "kv_transfer_params": RemoteDecode(boot.room).to_json()}  # fmt: skip
+    body = {**request.openai.fields, "model": endpoint.model}
+    if boot is not None:
+        body["kv_transfer_params"] = RemotePrefill(boot.host, boot.port, boot.room).to_json()
+    if request.openai.stream:
+        options = body.get("stream_options")
+        body["stream_options"] = {**(options if isinstance(options, dict) else {}),
+                                  "include_usage": True}  # fmt: skip
+    return body
+
+
+def _usage_asked(request: GenerateRequest) -> bool:
+    """Whether the client asked for a streamed answer's usage itself."""
+    options = request.openai.fields.get("stream_options") if request.openai else None
+    return isinstance(options, dict) and options.get("include_usage") is True
+
+
 class _CompletionCall(AnsweredCall):
-    """One `/v1/completions` call; its answer (whole, or SSE deltas) becomes chunks."""
+    """One call of vLLM's OpenAI API; its answer (whole, or SSE events) becomes chunks."""
 
     def __init__(self, client: VLLMClient, request: GenerateRequest) -> None:
-        body = completion_body(request, client.endpoint)
-        super().__init__(bool(body["stream"]))
+        forwarded = request.openai
+        if forwarded is None:
+            body, path = completion_body(request, client.endpoint), "/v1/completions"
+        else:
+            body, path = openai_body(request, client.endpoint), forwarded.path
+        super().__init__(bool(body.get("stream")))
         self.client, self.prompt_tokens = client, len(request.input_ids)
+        self.relay = forwarded is not None
+        self._path, self._usage_asked = path, _usage_asked(request)
         self._completion = 0
-        self.http: HttpCall = client.post(orjson.dumps(body), self)
+        self.http: HttpCall = client.post(path, orjson.dumps(body), self)
 
     def on_end(self, error: BaseException | None) -> None:
         if self.ended.done():
@@ -104,34 +166,82 @@ class _CompletionCall(AnsweredCall):
             self.finish(error if isinstance(error, EngineError)
                         else EngineError(f"{name}: completion failed: {error!r}"))  # fmt: skip
         elif self.status != 200:
-            detail = bytes(self._body[:300]).decode(errors="replace")
-            refused = self.status in (429, 503)
-            self.finish(EngineError(f"{name}: /v1/completions answered {self.status}: {detail}",
-                                    status=503 if refused else 502, retryable=refused))  # fmt: skip
+            self.finish(self._refusal())
         else:
             try:
                 if self.stream and self._body:
                     self._line(bytes(self._body))
                 elif not self.stream:
-                    self._event(orjson.loads(self._body))
+                    self._answer(bytes(self._body))
             except (EngineError, orjson.JSONDecodeError) as exc:
                 self.finish(exc if isinstance(exc, EngineError) else EngineError(str(exc)))
                 return
             self.finish()
 
+    def _refusal(self) -> EngineError:
+        """A non-200 answer as an error: busy (429, 503) may go elsewhere; the engine's own
+        refusal of a forwarded body (any other 4xx) keeps its status and body for the client,
+        who sent what it refused."""
+        name, status = self.client.instance_id, self.status
+        detail = bytes(self._body[:300]).decode(errors="replace")
+        message = f"{name}: {self._path} answered {status}: {detail}"
+        if status in (429, 503):
+            return EngineError(message, status=503, retryable=True)
+        if self.relay and 400 <= status < 500:
+            return EngineError(message, status=status, rejected=True, code="engine_refused",
+                               answer=bytes(self._body))  # fmt: skip
+        return EngineError(message)
+
     def _line(self, line: bytes) -> None:
         """One SSE line; raises EngineError for an error event (ends the HTTP call)."""
         payload = line[5:].strip() if line.startswith(b"data:") else b""
         if payload and payload != b"[DONE]":
-            self._event(orjson.loads(payload))
+            if self.relay:
+                self._relayed(payload, orjson.loads(payload))
+            else:
+                self._event(orjson.loads(payload))
 
-    def _event(self, event: dict[str, Any]) -> None:
+    def _answer(self, raw: bytes) -> None:
+        """A whole answer: a chunk per choice (token path), or the answer as written."""
+        answer = orjson.loads(raw)
+        if not self.relay:
+            self._event(answer)
+            return
+        self._check(answer)
+        self._relayed(raw, answer)
+
+    def _check(self, event: Any) -> None:
         name = self.client.instance_id
-        if "error" in event:
-            raise EngineError(f"{name}: {event['error'].get('message', event['error'])}")
+        if not isinstance(event, dict):
+            raise EngineError(f"{name}: an answer that is not a JSON object")
+        if "error" in event or event.get("object") == "error":
+            error = event.get("error", event)
+            raise EngineError(f"{name}: {error.get('message', error)}")
         for choice in event.get("choices") or ():
             if choice.get("finish_reason") == "error":
                 raise EngineError(f"{name}: the request failed in the engine (KV load?)")
+
+    def _relayed(self, raw: bytes, event: Any) -> None:
+        """One event of a forwarded request, kept as written; its usage (when it carries
+        one) gives the counts. The usage event the client did not ask for is not relayed."""
+        self._check(event)
+        choices, usage = event.get("choices"), event.get("usage")
+        if isinstance(usage, dict):
+            self._completion = int(usage.get("completion_tokens") or 0)
+            self.prompt_tokens = int(usage.get("prompt_tokens") or self.prompt_tokens)
+            details = usage.get("prompt_tokens_details")
+            cached = int((details or {}).get("cached_tokens") or 0)
+        else:
+            cached = 0
+            self._completion += 1 if choices else 0  # about one token an event, until usage
+        last = choices[-1] if isinstance(choices, list) and choices else {}
+        hidden = self.stream and not choices and not self._usage_asked
+        self.push(GenerateChunk((), "", self.prompt_tokens, self._completion, cached,
+                                last.get("finish_reason"), b"" if hidden else raw))  # fmt: skip
+
+    def _event(self, event: dict[str, Any]) -> None:
+        self._check(event)
+        for choice in event.get("choices") or ():
             ids = tuple(choice.get("token_ids") or ())
             self._completion += len(ids)
             self.push(GenerateChunk(ids, choice.get("text") or "", self.prompt_tokens,
@@ -156,7 +266,7 @@ class VLLMClient(BaseEngineClient):
         url = URL(self.base_url)
         if url.scheme not in ("http", "https") or url.host is None or url.port is None:
             raise ValueError(f"engine URL must be http(s)://host[:port], got {self.base_url!r}")
-        self._path = f"{url.path.rstrip('/')}/v1/completions"
+        self._root = url.path.rstrip("/")
         self._pool = ConnectionPool(url.host, url.port, tls=url.scheme == "https")
         self._session = session
         self._config = config or SGLangClientConfig()
@@ -164,9 +274,9 @@ class VLLMClient(BaseEngineClient):
     def generate(self, request: GenerateRequest) -> EngineCall:
         return _CompletionCall(self, request)
 
-    def post(self, body: bytes, call: _CompletionCall) -> HttpCall:
+    def post(self, path: str, body: bytes, call: _CompletionCall) -> HttpCall:
         cfg = self._config
-        return post(self._pool, self._path, body, call, connect_s=cfg.connect_timeout_s,
+        return post(self._pool, self._root + path, body, call, connect_s=cfg.connect_timeout_s,
                     read_s=cfg.read_timeout_s, total_s=cfg.total_timeout_s)  # fmt: skip
 
     async def _get(self, path: str) -> bytes:
@@ -180,6 +290,25 @@ class VLLMClient(BaseEngineClient):
         if resp.status != 200:
             raise EngineError(f"{self.instance_id}: {path} answered {resp.status}")
         return raw
+
+    async def relay(self, method: str, path: str, body: bytes) -> tuple[int, bytes]:
+        """`method path` (with a JSON `body` for POST) on the server: its status and body,
+        whatever they are (the gateway relays the engine's own answer).
+
+        Raises:
+            EngineError: no answer within the control timeout.
+        """
+        try:
+            async with self._session.request(
+                method,
+                f"{self.base_url}{path}",
+                data=body or None,
+                headers={"Content-Type": "application/json"} if body else None,
+                timeout=self._config.control_timeout(),
+            ) as resp:
+                return resp.status, await resp.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise EngineError(f"{self.instance_id}: {path} failed: {exc!r}") from exc
 
     async def health(self) -> bool:
         """True when `/health` answers 200 within the control timeout."""

@@ -200,6 +200,9 @@ class LaunchConfig:
     """vLLM engines: the interpreter of the vLLM environment (relative to the working
     directory, or absolute)."""
     threads: int = 1
+    vllm_args: tuple[str, ...] = ()
+    """vLLM engines: more `vllm serve` flags (e.g. `--enable-auto-tool-choice`,
+    `--tool-call-parser hermes`: the client's `tools` are the engine's to answer)."""
     egress_rate_mbps: float | None = None
     """Prefill roles: cap (emulate) this engine's whole KV egress, in Mbit/s."""
     egress_delay_ms: float = 0.0
@@ -222,6 +225,8 @@ class LaunchConfig:
         check(self.role in _ROLES, "role", self.role, f"must be one of {_ROLES}")
         check(self.engine in _ENGINES, "engine", self.engine, f"must be one of {_ENGINES}")
         check(self.threads >= 1, "threads", self.threads, "must be >= 1")
+        check(not self.vllm_args or self.engine == "vllm", "vllm_args", list(self.vllm_args),
+              "is for vLLM engines only")  # fmt: skip
         rate = self.egress_rate_mbps
         check(rate is None or rate > 0, "egress_rate_mbps", rate, "must be > 0")
         check(self.egress_delay_ms >= 0, "egress_delay_ms", self.egress_delay_ms, "must be >= 0")

@@ -8,6 +8,12 @@ differ only in the `stream` flag the engines get (a whole answer is one chunk), 
 get the same retries (a failure before any output goes to other instances, either
 cluster) and migrations (a decode that dies mid-stream: the prompt plus the tokens
 already streamed go to another decode, so a greedy answer equals an unfailed run's).
+
+A request that carries the client's OpenAI body (`OpenAIBody`: the engine's own OpenAI
+server answers it) is retried the same way before output, but never migrated: its answer is
+the engine's own rendering (tool-call parsers, grammars, log-probabilities, several
+choices), which no continuation on another engine reproduces exactly, so a decode that dies
+mid-stream fails the request (the client gets an error event and no `[DONE]`).
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import NoReturn, Protocol
 
+import msgspec
+
 from prfaas.common.hashing import iter_block_hashes
 from prfaas.engines.client import EngineError
 from prfaas.gateway.attempt import Attempt, Continuation
@@ -29,11 +37,13 @@ from prfaas.policies.routing import (
     BaseRoutingPolicy,
     NoInstanceAvailable,
     Regime,
+    Route,
     RouteDecision,
     RoutingSnapshot,
 )
 from prfaas.policies.ttft_forecast import LoadForecast
 from prfaas.protocol.generate import Bootstrap, GenerateChunk, GenerateRequest, SamplingParams
+from prfaas.protocol.openai_body import OpenAIBody
 
 logger = logging.getLogger(__name__)
 WAIT_POLL_S = 0.2
@@ -159,7 +169,13 @@ class Router:
         return self.policy.decide(snapshot)
 
     async def dispatch(
-        self, rid: str, input_ids: Sequence[int], sampling: SamplingParams, *, stream: bool
+        self,
+        rid: str,
+        input_ids: Sequence[int],
+        sampling: SamplingParams,
+        *,
+        stream: bool,
+        openai: OpenAIBody | None = None,
     ) -> Dispatch:
         """Decide, start the prefill and decode calls at once, and return once the first
         output chunk is in (`Dispatch.first`; with `stream=False` the engines answer in one
@@ -169,12 +185,15 @@ class Router:
         A failure before any output is retried on a fresh decision without the instance
         that failed (`RetryPolicy.max_retries`); one after output began is migrated
         (`Dispatch.next`). An instance that could not even be connected to is ejected.
+        `openai` (the client's body, for engines whose own OpenAI server answers) travels
+        with every attempt; one that must run on one engine (`OpenAIBody.one_engine`) has
+        its decode compute the prompt too.
 
         Raises:
             NoInstanceAvailable: nowhere to run the request.
             EngineError: the request failed on an engine and could not be retried.
         """
-        routed = Dispatch(self, rid, tuple(input_ids), sampling, stream)
+        routed = Dispatch(self, rid, tuple(input_ids), sampling, stream, openai)
         try:
             await routed.start()
         except BaseException:  # cancelled too: the calls are aborted
@@ -238,6 +257,15 @@ class Router:
             self.observer.finished(event)
 
 
+def on_decode(decision: RouteDecision, cluster: Route) -> RouteDecision:
+    """`decision` with its decode instance (in `cluster`) computing the prompt too."""
+    return msgspec.structs.replace(
+        decision, route=cluster, prefill_instance=decision.decode_instance,
+        prefix_transfer_from=None, prefix_source=None,
+        reason="one engine: several sequences or the prompt's log-probabilities",
+    )  # fmt: skip
+
+
 class Dispatch:
     """One request from its first dispatch to its end, across attempts: each attempt is a
     prefill and a decode call (`Attempt`); a failed attempt is retried (before output) or
@@ -254,9 +282,11 @@ class Dispatch:
         input_ids: tuple[int, ...],
         sampling: SamplingParams,
         stream: bool,
+        openai: OpenAIBody | None = None,
     ) -> None:
         self.router, self.rid, self.input_ids = router, rid, input_ids
-        self.sampling, self.stream = sampling, stream
+        self.sampling, self.stream, self.openai = sampling, stream, openai
+        self._one_engine = openai is not None and openai.one_engine() is not None
         self.first: GenerateChunk | None = None
         self._decision: RouteDecision | None = None
         self.retries = self.migrations = 0
@@ -268,6 +298,7 @@ class Dispatch:
         self._base = 0  # output tokens before the current attempt began
         self._cached = 0  # cached prompt tokens the first answering engine reported
         self._continuation: Continuation | None = None
+        self._began = False  # a chunk was handed out
         self._last: GenerateChunk | None = None
         self._reported = self._closed = False
 
@@ -321,12 +352,14 @@ class Dispatch:
             sampling = replace(self.sampling, max_new_tokens=max(left, 1))
         router = self.router
         decision = router.decide(ids, self._still_excluded())
+        if self._one_engine:
+            decision = on_decode(decision, router.instances[decision.decode_instance].cluster)
         prefill = router.instances[decision.prefill_instance]
         decode = router.instances[decision.decode_instance]
         bootstrap = None if prefill is decode else router.bootstrap(prefill)
         rid = self.rid if not self._attempts else f"{self.rid}-{self._attempts}"
         self._attempts += 1
-        request = GenerateRequest(rid, ids, sampling, self.stream, bootstrap)
+        request = GenerateRequest(rid, ids, sampling, self.stream, bootstrap, openai=self.openai)
         pull = prefill is not decode and decision.prefix_source is not None
         prefill_request = router.with_prefix_pull(decision, prefill, request) if pull else None
         self._decision = decision
@@ -356,8 +389,8 @@ class Dispatch:
         if exc.unreachable:
             failed.eject("connection refused")
         self._excluded[failed.instance_id] = failed.readmissions
-        if exc.rejected:
-            self._fail(exc)
+        if exc.rejected or (self._began and self.openai is not None):
+            self._fail(exc)  # refused anywhere, or an engine's own answer cut mid-way
         if self._output:
             self.migrations += 1
             allowed = self.migrations <= self.router.retry.max_migrations
@@ -380,6 +413,7 @@ class Dispatch:
             await asyncio.sleep(WAIT_POLL_S)
 
     def _hand_out(self, chunk: GenerateChunk) -> GenerateChunk:
+        self._began = True
         if self._base == 0 and not self._output:
             self._cached = chunk.cached_tokens
         self._output.extend(chunk.token_ids)

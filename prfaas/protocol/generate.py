@@ -17,6 +17,7 @@ from typing import Any
 import orjson
 
 from prfaas.protocol.errors import InvalidRequest
+from prfaas.protocol.openai_body import OpenAIBody
 
 DEFAULT_MAX_NEW_TOKENS = 128
 MAX_ROOM = 2**64 - 1
@@ -145,8 +146,10 @@ class Bootstrap:
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    """One `/generate` call. In SGLang's PD protocol the same request (one bootstrap room) goes
-    to the prefill and the decode instance at once."""
+    """One request to an engine: a `/generate` call, or, with `openai`, the client's OpenAI
+    body for the engine's own OpenAI server (the engine client renders its engine's body
+    from it). In SGLang's PD protocol the same request (one bootstrap room) goes to the
+    prefill and the decode instance at once. `input_ids` are the routing ids either way."""
 
     rid: str
     input_ids: tuple[int, ...]
@@ -157,6 +160,8 @@ class GenerateRequest:
     """PrfaaS extension, for engines that say `prefix_pull` in `/server_info`: before the
     prefill, fetch the prompt's cached prefix from this room, which the engine at that
     bootstrap address fills (`POST /kv/export`)."""
+    openai: OpenAIBody | None = None
+    """The client's OpenAI body, when the engine's own OpenAI server answers it."""
 
     @cached_property
     def body(self) -> bytes:
@@ -242,7 +247,8 @@ class GenerateChunk:
     """A piece of output: new token ids and text since the previous chunk.
 
     `finish_reason` is set on the last chunk ("stop", "length", "abort").
-    Token counts are the engine's own (`meta_info`), cumulative.
+    Token counts are the engine's own (`meta_info`, or an OpenAI answer's `usage`),
+    cumulative.
     """
 
     token_ids: tuple[int, ...]
@@ -251,6 +257,10 @@ class GenerateChunk:
     completion_tokens: int
     cached_tokens: int = 0
     finish_reason: str | None = None
+    raw: bytes | None = None
+    """An OpenAI engine's own answer (a whole JSON body, or one SSE event's data), relayed
+    to the client as written; empty for an event only the gateway's accounting asked for
+    (not relayed)."""
 
 
 def answer(

@@ -1,11 +1,19 @@
 """Parse and validate OpenAI `/v1/completions` and `/v1/chat/completions` bodies: the one
 parser of the gateway, the reference engine's own OpenAI route and the null server.
 
+Two modes, by who answers the request (`OpenAIMode`):
+- `forward` (vLLM engines): the engine's own OpenAI server answers, so the client's body
+  travels whole (`OpenAIBody`). Only what the gateway itself reads is checked here (model,
+  stream options, max tokens, the prompt or messages it tokenizes to route, the context);
+  every other field is the engine's to honour or refuse.
+- `generate` (reference engines, SGLang's `/generate`): the request becomes `/generate`
+  sampling parameters and the gateway renders the answer, so every field it cannot turn
+  into them (`tools`, `logprobs`, `n > 1`, penalties, ...) is refused with a 400 naming
+  it: never a silent drop. Fields that cannot change the output (`user`, `metadata`) are
+  accepted.
+
 Every rejection is an `APIError` (400 with the offending `param`, 404 for an unknown model),
-raised before anything is dispatched, so bad input never reaches an engine. Fields that
-would change the output but are not supported (`n > 1`, `echo`, `logprobs`, penalties,
-`best_of`) are rejected; fields that do not (`user`, `metadata`, ...) are ignored, as
-OpenAI-compatible servers do.
+raised before anything is dispatched.
 """
 
 from __future__ import annotations
@@ -16,11 +24,25 @@ from typing import Any, Literal
 
 import orjson
 
-from prfaas.common.tokenizer import ChatMessage, Tokenizer, chat_ids
+from prfaas.common.tokenizer import Tokenizer, chat_ids
 from prfaas.protocol.errors import APIError, invalid
 from prfaas.protocol.generate import SamplingParams
+from prfaas.protocol.openai_body import Api, OpenAIBody
+from prfaas.protocol.openai_chat import chat_prompt
 
-Api = Literal["completions", "chat"]
+__all__ = ["Api", "CompletionCall", "ModelLimits", "OpenAIMode", "load_json", "parse_call"]
+OpenAIMode = Literal["forward", "generate"]
+GENERATE_FIELDS = frozenset({
+    "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
+    "top_p", "top_k", "min_p", "stop", "seed", "stream", "stream_options", "ignore_eos", "n",
+    "best_of", "presence_penalty", "frequency_penalty", "echo", "logprobs", "top_logprobs",
+})  # fmt: skip
+"""What the `generate` mode turns into `/generate` sampling (or checks is a no-op)."""
+HARMLESS_FIELDS = frozenset({"user", "metadata", "store", "service_tier"})
+"""Fields that cannot change an answer: accepted in either mode, as OpenAI servers do."""
+GATEWAY_FIELDS = frozenset({"kv_transfer_params", "bootstrap_host", "bootstrap_port",
+                            "bootstrap_room"})  # fmt: skip
+"""The disaggregation fields the gateway writes itself: never taken from a client."""
 MAX_STOP = 4
 DEFAULT_MAX_TOKENS = 16
 BODY_BYTES_PER_TOKEN = 32
@@ -52,9 +74,14 @@ class CompletionCall:
     api: Api
     model: str
     input_ids: tuple[int, ...]
+    """The routing ids: the prompt exactly as the engine tokenizes it."""
     sampling: SamplingParams
+    """`generate` mode: what the engine samples with. `forward` mode: only the max tokens
+    (the engine reads the body)."""
     stream: bool
     include_usage: bool
+    body: OpenAIBody | None = None
+    """`forward` mode: the client's body, for the engine's own OpenAI server."""
 
 
 def max_body_bytes(limits: ModelLimits) -> int:
@@ -152,40 +179,27 @@ def parse_sampling(body: dict[str, Any]) -> SamplingParams:
     )
 
 
-def _prompt_ids(body: dict[str, Any], tokenizer: Tokenizer, vocab: int | None) -> list[int]:
+def _prompt_ids(
+    body: dict[str, Any], tokenizer: Tokenizer, vocab: int | None, *, batch: bool
+) -> list[int]:
+    """The prompt's ids; with `batch` (the `forward` mode), a list of several prompts routes
+    by its first (the engine runs them all), and a text prompt gets the tokenizer's special
+    tokens unless `add_special_tokens` is false, as vLLM tokenizes it."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+    several = isinstance(prompt, list) and len(prompt) > 1
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if several and not batch:
+            raise invalid("a batch of prompts is not supported by this deployment's engines",
+                          "prompt")  # fmt: skip
+        prompt = prompt[0]  # a batch (of one, or routed by its first)
     if isinstance(prompt, str):
-        return tokenizer.encode(prompt)
+        return tokenizer.encode(prompt, batch and body.get("add_special_tokens") is not False)
     if isinstance(prompt, list) and all(type(t) is int for t in prompt):
         bad = [t for t in prompt if t < 0 or (vocab is not None and t >= vocab)]
         if bad:
             raise invalid(f"'prompt' token id {bad[0]} is outside the vocabulary", "prompt")
         return list(prompt)
     raise invalid("'prompt' must be a string, a list of token ids, or a list of one", "prompt")
-
-
-def _content(value: Any, i: int) -> str:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        parts = [p.get("text") for p in value if isinstance(p, dict) and p.get("type") == "text"]
-        if len(parts) == len(value) and all(isinstance(p, str) for p in parts):
-            return "".join(str(p) for p in parts)
-    raise invalid(f"'messages[{i}].content' must be a string or a list of text parts", "messages")
-
-
-def _messages(body: dict[str, Any]) -> list[ChatMessage]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise invalid("'messages' must be a non-empty list", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise invalid(f"'messages[{i}]' must be an object with a string 'role'", "messages")
-        out.append(ChatMessage(m["role"], _content(m.get("content"), i)))
-    return out
 
 
 def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -195,14 +209,32 @@ def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
     return stream, bool(usage)
 
 
+def _generate_only(body: dict[str, Any]) -> None:
+    """`generate` mode: a 400 naming the first field that `/generate` cannot honour."""
+    for key in body:
+        if key not in GENERATE_FIELDS and key not in HARMLESS_FIELDS:
+            raise invalid(f"'{key}' is not supported by this deployment's engines", key)
+    options = body.get("stream_options") or {}
+    for key in options if isinstance(options, dict) else ():
+        if key != "include_usage":
+            raise invalid(f"'stream_options.{key}' is not supported by this deployment's "
+                          "engines", f"stream_options.{key}")  # fmt: skip
+
+
 def parse_call(
-    body: dict[str, Any], api: Api, limits: ModelLimits, tokenizer: Tokenizer
+    body: dict[str, Any],
+    api: Api,
+    limits: ModelLimits,
+    tokenizer: Tokenizer,
+    mode: OpenAIMode = "generate",
 ) -> CompletionCall:
-    """Validate and tokenize a request body.
+    """Validate and tokenize a request body (the module docstring says what each mode
+    checks).
 
     Raises:
-        APIError: 400 for a missing or wrong-typed field, invalid sampling values or a
-            prompt over the context; 404 for a model that is not served.
+        APIError: 400 for a missing or wrong-typed field, invalid sampling values, a field
+            the mode cannot honour or a prompt over the context; 404 for a model that is
+            not served.
     """
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -211,19 +243,29 @@ def parse_call(
         raise APIError(
             404, f"model {model!r} does not exist", param="model", code="model_not_found"
         )
-    sampling = parse_sampling(body)
+    for key in GATEWAY_FIELDS & body.keys():
+        raise invalid(f"'{key}' is set by the gateway, not by clients", key)
+    if mode == "generate":
+        _generate_only(body)
+        sampling = parse_sampling(body)
+    else:
+        sampling = SamplingParams(max_new_tokens=_max_tokens(body))
     stream, usage = _stream(body)
     if api == "chat":
-        ids = _tokenize_chat(tokenizer, _messages(body))
+        ids = _tokenize_chat(tokenizer, body, strict=mode == "generate")
     else:
-        ids = _prompt_ids(body, tokenizer, limits.vocab_size)
-    check_context(len(ids), sampling.max_new_tokens, limits)
-    return CompletionCall(api, model, tuple(ids), sampling, stream, usage)
+        ids = _prompt_ids(body, tokenizer, limits.vocab_size, batch=mode == "forward")
+    # vLLM's default max tokens is whatever the context leaves: one must fit
+    given = body.get("max_completion_tokens", body.get("max_tokens")) is not None
+    check_context(len(ids), sampling.max_new_tokens if given or mode == "generate" else 1, limits)
+    forwarded = OpenAIBody(api, body) if mode == "forward" else None
+    return CompletionCall(api, model, tuple(ids), sampling, stream, usage, forwarded)
 
 
-def _tokenize_chat(tokenizer: Tokenizer, messages: list[ChatMessage]) -> list[int]:
+def _tokenize_chat(tokenizer: Tokenizer, body: dict[str, Any], *, strict: bool) -> list[int]:
+    prompt = chat_prompt(body, text_only=strict, template=tokenizer.chat_template)
     try:
-        return chat_ids(tokenizer, messages)
+        return chat_ids(tokenizer, prompt)
     except ValueError as exc:
         raise invalid(str(exc), "messages") from None
 

@@ -43,6 +43,7 @@ def vllm_server(
         connector=connector,
         kv_events_port=events_port,
         threads=launch.threads,
+        extra_args=launch.vllm_args,
     )
 
 

@@ -23,11 +23,22 @@ from tokenizers import Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import BPE
 
 CHATML = (
+    '{% if tools %}<|im_start|>system\n# Tools\nCall a function as <tool_call>{"name": '
+    'NAME, "arguments": {...}}</tool_call>. Functions:{% for tool in tools %}\n'
+    "{{ tool | tojson }}{% endfor %}<|im_end|>\n{% endif %}"
     "{% for m in messages %}{% if loop.first and m['role'] != 'system' %}"
     "<|im_start|>system\nYou are helpful.<|im_end|>\n{% endif %}"
-    "<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}"
+    "{% if m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] | trim }}"
+    "\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}"
+    '{% for call in m[\'tool_calls\'] or [] %}\n<tool_call>\n{"name": "'
+    "{{ call['function']['name'] }}\", \"arguments\": "
+    "{{ call['function']['arguments'] | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+"""ChatML with Hermes-style tools (what vLLM's `hermes` tool-call parser reads): the tools
+in a system turn, an assistant's calls as `<tool_call>` JSON, tool results as user turns."""
 SPECIALS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
 
 # The hybrid shape the issue measured on vLLM's CPU build: 8 layers, every 4th full

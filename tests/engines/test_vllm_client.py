@@ -13,8 +13,9 @@ import pytest
 from aiohttp import web
 
 from prfaas.engines.client import EngineError, collect
-from prfaas.engines.vllm_client import VLLMClient, VLLMEndpoint, completion_body
+from prfaas.engines.vllm_client import VLLMClient, VLLMEndpoint, completion_body, openai_body
 from prfaas.protocol.generate import Bootstrap, GenerateRequest, SamplingParams
+from prfaas.protocol.openai_body import OpenAIBody
 
 PREFILL = VLLMEndpoint("http://127.0.0.1:1", "prefill", "tiny", "10.0.0.5", 8998)
 DECODE = VLLMEndpoint("http://127.0.0.1:2", "decode", "tiny")
@@ -47,7 +48,7 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     body = orjson.loads(await request.read())
     if body["prompt"] == [0]:
         return web.json_response({"error": {"message": "bad prompt"}}, status=400)
-    if not body["stream"]:
+    if not body.get("stream"):
         choice = {"text": "ab", "token_ids": [7, 8], "finish_reason": "length"}
         return web.json_response({"choices": [choice], "usage": {"prompt_tokens": 2}})
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -77,6 +78,60 @@ async def client() -> AsyncIterator[VLLMClient]:
         yield vllm
         await vllm.close()
     await runner.cleanup()
+
+
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+CLIENT_BODY = {
+    "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
+    "tool_choice": "required", "response_format": {"type": "json_object"}, "n": 1,
+    "max_completion_tokens": 30, "logprobs": True, "top_logprobs": 2, "stream": True,
+    "logit_bias": {"5": 3}, "chat_template_kwargs": {"x": 1}, "cache_salt": "s",
+}  # fmt: skip
+
+
+def test_a_forwarded_body_reaches_the_decode_whole_and_the_prefill_as_a_prompt() -> None:
+    """The decode gets the client's body whole plus `kv_transfer_params` (and its stream's
+    usage, for the gateway's counts); the prefill the same rendering fields (messages, tools
+    with `tool_choice` none, template kwargs, cache salt) for one unstreamed token without
+    grammar, several choices or log-probabilities."""
+    boot = Bootstrap("10.0.0.5", 8998, 42)
+    forwarded = OpenAIBody("chat", CLIENT_BODY)
+    request = GenerateRequest("r1", (1, 2, 3), SamplingParams(), True, boot, openai=forwarded)
+    dec, pre = openai_body(request, DECODE), openai_body(request, PREFILL)
+    assert {k: v for k, v in dec.items() if k not in ("kv_transfer_params", "stream_options")} == (
+        CLIENT_BODY
+    )
+    assert dec["kv_transfer_params"]["do_remote_prefill"] and dec["stream_options"] == {
+        "include_usage": True
+    }
+    assert pre == {
+        "model": "tiny", "messages": CLIENT_BODY["messages"], "tools": TOOLS,
+        "tool_choice": "none", "logit_bias": {"5": 3}, "chat_template_kwargs": {"x": 1},
+        "cache_salt": "s", "max_tokens": 1, "stream": False,
+        "kv_transfer_params": {"do_remote_decode": True, "room": 42},
+    }  # fmt: skip
+    assert "stream_options" not in CLIENT_BODY  # the client's body is never mutated
+
+
+async def test_forwarded_answers_are_relayed_as_written(client: VLLMClient) -> None:
+    """A forwarded call's chunks carry the engine's own events (`raw`); the usage event the
+    gateway asked for is counted but not relayed; a refusal keeps the engine's status and
+    body."""
+    streamed = await collect(client.generate(_forwarded({"prompt": "x", "stream": True})))
+    raws = [c.raw for c in streamed]
+    assert [orjson.loads(r)["choices"][0]["text"] for r in raws[:2] if r] == ["a", "b"]
+    assert raws[2] == b"" and streamed[-1].completion_tokens == 2
+    whole = await collect(client.generate(_forwarded({"prompt": "x"})))
+    assert [orjson.loads(c.raw or b"")["choices"][0]["text"] for c in whole] == ["ab"]
+    with pytest.raises(EngineError) as refused:
+        await collect(client.generate(_forwarded({"prompt": [0]})))
+    assert refused.value.status == 400 and refused.value.rejected
+    assert orjson.loads(refused.value.answer or b"") == {"error": {"message": "bad prompt"}}
+
+
+def _forwarded(fields: dict[str, object]) -> GenerateRequest:
+    body = OpenAIBody("completions", {"model": "tiny", **fields})
+    return GenerateRequest("f", (1,), SamplingParams(), body.stream, openai=body)
 
 
 async def test_streamed_and_whole_answers_become_chunks(client: VLLMClient) -> None:

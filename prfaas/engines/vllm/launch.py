@@ -40,6 +40,9 @@ class VLLMServer:
     """vLLM's token budget per step (`--max-num-batched-tokens`): a prompt longer than this
     prefills in chunks of it. None keeps vLLM's default (2,048 on CPU)."""
     threads: int = 1
+    extra_args: tuple[str, ...] = ()
+    """More `vllm serve` flags, e.g. `--enable-auto-tool-choice --tool-call-parser hermes`
+    (the tool-call parser the engine's OpenAI server answers `tools` with)."""
 
     def command(self) -> list[str]:
         args = [
@@ -73,7 +76,7 @@ class VLLMServer:
                 "topic": "kv-events",
             }
             args += ["--kv-events-config", json.dumps(events)]
-        return args
+        return args + list(self.extra_args)
 
     def env(self) -> dict[str, str]:
         """The environment: this one, with vLLM's CPU threads limited and unbound (several

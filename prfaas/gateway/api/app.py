@@ -1,6 +1,8 @@
 """The gateway's HTTP application on `HttpServer`: OpenAI API, health, metrics, admin state.
 
-Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`,
+Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, the engine
+server's utility routes (`utility_routes.py`: `/tokenize`, `/detokenize`, `/version`,
+`/ping`), `GET /health`,
 `GET /metrics` (Prometheus text), `GET /admin/state`, `POST /admin/state` (set `threshold`
 and/or `regime`: with schedulers running this pins them until `{"scheduler": "auto"}`),
 `GET /dashboard` (the live page and its script and style) and `GET /admin/dashboard` (the
@@ -30,6 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from prfaas.common.secret import DeploymentSecret, token_matches
 from prfaas.gateway.api.assembly import Gateway, build_gateway
 from prfaas.gateway.api.dashboard import DASHBOARD_PAGES, since_query
+from prfaas.gateway.api.utility_routes import detokenize, ping, tokenize, version
 from prfaas.gateway.deployment import DeploymentConfig
 from prfaas.http.server import Exchange, HttpLimits, HttpRequest, HttpResponse, HttpServer
 from prfaas.policies.profile import DeploymentProfile
@@ -164,6 +167,10 @@ ROUTES: dict[str, dict[str, Route]] = {
     "/v1/completions": {"POST": completions},
     "/v1/chat/completions": {"POST": chat},
     "/v1/models": {"GET": models},
+    "/tokenize": {"POST": tokenize},
+    "/detokenize": {"POST": detokenize},
+    "/version": {"GET": version},
+    "/ping": {"GET": ping, "POST": ping},
     "/health": {"GET": health},
     "/metrics": {"GET": metrics},
     "/admin/state": {"GET": admin_state, "POST": set_admin_state},

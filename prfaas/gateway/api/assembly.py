@@ -37,7 +37,7 @@ from prfaas.policies.registry import create_policy
 from prfaas.policies.routing import Regime, Route
 from prfaas.policies.schedule_state import ScheduleState
 from prfaas.policies.ttft_forecast import LinkState
-from prfaas.protocol.openai_request import ModelLimits
+from prfaas.protocol.openai_request import ModelLimits, OpenAIMode
 
 ROUTES: tuple[str, ...] = get_args(Route)
 ROLES: tuple[str, ...] = get_args(Role)
@@ -296,6 +296,7 @@ def build_gateway(
         metrics=metrics,
         api_keys=frozenset(g.api_keys),
         retry_after_s=g.retry_after_s,
+        mode=openai_mode(config),
     )
     endpoints = {c.id: c.kv_events for c in config.instances if c.kv_events}
     vllm = frozenset(c.id for c in config.instances if c.engine == "vllm")
@@ -319,6 +320,13 @@ def build_gateway(
         metrics.add_gauges(gateway.scheduler.gauges)
         gateway.scheduler.board.listeners.append(_dashboard_reporter(gateway))
     return gateway
+
+
+def openai_mode(config: DeploymentConfig) -> OpenAIMode:
+    """`forward` when every engine is a vLLM server (their own OpenAI servers answer the
+    client's body), else `generate` (reference engines and SGLang's `/generate`)."""
+    engines = {c.engine for c in config.instances}
+    return "forward" if engines == {"vllm"} else "generate"
 
 
 def _dashboard_reporter(gateway: Gateway) -> Callable[[ScheduleState], None]:

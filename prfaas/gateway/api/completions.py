@@ -3,6 +3,11 @@
 The routing itself lives in `Router` (no HTTP there); this module only adapts HTTP to it
 and keeps the metrics. A client that disconnects cancels the handler, which closes the
 Router's stream and so aborts the request on both the prefill and the decode engine.
+
+In the `forward` mode (vLLM engines) the client's body goes to the engines whole and their
+answer comes back as they wrote it: each event (or the whole body) unchanged, the engine's
+refusal with its own status and body; the metrics read the answer's usage. In the
+`generate` mode the answer is rendered here from the engine's `/generate` output.
 """
 
 from __future__ import annotations
@@ -25,7 +30,14 @@ from prfaas.gateway.router import Dispatch, Router
 from prfaas.http.server import Exchange, HttpRequest, HttpResponse
 from prfaas.policies.routing import NoInstanceAvailable, RouteDecision
 from prfaas.protocol.errors import APIError
-from prfaas.protocol.openai_request import Api, CompletionCall, ModelLimits, load_json, parse_call
+from prfaas.protocol.openai_request import (
+    Api,
+    CompletionCall,
+    ModelLimits,
+    OpenAIMode,
+    load_json,
+    parse_call,
+)
 from prfaas.protocol.openai_response import Accumulator
 
 SSE_HEADERS = {"Cache-Control": "no-cache"}
@@ -63,6 +75,8 @@ class CompletionService:
     """Where finished requests are booked for the dashboard."""
     api_keys: frozenset[str] = frozenset()
     retry_after_s: int = 1
+    mode: OpenAIMode = "generate"
+    """`forward` when the engines' own OpenAI servers answer (vLLM), else `generate`."""
     clock: Callable[[], float] = field(default=lambda: asyncio.get_running_loop().time())
 
     def check_auth(self, request: HttpRequest) -> None:
@@ -137,7 +151,7 @@ class CompletionService:
             ) from None
 
     def _parse(self, body: bytes, api: Api) -> CompletionCall:
-        return parse_call(load_json(body), api, self.limits, self.tokenizer)
+        return parse_call(load_json(body), api, self.limits, self.tokenizer, self.mode)
 
     async def _serve(
         self, exchange: Exchange, call: CompletionCall, timing: _Timing
@@ -146,11 +160,14 @@ class CompletionService:
         acc = Accumulator(call, f"{prefix}-{secrets.token_hex(16)}", int(time.time()))
         try:
             routed = await self.router.dispatch(
-                acc.rid, call.input_ids, call.sampling, stream=call.stream
+                acc.rid, call.input_ids, call.sampling, stream=call.stream, openai=call.body
             )
         except NoInstanceAvailable as exc:
             raise APIError(503, str(exc), code="no_instance_available") from None
         except EngineError as exc:
+            if exc.answer is not None:  # the engine refused what the client sent: its words
+                timing.status = exc.status
+                return HttpResponse(exc.status, exc.answer)
             raise _engine_error(exc) from None
         try:
             timing.route = routed.decision.route
@@ -176,23 +193,29 @@ class CompletionService:
         except EngineError as exc:
             raise _engine_error(exc) from None
         headers = route_headers(routed.decision)
+        if acc.call.body is not None and acc.last is not None and acc.last.raw is not None:
+            return HttpResponse(200, acc.last.raw, headers=headers)  # the engine's own answer
         return HttpResponse(200, orjson.dumps(acc.final()), headers=headers)
 
     async def _sse(self, exchange: Exchange, acc: Accumulator, routed: Dispatch) -> None:
         headers = {**SSE_HEADERS, **route_headers(routed.decision)}
         resp = exchange.start_stream(200, headers, "text/event-stream")
         chunk = routed.first
+        forwarded = acc.call.body is not None
         try:
             while chunk is not None:
                 acc.add(chunk)
-                await resp.write(_sse(acc.chunk(chunk)))
+                if not forwarded:
+                    await resp.write(_sse(acc.chunk(chunk)))
+                elif chunk.raw:  # the engine's own event, as written
+                    await resp.write(b"data: " + chunk.raw + b"\n\n")
                 chunk = await routed.next()
         except EngineError as exc:
             # Too late for a status: an OpenAI error event, and no `[DONE]`, so a client
             # that trusts `[DONE]` never takes the cut-off answer for a whole one.
             await resp.write(_sse(_engine_error(exc).body()))
         else:
-            if acc.call.include_usage:
+            if acc.call.include_usage and not forwarded:
                 await resp.write(_sse(acc.usage_chunk()))
             await resp.write(b"data: [DONE]\n\n")
         await resp.end()

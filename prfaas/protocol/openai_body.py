@@ -1,0 +1,49 @@
+"""The client's OpenAI request as it arrived: what a `forward`-mode gateway hands the engine's
+own OpenAI server (`prfaas.protocol.openai_request` says which fields the gateway read)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Api = Literal["completions", "chat"]
+PATHS: dict[Api, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+"""Each API's route on an OpenAI server."""
+
+
+@dataclass(frozen=True, eq=False)
+class OpenAIBody:
+    """One client body, whole (never mutated: engine clients copy what they change)."""
+
+    api: Api
+    fields: Mapping[str, Any]
+
+    @property
+    def path(self) -> str:
+        return PATHS[self.api]
+
+    @property
+    def stream(self) -> bool:
+        return self.fields.get("stream") is True
+
+    def one_engine(self) -> str | None:
+        """Why this request must run whole on one engine (its decode computing the prompt
+        too), or None when a prefill may compute it elsewhere: several sequences (`n`,
+        `best_of`, beam search, a batch of prompts) would each fetch the one transfer, and
+        prompt log-probabilities or an echo need the prompt computed where it is answered.
+        """
+        f = self.fields
+        for key in ("n", "best_of"):
+            value = f.get(key)
+            if isinstance(value, int) and value > 1:
+                return key
+        prompt = f.get("prompt")
+        if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list)):
+            return "prompt"
+        for key in ("use_beam_search", "echo"):
+            if f.get(key) is True:
+                return key
+        if f.get("prompt_logprobs") is not None:
+            return "prompt_logprobs"
+        return None
