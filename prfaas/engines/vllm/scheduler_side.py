@@ -5,12 +5,15 @@ prefill ships the KV of [0, C) and the linear states at C, the decode computes [
 (a recurrent state cannot be rewound, so the decode must compute at least the last token to
 sample from). With vLLM's Mamba "align" cache mode, C is where vLLM ends the aggregated
 run's second-to-last chunk, so the decode's piece is the aggregated run's last chunk and the
-states at C are final a whole chunk before the prefill's forward ends.
+states at C are final a whole chunk before the prefill's forward ends. A prompt of at most
+one block is one chunk in the aggregated run: C is 0 and the decode computes all of it (any
+other C splits that chunk, and bf16 kernels on other pieces flip near-tied greedy tokens).
 Prefill (`do_remote_decode`): the prompt is cut on arrival (to C + 1 tokens in "align" mode:
 vLLM then stops a chunk at C, as it does for the whole prompt) and it stops after one token;
 every step that computes part of [0, C) becomes a `SendStep`, the one reaching C the last.
+With C = 0 it sends nothing (no room is opened) and computes one token only, to answer.
 Decode (`do_remote_prefill`): C prompt tokens are loaded asynchronously into the blocks the
-scheduler allocates, then vLLM computes the rest.
+scheduler allocates, then vLLM computes the rest (everything when C = 0: no transfer).
 """
 
 from __future__ import annotations
@@ -42,15 +45,19 @@ def handoff(prompt_len: int, state_block: int | None) -> Handoff:
     otherwise). There vLLM ends a prefill chunk at the last block boundary before the
     prompt's last token (`get_mamba_prefill_checkpoint_position`) and keeps the states at it
     in that block's slot: C is that boundary, and the prefill's prompt is C + 1 tokens (its
-    chunks then end where the whole prompt's do, up to C). Elsewhere, and for prompts of at
-    most one block, C is N - 1 and the prefill computes just those (vLLM's own Mooncake
-    connector does the same for hybrid models).
+    chunks then end where the whole prompt's do, up to C). For a prompt of at most one block
+    that boundary is 0: vLLM computes the prompt in one chunk, so the decode computes all of
+    it (C = 0, the prefill's prompt one token, nothing sent). Handing over at N - 1 there
+    instead splits that chunk into N - 1 tokens and a one-token step, whose bf16 kernels
+    (chunked vs recurrent gated delta rule, prefill vs decode attention) move the first
+    token's logprobs by up to 0.34 nats on the tiny model and flip near-tied greedy tokens.
+    Elsewhere C is N - 1 and the prefill computes just those (vLLM's own Mooncake connector
+    does the same for hybrid models).
     """
     if state_block is not None:
         boundary = (prompt_len - 1) // state_block * state_block
-        if boundary > 0:
-            return Handoff(boundary, boundary + 1)
-    return Handoff(prompt_len - 1, prompt_len - 1)
+        return Handoff(boundary, boundary + 1)
+    return Handoff(prompt_len - 1, max(prompt_len - 1, 1))
 
 
 class StateBlocks:
@@ -84,11 +91,15 @@ class SchedulerSide:
         self._local_hits: dict[str, int] = {}
 
     def on_new_request(self, request: Any) -> None:
+        """A prefill request is cut to its part of the prompt; it sends only when the
+        handoff point is past token 0 (otherwise the decode computes the whole prompt and
+        never asks for the room)."""
         side = _side(request)
-        if isinstance(side, RemoteDecode) and request.num_prompt_tokens > 1:
+        if isinstance(side, RemoteDecode):
             point = handoff(request.num_prompt_tokens, self._state_block())
             _truncate(request, point.prefill_tokens)
-            self._sending[request.request_id] = _Sending(side.room, point.tokens)
+            if point.tokens > 0:
+                self._sending[request.request_id] = _Sending(side.room, point.tokens)
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
