@@ -14,7 +14,7 @@ TOOL = {
         "description": "The weather in a city.",
         "parameters": {
             "type": "object",
-            "properties": {"city": {"type": "string"}},
+            "properties": {"city": {"type": "string", "maxLength": 6}},
             "required": ["city"],
         },
         "strict": True,
@@ -26,7 +26,7 @@ TOOL_2 = {
         "name": "get_time",
         "parameters": {
             "type": "object",
-            "properties": {"zone": {"type": "string"}},
+            "properties": {"zone": {"type": "string", "maxLength": 6}},
             "required": ["zone"],
         },
         "strict": True,
@@ -73,10 +73,10 @@ CHAT: dict[str, dict[str, Any]] = {
             }
         ]
     },
-    "tools-required": {"tools": [TOOL, TOOL_2], "tool_choice": "required", "max_tokens": 40},
+    "tools-required": {"tools": [TOOL, TOOL_2], "tool_choice": "required", "max_tokens": 120},
     "tools-named": {
         "tools": [TOOL, TOOL_2],
-        "max_tokens": 40,
+        "max_tokens": 120,
         "tool_choice": {"type": "function", "function": {"name": "get_time"}},
     },
     "tools-auto": {"tools": [TOOL], "tool_choice": "auto"},
@@ -85,12 +85,12 @@ CHAT: dict[str, dict[str, Any]] = {
         "tools": [TOOL, TOOL_2],
         "tool_choice": "required",
         "parallel_tool_calls": False,
-        "max_tokens": 40,
+        "max_tokens": 120,
     },
     "agent-turn-2": {"messages": TURN_2, "tools": [TOOL]},
     "json-object": {"response_format": {"type": "json_object"}, "max_tokens": 24},
     "json-schema": {
-        "max_tokens": 40,
+        "max_tokens": 120,
         "response_format": {
             "type": "json_schema",
             "json_schema": {"name": "a", "schema": SCHEMA, "strict": True},
