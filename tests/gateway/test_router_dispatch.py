@@ -25,6 +25,7 @@ from prfaas.gateway.kv_index import KVIndexManager
 from prfaas.gateway.router import Dispatch, RetryPolicy, Router, RoutingState
 from prfaas.policies.routing import PrfaasPolicy
 from prfaas.protocol.generate import GenerateChunk, GenerateRequest, SamplingParams
+from prfaas.protocol.openai_body import OpenAIBody
 
 
 class _Call(QueuedCall):
@@ -156,3 +157,43 @@ async def _first(
     decode.calls[0].push(chunk)
     prefill.calls[0].finish()
     return await task
+
+
+async def test_a_forwarded_request_is_never_migrated() -> None:
+    """A request carrying the client's OpenAI body whose decode dies after output fails at
+    once, although a migration would wait for the decode to come back (as a token-id
+    request does above): its answer is the engine's own rendering, which no other engine
+    continues exactly."""
+    router, prefill, decode = _router()
+    router.retry = RetryPolicy(wait_s=5)
+    body = OpenAIBody("chat", {"model": "tiny", "messages": [], "tools": [{}]})
+    task = asyncio.ensure_future(
+        router.dispatch("r", tuple(range(64)), SamplingParams(), stream=True, openai=body)
+    )
+    await asyncio.sleep(0)
+    assert decode.requests[0].openai is body and prefill.requests[0].openai is body
+    decode.calls[0].push(GenerateChunk((), "", 64, 1, 0, raw=b"{}"))
+    prefill.calls[0].finish()
+    routed = await task
+    decode.calls[0].finish(EngineError("pd-d0: died mid-stream"))
+    with pytest.raises(EngineError, match="died mid-stream"):
+        await asyncio.wait_for(routed.next(), 1.0)
+    assert routed.migrations == 0 and len(decode.calls) == 1
+    routed.close()
+
+
+async def test_several_sequences_run_on_the_decode_alone() -> None:
+    """`n > 1` (or prompt log-probabilities): the decode computes the prompt itself; no
+    prefill call, no bootstrap."""
+    router, prefill, decode = _router()
+    body = OpenAIBody("completions", {"model": "tiny", "prompt": "x", "n": 2})
+    task = asyncio.ensure_future(
+        router.dispatch("r", tuple(range(64)), SamplingParams(), stream=False, openai=body)
+    )
+    await asyncio.sleep(0)
+    assert not prefill.calls and decode.requests[0].bootstrap is None
+    decode.calls[0].push(GenerateChunk((), "", 64, 2, 0, "length", raw=b"{}"))
+    decode.calls[0].finish()
+    routed = await task
+    assert routed.decision.prefill_instance == "pd-d0" and routed.decision.route == "pd"
+    routed.close()
