@@ -89,6 +89,8 @@ LAUNCHER = Path(__file__).resolve().parent / "gateway_server.py"
 OURS = "prfaas-gateway"
 WATCHED = "prfaas-gateway+dashboard"
 """With `--dashboard`: a second gateway like ours, polled by a dashboard client throughout."""
+FORWARD = "prfaas-gateway-forward"
+"""The gateway in `forward` mode (the engines declared vLLM): the client's body travels whole."""
 OTHER_SERVERS = ("granian", "granian-rsgi", "uvicorn")
 """The servers the gateway app is also measured on (benchmarks/gateway_server.py)."""
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 12  # ~540 tokens
@@ -191,7 +193,10 @@ def _spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT)
 
 
-def _gateway_config(path: Path, urls: list[str]) -> Path:
+def _gateway_config(path: Path, urls: list[str], engine: str = "sglang") -> Path:
+    """The deployment over the null engines; `engine = "vllm"` makes the gateway forward the
+    client's OpenAI body (`forward` mode, vLLM's protocol), which the null engines answer as
+    if alone."""
     rows = [
         ("prfaas-p0", "prfaas", "prefill"),
         ("pd-p0", "pd", "prefill"),
@@ -201,7 +206,8 @@ def _gateway_config(path: Path, urls: list[str]) -> Path:
     text += "[gateway]\nthreshold = 256\nmax_running = 1024\n"
     for (inst, cluster, role), url in zip(rows, urls, strict=True):
         text += f'[[instances]]\nid = "{inst}"\ncluster = "{cluster}"\nrole = "{role}"\n'
-        text += f'url = "{url}"\n' + ("bootstrap_port = 8998\n" if role == "prefill" else "")
+        text += f'url = "{url}"\nengine = "{engine}"\n'
+        text += "bootstrap_port = 8998\n" if role == "prefill" else ""
     path.write_text(text)
     return path
 
@@ -272,13 +278,18 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def request_body(stream: bool) -> bytes:
+    """The one request every target gets (streamed or whole)."""
+    body = {"model": "null", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    return orjson.dumps({**body, "stream": True} if stream else body)
+
+
 async def _latency(
-    session: aiohttp.ClientSession, urls: dict[str, str], order: list[str], n: int
+    session: aiohttp.ClientSession, urls: dict[str, str], order: list[str], n: int, body: bytes
 ) -> dict[str, tuple[float, float]]:
     """p50 and p99 of `n` sequential requests per target, interleaved request by request
     (one to each target in `order`, then again), so a burst of noise from other processes
     hits every target alike."""
-    body = orjson.dumps({"model": "null", "prompt": PROMPT, "max_tokens": 8, "temperature": 0})
     lat: dict[str, list[float]] = {name: [] for name in order}
     for _ in range(n):
         for name in order:
@@ -286,16 +297,14 @@ async def _latency(
     return {name: (_pct(v, 0.5), _pct(v, 0.99)) for name, v in lat.items()}
 
 
-async def _block_p50(session: aiohttp.ClientSession, url: str, n: int) -> float:
+async def _block_p50(session: aiohttp.ClientSession, url: str, n: int, body: bytes) -> float:
     """p50 of `n` sequential requests to one target in a row (no other target between
     them): a second view of the latency, where a router's threads never idle between
     requests."""
-    body = orjson.dumps({"model": "null", "prompt": PROMPT, "max_tokens": 8, "temperature": 0})
     return _pct([await _one(session, url, body) for _ in range(n)], 0.5)
 
 
-async def _max_rate(session: aiohttp.ClientSession, url: str, seconds: float) -> float:
-    body = orjson.dumps({"model": "null", "prompt": PROMPT, "max_tokens": 8})
+async def _max_rate(session: aiohttp.ClientSession, url: str, seconds: float, body: bytes) -> float:
     done = 0
     stop = time.perf_counter() + seconds
 
@@ -311,16 +320,22 @@ async def _max_rate(session: aiohttp.ClientSession, url: str, seconds: float) ->
 
 
 async def _round(
-    session: aiohttp.ClientSession, targets: dict[str, str], order: list[str], n: int, sec: float
+    session: aiohttp.ClientSession,
+    targets: dict[str, str],
+    order: list[str],
+    n: int,
+    sec: float,
+    body: bytes,
 ) -> dict[str, dict[str, float]]:
     """One round: every target in `order`; added latency against `direct` of this round."""
-    latency = await _latency(session, targets, order, n)
+    latency = await _latency(session, targets, order, n, body)
     measured = {}
     for name in order:
         p50, p99 = latency[name]
-        measured[name] = {"p50_ms": p50 * 1e3, "p99_ms": p99 * 1e3,
-                          "block_p50_ms": await _block_p50(session, targets[name], n) * 1e3,
-                          "max_rps": await _max_rate(session, targets[name], sec)}  # fmt: skip
+        block = await _block_p50(session, targets[name], n, body)
+        rate = await _max_rate(session, targets[name], sec, body)
+        measured[name] = {"p50_ms": p50 * 1e3, "p99_ms": p99 * 1e3, "block_p50_ms": block * 1e3,
+                          "max_rps": rate}  # fmt: skip
     base = measured["direct"]
     for row in measured.values():
         row["added_p50_ms"] = row["p50_ms"] - base["p50_ms"]
@@ -342,7 +357,12 @@ async def _watch_dashboard(url: str) -> None:
 
 
 async def overhead(
-    targets: dict[str, str], rounds: int, n: int, seconds: float, watched: str | None = None
+    targets: dict[str, str],
+    rounds: int,
+    n: int,
+    seconds: float,
+    watched: str | None = None,
+    stream: bool = False,
 ) -> tuple[list[dict[str, Any]], list[dict[str, dict[str, float]]]]:
     """Medians over rounds per target, and the rounds themselves. The order of the targets
     rotates from round to round, so no target always runs first or last. A dashboard client
@@ -354,10 +374,11 @@ async def overhead(
         for url in targets.values():
             await _wait_ready(session, url)
         watcher = asyncio.create_task(_watch_dashboard(targets[watched])) if watched else None
-        await _latency(session, targets, names, 50)  # warm every path before measuring
+        body = request_body(stream)
+        await _latency(session, targets, names, 50, body)  # warm every path before measuring
         for r in range(rounds):
             order = names[r % len(names) :] + names[: r % len(names)]
-            per_round.append(await _round(session, targets, order, n, seconds))
+            per_round.append(await _round(session, targets, order, n, seconds, body))
         if watcher is not None:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -375,6 +396,7 @@ def run_overhead(
     seconds: float,
     servers: tuple[str, ...] = OTHER_SERVERS,
     dashboard: bool = False,
+    stream: bool = False,
 ) -> tuple[tuple[list[dict[str, Any]], list[dict[str, dict[str, float]]]], str | None]:
     logs = Path(tempfile.mkdtemp(prefix="prfaas-bench-gw-"))
     ports = [free_port() for _ in range(3)]
@@ -385,6 +407,10 @@ def run_overhead(
     config = _gateway_config(logs / "deploy.toml", urls)
     procs.append(_spawn_gateway("ours", config, gw_port, logs / "gateway.log"))
     targets = {"direct": urls[2], OURS: f"http://127.0.0.1:{gw_port}"}
+    forward_port = free_port()  # the same engines spoken to as vLLM: the client's body forwarded
+    forward = _gateway_config(logs / "deploy-forward.toml", urls, engine="vllm")
+    procs.append(_spawn_gateway("ours", forward, forward_port, logs / "gateway-forward.log"))
+    targets[FORWARD] = f"http://127.0.0.1:{forward_port}"
     if dashboard:  # the same gateway again, with a dashboard client polling it
         port = free_port()
         procs.append(_spawn_gateway("ours", config, port, logs / "gateway-watched.log"))
@@ -410,7 +436,7 @@ def run_overhead(
         notes.append("sglang-router unavailable (see message above)")
     try:
         watched = WATCHED if dashboard else None
-        result = asyncio.run(overhead(targets, rounds, n, seconds, watched))
+        result = asyncio.run(overhead(targets, rounds, n, seconds, watched, stream))
         return result, "; ".join(notes) or None
     finally:
         for proc in procs:
@@ -456,6 +482,15 @@ def _ratios(
     print(f"added p50 in blocks (each target's requests in a row), ours / sglang-router: "
           f"{out['block_added_p50_ratio_vs_sglang_router']:.2f}")  # fmt: skip
     print(f"max req/s, ours / sglang-router: {out['max_rps_ratio_vs_sglang_router']:.2f}")
+    fwd = by[FORWARD]["added_p50_ms"] / max(theirs["added_p50_ms"], 1e-6)
+    fwd_rounds = [m[FORWARD]["added_p50_ms"] / max(m["sglang-router"]["added_p50_ms"], 1e-6)
+                  for m in per_round]  # fmt: skip
+    out.update(forward_added_p50_ratio_vs_sglang_router=fwd,
+               forward_added_p50_ratio_per_round=fwd_rounds)  # fmt: skip
+    print(
+        f"added p50, ours forwarding the OpenAI body (vLLM protocol) / sglang-router: "
+        f"{fwd:.2f} (each round {', '.join(f'{r:.2f}' for r in fwd_rounds)}; goal <= 1.05)"
+    )
     return out
 
 
@@ -489,6 +524,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=200, help="sequential, per target/round")
     parser.add_argument("--rate-seconds", type=float, default=4.0)
     parser.add_argument("--skip-overhead", action="store_true")
+    parser.add_argument("--stream", action="store_true", help="stream every answer (SSE)")
     parser.add_argument("--json", type=Path, metavar="OUT")
     parser.add_argument(
         "--servers",
@@ -513,12 +549,12 @@ def main() -> None:
     result: dict[str, Any] = {"decision_cost": decisions, "kv_event_cost": events}
     if not args.skip_overhead:
         (rows, per_round), note = run_overhead(
-            args.rounds, args.requests, args.rate_seconds, servers, args.dashboard
+            args.rounds, args.requests, args.rate_seconds, servers, args.dashboard, args.stream
         )
         _table("Part 2: overhead over null engines (medians over rounds; ms, req/s)", rows)
         result.update(overhead=rows, overhead_rounds=per_round, overhead_note=note)
         result.update(server_bakeoff=_bakeoff(rows))
-        result.update(rounds=args.rounds, requests=args.requests)
+        result.update(rounds=args.rounds, requests=args.requests, stream=args.stream)
         if any(r["target"] == "sglang-router" for r in rows):
             result.update(_ratios(rows, per_round))
     if args.json:

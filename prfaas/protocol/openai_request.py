@@ -227,9 +227,12 @@ def parse_call(
     limits: ModelLimits,
     tokenizer: Tokenizer,
     mode: OpenAIMode = "generate",
+    *,
+    pd_fields: bool = False,
 ) -> CompletionCall:
     """Validate and tokenize a request body (the module docstring says what each mode
-    checks).
+    checks). The disaggregation fields (`GATEWAY_FIELDS`) are refused unless `pd_fields`
+    (the null server, which answers a PD router's requests as if alone).
 
     Raises:
         APIError: 400 for a missing or wrong-typed field, invalid sampling values, a field
@@ -243,10 +246,11 @@ def parse_call(
         raise APIError(
             404, f"model {model!r} does not exist", param="model", code="model_not_found"
         )
-    for key in GATEWAY_FIELDS & body.keys():
-        raise invalid(f"'{key}' is set by the gateway, not by clients", key)
+    given = GATEWAY_FIELDS & body.keys()
+    for key in () if pd_fields else sorted(given):
+        raise invalid(f"'{key}' is written by the gateway: it is not accepted here", key)
     if mode == "generate":
-        _generate_only(body)
+        _generate_only({k: v for k, v in body.items() if k not in given})
         sampling = parse_sampling(body)
     else:
         sampling = SamplingParams(max_new_tokens=_max_tokens(body))
@@ -256,8 +260,8 @@ def parse_call(
     else:
         ids = _prompt_ids(body, tokenizer, limits.vocab_size, batch=mode == "forward")
     # vLLM's default max tokens is whatever the context leaves: one must fit
-    given = body.get("max_completion_tokens", body.get("max_tokens")) is not None
-    check_context(len(ids), sampling.max_new_tokens if given or mode == "generate" else 1, limits)
+    asked = body.get("max_completion_tokens", body.get("max_tokens")) is not None
+    check_context(len(ids), sampling.max_new_tokens if asked or mode == "generate" else 1, limits)
     forwarded = OpenAIBody(api, body) if mode == "forward" else None
     return CompletionCall(api, model, tuple(ids), sampling, stream, usage, forwarded)
 

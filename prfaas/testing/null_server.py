@@ -39,7 +39,13 @@ from prfaas.common.hashing import hash_blocks
 from prfaas.common.tokenizer import ByteTokenizer
 from prfaas.protocol.errors import APIError
 from prfaas.protocol.generate import GenerateChunk, GenerateRequest, answer, parse_request
-from prfaas.protocol.openai_request import CompletionCall, ModelLimits, load_json, parse_call
+from prfaas.protocol.openai_request import (
+    Api,
+    CompletionCall,
+    ModelLimits,
+    load_json,
+    parse_call,
+)
 from prfaas.protocol.openai_response import Accumulator
 
 MAX_CONTEXT = 2_000_000  # prompt + output tokens the null server takes
@@ -198,7 +204,10 @@ class NullServer:
             return await self._stream(request, answers)
         model = body.get("model")  # the null server answers for any model name
         limits = ModelLimits(model if isinstance(model, str) and model else "null", MAX_CONTEXT)
-        completion = parse_call(body, "chat" if api == "chat" else "completions", limits, _BYTES)
+        api_name: Api = "chat" if api == "chat" else "completions"
+        # `forward` reads only the model, prompt and max tokens (all a null answer uses) and
+        # takes any other field, the PD fields of a router or our gateway's too
+        completion = parse_call(body, api_name, limits, _BYTES, "forward", pd_fields=True)
         cached = self.cache.lookup_and_insert(list(completion.input_ids))
         acc = Accumulator(completion, rid, int(time.time()))
         chunks = openai_chunks(completion, cached)

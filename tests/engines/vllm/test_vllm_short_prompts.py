@@ -27,7 +27,9 @@ from prfaas.engines.vllm.launch import VLLMProcess
 pytestmark = pytest.mark.timeout(900)
 
 STATE_BLOCK = 128  # where vLLM's scheduler checkpoints the tiny model's linear states
-LENGTHS = (1, 2, 5, 32, 59, 64, 127, 128, 129, 130, 383, 384, 385, 1000, 2500)
+LENGTHS = (1, 2, 3, 5, 8, 16, 32, 59, 64, 100, 127, 128, 129, 130, 200, 255, 256, 257, 383,
+           384, 385, 511, 512, 768, 1000, 1500, 2048, 2500, 3154, 4000)  # fmt: skip
+"""30 prompt lengths from 1 to 4,000 tokens (the context is 4,096)."""
 MAX_TOKENS = 12
 
 
