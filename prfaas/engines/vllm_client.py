@@ -204,11 +204,10 @@ class _CompletionCall(AnsweredCall):
     def _answer(self, raw: bytes) -> None:
         """A whole answer: a chunk per choice (token path), or the answer as written."""
         answer = orjson.loads(raw)
-        if not self.relay:
+        if self.relay:
+            self._relayed(raw, answer)
+        else:
             self._event(answer)
-            return
-        self._check(answer)
-        self._relayed(raw, answer)
 
     def _check(self, event: Any) -> None:
         name = self.client.instance_id

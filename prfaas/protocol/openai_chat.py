@@ -48,9 +48,10 @@ def chat_prompt(body: dict[str, Any], *, text_only: bool, template: str | None) 
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict)
                                                                    for t in tools)):  # fmt: skip
         raise invalid("'tools' must be a list of objects", "tools")
-    kwargs = dict(body.get("chat_template_kwargs") or {})
-    if not isinstance(body.get("chat_template_kwargs") or {}, dict):
+    given = body.get("chat_template_kwargs") or {}
+    if not isinstance(given, dict):
         raise invalid("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    kwargs = dict(given)
     effort = body.get("reasoning_effort")
     if effort is not None:
         kwargs["reasoning_effort"] = effort
@@ -177,4 +178,4 @@ def _arguments(value: Any) -> Any:
             value = orjson.loads(value)
         except orjson.JSONDecodeError:
             return {}
-    return value if isinstance(value, dict) and value is not None else {}
+    return value if isinstance(value, dict) else {}
