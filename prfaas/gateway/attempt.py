@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 from collections.abc import Callable, Sequence
 
-from prfaas.engines.client import EngineCall, EngineError
+from prfaas.engine_clients.base import EngineCall, EngineError
 from prfaas.gateway.instances import InstanceState
 from prfaas.policies.routing import RouteDecision
 from prfaas.protocol.generate import GenerateChunk, GenerateRequest

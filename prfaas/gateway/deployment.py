@@ -54,7 +54,7 @@ from typing import Any, Literal, get_args
 from urllib.parse import urlparse
 
 from prfaas.common.toml_tables import ConfigError, build, check, load_toml
-from prfaas.engines.client import Role
+from prfaas.engine_clients.base import Role
 from prfaas.gateway.scheduling.config import SchedulerConfig
 from prfaas.policies.routing import Regime, Route
 

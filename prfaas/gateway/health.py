@@ -23,9 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from prfaas.engines.client import BaseEngineClient, EngineError, EngineReport, Role
-from prfaas.engines.sglang_client import SGLangClient
-from prfaas.engines.vllm_client import VLLMClient
+from prfaas.engine_clients.base import BaseEngineClient, EngineError, EngineReport, Role
+from prfaas.engine_clients.sglang import SGLangClient
+from prfaas.engine_clients.vllm import VLLMClient
 from prfaas.gateway.instances import InstanceManager, InstanceState
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from prfaas.engines.client import BaseEngineClient, EngineCall, EngineError, Role
+from prfaas.engine_clients.base import BaseEngineClient, EngineCall, EngineError, Role
 from prfaas.policies.routing import InstanceView, Route
 
 logger = logging.getLogger(__name__)

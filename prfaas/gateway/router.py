@@ -29,7 +29,7 @@ from typing import NoReturn, Protocol
 import msgspec
 
 from prfaas.common.hashing import iter_block_hashes
-from prfaas.engines.client import EngineError
+from prfaas.engine_clients.base import EngineError
 from prfaas.gateway.attempt import Attempt, Continuation
 from prfaas.gateway.instances import InstanceManager, InstanceState
 from prfaas.gateway.kv_index import KVIndexManager

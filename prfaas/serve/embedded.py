@@ -27,7 +27,7 @@ from typing import Any
 import aiohttp
 
 from prfaas.common.secret import ENV_SECRET, DeploymentSecret
-from prfaas.engines.sglang_client import SGLangClient
+from prfaas.engine_clients.sglang import SGLangClient
 from prfaas.gateway.api.assembly import Gateway, egress_setup
 from prfaas.gateway.deployment import DeploymentConfig, GatewayConfig, InstanceConfig, ModelConfig
 from prfaas.gateway.link import EgressSample, fetch_sample

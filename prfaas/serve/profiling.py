@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from prfaas.engines.client import BaseEngineClient, collect
+from prfaas.engine_clients.base import BaseEngineClient, collect
 from prfaas.gateway.link import EgressSample
 from prfaas.policies.planner import PlanReport, plan
 from prfaas.policies.profile import DeploymentProfile, parse_profile

@@ -17,7 +17,7 @@ import random
 from collections.abc import Sequence
 
 from prfaas.common.hashing import hash_blocks
-from prfaas.engines.client import Role
+from prfaas.engine_clients.base import Role
 from prfaas.gateway.instances import InstanceManager, InstanceState
 from prfaas.gateway.kv_index import KVIndexManager
 from prfaas.gateway.router import RouteEvent, Router, RoutingState

@@ -28,7 +28,7 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from prfaas.engines.client import (
+from prfaas.engine_clients.base import (
     BaseEngineClient,
     EngineCall,
     EngineError,

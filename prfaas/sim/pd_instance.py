@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 
-from prfaas.engines.client import (
+from prfaas.engine_clients.base import (
     BaseEngineClient,
     EngineCall,
     EngineError,

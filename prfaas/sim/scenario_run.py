@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from prfaas.engines.client import Role
+from prfaas.engine_clients.base import Role
 from prfaas.gateway.scheduling.config import SchedulerConfig
 from prfaas.gateway.scheduling.roles import ConversionResult, RoleConverter
 from prfaas.gateway.scheduling.scheduler import Scheduler

@@ -7,7 +7,7 @@ import asyncio
 
 import numpy as np
 
-from prfaas.engines.client import EngineError
+from prfaas.engine_clients.base import EngineError
 from prfaas.gateway.router import Router
 from prfaas.loadgen.client import Answer, RequestSpec
 from prfaas.loadgen.conversation import Conversation

@@ -85,7 +85,7 @@ print("\\n".join(sorted(sys.modules)))
         "prfaas.loadgen.driver",
         "prfaas.loadgen.plots",
         "prfaas.sim.runner",
-        "prfaas.engines.sglang_client",
+        "prfaas.engine_clients.sglang",
         "prfaas.engines.transport.sender",
         "prfaas.cli.main",
     } <= loaded

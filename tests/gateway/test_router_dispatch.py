@@ -12,7 +12,7 @@ import asyncio
 
 import pytest
 
-from prfaas.engines.client import (
+from prfaas.engine_clients.base import (
     BaseEngineClient,
     EngineCall,
     EngineError,

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from prfaas.engines.client import EngineError, collect
+from prfaas.engine_clients.base import EngineError, collect
 from prfaas.policies.tables import PiecewiseLinear
 from prfaas.protocol.generate import Bootstrap, GenerateChunk, GenerateRequest, SamplingParams
 from prfaas.protocol.kv_events import KVEvent

@@ -15,9 +15,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from prfaas.common.secret import DeploymentSecret
 from prfaas.common.tokenizer import load_tokenizer
-from prfaas.engines.client import BaseEngineClient, Role
-from prfaas.engines.sglang_client import SGLangClient, SGLangClientConfig
-from prfaas.engines.vllm_client import VLLMClient, VLLMEndpoint
+from prfaas.engine_clients.base import BaseEngineClient, Role
+from prfaas.engine_clients.sglang import SGLangClient, SGLangClientConfig
+from prfaas.engine_clients.vllm import VLLMClient, VLLMEndpoint
 from prfaas.gateway.admission import AdmissionManager
 from prfaas.gateway.api.activity import ActivityRecorder
 from prfaas.gateway.api.completions import CompletionService

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import orjson
 
 from prfaas.common.tokenizer import Tokenizer
-from prfaas.engines.client import EngineError
+from prfaas.engine_clients.base import EngineError
 from prfaas.gateway.admission import AdmissionManager, QueueFull
 from prfaas.gateway.api.activity import ActivityRecorder, FinishedRequest
 from prfaas.gateway.api.metrics import GatewayMetrics

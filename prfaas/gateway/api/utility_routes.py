@@ -17,8 +17,8 @@ import orjson
 
 import prfaas
 from prfaas.common.tokenizer import chat_ids
-from prfaas.engines.client import EngineError
-from prfaas.engines.vllm_client import VLLMClient
+from prfaas.engine_clients.base import EngineError
+from prfaas.engine_clients.vllm import VLLMClient
 from prfaas.gateway.api.assembly import Gateway
 from prfaas.http.server import Exchange, HttpRequest, HttpResponse
 from prfaas.protocol.errors import APIError, invalid

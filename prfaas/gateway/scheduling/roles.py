@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from prfaas.engines.client import EngineError, Role
+from prfaas.engine_clients.base import EngineError, Role
 from prfaas.gateway.instances import InstanceManager
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prfaas.engines.client import EngineError
+from prfaas.engine_clients.base import EngineError
 from prfaas.gateway.router import Router
 from prfaas.gateway.scheduling.config import SchedulerConfig
 from prfaas.gateway.scheduling.decisions import Decision

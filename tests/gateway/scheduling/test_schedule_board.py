@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import aiohttp
 
-from prfaas.engines.sglang_client import SGLangClient
+from prfaas.engine_clients.sglang import SGLangClient
 from prfaas.gateway.instances import InstanceManager, InstanceState
 from prfaas.gateway.router import RoutingState
 from prfaas.gateway.scheduling.decisions import ScheduleBoard

@@ -26,7 +26,7 @@ import aiohttp
 import orjson
 from yarl import URL
 
-from prfaas.engines.client import (
+from prfaas.engine_clients.base import (
     MAX_ERROR_BODY,
     AnsweredCall,
     BaseEngineClient,

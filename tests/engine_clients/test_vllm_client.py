@@ -12,8 +12,8 @@ import orjson
 import pytest
 from aiohttp import web
 
-from prfaas.engines.client import EngineError, collect
-from prfaas.engines.vllm_client import VLLMClient, VLLMEndpoint, completion_body, openai_body
+from prfaas.engine_clients.base import EngineError, collect
+from prfaas.engine_clients.vllm import VLLMClient, VLLMEndpoint, completion_body, openai_body
 from prfaas.protocol.generate import Bootstrap, GenerateRequest, SamplingParams
 from prfaas.protocol.openai_body import OpenAIBody
 

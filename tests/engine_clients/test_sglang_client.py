@@ -12,8 +12,8 @@ import orjson
 import pytest
 from aiohttp import web
 
-from prfaas.engines.client import EngineError, collect
-from prfaas.engines.sglang_client import SGLangClient, SGLangClientConfig
+from prfaas.engine_clients.base import EngineError, collect
+from prfaas.engine_clients.sglang import SGLangClient, SGLangClientConfig
 from prfaas.protocol.generate import GenerateRequest, SamplingParams
 
 

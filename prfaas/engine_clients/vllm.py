@@ -30,7 +30,7 @@ import aiohttp
 import orjson
 from yarl import URL
 
-from prfaas.engines.client import (
+from prfaas.engine_clients.base import (
     AnsweredCall,
     BaseEngineClient,
     EngineCall,
@@ -39,7 +39,7 @@ from prfaas.engines.client import (
     EngineStats,
     Role,
 )
-from prfaas.engines.sglang_client import SGLangClientConfig
+from prfaas.engine_clients.sglang import SGLangClientConfig
 from prfaas.http.client import ConnectFailed, ConnectionPool, HttpCall, post
 from prfaas.protocol.generate import GenerateChunk, GenerateRequest
 from prfaas.protocol.kv_transfer import RemoteDecode, RemotePrefill
