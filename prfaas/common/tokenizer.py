@@ -15,7 +15,8 @@ The chat-template rule (`chat_ids`): a checkpoint's own Jinja template is render
 tokens as variables, then the tools, the generation prompt or the continued final message,
 and the request's template kwargs) and encoded with special tokens recognised, adding
 nothing it did not render; without one, the minimal template
-`<|role|>\\ncontent\\n ... <|assistant|>\\n` is encoded after the tokenizer's BOS id, if any.
+`<|role|>\\ncontent\\n ... <|assistant|>\\n` (`BUILTIN_TEMPLATE`, with Hermes-style tools) is
+encoded after the tokenizer's BOS id, if any.
 """
 
 from __future__ import annotations
@@ -83,8 +84,26 @@ class Tokenizer(Protocol):
         ...
 
 
+BUILTIN_TEMPLATE = (
+    '{% if tools %}<|system|>\n# Tools\nCall a function as <tool_call>{"name": NAME, '
+    "\"arguments\": {...}}</tool_call>. Functions:{% for tool in tools %}{{ '\\n' }}"
+    "{{ tool | tojson }}{% endfor %}{{ '\\n' }}{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'tool' %}"
+    "<|tool|>\n<tool_response>\n{{ m['content'] }}\n</tool_response>\n"
+    "{% else %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
+    "{% for call in m['tool_calls'] or [] %}<tool_call>\n{\"name\": "
+    "{{ call['function']['name'] | tojson }}, \"arguments\": "
+    "{{ call['function']['arguments'] | tojson }}}\n</tool_call>{% endfor %}{{ '\\n' }}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+"""The built-in chat format for tokenizers without a template: `<|role|>\ncontent\n` per
+turn and `<|assistant|>\n` to generate, with Hermes-style tools (the tools in a system
+block, an assistant's calls as `<tool_call>` JSON, tool results in `<tool_response>`), which
+the reference engine's tool-call parser reads back."""
+
+
 def minimal_chat(messages: Sequence[ChatMessage]) -> str:
-    """The built-in chat format for tokenizers without a template."""
+    """The built-in chat format of plain text turns (what `BUILTIN_TEMPLATE` renders)."""
     return "".join(f"<|{m.role}|>\n{m.content}\n" for m in messages) + "<|assistant|>\n"
 
 
@@ -92,31 +111,20 @@ def chat_ids(tokenizer: Tokenizer, chat: ChatPrompt | Sequence[ChatMessage]) -> 
     """Token ids of a chat (the module docstring states the rule).
 
     Raises:
-        ValueError: the checkpoint's template failed to render (its message says why), or
-            a chat the minimal template cannot render (tools, tool calls, no generation
-            prompt).
+        ValueError: the template failed to render (its message says why).
     """
     prompt = chat if isinstance(chat, ChatPrompt) else ChatPrompt.of(chat)
     if tokenizer.chat_template is None:
         head = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
-        return head + tokenizer.encode(minimal_chat(_plain(prompt)))
+        return head + tokenizer.encode(render_template(tokenizer, prompt, BUILTIN_TEMPLATE))
     return tokenizer.encode(render_template(tokenizer, prompt))
 
 
-def _plain(prompt: ChatPrompt) -> list[ChatMessage]:
-    """The chat as plain text turns, for the minimal template."""
-    options = prompt.tools or prompt.continue_final_message or not prompt.add_generation_prompt
-    turns = []
-    for m in prompt.messages:
-        role, content = m.get("role"), m.get("content")
-        if options or set(m) - {"role", "content"} or not isinstance(content, str):
-            raise ValueError("this tokenizer has no chat template: it renders text turns only")
-        turns.append(ChatMessage(str(role), content))
-    return turns
-
-
-def render_template(tokenizer: Tokenizer, chat: ChatPrompt | Sequence[ChatMessage]) -> str:
-    """Render `tokenizer.chat_template` for `chat` as `transformers` does."""
+def render_template(
+    tokenizer: Tokenizer, chat: ChatPrompt | Sequence[ChatMessage], template: str | None = None
+) -> str:
+    """Render `template` (default: `tokenizer.chat_template`) for `chat` as `transformers`
+    does."""
     from jinja2 import TemplateError
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -143,8 +151,8 @@ def render_template(tokenizer: Tokenizer, chat: ChatPrompt | Sequence[ChatMessag
         messages[-1] = _tagged(messages[-1])
     variables = {**tokenizer.template_variables(), **prompt.template_kwargs}
     try:
-        template = env.from_string(tokenizer.chat_template or "")
-        rendered = template.render(
+        compiled = env.from_string(template or tokenizer.chat_template or "")
+        rendered = compiled.render(
             messages=messages,
             tools=None if prompt.tools is None else [dict(t) for t in prompt.tools],
             documents=variables.pop("documents", None),

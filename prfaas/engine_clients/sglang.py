@@ -35,10 +35,15 @@ from prfaas.engine_clients.base import (
     EngineInfo,
     EngineReport,
     EngineStats,
+    QueuedCall,
     Role,
 )
+from prfaas.engine_clients.openai_relay import OpenAICall, usage_asked, with_usage
 from prfaas.http.client import ConnectFailed, ConnectionPool, HttpCall, post
+from prfaas.protocol.errors import invalid
 from prfaas.protocol.generate import AnswerError, GenerateChunk, GenerateRequest, parse_answer
+from prfaas.protocol.openai_body import Api, OpenAIBody
+from prfaas.protocol.openai_request import HARMLESS_FIELDS
 
 logger = logging.getLogger(__name__)
 STATS_PATHS = ("/stats", "/get_load")
@@ -196,6 +201,88 @@ class _GenerateCall(AnsweredCall):
             self.client.abort_later(self.rid)
 
 
+SGLANG_CHAT_FIELDS = frozenset({
+    "bootstrap_host", "bootstrap_port", "bootstrap_room", "cache_salt", "chat_template_kwargs",
+    "continue_final_message", "custom_logit_processor", "custom_params", "data_parallel_rank",
+    "disagg_prefill_dp_rank", "ebnf", "extra_key", "frequency_penalty", "ignore_eos",
+    "images_config", "input_ids", "logit_bias", "logprobs", "lora_path",
+    "max_completion_tokens", "max_dynamic_patch", "max_tokens", "messages",
+    "min_dynamic_patch", "min_p", "min_tokens", "mm_processor_kwargs", "model", "n",
+    "no_stop_trim", "parallel_tool_calls", "presence_penalty", "priority", "reasoning_effort",
+    "regex", "repetition_penalty", "response_format", "return_cached_tokens_details",
+    "return_flat_raw_output_top_logprobs", "return_flat_raw_top_logprobs_b64",
+    "return_hidden_states", "return_input_ids_in_sglext", "return_meta_info",
+    "return_output_ids_in_sglext", "return_prompt_token_ids", "return_routed_experts",
+    "return_sampling_mask", "return_spec_tokens_details", "return_token_ids", "rid",
+    "routed_dp_rank", "routed_experts_start_len", "sampling_logprobs_mode", "seed",
+    "separate_reasoning", "session_id", "session_params", "skip_special_tokens", "stop",
+    "stop_regex", "stop_token_ids", "stream", "stream_options", "stream_reasoning", "task",
+    "temperature", "thinking", "tool_choice", "tools", "top_k", "top_logprobs", "top_p",
+    "use_audio_in_video", "user", "video_config", "watermark",
+})  # fmt: skip
+"""The fields sglang 0.5.23's `ChatCompletionRequest` declares (it ignores any other)."""
+SGLANG_COMPLETION_FIELDS = frozenset({
+    "best_of", "bootstrap_host", "bootstrap_port", "bootstrap_room", "cache_salt",
+    "custom_labels", "custom_logit_processor", "custom_params", "data_parallel_rank",
+    "disagg_prefill_dp_rank", "ebnf", "echo", "extra_key", "frequency_penalty", "ignore_eos",
+    "images_config", "json_schema", "logit_bias", "logprobs", "lora_path", "max_tokens",
+    "min_p", "min_tokens", "mm_processor_kwargs", "model", "n", "no_stop_trim",
+    "presence_penalty", "priority", "prompt", "regex", "repetition_penalty", "response_format",
+    "return_cached_tokens_details", "return_hidden_states", "return_routed_experts",
+    "return_spec_tokens_details", "return_token_ids", "rid", "routed_dp_rank",
+    "routed_experts_start_len", "seed", "session_id", "session_params", "skip_special_tokens",
+    "stop", "stop_regex", "stop_token_ids", "stream", "stream_options", "suffix",
+    "temperature", "top_k", "top_p", "user", "watermark",
+})  # fmt: skip
+"""The fields sglang 0.5.23's `CompletionRequest` declares (it ignores any other)."""
+SGLANG_OPENAI_FIELDS: dict[Api, frozenset[str]] = {
+    "chat": SGLANG_CHAT_FIELDS, "completions": SGLANG_COMPLETION_FIELDS
+}  # fmt: skip
+
+
+def unknown_to_sglang(body: OpenAIBody) -> str | None:
+    """The first field of a client's body that SGLang's OpenAI server would silently ignore
+    (fields that cannot change an answer aside), or None."""
+    known = SGLANG_OPENAI_FIELDS[body.api] | HARMLESS_FIELDS
+    return next((key for key in sorted(body.fields) if key not in known), None)
+
+
+def forwarded_body(request: GenerateRequest) -> dict[str, Any]:
+    """The client's OpenAI body plus SGLang's PD fields (`bootstrap_host`,
+    `bootstrap_port`, `bootstrap_room`: sglang 0.5.23's `PDRoutingFields`), the same for
+    the prefill and the decode call, as SGLang's own PD router sends it; a streamed one
+    asks for its usage."""
+    assert request.openai is not None
+    body = dict(request.openai.fields)
+    boot = request.bootstrap
+    if boot is not None:
+        body.update(bootstrap_host=boot.host, bootstrap_port=boot.port, bootstrap_room=boot.room)
+    return with_usage(body)
+
+
+class _ForwardedCall(OpenAICall):
+    """A client's OpenAI body on the engine's own OpenAI route, its answer relayed."""
+
+    def __init__(self, client: SGLangClient, request: GenerateRequest) -> None:
+        assert request.openai is not None
+        body, path = forwarded_body(request), request.openai.path
+        super().__init__(client.instance_id, path, bool(body.get("stream")),
+                         len(request.input_ids), relay=True,
+                         usage_asked=usage_asked(request))  # fmt: skip
+        self.http = client.post_openai(path, orjson.dumps(body), self)
+
+
+class _Refused(QueuedCall):
+    """A call refused before it was sent (nothing to stop)."""
+
+    def __init__(self, error: EngineError) -> None:
+        super().__init__()
+        self.finish(error)
+
+    def _stop(self) -> None:
+        pass
+
+
 class SGLangClient(BaseEngineClient):
     """A client of one SGLang-compatible engine at `base_url` (no trailing slash)."""
 
@@ -206,16 +293,22 @@ class SGLangClient(BaseEngineClient):
         session: aiohttp.ClientSession,
         config: SGLangClientConfig | None = None,
         token: str | None = None,
+        *,
+        sglang_server: bool = False,
     ) -> None:
         """`token`: the deployment's control token, sent as `Authorization: Bearer` on every
         call (the reference engine's routes need it when it has a secret; SGLang's
-        `--api-key` checks the same header)."""
+        `--api-key` checks the same header). `sglang_server`: the engine is a real SGLang
+        server, whose OpenAI routes ignore fields they do not declare: this client refuses
+        such a field by name instead (a reference engine refuses them itself)."""
+        self.sglang_server = sglang_server
         self.instance_id = instance_id
         self.base_url = base_url.rstrip("/")
         url = URL(self.base_url)
         if url.scheme not in ("http", "https") or url.host is None or url.port is None:
             raise ValueError(f"engine URL must be http(s)://host[:port], got {base_url!r}")
-        self._generate_path = f"{url.path.rstrip('/')}/generate"
+        self._root = url.path.rstrip("/")
+        self._generate_path = f"{self._root}/generate"
         auth = {"Authorization": f"Bearer {token}"} if token else {}
         self._headers = {**JSON_HEADERS, **auth}
         self.auth_headers: dict[str, str] = auth
@@ -231,7 +324,23 @@ class SGLangClient(BaseEngineClient):
         )
 
     def generate(self, request: GenerateRequest) -> EngineCall:
-        return _GenerateCall(self, request)
+        """`/generate` from token ids, or the client's OpenAI body on the engine's own
+        route when the request carries one."""
+        if request.openai is None:
+            return _GenerateCall(self, request)
+        unknown = unknown_to_sglang(request.openai) if self.sglang_server else None
+        if unknown is not None:
+            error = invalid(f"'{unknown}' is not supported by SGLang's OpenAI server", unknown)
+            return _Refused(EngineError(f"{self.instance_id}: {error.message}", status=400,
+                                        rejected=True, code="engine_refused",
+                                        answer=error.encode()))  # fmt: skip
+        return _ForwardedCall(self, request)
+
+    def post_openai(self, path: str, body: bytes, call: OpenAICall) -> HttpCall:
+        """Send an OpenAI body to `path` now; `call` handles the answer."""
+        cfg = self._config
+        return post(self._pool, self._root + path, body, call, connect_s=cfg.connect_timeout_s,
+                    read_s=cfg.read_timeout_s, total_s=cfg.total_timeout_s)  # fmt: skip
 
     def post(self, request: GenerateRequest, call: _GenerateCall) -> HttpCall:
         """Send `request`'s `/generate` now; `call` handles the answer. The prefill and the

@@ -31,7 +31,6 @@ import orjson
 from yarl import URL
 
 from prfaas.engine_clients.base import (
-    AnsweredCall,
     BaseEngineClient,
     EngineCall,
     EngineError,
@@ -39,8 +38,9 @@ from prfaas.engine_clients.base import (
     EngineStats,
     Role,
 )
+from prfaas.engine_clients.openai_relay import OpenAICall, usage_asked, with_usage
 from prfaas.engine_clients.sglang import SGLangClientConfig
-from prfaas.http.client import ConnectFailed, ConnectionPool, HttpCall, post
+from prfaas.http.client import ConnectionPool, HttpCall, post
 from prfaas.protocol.generate import GenerateChunk, GenerateRequest
 from prfaas.protocol.kv_transfer import RemoteDecode, RemotePrefill
 from prfaas.protocol.openai_body import OpenAIBody
@@ -127,21 +127,11 @@ def openai_body(request: GenerateRequest, endpoint: VLLMEndpoint) -> dict[str, A
     body = {**request.openai.fields, "model": endpoint.model}
     if boot is not None:
         body["kv_transfer_params"] = RemotePrefill(boot.host, boot.port, boot.room).to_json()
-    if request.openai.stream:
-        options = body.get("stream_options")
-        body["stream_options"] = {**(options if isinstance(options, dict) else {}),
-                                  "include_usage": True}  # fmt: skip
-    return body
+    return with_usage(body)
 
 
-def _usage_asked(request: GenerateRequest) -> bool:
-    """Whether the client asked for a streamed answer's usage itself."""
-    options = request.openai.fields.get("stream_options") if request.openai else None
-    return isinstance(options, dict) and options.get("include_usage") is True
-
-
-class _CompletionCall(AnsweredCall):
-    """One call of vLLM's OpenAI API; its answer (whole, or SSE events) becomes chunks."""
+class _CompletionCall(OpenAICall):
+    """One call of vLLM's OpenAI API: relayed (a forwarded body), or read as token chunks."""
 
     def __init__(self, client: VLLMClient, request: GenerateRequest) -> None:
         forwarded = request.openai
@@ -149,94 +139,10 @@ class _CompletionCall(AnsweredCall):
             body, path = completion_body(request, client.endpoint), "/v1/completions"
         else:
             body, path = openai_body(request, client.endpoint), forwarded.path
-        super().__init__(bool(body.get("stream")))
-        self.client, self.prompt_tokens = client, len(request.input_ids)
-        self.relay = forwarded is not None
-        self._path, self._usage_asked = path, _usage_asked(request)
-        self._completion = 0
-        self.http: HttpCall = client.post(path, orjson.dumps(body), self)
-
-    def on_end(self, error: BaseException | None) -> None:
-        if self.ended.done():
-            return
-        name = self.client.instance_id
-        if isinstance(error, ConnectFailed):
-            self.finish(EngineError(f"{name}: unreachable: {error}", retryable=True))
-        elif error is not None:
-            self.finish(error if isinstance(error, EngineError)
-                        else EngineError(f"{name}: completion failed: {error!r}"))  # fmt: skip
-        elif self.status != 200:
-            self.finish(self._refusal())
-        else:
-            try:
-                if self.stream and self._body:
-                    self._line(bytes(self._body))
-                elif not self.stream:
-                    self._answer(bytes(self._body))
-            except (EngineError, orjson.JSONDecodeError) as exc:
-                self.finish(exc if isinstance(exc, EngineError) else EngineError(str(exc)))
-                return
-            self.finish()
-
-    def _refusal(self) -> EngineError:
-        """A non-200 answer as an error: busy (429, 503) may go elsewhere; the engine's own
-        refusal of a forwarded body (any other 4xx) keeps its status and body for the client,
-        who sent what it refused."""
-        name, status = self.client.instance_id, self.status
-        detail = bytes(self._body[:300]).decode(errors="replace")
-        message = f"{name}: {self._path} answered {status}: {detail}"
-        if status in (429, 503):
-            return EngineError(message, status=503, retryable=True)
-        if self.relay and 400 <= status < 500:
-            return EngineError(message, status=status, rejected=True, code="engine_refused",
-                               answer=bytes(self._body))  # fmt: skip
-        return EngineError(message)
-
-    def _line(self, line: bytes) -> None:
-        """One SSE line; raises EngineError for an error event (ends the HTTP call)."""
-        payload = line[5:].strip() if line.startswith(b"data:") else b""
-        if payload and payload != b"[DONE]":
-            if self.relay:
-                self._relayed(payload, orjson.loads(payload))
-            else:
-                self._event(orjson.loads(payload))
-
-    def _answer(self, raw: bytes) -> None:
-        """A whole answer: a chunk per choice (token path), or the answer as written."""
-        answer = orjson.loads(raw)
-        if self.relay:
-            self._relayed(raw, answer)
-        else:
-            self._event(answer)
-
-    def _check(self, event: Any) -> None:
-        name = self.client.instance_id
-        if not isinstance(event, dict):
-            raise EngineError(f"{name}: an answer that is not a JSON object")
-        if "error" in event or event.get("object") == "error":
-            error = event.get("error", event)
-            raise EngineError(f"{name}: {error.get('message', error)}")
-        for choice in event.get("choices") or ():
-            if choice.get("finish_reason") == "error":
-                raise EngineError(f"{name}: the request failed in the engine (KV load?)")
-
-    def _relayed(self, raw: bytes, event: Any) -> None:
-        """One event of a forwarded request, kept as written; its usage (when it carries
-        one) gives the counts. The usage event the client did not ask for is not relayed."""
-        self._check(event)
-        choices, usage = event.get("choices"), event.get("usage")
-        if isinstance(usage, dict):
-            self._completion = int(usage.get("completion_tokens") or 0)
-            self.prompt_tokens = int(usage.get("prompt_tokens") or self.prompt_tokens)
-            details = usage.get("prompt_tokens_details")
-            cached = int((details or {}).get("cached_tokens") or 0)
-        else:
-            cached = 0
-            self._completion += 1 if choices else 0  # about one token an event, until usage
-        last = choices[-1] if isinstance(choices, list) and choices else {}
-        hidden = self.stream and not choices and not self._usage_asked
-        self.push(GenerateChunk((), "", self.prompt_tokens, self._completion, cached,
-                                last.get("finish_reason"), b"" if hidden else raw))  # fmt: skip
+        super().__init__(client.instance_id, path, bool(body.get("stream")),
+                         len(request.input_ids), relay=forwarded is not None,
+                         usage_asked=usage_asked(request))  # fmt: skip
+        self.http = client.post(path, orjson.dumps(body), self)
 
     def _event(self, event: dict[str, Any]) -> None:
         self._check(event)
@@ -245,9 +151,6 @@ class _CompletionCall(AnsweredCall):
             self._completion += len(ids)
             self.push(GenerateChunk(ids, choice.get("text") or "", self.prompt_tokens,
                                     self._completion, 0, choice.get("finish_reason")))  # fmt: skip
-
-    def _stop(self) -> None:
-        self.http.cancel()  # vLLM aborts a request whose connection closes
 
 
 class VLLMClient(BaseEngineClient):
@@ -273,7 +176,7 @@ class VLLMClient(BaseEngineClient):
     def generate(self, request: GenerateRequest) -> EngineCall:
         return _CompletionCall(self, request)
 
-    def post(self, path: str, body: bytes, call: _CompletionCall) -> HttpCall:
+    def post(self, path: str, body: bytes, call: OpenAICall) -> HttpCall:
         cfg = self._config
         return post(self._pool, self._root + path, body, call, connect_s=cfg.connect_timeout_s,
                     read_s=cfg.read_timeout_s, total_s=cfg.total_timeout_s)  # fmt: skip

@@ -17,7 +17,7 @@ admin_keys = []             # operators' keys for /admin/* (distinct from api_ke
 
 [[instances]]                # running engines, and/or ...
 id = "prfaas-p0"
-engine = "sglang"            # sglang (SGLang's /generate: SGLang, reference) | vllm
+engine = "reference"         # reference (our engine) | sglang (an SGLang server) | vllm
 cluster = "prfaas"           # prfaas | pd
 role = "prefill"             # prefill | decode | both
 url = "http://127.0.0.1:30000"
@@ -26,7 +26,7 @@ kv_events = "tcp://127.0.0.1:5557"   # optional ZMQ KV event publisher
 
 [[launch]]                   # ... engines `prfaas serve` starts as children
 id = "pd-d0"
-engine = "sglang"            # sglang: a reference engine; vllm: a vLLM server (connector)
+engine = "reference"         # reference: our engine; vllm: a vLLM server (connector)
 cluster = "pd"
 role = "decode"
 model = "qwen3-next-tiny"
@@ -58,9 +58,12 @@ from prfaas.engine_clients.base import Role
 from prfaas.gateway.scheduling.config import SchedulerConfig
 from prfaas.policies.routing import Regime, Route
 
-EngineKind = Literal["sglang", "vllm"]
-"""How the gateway talks to an engine: SGLang's `/generate` PD protocol (SGLang servers and
-the reference engine), or vLLM's OpenAI API with PrfaaS `kv_transfer_params`."""
+EngineKind = Literal["reference", "sglang", "vllm"]
+"""What an engine is: PrfaaS's reference engine or an SGLang server (both speak SGLang's
+PD protocol: `/generate`, and their OpenAI routes with `bootstrap_*`), or a vLLM server
+running the PrfaaS connector (its OpenAI routes with `kv_transfer_params`)."""
+LAUNCHED: tuple[EngineKind, ...] = ("reference", "vllm")
+"""The kinds `prfaas serve` starts itself (SGLang servers run on GPU nodes of their own)."""
 
 _ROUTES = get_args(Route)
 _ROLES = get_args(Role)
@@ -162,7 +165,7 @@ class InstanceConfig:
     bootstrap_port: int | None = None
     kv_events: str | None = None
     """ZMQ endpoint of the engine's KV event publisher (`tcp://host:port`)."""
-    engine: EngineKind = "sglang"
+    engine: EngineKind = "reference"
 
     def __post_init__(self) -> None:
         check(bool(self.id), "id", self.id, "must not be empty")
@@ -195,7 +198,7 @@ class LaunchConfig:
     role: Role
     model: str = "qwen3-next-tiny"
     """Preset name or local checkpoint directory (vLLM: a checkpoint directory)."""
-    engine: EngineKind = "sglang"
+    engine: EngineKind = "reference"
     python: str = ".venv-vllm/bin/python"
     """vLLM engines: the interpreter of the vLLM environment (relative to the working
     directory, or absolute)."""
@@ -223,7 +226,8 @@ class LaunchConfig:
         check(bool(self.id), "id", self.id, "must not be empty")
         check(self.cluster in _ROUTES, "cluster", self.cluster, f"must be one of {_ROUTES}")
         check(self.role in _ROLES, "role", self.role, f"must be one of {_ROLES}")
-        check(self.engine in _ENGINES, "engine", self.engine, f"must be one of {_ENGINES}")
+        check(self.engine in LAUNCHED, "engine", self.engine, f"must be one of {LAUNCHED} "
+              "(list running SGLang servers under [[instances]])")  # fmt: skip
         check(self.threads >= 1, "threads", self.threads, "must be >= 1")
         check(not self.vllm_args or self.engine == "vllm", "vllm_args", list(self.vllm_args),
               "is for vLLM engines only")  # fmt: skip
@@ -239,7 +243,7 @@ class LaunchConfig:
         check(len(unset) in (0, len(files)), unset[0] if unset else "", None,
               f"is required with {', '.join(k for k in files if k not in unset)}")  # fmt: skip
         tls = not unset
-        check(not tls or self.engine == "sglang", "engine", self.engine,
+        check(not tls or self.engine == "reference", "engine", self.engine,
               "has no transport TLS settings here (reference engines only)")  # fmt: skip
         check(tls or not self.transport_tls_verify_client, "transport_tls_verify_client",
               True, "needs transport_tls_cert, transport_tls_key and transport_tls_ca")  # fmt: skip
@@ -292,7 +296,7 @@ class DeploymentConfig:
         has_decode = any(c == "pd" and r in ("decode", "both") for c, r in roles)
         check(has_decode or not members, "instances", ids, "need a decode role in cluster 'pd'")
         # a decode with TLS fetches from every prefill over TLS: all launched engines or none
-        tls = {la.id: la.transport_tls for la in self.launch if la.engine == "sglang"}
+        tls = {la.id: la.transport_tls for la in self.launch if la.engine == "reference"}
         plain = sorted(i for i, on in tls.items() if not on)
         check(len(plain) in (0, len(tls)), "launch", plain,
               "lack the transport TLS the other launched engines use")  # fmt: skip

@@ -287,6 +287,11 @@ class Dispatch:
         self.router, self.rid, self.input_ids = router, rid, input_ids
         self.sampling, self.stream, self.openai = sampling, stream, openai
         self._one_engine = openai is not None and openai.one_engine() is not None
+        self._resumable = openai is None and sampling.resumable
+        """Whether a cut stream may migrate: another engine continues it exactly from the
+        prompt plus the output so far (not an engine's own answer, whose parsers and
+        grammars hold state the gateway cannot hand over, nor output-counting penalties
+        or a seeded draw)."""
         self.first: GenerateChunk | None = None
         self._decision: RouteDecision | None = None
         self.retries = self.migrations = 0
@@ -348,8 +353,7 @@ class Dispatch:
         ids, sampling = self.input_ids, self.sampling
         if self._output:
             ids = (*self.input_ids, *self._output)
-            left = self.sampling.max_new_tokens - len(self._output)
-            sampling = replace(self.sampling, max_new_tokens=max(left, 1))
+            sampling = self.sampling.continued(len(self._output))
         router = self.router
         decision = router.decide(ids, self._still_excluded())
         if self._one_engine:
@@ -389,8 +393,8 @@ class Dispatch:
         if exc.unreachable:
             failed.eject("connection refused")
         self._excluded[failed.instance_id] = failed.readmissions
-        if exc.rejected or (self._began and self.openai is not None):
-            self._fail(exc)  # refused anywhere, or an engine's own answer cut mid-way
+        if exc.rejected or (self._began and not self._resumable):
+            self._fail(exc)  # refused anywhere, or cut mid-way where no engine can go on
         if self._output:
             self.migrations += 1
             allowed = self.migrations <= self.router.retry.max_migrations

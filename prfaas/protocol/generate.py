@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from typing import Any
 
@@ -25,12 +25,25 @@ REQUEST_FIELDS = frozenset({
     "text", "input_ids", "sampling_params", "stream", "rid", "bootstrap_host",
     "bootstrap_port", "bootstrap_room", "return_logprob", "data_parallel_rank", "prefix_pull",
 })  # fmt: skip
+MAX_TOP_LOGPROBS = 20
+"""The most alternatives a token's log-probabilities list (vLLM's default `max_logprobs`)."""
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick output tokens (SGLang's `sampling_params`). `temperature == 0` is
-    greedy; `seed` makes sampling reproducible per request regardless of batching."""
+    greedy; `seed` makes sampling reproducible per request regardless of batching.
+
+    The logit processors act in OpenAI's and vLLM's sense, greedy or not: `logit_bias` adds
+    to a token's logit; `min_new_tokens` keeps EOS and `stop_token_ids` from being picked
+    before that many tokens; `repetition_penalty` divides (positive) or multiplies
+    (negative) the logit of every token seen in the prompt or output; `frequency_penalty`
+    and `presence_penalty` subtract per occurrence and once, over the output.
+    `top_logprobs` is request-level in SGLang's wire format (`return_logprob`,
+    `top_logprobs_num`): None for none, else each output token's log-probability under the
+    model (before any processor) with that many alternatives.
+    """
 
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float = 1.0
@@ -42,6 +55,12 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     skip_special_tokens: bool = True
+    min_new_tokens: int = 0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    top_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "must be >= 1")
@@ -51,10 +70,38 @@ class SamplingParams:
         _check(self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "must be -1 or >= 1")
         _check(0 <= self.min_p <= 1, "min_p", self.min_p, "must be in [0, 1]")
         _check(all(s for s in self.stop), "stop", list(self.stop), "must not contain ''")
+        _check(0 <= self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",
+               self.min_new_tokens, "must be in [0, max_new_tokens]")  # fmt: skip
+        _check(math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+               "repetition_penalty", self.repetition_penalty, "must be > 0")  # fmt: skip
+        for key in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, key)
+            _check(math.isfinite(value) and -2 <= value <= 2, key, value, "must be in [-2, 2]")
+        bias_ok = all(t >= 0 and math.isfinite(b) and abs(b) <= MAX_LOGIT_BIAS
+                      for t, b in self.logit_bias)  # fmt: skip
+        bias_rule = f"must map token ids to biases in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"
+        _check(bias_ok, "logit_bias", dict(self.logit_bias), bias_rule)
+        top = self.top_logprobs
+        _check(top is None or 0 <= top <= MAX_TOP_LOGPROBS, "top_logprobs", top,
+               f"must be in [0, {MAX_TOP_LOGPROBS}]")  # fmt: skip
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def penalised(self) -> bool:
+        """Whether the output so far changes the next token's logits."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)  # fmt: skip
+
+    @property
+    def resumable(self) -> bool:
+        """Whether another engine, given the prompt plus the output so far as its prompt,
+        continues exactly as this one would: not when penalties count the output apart
+        from the prompt, nor when a seeded draw depends on the output's position."""
+        output_only = self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+        return not output_only and (self.greedy or self.seed is None)
 
     @classmethod
     def from_json(cls, raw: Any) -> SamplingParams:
@@ -78,6 +125,13 @@ class SamplingParams:
             raise InvalidRequest(f"unknown sampling_params field(s): {', '.join(unknown)}")
         return cls(**{k: _coerce(k, v) for k, v in raw.items() if v is not None})
 
+    def continued(self, produced: int) -> SamplingParams:
+        """These parameters for the rest of a request that has produced `produced` tokens
+        (a migrated request, whose output so far is in its prompt)."""
+        left = max(self.max_new_tokens - produced, 1)
+        least = min(max(self.min_new_tokens - produced, 0), left)
+        return replace(self, max_new_tokens=left, min_new_tokens=least)
+
     def to_json(self) -> dict[str, object]:
         """SGLang's `sampling_params` object (what `from_json` reads back)."""
         body: dict[str, object] = {
@@ -98,12 +152,21 @@ class SamplingParams:
             body["sampling_seed"] = self.seed
         if not self.skip_special_tokens:
             body["skip_special_tokens"] = False
+        if self.min_new_tokens:
+            body["min_new_tokens"] = self.min_new_tokens
+        for key in ("repetition_penalty", "frequency_penalty", "presence_penalty"):
+            if getattr(self, key) != _DEFAULTS[key]:
+                body[key] = getattr(self, key)
+        if self.logit_bias:
+            body["logit_bias"] = {str(t): b for t, b in self.logit_bias}
         return body
 
 
-_FIELDS = frozenset(f.name for f in fields(SamplingParams))
-_INTS = {"max_new_tokens", "top_k", "seed"}
-_FLOATS = {"temperature", "top_p", "min_p"}
+_FIELDS = frozenset(f.name for f in fields(SamplingParams)) - {"top_logprobs"}
+_DEFAULTS = {f.name: f.default for f in fields(SamplingParams)}
+_INTS = {"max_new_tokens", "top_k", "seed", "min_new_tokens"}
+_FLOATS = {"temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+           "presence_penalty"}  # fmt: skip
 _BOOLS = {"ignore_eos", "skip_special_tokens"}
 
 
@@ -126,7 +189,19 @@ def _coerce(key: str, value: Any) -> Any:
         _check(isinstance(value, list) and all(type(t) is int for t in value), key, value,
                "must be a list of integers")  # fmt: skip
         return tuple(value)
+    elif key == "logit_bias":
+        return logit_bias(value, key)
     return value
+
+
+def logit_bias(value: Any, key: str = "logit_bias") -> tuple[tuple[int, float], ...]:
+    """An OpenAI / SGLang `logit_bias` object (token id as a string -> bias) as sorted
+    pairs. Raises InvalidRequest naming `key` for anything else."""
+    ok = isinstance(value, Mapping) and all(
+        isinstance(t, str) and t.isdigit() and type(b) in (int, float) for t, b in value.items()
+    )
+    _check(ok, key, value, "must map token ids (as strings) to numbers")
+    return tuple(sorted((int(t), float(b)) for t, b in value.items()))
 
 
 def _check(ok: bool, key: str, value: Any, rule: str) -> None:
@@ -222,6 +297,18 @@ def parse_request(
 
 
 _PD = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+
+
+def pd_bootstrap(body: Mapping[str, Any]) -> Bootstrap | None:
+    """SGLang's PD fields of a request body (`bootstrap_host`, `bootstrap_port`,
+    `bootstrap_room`: all three or none) as a `Bootstrap`.
+
+    Raises:
+        InvalidRequest: some but not all of them, or a malformed one.
+    """
+    return _bootstrap(body)
+
+
 _PULL = ("host", "port", "room")
 
 

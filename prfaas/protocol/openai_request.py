@@ -6,11 +6,12 @@ Two modes, by who answers the request (`OpenAIMode`):
   travels whole (`OpenAIBody`). Only what the gateway itself reads is checked here (model,
   stream options, max tokens, the prompt or messages it tokenizes to route, the context);
   every other field is the engine's to honour or refuse.
-- `generate` (reference engines, SGLang's `/generate`): the request becomes `/generate`
-  sampling parameters and the gateway renders the answer, so every field it cannot turn
-  into them (`tools`, `logprobs`, `n > 1`, penalties, ...) is refused with a 400 naming
-  it: never a silent drop. Fields that cannot change the output (`user`, `metadata`) are
-  accepted.
+- `generate` (reference engines and SGLang servers, which serve both SGLang's `/generate`
+  and their own OpenAI routes): a request that `/generate` sampling expresses whole
+  (`generate_gap` finds nothing) becomes `/generate` sampling parameters and the gateway
+  renders the answer (so a failed decode's stream can migrate exactly); any other request
+  (tools, grammars, log-probabilities, `n`, ...) is forwarded whole, as in `forward` mode,
+  and the engine's own OpenAI route answers or refuses it, naming the field.
 
 Every rejection is an `APIError` (400 with the offending `param`, 404 for an unknown model),
 raised before anything is dispatched.
@@ -26,16 +27,20 @@ import orjson
 
 from prfaas.common.tokenizer import Tokenizer, chat_ids
 from prfaas.protocol.errors import APIError, invalid
-from prfaas.protocol.generate import SamplingParams
+from prfaas.protocol.generate import SamplingParams, logit_bias
 from prfaas.protocol.openai_body import Api, OpenAIBody
 from prfaas.protocol.openai_chat import chat_prompt
 
-__all__ = ["Api", "CompletionCall", "ModelLimits", "OpenAIMode", "load_json", "parse_call"]
+__all__ = [
+    "Api", "CompletionCall", "ModelLimits", "OpenAIMode", "generate_gap", "load_json",
+    "parse_call", "parse_sampling",
+]  # fmt: skip
 OpenAIMode = Literal["forward", "generate"]
 GENERATE_FIELDS = frozenset({
     "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
     "top_p", "top_k", "min_p", "stop", "seed", "stream", "stream_options", "ignore_eos", "n",
-    "best_of", "presence_penalty", "frequency_penalty", "echo", "logprobs", "top_logprobs",
+    "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+    "stop_token_ids", "min_tokens", "echo", "logprobs", "top_logprobs",
 })  # fmt: skip
 """What the `generate` mode turns into `/generate` sampling (or checks is a no-op)."""
 HARMLESS_FIELDS = frozenset({"user", "metadata", "store", "service_tier"})
@@ -141,25 +146,35 @@ def _max_tokens(body: dict[str, Any]) -> int:
     return int(value)
 
 
-def _unsupported(body: dict[str, Any]) -> None:
-    n = _typed(body, "n", (int,), "an integer")
-    if n not in (None, 1):
-        raise invalid(f"only n=1 is supported, got {n}", "n")
-    best_of = _typed(body, "best_of", (int,), "an integer")
-    if best_of not in (None, 1):
-        raise invalid(f"only best_of=1 is supported, got {best_of}", "best_of")
-    for key in ("presence_penalty", "frequency_penalty"):
-        if body.get(key) not in (None, 0, 0.0):
-            raise invalid(f"'{key}' is not supported (must be 0)", key)
+def generate_gap(body: dict[str, Any]) -> str | None:
+    """The first field of `body` that `/generate` sampling cannot express (None when every
+    field maps onto it): a field outside `GENERATE_FIELDS`, several sequences, log-
+    probabilities, an echo, stream options beyond usage, or a chat turn beyond text."""
+    for key in body:
+        if key not in GENERATE_FIELDS and key not in HARMLESS_FIELDS:
+            return key
+    for key in ("n", "best_of"):
+        if body.get(key) not in (None, 1):
+            return key
     for key in ("echo", "logprobs", "top_logprobs"):
         if body.get(key) not in (None, False, 0):
-            raise invalid(f"'{key}' is not supported", key)
+            return key
+    options = body.get("stream_options")
+    if isinstance(options, dict) and set(options) - {"include_usage"}:
+        return "stream_options"
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list)):
+        return "prompt"  # a batch
+    messages = body.get("messages")
+    for m in messages if isinstance(messages, list) else ():
+        if not isinstance(m, dict) or set(m) - {"role", "content"} or m.get("content") is None:
+            return "messages"
+    return None
 
 
 def parse_sampling(body: dict[str, Any]) -> SamplingParams:
     """Sampling parameters from an OpenAI body (extensions: `top_k`, `min_p`,
-    `ignore_eos`)."""
-    _unsupported(body)
+    `ignore_eos`, `repetition_penalty`, `stop_token_ids`, `min_tokens`)."""
     top_k = _typed(body, "top_k", (int,), "an integer")
     if top_k is not None and (top_k == 0 or top_k < -1):
         raise invalid(f"'top_k' must be -1 or >= 1, got {top_k}", "top_k")
@@ -176,7 +191,22 @@ def parse_sampling(body: dict[str, Any]) -> SamplingParams:
         stop=_stop(body),
         ignore_eos=bool(_typed(body, "ignore_eos", (bool,), "a boolean")),
         seed=seed,
+        stop_token_ids=_token_ids(body, "stop_token_ids"),
+        min_new_tokens=_typed(body, "min_tokens", (int,), "an integer") or 0,
+        repetition_penalty=_number(body, "repetition_penalty", 1e-6, 1e6, 1.0),
+        frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0, 0.0),
+        presence_penalty=_number(body, "presence_penalty", -2.0, 2.0, 0.0),
+        logit_bias=() if body.get("logit_bias") is None else logit_bias(body["logit_bias"]),
     )
+
+
+def _token_ids(body: dict[str, Any], key: str) -> tuple[int, ...]:
+    value = body.get(key)
+    if value is None:
+        return ()
+    if not (isinstance(value, list) and all(type(t) is int and t >= 0 for t in value)):
+        raise invalid(f"'{key}' must be a list of token ids", key)
+    return tuple(value)
 
 
 def _prompt_ids(
@@ -209,18 +239,6 @@ def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
     return stream, bool(usage)
 
 
-def _generate_only(body: dict[str, Any]) -> None:
-    """`generate` mode: a 400 naming the first field that `/generate` cannot honour."""
-    for key in body:
-        if key not in GENERATE_FIELDS and key not in HARMLESS_FIELDS:
-            raise invalid(f"'{key}' is not supported by this deployment's engines", key)
-    options = body.get("stream_options") or {}
-    for key in options if isinstance(options, dict) else ():
-        if key != "include_usage":
-            raise invalid(f"'stream_options.{key}' is not supported by this deployment's "
-                          "engines", f"stream_options.{key}")  # fmt: skip
-
-
 def parse_call(
     body: dict[str, Any],
     api: Api,
@@ -249,25 +267,23 @@ def parse_call(
     given = GATEWAY_FIELDS & body.keys()
     for key in () if pd_fields else sorted(given):
         raise invalid(f"'{key}' is written by the gateway: it is not accepted here", key)
-    if mode == "generate":
-        _generate_only({k: v for k, v in body.items() if k not in given})
-        sampling = parse_sampling(body)
-    else:
-        sampling = SamplingParams(max_new_tokens=_max_tokens(body))
+    forward = mode == "forward" or generate_gap({k: v for k, v in body.items()
+                                                 if k not in given}) is not None  # fmt: skip
+    sampling = SamplingParams(max_new_tokens=_max_tokens(body)) if forward else parse_sampling(body)
     stream, usage = _stream(body)
     if api == "chat":
-        ids = _tokenize_chat(tokenizer, body, strict=mode == "generate")
+        ids = _tokenize_chat(tokenizer, body)
     else:
-        ids = _prompt_ids(body, tokenizer, limits.vocab_size, batch=mode == "forward")
+        ids = _prompt_ids(body, tokenizer, limits.vocab_size, batch=forward)
     # vLLM's default max tokens is whatever the context leaves: one must fit
     asked = body.get("max_completion_tokens", body.get("max_tokens")) is not None
-    check_context(len(ids), sampling.max_new_tokens if asked or mode == "generate" else 1, limits)
-    forwarded = OpenAIBody(api, body) if mode == "forward" else None
+    check_context(len(ids), sampling.max_new_tokens if asked or not forward else 1, limits)
+    forwarded = OpenAIBody(api, body) if forward else None
     return CompletionCall(api, model, tuple(ids), sampling, stream, usage, forwarded)
 
 
-def _tokenize_chat(tokenizer: Tokenizer, body: dict[str, Any], *, strict: bool) -> list[int]:
-    prompt = chat_prompt(body, text_only=strict, template=tokenizer.chat_template)
+def _tokenize_chat(tokenizer: Tokenizer, body: dict[str, Any]) -> list[int]:
+    prompt = chat_prompt(body, text_only=False, template=tokenizer.chat_template)
     try:
         return chat_ids(tokenizer, prompt)
     except ValueError as exc:

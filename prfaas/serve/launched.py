@@ -38,7 +38,7 @@ def _spec(launch: LaunchConfig, page_size: int) -> EngineSpec:
 def _instance(launch: LaunchConfig, engine: EngineProcess) -> InstanceConfig:
     # a reference engine serves KV at its bootstrap port whatever its role (a decode
     # switched to prefill later needs it); a vLLM decode has none
-    keep = launch.engine == "sglang" or launch.role != "decode"
+    keep = launch.engine == "reference" or launch.role != "decode"
     return InstanceConfig(
         launch.id,
         launch.cluster,
@@ -98,7 +98,7 @@ async def serve_launched(
     reference = {
         e.spec.name: e
         for la, e in zip(config.launch, engines, strict=True)
-        if la.engine == "sglang"
+        if la.engine == "reference"
     }
     others = [e for e in engines if e.spec.name not in reference]
     supervisor = Supervisor(reference, log_dir, {ENV_SECRET: secret.hex()})

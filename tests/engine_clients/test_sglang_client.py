@@ -15,6 +15,7 @@ from aiohttp import web
 from prfaas.engine_clients.base import EngineError, collect
 from prfaas.engine_clients.sglang import SGLangClient, SGLangClientConfig
 from prfaas.protocol.generate import GenerateRequest, SamplingParams
+from prfaas.protocol.openai_body import OpenAIBody
 
 
 class _Engine:
@@ -156,4 +157,20 @@ async def test_an_unreachable_engine_is_retryable() -> None:
         with pytest.raises(EngineError, match="unreachable") as caught:
             await collect(client.generate(_request("x")))
         assert caught.value.retryable
+        await client.close()
+
+
+async def test_an_sglang_server_client_refuses_by_name_what_sglang_would_ignore() -> None:
+    """SGLang's OpenAI server ignores fields it does not declare: the client of a real
+    SGLang server refuses such a field with a 400 naming it, before sending anything (a
+    reference engine's client forwards it: that engine refuses by name itself)."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "structured_outputs": {"regex": "a+"}}  # fmt: skip
+    request = GenerateRequest("r", (1, 2), openai=OpenAIBody("chat", body))
+    async with aiohttp.ClientSession() as session:
+        client = SGLangClient("s", "http://127.0.0.1:9", session, sglang_server=True)
+        with pytest.raises(EngineError) as err:
+            await collect(client.generate(request))
+        assert err.value.status == 400 and err.value.rejected and err.value.answer
+        assert orjson.loads(err.value.answer)["error"]["param"] == "structured_outputs"
         await client.close()

@@ -151,18 +151,24 @@ def test_launch_link_emulation(tmp_path: Path) -> None:
         load_deployment(_write(tmp_path, paced_decode))
 
 
-def test_engine_kind_per_instance_defaults_to_sglang(tmp_path: Path) -> None:
+def test_engine_kind_per_instance_defaults_to_reference(tmp_path: Path) -> None:
     """`engine = "vllm"` selects vLLM's protocol for an instance or a launched engine;
-    without it an instance speaks SGLang's; another kind is an error naming it."""
+    without it an instance is a reference engine; another kind is an error naming it, and
+    an SGLang server is listed, never launched."""
     text = GOOD.replace('role = "prefill"', 'role = "prefill"\nengine = "vllm"')
     text += '[[launch]]\nid = "v"\ncluster = "pd"\nrole = "decode"\nengine = "vllm"\n'
     config = load_deployment(_write(tmp_path, text))
-    assert [i.engine for i in config.instances] == ["vllm", "sglang"]
+    assert [i.engine for i in config.instances] == ["vllm", "reference"]
     assert config.launch[0].engine == "vllm"
     assert config.launch[0].python == ".venv-vllm/bin/python"
     bad = GOOD.replace('role = "decode"', 'role = "decode"\nengine = "trt"')
     with pytest.raises(ConfigError, match=r"instances\[1\]\.engine: must be one of"):
         load_deployment(_write(tmp_path, bad))
+    listed = GOOD.replace('role = "decode"', 'role = "decode"\nengine = "sglang"')
+    assert load_deployment(_write(tmp_path, listed)).instances[1].engine == "sglang"
+    launched = text.replace('engine = "vllm"\n', 'engine = "sglang"\n')
+    with pytest.raises(ConfigError, match=r"launch\[0\]\.engine: must be one of"):
+        load_deployment(_write(tmp_path, launched))
 
 
 def test_launch_transport_tls(tmp_path: Path) -> None:

@@ -234,7 +234,8 @@ def _client(
             cfg.url, cfg.role, model.name, host, cfg.bootstrap_port, model.block_size
         )
         return VLLMClient(cfg.id, endpoint, session, _client_config(g))
-    return SGLangClient(cfg.id, cfg.url, session, _client_config(g), token)
+    return SGLangClient(cfg.id, cfg.url, session, _client_config(g), token,
+                        sglang_server=cfg.engine == "sglang")  # fmt: skip
 
 
 def _instance(
@@ -324,7 +325,8 @@ def build_gateway(
 
 def openai_mode(config: DeploymentConfig) -> OpenAIMode:
     """`forward` when every engine is a vLLM server (their own OpenAI servers answer the
-    client's body), else `generate` (reference engines and SGLang's `/generate`)."""
+    client's body), else `generate` (reference engines and SGLang servers: `/generate` for
+    what it expresses, their own OpenAI routes for the rest)."""
     engines = {c.engine for c in config.instances}
     return "forward" if engines == {"vllm"} else "generate"
 

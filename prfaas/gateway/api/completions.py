@@ -4,10 +4,11 @@ The routing itself lives in `Router` (no HTTP there); this module only adapts HT
 and keeps the metrics. A client that disconnects cancels the handler, which closes the
 Router's stream and so aborts the request on both the prefill and the decode engine.
 
-In the `forward` mode (vLLM engines) the client's body goes to the engines whole and their
-answer comes back as they wrote it: each event (or the whole body) unchanged, the engine's
-refusal with its own status and body; the metrics read the answer's usage. In the
-`generate` mode the answer is rendered here from the engine's `/generate` output.
+A forwarded request (every request in `forward` mode, for vLLM engines; in `generate` mode,
+one that `/generate` cannot express) goes to the engines whole and their answer comes back as
+they wrote it: each event (or the whole body) unchanged, the engine's refusal with its own
+status and body; the metrics read the answer's usage. Any other request's answer is rendered
+here from the engine's `/generate` output.
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ class CompletionService:
     api_keys: frozenset[str] = frozenset()
     retry_after_s: int = 1
     mode: OpenAIMode = "generate"
-    """`forward` when the engines' own OpenAI servers answer (vLLM), else `generate`."""
+    """`forward` when the engines' own OpenAI servers answer every request (vLLM), else
+    `generate` (`/generate` where it expresses the request, else forwarded)."""
     clock: Callable[[], float] = field(default=lambda: asyncio.get_running_loop().time())
 
     def check_auth(self, request: HttpRequest) -> None:

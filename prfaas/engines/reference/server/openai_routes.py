@@ -1,33 +1,36 @@
-"""OpenAI `/v1/completions`, `/v1/chat/completions` and `/v1/models` on the engine, for direct
-use (the gateway talks SGLang's `/generate`).
+"""OpenAI `/v1/completions`, `/v1/chat/completions` and `/v1/models` on the engine: what the
+gateway forwards a client's body to when `/generate` cannot express it, and a direct API.
 
-Requests are parsed by the one OpenAI parser (`prfaas.protocol.openai_request`, with the
-one chat-template rule of `prfaas.common.tokenizer`) and answered by the one response
-builder (`prfaas.protocol.openai_response`), exactly as the gateway does: the same chat gives
-the same token ids and the same body shapes by either route.
+Requests are parsed by `prfaas.protocol.openai_engine_call` (the gateway's parser plus the
+engine's own fields, one chat-template rule: the same chat gives the same token ids by either
+route) and answered by `openai_answer`. In a PD pair the prefill and the decode instance get
+the same body with SGLang's `bootstrap_host`/`bootstrap_port`/`bootstrap_room`: the prefill
+computes the prompt and its first token under the request's sampling (grammar and
+log-probabilities included) and hands both over; the decode continues from there. Several
+sequences (`n`) run as that many engine requests over the one prompt (the prefix cache
+shares it).
 """
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 from aiohttp import web
 
+from prfaas.common.tokenizer import Tokenizer
 from prfaas.engines.reference.server.app_keys import INFO, SERVICE, TOKENIZER
-from prfaas.engines.reference.server.streaming import (
-    check_abort,
-    open_sse,
-    send_sse,
-    stable_text,
-    visible_text,
-)
+from prfaas.engines.reference.server.openai_answer import Answer, Decode, Delta
+from prfaas.engines.reference.server.streaming import check_abort, open_sse, send_sse
+from prfaas.engines.reference.step.constraint import GrammarVocab, TokenConstraint
 from prfaas.engines.reference.step.request import TokenEvent
-from prfaas.protocol.generate import GenerateChunk
-from prfaas.protocol.openai_request import Api, ModelLimits, load_json, parse_call
-from prfaas.protocol.openai_response import Accumulator
+from prfaas.protocol.openai_engine_call import EngineOpenAICall, parse_engine_call
+from prfaas.protocol.openai_request import Api, ModelLimits, load_json
+
+Piece = tuple[int, Delta]
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -44,56 +47,110 @@ async def _serve(request: web.Request, api: Api) -> web.StreamResponse:
     service, tok, info = request.app[SERVICE], request.app[TOKENIZER], request.app[INFO]
     pool = service.core.pool.config
     limits = ModelLimits(info.model, pool.num_blocks * pool.block_size, info.vocab_size)
-    call = parse_call(load_json(await request.read()), api, limits, tok)
+    call = parse_engine_call(load_json(await request.read()), api, limits, tok)
     rid = ("chatcmpl-" if api == "chat" else "cmpl-") + secrets.token_hex(16)
-    acc = Accumulator(call, rid, int(time.time()))
-    events = service.generate(rid, list(call.input_ids), call.sampling, None)
-    chunks = _chunks(events, tok.decode, len(call.input_ids))
-    if call.stream:
-        return await _stream(request, acc, chunks)
-    async with aclosing(chunks) as it:
-        async for chunk in it:
-            acc.add(chunk)
-    return web.json_response(acc.final())
+    answer = Answer(call, rid, int(time.time()), tok.decode)
+    constraints = _constraints(request.app, call)
+    ids = list(call.call.input_ids)
+    runs = []
+    for i in range(call.n):
+        seq_rid = rid if call.n == 1 else f"{rid}-{i}"
+        params, bootstrap = call.sequence(i), call.bootstrap
+        runs.append(service.generate(seq_rid, ids, params, bootstrap, constraint=constraints[i]))
+    pieces = _merged(runs, answer)
+    if call.call.stream:
+        return await _stream(request, answer, pieces)
+    async with aclosing(pieces) as it:
+        async for _ in it:
+            pass
+    return web.json_response(answer.whole())
 
 
-async def _chunks(
-    events: AsyncGenerator[TokenEvent, None],
-    decode: Callable[[Sequence[int]], str],
-    prompt_tokens: int,
-) -> AsyncGenerator[GenerateChunk, None]:
-    """The engine's token events as output chunks with text deltas (a stop string is cut
-    from the visible text; an incomplete UTF-8 sequence is held back until it completes).
-    An abort that carries a status before any output raises it as an HTTP error."""
-    ids: list[int] = []
-    sent, first = "", True
-    async with aclosing(events) as it:
-        async for event in it:
-            if first and event.finish_reason is not None:
-                check_abort(event.finish_reason)
-            first = False
-            ids.extend(event.token_ids)
-            reason = event.finish_reason
-            text = visible_text(stable_text(decode(ids), reason is not None), reason)
-            finish = None if reason is None else str(reason.get("type"))
-            delta, sent = text[len(sent) :], text
-            yield GenerateChunk(
-                event.token_ids, delta, prompt_tokens, len(ids), event.cached_tokens, finish
-            )
+def _constraints(app: web.Application, call: EngineOpenAICall) -> list[TokenConstraint | None]:
+    """One grammar per sequence (compiled for the engine's vocabulary on first use)."""
+    if call.structured is None:
+        return [None] * call.n
+    vocab = _vocab(app[TOKENIZER], app[SERVICE].core.runner.shape.vocab_size)
+    param = "tool_choice" if call.tool_mode in ("required", "named") else "response_format"
+    first = TokenConstraint.compile(call.structured, vocab, param)
+    return [first, *(first.fork() for _ in range(call.n - 1))]
+
+
+_VOCABS: dict[tuple[int, int], GrammarVocab] = {}
+
+
+def _vocab(tokenizer: Tokenizer, vocab_size: int) -> GrammarVocab:
+    """The vocabulary an engine's grammars compile against, built once per engine (its
+    tokenizer lives as long as the process)."""
+    key = (id(tokenizer), vocab_size)
+    if key not in _VOCABS:
+        _VOCABS[key] = GrammarVocab(tokenizer, vocab_size)
+    return _VOCABS[key]
+
+
+async def _merged(
+    runs: list[AsyncGenerator[TokenEvent, None]], answer: Answer
+) -> AsyncGenerator[Piece, None]:
+    """Every sequence's deltas as they come (one sequence: in order, no task). An abort
+    that carries a status before any output raises it as an HTTP error."""
+    decode = answer.token_text
+    if len(runs) == 1:
+        async with aclosing(runs[0]) as it:
+            async for event in it:
+                yield 0, _take(answer, 0, event, decode)
+        return
+    queue: asyncio.Queue[Piece | BaseException | None] = asyncio.Queue()
+
+    async def pump(index: int, run: AsyncGenerator[TokenEvent, None]) -> None:
+        try:
+            async with aclosing(run) as it:
+                async for event in it:
+                    queue.put_nowait((index, _take(answer, index, event, decode)))
+        except BaseException as exc:  # handed to the reader, which raises it
+            queue.put_nowait(exc)
+            raise
+        queue.put_nowait(None)
+
+    tasks = [asyncio.create_task(pump(i, run)) for i, run in enumerate(runs)]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _take(answer: Answer, index: int, event: TokenEvent, decode: Decode) -> Delta:
+    seq = answer.sequences[index]
+    if not seq.ids and event.finish_reason is not None:
+        check_abort(event.finish_reason)
+    return seq.add(event, decode)
 
 
 async def _stream(
-    request: web.Request, acc: Accumulator, chunks: AsyncGenerator[GenerateChunk, None]
+    request: web.Request, answer: Answer, pieces: AsyncGenerator[Piece, None]
 ) -> web.StreamResponse:
     response: web.StreamResponse | None = None
-    async with aclosing(chunks) as it:
-        async for chunk in it:
+    options = answer.request
+    async with aclosing(pieces) as it:
+        async for index, delta in it:
             response = response or await open_sse(request)  # errors before it stay JSON errors
-            acc.add(chunk)
-            await send_sse(response, acc.chunk(chunk))
+            event = answer.event(index, delta)
+            if event is not None:
+                if options.continuous_usage:
+                    event["usage"] = answer.usage()
+                await send_sse(response, event)
     assert response is not None, "a request ends with a finish reason"
-    if acc.call.include_usage:
-        await send_sse(response, acc.usage_chunk())
+    if options.call.include_usage:
+        await send_sse(response, answer.usage_event())
     await send_sse(response, "[DONE]")
     return response
 

@@ -23,7 +23,7 @@ from prfaas.engines.reference.step.prefix_transfer import (
     send_prefix,
 )
 from prfaas.engines.reference.step.request import Request, TokenEvent
-from prfaas.engines.reference.step.sampling import resolve_seed
+from prfaas.engines.reference.step.sampling import Constraint, resolve_seed
 from prfaas.protocol.errors import APIError, InvalidRequest
 from prfaas.protocol.generate import Bootstrap, SamplingParams
 
@@ -123,12 +123,14 @@ class EngineService:
         params: SamplingParams,
         bootstrap: Bootstrap | None,
         prefix_pull: Bootstrap | None = None,
+        constraint: Constraint | None = None,
     ) -> AsyncGenerator[TokenEvent, None]:
         """Check and start one request; iterate the result for its events, the last one with
         a finish reason. Closing the iteration early (client gone) aborts the request and
         frees its blocks. With `prefix_pull` (prefill roles), the prompt's cached prefix is
         first fetched from that engine's `export_prefix` into this engine's prefix cache; a
-        failed pull is logged and the prefix computed here instead.
+        failed pull is logged and the prefix computed here instead. `constraint` is a
+        grammar the output must follow (it becomes the request's: one per request).
 
         Raises:
             InvalidRequest, CapacityError: bad input (at once). Unavailable: draining.
@@ -140,11 +142,12 @@ class EngineService:
         if rid in self._active:
             raise InvalidRequest(f"rid {rid!r} is already in use by a running request")
         role = self.core.role
-        if role != "both" and bootstrap is None:
-            raise InvalidRequest(
-                f"a {role} engine needs bootstrap_host, bootstrap_port and bootstrap_room"
+        if role == "prefill" and bootstrap is None:
+            raise InvalidRequest(  # a decode alone computes the prompt too (several sequences)
+                "a prefill engine needs bootstrap_host, bootstrap_port and bootstrap_room"
             )
-        req = Request(rid, prompt, params, emit=_no_emit, seed=resolve_seed(params))
+        req = Request(rid, prompt, params, emit=_no_emit, seed=resolve_seed(params),
+                      constraint=constraint)  # fmt: skip
         self._active[rid] = req  # released when the iteration ends (callers always iterate)
         return self._events(req, role, bootstrap, prefix_pull if role != "decode" else None)
 

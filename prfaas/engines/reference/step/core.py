@@ -25,7 +25,7 @@ from prfaas.engines.reference.model.runner import ModelRunner
 from prfaas.engines.reference.step.counters import EngineCounters
 from prfaas.engines.reference.step.prefill import PrefillRun, send_meta, state_from_handoff
 from prfaas.engines.reference.step.request import Phase, Request, TokenEvent
-from prfaas.engines.reference.step.sampling import sample
+from prfaas.engines.reference.step.sampling import Choice, choose
 from prfaas.engines.reference.step.stopping import stop_reason
 from prfaas.protocol.kv_events import KVEvent
 
@@ -163,18 +163,23 @@ class EngineCore:
         if run.done:
             self.prefilling, req.prefill = None, None
             assert run.logits is not None
-            self._first_token(req, run.state, sample(run.logits, req.params, req.seed, 0))
+            self._first_token(req, run.state, self._choose(req, run.logits))
 
-    def _first_token(self, req: Request, state: SeqState, token: int) -> None:
+    def _choose(self, req: Request, logits: torch.Tensor) -> Choice:
+        eos = self.runner.shape.eos_token_id
+        context = (req.prompt, req.output)
+        return choose(logits, req.params, req.seed, context, eos, req.constraint)
+
+    def _first_token(self, req: Request, state: SeqState, first: Choice) -> None:
         if req.outbox is None:
             req.state = state
-            self._start_decoding(req, token)
+            self._start_decoding(req, first)
             return
-        send_meta(req.outbox, token, len(req.prompt), req.cached_tokens)
+        send_meta(req.outbox, first, len(req.prompt), req.cached_tokens)
         req.outbox.finish()
-        req.output.append(token)
+        req.output.append(first.token)
         self._finish(req, cache=False)
-        req.emit(TokenEvent((token,), {"type": "length", "length": 1}, req.cached_tokens))
+        req.emit(TokenEvent.of(first, {"type": "length", "length": 1}, req.cached_tokens))
 
     def _admit_handoff(self, req: Request) -> bool:
         assert req.received is not None
@@ -187,18 +192,20 @@ class EngineCore:
         except OutOfKVCapacity:
             return False
         req.state, req.cached_tokens, req.received = handed.state, handed.cached_tokens, None
-        self._start_decoding(req, handed.first_token)
+        if req.constraint is not None:  # the prefill drew it under the same grammar
+            req.constraint.accept(handed.first.token)
+        self._start_decoding(req, handed.first)
         return True
 
-    def _start_decoding(self, req: Request, token: int) -> None:
-        req.output.append(token)
+    def _start_decoding(self, req: Request, first: Choice) -> None:
+        req.output.append(first.token)
         reason = stop_reason(req, self.runner.shape.eos_token_id, self.detokenize)
         if reason is None:
             req.phase = Phase.RUNNING
             self.running.append(req)
         else:
             self._finish(req, cache=True)  # before the event: a reply implies freed blocks
-        req.emit(TokenEvent((token,), reason, req.cached_tokens))
+        req.emit(TokenEvent.of(first, reason, req.cached_tokens))
 
     def _decode_step(self) -> None:
         if self._batch_reqs != self.running:
@@ -210,14 +217,14 @@ class EngineCore:
         self.counters.generated(len(reqs))
         eos, bs = self.runner.shape.eos_token_id, self.config.block_size
         for i, req in enumerate(reqs):
-            token = sample(logits[i], req.params, req.seed, len(req.output))
-            req.output.append(token)
+            choice = self._choose(req, logits[i])
+            req.output.append(choice.token)
             if batch.lengths[i] % bs == 0:
                 req.boundary = _linear_row(batch, i)
             reason = stop_reason(req, eos, self.detokenize)
             if reason is not None:
                 self._finish(req, cache=True)
-            req.emit(TokenEvent((token,), reason, req.cached_tokens))
+            req.emit(TokenEvent.of(choice, reason, req.cached_tokens))
 
     def _rebatch(self) -> None:
         """Re-stack the decode batch after requests joined or left."""

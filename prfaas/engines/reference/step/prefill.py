@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import orjson
@@ -25,6 +26,7 @@ from prfaas.engines.reference.handoff.base import (
 )
 from prfaas.engines.reference.model.hybrid_cache import HybridCache, SeqState
 from prfaas.engines.reference.model.runner import FULL, LayerListener, ModelRunner
+from prfaas.engines.reference.step.sampling import Choice, TokenLogprob
 
 META = "meta"
 
@@ -115,9 +117,14 @@ class PrefillRun:
         return start, end
 
 
-def send_meta(outbox: Outbox, first_token: int, prompt_len: int, cached: int) -> None:
-    """The aux message that completes a hand-off: the first output token and lengths."""
-    meta = {"first_token": first_token, "prompt_len": prompt_len, "cached_tokens": cached}
+def send_meta(outbox: Outbox, first: Choice, prompt_len: int, cached: int) -> None:
+    """The aux message that completes a hand-off: the first output token (with its
+    log-probabilities when asked for) and lengths."""
+    meta: dict[str, object] = {
+        "first_token": first.token, "prompt_len": prompt_len, "cached_tokens": cached
+    }  # fmt: skip
+    if first.logprob is not None:
+        meta["first_logprob"] = [first.logprob.logprob, first.logprob.top]
     outbox.send_aux(META, orjson.dumps(meta))
 
 
@@ -126,7 +133,7 @@ class HandedOff:
     """A received hand-off turned into engine state."""
 
     state: SeqState
-    first_token: int
+    first: Choice
     cached_tokens: int
 
 
@@ -139,9 +146,13 @@ def state_from_handoff(received: Received, layer_types: tuple[str, ...]) -> Hand
     raw = received.aux.get(META)
     if raw is None:
         raise HandoffError("hand-off carried no meta (first token)")
-    meta: Mapping[str, int] = orjson.loads(raw)
+    meta: Mapping[str, Any] = orjson.loads(raw)
     state = assemble_state(received, int(meta["prompt_len"]), layer_types)
-    return HandedOff(state, int(meta["first_token"]), int(meta.get("cached_tokens", 0)))
+    token, lp = int(meta["first_token"]), meta.get("first_logprob")
+    logprob = None
+    if lp is not None:
+        logprob = TokenLogprob(token, float(lp[0]), tuple((int(t), float(v)) for t, v in lp[1]))
+    return HandedOff(state, Choice(token, logprob), int(meta.get("cached_tokens", 0)))
 
 
 def assemble_state(received: Received, length: int, layer_types: tuple[str, ...]) -> SeqState:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from prfaas.engines.reference.handoff.base import Outbox, Received
 from prfaas.engines.reference.model.hybrid_cache import SeqState
 from prfaas.engines.reference.step.prefill import PrefillRun
+from prfaas.engines.reference.step.sampling import Choice, Constraint, TokenLogprob
 from prfaas.protocol.generate import SamplingParams
 
 
@@ -25,6 +26,13 @@ class TokenEvent:
     token_ids: tuple[int, ...]
     finish_reason: dict[str, object] | None = None
     cached_tokens: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()
+    """Each new token's log-probabilities, when the request asked for them."""
+
+    @classmethod
+    def of(cls, choice: Choice, reason: dict[str, object] | None, cached: int) -> TokenEvent:
+        lp = () if choice.logprob is None else (choice.logprob,)
+        return cls((choice.token,), reason, cached, lp)
 
 
 @dataclass(eq=False)
@@ -39,6 +47,7 @@ class Request:
     seed: int = 0  # sampling seed (resolved: given or random)
     outbox: Outbox | None = None  # prefill role: where KV goes
     received: Received | None = None  # decode role: the KV that came in
+    constraint: Constraint | None = None  # a grammar over the output (structured output)
     output: list[int] = field(default_factory=list)
     phase: Phase = Phase.WAITING
     state: SeqState | None = None

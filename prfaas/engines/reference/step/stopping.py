@@ -12,13 +12,16 @@ FinishReason = dict[str, object]
 def stop_reason(
     req: Request, eos_token_id: int | None, detokenize: Callable[[list[int]], str]
 ) -> FinishReason | None:
-    """`{"type": "stop", "matched": ...}` on EOS, a stop token or a stop string;
+    """`{"type": "stop", "matched": ...}` on EOS, a stop token, a completed grammar or a
+    stop string;
     `{"type": "length", "length": n}` at `max_new_tokens`; None to continue."""
     params, last = req.params, req.output[-1]
     if not params.ignore_eos and last == eos_token_id:
         return {"type": "stop", "matched": last}
     if last in params.stop_token_ids:
         return {"type": "stop", "matched": last}
+    if req.constraint is not None and req.constraint.done:
+        return {"type": "stop", "matched": None}  # the grammar is complete
     if params.stop:
         text = detokenize(req.output)
         for stop in params.stop:

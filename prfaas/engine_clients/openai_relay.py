@@ -1,0 +1,140 @@
+"""A call of an engine's own OpenAI route whose answer is relayed to the client as the engine
+wrote it (vLLM servers, SGLang servers and the reference engine alike): each SSE event, or
+the whole body, becomes a `GenerateChunk` whose `raw` is those bytes, with the counts read
+from the answer's `usage` for the gateway's accounting. An engine's own refusal (a 4xx but
+429) keeps its status and body for the client, who sent what it refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from prfaas.engine_clients.base import AnsweredCall, EngineError
+from prfaas.http.client import ConnectFailed, HttpCall
+from prfaas.protocol.generate import GenerateChunk, GenerateRequest
+
+
+def with_usage(body: dict[str, Any]) -> dict[str, Any]:
+    """A streamed body that asks for its usage (the gateway counts tokens from it)."""
+    if body.get("stream") is True:
+        options = body.get("stream_options")
+        body["stream_options"] = {**(options if isinstance(options, dict) else {}),
+                                  "include_usage": True}  # fmt: skip
+    return body
+
+
+def usage_asked(request: GenerateRequest) -> bool:
+    """Whether the client asked for a streamed answer's usage itself."""
+    options = request.openai.fields.get("stream_options") if request.openai else None
+    return isinstance(options, dict) and options.get("include_usage") is True
+
+
+class OpenAICall(AnsweredCall):
+    """One call of an engine's OpenAI API. With `relay`, its answer is the client's (kept as
+    written); otherwise subclasses read it as token chunks (`_event`)."""
+
+    http: HttpCall
+
+    def __init__(
+        self, name: str, path: str, stream: bool, prompt_tokens: int, *, relay: bool,
+        usage_asked: bool = False,
+    ) -> None:  # fmt: skip
+        super().__init__(stream)
+        self.name, self.prompt_tokens, self.relay = name, prompt_tokens, relay
+        self._path, self._usage_asked = path, usage_asked
+        self._completion = 0
+
+    def on_end(self, error: BaseException | None) -> None:
+        if self.ended.done():
+            return
+        name = self.name
+        if isinstance(error, ConnectFailed):
+            self.finish(EngineError(f"{name}: unreachable: {error}", status=503, retryable=True,
+                                    unreachable=True, code="engine_unreachable"))  # fmt: skip
+        elif isinstance(error, TimeoutError):
+            self.finish(EngineError(f"{name}: {self._path} timed out: {error}", status=504,
+                                    code="engine_timeout"))  # fmt: skip
+        elif error is not None:
+            self.finish(error if isinstance(error, EngineError)
+                        else EngineError(f"{name}: {self._path} failed: {error!r}",
+                                         code="engine_connection_lost"))  # fmt: skip
+        elif self.status != 200:
+            self.finish(self._refusal())
+        else:
+            try:
+                if self.stream and self._body:
+                    self._line(bytes(self._body))
+                elif not self.stream:
+                    self._answer(bytes(self._body))
+            except (EngineError, orjson.JSONDecodeError) as exc:
+                self.finish(exc if isinstance(exc, EngineError) else EngineError(str(exc)))
+                return
+            self.finish()
+
+    def _refusal(self) -> EngineError:
+        """A non-200 answer as an error: busy (429, 503) may go elsewhere; the engine's own
+        refusal of a forwarded body (any other 4xx) keeps its status and body."""
+        name, status = self.name, self.status
+        detail = bytes(self._body[:300]).decode(errors="replace")
+        message = f"{name}: {self._path} answered {status}: {detail}"
+        if status in (429, 503):
+            return EngineError(message, status=503, retryable=True, code="engine_busy")
+        if self.relay and 400 <= status < 500:
+            return EngineError(message, status=status, rejected=True, code="engine_refused",
+                               answer=bytes(self._body))  # fmt: skip
+        return EngineError(message)
+
+    def _line(self, line: bytes) -> None:
+        """One SSE line; raises EngineError for an error event (ends the HTTP call)."""
+        payload = line[5:].strip() if line.startswith(b"data:") else b""
+        if payload and payload != b"[DONE]":
+            if self.relay:
+                self._relayed(payload, orjson.loads(payload))
+            else:
+                self._event(orjson.loads(payload))
+
+    def _answer(self, raw: bytes) -> None:
+        """A whole answer: as written (relay), or token chunks."""
+        answer = orjson.loads(raw)
+        if self.relay:
+            self._relayed(raw, answer)
+        else:
+            self._event(answer)
+
+    def _check(self, event: Any) -> None:
+        name = self.name
+        if not isinstance(event, dict):
+            raise EngineError(f"{name}: an answer that is not a JSON object")
+        if "error" in event or event.get("object") == "error":
+            error = event.get("error", event)
+            raise EngineError(f"{name}: {error.get('message', error)}")
+        for choice in event.get("choices") or ():
+            if choice.get("finish_reason") == "error":
+                raise EngineError(f"{name}: the request failed in the engine (KV load?)")
+
+    def _relayed(self, raw: bytes, event: Any) -> None:
+        """One event of a forwarded request, kept as written; its usage (when it carries
+        one) gives the counts. The usage event the client did not ask for is not relayed."""
+        self._check(event)
+        choices, usage = event.get("choices"), event.get("usage")
+        if isinstance(usage, dict):
+            self._completion = int(usage.get("completion_tokens") or 0)
+            self.prompt_tokens = int(usage.get("prompt_tokens") or self.prompt_tokens)
+            details = usage.get("prompt_tokens_details")
+            cached = int((details or {}).get("cached_tokens") or 0)
+        else:
+            cached = 0
+            self._completion += 1 if choices else 0  # about one token an event, until usage
+        last = choices[-1] if isinstance(choices, list) and choices else {}
+        hidden = self.stream and not choices and not self._usage_asked
+        self.push(GenerateChunk((), "", self.prompt_tokens, self._completion, cached,
+                                last.get("finish_reason"), b"" if hidden else raw))  # fmt: skip
+
+    def _event(self, event: dict[str, Any]) -> None:
+        """A token-path answer (not relayed): subclasses that send one read it."""
+        raise EngineError(f"{self.name}: an answer this call cannot read")
+
+    def _stop(self) -> None:
+        self.http.cancel()  # an OpenAI server aborts a request whose connection closes
