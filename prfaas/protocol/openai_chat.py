@@ -6,9 +6,6 @@ objects (`{}` where they are not a JSON object); a tool message's `tool_call_id`
 all system messages then merged into the first; the `tools` as vLLM's models dump them;
 `add_generation_prompt`, `continue_final_message`, `documents`, `reasoning_effort` and
 `chat_template_kwargs` (the request's own fields winning).
-
-With `text_only` (the `generate` mode, whose engines render plain turns) anything beyond
-text turns is refused with a 400 naming it.
 """
 
 from __future__ import annotations
@@ -26,19 +23,16 @@ KEPT_KEYS = ("tool_calls", "tool_call_id", "name", "reasoning", "reasoning_conte
 """Message keys a template may read besides role and content (vLLM passes them on)."""
 
 
-def chat_prompt(body: dict[str, Any], *, text_only: bool, template: str | None) -> ChatPrompt:
-    """The template's inputs of a chat body, for the chat `template` (None: none).
+def chat_prompt(body: dict[str, Any], *, template: str | None) -> ChatPrompt:
+    """The template's inputs of a chat body, for the chat `template` (None: the built-in).
 
     Raises:
-        APIError: 400 naming the first field that is malformed (or, with `text_only`, more
-            than text turns).
+        APIError: 400 naming the first field that is malformed.
     """
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("'messages' must be a non-empty list", "messages")
-    turns = [_message(m, i, text_only) for i, m in enumerate(messages)]
-    if text_only:
-        return ChatPrompt(turns)
+    turns = [_message(m, i) for i, m in enumerate(messages)]
     developer = ("'developer'", '"developer"')
     if any(t["role"] == "developer" for t in turns) and not any(
         name in (template or "") for name in developer
@@ -113,7 +107,7 @@ def _flag(body: dict[str, Any], key: str, default: bool) -> bool:
     return value
 
 
-def _message(m: Any, i: int, text_only: bool) -> dict[str, Any]:
+def _message(m: Any, i: int) -> dict[str, Any]:
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise invalid(f"'messages[{i}]' must be an object with a string 'role'", "messages")
     role = m["role"]
@@ -121,9 +115,6 @@ def _message(m: Any, i: int, text_only: bool) -> dict[str, Any]:
     for key in KEPT_KEYS:
         if m.get(key) is None:
             continue
-        if text_only:
-            raise invalid(f"'messages[{i}].{key}' is not supported by this deployment's "
-                          "engines", "messages")  # fmt: skip
         if key == "tool_calls" and role == "assistant":
             calls = _tool_calls(m[key], i)
             if calls:
@@ -133,11 +124,8 @@ def _message(m: Any, i: int, text_only: bool) -> dict[str, Any]:
         elif (key == "tool_call_id" and role == "tool") or (key == "name" and
                                                              isinstance(m[key], str)):  # fmt: skip
             turn[key] = m[key]
-    if role == "developer" and not text_only:
+    if role == "developer":
         turn["tools"] = m.get("tools")
-    if text_only and m.get("content") is None:
-        raise invalid(f"'messages[{i}].content' must be a string or a list of text parts",
-                      "messages")  # fmt: skip
     return turn
 
 

@@ -283,7 +283,7 @@ def parse_call(
 
 
 def _tokenize_chat(tokenizer: Tokenizer, body: dict[str, Any]) -> list[int]:
-    prompt = chat_prompt(body, text_only=False, template=tokenizer.chat_template)
+    prompt = chat_prompt(body, template=tokenizer.chat_template)
     try:
         return chat_ids(tokenizer, prompt)
     except ValueError as exc:

@@ -26,7 +26,7 @@ def test_tool_calls_get_object_arguments_and_tool_turns_keep_their_id() -> None:
     """An assistant's `content: null` is an empty string, its JSON arguments an object; a
     tool turn keeps `tool_call_id`; the client's body is not mutated."""
     body = {"messages": TURN_2}
-    prompt = chat_prompt(body, text_only=False, template=None)
+    prompt = chat_prompt(body, template=None)
     assistant, tool = prompt.messages[1], prompt.messages[2]
     assert assistant["content"] == ""
     assert assistant["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
@@ -38,34 +38,32 @@ def test_tool_calls_get_object_arguments_and_tool_turns_keep_their_id() -> None:
 def test_arguments_that_are_no_json_object_become_empty(arguments: Any) -> None:
     call = {"type": "function", "function": {"name": "f", "arguments": arguments}}
     body = {"messages": [{"role": "assistant", "content": "x", "tool_calls": [call]}]}
-    turn = chat_prompt(body, text_only=False, template=None).messages[0]
+    turn = chat_prompt(body, template=None).messages[0]
     assert turn["tool_calls"][0]["function"]["arguments"] == {}
 
 
 def test_developer_turns_merge_into_one_system_turn_unless_the_template_names_them() -> None:
     body = {"messages": [{"role": "system", "content": "A"}, {"role": "user", "content": "u"},
                          {"role": "developer", "content": "B", "tools": []}]}  # fmt: skip
-    merged = chat_prompt(body, text_only=False, template="{{ messages }}").messages
+    merged = chat_prompt(body, template="{{ messages }}").messages
     assert [dict(m) for m in merged] == [
         {"role": "system", "content": "A\n\nB"},
         {"role": "user", "content": "u"},
     ]
-    kept = chat_prompt(body, text_only=False, template="{% if r == 'developer' %}{% endif %}")
+    kept = chat_prompt(body, template="{% if r == 'developer' %}{% endif %}")
     assert [m["role"] for m in kept.messages] == ["system", "user", "developer"]
 
 
 def test_tools_are_dumped_as_vllms_request_model_dumps_them() -> None:
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    prompt = chat_prompt({"messages": USER, "tools": [tool]}, text_only=False, template=None)
+    prompt = chat_prompt({"messages": USER, "tools": [tool]}, template=None)
     assert prompt.tools == [{"type": "function", "function": {
         "name": "f", "description": None, "parameters": {"type": "object"}}}]  # fmt: skip
 
 
 def test_text_parts_join_with_newlines() -> None:
     body = {"messages": CHAT["text-parts"]["messages"]}
-    assert chat_prompt(body, text_only=True, template=None).messages[0]["content"] == (
-        "Hello\nthere"
-    )
+    assert chat_prompt(body, template=None).messages[0]["content"] == ("Hello\nthere")
 
 
 class _Templated(ByteTokenizer):

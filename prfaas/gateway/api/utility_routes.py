@@ -35,7 +35,7 @@ async def tokenize(gw: Gateway, request: HttpRequest, exchange: Exchange) -> Htt
     tok = gw.service.tokenizer
     if "messages" in body:
         try:
-            ids = chat_ids(tok, chat_prompt(body, text_only=False, template=tok.chat_template))
+            ids = chat_ids(tok, chat_prompt(body, template=tok.chat_template))
         except ValueError as exc:
             raise invalid(str(exc), "messages") from None
     elif isinstance(body.get("prompt"), str):

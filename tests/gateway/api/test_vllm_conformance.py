@@ -236,7 +236,7 @@ def _gateway_ids(messages: list[dict[str, Any]], extra: dict[str, Any]) -> list[
 
     tok = load_tokenizer(str(MODEL))
     body = {"messages": messages, **extra}
-    return chat_ids(tok, chat_prompt(body, text_only=False, template=tok.chat_template))
+    return chat_ids(tok, chat_prompt(body, template=tok.chat_template))
 
 
 @pytest.mark.parametrize("path", ["/tokenize", "/detokenize", "/version", "/ping"])
