@@ -71,8 +71,7 @@ def _constraints(app: web.Application, call: EngineOpenAICall) -> list[TokenCons
     if call.structured is None:
         return [None] * call.n
     vocab = _vocab(app[TOKENIZER], app[SERVICE].core.runner.shape.vocab_size)
-    param = "tool_choice" if call.tool_mode in ("required", "named") else "response_format"
-    first = TokenConstraint.compile(call.structured, vocab, param)
+    first = TokenConstraint.compile(call.structured, vocab)  # a 400 names the spec's field
     return [first, *(first.fork() for _ in range(call.n - 1))]
 
 

@@ -91,6 +91,10 @@ def _ll_tokenizer(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
     raise TypeError(f"no llguidance vocabulary for tokenizer {type(tokenizer).__name__}")
 
 
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+"""Keys whose value maps names to schemas (the map itself is not a schema)."""
+
+
 def _closed(schema: Any) -> Any:
     """`schema` with every object that lists its `properties` closed to others unless it
     says otherwise, as vLLM's default (xgrammar, strict) and its guidance backend's
@@ -99,7 +103,11 @@ def _closed(schema: Any) -> Any:
         return [_closed(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    closed = {k: _closed(v) for k, v in schema.items()}
+    closed = {
+        k: {n: _closed(v) for n, v in val.items()}
+        if k in _SCHEMA_MAPS and isinstance(val, dict) else _closed(val)
+        for k, val in schema.items()
+    }  # fmt: skip
     if "properties" in schema and "additionalProperties" not in schema:
         closed["additionalProperties"] = False
     return closed

@@ -201,3 +201,27 @@ def test_hf_tokenizer(tmp_path: Path) -> None:
     for seed in range(3):
         text = greedy({"structured_outputs": {"regex": pattern}}, vocab, seed, tokenizer)
         assert re.fullmatch(pattern, text)
+
+
+def test_objects_that_list_properties_are_closed_and_property_maps_are_not_schemas(
+    vocab: GrammarVocab,
+) -> None:
+    """As vLLM's default backend reads a schema: an object listing `properties` takes no
+    other keys unless it says so; a `properties` map is names, not a schema (closing it would
+    forbid a key named `additionalProperties` that the schema allows)."""
+    inner = {"type": "object", "properties": {"properties": {"type": "integer"}}}
+    closed = TokenConstraint.compile(StructuredOutput("json", inner), vocab)
+    for token in b'{"properties":1}':
+        closed.accept(token)
+    assert closed.done
+    extra = TokenConstraint.compile(StructuredOutput("json", inner), vocab)
+    for token in b'{"':
+        extra.accept(token)
+    with pytest.raises(ValueError):
+        extra.accept(ord("x"))  # only "properties" may follow
+    outer = {"type": "object", "additionalProperties": True,
+             "properties": {"properties": inner}}  # fmt: skip
+    open_ = TokenConstraint.compile(StructuredOutput("json", outer), vocab)
+    for token in b'{"additionalProperties":2}':
+        open_.accept(token)
+    assert open_.done
