@@ -182,6 +182,39 @@ async def test_a_forwarded_request_is_never_migrated() -> None:
     routed.close()
 
 
+@pytest.mark.parametrize(
+    "sampling",
+    [SamplingParams(frequency_penalty=0.5), SamplingParams(temperature=1.0, seed=3)],
+    ids=["output-penalty", "seeded"],
+)
+async def test_a_request_no_engine_continues_exactly_is_not_migrated(
+    sampling: SamplingParams,
+) -> None:
+    """Penalties over the output alone, or a seeded draw keyed by the output's position,
+    would change on another engine that takes the output as prompt: such a request's cut
+    stream fails at once instead of continuing inexactly."""
+    router, prefill, decode = _router()
+    router.retry = RetryPolicy(wait_s=5)
+    task = asyncio.ensure_future(router.dispatch("r", tuple(range(64)), sampling, stream=True))
+    await asyncio.sleep(0)
+    decode.calls[0].push(GenerateChunk((7,), "a", 64, 1, 0))
+    prefill.calls[0].finish()
+    routed = await task
+    decode.calls[0].finish(EngineError("pd-d0: died mid-stream"))
+    with pytest.raises(EngineError, match="died mid-stream"):
+        await asyncio.wait_for(routed.next(), 1.0)
+    assert routed.migrations == 0 and len(decode.calls) == 1
+    routed.close()
+
+
+def test_a_migrated_request_keeps_its_minimum_and_its_budget() -> None:
+    params = SamplingParams(max_new_tokens=10, min_new_tokens=6, repetition_penalty=1.2)
+    assert params.resumable
+    rest = params.continued(4)
+    assert (rest.max_new_tokens, rest.min_new_tokens, rest.repetition_penalty) == (6, 2, 1.2)
+    assert params.continued(12).max_new_tokens == 1
+
+
 async def test_several_sequences_run_on_the_decode_alone() -> None:
     """`n > 1` (or prompt log-probabilities): the decode computes the prompt itself; no
     prefill call, no bootstrap."""

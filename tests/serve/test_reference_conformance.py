@@ -322,3 +322,17 @@ def test_sdk_parse_and_a_tool_loop(url: str) -> None:
     )
     assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
     assert second.usage is not None and second.usage.prompt_tokens > first.usage.prompt_tokens
+
+
+@pytest.mark.parametrize(
+    "shape", ["plain", "tools-auto", "agent-turn-2", "system-developer", "continue-final"]
+)
+def test_routing_ids_equal_the_engines_prompt_ids(url: str, shape: str) -> None:
+    """The gateway's rendering (`/tokenize`, what it hashes to route) counts the tokens the
+    engine computed (`usage.prompt_tokens`): prefix hits are the engine's."""
+    body = {**GREEDY, "model": MODEL, "messages": USER, **CHAT[shape]}
+    status, answer, _ = post(url, "/v1/chat/completions", body)
+    assert status == 200, answer
+    status, tokens, _ = post(url, "/tokenize", {k: v for k, v in body.items() if k != "max_tokens"})
+    assert status == 200, tokens
+    assert tokens["count"] == answer["usage"]["prompt_tokens"]
