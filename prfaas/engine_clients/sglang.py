@@ -250,14 +250,10 @@ def unknown_to_sglang(body: OpenAIBody) -> str | None:
 def forwarded_body(request: GenerateRequest) -> dict[str, Any]:
     """The client's OpenAI body plus SGLang's PD fields (`bootstrap_host`,
     `bootstrap_port`, `bootstrap_room`: sglang 0.5.23's `PDRoutingFields`), the same for
-    the prefill and the decode call, as SGLang's own PD router sends it; a streamed one
-    asks for its usage."""
+    the prefill and the decode call, as SGLang's own PD router sends it (and a prefix pull,
+    for engines that say they take one); a streamed one asks for its usage."""
     assert request.openai is not None
-    body = dict(request.openai.fields)
-    boot = request.bootstrap
-    if boot is not None:
-        body.update(bootstrap_host=boot.host, bootstrap_port=boot.port, bootstrap_room=boot.room)
-    return with_usage(body)
+    return with_usage({**request.openai.fields, **request.pd_fields()})
 
 
 class _ForwardedCall(OpenAICall):

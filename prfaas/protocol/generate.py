@@ -247,15 +247,22 @@ class GenerateRequest:
             "input_ids": self.input_ids,  # a tuple: orjson writes it as an array, no copy
             "sampling_params": self.sampling.to_json(),
             "stream": self.stream,
+            **self.pd_fields(),
         }
+        return orjson.dumps(body)
+
+    def pd_fields(self) -> dict[str, Any]:
+        """SGLang's PD fields (`bootstrap_*`) and PrfaaS's `prefix_pull`, where set, as the
+        keys of a `/generate` or an OpenAI body."""
+        fields: dict[str, Any] = {}
         if self.bootstrap is not None:
-            body["bootstrap_host"] = self.bootstrap.host
-            body["bootstrap_port"] = self.bootstrap.port
-            body["bootstrap_room"] = self.bootstrap.room
+            boot = self.bootstrap
+            fields.update(bootstrap_host=boot.host, bootstrap_port=boot.port,
+                          bootstrap_room=boot.room)  # fmt: skip
         if self.prefix_pull is not None:
             pull = self.prefix_pull
-            body["prefix_pull"] = {"host": pull.host, "port": pull.port, "room": pull.room}
-        return orjson.dumps(body)
+            fields["prefix_pull"] = {"host": pull.host, "port": pull.port, "room": pull.room}
+        return fields
 
 
 def parse_request(
@@ -288,15 +295,25 @@ def parse_request(
         raise InvalidRequest(f"rid must be a string, got {rid!r}", "rid")
     sampling = SamplingParams.from_json(body.get("sampling_params"))
     prompt = tuple(ids) if ids is not None else tuple(encode(text or ""))
-    pull = body.get("prefix_pull")
-    if pull is not None and not (isinstance(pull, Mapping) and set(pull) == set(_PULL)):
-        raise InvalidRequest('prefix_pull must be {"host", "port", "room"}', "prefix_pull")
-    bootstrap = _bootstrap(body)
-    prefix_pull = None if pull is None else _bootstrap(pull, _PULL, "prefix_pull.")
+    bootstrap, prefix_pull = _bootstrap(body), pd_prefix_pull(body)
     return GenerateRequest(rid or new_rid(), prompt, sampling, stream, bootstrap, prefix_pull)
 
 
 _PD = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+
+
+def pd_prefix_pull(body: Mapping[str, Any]) -> Bootstrap | None:
+    """A request body's `prefix_pull` (`{"host", "port", "room"}`), or None.
+
+    Raises:
+        InvalidRequest: any other shape.
+    """
+    pull = body.get("prefix_pull")
+    if pull is None:
+        return None
+    if not (isinstance(pull, Mapping) and set(pull) == set(_PULL)):
+        raise InvalidRequest('prefix_pull must be {"host", "port", "room"}', "prefix_pull")
+    return _bootstrap(pull, _PULL, "prefix_pull.")
 
 
 def pd_bootstrap(body: Mapping[str, Any]) -> Bootstrap | None:

@@ -2,7 +2,8 @@
 ids the engine computes too) plus everything the reference engine serves beyond
 `/generate` sampling: several sequences (`n`), log-probabilities, tools and `tool_choice`,
 structured output, and SGLang's disaggregation fields (`bootstrap_host`, `bootstrap_port`,
-`bootstrap_room`, as sglang 0.5.23's `PDRoutingFields` carries them on its OpenAI requests).
+`bootstrap_room`, as sglang 0.5.23's `PDRoutingFields` carries them on its OpenAI requests)
+with PrfaaS's `prefix_pull`, as on `/generate`.
 
 Every field outside `ENGINE_FIELDS`, and every value of one the engine cannot honour
 (`best_of` > 1, `echo`, stream options beyond usage), is refused with a 400 naming it:
@@ -16,7 +17,13 @@ from typing import Any, Literal
 
 from prfaas.common.tokenizer import Tokenizer
 from prfaas.protocol.errors import invalid
-from prfaas.protocol.generate import MAX_TOP_LOGPROBS, Bootstrap, SamplingParams, pd_bootstrap
+from prfaas.protocol.generate import (
+    MAX_TOP_LOGPROBS,
+    Bootstrap,
+    SamplingParams,
+    pd_bootstrap,
+    pd_prefix_pull,
+)
 from prfaas.protocol.openai_request import (
     GATEWAY_FIELDS,
     GENERATE_FIELDS,
@@ -34,7 +41,7 @@ MAX_N = 16
 ENGINE_FIELDS = GENERATE_FIELDS | HARMLESS_FIELDS | frozenset({
     "tools", "tool_choice", "parallel_tool_calls", "response_format", "structured_outputs",
     "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
-    "skip_special_tokens", "bootstrap_host", "bootstrap_port", "bootstrap_room",
+    "skip_special_tokens", "bootstrap_host", "bootstrap_port", "bootstrap_room", "prefix_pull",
 })  # fmt: skip
 """What the reference engine's OpenAI route serves."""
 STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
@@ -62,6 +69,9 @@ class EngineOpenAICall:
     continuous_usage: bool = False
     """`stream_options.continuous_usage_stats`: usage in every streamed event."""
     bootstrap: Bootstrap | None = None
+    prefix_pull: Bootstrap | None = None
+    """PrfaaS's extension (engines that say `prefix_pull`): fetch the prompt's cached prefix
+    from this room before computing the rest."""
 
     def sequence(self, index: int) -> SamplingParams:
         """Sequence `index`'s sampling: a seeded request's sequences draw apart."""
@@ -119,7 +129,7 @@ def parse_engine_call(
                       "kv_transfer_params")  # fmt: skip
     return EngineOpenAICall(
         call, sampling, n or 1, mode, name, parallel is not False, structured,
-        continuous, pd_bootstrap(pd),
+        continuous, pd_bootstrap(pd), pd_prefix_pull(body),
     )  # fmt: skip
 
 

@@ -46,7 +46,7 @@ GENERATE_FIELDS = frozenset({
 HARMLESS_FIELDS = frozenset({"user", "metadata", "store", "service_tier"})
 """Fields that cannot change an answer: accepted in either mode, as OpenAI servers do."""
 GATEWAY_FIELDS = frozenset({"kv_transfer_params", "bootstrap_host", "bootstrap_port",
-                            "bootstrap_room"})  # fmt: skip
+                            "bootstrap_room", "prefix_pull"})  # fmt: skip
 """The disaggregation fields the gateway writes itself: never taken from a client."""
 MAX_STOP = 4
 DEFAULT_MAX_TOKENS = 16

@@ -56,7 +56,8 @@ async def _serve(request: web.Request, api: Api) -> web.StreamResponse:
     for i in range(call.n):
         seq_rid = rid if call.n == 1 else f"{rid}-{i}"
         params, bootstrap = call.sequence(i), call.bootstrap
-        runs.append(service.generate(seq_rid, ids, params, bootstrap, constraint=constraints[i]))
+        runs.append(service.generate(seq_rid, ids, params, bootstrap, call.prefix_pull,
+                                     constraint=constraints[i]))  # fmt: skip
     pieces = _merged(runs, answer)
     if call.call.stream:
         return await _stream(request, answer, pieces)

@@ -103,3 +103,34 @@ async def test_bad_export_and_pull_bodies_are_400(tiny_runner: ModelRunner) -> N
             async with s.post(f"{a.url}/generate", json=body) as r:
                 assert r.status == 400, pull
                 assert "prefix_pull" in (await r.json())["error"]["message"]
+
+
+async def test_the_openai_route_pulls_a_prefix_too(
+    tiny_runner: ModelRunner, tiny_model: PreTrainedModel
+) -> None:
+    """A forwarded OpenAI body (tools, grammars, ...) carries the gateway's `prefix_pull`
+    like `/generate`: B reuses the 96 pulled tokens, with the same greedy output."""
+    hub = InProcessHub()
+    first = random_prompt(14, 100)
+    prompt = first + random_prompt(15, 30)
+    async with (
+        engine_server(tiny_runner, hub, role="both") as a,
+        engine_server(tiny_runner, hub, role="both") as b,
+        aiohttp.ClientSession() as s,
+    ):
+        body = {"input_ids": first, "sampling_params": {"max_new_tokens": 1, **GREEDY}}
+        await _post(s, f"{a.url}/generate", body)
+        port = a.service.sender.bootstrap_port
+        export = _post(s, f"{a.url}/kv/export", {"input_ids": prompt, "room": 42})
+        openai = {
+            "model": "qwen3-next-tiny", "prompt": prompt, "max_tokens": 6, **GREEDY,
+            "logprobs": 1, "prefix_pull": {"host": "127.0.0.1", "port": port, "room": 42},
+        }  # fmt: skip
+        exported, answer = await asyncio.gather(export, _post(s, f"{b.url}/v1/completions", openai))
+    assert int(exported["prefix_tokens"]) == 96
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
+    assert len(answer["choices"][0]["logprobs"]["tokens"]) == 6
+    expected = hf_greedy(tiny_model, prompt, 6)
+    assert answer["choices"][0]["text"] == bytes(t for t in expected if t < 256).decode(
+        errors="replace"
+    )
