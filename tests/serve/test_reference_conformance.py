@@ -24,7 +24,17 @@ from typing import Any
 import openai
 import pydantic
 import pytest
-from openai_battery import CHAT, COMPLETIONS, GREEDY, PROMPT, SCHEMA, STREAM_ONLY, TOOL, USER
+from openai_battery import (
+    CHAT,
+    COMPLETIONS,
+    GREEDY,
+    PROMPT,
+    SCHEMA,
+    STREAM_ONLY,
+    TOOL,
+    USER,
+    merged,
+)
 
 pytestmark = pytest.mark.timeout(600)
 MODEL = "qwen3-next-tiny"
@@ -75,7 +85,8 @@ def url() -> Iterator[str]:
 
 
 def post(url: str, path: str, body: dict[str, Any]) -> tuple[int, Any, dict[str, str]]:
-    """Status, the answer (a stream as its events merged into one answer) and headers."""
+    """Status, the answer (a stream as its events, `[DONE]` checked and dropped) and
+    headers."""
     req = urllib.request.Request(url + path, json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})  # fmt: skip
     try:
@@ -90,30 +101,12 @@ def post(url: str, path: str, body: dict[str, Any]) -> tuple[int, Any, dict[str,
     return status, [json.loads(e) for e in events[:-1]], headers
 
 
-def merged(events: list[Any]) -> dict[str, Any]:
-    """A stream's events as one answer: per choice, text joined, lists extended, other
-    values the last given; usage the last one given."""
-    choices: dict[int, dict[str, Any]] = {}
-    usage = None
-    for event in events:
-        usage = event.get("usage") or usage
-        for choice in event.get("choices") or ():
-            _merge(choices.setdefault(choice["index"], {}), choice)
-    for choice in choices.values():
+def _as_message(answer: dict[str, Any]) -> dict[str, Any]:
+    """A merged chat stream's deltas read as the whole answer's messages."""
+    for choice in answer["choices"]:
         if "delta" in choice:
             choice["message"] = choice.pop("delta")
-    return {"choices": [choices[i] for i in sorted(choices)], "usage": usage}
-
-
-def _merge(into: dict[str, Any], piece: dict[str, Any]) -> None:
-    for key, value in piece.items():
-        old = into.get(key)
-        if isinstance(value, str | list) and type(old) is type(value):
-            into[key] = old + value
-        elif isinstance(value, dict) and isinstance(old, dict):
-            _merge(old, value)
-        elif value is not None or key not in into:
-            into[key] = value
+    return answer
 
 
 def _text(answer: dict[str, Any], i: int = 0) -> str:
@@ -264,7 +257,7 @@ def test_every_feature_works_or_is_refused_by_name(
         return
     assert status == 200, answer
     assert headers["x-prfaas-route"] == "pd"  # a PD prefill and decode: the KV crossed
-    whole = merged(answer) if stream else answer
+    whole = _as_message(merged(answer)) if stream else answer
     if name == "continuous-usage":
         assert all(e.get("usage") for e in answer if e.get("choices")), answer
     if name in STREAM_ONLY:

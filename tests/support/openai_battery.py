@@ -141,3 +141,28 @@ STREAM_ONLY = {
     "usage": {"stream_options": {"include_usage": True}},
     "continuous-usage": {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
 }
+
+
+def merged(events: list[Any]) -> dict[str, Any]:
+    """A stream's events (after `[DONE]` was checked and dropped) as one answer: per choice,
+    text pieces joined and lists extended in order, other values the last given; usage the
+    last one given. Where a stream splits its tokens into events depends on the engine's
+    step timing, not on the answer."""
+    choices: dict[int, dict[str, Any]] = {}
+    usage = None
+    for event in events:
+        usage = event.get("usage") or usage
+        for choice in event.get("choices") or ():
+            _merge(choices.setdefault(choice["index"], {}), choice)
+    return {"choices": [choices[i] for i in sorted(choices)], "usage": usage}
+
+
+def _merge(into: dict[str, Any], piece: dict[str, Any]) -> None:
+    for key, value in piece.items():
+        old = into.get(key)
+        if isinstance(value, str | list) and type(old) is type(value):
+            into[key] = old + value
+        elif isinstance(value, dict) and isinstance(old, dict):
+            _merge(old, value)
+        elif value is not None or key not in into:
+            into[key] = value

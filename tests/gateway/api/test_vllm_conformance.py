@@ -30,6 +30,7 @@ from openai_battery import (
     TOOL_2,
     TURN_2,
     USER,
+    merged,
 )
 from vllm_helpers import MODEL, require_vllm, server, start_all, stop_all
 
@@ -151,31 +152,6 @@ def near(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def merged(events: list[Any]) -> Any:
-    """A stream's events as one answer: per choice, text pieces joined and lists extended in
-    order, other values the last given; usage the last event's. Where a stream splits its
-    tokens into events depends on the engine's step timing, not on the answer."""
-    assert events and events[-1] == "[DONE]", "a whole stream ends with [DONE]"
-    choices: dict[int, dict[str, Any]] = {}
-    usage = None
-    for event in events[:-1]:
-        usage = event.get("usage") or usage
-        for choice in event.get("choices") or ():
-            _merge(choices.setdefault(choice["index"], {}), choice)
-    return {"choices": [choices[i] for i in sorted(choices)], "usage": usage}
-
-
-def _merge(into: dict[str, Any], piece: dict[str, Any]) -> None:
-    for key, value in piece.items():
-        old = into.get(key)
-        if isinstance(value, str | list) and type(old) is type(value):
-            into[key] = old + value
-        elif isinstance(value, dict) and isinstance(old, dict):
-            _merge(old, value)
-        elif value is not None or key not in into:
-            into[key] = value
-
-
 def strip(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: strip(v) for k, v in value.items() if k not in VOLATILE}
@@ -212,7 +188,9 @@ def test_answers_equal_vllms_own(servers: Servers, api: str, extra: dict[str, An
     got_status, got = post(servers.prfaas, path, body)
     assert got_status == want_status, f"prfaas {got}\nvllm {want}"
     if want_status == 200 and stream:
-        got, want = merged(got), merged(want)
+        for events in (got, want):
+            assert events and events[-1] == "[DONE]", "a whole stream ends with [DONE]"
+        got, want = merged(got[:-1]), merged(want[:-1])
     if want_status == 200:
         assert near(strip(got), strip(want)), f"prfaas {strip(got)}\nvllm {strip(want)}"
 
