@@ -17,11 +17,14 @@ from prfaas.protocol.generate import GenerateChunk, GenerateRequest
 
 
 def with_usage(body: dict[str, Any]) -> dict[str, Any]:
-    """A streamed body that asks for its usage (the gateway counts tokens from it)."""
+    """A streamed body that asks for its usage (the gateway counts tokens from it; the
+    usage event a client did not ask for is not relayed). A client that did not ask for it
+    gets no continuous usage either, as the engine would answer it alone."""
     if body.get("stream") is True:
         options = body.get("stream_options")
-        body["stream_options"] = {**(options if isinstance(options, dict) else {}),
-                                  "include_usage": True}  # fmt: skip
+        given = options if isinstance(options, dict) else {}
+        extra = {} if given.get("include_usage") is True else {"continuous_usage_stats": False}
+        body["stream_options"] = {**given, "include_usage": True, **extra}
     return body
 
 

@@ -28,6 +28,8 @@ REQUEST_FIELDS = frozenset({
 MAX_TOP_LOGPROBS = 20
 """The most alternatives a token's log-probabilities list (vLLM's default `max_logprobs`)."""
 MAX_LOGIT_BIAS = 100.0
+GREEDY_TEMPERATURE = 1e-5
+"""Below this temperature sampling is argmax (vLLM's epsilon: dividing by less overflows)."""
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        """Argmax: temperature below `GREEDY_TEMPERATURE` (as vLLM reads it), or top-k 1."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def penalised(self) -> bool:

@@ -110,6 +110,10 @@ def parse_engine_call(
         raise invalid(f"'stream_options.{key}' is not supported", f"stream_options.{key}")
     call = parse_call(body, api, limits, tokenizer, "forward", pd_fields=True)
     sampling = replace(parse_sampling(body), top_logprobs=_logprobs(body, api))
+    vocab = limits.vocab_size
+    if vocab is not None and any(t >= vocab for t, _ in sampling.logit_bias):
+        raise invalid(f"'logit_bias' names a token id outside the vocabulary [0, {vocab})",
+                      "logit_bias")  # fmt: skip
     if body.get("skip_special_tokens") is False:
         sampling = replace(sampling, skip_special_tokens=False)
     mode, name = _tool_mode(body)
@@ -122,7 +126,11 @@ def parse_engine_call(
         raise invalid("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
     if (n or 1) > 1 and any(k in body for k in GATEWAY_FIELDS):
         raise invalid("'n' > 1 runs on one engine: not with bootstrap_* fields", "n")
-    continuous = isinstance(options, dict) and options.get("continuous_usage_stats") is True
+    continuous = (
+        call.include_usage
+        and isinstance(options, dict)
+        and (options.get("continuous_usage_stats") is True)
+    )  # as vLLM: only with the usage itself
     pd = {k: body[k] for k in GATEWAY_FIELDS if k in body and k != "kv_transfer_params"}
     if "kv_transfer_params" in body:
         raise invalid("'kv_transfer_params' is vLLM's: this engine takes bootstrap_*",

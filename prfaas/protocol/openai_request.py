@@ -156,9 +156,13 @@ def generate_gap(body: dict[str, Any]) -> str | None:
     for key in ("n", "best_of"):
         if body.get(key) not in (None, 1):
             return key
-    for key in ("echo", "logprobs", "top_logprobs"):
-        if body.get(key) not in (None, False, 0):
-            return key
+    if body.get("echo") not in (None, False):
+        return "echo"
+    logprobs = body.get("logprobs")
+    if logprobs is not None and logprobs is not False:  # completions' 0: the chosen token's
+        return "logprobs"
+    if body.get("top_logprobs") not in (None, 0):
+        return "top_logprobs"
     options = body.get("stream_options")
     if isinstance(options, dict) and set(options) - {"include_usage"}:
         return "stream_options"

@@ -101,9 +101,10 @@ def test_a_forwarded_body_reaches_the_decode_whole_and_the_prefill_as_a_prompt()
     assert {k: v for k, v in dec.items() if k not in ("kv_transfer_params", "stream_options")} == (
         CLIENT_BODY
     )
+    # the usage the gateway counts from, without the continuous usage the client never asked
     assert dec["kv_transfer_params"]["do_remote_prefill"] and dec["stream_options"] == {
-        "include_usage": True
-    }
+        "include_usage": True, "continuous_usage_stats": False
+    }  # fmt: skip
     assert pre == {
         "model": "tiny", "messages": CLIENT_BODY["messages"], "tools": TOOLS,
         "tool_choice": "none", "logit_bias": {"5": 3}, "chat_template_kwargs": {"x": 1},

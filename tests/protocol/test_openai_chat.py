@@ -143,3 +143,13 @@ def test_clients_may_not_set_the_disaggregation_fields() -> None:
         with pytest.raises(APIError) as err:
             parse_call({**_body("chat", {}), key: {}}, "chat", LIMITS, ByteTokenizer(), "forward")
         assert (err.value.status, err.value.param) == (400, key)
+
+
+def test_completions_logprobs_zero_is_the_chosen_tokens_own_and_is_forwarded() -> None:
+    """`logprobs: 0` asks for the chosen token's log-probability (not for none): `/generate`
+    cannot give it, so the body goes whole to the engine."""
+    body = {**_body("completions", {}), "logprobs": 0}
+    call = parse_call(body, "completions", LIMITS, ByteTokenizer(), "generate")
+    assert generate_gap(body) == "logprobs" and call.body is not None
+    chat = {**_body("chat", {}), "logprobs": False, "top_logprobs": 0}
+    assert generate_gap(chat) is None

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from prfaas.engines.reference.server.streaming import stable_text, visible_text
+from prfaas.engines.reference.server.streaming import output_text
 from prfaas.engines.reference.step.request import TokenEvent
 from prfaas.engines.reference.step.sampling import TokenLogprob
 from prfaas.protocol.openai_engine_call import EngineOpenAICall
@@ -50,13 +50,14 @@ class Sequence:
     finish_reason: str | None = None
     cached_tokens: int = 0
 
-    def add(self, event: TokenEvent, decode: Decode) -> Delta:
-        """Take `event`; returns the text it made visible."""
+    def add(self, event: TokenEvent, decode: Decode, stops: tuple[str, ...] = ()) -> Delta:
+        """Take `event`; returns the text it made visible (`stops`: the request's stop
+        strings, whose possible beginnings are held back until the end)."""
         self.ids.extend(event.token_ids)
         self.logprobs.extend(event.logprobs)
         self.cached_tokens = event.cached_tokens or self.cached_tokens
         reason = event.finish_reason
-        text = visible_text(stable_text(decode(self.ids), reason is not None), reason)
+        text = output_text(decode, self.ids, reason, stops)
         delta, self.text = text[len(self.text) :], text
         if reason is not None:
             self.finish_reason = str(reason.get("type"))
@@ -218,7 +219,9 @@ class Answer:
             "text_offset": offsets,
             "token_logprobs": [lp.logprob for lp in items],
             "tokens": [text([lp.token]) for lp in items],
-            "top_logprobs": [{text([t]): v for t, v in lp.top} for lp in items],
+            "top_logprobs": [  # the chosen token always among them, as vLLM writes it
+                {text([lp.token]): lp.logprob, **{text([t]): v for t, v in lp.top}} for lp in items
+            ],
         }
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import threading
 import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
@@ -50,7 +51,7 @@ async def _serve(request: web.Request, api: Api) -> web.StreamResponse:
     call = parse_engine_call(load_json(await request.read()), api, limits, tok)
     rid = ("chatcmpl-" if api == "chat" else "cmpl-") + secrets.token_hex(16)
     answer = Answer(call, rid, int(time.time()), tok.decode)
-    constraints = _constraints(request.app, call)
+    constraints = await asyncio.to_thread(_constraints, request.app, call)  # off the loop
     ids = list(call.call.input_ids)
     runs = []
     for i in range(call.n):
@@ -68,15 +69,19 @@ async def _serve(request: web.Request, api: Api) -> web.StreamResponse:
 
 
 def _constraints(app: web.Application, call: EngineOpenAICall) -> list[TokenConstraint | None]:
-    """One grammar per sequence (compiled for the engine's vocabulary on first use)."""
+    """One grammar per sequence (compiled for the engine's vocabulary on first use; a
+    large vocabulary or schema takes a while, so callers run this on a worker thread)."""
     if call.structured is None:
         return [None] * call.n
-    vocab = _vocab(app[TOKENIZER], app[SERVICE].core.runner.shape.vocab_size)
-    first = TokenConstraint.compile(call.structured, vocab)  # a 400 names the spec's field
-    return [first, *(first.fork() for _ in range(call.n - 1))]
+    with _COMPILING:
+        vocab = _vocab(app[TOKENIZER], app[SERVICE].core.runner.shape.vocab_size)
+        first = TokenConstraint.compile(call.structured, vocab)  # a 400 names its field
+        return [first, *(first.fork() for _ in range(call.n - 1))]
 
 
 _VOCABS: dict[tuple[int, int], GrammarVocab] = {}
+_COMPILING = threading.Lock()
+"""Grammars compile on worker threads, one at a time (the vocabularies' caches)."""
 
 
 def _vocab(tokenizer: Tokenizer, vocab_size: int) -> GrammarVocab:
@@ -132,7 +137,7 @@ def _take(answer: Answer, index: int, event: TokenEvent, decode: Decode) -> Delt
     seq = answer.sequences[index]
     if not seq.ids and event.finish_reason is not None:
         check_abort(event.finish_reason)
-    return seq.add(event, decode)
+    return seq.add(event, decode, answer.request.sampling.stop)
 
 
 async def _stream(

@@ -25,10 +25,9 @@ from prfaas.engines.reference.server.streaming import (
     check_abort,
     collect,
     open_sse,
+    output_text,
     read_json,
     send_sse,
-    stable_text,
-    visible_text,
 )
 from prfaas.engines.transport import KVSender, TransportTelemetry
 from prfaas.protocol.errors import APIError, InvalidRequest
@@ -50,8 +49,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 
 def _result(tok: Tokenizer, call: GenerateRequest, r: Collected, start: float) -> dict[str, Any]:
-    text = stable_text(tok.decode(r.output_ids), final=r.finish_reason is not None)
-    text = visible_text(text, r.finish_reason)
+    text = output_text(tok.decode, r.output_ids, r.finish_reason, call.sampling.stop)
     return answer(
         rid=call.rid, text=text, output_ids=list(r.output_ids), finish_reason=r.finish_reason,
         prompt_tokens=len(call.input_ids), cached_tokens=r.cached_tokens,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,11 +73,29 @@ async def send_sse(response: web.StreamResponse, payload: Any) -> None:
     await response.write(b"data: " + data + b"\n\n")
 
 
+def output_text(
+    decode: Callable[[list[int]], str],
+    ids: list[int],
+    reason: dict[str, object] | None,
+    stops: Sequence[str] = (),
+) -> str:
+    """The text a request's output shows so far: a stop token's own text left out (vLLM's
+    and SGLang's default), a matched stop string cut (`visible_text`); until the end, an
+    incomplete UTF-8 sequence and the last characters that may begin one of `stops` held
+    back, so streamed text is never taken back."""
+    stopped_on_token = reason is not None and isinstance(reason.get("matched"), int)
+    text = visible_text(stable_text(decode(ids[:-1] if stopped_on_token else ids),
+                                    reason is not None), reason)  # fmt: skip
+    hold = max((len(stop) for stop in stops), default=1) - 1
+    return text if reason is not None or not hold else text[: max(len(text) - hold, 0)]
+
+
 def visible_text(text: str, reason: dict[str, object] | None) -> str:
-    """The output text as SGLang shows it: cut before a matched stop string."""
+    """The output text as SGLang shows it: cut before the matched stop string (its last
+    occurrence: the one the last token completed)."""
     matched = reason.get("matched") if reason is not None else None
     if isinstance(matched, str) and reason is not None and reason.get("type") == "stop":
-        cut = text.find(matched)
+        cut = text.rfind(matched)
         return text if cut < 0 else text[:cut]
     return text
 

@@ -156,6 +156,8 @@ class TokenConstraint:
             matcher = vocab._start(_grammar(spec))
         except ValueError as exc:
             raise invalid(f"invalid {_WHAT[spec.kind]}: {exc}", name) from None
+        except RecursionError:
+            raise invalid(f"the {_WHAT[spec.kind]} is nested too deeply", name) from None
         if matcher.is_error():
             raise invalid(f"invalid {_WHAT[spec.kind]}: {matcher.get_error().strip()}", name)
         return cls(matcher, vocab)

@@ -25,7 +25,7 @@ from prfaas.engines.reference.model.runner import ModelRunner
 from prfaas.engines.reference.step.counters import EngineCounters
 from prfaas.engines.reference.step.prefill import PrefillRun, send_meta, state_from_handoff
 from prfaas.engines.reference.step.request import Phase, Request, TokenEvent
-from prfaas.engines.reference.step.sampling import Choice, choose
+from prfaas.engines.reference.step.sampling import Choice, NoTokenLeft, choose
 from prfaas.engines.reference.step.stopping import stop_reason
 from prfaas.protocol.kv_events import KVEvent
 
@@ -163,12 +163,27 @@ class EngineCore:
         if run.done:
             self.prefilling, req.prefill = None, None
             assert run.logits is not None
-            self._first_token(req, run.state, self._choose(req, run.logits))
+            chosen = self._choose(req, run.logits)
+            if chosen is not None:
+                self._first_token(req, run.state, chosen)
 
-    def _choose(self, req: Request, logits: torch.Tensor) -> Choice:
+    def _choose(self, req: Request, logits: torch.Tensor) -> Choice | None:
+        """`req`'s next token; None when none is left (the request was failed alone)."""
         eos = self.runner.shape.eos_token_id
         context = (req.prompt, req.output)
-        return choose(logits, req.params, req.seed, context, eos, req.constraint)
+        try:
+            return choose(logits, req.params, req.seed, context, eos, req.constraint)
+        except NoTokenLeft as exc:
+            self._refuse(req, str(exc))
+            return None
+
+    def _refuse(self, req: Request, message: str) -> None:
+        """End `req` alone with a client error (its blocks freed, its hand-off aborted);
+        the engine's other requests go on."""
+        self._finish(req, cache=False)
+        if req.outbox is not None:
+            req.outbox.abort(message)
+        req.emit(TokenEvent((), {"type": "abort", "message": message, "status_code": 400}))
 
     def _first_token(self, req: Request, state: SeqState, first: Choice) -> None:
         if req.outbox is None:
@@ -193,7 +208,11 @@ class EngineCore:
             return False
         req.state, req.cached_tokens, req.received = handed.state, handed.cached_tokens, None
         if req.constraint is not None:  # the prefill drew it under the same grammar
-            req.constraint.accept(handed.first.token)
+            try:
+                req.constraint.accept(handed.first.token)
+            except ValueError:
+                self._refuse(req, "the prefill's first token is outside the output grammar")
+                return True
         self._start_decoding(req, handed.first)
         return True
 
@@ -218,6 +237,8 @@ class EngineCore:
         eos, bs = self.runner.shape.eos_token_id, self.config.block_size
         for i, req in enumerate(reqs):
             choice = self._choose(req, logits[i])
+            if choice is None:
+                continue
             req.output.append(choice.token)
             if batch.lengths[i] % bs == 0:
                 req.boundary = _linear_row(batch, i)

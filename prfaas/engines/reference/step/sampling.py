@@ -2,9 +2,11 @@
 `prfaas.protocol.generate`): the logit processors, an optional grammar, the draw, and the
 chosen token's log-probabilities.
 
-Order, as vLLM applies them: `logit_bias`, the minimum-tokens mask, the penalties, the
-grammar's mask, then temperature / top-k / top-p / min-p and the draw. Log-probabilities are
-the model's own (before any processor: vLLM's default `raw_logprobs`).
+Order, as vLLM applies them: the grammar's mask (on the logits the sampler gets), then
+`logit_bias`, the minimum-tokens mask, the penalties, temperature / top-k / top-p / min-p
+and the draw. Log-probabilities are taken where vLLM's default `raw_logprobs` takes them:
+after the grammar's mask, before every other processor (a forbidden token's -inf reads
+-9999.0, as vLLM writes it).
 """
 
 from __future__ import annotations
@@ -18,6 +20,14 @@ from typing import Protocol
 import torch
 
 from prfaas.protocol.generate import SamplingParams
+
+LOGPROB_FLOOR = -9999.0
+"""What an impossible token's log-probability reads (vLLM's clamp of -inf)."""
+
+
+class NoTokenLeft(ValueError):
+    """Every token is ruled out (a grammar with `min_tokens` or `stop_token_ids` over what
+    it allows, say): the request cannot go on."""
 
 
 class Constraint(Protocol):
@@ -66,19 +76,21 @@ def choose(
     constraint: Constraint | None = None,
 ) -> Choice:
     """Output token number `len(output)` from float32 `logits` (vocab,), where `context` is
-    (prompt, output so far); advances `constraint` past it."""
+    (prompt, output so far), and advance `constraint` past it.
+
+    Raises:
+        NoTokenLeft: the grammar and the processors together allow no token.
+    """
     prompt, output = context
+    if constraint is not None:
+        logits = logits.clone()
+        constraint.mask_(logits)
     raw = logits
-    if (
-        params.logit_bias
-        or params.penalised
-        or constraint is not None
-        or (len(output) < params.min_new_tokens)
-    ):
+    if params.logit_bias or params.penalised or len(output) < params.min_new_tokens:
         logits = logits.clone()
         processed(logits, params, prompt, output, eos_token_id)
-        if constraint is not None:
-            constraint.mask_(logits)
+    if not bool(torch.isfinite(logits).any()):
+        raise NoTokenLeft("the output grammar and min_tokens / stop_token_ids leave no token")
     token = sample(logits, params, seed, len(output))
     if constraint is not None:
         constraint.accept(token)
@@ -117,7 +129,7 @@ def processed(
 
 def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
     """`token`'s log-probability under `logits` and the `top` most likely tokens'."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    logprobs = torch.log_softmax(logits.float(), dim=-1).clamp(min=LOGPROB_FLOOR)
     best = torch.topk(logprobs, top) if top else None
     pairs = (
         ()

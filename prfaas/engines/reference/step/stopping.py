@@ -22,10 +22,11 @@ def stop_reason(
         return {"type": "stop", "matched": last}
     if req.constraint is not None and req.constraint.done:
         return {"type": "stop", "matched": None}  # the grammar is complete
-    if params.stop:
+    if params.stop and len(req.output) >= params.min_new_tokens:  # as vLLM: not before
         text = detokenize(req.output)
+        new = len(detokenize(req.output[:-1]))  # only the last token's text can complete one
         for stop in params.stop:
-            if stop in text:
+            if stop in text[max(new - len(stop) + 1, 0) :]:
                 return {"type": "stop", "matched": stop}
     if len(req.output) >= params.max_new_tokens:
         return {"type": "length", "length": params.max_new_tokens}
