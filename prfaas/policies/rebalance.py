@@ -28,8 +28,10 @@ Guard rails (Kubernetes HPA stabilisation, Knative, Dynamo's planner):
   `load_margin` to spare, at its own best threshold;
 - at least one prefill and one decode instance stay.
 
-A refused move says which rail refused it. Pure: state and estimate in, decision out; the
-gateway's loop drains the instance and calls the engine's role API.
+A refused move says which rail refused it; a period's `Evidence` (what woke it, see
+`long_term_step.py`) says which rails it may skip. Pure: state and estimate in, decision
+out, with its figures as `RebalanceFigures`; the gateway's loop drains the instance and
+calls the engine's role API. Why each default is what it is: `prfaas/sim/SCHEDULING.md`.
 """
 
 from __future__ import annotations
@@ -57,16 +59,14 @@ class RebalanceConfig:
     drift_tolerance: float = 0.1
     """Relative gap between the prefill side's and decode's rate limits that counts as drift."""
     min_gain: float = 0.05
-    """A conversion must raise the model's Lambda_max by at least this share (one period's
-    estimate moves the gain of a move near the case study's knife edge by 3-6%: with 3%,
-    needless moves there and back kept phases from settling) ..."""
+    """A conversion must raise the model's Lambda_max by at least this share: one period's
+    estimate moves the gain of a move near a knife edge by a few percent, and a smaller
+    share lets that noise move instances there and back ..."""
     busy_load: float = 0.9
     busy_min_gain: float = 0.01
     """... or by this share when the estimated rate is at least `busy_load` of the current
-    split's Lambda_max. Near its capacity a split's queues grow as 1 / (1 - load): there a
-    few percent more capacity halve the wait (at 96% load, 5% more takes the load to 91%),
-    while the 3% rule, meant for noise at ordinary load, held such a move for 10 minutes
-    (the estimate read a 5% gain as 3% or less)."""
+    split's Lambda_max: near its capacity a split's queues grow as 1 / (1 - load), so a few
+    percent more capacity halve the wait."""
     confirm_periods: int = 2
     """Periods in a row that must want the same move."""
     urgent_gain: float = 0.15
@@ -86,10 +86,9 @@ class RebalanceConfig:
     noise_se: float = 1.0
     """A move must still gain `min_gain` (or `busy_min_gain`), and a re-solved t still lie
     beyond the dead band on the same side, with the estimated mean length this many
-    standard errors off either way (0: no such test). Near the case study's knife edge one
-    standard error of a period's blend moves the gain by 4-6%: the estimate read a 0.6%
-    move at 7-9% for five periods, and the move was made. A period acting on a measured
-    step of the workload is exempt (`step_measured`)."""
+    standard errors off either way (0: no such test): near a knife edge one standard error
+    of a period's blend moves the gain by more than `min_gain`. A period acting on a
+    measured step of the workload is exempt (`Evidence.lengths_measured`)."""
     t_step: int = 64
     exact: bool = True
     """Cost each class by E[T(L)] (True) or the paper's T(E[L])."""
@@ -161,14 +160,95 @@ class RebalanceState:
 
 
 @dataclass(frozen=True)
+class Evidence:
+    """What a period's estimate rests on, and so which rails it may skip. The long-term
+    step derives it from what woke the period (`long_term_step.Wake`) and what the period
+    took unblended after a wake."""
+
+    link_step: bool = False
+    """A measured step woke the period (link, answer or incremental length): the re-solved
+    set-point applies at once (a measurement is not sampling noise)."""
+    workload_step: bool = False
+    """The estimate took what a step test of answer or incremental length saw (or only what
+    came after such a step): a wanted move needs no confirmation. After a link step alone
+    moves still wait: converting at once there made the bandwidth-drop scenario's P90
+    worse."""
+    lengths_measured: bool = False
+    """The lengths are a measurement of the workload after a step: the move and the set-point
+    need not survive the length estimate's noise (`noise_se`, which guards steady
+    traffic)."""
+    first_look: bool = False
+    """An early look on few samples before the first period ends: the set-point may move, no
+    conversion is wanted or confirmed."""
+
+
+@dataclass(frozen=True)
+class NextSplit:
+    """The split one move away, at its best threshold."""
+
+    n_p: int
+    t_best: float
+    lambda_max: float
+
+
+@dataclass(frozen=True)
+class RebalanceFigures:
+    """The re-solve's figures (for logs and `/admin/state`): the current split at its best
+    threshold and the estimate it was planned on, and what the rails computed."""
+
+    n_p: int
+    t_best: float
+    lambda_max: float
+    prefill_bound: float
+    decode_bound: float
+    estimate: WorkloadEstimate
+    t_best_noise: tuple[float, ...] | None = None
+    """The best threshold with the mean length a standard error lower and higher (when the
+    set-point's noise rail ran)."""
+    next: NextSplit | None = None
+    """The split after the wanted move (when a move was wanted)."""
+    robust_gain: float | None = None
+    """The move's gain, whichever noise side gains less (when the move's noise rail ran)."""
+
+    @classmethod
+    def of(cls, opt: SplitOptimum, estimate: WorkloadEstimate) -> RebalanceFigures:
+        return cls(
+            opt.n_p,
+            opt.threshold_tokens,
+            opt.lambda_max,
+            opt.prefill_bound,
+            opt.decode_bound,
+            estimate,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "n_p": self.n_p,
+            "t_best": self.t_best,
+            "lambda_max": self.lambda_max,
+            "prefill_bound": self.prefill_bound,
+            "decode_bound": self.decode_bound,
+            "estimate": self.estimate.to_json(),
+        }
+        if self.t_best_noise is not None:
+            out["t_best_noise"] = list(self.t_best_noise)
+        if self.next is not None:
+            nxt = self.next
+            out["next"] = {"n_p": nxt.n_p, "t_best": nxt.t_best, "lambda_max": nxt.lambda_max}
+        if self.robust_gain is not None:
+            out["robust_gain"] = self.robust_gain
+        return out
+
+
+@dataclass(frozen=True)
 class RebalanceDecision:
     state: RebalanceState
     outcome: Outcome
     reason: str
     set_point: float
     conversion: Conversion | None = None
-    numbers: dict[str, Any] | None = None
-    """The re-solve's figures (for logs and `/admin/state`)."""
+    figures: RebalanceFigures | None = None
+    """The re-solve's figures (None when the period was skipped)."""
     deferred: Conversion | None = None
     """A move that every rail but time allowed (refused by the cooldown, or by a conversion
     still draining): the loop makes it once that is over, unless a later period decides
@@ -205,24 +285,10 @@ def rebalance(
     now: float,
     set_point: float,
     min_samples: float = 1.0,
-    stepped: bool = False,
-    workload_stepped: bool = False,
-    set_point_only: bool = False,
-    step_measured: bool = False,
+    evidence: Evidence = Evidence(),
 ) -> RebalanceDecision:
-    """One period of the rebalancer (see the module docstring). `stepped`: the period was
-    started by a step of the measured link, the answer length or the incremental length, so
-    the re-solved set-point applies at once (a measurement is not sampling noise).
-    `workload_stepped`: the step was one of answer or incremental length, so a wanted move
-    needs no confirmation either (the estimate took what the step test saw, not a noisy
-    period's blend; after a link step, moves still wait: converting at once there made the
-    bandwidth-drop scenario's P90 worse).
-    `set_point_only`: an early look on few samples (the first period): the set-point may
-    move, no conversion is wanted or confirmed.
-    `step_measured`: the period acts on a measured step of the workload (a step of answer or
-    incremental length woke it, or it follows a length wake and took only the lengths after
-    the step): its move need not survive the length estimate's noise (`noise_se`), which
-    guards steady traffic."""
+    """One period of the rebalancer (see the module docstring); `evidence` says which rails
+    the period may skip."""
     n_p, n_d = len(pools.prefill), len(pools.decode)
     if estimate is None or estimate.samples < min_samples:
         return RebalanceDecision(state, "skipped", "too few requests observed", set_point)
@@ -235,18 +301,20 @@ def rebalance(
         return RebalanceDecision(state, "skipped", f"the estimate cannot be planned: {exc}",
                                  set_point)  # fmt: skip
     current = best_for_split(grid, n_p)
-    noise = _Noise(config, profile, estimate, pools, measured=step_measured)
+    noise = _Noise(config, profile, estimate, pools, measured=evidence.lengths_measured)
     new_set_point, state = _set_point(
-        config, state, set_point, current.threshold_tokens, stepped, noise.set_points
+        config, state, set_point, current.threshold_tokens, evidence.link_step, noise.set_points
     )
     rate = min(estimate.rate, current.lambda_max)
     util = planned_utilisation(replanned, new_set_point, rate, exact=config.exact)
-    period = _Period(config, state, new_set_point, _numbers(current, estimate), util)
-    if noise.planned:  # the set-point's noise rail ran: what it saw
-        period.numbers["t_best_noise"] = noise.set_points()
+    period = _Period(config, state, new_set_point, RebalanceFigures.of(current, estimate), util)
+    noisy = noise.set_points() if noise.planned else None
+    if noisy is not None:  # the set-point's noise rail ran: what it saw
+        period.figures = replace(period.figures, t_best_noise=tuple(noisy))
     direction, why = _drift(config, current)
-    if direction == 0 or set_point_only:
-        return period.reset("hold", why + ("; set-point only" if set_point_only else ""))
+    first_look = evidence.first_look
+    if direction == 0 or first_look:
+        return period.reset("hold", why + ("; set-point only" if first_look else ""))
     lost: Role = "decode" if direction > 0 else "prefill"
     gained: Role = "prefill" if direction > 0 else "decode"
     losing = pools.decode if direction > 0 else pools.prefill
@@ -257,11 +325,8 @@ def rebalance(
             f"{lost} instance (at least one prefill and one decode must stay)",
         )
     nxt = best_for_split(grid, n_p + direction)
-    period.numbers["next"] = {
-        "n_p": nxt.n_p,
-        "t_best": nxt.threshold_tokens,
-        "lambda_max": nxt.lambda_max,
-    }
+    next_split = NextSplit(nxt.n_p, nxt.threshold_tokens, nxt.lambda_max)
+    period.figures = replace(period.figures, next=next_split)
     gain = _gain(current, nxt)
     load = estimate.rate / current.lambda_max if current.lambda_max > 0 else math.inf
     busy = load >= config.busy_load
@@ -273,7 +338,7 @@ def rebalance(
         )
     robust = noise.gain(direction)
     if robust is not None:
-        period.numbers["robust_gain"] = robust
+        period.figures = replace(period.figures, robust_gain=robust)
         if robust < needed:
             at = f" (at {load:.0%} load)" if busy else ""
             return period.reset(
@@ -284,7 +349,8 @@ def rebalance(
     streak = state.streak + 1 if state.direction == direction else 1
     period.state = replace(state, direction=direction, streak=streak)
     move = f"{why}; one {lost} -> {gained} gains {gain:+.1%}"
-    if streak < config.confirm_periods and gain < config.urgent_gain and not workload_stepped:
+    confirmed = streak >= config.confirm_periods or evidence.workload_step
+    if not confirmed and gain < config.urgent_gain:
         return period.out("pending", f"{move}; pending ({streak}/{config.confirm_periods} periods)")
     refusal = _overload(config, nxt, direction, estimate.rate)
     if refusal is not None:
@@ -373,7 +439,7 @@ class _Period:
     config: RebalanceConfig
     state: RebalanceState
     set_point: float
-    numbers: dict[str, Any]
+    figures: RebalanceFigures
     utilisation: float | None
 
     def reset(self, outcome: Outcome, reason: str) -> RebalanceDecision:
@@ -395,7 +461,7 @@ class _Period:
             reason,
             self.set_point,
             conversion,
-            self.numbers,
+            self.figures,
             planned_utilisation=self.utilisation,
             deferred=deferred,
         )
@@ -490,14 +556,3 @@ def planned_utilisation(
     )
     egress = rate * float(split.p[0]) * float(np.nan_to_num(costs.long_kv_bytes[0]))
     return egress / tp.gbps_to_bytes_per_s(link)
-
-
-def _numbers(opt: SplitOptimum, estimate: WorkloadEstimate) -> dict[str, Any]:
-    return {
-        "n_p": opt.n_p,
-        "t_best": opt.threshold_tokens,
-        "lambda_max": opt.lambda_max,
-        "prefill_bound": opt.prefill_bound,
-        "decode_bound": opt.decode_bound,
-        "estimate": estimate.to_json(),
-    }

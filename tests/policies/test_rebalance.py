@@ -15,6 +15,7 @@ from prfaas.policies.planner import best_for_split, plan
 from prfaas.policies.profile import DeploymentProfile, load_profile
 from prfaas.policies.rebalance import (
     Conversion,
+    Evidence,
     Member,
     Pools,
     RebalanceConfig,
@@ -79,7 +80,7 @@ def test_the_planned_workload_holds_at_the_planned_set_point(profile: Deployment
     assert d.outcome == "hold" and d.conversion is None
     assert d.set_point == 10_000 and (d.state.set_point_side, d.state.set_point_streak) == (1, 1)
     assert d.reason.startswith("drift: prefill side 3.14 vs decode 3.91 req/s; hold: converting")
-    assert d.numbers is not None and d.numbers["n_p"] == 3
+    assert d.figures is not None and d.figures.n_p == 3
     d = rebalance(CFG, d.state, profile, est, _pools(), now=60, set_point=10_000)
     assert d.set_point == t_star and d.state.set_point_streak == 0
     expected = planned_utilisation(replan_profile(profile, est, 4, 8), t_star, 2.7, exact=True)
@@ -157,12 +158,12 @@ def test_a_measured_step_of_answer_length_needs_no_confirmation(
 
     def outcome(**step: bool) -> str:
         d = rebalance(slow, RebalanceState(), profile, est, _pools(), now=0, set_point=19_456,
-                      **step)  # fmt: skip
+                      evidence=Evidence(**step))  # fmt: skip
         return d.outcome
 
     assert outcome() == "pending"
-    assert outcome(stepped=True) == "pending"
-    assert outcome(stepped=True, workload_stepped=True) == "convert"
+    assert outcome(link_step=True) == "pending"
+    assert outcome(link_step=True, workload_step=True) == "convert"
 
 
 def test_near_capacity_a_smaller_gain_is_worth_a_move(profile: DeploymentProfile) -> None:
@@ -176,7 +177,7 @@ def test_near_capacity_a_smaller_gain_is_worth_a_move(profile: DeploymentProfile
     def decide(load: float) -> tuple[str, str]:
         at = replace(est, rate=load * current.lambda_max)
         d = rebalance(CFG, RebalanceState(), profile, at, _pools(4, 4), now=0, set_point=30_000,
-                      step_measured=True)  # fmt: skip
+                      evidence=Evidence(lengths_measured=True))  # fmt: skip
         return d.outcome, d.reason
 
     outcome, reason = decide(0.6)
@@ -196,15 +197,16 @@ def test_a_gain_within_the_length_estimates_noise_holds(profile: DeploymentProfi
     def decide(n: float, **kw: Any) -> RebalanceDecision:
         config = replace(CFG, **kw.pop("config", {}))
         return rebalance(config, RebalanceState(), profile, _estimate(mu=10.05, n=n, rate=2.0),
-                         _pools(), now=0, set_point=19_456, **kw)  # fmt: skip
+                         _pools(), now=0, set_point=19_456, evidence=Evidence(**kw))  # fmt: skip
 
     noisy = decide(300)
     assert noisy.outcome == "hold" and noisy.conversion is None
     assert "gains +7.5%, +" in noisy.reason
     assert noisy.reason.endswith("with the mean length 1 standard error off, < 5%"), noisy.reason
-    assert noisy.numbers is not None and 0 < noisy.numbers["robust_gain"] < 0.05
+    assert noisy.figures is not None and noisy.figures.robust_gain is not None
+    assert 0 < noisy.figures.robust_gain < 0.05
     assert decide(1_000).outcome == "pending"
-    assert decide(300, step_measured=True).outcome == "pending"
+    assert decide(300, lengths_measured=True).outcome == "pending"
     assert decide(300, config={"noise_se": 0.0}).outcome == "pending"
 
 
@@ -297,7 +299,7 @@ def test_a_link_step_moves_the_set_point_at_once(profile: DeploymentProfile) -> 
     second period (conversions still wait for theirs)."""
     est = _estimate(gbps=10)
     d = rebalance(CFG, RebalanceState(), profile, est, _pools(), now=0, set_point=10_000,
-                  stepped=True)  # fmt: skip
+                  evidence=Evidence(link_step=True))  # fmt: skip
     assert d.set_point > 19_456 and d.outcome == "pending"
 
 
@@ -331,18 +333,18 @@ def test_a_set_point_off_by_less_than_the_estimates_noise_stays(
 
     def decide(n: float, **kw: bool) -> RebalanceDecision:
         d = rebalance(CFG, RebalanceState(), profile, _estimate(n=n), _pools(), now=0,
-                      set_point=far, **kw)  # fmt: skip
+                      set_point=far, evidence=Evidence(**kw))  # fmt: skip
         assert d.set_point == far
         return d
 
     assert decide(100_000).state.set_point_streak == 1
     noisy = decide(200)
     assert noisy.state.set_point_streak == 0
-    assert noisy.numbers is not None
-    assert any(abs(t - far) <= 0.15 * far for t in noisy.numbers["t_best_noise"])
-    measured = decide(200, step_measured=True)
+    assert noisy.figures is not None and noisy.figures.t_best_noise is not None
+    assert any(abs(t - far) <= 0.15 * far for t in noisy.figures.t_best_noise)
+    measured = decide(200, lengths_measured=True)
     assert measured.state.set_point_streak == 1
-    assert measured.numbers is not None and "t_best_noise" not in measured.numbers
+    assert measured.figures is not None and measured.figures.t_best_noise is None
 
 
 def test_replan_profile_uses_the_estimate(profile: DeploymentProfile) -> None:

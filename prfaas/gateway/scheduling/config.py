@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from prfaas.common.toml_tables import check
+from prfaas.policies.long_term_step import LongTermConfig, StepConfig
 from prfaas.policies.rebalance import RebalanceConfig
 from prfaas.policies.regime_choice import RegimeConfig
 from prfaas.policies.threshold_trim import TrimConfig
@@ -37,6 +38,8 @@ class SchedulerConfig:
     regime: RegimeConfig = field(default_factory=RegimeConfig)
     rebalance: RebalanceConfig = field(default_factory=RebalanceConfig)
     estimate: EstimateConfig = field(default_factory=EstimateConfig)
+    steps: StepConfig = field(default_factory=StepConfig)
+    """The step tests that wake a long-term period early."""
 
     def __post_init__(self) -> None:
         check(self.tick_s > 0, "tick_s", self.tick_s, "must be > 0")
@@ -46,6 +49,10 @@ class SchedulerConfig:
         top = self.max_threshold
         ok = top is None or top >= self.min_threshold
         check(ok, "max_threshold", top, "must be >= min_threshold")
+
+    def long_term_config(self) -> LongTermConfig:
+        """What the long-term loop's pure steps read of this table."""
+        return LongTermConfig(self.period_s, self.rebalance, self.estimate, self.steps)
 
     def clamp(self, threshold: float) -> float:
         """`threshold` within [min_threshold, max_threshold]."""

@@ -171,7 +171,7 @@ class Scheduler:
                 else {
                     "outcome": last.outcome,
                     "reason": last.reason,
-                    **(last.numbers or {}),
+                    **({} if last.figures is None else last.figures.to_json()),
                 },
                 "converting": long.state.converting,
                 "cooldown_until": long.state.cooldown_until,
