@@ -21,6 +21,7 @@ from typing import Literal
 
 from prfaas.engine_clients.base import Role
 from prfaas.gateway.scheduling.config import SchedulerConfig
+from prfaas.gateway.scheduling.decisions import ScheduleBoard
 from prfaas.gateway.scheduling.roles import ConversionResult, RoleConverter
 from prfaas.gateway.scheduling.scheduler import Scheduler
 from prfaas.loadgen.arrivals import TraceArrivals
@@ -32,7 +33,7 @@ from prfaas.loadgen.workloads.mooncake import MooncakeWorkload
 from prfaas.policies.planner import plan
 from prfaas.policies.profile import DeploymentProfile
 from prfaas.policies.routing import Regime
-from prfaas.policies.schedule_state import ScheduleState
+from prfaas.policies.schedule_state import InstanceRole, ScheduleState
 from prfaas.policies.ttft_forecast import LinkState
 from prfaas.sim.cluster import SimCluster
 from prfaas.sim.deployments import Deployment, SimOptions, deployments
@@ -131,7 +132,9 @@ async def _run(
         scheduler.board.listeners.append(recorder.state_changed)
         scheduler.start()
     elif variant in ("oracle", "oracle-drain"):
-        oracle = _Oracle(profile, scenario, cluster, recorder, conversions, scheduler_config)
+        oracle = _Oracle(profile, scenario, cluster, conversions, scheduler_config)
+        recorder.start_from(oracle.board.state)
+        oracle.board.listeners.append(recorder.state_changed)
         tasks.append(asyncio.create_task(oracle.run()))
     bench = BenchSpec(
         scenario_workload(scenario, profile),
@@ -264,20 +267,30 @@ class _Recorder:
 
 class _Oracle:
     """Re-plans with each phase's true conditions at its start: `t`, regime, and the split
-    (all conversions at once, through the same drain-then-switch path as the schedulers)."""
+    (all conversions at once, through the same drain-then-switch path as the schedulers).
+    Its decisions apply through a `ScheduleBoard`, as the schedulers' do; it moves `t`, not
+    the set-point (it has no trimmer to trim around one)."""
 
     def __init__(
         self,
         profile: DeploymentProfile,
         scenario: Scenario,
         cluster: SimCluster,
-        recorder: _Recorder,
         conversions: list[ConversionResult],
         config: SchedulerConfig,
     ) -> None:
         self._profile, self._scenario, self._cluster = profile, scenario, cluster
-        self._recorder, self._conversions = recorder, conversions
+        self._conversions = conversions
         self._converter = RoleConverter(cluster.instances, drain_timeout_s=config.drain_timeout_s)
+        routing = cluster.router.state
+        initial = ScheduleState(
+            threshold=routing.threshold,
+            set_point=routing.threshold,
+            regime=routing.regime,
+            roles=_pd_roles(cluster),
+        )
+        loop = asyncio.get_running_loop()
+        self.board = ScheduleBoard(initial, routing, cluster.instances, loop.time)
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -287,20 +300,25 @@ class _Oracle:
 
     async def _replan(self, phase: Phase) -> None:
         best = plan(conditioned(self._profile, phase.conditions), exact=True).prfaas_pd
-        state = self._cluster.router.state
-        assert best.threshold_tokens is not None
-        if state.threshold != best.threshold_tokens:
-            state.threshold = best.threshold_tokens
-            self._recorder.event("threshold", state.threshold)
+        state = self.board.state
+        threshold = best.threshold_tokens
+        assert threshold is not None
         link = phase.conditions.link_gbps
         abundant = best.egress_gbps is not None and link >= ABUNDANT_HEADROOM * best.egress_gbps
         regime: Regime = "bandwidth_abundant" if abundant else "bandwidth_scarce"
-        if state.regime != regime:
-            state.regime = regime
-            self._recorder.event("regime", regime)
-        await self._resplit(best.n_p)
+        if state.threshold != threshold or state.regime != regime:
+            inputs = {"phase": phase.name, "t_best": threshold, "n_p": best.n_p}
+            self.board.change(
+                "oracle",
+                "threshold",
+                f"phase {phase.name}",
+                inputs,
+                threshold=threshold,
+                regime=regime,
+            )
+        await self._resplit(best.n_p, phase.name)
 
-    async def _resplit(self, n_p: int) -> None:
+    async def _resplit(self, n_p: int, phase: str) -> None:
         pd = [s for s in self._cluster.instances if s.cluster == "pd"]
 
         def least_busy(role: Role) -> list[str]:
@@ -315,6 +333,13 @@ class _Oracle:
         ]
         moves += [(i, "decode") for i in prefill[: max(len(prefill) - n_p, 0)]]
         results = await asyncio.gather(*(self._converter.convert(i, r) for i, r in moves))
-        for result in results:
-            self._conversions.append(result)
-            self._recorder.event("role", f"{result.instance_id}={result.to_role}")
+        self._conversions.extend(results)
+        if results:
+            moved = ", ".join(f"{r.instance_id} -> {r.to_role}" for r in results)
+            facts = {"phase": phase, "n_p": n_p}
+            self.board.change("oracle", "role", moved, facts, roles=dict(_pd_roles(self._cluster)))
+
+
+def _pd_roles(cluster: SimCluster) -> tuple[tuple[str, InstanceRole], ...]:
+    """Every PD-cluster instance's role as the registry holds it, sorted."""
+    return tuple(sorted((s.instance_id, s.role) for s in cluster.instances if s.cluster == "pd"))

@@ -36,7 +36,7 @@ class Decision:
 
     at: float
     loop: str
-    """short-term | long-term | operator | leader."""
+    """short-term | long-term | operator | leader | oracle (the simulator's)."""
     kind: str
     """threshold | set_point | regime | role | rebalance."""
     reason: str
