@@ -86,12 +86,15 @@ def test_scheduler_table_is_read_with_its_nested_tuning(tmp_path: Path) -> None:
     """The profile path is relative to the deployment file; nested tables set the cores."""
     path = _write(tmp_path, '[scheduler]\nprofile = "p.toml"\nperiod_s = 30\n'
                             '[scheduler.trim]\nhigh_water = 0.8\nband = [0.5, 1.5]\n'
-                            '[scheduler.rebalance]\nconfirm_periods = 3\n')  # fmt: skip
+                            '[scheduler.rebalance]\nconfirm_periods = 3\n'
+                            '[scheduler.steps]\nstep_ticks = 3\n')  # fmt: skip
     sched = load_deployment(path).scheduler
     assert sched is not None
     assert sched.profile == str(tmp_path / "p.toml") and sched.period_s == 30
     assert sched.trim.high_water == 0.8 and sched.trim.band == (0.5, 1.5)
     assert sched.rebalance.confirm_periods == 3 and sched.regime.confirm_ticks == 10
+    assert sched.steps.step_ticks == 3 and sched.steps.output_step == 1.5
+    assert sched.long_term_config().steps is sched.steps
 
 
 @pytest.mark.parametrize(
@@ -100,6 +103,7 @@ def test_scheduler_table_is_read_with_its_nested_tuning(tmp_path: Path) -> None:
         ("[scheduler]\nperiod_s = 0.5\n", "scheduler.period_s: must be >= tick_s (got 0.5)"),
         ("[scheduler.trim]\nhigh_water = 2\n", "scheduler.trim.high_water: must be in (0, 1.5]"),
         ("[scheduler]\nperiods = 3\n", "scheduler.periods: unknown key"),
+        ("[scheduler.steps]\noutput_step = 1\n", "scheduler.steps.output_step: must be > 1"),
     ],
 )
 def test_bad_scheduler_values_are_named(tmp_path: Path, table: str, message: str) -> None:
