@@ -36,11 +36,11 @@ class EstimateConfig:
     """Weight of the newest period (rate, lengths, output). A step of the link, answer or
     incremental length wakes the loop, which then takes the new values unblended, so the
     blend need not follow steps: it smooths the noise of steady traffic (one period of ~150
-    requests puts mu within about 0.07, enough to swing a knife-edge move by 5%). With 0.6,
-    set-points moved and a move was made and undone late in steady phases. The arrival rate
-    has no wake: it follows a step by 30%, 51%, 66% after 1, 2, 3 periods (84% after two
-    with 0.6); the load tests (`busy_load`, the losing pool's margin) read that lagging
-    rate, while Lambda_max and the set-point do not depend on it."""
+    requests puts mu within about 0.07, enough to swing a knife-edge move by 5%). The
+    arrival rate has no wake: it follows a step by 30%, 51%, 66% after 1, 2, 3 periods; the
+    load tests (`busy_load`, the losing pool's margin) read that lagging rate, while
+    Lambda_max and the set-point do not depend on it (`prfaas/sim/SCHEDULING.md` tells how
+    0.3 was chosen)."""
     bandwidth_alpha: float = 1.0
     """Weight of the newest period's mean measured link capacity."""
     min_samples: float = 20.0
