@@ -79,15 +79,15 @@ def _constraints(app: web.Application, call: EngineOpenAICall) -> list[TokenCons
         return [first, *(first.fork() for _ in range(call.n - 1))]
 
 
-_VOCABS: dict[tuple[int, int], GrammarVocab] = {}
+_VOCABS: dict[tuple[str, int], GrammarVocab] = {}
 _COMPILING = threading.Lock()
 """Grammars compile on worker threads, one at a time (the vocabularies' caches)."""
 
 
 def _vocab(tokenizer: Tokenizer, vocab_size: int) -> GrammarVocab:
-    """The vocabulary an engine's grammars compile against, built once per engine (its
-    tokenizer lives as long as the process)."""
-    key = (id(tokenizer), vocab_size)
+    """The vocabulary an engine's grammars compile against, built once per tokenizer (by
+    its name: the checkpoint directory, or byte-level) and model vocabulary size."""
+    key = (tokenizer.name, vocab_size)
     if key not in _VOCABS:
         _VOCABS[key] = GrammarVocab(tokenizer, vocab_size)
     return _VOCABS[key]
