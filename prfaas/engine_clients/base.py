@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from prfaas.http.client import ConnectFailed
 from prfaas.protocol.generate import GenerateChunk, GenerateRequest
 
 Role = Literal["prefill", "decode", "both"]
@@ -253,6 +254,21 @@ async def collect(call: EngineCall) -> list[GenerateChunk]:
 
 MAX_ERROR_BODY = 4096
 """Bytes of an error answer kept for its message."""
+
+
+def call_failure(name: str, what: str, error: BaseException) -> EngineError:
+    """An engine call's transport failure as the gateway reads it: unreachable (503, go
+    elsewhere and eject), timed out (504), or the connection lost (an `EngineError` raised
+    by the answer's own reading stays as it is)."""
+    if isinstance(error, ConnectFailed):
+        return EngineError(f"{name}: unreachable: {error}", status=503, retryable=True,
+                           unreachable=True, code="engine_unreachable")  # fmt: skip
+    if isinstance(error, TimeoutError):
+        return EngineError(f"{name}: {what} timed out: {error}", status=504,
+                           code="engine_timeout")  # fmt: skip
+    if isinstance(error, EngineError):
+        return error
+    return EngineError(f"{name}: {what} failed: {error!r}", code="engine_connection_lost")
 
 
 class AnsweredCall(QueuedCall):

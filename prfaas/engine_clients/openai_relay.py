@@ -11,8 +11,8 @@ from typing import Any
 
 import orjson
 
-from prfaas.engine_clients.base import AnsweredCall, EngineError
-from prfaas.http.client import ConnectFailed, HttpCall
+from prfaas.engine_clients.base import AnsweredCall, EngineError, call_failure
+from prfaas.http.client import HttpCall
 from prfaas.protocol.generate import GenerateChunk, GenerateRequest
 
 
@@ -52,17 +52,8 @@ class OpenAICall(AnsweredCall):
     def on_end(self, error: BaseException | None) -> None:
         if self.ended.done():
             return
-        name = self.name
-        if isinstance(error, ConnectFailed):
-            self.finish(EngineError(f"{name}: unreachable: {error}", status=503, retryable=True,
-                                    unreachable=True, code="engine_unreachable"))  # fmt: skip
-        elif isinstance(error, TimeoutError):
-            self.finish(EngineError(f"{name}: {self._path} timed out: {error}", status=504,
-                                    code="engine_timeout"))  # fmt: skip
-        elif error is not None:
-            self.finish(error if isinstance(error, EngineError)
-                        else EngineError(f"{name}: {self._path} failed: {error!r}",
-                                         code="engine_connection_lost"))  # fmt: skip
+        if error is not None:
+            self.finish(call_failure(self.name, self._path, error))
         elif self.status != 200:
             self.finish(self._refusal())
         else:

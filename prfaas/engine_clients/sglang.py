@@ -37,9 +37,10 @@ from prfaas.engine_clients.base import (
     EngineStats,
     QueuedCall,
     Role,
+    call_failure,
 )
 from prfaas.engine_clients.openai_relay import OpenAICall, usage_asked, with_usage
-from prfaas.http.client import ConnectFailed, ConnectionPool, HttpCall, post
+from prfaas.http.client import ConnectionPool, HttpCall, post
 from prfaas.protocol.errors import invalid
 from prfaas.protocol.generate import AnswerError, GenerateChunk, GenerateRequest, parse_answer
 from prfaas.protocol.openai_body import Api, OpenAIBody
@@ -124,18 +125,11 @@ class _GenerateCall(AnsweredCall):
             return
         client = self.client
         if error is not None:
-            if isinstance(error, ConnectFailed):
-                self.finish(EngineError(f"{client.instance_id}: unreachable: {error}",
-                                        status=503, retryable=True, unreachable=True,
-                                        code="engine_unreachable"))  # fmt: skip
-                return
-            if isinstance(error, TimeoutError):
-                error = EngineError(f"{client.instance_id}: generate timed out: {error}",
-                                    status=504, code="engine_timeout")  # fmt: skip
-            elif not isinstance(error, EngineError):  # a bad stream event is one already
-                error = EngineError(f"{client.instance_id}: generate failed: {error!r}",
-                                    code="engine_connection_lost")  # fmt: skip
-            self._fail(error)
+            failure = call_failure(client.instance_id, "generate", error)
+            if failure.unreachable:  # never reached the engine: nothing to abort there
+                self.finish(failure)
+            else:
+                self._fail(failure)
             return
         if self.status != 200:
             body = bytes(self._body[:MAX_ERROR_BODY])

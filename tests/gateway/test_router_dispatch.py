@@ -159,6 +159,15 @@ async def _first(
     return await task
 
 
+async def _fails_without_migrating(routed: Dispatch, decode: _Scripted) -> None:
+    """The decode dies after output: the request fails at once, not migrated."""
+    decode.calls[0].finish(EngineError("pd-d0: died mid-stream"))
+    with pytest.raises(EngineError, match="died mid-stream"):
+        await asyncio.wait_for(routed.next(), 1.0)
+    assert routed.migrations == 0 and len(decode.calls) == 1
+    routed.close()
+
+
 async def test_a_forwarded_request_is_never_migrated() -> None:
     """A request carrying the client's OpenAI body whose decode dies after output fails at
     once, although a migration would wait for the decode to come back (as a token-id
@@ -175,11 +184,7 @@ async def test_a_forwarded_request_is_never_migrated() -> None:
     decode.calls[0].push(GenerateChunk((), "", 64, 1, 0, raw=b"{}"))
     prefill.calls[0].finish()
     routed = await task
-    decode.calls[0].finish(EngineError("pd-d0: died mid-stream"))
-    with pytest.raises(EngineError, match="died mid-stream"):
-        await asyncio.wait_for(routed.next(), 1.0)
-    assert routed.migrations == 0 and len(decode.calls) == 1
-    routed.close()
+    await _fails_without_migrating(routed, decode)
 
 
 @pytest.mark.parametrize(
@@ -200,11 +205,7 @@ async def test_a_request_no_engine_continues_exactly_is_not_migrated(
     decode.calls[0].push(GenerateChunk((7,), "a", 64, 1, 0))
     prefill.calls[0].finish()
     routed = await task
-    decode.calls[0].finish(EngineError("pd-d0: died mid-stream"))
-    with pytest.raises(EngineError, match="died mid-stream"):
-        await asyncio.wait_for(routed.next(), 1.0)
-    assert routed.migrations == 0 and len(decode.calls) == 1
-    routed.close()
+    await _fails_without_migrating(routed, decode)
 
 
 def test_a_migrated_request_keeps_its_minimum_and_its_budget() -> None:

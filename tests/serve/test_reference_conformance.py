@@ -26,13 +26,13 @@ import pydantic
 import pytest
 from openai_battery import (
     CHAT,
-    COMPLETIONS,
     GREEDY,
     PROMPT,
     SCHEMA,
     STREAM_ONLY,
     TOOL,
     USER,
+    battery_cases,
     merged,
 )
 
@@ -224,19 +224,7 @@ CHECKS: dict[str, dict[str, Callable[[dict[str, Any]], None]]] = {
 penalties or template options, must answer 200; their effect is tested on the engine)."""
 
 
-def _cases() -> list[Any]:
-    cases = []
-    for api, shapes in (("chat", CHAT), ("completions", COMPLETIONS)):
-        for name, extra in {**shapes, **STREAM_ONLY}.items():
-            for stream in (False, True):
-                if name in STREAM_ONLY and not stream:
-                    continue
-                mode = "stream" if stream else "whole"
-                cases.append(pytest.param(api, name, extra, stream, id=f"{api}-{name}-{mode}"))
-    return cases
-
-
-@pytest.mark.parametrize(("api", "name", "extra", "stream"), _cases())
+@pytest.mark.parametrize(("api", "name", "extra", "stream"), battery_cases())
 def test_every_feature_works_or_is_refused_by_name(
     url: str, api: str, name: str, extra: dict[str, Any], stream: bool
 ) -> None:

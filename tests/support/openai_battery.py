@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 USER = [{"role": "user", "content": "Tell me about the weather in Paris in spring, please."}]
 TOOL = {
     "type": "function",
@@ -166,3 +168,17 @@ def _merge(into: dict[str, Any], piece: dict[str, Any]) -> None:
             _merge(old, value)
         elif value is not None or key not in into:
             into[key] = value
+
+
+def battery_cases() -> list[Any]:
+    """Every shape as a test case `(api, name, extra fields, streamed)`, whole and streamed
+    (the stream-only shapes streamed only), named `api-name-whole|stream`."""
+    cases = []
+    for api, shapes in (("chat", CHAT), ("completions", COMPLETIONS)):
+        for name, extra in {**shapes, **STREAM_ONLY}.items():
+            for stream in (False, True):
+                if name in STREAM_ONLY and not stream:
+                    continue
+                mode = "stream" if stream else "whole"
+                cases.append(pytest.param(api, name, extra, stream, id=f"{api}-{name}-{mode}"))
+    return cases

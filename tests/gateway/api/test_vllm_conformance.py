@@ -22,14 +22,13 @@ import pydantic
 import pytest
 from openai_battery import (
     CHAT,
-    COMPLETIONS,
     GREEDY,
     PROMPT,
-    STREAM_ONLY,
     TOOL,
     TOOL_2,
     TURN_2,
     USER,
+    battery_cases,
     merged,
 )
 from vllm_helpers import MODEL, require_vllm, server, start_all, stop_all
@@ -160,26 +159,14 @@ def strip(value: Any) -> Any:
     return value
 
 
-def _cases() -> list[Any]:
-    cases = []
-    for api, shapes in (("chat", CHAT), ("completions", COMPLETIONS)):
-        for name, extra in {**shapes, **STREAM_ONLY}.items():
-            for stream in (False, True):
-                if name in STREAM_ONLY and not stream:
-                    continue
-                cases.append(pytest.param(api, extra, stream, id=f"{api}-{name}-"
-                                          f"{'stream' if stream else 'whole'}"))  # fmt: skip
-    return cases
-
-
 def _body(api: str, extra: dict[str, Any], stream: bool) -> dict[str, Any]:
     base = {**GREEDY, "messages": USER} if api == "chat" else {**GREEDY, "prompt": PROMPT}
     return {**base, **extra, "stream": stream}
 
 
-@pytest.mark.parametrize(("api", "extra", "stream"), _cases())
-def test_answers_equal_vllms_own(servers: Servers, api: str, extra: dict[str, Any],
-                                 stream: bool) -> None:  # fmt: skip
+@pytest.mark.parametrize(("api", "name", "extra", "stream"), battery_cases())
+def test_answers_equal_vllms_own(servers: Servers, api: str, name: str,
+                                 extra: dict[str, Any], stream: bool) -> None:  # fmt: skip
     """The same body to both: the same status, and the same answer (whole, or every
     event of the stream) up to ids, timestamps and the prefix cache's counts."""
     path = "/v1/chat/completions" if api == "chat" else "/v1/completions"

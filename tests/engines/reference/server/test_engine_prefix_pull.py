@@ -6,6 +6,8 @@ as plain `transformers`; a pull that finds nothing falls back to computing every
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
@@ -26,20 +28,47 @@ async def _post(s: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Any
 
 
 async def _pull(
-    s: aiohttp.ClientSession, source: RunningEngine, target: RunningEngine, prompt: list[int]
+    s: aiohttp.ClientSession,
+    source: RunningEngine,
+    target: RunningEngine,
+    prompt: list[int],
+    *,
+    openai: bool = False,
 ) -> tuple[int, dict[str, Any]]:
     """Export from `source` and generate on `target` with the pull, at once (as the gateway
-    does); (exported prefix tokens, the target's answer)."""
+    does), through `/generate` or (`openai`) the OpenAI route; (exported prefix tokens, the
+    target's answer)."""
     room = 41
-    port = source.service.sender.bootstrap_port
+    pull = {"host": "127.0.0.1", "port": source.service.sender.bootstrap_port, "room": room}
     export = _post(s, f"{source.url}/kv/export", {"input_ids": prompt, "room": room})
-    body = {
-        "input_ids": prompt,
-        "sampling_params": {"max_new_tokens": 6, **GREEDY},
-        "prefix_pull": {"host": "127.0.0.1", "port": port, "room": room},
-    }
-    exported, answer = await asyncio.gather(export, _post(s, f"{target.url}/generate", body))
+    if openai:
+        path, body = "/v1/completions", {
+            "model": "qwen3-next-tiny", "prompt": prompt, "max_tokens": 6, **GREEDY,
+            "logprobs": 1, "prefix_pull": pull,
+        }  # fmt: skip
+    else:
+        path, body = "/generate", {
+            "input_ids": prompt, "sampling_params": {"max_new_tokens": 6, **GREEDY},
+            "prefix_pull": pull,
+        }  # fmt: skip
+    exported, answer = await asyncio.gather(export, _post(s, f"{target.url}{path}", body))
     return int(exported["prefix_tokens"]), answer
+
+
+@asynccontextmanager
+async def _source_caching(
+    tiny_runner: ModelRunner, first: list[int]
+) -> AsyncIterator[tuple[RunningEngine, RunningEngine, aiohttp.ClientSession]]:
+    """Two engines (source, target) and a session; the source has computed `first`."""
+    hub = InProcessHub()
+    async with (
+        engine_server(tiny_runner, hub, role="both") as a,
+        engine_server(tiny_runner, hub, role="both") as b,
+        aiohttp.ClientSession() as s,
+    ):
+        body = {"input_ids": first, "sampling_params": {"max_new_tokens": 1, **GREEDY}}
+        await _post(s, f"{a.url}/generate", body)
+        yield a, b, s
 
 
 async def test_pulled_prefix_is_reused_and_output_matches(
@@ -48,16 +77,9 @@ async def test_pulled_prefix_is_reused_and_output_matches(
     """A computes a 100-token prompt (16-token blocks: state saved at 96); B pulls that
     prefix for the prompt + 30 tokens and reports 96 cached tokens; its greedy output equals
     `transformers`' on the whole prompt, and its pool indexed the 6 pulled blocks."""
-    hub = InProcessHub()
     first = random_prompt(11, 100)
     prompt = first + random_prompt(12, 30)
-    async with (
-        engine_server(tiny_runner, hub, role="both") as a,
-        engine_server(tiny_runner, hub, role="both") as b,
-        aiohttp.ClientSession() as s,
-    ):
-        body = {"input_ids": first, "sampling_params": {"max_new_tokens": 1, **GREEDY}}
-        await _post(s, f"{a.url}/generate", body)
+    async with _source_caching(tiny_runner, first) as (a, b, s):
         exported, answer = await _pull(s, a, b, prompt)
         stats = await (await s.get(f"{b.url}/stats")).json()
     assert exported == 96
@@ -110,24 +132,11 @@ async def test_the_openai_route_pulls_a_prefix_too(
 ) -> None:
     """A forwarded OpenAI body (tools, grammars, ...) carries the gateway's `prefix_pull`
     like `/generate`: B reuses the 96 pulled tokens, with the same greedy output."""
-    hub = InProcessHub()
     first = random_prompt(14, 100)
     prompt = first + random_prompt(15, 30)
-    async with (
-        engine_server(tiny_runner, hub, role="both") as a,
-        engine_server(tiny_runner, hub, role="both") as b,
-        aiohttp.ClientSession() as s,
-    ):
-        body = {"input_ids": first, "sampling_params": {"max_new_tokens": 1, **GREEDY}}
-        await _post(s, f"{a.url}/generate", body)
-        port = a.service.sender.bootstrap_port
-        export = _post(s, f"{a.url}/kv/export", {"input_ids": prompt, "room": 42})
-        openai = {
-            "model": "qwen3-next-tiny", "prompt": prompt, "max_tokens": 6, **GREEDY,
-            "logprobs": 1, "prefix_pull": {"host": "127.0.0.1", "port": port, "room": 42},
-        }  # fmt: skip
-        exported, answer = await asyncio.gather(export, _post(s, f"{b.url}/v1/completions", openai))
-    assert int(exported["prefix_tokens"]) == 96
+    async with _source_caching(tiny_runner, first) as (a, b, s):
+        exported, answer = await _pull(s, a, b, prompt, openai=True)
+    assert exported == 96
     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
     assert len(answer["choices"][0]["logprobs"]["tokens"]) == 6
     expected = hf_greedy(tiny_model, prompt, 6)
