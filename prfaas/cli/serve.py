@@ -68,6 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="long-term scheduling period in seconds (embedded default 30; else the config's)",
     )
+    parser.add_argument(
+        "--replica-id",
+        help="this gateway's name among the replicas of a [coordination] deployment "
+        "(default: HOSTNAME:PORT)",
+    )
     parser.add_argument("--log-level", default="WARNING")
 
 

@@ -39,6 +39,11 @@ model = "qwen3-next-tiny"
 [scheduler]                  # optional: dual-timescale scheduling (gateway/scheduling/)
 profile = "profile.toml"     # planner profile (hardware, KV bytes), relative to this file
 period_s = 60.0              # long-term period; tick_s = 1.0 the short-term tick
+
+[coordination]               # optional: several gateway replicas (prfaas/coordination/)
+etcd = "http://127.0.0.1:2379"
+prefix = "/prfaas/default"
+lease_ttl_s = 2.0
 ```
 
 The file is read by `prfaas.common.toml_tables` (unknown keys and wrong types are errors);
@@ -54,6 +59,7 @@ from typing import Any, Literal, get_args
 from urllib.parse import urlparse
 
 from prfaas.common.toml_tables import ConfigError, build, check, load_toml
+from prfaas.coordination.config import CoordinationConfig
 from prfaas.engine_clients.base import Role
 from prfaas.gateway.scheduling.config import SchedulerConfig
 from prfaas.policies.routing import Regime, Route
@@ -286,6 +292,8 @@ class DeploymentConfig:
     launch: tuple[LaunchConfig, ...] = ()
     scheduler: SchedulerConfig | None = None
     """Dual-timescale scheduling (`[scheduler]`); absent: `t` moves only by hand."""
+    coordination: CoordinationConfig | None = None
+    """Several gateway replicas sharing one etcd (`[coordination]`); absent: one gateway."""
 
     def __post_init__(self) -> None:
         members: list[InstanceConfig | LaunchConfig] = [*self.instances, *self.launch]
