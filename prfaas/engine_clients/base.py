@@ -157,16 +157,27 @@ class BaseEngineClient(ABC):
         """
         raise EngineError(f"{self.instance_id}: this engine cannot export a prefix", status=501)
 
-    async def set_role(self, role: Role, *, timeout_s: float = 300.0) -> float:
+    async def set_role(self, role: Role, *, timeout_s: float = 300.0, epoch: int = 0) -> float:
         """Switch the instance to `role` through the engine's role API: the engine refuses new
         work, lets what it runs finish, then switches. Mutates the engine, not the client.
         The caller stops routing to the instance first (`gateway/scheduling/roles.py`).
+        `epoch`: the converting leader's (`prfaas.engines.role_fence`).
 
         Returns:
             The seconds the engine took (its drain included).
 
         Raises:
-            EngineError: no role API, a refusal, or no drain within `timeout_s`.
+            EngineError: no role API, a refusal (code `fenced`, status 409: a newer leader
+                has announced itself), or no drain within `timeout_s`.
+        """
+        raise EngineError(f"{self.instance_id}: this engine has no role API", status=501)
+
+    async def fence(self, epoch: int) -> int:
+        """Announce a new gateway leader's `epoch`: the engine refuses conversions from older
+        ones from now on. Returns the engine's floor.
+
+        Raises:
+            EngineError: no role API, or the call failed.
         """
         raise EngineError(f"{self.instance_id}: this engine has no role API", status=501)
 

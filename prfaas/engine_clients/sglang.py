@@ -416,22 +416,36 @@ class SGLangClient(BaseEngineClient):
             raise EngineError(f"{self.instance_id}: /kv/export failed: {exc!r}") from exc
         return int(answer["prefix_tokens"])
 
-    async def set_role(self, role: Role, *, timeout_s: float = 300.0) -> float:
+    async def set_role(self, role: Role, *, timeout_s: float = 300.0, epoch: int = 0) -> float:
         """`POST /admin/role` (the engine drains, then switches); the switch time in seconds.
 
         Raises:
             EngineError: refused (401 without the deployment's token, 400 for a bad role,
-                503 when the drain timed out), unreachable, or past `timeout_s`.
+                409 `fenced` from an older leader's epoch, 503 when the drain timed out),
+                unreachable, or past `timeout_s`.
         """
         timeout = aiohttp.ClientTimeout(total=timeout_s, connect=self._config.connect_timeout_s)
-        try:
-            body = await self._control("POST", "/admin/role", {"role": role}, timeout)
-        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
-            raise EngineError(f"{self.instance_id}: /admin/role failed: {exc!r}") from exc
+        body = await self._role_api("/admin/role", {"role": role, "epoch": epoch}, timeout)
         try:
             return float(body["switch_seconds"])
         except (KeyError, TypeError, ValueError) as exc:
             raise EngineError(f"{self.instance_id}: /admin/role answered {body!r}") from exc
+
+    async def fence(self, epoch: int) -> int:
+        """`POST /admin/fence`: the engine's floor after announcing `epoch`."""
+        body = await self._role_api("/admin/fence", {"epoch": epoch}, None)
+        try:
+            return int(body["epoch"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EngineError(f"{self.instance_id}: /admin/fence answered {body!r}") from exc
+
+    async def _role_api(
+        self, path: str, body: dict[str, Any], limits: aiohttp.ClientTimeout | None
+    ) -> Any:
+        try:
+            return await self._control("POST", path, body, limits)
+        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
+            raise EngineError(f"{self.instance_id}: {path} failed: {exc!r}") from exc
 
     async def stats(self) -> EngineStats:
         """Load from `/stats` (reference engine) or `/get_load` (SGLang), whichever answers."""

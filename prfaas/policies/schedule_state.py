@@ -2,9 +2,10 @@
 
 `ScheduleState` holds the threshold `t` the Router applies now, the set-point it is trimmed
 around (owned by the long-term rebalancer), the bandwidth regime, and the role of every
-PD-cluster instance. A leader publishes it (JSON bytes, e.g. through Redis or etcd) and
-every gateway applies it; `epoch` orders versions so a stale copy is never applied over a
-newer one. Pure value: no I/O, no clock.
+PD-cluster instance. A leader publishes it (JSON bytes, through etcd: `prfaas.coordination`) and
+every gateway applies it; `(leader_epoch, epoch)` orders versions, so a stale copy, or one
+from a leader that has since been replaced, is never applied over a newer one. Pure value:
+no I/O, no clock.
 """
 
 from __future__ import annotations
@@ -22,8 +23,11 @@ InstanceRole = Literal["prefill", "decode", "both"]
 class ScheduleState(msgspec.Struct, frozen=True, kw_only=True):
     """One version of the schedulers' decisions."""
 
+    leader_epoch: int = 0
+    """The epoch of the leader that made this version (the etcd revision that elected it;
+    0 for a gateway that runs alone). A newer leader's versions win whatever their `epoch`."""
     epoch: int = 0
-    """Incremented by every change; a gateway applies a state only if its epoch is newer."""
+    """Incremented by every change; a gateway applies a state only if it is newer."""
     threshold: float
     """Incremental-length threshold `t` in tokens, as the Router applies it now."""
     set_point: float
@@ -42,10 +46,13 @@ class ScheduleState(msgspec.Struct, frozen=True, kw_only=True):
         set_point: float | None = None,
         regime: Regime | None = None,
         roles: Mapping[str, InstanceRole] | None = None,
+        leader_epoch: int | None = None,
     ) -> ScheduleState:
-        """The next version with the given fields replaced (epoch + 1)."""
+        """The next version with the given fields replaced (epoch + 1), made by the leader of
+        `leader_epoch` (None: the same leader)."""
         return msgspec.structs.replace(
             self,
+            leader_epoch=self.leader_epoch if leader_epoch is None else leader_epoch,
             epoch=self.epoch + 1,
             threshold=self.threshold if threshold is None else float(threshold),
             set_point=self.set_point if set_point is None else float(set_point),
@@ -71,4 +78,7 @@ class ScheduleState(msgspec.Struct, frozen=True, kw_only=True):
         return msgspec.json.decode(data, type=cls)
 
     def newer_than(self, other: ScheduleState | None) -> bool:
-        return other is None or self.epoch > other.epoch
+        """Made by a newer leader, or a later version of the same leader's."""
+        if other is None:
+            return True
+        return (self.leader_epoch, self.epoch) > (other.leader_epoch, other.epoch)

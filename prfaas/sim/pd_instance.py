@@ -71,7 +71,8 @@ class SimulatedPDInstance(BaseEngineClient):
         """Calls started and not yet ended."""
         return self._active
 
-    async def set_role(self, role: Role, *, timeout_s: float = 300.0) -> float:
+    async def set_role(self, role: Role, *, timeout_s: float = 300.0, epoch: int = 0) -> float:
+        """The simulated role API (one simulated gateway: `epoch` is not fenced)."""
         loop = asyncio.get_running_loop()
         start = loop.time()
         if role == "both":

@@ -48,3 +48,15 @@ def test_newer_than_orders_by_epoch() -> None:
     b = a.changed("x", threshold=1)
     assert b.newer_than(a) and b.newer_than(None)
     assert not a.newer_than(b) and not a.newer_than(a)
+
+
+def test_a_newer_leaders_versions_win_whatever_their_epoch() -> None:
+    """After a failover the new leader's first version beats the old leader's later ones: a
+    paused old leader's states are never applied over the new leader's."""
+    a = _state()
+    old = a.changed("old leader", threshold=1, leader_epoch=10)
+    old_later = old.changed("old leader, later", threshold=2).changed("again", threshold=3)
+    new = old.changed("new leader", threshold=4, leader_epoch=42)
+    assert old_later.leader_epoch == 10 and old_later.epoch > new.epoch
+    assert new.newer_than(old_later) and not old_later.newer_than(new)
+    assert ScheduleState.decode(new.encode()) == new

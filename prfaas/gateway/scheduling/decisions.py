@@ -5,9 +5,10 @@
 structured JSON log line on the `prfaas.scheduler` logger with its inputs, a Prometheus
 count, an entry in the recent decisions `/admin/state` shows (the last few per loop and
 kind, so the fast loop's trims or the slow loop's refusals never push a conversion out),
-and a call to each listener (a publisher to Redis/etcd for other gateways, the dashboard's
-decision list, the simulator's timeline).
-A follower gateway calls `apply` with a leader's state; only newer epochs are applied.
+and a call to each listener (the coordinator's publisher to the other gateways, the
+dashboard's decision list, the simulator's timeline).
+A follower gateway calls `apply` with a leader's state; only newer versions are applied
+(`ScheduleState.newer_than`). A leader stamps its versions with `leader_epoch`.
 """
 
 from __future__ import annotations
@@ -91,6 +92,8 @@ class ScheduleBoard:
         self.counters = counters
         self._recent: dict[tuple[str, str], collections.deque[Decision]] = {}
         self.listeners: list[Callable[[ScheduleState], None]] = []
+        self.leader_epoch = state.leader_epoch
+        """The epoch this gateway's changes carry (set when it becomes leader)."""
         self._apply_local(state)
 
     @property
@@ -116,6 +119,7 @@ class ScheduleBoard:
             set_point=set_point,
             regime=regime,
             roles=roles,
+            leader_epoch=self.leader_epoch,
         )
         self._state = new
         self._apply_local(new)
@@ -166,6 +170,7 @@ class ScheduleBoard:
 
 def _brief(state: ScheduleState) -> dict[str, Any]:
     return {
+        "leader_epoch": state.leader_epoch,
         "epoch": state.epoch,
         "threshold": state.threshold,
         "set_point": state.set_point,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from prfaas.gateway.instances import InstanceManager
@@ -66,6 +67,8 @@ class LongTermLoop:
         self._conversion: asyncio.Task[None] | None = None
         self.conversions: list[ConversionResult] = []
         self._moving: Conversion | None = None  # the conversion under way
+        self.on_fenced: Callable[[], None] | None = None
+        """Called when an engine refuses a conversion because a newer leader exists."""
 
     @property
     def state(self) -> RebalanceState:
@@ -216,7 +219,9 @@ class LongTermLoop:
 
     async def _convert(self, conversion: Conversion, inputs: dict[str, Any]) -> None:
         try:
-            result = await self._converter.convert(conversion.instance_id, conversion.to_role)
+            result = await self._converter.convert(
+                conversion.instance_id, conversion.to_role, epoch=self._board.leader_epoch
+            )
         except Exception as exc:  # e.g. the instance left the registry meanwhile
             logger.exception("conversion of %s failed", conversion.instance_id)
             now = self._observer.now()
@@ -237,6 +242,11 @@ class LongTermLoop:
             ).inc()
         facts = {**inputs, "instance": conversion.instance_id, "drain_s": result.drain_s}
         roles = self._roles()
+        if result.fenced:  # another gateway leads: say so, change nothing
+            board.note("long-term", "fenced", result.error or "fenced", facts)
+            if self.on_fenced is not None:
+                self.on_fenced()
+            return
         if not result.ok:
             board.change(
                 "long-term",

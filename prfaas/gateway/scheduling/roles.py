@@ -11,6 +11,8 @@
 
 If any step fails the instance keeps (or gets back) the role the engine reports, and the
 failure is returned; nothing is retried here (the long-term loop decides again next period).
+Every conversion carries the leader's epoch (0 for a gateway alone): an engine that has seen
+a newer leader refuses it (`fenced` in the result; `prfaas.engines.role_fence`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ class ConversionResult:
     drain_s: float
     """Seconds from the start of the drain to the end (switch included)."""
     error: str | None = None
+    fenced: bool = False
+    """The engine refused the conversion: a newer leader has announced itself."""
 
 
 class RoleConverter:
@@ -43,8 +47,9 @@ class RoleConverter:
         self._instances = instances
         self._timeout_s = drain_timeout_s
 
-    async def convert(self, instance_id: str, to_role: Role) -> ConversionResult:
-        """Drain `instance_id`, switch it to `to_role`, route to it again.
+    async def convert(self, instance_id: str, to_role: Role, *, epoch: int = 0) -> ConversionResult:
+        """Drain `instance_id`, switch it to `to_role`, route to it again, as the leader of
+        `epoch`.
 
         Raises:
             KeyError: no such instance.
@@ -54,13 +59,13 @@ class RoleConverter:
         start = loop.time()
         state.draining = True
         try:
-            await state.client.set_role(to_role, timeout_s=self._timeout_s)
+            await state.client.set_role(to_role, timeout_s=self._timeout_s, epoch=epoch)
             info = await state.client.info()
         except EngineError as exc:
             await self._resync(instance_id)
-            return ConversionResult(
-                instance_id, to_role, False, start, loop.time() - start, str(exc)
-            )
+            fenced = exc.code == "fenced"
+            took = loop.time() - start
+            return ConversionResult(instance_id, to_role, False, start, took, str(exc), fenced)
         finally:
             state.draining = False
         state.role = info.role

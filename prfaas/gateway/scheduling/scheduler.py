@@ -3,6 +3,12 @@
 Built with the gateway (when the deployment has a `[scheduler]` table or `prfaas serve`
 supplies a measured profile), started and stopped with it. `attach_link` gives it the link
 telemetry once that is set up; `pin` is the operator's override from `POST /admin/state`.
+
+Among several gateway replicas (`prfaas.coordination`) only the leader decides: `lead`
+announces its epoch to the engines (fencing) and hands both loops the state it followed;
+`follow` stops deciding at once (a conversion under way is abandoned on the gateway's side).
+A follower still measures (its request path needs the link and the backlog) and ends each
+period by dropping its samples; the leader's decisions reach it through `board.apply`.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily
 
+from prfaas.engine_clients.base import BaseEngineClient
 from prfaas.gateway.instances import InstanceManager
 from prfaas.gateway.router import Router
 from prfaas.gateway.scheduling.config import SchedulerConfig
@@ -69,6 +76,8 @@ class Scheduler:
         self._tasks: list[asyncio.Task[None]] = []
         self._wake_long = asyncio.Event()
         self._looked = False  # the early first look ran
+        self.leading = True
+        """Whether this gateway decides (a gateway alone always does)."""
         router.observer = self.observer
 
     def attach_link(self, reader: LinkReader) -> None:
@@ -81,10 +90,42 @@ class Scheduler:
         if self.config.long_term:
             self._tasks.append(loop.create_task(self._periods()))
 
+    async def lead(self, epoch: int, *, fence_timeout_s: float = 2.0) -> None:
+        """Become the leader of `epoch`: announce it to every PD engine (a fence: an older
+        leader's conversions are refused from now on; an engine that does not answer within
+        `fence_timeout_s` is logged and fenced by this leader's first conversion of it),
+        then decide from the state this gateway followed."""
+        pd = [s for s in self._instances if s.cluster == "pd"]
+        async with asyncio.timeout(fence_timeout_s * 2):
+            answers = await asyncio.gather(
+                *(_fence(s.client, epoch, fence_timeout_s) for s in pd), return_exceptions=True
+            )
+        for s, answer in zip(pd, answers, strict=True):
+            if isinstance(answer, BaseException):
+                logger.warning(
+                    "could not announce epoch %d to %s: %s", epoch, s.instance_id, answer
+                )
+        self.board.leader_epoch = epoch
+        self.short.follow(self.board.state)
+        self._looked = False
+        self.leading = True
+        self.board.note("leader", "lead", f"leading at epoch {epoch}", {"epoch": epoch})
+
+    async def follow(self, leader: str | None) -> None:
+        """Stop deciding (the lease is lost, or another gateway leads)."""
+        was = self.leading
+        self.leading = False
+        await self.long.stop()
+        if was:
+            self.board.note("leader", "follow", f"following {leader}", {"leader": leader})
+
     def _tick(self) -> None:
-        """The short-term step (measurement only when its loop is off), and the long-term
-        loop's deferred move and its early wake on a step of the link, the output length or
-        the incremental length."""
+        """The short-term step (measurement only when its loop is off, or when another
+        gateway leads), and the long-term loop's deferred move and its early wake on a step
+        of the link, the output length or the incremental length."""
+        if not self.leading:
+            self.observer.measured(self.short.read_link())
+            return
         if self.config.short_term:
             self.short.tick()
         else:
@@ -119,6 +160,9 @@ class Scheduler:
                     await self._wake_long.wait()
             stepped = self._wake_long.is_set()
             self._wake_long.clear()
+            if not self.leading:
+                self.observer.take_samples()  # the leader estimates from its own copy
+                continue
             _guarded(functools.partial(self.long.period, stepped=stepped))
 
     async def stop(self) -> None:
@@ -216,6 +260,11 @@ class Scheduler:
             role,
             backlog,
         ]
+
+
+async def _fence(client: BaseEngineClient, epoch: int, timeout_s: float) -> int:
+    async with asyncio.timeout(timeout_s):
+        return await client.fence(epoch)
 
 
 def _guarded(step: Callable[[], object]) -> None:

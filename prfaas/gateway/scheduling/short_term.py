@@ -13,6 +13,7 @@ from prfaas.gateway.scheduling.decisions import ScheduleBoard
 from prfaas.gateway.scheduling.observer import SchedulingObserver
 from prfaas.policies.regime_choice import RegimeState, choose_regime
 from prfaas.policies.routing import Route
+from prfaas.policies.schedule_state import ScheduleState
 from prfaas.policies.threshold_trim import TrimObservation, TrimState, trim
 from prfaas.policies.ttft_forecast import LinkState
 
@@ -53,6 +54,11 @@ class ShortTermLoop:
         self.read_link: LinkReader = no_link
         self.pinned = False
         self.last: dict[str, Any] = {}
+
+    def follow(self, state: ScheduleState) -> None:
+        """Start again from `state` (a leader's, applied while another gateway decided)."""
+        self.trim = TrimState(state.threshold, state.set_point)
+        self.regime = RegimeState(state.regime)
 
     def reset_set_point(self, set_point: float, planned: float | None) -> None:
         """The long-term loop re-solved the set-point: trim around the new one (`planned`:

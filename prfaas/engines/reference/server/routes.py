@@ -29,6 +29,7 @@ from prfaas.engines.reference.server.streaming import (
     read_json,
     send_sse,
 )
+from prfaas.engines.role_fence import Fenced
 from prfaas.engines.transport import KVSender, TransportTelemetry
 from prfaas.protocol.errors import APIError, InvalidRequest
 from prfaas.protocol.generate import MAX_ROOM, GenerateRequest, answer, parse_request
@@ -209,16 +210,41 @@ async def abort_request(request: web.Request) -> web.Response:
 
 
 async def admin_role(request: web.Request) -> web.Response:
-    """`POST /admin/role {"role": "prefill"|"decode"|"both"}`: drain, switch, report the time."""
+    """`POST /admin/role {"role": "prefill"|"decode"|"both", "epoch": E}`: drain, switch,
+    report the time. `epoch` (optional, default 0): the converting gateway leader's; a
+    conversion from an epoch older than one already announced is refused with 409 `fenced`
+    (`prfaas.engines.role_fence`)."""
     body = await read_json(request)
-    if not isinstance(body, dict) or set(body) != {"role"}:
-        raise InvalidRequest('the body must be {"role": "prefill" | "decode" | "both"}')
+    ok = isinstance(body, dict) and "role" in body and set(body) <= {"role", "epoch"}
+    if not ok:
+        raise InvalidRequest(
+            'the body must be {"role": "prefill" | "decode" | "both", "epoch": <int>}'
+        )
+    epoch = _epoch(body.get("epoch", 0))
     try:
-        seconds = await request.app[SERVICE].switch_role(body["role"])
+        seconds = await request.app[SERVICE].switch_role(body["role"], epoch=epoch)
     except TimeoutError:
         message = "running requests did not drain in time"
         raise APIError(503, message, code="drain_timeout") from None
+    except Fenced as exc:
+        raise APIError(409, str(exc), code="fenced") from None
     return web.json_response({"role": body["role"], "switch_seconds": seconds})
+
+
+async def admin_fence(request: web.Request) -> web.Response:
+    """`POST /admin/fence {"epoch": E}`: a new gateway leader announces its epoch; from now on
+    conversions from older epochs are refused. Answers the engine's floor."""
+    body = await read_json(request)
+    if not isinstance(body, dict) or set(body) != {"epoch"}:
+        raise InvalidRequest('the body must be {"epoch": <int >= 0>}')
+    floor = request.app[SERVICE].fence.announce(_epoch(body["epoch"]))
+    return web.json_response({"epoch": floor})
+
+
+def _epoch(value: object) -> int:
+    if type(value) is not int or value < 0:
+        raise InvalidRequest(f"epoch must be an integer >= 0, got {value!r}", "epoch")
+    return value
 
 
 async def kv_export(request: web.Request) -> web.Response:
@@ -303,6 +329,7 @@ def create_app(
     app.router.add_get("/transfer_stats", transfer_stats)
     app.router.add_post("/flush_cache", flush_cache)
     app.router.add_post("/admin/role", admin_role)
+    app.router.add_post("/admin/fence", admin_fence)
     app.router.add_post("/admin/egress", admin_egress)
     app.router.add_post("/abort_request", abort_request)
     app.router.add_post("/kv/export", kv_export)

@@ -24,6 +24,7 @@ from prfaas.engines.reference.step.prefix_transfer import (
 )
 from prfaas.engines.reference.step.request import Request, TokenEvent
 from prfaas.engines.reference.step.sampling import Constraint, resolve_seed
+from prfaas.engines.role_fence import RoleFence
 from prfaas.protocol.errors import APIError, InvalidRequest
 from prfaas.protocol.generate import Bootstrap, SamplingParams
 
@@ -61,6 +62,8 @@ class EngineService:
         self._draining = False
         self._active: dict[str, Request] = {}
         self.last_switch_s: float | None = None
+        self.fence = RoleFence()
+        """The newest gateway leader's epoch seen (conversions from older ones are refused)."""
         self.start_id = secrets.token_hex(8)
         """Names this process's life: a restarted engine reports another one, so the
         gateway knows its prefix cache (and KV-index entries) are gone."""
@@ -267,14 +270,18 @@ class EngineService:
         self.core.request_flush()
         self._poke()
 
-    async def switch_role(self, role: str, timeout_s: float = 300.0) -> float:
-        """Drain running work, then switch role; returns the switch time in seconds.
+    async def switch_role(self, role: str, timeout_s: float = 300.0, *, epoch: int = 0) -> float:
+        """Drain running work, then switch role; returns the switch time in seconds. `epoch`:
+        the converting leader's (`RoleFence`), checked before the drain and again before the
+        switch.
 
         Raises:
             InvalidRequest: unknown role. TimeoutError: work did not drain in time.
+            Fenced: a newer leader has announced itself (the role is unchanged).
         """
         if role not in ("prefill", "decode", "both"):
             raise InvalidRequest(f"role must be prefill, decode or both, got {role!r}")
+        self.fence.admit(epoch)
         loop = asyncio.get_running_loop()
         start = loop.time()
         self._draining = True
@@ -287,6 +294,7 @@ class EngineService:
                         await self._idle.wait()
                     else:
                         await asyncio.sleep(DRAIN_POLL_S)
+            self.fence.admit(epoch)
             self.core.role = role
         finally:
             self._draining = False

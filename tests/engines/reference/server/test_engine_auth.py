@@ -23,6 +23,7 @@ CONTROL = [  # the role switch last: a decode engine refuses a /generate without
     ("POST", "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}),
     ("POST", "/kv/export", {"input_ids": [1, 2], "room": 3}),
     ("POST", "/admin/role", {"role": "decode"}),
+    ("POST", "/admin/fence", {"epoch": 1}),
 ]
 
 

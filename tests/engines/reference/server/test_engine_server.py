@@ -292,3 +292,35 @@ async def test_role_switch_drains_running_work_first(tiny_runner: ModelRunner) -
         "switch_seconds": report["switch_seconds"],
     }
     assert report["switch_seconds"] > 0.04 and eng.service.core.role == "decode"
+
+
+async def test_role_conversions_are_fenced_by_leader_epoch(tiny_runner: ModelRunner) -> None:
+    """A leader's `/admin/fence` epoch refuses (409 `fenced`) conversions from older epochs,
+    before the drain and at its end: a conversion whose drain outlasts a newer leader's
+    announcement does not switch."""
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 60, **GREEDY}}
+    async with engine_server(tiny_runner, InProcessHub()) as eng, aiohttp.ClientSession() as s:
+        role = eng.service.core.role
+        other = "decode" if role != "decode" else "prefill"
+        assert await post(s, f"{eng.url}/admin/fence", {"epoch": 5}) == (200, {"epoch": 5})
+        assert await post(s, f"{eng.url}/admin/fence", {"epoch": 3}) == (200, {"epoch": 5})
+        old, err = await post(s, f"{eng.url}/admin/role", {"role": other, "epoch": 4})
+        assert old == 409 and err["error"]["code"] == "fenced"
+        assert eng.service.core.role == role
+        bad, _ = await post(s, f"{eng.url}/admin/fence", {"epoch": -1})
+        assert bad == 400
+        # a conversion of epoch 5 drains a running request; epoch 7 announces itself meanwhile
+        running = asyncio.create_task(post(s, f"{eng.url}/generate", body))
+        for _ in range(1000):
+            if eng.service.core.running:
+                break
+            await asyncio.sleep(0.01)
+        switch = asyncio.create_task(post(s, f"{eng.url}/admin/role", {"role": other, "epoch": 5}))
+        await asyncio.sleep(0.05)
+        assert await post(s, f"{eng.url}/admin/fence", {"epoch": 7}) == (200, {"epoch": 7})
+        (status, _), (switched, err) = await asyncio.gather(running, switch)
+        assert status == 200
+        assert switched == 409 and err["error"]["code"] == "fenced"
+        assert eng.service.core.role == role and not eng.service.draining
+        ok, _ = await post(s, f"{eng.url}/admin/role", {"role": other, "epoch": 7})
+    assert ok == 200 and eng.service.core.role == other
