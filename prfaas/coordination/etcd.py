@@ -14,7 +14,7 @@ timed out, a bad status or an answer that does not parse, raises `EtcdError`.
 from __future__ import annotations
 
 import base64
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -74,9 +74,14 @@ class EtcdClient:
             self._session = None
 
     async def get(self, key: str) -> KeyValue | None:
+        return (await self.get_with_revision(key))[0]
+
+    async def get_with_revision(self, key: str) -> tuple[KeyValue | None, int]:
+        """`key` (None if absent) and the revision it was read at: watch from it + 1 to miss
+        nothing (the key's own mod_revision may since have been compacted away)."""
         answer = await self._call("/v3/kv/range", {"key": _b64(key)})
         kvs = answer.get("kvs", [])
-        return _key_value(kvs[0]) if kvs else None
+        return (_key_value(kvs[0]) if kvs else None), _revision(answer)
 
     async def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
         """Every key under `prefix`, in key order, and the revision they were read at (watch
@@ -121,7 +126,7 @@ class EtcdClient:
 
     async def watch(
         self, key: str, *, prefix: bool = False, start_revision: int = 0
-    ) -> AsyncIterator[WatchEvent]:
+    ) -> AsyncGenerator[WatchEvent, None]:
         """The puts and deletes of `key` (or every key under it) from `start_revision` (0:
         from now), as they happen. Never ends by itself: a broken stream raises `EtcdError`
         (restart from the last seen mod_revision + 1), a compacted start `WatchCompacted`."""

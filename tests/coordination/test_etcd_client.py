@@ -25,7 +25,8 @@ from prfaas.coordination.etcd import (
 
 async def test_put_get_delete_and_prefix_reads(client: EtcdClient) -> None:
     """A put returns its revision, which get reports as create/mod revision; get_prefix
-    reads only the prefix, in key order, at the latest revision; delete removes."""
+    reads only the prefix, in key order, and like get_with_revision says the store's
+    revision at the read; delete removes."""
     r1 = await client.put("/p/a", b"1")
     r2 = await client.put("/p/b", b"\x00\xff")
     assert r2 == r1 + 1
@@ -36,6 +37,10 @@ async def test_put_get_delete_and_prefix_reads(client: EtcdClient) -> None:
     kvs, revision = await client.get_prefix("/p/")
     assert [(kv.key, kv.value) for kv in kvs] == [("/p/a", b"2"), ("/p/b", b"\x00\xff")]
     assert revision == outside  # the store's revision, not the prefix's last write
+    assert await client.get_with_revision("/p/b") == (
+        KeyValue("/p/b", b"\x00\xff", r2, r2, 0),
+        outside,
+    )
     await client.delete("/p/a")
     assert await client.get("/p/a") is None
     assert await client.get("/never") is None
