@@ -66,7 +66,8 @@ def follower_of(holder: KeyValue) -> Leadership:
 
 class Election:
     """Campaigns for `key` on `client` as `replica_id` until stopped; `on_change` is called
-    (from the election's task, and must not raise) exactly when the `Leadership` changes.
+    (from the election's task or `stop()`; it must not raise) exactly when the `Leadership`
+    changes.
     `ttl_s` is the lease's TTL (etcd's is whole seconds: rounded up there, while the local
     deadline keeps `ttl_s`); `clock` is monotonic seconds."""
 

@@ -21,6 +21,7 @@ from prfaas.coordination.etcd import (
     WatchEvent,
     prefix_end,
 )
+from prfaas.serve.processes import free_port
 
 
 async def test_put_get_delete_and_prefix_reads(client: EtcdClient) -> None:
@@ -199,8 +200,8 @@ async def test_silent_store_times_out_within_the_bound(silent_url: str) -> None:
 
 
 async def test_next_endpoint_answers_when_the_first_is_down(etcd: EtcdServer) -> None:
-    dead = EtcdServer(etcd.data_dir)  # its fresh ports: nothing listens there
-    client = EtcdClient([dead.url, etcd.url])
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    client = EtcdClient([dead, etcd.url])
     try:
         revision = await client.put("/k", b"v")
         kv = await client.get("/k")

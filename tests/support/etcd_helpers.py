@@ -10,9 +10,11 @@ ready within a second of starting.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import shutil
 import signal
+import socket
 import subprocess
 import time
 import urllib.error
@@ -21,8 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-
-from prfaas.serve.processes import free_port
 
 
 def etcd_binary() -> str:
@@ -41,12 +41,16 @@ def etcd_binary() -> str:
 
 @dataclass
 class EtcdServer:
-    """One etcd member in `data_dir`; `url` is its client endpoint (the JSON gateway)."""
+    """One etcd member in `data_dir` (its log beside it, `etcd.log`); `url` is its client
+    endpoint (the JSON gateway). Its ports are picked once and kept across restarts."""
 
     data_dir: Path
-    client_port: int = field(default_factory=free_port)
-    peer_port: int = field(default_factory=free_port)
+    client_port: int = field(init=False)
+    peer_port: int = field(init=False)
     proc: subprocess.Popen[bytes] | None = None
+
+    def __post_init__(self) -> None:
+        self.client_port, self.peer_port = _free_ports(2)
 
     @property
     def url(self) -> str:
@@ -96,3 +100,12 @@ class EtcdServer:
         """Kill (if running) and start again on the same ports and data."""
         self.kill()
         self.start()
+
+
+def _free_ports(n: int) -> list[int]:
+    """`n` distinct loopback ports free right now (held together while picked)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in sockets]
