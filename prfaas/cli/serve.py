@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import socket
 import sys
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
@@ -128,7 +129,8 @@ def _configured(args: argparse.Namespace) -> Coroutine[Any, Any, int]:
         from prfaas.serve.launched import serve_launched
 
         return serve_launched(config, args.host, args.port, on_ready=ready)
-    return _served(config, args.host, args.port, ready)
+    replica = args.replica_id or f"{socket.gethostname()}:{args.port}"
+    return _served(config, args.host, args.port, ready, replica)
 
 
 def _scheduler(args: argparse.Namespace, config: DeploymentConfig) -> SchedulerConfig | None:
@@ -141,12 +143,18 @@ def _scheduler(args: argparse.Namespace, config: DeploymentConfig) -> SchedulerC
 
 
 async def _served(
-    config: DeploymentConfig, host: str, port: int, ready: Callable[[Gateway, int], None]
+    config: DeploymentConfig,
+    host: str,
+    port: int,
+    ready: Callable[[Gateway, int], None],
+    replica_id: str,
 ) -> int:
     from prfaas.gateway.api.assembly import egress_setup
     from prfaas.serve.run import serve_gateway
 
-    await serve_gateway(config, host, port, setup=egress_setup(), on_ready=ready)
+    await serve_gateway(
+        config, host, port, setup=egress_setup(), on_ready=ready, replica_id=replica_id
+    )
     return 0
 
 

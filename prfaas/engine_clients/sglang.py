@@ -373,10 +373,11 @@ class SGLangClient(BaseEngineClient):
         ) as resp:
             raw = await resp.read()
             if resp.status != 200:
+                code = _error_code(raw, "engine_error")
                 raise EngineError(
-                    f"{self.instance_id}: {path} answered {resp.status}",
+                    f"{self.instance_id}: {path} answered {resp.status} ({code})",
                     status=resp.status,
-                    code=_error_code(raw, "engine_error"),
+                    code=code,
                 )
             return orjson.loads(raw) if raw else None
 

@@ -9,7 +9,10 @@ wakes up believing it still leads cannot convert anything. Epoch 0 is a gateway 
 alone; it is refused only once a coordinated leader has announced itself.
 
 The fence lives in the engine process: a restarted engine starts again at 0 (its new leader's
-next conversion or announcement raises it). Pure value, no I/O.
+next conversion or announcement raises it). Epochs are one etcd cluster's revisions: an etcd
+rebuilt without its data starts again at 1, so engines that saw the old cluster's leaders
+refuse every conversion (409 `fenced`, logged by the leader) until they restart. Pure value,
+no I/O.
 """
 
 from __future__ import annotations

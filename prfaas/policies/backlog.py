@@ -79,3 +79,19 @@ class BacklogLedger:
     def forget(self, instance_id: str) -> None:
         """Drop an instance's queue (it restarted, left, or changed role)."""
         self._queues.pop(instance_id, None)
+
+
+def merged_backlogs(
+    own: dict[str, float], others: list[tuple[dict[str, float], float]]
+) -> dict[str, float]:
+    """Each instance's backlog as all gateways booked it: this gateway's `own` plus each
+    other's reported backlog, less the seconds since it was reported (an instance works
+    its queue off at one second per second). `others`: (backlog per instance, its age in
+    seconds). The sum treats the replicas' queues on one instance as one FIFO."""
+    merged = dict(own)
+    for backlog, age in others:
+        for instance, seconds in backlog.items():
+            left = seconds - max(age, 0.0)
+            if left > 0:
+                merged[instance] = merged.get(instance, 0.0) + left
+    return merged

@@ -65,11 +65,13 @@ async def serve_gateway(
     on_ready: Callable[[Gateway, int], None] | None = None,
     profile: DeploymentProfile | None = None,
     secret: DeploymentSecret | None = None,
+    replica_id: str | None = None,
 ) -> None:
     """Serve until a signal arrives; `on_ready(gateway, bound_port)` runs once listening.
     `profile` feeds the schedulers (see `GatewayApp`); `secret`: the deployment secret of
-    the engines (None: from the config or environment)."""
-    app = GatewayApp(config, setup, profile=profile, secret=secret)
+    the engines (None: from the config or environment); `replica_id`: this gateway's name
+    among the replicas of a `[coordination]` deployment."""
+    app = GatewayApp(config, setup, profile=profile, secret=secret, replica_id=replica_id)
     bound = await app.start(host, port)
     try:
         gc.freeze()  # start-up objects never die: keep them out of every later collection

@@ -28,6 +28,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from replica_helpers import PROFILE
 
 from prfaas.common.secret import ENV_SECRET, DeploymentSecret
 
@@ -178,33 +179,6 @@ async def test_link_drop_raises_t_and_the_last_decode_is_kept(embedded: str) -> 
         "pd-p0": "prefill",
         "pd-d0": "decode",
     }
-
-
-PROFILE = """
-[workload]
-input_distribution = "lognormal"
-mu = 6.9
-sigma = 0.9
-min_tokens = 128
-max_tokens = 6144
-output_tokens = 16
-[model]
-name = "reference tiny"
-kv_tokens = [256, 1024, 3072]
-kv_mib = [0.75, 2.25, 6.25]
-[hardware.cpu]
-prefill_tokens = [256, 1024, 3072]
-prefill_seconds = [0.2, 0.5, 1.6]
-decode_batch_max = 32
-decode_step_seconds = 0.015
-[clusters.prfaas]
-hardware = "cpu"
-instances = 1
-egress_gbps = 0.01
-[clusters.pd]
-hardware = "cpu"
-instances = 3
-"""
 
 
 def _deployment(tmp: Path) -> Path:

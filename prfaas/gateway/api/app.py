@@ -140,6 +140,13 @@ async def set_admin_state(gw: Gateway, request: HttpRequest, exchange: Exchange)
     if mode not in (None, "auto"):
         raise invalid(f"'scheduler' may only be \"auto\" (hand t back), got {mode!r}")
     scheduler = gw.scheduler
+    if scheduler is not None and not scheduler.leading:  # another replica decides
+        leader = None if gw.coordinator is None else gw.coordinator.leadership.leader
+        raise APIError(
+            409,
+            f"this gateway follows the leader {leader}: set the schedule there",
+            code="not_leader",
+        )
     if scheduler is not None:  # its decision board reports the change to the dashboard
         if t is not None or regime is not None:
             scheduler.pin(threshold=t, regime=regime)
@@ -190,10 +197,13 @@ class GatewayApp:
         setup: Callable[[Gateway], Awaitable[None]] | None = None,
         profile: DeploymentProfile | None = None,
         secret: DeploymentSecret | None = None,
+        replica_id: str | None = None,
     ) -> None:
         """`secret`: the deployment secret the engines hold (their control token goes on
-        every engine call); None reads it from `gateway.secret_file` or the environment."""
+        every engine call); None reads it from `gateway.secret_file` or the environment.
+        `replica_id`: this gateway's name among the replicas (`[coordination]`)."""
         self.config = config
+        self._replica_id = replica_id
         self._setup = setup
         self._profile = profile
         self._secret = secret or DeploymentSecret.from_env(path=config.gateway.secret_file)
@@ -230,7 +240,9 @@ class GatewayApp:
             connector=connector, cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False
         )
         try:
-            gateway = build_gateway(self.config, self._session, self._secret, self._profile)
+            gateway = build_gateway(
+                self.config, self._session, self._secret, self._profile, self._replica_id
+            )
             if self._setup is not None:
                 await self._setup(gateway)
             self._gateway = gateway

@@ -6,6 +6,9 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import socket
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, get_args
@@ -15,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from prfaas.common.secret import DeploymentSecret
 from prfaas.common.tokenizer import load_tokenizer
+from prfaas.coordination.replica import CoordinationMetrics, Coordinator
 from prfaas.engine_clients.base import BaseEngineClient, Role
 from prfaas.engine_clients.sglang import SGLangClient, SGLangClientConfig
 from prfaas.engine_clients.vllm import VLLMClient, VLLMEndpoint
@@ -39,6 +43,7 @@ from prfaas.policies.schedule_state import ScheduleState
 from prfaas.policies.ttft_forecast import LinkState
 from prfaas.protocol.openai_request import ModelLimits, OpenAIMode
 
+logger = logging.getLogger(__name__)
 ROUTES: tuple[str, ...] = get_args(Route)
 ROLES: tuple[str, ...] = get_args(Role)
 REGIMES: tuple[str, ...] = get_args(Regime)
@@ -63,6 +68,8 @@ class Gateway:
     """Describes the cross-cluster link for `/admin/state` (embedded deployment)."""
     scheduler: Scheduler | None = None
     """Dual-timescale scheduling, when the deployment asks for it."""
+    coordinator: Coordinator | None = None
+    """This replica's part among several (`[coordination]`), when the deployment has it."""
     egress: EgressMonitor | None = None
     activity: ActivityRecorder = field(init=False)
     """Recent requests, the timeline and decisions, for the dashboard."""
@@ -79,8 +86,12 @@ class Gateway:
         self.activity.start()
         if self.scheduler is not None:
             self.scheduler.start()
+        if self.coordinator is not None:
+            self.coordinator.start()
 
     async def stop(self) -> None:
+        if self.coordinator is not None:
+            await self.coordinator.stop()
         if self.scheduler is not None:
             await self.scheduler.stop()
         await self.activity.stop()
@@ -126,6 +137,7 @@ class Gateway:
             "kv_index": {"entries": len(self.index), "rejected": self.index.rejected_events},
             "link": self.link,
             "scheduler": None if self.scheduler is None else self.scheduler.to_json(),
+            "coordination": None if self.coordinator is None else self.coordinator.to_json(),
         }
 
     def gauges(self) -> list[Metric]:
@@ -262,11 +274,13 @@ def build_gateway(
     session: aiohttp.ClientSession,
     secret: DeploymentSecret | None = None,
     profile: DeploymentProfile | None = None,
+    replica_id: str | None = None,
 ) -> Gateway:
     """Wire a gateway for `config`; engines are reached through `session` (caller owns it)
     with the control token of `secret` (None: the engines are open). With a `[scheduler]`
     table the schedulers run on `profile` (e.g. `prfaas serve`'s measured one), else on the
-    file the table names.
+    file the table names. With `[coordination]` too, this gateway is the replica
+    `replica_id` (None: HOSTNAME:PID) of several that share one leader.
 
     Raises:
         ValueError: unknown policy, unusable tokenizer, or a scheduler without a profile
@@ -320,6 +334,17 @@ def build_gateway(
         gateway.scheduler = Scheduler(sched, chosen, router, instances, counters)
         metrics.add_gauges(gateway.scheduler.gauges)
         gateway.scheduler.board.listeners.append(_dashboard_reporter(gateway))
+    if config.coordination is not None:
+        if gateway.scheduler is None:
+            logger.warning("[coordination] without a scheduler: this replica runs alone")
+        else:
+            name = replica_id or f"{socket.gethostname()}:{os.getpid()}"
+            gateway.coordinator = Coordinator(
+                config.coordination,
+                name,
+                gateway.scheduler,
+                CoordinationMetrics(metrics.registry),
+            )
     return gateway
 
 

@@ -5,6 +5,11 @@ takes it back when the prefill ends), hands the routing policy a `LoadForecast` 
 those predictions and the last link measurement (conditional disaggregation), and samples
 what the long-term loop estimates from: arrivals, incremental lengths, output lengths.
 Times come from the running loop's clock.
+
+Among several gateway replicas (`prfaas.coordination`) it also keeps what this replica
+publishes for the others (`report`: the samples since the previous report, its load now)
+and adds what the others publish (`merge`): their samples to the period, their decoding
+requests and booked backlog to its own, so the estimates and predictions cover all traffic.
 """
 
 from __future__ import annotations
@@ -16,9 +21,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from prfaas.gateway.router import RouteEvent
-from prfaas.policies.backlog import BacklogLedger
+from prfaas.policies.backlog import BacklogLedger, merged_backlogs
 from prfaas.policies.routing import RouteDecision
 from prfaas.policies.ttft_forecast import LinkState, LoadForecast, PrefillCosts
+from prfaas.protocol.replica_report import ReplicaReport
 
 RECENT_LENGTHS = 100  # incremental lengths kept across periods for the step test
 
@@ -51,6 +57,24 @@ class PeriodSamples:
         return sum(caps) / len(caps) if caps else None
 
 
+@dataclass
+class _Outbox:
+    """Samples since this replica's previous report."""
+
+    incremental: list[int] = field(default_factory=list)
+    outputs: list[int] = field(default_factory=list)
+    arrivals: list[float] = field(default_factory=list)
+    decode_starts: int = 0
+
+
+@dataclass(frozen=True)
+class _RemoteLoad:
+    decoding: int
+    backlog: dict[str, float]
+    at: float
+    """This loop's clock when the report was made."""
+
+
 class SchedulingObserver:
     """Implements `RoutingObserver`. `costs` None: no profile, so no predictions (the
     period's samples are still taken); `conditional` False: predictions feed the trimmer's
@@ -76,6 +100,8 @@ class SchedulingObserver:
         """The last `RECENT_LENGTHS` incremental lengths routed, whatever the period."""
         self.lengths_routed = 0
         """Incremental lengths routed in all (which of `recent_lengths` are new)."""
+        self._outbox: _Outbox | None = None  # kept once `report` was called
+        self._remote: dict[str, _RemoteLoad] = {}
 
     def now(self) -> float:
         return self._clock()
@@ -83,11 +109,20 @@ class SchedulingObserver:
     def forecast(self) -> LoadForecast | None:
         if not self.conditional or self.costs is None:
             return None
-        return LoadForecast(self.costs, self.ledger.backlogs(self._clock()), self.link)
+        return LoadForecast(self.costs, self.backlogs(self._clock()), self.link)
+
+    def backlogs(self, now: float) -> dict[str, float]:
+        """Predicted backlog per instance: this gateway's bookings plus the other replicas'."""
+        own = self.ledger.backlogs(now)
+        if not self._remote:
+            return own
+        return merged_backlogs(own, [(r.backlog, now - r.at) for r in self._remote.values()])
 
     def dispatched(self, rid: str, decision: RouteDecision, request: str) -> None:
         self._arrived.setdefault(request, self._clock())
         self._samples.incremental.append(decision.incremental_tokens)
+        if self._outbox is not None:
+            self._outbox.incremental.append(decision.incremental_tokens)
         self.recent_lengths.append(decision.incremental_tokens)
         self.lengths_routed += 1
         if self.costs is not None:
@@ -112,6 +147,8 @@ class SchedulingObserver:
     def first_token(self, rid: str) -> None:
         self._decoding.add(rid)
         self._samples.decode_starts += 1
+        if self._outbox is not None:
+            self._outbox.decode_starts += 1
 
     def finished(self, event: RouteEvent) -> None:
         self._decoding.discard(event.rid)
@@ -119,23 +156,66 @@ class SchedulingObserver:
         if event.error is None:
             self._samples.outputs.append(event.completion_tokens)
             self._samples.arrivals.append(arrived)
+            if self._outbox is not None:
+                self._outbox.outputs.append(event.completion_tokens)
+                self._outbox.arrivals.append(arrived)
 
     def measured(self, link: LinkState | None) -> None:
         """The short-term loop's link measurement of this tick."""
         self.link = link
         if link is not None:
             self._samples.capacities.append(link.capacity_bytes_per_s)
-        self._samples.decoding.append(len(self._decoding))
+        self._samples.decoding.append(self.decoding_now)
 
     def pool_backlog(self, instance_ids: Iterable[str]) -> float:
         """The least predicted backlog in a pool (0 for an empty pool: nothing to wait on)."""
-        now = self._clock()
-        return min((self.ledger.backlog(i, now) for i in instance_ids), default=0.0)
+        backlogs = self.backlogs(self._clock())
+        return min((backlogs.get(i, 0.0) for i in instance_ids), default=0.0)
 
     @property
     def decoding_now(self) -> int:
-        """Requests decoding now (first token out, not finished)."""
-        return len(self._decoding)
+        """Requests decoding now (first token out, not finished), on every replica."""
+        return len(self._decoding) + sum(r.decoding for r in self._remote.values())
+
+    def report(self, replica: str, seq: int, wall_now: float) -> ReplicaReport:
+        """What this replica saw since its previous report (the first call starts the
+        outbox: it holds nothing before), and its load now."""
+        box, self._outbox = self._outbox or _Outbox(), _Outbox()
+        now = self._clock()
+        return ReplicaReport(
+            replica=replica,
+            seq=seq,
+            at=wall_now,
+            incremental=tuple(box.incremental),
+            outputs=tuple(box.outputs),
+            arrived_ago=tuple(max(now - t, 0.0) for t in box.arrivals),
+            decode_starts=box.decode_starts,
+            decoding=len(self._decoding),
+            backlog=self.ledger.backlogs(now),
+        )
+
+    def merge(self, report: ReplicaReport, age_s: float) -> None:
+        """Add another replica's report, made `age_s` seconds ago: its samples to this
+        period's (and to the recent lengths), its load in place of its previous report's."""
+        now = self._clock()
+        made = now - max(age_s, 0.0)
+        samples = self._samples
+        samples.incremental.extend(report.incremental)
+        self.recent_lengths.extend(report.incremental)
+        self.lengths_routed += len(report.incremental)
+        samples.outputs.extend(report.outputs)
+        samples.arrivals.extend(made - ago for ago in report.arrived_ago)
+        samples.decode_starts += report.decode_starts
+        self._remote[report.replica] = _RemoteLoad(report.decoding, report.backlog, made)
+
+    def forget(self, replica: str) -> None:
+        """Another replica left (its report's key expired): its load no longer counts."""
+        self._remote.pop(replica, None)
+
+    @property
+    def replicas_heard(self) -> tuple[str, ...]:
+        """The other replicas whose load counts now."""
+        return tuple(sorted(self._remote))
 
     @property
     def num_samples(self) -> int:

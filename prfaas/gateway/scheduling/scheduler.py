@@ -6,7 +6,8 @@ telemetry once that is set up; `pin` is the operator's override from `POST /admi
 
 Among several gateway replicas (`prfaas.coordination`) only the leader decides: `lead`
 announces its epoch to the engines (fencing) and hands both loops the state it followed;
-`follow` stops deciding at once (a conversion under way is abandoned on the gateway's side).
+`follow` stops deciding at once (a conversion the engine is draining for ends there, fenced
+if a newer leader has announced itself).
 A follower still measures (its request path needs the link and the backlog) and ends each
 period by dropping its samples; the leader's decisions reach it through `board.apply`.
 """
@@ -109,13 +110,15 @@ class Scheduler:
         self.short.follow(self.board.state)
         self._looked = False
         self.leading = True
-        self.board.note("leader", "lead", f"leading at epoch {epoch}", {"epoch": epoch})
+        # a version of this leader's own (same decisions), so every follower sees who leads
+        self.board.change("leader", "lead", f"leading at epoch {epoch}", {"epoch": epoch})
 
-    async def follow(self, leader: str | None) -> None:
-        """Stop deciding (the lease is lost, or another gateway leads)."""
+    def follow(self, leader: str | None) -> None:
+        """Stop deciding (the lease is lost, or another gateway leads). A conversion already
+        sent to an engine is left to it: the engine switches only if no newer leader has
+        announced itself (`prfaas.engines.role_fence`), and this gateway records what it did."""
         was = self.leading
         self.leading = False
-        await self.long.stop()
         if was:
             self.board.note("leader", "follow", f"following {leader}", {"leader": leader})
 
@@ -241,12 +244,10 @@ class Scheduler:
             "Predicted prefill queue per instance.",
             labels=["instance"],
         )
-        now = self.observer.now()
+        backlogs = self.observer.backlogs(self.observer.now())
         for s in self._instances:
             if s.role != "decode":
-                backlog.add_metric(
-                    [s.instance_id], self.observer.ledger.backlog(s.instance_id, now)
-                )
+                backlog.add_metric([s.instance_id], backlogs.get(s.instance_id, 0.0))
         return [
             GaugeMetricFamily(
                 "prfaas_threshold_set_point_tokens", "Long-term set-point of t.", state.set_point

@@ -275,6 +275,7 @@ function renderRouting(data) {
   const st = data.state;
   setText("kpi-threshold", fmtTokens(st.threshold));
   setText("kpi-regime", st.regime.replace("bandwidth_", ""));
+  renderReplica(st.coordination);
   setText("rate-prfaas", fmtRate(meanRate("prfaas", RATE_WINDOW_S)));
   setText("rate-pd", fmtRate(meanRate("pd", RATE_WINDOW_S)));
   setText("total-prfaas", String(data.totals.prfaas || 0));
@@ -284,6 +285,20 @@ function renderRouting(data) {
   const rate = (route) => ({ name: route, kind: "line", color: COLORS[route], points: windowRates(route, RATE_WINDOW_S) });
   const routes = data.totals.none ? ["prfaas", "pd", "none"] : ["prfaas", "pd"];
   drawChart(document.getElementById("chart-rate"), routes.map(rate), [], {});
+}
+
+// This gateway among its replicas: "alone" without [coordination], else its role, the
+// leader's epoch and (for a follower) the leader; "store down" when etcd does not answer.
+function renderReplica(co) {
+  const el = document.getElementById("kpi-replica");
+  if (!co) {
+    el.textContent = "alone";
+    el.title = "no [coordination]: this gateway decides by itself";
+    return;
+  }
+  const who = co.role === "leader" ? "leader" : `follows ${co.leader || "?"}`;
+  el.textContent = `${who} · epoch ${co.epoch}${co.store_up ? "" : " · store down"}`;
+  el.title = `replica ${co.replica}; etcd ${co.etcd.join(", ")}`;
 }
 
 function renderIncremental() {
