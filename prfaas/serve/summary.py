@@ -22,6 +22,10 @@ def summary_lines(gateway: Gateway, url: str, extra: Sequence[str] = ()) -> list
         members = [s for s in gateway.instances if s.cluster == cluster]
         described = ", ".join(f"{s.instance_id} ({s.role})" for s in members) or "none"
         lines.append(f"  {cluster:<10} {described}")
+    co = gateway.coordinator
+    if co is not None:
+        etcd = ", ".join(co.config.endpoints)
+        lines.append(f"  replica    {co.replica_id} of {co.config.prefix} on etcd {etcd}")
     lines += list(extra)
     lines += [
         f"  dashboard  {url}/dashboard (load to watch: {demo_load(gateway, url)})",
