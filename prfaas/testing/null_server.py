@@ -197,8 +197,8 @@ class NullServer:
             call = parse_request(body, _BYTES.encode, lambda: rid)
             cached = self.cache.lookup_and_insert(list(call.input_ids))
             n = call.sampling.max_new_tokens
-            await self._pause(n)
-            if not call.stream:
+            if not call.stream:  # a stream takes its delays event by event (`_stream`)
+                await self._pause(n)
                 return web.json_response(generate_answer(call, n, cached))
             answers = (generate_answer(call, i + 1, cached) for i in range(n))
             return await self._stream(request, answers)
