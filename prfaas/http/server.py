@@ -22,8 +22,14 @@ same parser aiohttp uses (llhttp):
 - one task per request: a client that disconnects cancels its handler (so the gateway
   aborts the request on the engines), and a handler that raises gets a 500 without a
   traceback; idle keep-alive connections close after `keepalive_timeout_s`;
-- `stop()` stops listening, lets requests in flight finish for a grace period, then
-  cancels them and closes every connection.
+- `stop(grace_s)` drains: it closes the listening socket at once (new connections are
+  refused), answers every request that was not running yet with `error_response(503)` and
+  `Connection: close` (on connections already open, `/health` included, so a load
+  balancer's health check sees the drain), and lets the handlers running finish for up to
+  `grace_s` (`cut()` ends that wait early). A handler still running then is cancelled and
+  its response ended by the server: a 503 where nothing was sent yet, else the stream's
+  `cut_tail` (the handler's last words, e.g. an SSE error event) and the body's proper end,
+  so no client sees a response cut off without a reason.
 
 Handlers return an `HttpResponse`, or start a stream on the `Exchange` and return None.
 """
@@ -130,9 +136,11 @@ ErrorRenderer = Callable[[int, str], HttpResponse]
 _REASONS = {s.value: s.phrase for s in HTTPStatus}
 _REASONS[499] = "Client Closed Request"
 MAX_PIPELINED = 16
+"""Queued requests on one connection beyond which reading pauses until they are answered."""
 LINGER_S = 2.0
 """After an error answer, how long input is still read (and dropped) before closing."""
-"""Queued requests on one connection beyond which reading pauses until they are answered."""
+CANCEL_WAIT_S = 1.0
+"""How long `stop()` waits for cancelled handlers to end their responses."""
 _FORBIDDEN_HEADERS = frozenset(("content-length", "transfer-encoding", "connection", "date"))
 
 
@@ -175,11 +183,12 @@ def _head(status: int, content_type: str | None, headers: Mapping[str, str]) -> 
 class ResponseStream:
     """A response body sent piece by piece (chunked, or until close for HTTP/1.0)."""
 
-    def __init__(self, exchange: Exchange, head: bytes) -> None:
+    def __init__(self, exchange: Exchange, head: bytes, cut_tail: bytes = b"") -> None:
         self._exchange = exchange
         self._head: bytes | None = head  # sent with the first piece (one write)
         self._chunked = exchange.request.http_version != "1.0"
         self._no_body = exchange.request.method == "HEAD"
+        self._cut_tail = cut_tail
         self.ended = False
 
     async def write(self, data: bytes) -> None:
@@ -210,6 +219,21 @@ class ResponseStream:
         if out:
             self._exchange.conn.send(out)
 
+    def cut(self) -> None:
+        """End the body early for the server (its handler was cancelled by a drain's
+        deadline): the stream's `cut_tail`, then the body's end. Each `write` is one whole
+        piece, so the tail follows a complete one."""
+        if self.ended:
+            return
+        self.ended = True
+        out = self._take_head()
+        if self._cut_tail and not self._no_body:
+            tail = self._cut_tail
+            out += b"%x\r\n%s\r\n" % (len(tail), tail) if self._chunked else tail
+        if self._chunked and not self._no_body:
+            out += b"0\r\n\r\n"
+        self._exchange.conn.send(out)
+
     @property
     def started(self) -> bool:
         """Whether any byte of the response (its head) has gone out."""
@@ -230,9 +254,16 @@ class Exchange:
         self.stream: ResponseStream | None = None
 
     def start_stream(
-        self, status: int, headers: Mapping[str, str], content_type: str | None = None
+        self,
+        status: int,
+        headers: Mapping[str, str],
+        content_type: str | None = None,
+        *,
+        cut_tail: bytes = b"",
     ) -> ResponseStream:
-        """Begin a streamed response (its head goes out with the first write)."""
+        """Begin a streamed response (its head goes out with the first write). `cut_tail`:
+        what the server writes last if it must end the stream before the handler does (a
+        drain's deadline), so the client learns why the body stopped."""
         if self.stream is not None:
             raise RuntimeError("the response has already started")
         lines = _head(status, content_type, headers)
@@ -243,7 +274,7 @@ class Exchange:
         if not self.keep_alive:
             lines.append(b"Connection: close\r\n")
         lines.append(b"\r\n")
-        self.stream = ResponseStream(self, b"".join(lines))
+        self.stream = ResponseStream(self, b"".join(lines), cut_tail)
         return self.stream
 
     def whole(self, resp: HttpResponse) -> bytes:
@@ -433,6 +464,8 @@ class _HttpProtocol(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self._open_part = None
+        if self._lingering:  # refused (a drain): what follows in this read is dropped
+            return
         parser = self.parser
         try:
             url = httptools.parse_url(self._url) if self._url else None
@@ -475,11 +508,23 @@ class _HttpProtocol(asyncio.Protocol):
                 self._arm(self.limits.keepalive_timeout_s)
             return
         request, keep_alive = self._pending.popleft()
+        if self.server.draining:
+            self._refuse(request)
+            return
         if self._reading_paused and len(self._pending) < MAX_PIPELINED // 2 and self.transport:
             self._reading_paused = False
             self.transport.resume_reading()
         exchange = Exchange(self, request, keep_alive and not self._upgraded)
         self._task = self.loop.create_task(self._run(exchange))
+
+    def _refuse(self, request: HttpRequest) -> None:
+        """Answer a request that arrived during a drain with 503 and close: the client
+        should send it elsewhere (what it pipelined after it is dropped, unanswered)."""
+        self._pending.clear()
+        resp = self.server.error_response(503, "the server is shutting down; retry elsewhere")
+        with contextlib.suppress(ConnectionError):
+            self.send(Exchange(self, request, keep_alive=False).whole(resp))
+        self._linger_close()
 
     async def _run(self, exchange: Exchange) -> None:
         try:
@@ -487,6 +532,7 @@ class _HttpProtocol(asyncio.Protocol):
         except asyncio.CancelledError:
             self._task = None
             if not self.closed:  # cancelled by stop(), not by the client leaving
+                self._end_cut(exchange)
                 self.close()
             raise
         except Exception:
@@ -500,7 +546,7 @@ class _HttpProtocol(asyncio.Protocol):
                 return
             exchange.stream = None  # nothing went out yet: answer the 500 instead
         self._task = None
-        if self.server.stopping:
+        if self.server.draining:
             exchange.keep_alive = False  # tell the client not to reuse the connection
         try:
             if exchange.stream is not None:
@@ -515,6 +561,18 @@ class _HttpProtocol(asyncio.Protocol):
             self.close()
             return
         self._next()
+
+    def _end_cut(self, exchange: Exchange) -> None:
+        """End the response of a handler `stop()` cancelled: a 503 if nothing went out yet,
+        else the stream's cut tail and end."""
+        stream = exchange.stream
+        with contextlib.suppress(ConnectionError):
+            if stream is not None and stream.started:
+                stream.cut()
+            else:
+                exchange.keep_alive = False
+                message = "the server stopped before the answer was ready; retry elsewhere"
+                self.send(exchange.whole(self.server.error_response(503, message)))
 
     def _whole(self, exchange: Exchange, resp: HttpResponse | None) -> bytes:
         """The response's bytes, or a 500 when its headers cannot be sent."""
@@ -627,8 +685,10 @@ class HttpServer:
         self.error_response = error_response
         self.limits = limits or HttpLimits()
         self.connections: set[_HttpProtocol] = set()
-        self.stopping = False  # answers say `Connection: close` from now on
+        self.draining = False
+        """Set by `stop()`: new requests get 503, answers say `Connection: close`."""
         self._server: asyncio.AbstractServer | None = None
+        self._cut = False
 
     async def start(self, host: str, port: int) -> int:
         """Listen on `host:port` (0: any free port); returns the bound port."""
@@ -639,28 +699,30 @@ class HttpServer:
         return int(self._server.sockets[0].getsockname()[1])
 
     async def stop(self, grace_s: float = 2.0) -> None:
-        """Stop listening; close idle connections now and busy ones once their requests
-        finish or `grace_s` passes (then their handlers are cancelled)."""
-        self.stopping = True
+        """Drain, then close (see the module's docstring): stop listening; answer requests
+        that were not running yet with 503; wait up to `grace_s` (or until `cut()`) for the
+        running handlers; cancel what still runs, ending each response with a 503 or the
+        stream's cut tail; close every connection. Idempotent."""
+        self.draining = True
         if self._server is not None:
             self._server.close()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace_s
-        while True:
-            for conn in list(self.connections):
-                if not conn.busy:
-                    conn.close()
-            busy = [c for c in self.connections if c.busy]
-            if not busy or loop.time() >= deadline:
+        while any(c.busy for c in self.connections) and not self._cut:
+            if loop.time() >= deadline:
                 break
             await asyncio.sleep(0.02)
         tasks = [c._task for c in self.connections if c._task is not None]
-        for conn in list(self.connections):
-            if conn._task is not None:
-                conn._task.cancel()
-            conn.close()
+        for task in tasks:
+            task.cancel()  # each ends its own response (`_HttpProtocol._end_cut`)
         if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.wait(tasks, timeout=CANCEL_WAIT_S)
+        for conn in list(self.connections):
+            conn.close()
         if self._server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
+
+    def cut(self) -> None:
+        """End a `stop()`'s wait for running handlers now (e.g. a second signal)."""
+        self._cut = True

@@ -41,6 +41,7 @@ _SERVER_CODES = {
     431: "request_header_fields_too_large",
     500: "internal_error",
     501: "not_implemented",
+    503: "shutting_down",  # a draining server's answer to requests it no longer runs
 }
 
 

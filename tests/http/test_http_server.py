@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 from http_server_helpers import (
+    CUT_TAIL,
     PIECE,
     SECRET,
     Probe,
@@ -406,16 +407,90 @@ async def test_stop_lets_a_request_in_flight_finish(served: Served) -> None:
     writer.close()
 
 
-async def test_stop_cancels_a_handler_still_running_after_the_grace(served: Served) -> None:
+async def test_stop_answers_a_handler_still_running_after_the_grace_with_503(
+    served: Served,
+) -> None:
+    """A whole response not ready at the deadline: the handler is cancelled and the client
+    gets the server's 503 error (not a bare close), then the connection closes."""
     reader, writer = await served.connect()
     writer.write(request("GET", "/sleep?s=30"))
     await asyncio.wait_for(served.probe.sleep_started.wait(), 2)
     await asyncio.wait_for(served.server.stop(grace_s=0.2), 2)
     assert served.probe.sleep_cancelled.is_set()
-    assert await read_eof(reader) == b""  # closed without an answer
+    resp = await read_response(reader)
+    assert resp.status == 503
+    assert resp.json()["error"]["code"] == 503
+    assert "stopped before the answer" in resp.json()["error"]["message"]
+    assert resp.headers["connection"] == "close"
+    assert await read_eof(reader) == b""
     assert served.server.connections == set()
     with pytest.raises(OSError):
         await served.connect()
+    writer.close()
+
+
+async def test_stop_ends_a_stream_still_running_after_the_grace_with_its_cut_tail(
+    served: Served,
+) -> None:
+    """A stream still going at the deadline ends with the handler's cut tail right after a
+    whole piece, and a proper last chunk: the body is complete, never cut mid-piece."""
+    reader, writer = await served.connect()
+    writer.write(request("GET", "/stream?n=100000&delay=0.02"))
+    await asyncio.sleep(0.2)  # a few pieces out
+    await asyncio.wait_for(served.server.stop(grace_s=0.2), 2)
+    resp = await read_response(reader)  # chunked framing checked to its last chunk
+    assert resp.status == 200
+    assert resp.chunks[-1] == CUT_TAIL
+    pieces = resp.chunks[:-1]
+    assert len(pieces) >= 5
+    assert pieces == [b"piece-%d;" % i for i in range(len(pieces))]
+    assert await read_eof(reader) == b""
+    writer.close()
+
+
+async def test_a_draining_server_answers_new_requests_on_open_connections_with_503(
+    served: Served,
+) -> None:
+    """While a request runs out its grace: new connections are refused; a new request on
+    an idle keep-alive connection gets 503 with `Connection: close` (its handler never
+    runs) and the connection closes; the request in flight still completes."""
+    idle_r, idle_w = await served.connect()
+    idle_w.write(request("GET", "/echo/before"))
+    assert (await read_response(idle_r)).status == 200  # keep-alive, idle from now on
+    busy_r, busy_w = await served.connect()
+    busy_w.write(request("GET", "/sleep?s=0.5"))
+    await asyncio.wait_for(served.probe.sleep_started.wait(), 2)
+    stopping = asyncio.create_task(served.server.stop(grace_s=5.0))
+    await asyncio.sleep(0.05)
+    with pytest.raises(OSError):
+        await served.connect()
+    idle_w.write(request("GET", "/echo/during"))
+    refused = await read_response(idle_r)
+    assert refused.status == 503
+    assert refused.headers["connection"] == "close"
+    assert "shutting down" in refused.json()["error"]["message"]
+    assert await read_eof(idle_r) == b""
+    assert "/echo/during" not in served.probe.calls
+    finished = await read_response(busy_r)
+    assert finished.status == 200 and finished.json() == {"slept": 0.5}
+    await asyncio.wait_for(stopping, 2)
+    assert not served.probe.sleep_cancelled.is_set()
+    idle_w.close()
+    busy_w.close()
+
+
+async def test_cut_ends_the_drain_at_once(served: Served) -> None:
+    """`cut()` (a second signal) ends the wait for running handlers: the one still running
+    gets its 503 long before the grace is out."""
+    reader, writer = await served.connect()
+    writer.write(request("GET", "/sleep?s=30"))
+    await asyncio.wait_for(served.probe.sleep_started.wait(), 2)
+    stopping = asyncio.create_task(served.server.stop(grace_s=30.0))
+    await asyncio.sleep(0.1)
+    assert not stopping.done()
+    served.server.cut()
+    await asyncio.wait_for(stopping, 2)
+    assert (await read_response(reader)).status == 503
     writer.close()
 
 

@@ -28,6 +28,9 @@ def render_error(status: int, message: str) -> HttpResponse:
 PIECE = 256 * 1024
 """Bytes per write of the /big route."""
 
+CUT_TAIL = b"cut-by-the-server;"
+"""The /stream route's last words when the server ends it (a drain's deadline)."""
+
 SECRET = "secret-detail-in-the-exception"
 """The message of /raise's exception: must never reach the client."""
 
@@ -64,11 +67,12 @@ class Probe:
         if request.path == "/slow":
             await asyncio.sleep(float(args["s"]))
             return _json({"tag": args["tag"]})
-        if request.path == "/stream":
-            stream = exchange.start_stream(200, {"X-Stream": "yes"}, "text/plain")
+        if request.path == "/stream":  # its cut tail is `CUT_TAIL`
+            headers = {"X-Stream": "yes"}
+            stream = exchange.start_stream(200, headers, "text/plain", cut_tail=CUT_TAIL)
             for i in range(int(args["n"])):
                 await stream.write(b"piece-%d;" % i)
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(float(args.get("delay", 0.01)))
             await stream.end()
             return None
         if request.path == "/sleep":
