@@ -74,6 +74,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="this gateway's name among the replicas of a [coordination] deployment "
         "(default: HOSTNAME:PORT)",
     )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        metavar="S",
+        help="on SIGTERM/SIGINT, how long requests in flight may finish before what is left "
+        "ends with an error (default: the config's drain_timeout_s, else 30)",
+    )
     parser.add_argument("--log-level", default="WARNING")
 
 
@@ -89,6 +96,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, object]:
         out["admin_keys"] = tuple(args.admin_key)
     if args.secret_file is not None:
         out["secret_file"] = args.secret_file
+    if args.drain_timeout is not None:
+        out["drain_timeout_s"] = args.drain_timeout
     return out
 
 

@@ -14,6 +14,7 @@ regime = "bandwidth_scarce"
 api_keys = []               # clients' keys
 admin_keys = []             # operators' keys for /admin/* (distinct from api_keys)
 # secret_file = "secret.hex" # deployment secret shared with the engines
+# drain_timeout_s = 30.0     # on SIGTERM: how long requests in flight may finish
 
 [[instances]]                # running engines, and/or ...
 id = "prfaas-p0"
@@ -134,6 +135,9 @@ class GatewayConfig:
     lone decode restarting); new requests are refused at once (503) meanwhile."""
     retry_after_s: int = 1
     kv_index_max_blocks: int = 4_000_000
+    drain_timeout_s: float = 30.0
+    """On SIGTERM/SIGINT, how long requests in flight may run on (new ones get 503) before
+    what is left ends with an error (`prfaas serve --drain-timeout` overrides)."""
 
     def __post_init__(self) -> None:
         check(bool(self.policy), "policy", self.policy, "must not be empty")
@@ -151,6 +155,8 @@ class GatewayConfig:
         wait = self.retry_wait_s
         check(0 <= wait <= 600, "retry_wait_s", wait, "must be in [0, 600]")
         check(self.retry_after_s >= 1, "retry_after_s", self.retry_after_s, "must be >= 1")
+        drain = self.drain_timeout_s
+        check(0 <= drain <= 3600, "drain_timeout_s", drain, "must be in [0, 3600]")
         for name in ("api_keys", "admin_keys"):
             ok = all(isinstance(k, str) and k for k in getattr(self, name))
             check(ok, name, "<hidden>", "must be non-empty strings")

@@ -252,12 +252,15 @@ class GatewayApp:
             await self.stop()
             raise
 
-    async def stop(self) -> None:
-        """Stop listening (requests in flight get a short grace), then the gateway's tasks
-        and engine connections."""
+    async def stop(self, drain_s: float = 2.0) -> None:
+        """Drain, then stop: stop listening, answer new requests 503 (`/health` too, so a
+        load balancer takes this gateway out), let requests in flight finish for up to
+        `drain_s` seconds (`cut_drain` ends that wait), end what is left with an error
+        (`HttpServer.stop`); then the gateway's tasks and engine connections. Engines stay
+        up throughout: those `prfaas serve` started stop after this returns. Idempotent."""
         try:
             if self._server is not None:
-                await self._server.stop()
+                await self._server.stop(drain_s)
         finally:
             try:
                 if self._gateway is not None:
@@ -266,6 +269,12 @@ class GatewayApp:
                 if self._session is not None:
                     await self._session.close()
                 self._server = self._gateway = self._session = None
+
+    def cut_drain(self) -> None:
+        """End a `stop`'s wait for requests in flight now (what is left ends with an
+        error); nothing happens when no drain is under way."""
+        if self._server is not None:
+            self._server.cut()
 
     async def dispatch(self, request: HttpRequest, exchange: Exchange) -> HttpResponse | None:
         """Route one request; `APIError` becomes its JSON response."""

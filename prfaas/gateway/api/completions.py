@@ -2,7 +2,10 @@
 
 The routing itself lives in `Router` (no HTTP there); this module only adapts HTTP to it
 and keeps the metrics. A client that disconnects cancels the handler, which closes the
-Router's stream and so aborts the request on both the prefill and the decode engine.
+Router's stream and so aborts the request on both the prefill and the decode engine. So does
+the end of the gateway's drain (`GatewayApp.stop`): a stream still running then ends with an
+OpenAI error event (`shutting_down`) and, like every stream that fails, no `[DONE]`; a
+whole answer not ready gets the HTTP server's 503.
 
 A forwarded request (every request in `forward` mode, for vLLM engines; in `generate` mode,
 one that `/generate` cannot express) goes to the engines whole and their answer comes back as
@@ -42,6 +45,10 @@ from prfaas.protocol.openai_request import (
 from prfaas.protocol.openai_response import Accumulator
 
 SSE_HEADERS = {"Cache-Control": "no-cache"}
+STOPPED = "the gateway stopped before the answer was complete; retry"
+STOPPED_EVENT = b"data: " + APIError(503, STOPPED, code="shutting_down").encode() + b"\n\n"
+"""A stream still running at the end of the gateway's drain ends with this error event
+(written by the HTTP server: `Exchange.start_stream`'s `cut_tail`)."""
 PARSE_IN_THREAD_BYTES = 64 * 1024
 """Bodies larger than this are parsed and tokenized on a worker thread, so a burst of big
 bodies cannot hold the event loop (and `/health`) for long."""
@@ -201,7 +208,7 @@ class CompletionService:
 
     async def _sse(self, exchange: Exchange, acc: Accumulator, routed: Dispatch) -> None:
         headers = {**SSE_HEADERS, **route_headers(routed.decision)}
-        resp = exchange.start_stream(200, headers, "text/event-stream")
+        resp = exchange.start_stream(200, headers, "text/event-stream", cut_tail=STOPPED_EVENT)
         chunk = routed.first
         forwarded = acc.call.body is not None
         try:
