@@ -22,11 +22,24 @@ rejected with `KVEventDecodeError`, like any other malformed payload.
 
 Replay (SGLang's optional ROUTER endpoint): a request `[b"", start_seq]` (8 bytes
 big-endian) is answered by one `[b"", seq, payload]` per buffered batch from `start_seq`,
-then `[b"", END_SEQ, b""]` (END_SEQ = -1 as 8 signed bytes).
+then `[b"", END_SEQ, b""]` (END_SEQ = -1 as 8 signed bytes). vLLM's publisher answers the
+same request with `[b"", topic, seq, payload]` and `[b"", b"", END_SEQ, b""]`; the
+subscriber takes both.
+
+Snapshot (PrfaaS extension on the same endpoint, so a subscriber that joins late, e.g. a
+gateway started beside running engines, knows what is cached already): a request from
+SNAPSHOT_SEQ (-2 as 8 signed bytes) is answered `[b"", SNAPSHOT_SEQ, S]`, then
+`[b"", S, payload]` batches of `BlockStored` chains (parents first) and the kept states
+(`StatesStored`, for a hybrid engine) that rebuild everything cached after every batch
+before sequence number S and none after it, then END_SEQ; the subscriber then skips live
+batches before S. The publisher keeps that state from its own events (`cache_mirror.py`).
+SGLang's and vLLM's publishers read SNAPSHOT_SEQ as 2**64 - 2 and answer END_SEQ alone,
+so the subscriber falls back to replaying their bounded buffer from 0 (best effort).
 
 Modules: `prfaas.protocol.kv_events.events` (event structs, encode/decode), `publisher`
-(`KVEventPublisher`, ZMQ PUB plus replay), `subscriber` (`KVEventSubscriber`, asyncio SUB
-with gap detection and replay). Everything is re-exported here.
+(`KVEventPublisher`, ZMQ PUB plus replay and snapshots), `cache_mirror` (what the published
+events say is cached), `subscriber` (`KVEventSubscriber`, asyncio SUB with gap detection,
+replay and catch-up). Everything is re-exported here.
 """
 
 from __future__ import annotations
@@ -46,12 +59,13 @@ from prfaas.protocol.kv_events.events import (
     encode_batch,
     encode_frames,
 )
-from prfaas.protocol.kv_events.publisher import END_SEQ, KVEventPublisher
+from prfaas.protocol.kv_events.publisher import END_SEQ, SNAPSHOT_SEQ, KVEventPublisher
 from prfaas.protocol.kv_events.subscriber import KVEventSubscriber, ReceivedBatch
 
 __all__ = [
     "END_SEQ",
     "SEQ_BYTES",
+    "SNAPSHOT_SEQ",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",

@@ -1,4 +1,5 @@
-"""ZMQ PUB side of the KV event stream, with SGLang's optional replay endpoint."""
+"""ZMQ PUB side of the KV event stream, with SGLang's optional replay endpoint (which also
+answers snapshot requests, a PrfaaS extension: see `prfaas.protocol.kv_events`)."""
 
 from __future__ import annotations
 
@@ -11,19 +12,36 @@ from types import TracebackType
 
 import zmq
 
-from prfaas.protocol.kv_events.events import SEQ_BYTES, KVEvent, KVEventBatch, encode_frames
+from prfaas.protocol.kv_events.cache_mirror import CacheMirror
+from prfaas.protocol.kv_events.events import (
+    SEQ_BYTES,
+    KVEvent,
+    KVEventBatch,
+    encode_batch,
+    encode_frames,
+)
 
 logger = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(SEQ_BYTES, "big", signed=True)  # SGLang's end-of-replay marker
+SNAPSHOT_SEQ = (-2).to_bytes(SEQ_BYTES, "big", signed=True)
+"""A replay request from this "sequence number" asks for a snapshot (PrfaaS extension); an
+SGLang or vLLM publisher reads it as 2**64 - 2 and answers with END_SEQ alone."""
+SNAPSHOT_EVENTS_PER_BATCH = 256
 
 
 class _ReplayServer:
-    """SGLang's replay endpoint: a ROUTER socket serving recent batches from a buffer.
+    """SGLang's replay endpoint: a ROUTER socket serving recent batches from a buffer, and
+    snapshots of the publisher's cache.
 
     A request is `[identity, b"", start_seq]`; the reply is one `[identity, b"", seq,
     payload]` per buffered batch with `seq >= start_seq`, then `[identity, b"", END_SEQ,
-    b""]`. Served from a daemon thread that owns the ROUTER socket.
+    b""]`. A snapshot request (`start_seq` = SNAPSHOT_SEQ) is answered `[identity, b"",
+    SNAPSHOT_SEQ, next_seq]`, then `[identity, b"", next_seq, payload]` per batch of
+    events that rebuild everything cached after every batch before `next_seq` (none after
+    it), then END_SEQ. Served from a daemon thread that owns the ROUTER socket; `record`
+    runs on the publishing thread, under the lock that keeps buffer, mirror and sequence
+    number in step.
     """
 
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, steps: int) -> None:
@@ -38,14 +56,18 @@ class _ReplayServer:
             raise ValueError(f"cannot bind KV event replay to {endpoint!r}: {exc}") from exc
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=steps)
+        self._mirror = CacheMirror()
+        self._next_seq = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="kv-event-replay", daemon=True)
         self._thread.start()
 
-    def record(self, seq: int, payload: bytes) -> None:
+    def record(self, seq: int, payload: bytes, events: Sequence[KVEvent]) -> None:
         with self._lock:
             self._buffer.append((seq, payload))
+            self._mirror.apply(events)
+            self._next_seq = seq + 1
 
     def close(self) -> None:
         self._stop.set()
@@ -63,12 +85,26 @@ class _ReplayServer:
         if len(frames) != 3 or len(frames[2]) != SEQ_BYTES:
             logger.warning("ignoring malformed KV event replay request (%d frames)", len(frames))
             return
-        identity, start = frames[0], int.from_bytes(frames[2], "big")
-        with self._lock:
-            batches = [(seq, payload) for seq, payload in self._buffer if seq >= start]
-        for seq, payload in batches:
-            self._sock.send_multipart([identity, b"", seq.to_bytes(SEQ_BYTES, "big"), payload])
+        identity = frames[0]
+        if frames[2] == SNAPSHOT_SEQ:
+            self._send_snapshot(identity)
+        else:
+            start = int.from_bytes(frames[2], "big")
+            with self._lock:
+                batches = [(seq, payload) for seq, payload in self._buffer if seq >= start]
+            for seq, payload in batches:
+                self._sock.send_multipart([identity, b"", seq.to_bytes(SEQ_BYTES, "big"), payload])
         self._sock.send_multipart([identity, b"", END_SEQ, b""])
+
+    def _send_snapshot(self, identity: bytes) -> None:
+        with self._lock:  # a cut between two published batches
+            events, seq = self._mirror.snapshot(), self._next_seq
+        at = seq.to_bytes(SEQ_BYTES, "big")
+        self._sock.send_multipart([identity, b"", SNAPSHOT_SEQ, at])
+        step = SNAPSHOT_EVENTS_PER_BATCH
+        for i in range(0, len(events), step):
+            payload = encode_batch(KVEventBatch(time.time(), tuple(events[i : i + step])))
+            self._sock.send_multipart([identity, b"", at, payload])
 
 
 class KVEventPublisher:
@@ -78,7 +114,9 @@ class KVEventPublisher:
     it is safe to call from the event loop. Not thread-safe: use it from one thread.
     `endpoint` may use a wildcard port (`tcp://127.0.0.1:*`); `.endpoint` gives the bound one.
     With `replay_endpoint`, the last `buffer_steps` batches are also served on SGLang's
-    replay protocol, so a subscriber can fill a sequence gap (`KVEventSubscriber`).
+    replay protocol, so a subscriber can fill a sequence gap (`KVEventSubscriber`), and so
+    is a snapshot of everything the published events say is cached now (a subscriber that
+    joins late, e.g. a gateway started beside running engines, loads it first).
     """
 
     def __init__(
@@ -149,7 +187,7 @@ class KVEventPublisher:
         batch = KVEventBatch(float(self._clock()), tuple(events), self._rank)
         frames = encode_frames(self._topic, seq, batch)
         if self._replay is not None:
-            self._replay.record(seq, frames[2])
+            self._replay.record(seq, frames[2], events)
         try:
             self._sock.send_multipart(frames, flags=zmq.NOBLOCK)
         except zmq.Again:
