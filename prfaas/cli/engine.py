@@ -32,6 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="ENDPOINT",
         help="publish KV events on this ZMQ endpoint, e.g. tcp://*:5557",
     )
+    parser.add_argument(
+        "--kv-events-replay",
+        metavar="ENDPOINT",
+        help="serve SGLang's replay of recent KV event batches, and snapshots of what is "
+        "cached (a gateway started later loads them), on this ZMQ endpoint (needs --kv-events)",
+    )
     parser.add_argument("--max-batch", type=int, default=32)
     parser.add_argument("--kv-capacity-tokens", type=int, default=65536)
     parser.add_argument("--page-size", type=int, default=64, help="tokens per KV block")
@@ -179,6 +185,7 @@ def run(args: argparse.Namespace) -> int:
             port=args.port,
             bootstrap_port=args.bootstrap_port,
             kv_events=args.kv_events,
+            kv_events_replay=args.kv_events_replay,
             cache_dir=args.model_cache,
             threads=args.threads,
             engine=engine,

@@ -24,6 +24,7 @@ role = "prefill"             # prefill | decode | both
 url = "http://127.0.0.1:30000"
 bootstrap_port = 8998        # prefill instances: where decode fetches KV
 kv_events = "tcp://127.0.0.1:5557"   # optional ZMQ KV event publisher
+kv_events_replay = "tcp://127.0.0.1:5558"   # optional: its replay endpoint (catch-up)
 
 [[launch]]                   # ... engines `prfaas serve` starts as children
 id = "pd-d0"
@@ -135,6 +136,9 @@ class GatewayConfig:
     lone decode restarting); new requests are refused at once (503) meanwhile."""
     retry_after_s: int = 1
     kv_index_max_blocks: int = 4_000_000
+    kv_sync_timeout_s: float = 5.0
+    """At start-up, how long the gateway waits for the engines' snapshots of what they cache
+    (`kv_events_replay`) before it listens; also bounds each replay request."""
     drain_timeout_s: float = 30.0
     """On SIGTERM/SIGINT, how long requests in flight may run on (new ones get 503) before
     what is left ends with an error (`prfaas serve --drain-timeout` overrides)."""
@@ -155,6 +159,8 @@ class GatewayConfig:
         wait = self.retry_wait_s
         check(0 <= wait <= 600, "retry_wait_s", wait, "must be in [0, 600]")
         check(self.retry_after_s >= 1, "retry_after_s", self.retry_after_s, "must be >= 1")
+        sync = self.kv_sync_timeout_s
+        check(0 < sync <= 600, "kv_sync_timeout_s", sync, "must be in (0, 600]")
         drain = self.drain_timeout_s
         check(0 <= drain <= 3600, "drain_timeout_s", drain, "must be in [0, 3600]")
         for name in ("api_keys", "admin_keys"):
@@ -178,6 +184,11 @@ class InstanceConfig:
     kv_events: str | None = None
     """ZMQ endpoint of the engine's KV event publisher (`tcp://host:port`)."""
     engine: EngineKind = "reference"
+    kv_events_replay: str | None = None
+    """Its replay endpoint (SGLang's protocol; `prfaas engine --kv-events-replay`): a
+    gateway that starts beside the running engine loads what it caches from there first
+    (a reference engine's snapshot; a vLLM or SGLang engine's replay buffer, best effort),
+    and fills sequence gaps from it."""
 
     def __post_init__(self) -> None:
         check(bool(self.id), "id", self.id, "must not be empty")
@@ -191,8 +202,13 @@ class InstanceConfig:
         check(port is None or 0 < port < 65536, "bootstrap_port", port, "must be a port")
         if self.role != "decode":
             check(port is not None, "bootstrap_port", port, "is required for a prefill role")
-        ok = self.kv_events is None or self.kv_events.startswith(("tcp://", "ipc://"))
-        check(ok, "kv_events", self.kv_events, "must be a tcp:// or ipc:// endpoint")
+        for name in ("kv_events", "kv_events_replay"):
+            value = getattr(self, name)
+            ok = value is None or value.startswith(("tcp://", "ipc://"))
+            check(ok, name, value, "must be a tcp:// or ipc:// endpoint")
+        replay = self.kv_events_replay
+        check(replay is None or self.kv_events is not None, "kv_events_replay", replay,
+              "needs kv_events (the publisher it replays)")  # fmt: skip
 
     @property
     def bootstrap_address(self) -> str | None:

@@ -1,9 +1,16 @@
 """KV-event subscriber glue: one ZMQ SUB per engine feeding the global KV index.
 
+Each subscription first catches up (`KVEventSubscriber.sync`) where the instance has a
+replay endpoint: a snapshot of what the engine caches now from a publisher that serves one
+(reference engines), else, best effort, what a vLLM or SGLang publisher's bounded replay
+buffer still holds. So a gateway started beside running engines, or resubscribing to an
+engine that restarted, knows their caches before their next event. `synced` lets the
+gateway wait for those catch-ups (bounded) before it routes.
+
 A lost stretch of events (sequence gap: slow join, high-water-mark drop, reconnect) or a
 publisher restart (sequence going backwards) makes that instance's index entries stale, so
-they are dropped before the new batch is applied: the index may under-report a cache after
-that, never over-report one.
+they are dropped before the new batch is applied (or replaced by a fresh snapshot where the
+publisher serves one): the index may under-report a cache after that, never over-report one.
 """
 
 from __future__ import annotations
@@ -11,10 +18,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from prfaas.gateway.kv_index import KVIndexManager
-from prfaas.protocol.kv_events import KVEventSubscriber, ReceivedBatch
+from prfaas.protocol.kv_events import KVEventSubscriber, ReceivedBatch, decode_frames
 from prfaas.protocol.kv_events.vllm_events import VLLMEventDecoder
 
 logger = logging.getLogger(__name__)
@@ -26,63 +33,100 @@ class KVEventFeed:
     def __init__(
         self,
         index: KVIndexManager,
-        endpoints: dict[str, str],
+        endpoints: Mapping[str, str],
         on_resync: Callable[[str, str], None] | None = None,
         vllm: frozenset[str] = frozenset(),
+        replay: Mapping[str, str] | None = None,
+        sync_timeout_s: float = 5.0,
     ) -> None:
-        """`vllm`: the instances whose publisher speaks vLLM's event format."""
+        """`vllm`: the instances whose publisher speaks vLLM's event format. `replay`: the
+        instances' replay endpoints (catch-up and gap filling); `sync_timeout_s` bounds each
+        request to one."""
         self._index = index
         self._endpoints = dict(endpoints)
+        self._replay = dict(replay or {})
         self._vllm = vllm
         self._on_resync = on_resync
+        self._sync_timeout_s = sync_timeout_s
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._synced: dict[str, asyncio.Event] = {}
         self.batches = 0
 
     def start(self) -> None:
         for instance_id, endpoint in self._endpoints.items():
             self._subscribe(instance_id, endpoint)
 
+    async def synced(self, timeout_s: float) -> list[str]:
+        """Wait until every subscription has caught up (or given up: no answer, no replay
+        endpoint), at most `timeout_s`; returns the instances still catching up then (their
+        catch-up goes on and applies when it comes)."""
+        waits = {i: asyncio.ensure_future(e.wait()) for i, e in self._synced.items()}
+        if waits:
+            await asyncio.wait(waits.values(), timeout=timeout_s)
+        late = [i for i, w in waits.items() if not w.done()]
+        for wait in waits.values():
+            wait.cancel()
+        return late
+
     def _subscribe(self, instance_id: str, endpoint: str) -> None:
-        if instance_id in self._vllm:
-            subscriber = KVEventSubscriber(endpoint, decode=VLLMEventDecoder().decode_frames)
-        else:
-            subscriber = KVEventSubscriber(endpoint)
-        task = asyncio.get_running_loop().create_task(self._run(instance_id, subscriber))
+        vllm = instance_id in self._vllm
+        subscriber = KVEventSubscriber(
+            endpoint,
+            replay_endpoint=self._replay.get(instance_id),
+            replay_timeout_s=self._sync_timeout_s,
+            decode=VLLMEventDecoder().decode_frames if vllm else decode_frames,
+        )
+        synced = self._synced[instance_id] = asyncio.Event()
+        task = asyncio.get_running_loop().create_task(self._run(instance_id, subscriber, synced))
         self._tasks[instance_id] = task
 
     def restarted(self, instance_id: str) -> None:
         """The instance's engine restarted (a new start id): drop its entries and subscribe
         afresh, so the new publisher is joined at once instead of after the old socket's
-        reconnect backoff (events it publishes before a subscriber joins are lost)."""
+        reconnect backoff, and its snapshot (what it cached before we joined) is loaded."""
         endpoint = self._endpoints.get(instance_id)
         if endpoint is None or instance_id not in self._tasks:
             self.resync(instance_id, "restart")
         else:
-            self.resubscribe(instance_id, endpoint)
+            self.resubscribe(instance_id, endpoint, self._replay.get(instance_id))
 
-    def resubscribe(self, instance_id: str, endpoint: str) -> None:
+    def resubscribe(self, instance_id: str, endpoint: str, replay: str | None = None) -> None:
         """Follow an instance's publisher to a new endpoint (its engine restarted on another
-        port); its entries are dropped first, since a restarted engine's cache is empty."""
+        port; `replay`: its replay endpoint now); its entries are dropped first, then
+        rebuilt from its snapshot where it serves one."""
         old = self._tasks.pop(instance_id, None)
         if old is not None:
             old.cancel()
         self.resync(instance_id, "restart")
         self._endpoints[instance_id] = endpoint
+        if replay is not None:
+            self._replay[instance_id] = replay
+        else:
+            self._replay.pop(instance_id, None)
         self._subscribe(instance_id, endpoint)
 
-    async def _run(self, instance_id: str, subscriber: KVEventSubscriber) -> None:
+    async def _run(
+        self, instance_id: str, subscriber: KVEventSubscriber, synced: asyncio.Event
+    ) -> None:
         try:
+            for received in await subscriber.sync():
+                self.apply(instance_id, received)
+            synced.set()
             while True:
                 self.apply(instance_id, await subscriber.recv())
         finally:
+            synced.set()
             subscriber.close()
 
     def apply(self, instance_id: str, received: ReceivedBatch) -> None:
-        """Apply one received batch, resynchronising first after a gap or a restart."""
+        """Apply one received batch, resynchronising first after a gap or a restart; a
+        snapshot replaces what the instance had."""
         if received.restarted or received.missed:
             reason = "restart" if received.restarted else "gap"
             logger.info("%s: KV events %s (seq %d); clearing", instance_id, reason, received.seq)
             self.resync(instance_id, reason)
+        elif received.snapshot:
+            self._index.clear_instance(instance_id)
         self._index.apply(instance_id, received.batch.events)
         self.batches += 1
 

@@ -146,7 +146,8 @@ async def start_cluster(
     env = {ENV_SECRET: secret.hex()}
     specs = [
         EngineSpec(name, role, options.model, options.page_size, options.threads, free_port(),
-                   options.link_args() if name == "prfaas-p0" else ())
+                   options.link_args() if name == "prfaas-p0" else (),
+                   kv_replay_port=free_port())
         for name, role in (("prfaas-p0", "prefill"), ("pd-p0", "prefill"), ("pd-d0", "decode"))
     ]  # fmt: skip
     results = await asyncio.gather(
@@ -175,11 +176,14 @@ def deployment_for(
     e = cluster.engines
     instances = (
         InstanceConfig("prfaas-p0", "prfaas", "prefill", e["prfaas-p0"].url, "127.0.0.1",
-                       e["prfaas-p0"].bootstrap_port, e["prfaas-p0"].kv_events),
+                       e["prfaas-p0"].bootstrap_port, e["prfaas-p0"].kv_events,
+                       kv_events_replay=e["prfaas-p0"].kv_events_replay),
         InstanceConfig("pd-p0", "pd", "prefill", e["pd-p0"].url, "127.0.0.1",
-                       e["pd-p0"].bootstrap_port, e["pd-p0"].kv_events),
+                       e["pd-p0"].bootstrap_port, e["pd-p0"].kv_events,
+                       kv_events_replay=e["pd-p0"].kv_events_replay),
         InstanceConfig("pd-d0", "pd", "decode", e["pd-d0"].url, "127.0.0.1",
-                       e["pd-d0"].bootstrap_port, e["pd-d0"].kv_events),
+                       e["pd-d0"].bootstrap_port, e["pd-d0"].kv_events,
+                       kv_events_replay=e["pd-d0"].kv_events_replay),
     )  # fmt: skip
     model = ModelConfig(name=options.model, block_size=options.page_size)
     gateway = replace(options.gateway, threshold=threshold)

@@ -32,6 +32,7 @@ def _spec(launch: LaunchConfig, page_size: int) -> EngineSpec:
         launch.threads,
         free_port(),
         extra_args=launch.engine_args(),
+        kv_replay_port=free_port(),
     )
 
 
@@ -48,6 +49,7 @@ def _instance(launch: LaunchConfig, engine: EngineProcess) -> InstanceConfig:
         engine.bootstrap_port if keep else None,
         engine.kv_events,
         launch.engine,
+        engine.kv_events_replay,
     )
 
 

@@ -42,6 +42,9 @@ class EngineSpec:
     threads: int = 1
     kv_events_port: int | None = None
     extra_args: tuple[str, ...] = ()
+    kv_replay_port: int | None = None
+    """Replay endpoint of its KV events (recent batches and snapshots), with
+    `kv_events_port`."""
     port: int = 0
     """HTTP port (0: any free one); a restart asks for the port it had."""
     bootstrap_port: int = 0
@@ -54,6 +57,8 @@ class EngineSpec:
         args += ["--page-size", str(self.page_size), "--threads", str(self.threads)]
         if self.kv_events_port is not None:
             args += ["--kv-events", f"tcp://{host}:{self.kv_events_port}"]
+            if self.kv_replay_port is not None:
+                args += ["--kv-events-replay", f"tcp://{host}:{self.kv_replay_port}"]
         return [*args, *self.extra_args]
 
 
@@ -72,6 +77,11 @@ class EngineProcess:
     def kv_events(self) -> str | None:
         port = self.spec.kv_events_port
         return None if port is None else f"tcp://127.0.0.1:{port}"
+
+    @property
+    def kv_events_replay(self) -> str | None:
+        port = self.spec.kv_replay_port
+        return None if port is None or self.kv_events is None else f"tcp://127.0.0.1:{port}"
 
     @property
     def port(self) -> int:

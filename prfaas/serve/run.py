@@ -81,7 +81,8 @@ async def serve_gateway(
     once, the same way. The callers stop their engines only after this returns, so the
     engines serve the requests in flight to the end."""
     app = GatewayApp(config, setup, profile=profile, secret=secret, replica_id=replica_id)
-    bound = await app.start(host, port)
+    with signals_cancel_current_task():  # e.g. while it waits for the engines' snapshots
+        bound = await app.start(host, port)
     try:
         gc.freeze()  # start-up objects never die: keep them out of every later collection
         if on_ready is not None:

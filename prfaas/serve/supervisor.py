@@ -140,14 +140,19 @@ class Supervisor:
             return await start_engine(same, self._log_dir, env=self._env, log_name=log_name)
         except RuntimeError as exc:
             logger.warning("engine %s could not start on its old ports: %s", name, exc)
-        fresh = replace(old.spec, port=0, bootstrap_port=0, kv_events_port=free_port())
+        replay = None if old.spec.kv_replay_port is None else free_port()
+        fresh = replace(
+            old.spec, port=0, bootstrap_port=0, kv_events_port=free_port(), kv_replay_port=replay
+        )
         try:
             new = await start_engine(fresh, self._log_dir, env=self._env, log_name=log_name)
         except RuntimeError as exc:
             logger.error("engine %s did not restart: %s", name, exc)
             return None
         if self._gateway is not None:
-            await self._gateway.relocate(name, new.url, new.bootstrap_port, new.kv_events)
+            await self._gateway.relocate(
+                name, new.url, new.bootstrap_port, new.kv_events, new.kv_events_replay
+            )
         return new
 
     async def stop(self) -> None:

@@ -19,9 +19,14 @@ START_TIMEOUT_S = 300.0
 
 
 def vllm_server(
-    launch: LaunchConfig, served_name: str, bootstrap_port: int, events_port: int
+    launch: LaunchConfig,
+    served_name: str,
+    bootstrap_port: int,
+    events_port: int,
+    replay_port: int | None = None,
 ) -> VLLMServer:
-    """The server a `[[launch]]` entry describes (prefill roles pace their egress as set).
+    """The server a `[[launch]]` entry describes (prefill roles pace their egress as set;
+    `replay_port`: where its KV events' replay is served).
 
     Raises:
         RuntimeError: the vLLM environment's interpreter does not exist.
@@ -42,6 +47,7 @@ def vllm_server(
         served_name=served_name,
         connector=connector,
         kv_events_port=events_port,
+        kv_replay_port=replay_port,
         threads=launch.threads,
         extra_args=launch.vllm_args,
     )
@@ -53,8 +59,8 @@ async def start_vllm(launch: LaunchConfig, served_name: str, log_dir: Path) -> E
     Raises:
         RuntimeError: it exited or was not ready within START_TIMEOUT_S (names its log).
     """
-    events, bootstrap = free_port(), free_port()
-    server = vllm_server(launch, served_name, bootstrap, events)
+    events, bootstrap, replay = free_port(), free_port(), free_port()
+    server = vllm_server(launch, served_name, bootstrap, events, replay)
     log = log_dir / f"{launch.id}.log"
     with log.open("wb") as out:
         process = await asyncio.create_subprocess_exec(
@@ -70,7 +76,9 @@ async def start_vllm(launch: LaunchConfig, served_name: str, log_dir: Path) -> E
     except BaseException:
         await asyncio.shield(stop_process(process))
         raise
-    spec = EngineSpec(launch.id, launch.role, launch.model, kv_events_port=events)
+    spec = EngineSpec(
+        launch.id, launch.role, launch.model, kv_events_port=events, kv_replay_port=replay
+    )
     reaper = asyncio.get_running_loop().create_task(_reap(process))  # output goes to the log
     return EngineProcess(spec, process, url, bootstrap, log, reaper)
 

@@ -1,10 +1,15 @@
 """KV-event glue over real ZMQ sockets: events reach the index; a sequence gap, a publisher
-restart or an instance going down drops that instance's entries (never over-report)."""
+restart or an instance going down drops that instance's entries (never over-report); a
+feed that joins running engines, or follows a restarted one, first loads what they cache
+(their snapshots), and waiting for that is bounded."""
 
 from __future__ import annotations
 
 import asyncio
 
+import zmq
+
+from prfaas.common.hashing import hash_blocks
 from prfaas.gateway.kv_feed import KVEventFeed
 from prfaas.gateway.kv_index import KVIndexManager
 from prfaas.protocol.kv_events import (
@@ -59,3 +64,90 @@ async def test_events_over_zmq_reach_the_index() -> None:
             await feed.stop()
     assert len(index) == 3
     assert index.instances() == ["pd-p0"]
+
+
+def _replaying() -> KVEventPublisher:
+    return KVEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
+
+
+def _replay_of(pub: KVEventPublisher) -> dict[str, str]:
+    assert pub.replay_endpoint is not None
+    return {"pd-p0": pub.replay_endpoint}
+
+
+def _prefix(index: KVIndexManager, tokens: list[int]) -> dict[str, int]:
+    return index.longest_prefix(hash_blocks(tokens, BS))
+
+
+async def test_a_feed_started_beside_a_running_engine_loads_its_cache_first() -> None:
+    """Blocks published before the feed exists are in the index as soon as `synced`
+    returns (the publisher's snapshot), without waiting for another event; events after it
+    still apply on top."""
+    index = KVIndexManager(block_size=BS)
+    with _replaying() as pub:
+        pub.publish([_stored(1, list(range(8)))])
+        pub.publish([_stored(3, [7] * 4)])
+        feed = KVEventFeed(index, {"pd-p0": pub.endpoint}, replay=_replay_of(pub))
+        feed.start()
+        try:
+            assert await feed.synced(5.0) == []
+            assert len(index) == 3
+            assert _prefix(index, [*range(8), 99]) == {"pd-p0": 8}
+            for _ in range(200):  # the next live event (the SUB socket joins asynchronously)
+                pub.publish([_stored(10, list(range(8, 12)))])
+                await asyncio.sleep(0.02)
+                if len(index) == 4:
+                    break
+        finally:
+            await feed.stop()
+    assert len(index) == 4
+
+
+async def test_resubscribing_to_a_restarted_engine_loads_its_new_cache() -> None:
+    """The engine restarted at new endpoints and cached a prompt before the gateway heard
+    of it: `resubscribe` drops the old engine's entries and loads the new one's snapshot."""
+    index = KVIndexManager(block_size=BS)
+    with _replaying() as old, _replaying() as new:
+        old.publish([_stored(1, list(range(8)))])
+        feed = KVEventFeed(index, {"pd-p0": old.endpoint}, replay=_replay_of(old))
+        feed.start()
+        try:
+            await feed.synced(5.0)
+            assert _prefix(index, [*range(8), 99]) == {"pd-p0": 8}
+            new.publish([_stored(1, [5] * 12)])
+            feed.resubscribe("pd-p0", new.endpoint, new.replay_endpoint)
+            assert await feed.synced(5.0) == []
+            assert _prefix(index, [*range(8), 99]) == {"pd-p0": 0}
+            assert _prefix(index, [5] * 13) == {"pd-p0": 12}
+        finally:
+            await feed.stop()
+
+
+async def test_waiting_for_a_silent_engine_is_bounded() -> None:
+    """An engine whose replay endpoint never answers: `synced` gives up after its timeout
+    and names it; the live events still reach the index."""
+    index = KVIndexManager(block_size=BS)
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    silent.bind("tcp://127.0.0.1:*")
+    try:
+        with KVEventPublisher("tcp://127.0.0.1:*") as pub:
+            replay = {"pd-p0": silent.getsockopt_string(zmq.LAST_ENDPOINT)}
+            feed = KVEventFeed(index, {"pd-p0": pub.endpoint}, replay=replay, sync_timeout_s=0.5)
+            feed.start()
+            try:
+                start = asyncio.get_running_loop().time()
+                assert await feed.synced(0.3) == ["pd-p0"]
+                assert asyncio.get_running_loop().time() - start < 0.6
+                for _ in range(300):
+                    pub.publish([_stored(1, list(range(8)))])
+                    await asyncio.sleep(0.02)
+                    if len(index):
+                        break
+            finally:
+                await feed.stop()
+        assert len(index) == 2
+    finally:
+        silent.close()
+        ctx.term()

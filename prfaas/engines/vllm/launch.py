@@ -34,6 +34,9 @@ class VLLMServer:
     """`kv_connector_extra_config` of the PrfaaS connector; None runs without a connector."""
     kv_events_port: int | None = None
     """Publish KV cache events (ZMQ PUB) on this port."""
+    kv_replay_port: int | None = None
+    """With `kv_events_port`: serve vLLM's replay of its recent event batches on this port
+    (a gateway started later catches up from it, best effort: a bounded buffer)."""
     kv_cache_bytes: int = 256 * 2**20
     max_model_len: int = 4096
     max_batched_tokens: int | None = None
@@ -75,6 +78,8 @@ class VLLMServer:
                 "endpoint": f"tcp://*:{self.kv_events_port}",
                 "topic": "kv-events",
             }
+            if self.kv_replay_port is not None:
+                events["replay_endpoint"] = f"tcp://*:{self.kv_replay_port}"
             args += ["--kv-events-config", json.dumps(events)]
         return args + list(self.extra_args)
 

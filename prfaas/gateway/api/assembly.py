@@ -78,10 +78,16 @@ class Gateway:
         self.activity = ActivityRecorder(self.admin_state)
 
     async def start(self) -> None:
-        """Poll health once (so the first request sees real state), then start the feeds
-        and the schedulers."""
+        """Poll health once (so the first request sees real state), start the feeds and
+        wait for their catch-up (what running engines cache already: bounded by
+        `kv_sync_timeout_s`, after which routing starts without the late ones), then start
+        the schedulers."""
         await self.health.poll_once()
         self.feed.start()
+        late = await self.feed.synced(self.config.gateway.kv_sync_timeout_s)
+        if late:
+            logger.warning("no KV cache snapshot from %s in time: routing without it for now",
+                           ", ".join(late))  # fmt: skip
         self.health.start()
         self.activity.start()
         if self.scheduler is not None:
@@ -102,11 +108,17 @@ class Gateway:
             await state.client.close()
 
     async def relocate(
-        self, instance_id: str, url: str, bootstrap_port: int | None, kv_events: str | None
+        self,
+        instance_id: str,
+        url: str,
+        bootstrap_port: int | None,
+        kv_events: str | None,
+        kv_events_replay: str | None = None,
     ) -> None:
         """An engine came back at new addresses (a restart on other ports): point the
-        instance's client, bootstrap address, KV-event subscription and egress polling at
-        them. Its index entries are dropped (a restarted engine's cache is empty)."""
+        instance's client, bootstrap address, KV-event subscription (and its replay
+        endpoint) and egress polling at them. Its index entries are dropped, then rebuilt
+        from its snapshot (what it cached before the subscription joined)."""
         state = self.instances[instance_id]
         old = state.client
         config = _client_config(self.config.gateway)
@@ -114,7 +126,7 @@ class Gateway:
         if bootstrap_port is not None:
             state.bootstrap_port = bootstrap_port
         if kv_events is not None:
-            self.feed.resubscribe(instance_id, kv_events)
+            self.feed.resubscribe(instance_id, kv_events, kv_events_replay)
         else:
             self.feed.resync(instance_id, "restart")
         if self.egress is not None:
@@ -314,9 +326,15 @@ def build_gateway(
         mode=openai_mode(config),
     )
     endpoints = {c.id: c.kv_events for c in config.instances if c.kv_events}
+    replay = {c.id: c.kv_events_replay for c in config.instances if c.kv_events_replay}
     vllm = frozenset(c.id for c in config.instances if c.engine == "vllm")
     feed = KVEventFeed(
-        index, endpoints, lambda i, why: metrics.kv_resyncs.labels(i, why).inc(), vllm
+        index,
+        endpoints,
+        lambda i, why: metrics.kv_resyncs.labels(i, why).inc(),
+        vllm,
+        replay,
+        g.kv_sync_timeout_s,
     )
     policy = HealthPolicy(g.health_interval_s, g.eject_after, g.readmit_after)
     health = HealthMonitor(instances, policy, on_restart=feed.restarted)

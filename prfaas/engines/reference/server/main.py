@@ -39,6 +39,9 @@ class LaunchOptions:
     port: int = 30000
     bootstrap_port: int = 0
     kv_events: str | None = None
+    kv_events_replay: str | None = None
+    """Replay endpoint of the KV event publisher: recent batches, and snapshots of what is
+    cached (`prfaas.protocol.kv_events`)."""
     cache_dir: Path | None = None
     threads: int | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -58,6 +61,8 @@ class LaunchOptions:
             raise ValueError(f"bootstrap_port must be in 0..65535, got {self.bootstrap_port}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.kv_events_replay is not None and self.kv_events is None:
+            raise ValueError("--kv-events-replay needs --kv-events")
 
 
 def build_app(options: LaunchOptions) -> tuple[web.Application, EngineService]:
@@ -90,17 +95,19 @@ def build_app(options: LaunchOptions) -> tuple[web.Application, EngineService]:
     )
     app = create_app(service, tokenizer, info, secret.control_token() if secret else None)
     if options.kv_events:
-        app.cleanup_ctx.append(_kv_events(service, options.kv_events))
+        app.cleanup_ctx.append(_kv_events(service, options.kv_events, options.kv_events_replay))
     return app, service
 
 
 def _kv_events(
-    service: EngineService, endpoint: str
+    service: EngineService, endpoint: str, replay: str | None
 ) -> Callable[[web.Application], AsyncIterator[None]]:
-    """Publish the pool's KV events on `endpoint` (ZMQ PUB) from the event loop thread."""
+    """Publish the pool's KV events on `endpoint` (ZMQ PUB) from the event loop thread;
+    with `replay`, serve recent batches and snapshots there too. The publisher exists
+    before any request runs, so its record of the cache (the snapshots) misses nothing."""
 
     async def ctx(app: web.Application) -> AsyncIterator[None]:
-        publisher = KVEventPublisher(endpoint)
+        publisher = KVEventPublisher(endpoint, replay_endpoint=replay)
         loop = asyncio.get_running_loop()
 
         def sink(events: list[KVEvent]) -> None:
