@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 import pytest
 from etcd_helpers import EtcdServer
-from replica_helpers import (
+from coordinated_helpers import (
     ENGINE_AUTH,
     Engine,
     Replica,

@@ -28,7 +28,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from replica_helpers import PROFILE
+from coordinated_helpers import PROFILE
 
 from prfaas.common.secret import ENV_SECRET, DeploymentSecret
 
