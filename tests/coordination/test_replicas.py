@@ -16,7 +16,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-from etcd_helpers import EtcdServer
 from coordinated_helpers import (
     ENGINE_AUTH,
     Engine,
@@ -30,6 +29,7 @@ from coordinated_helpers import (
     wait_for,
     write_deployment,
 )
+from etcd_helpers import EtcdServer
 
 MODEL = "qwen3-next-tiny"
 TTL_S = 2.0
