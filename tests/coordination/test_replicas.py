@@ -182,6 +182,8 @@ def test_one_leader_and_a_follower_leads_soon_after_a_sigkill(
     assert applied["leader_epoch"] == new_epoch
     lead = _recent(new.state(), "leader", "lead")
     assert lead and lead[-1]["inputs"]["epoch"] == new_epoch
+    shown = get_json(f"{new.url}/admin/dashboard")["state"]["coordination"]  # the page's data
+    assert (shown["role"], shown["epoch"], shown["leader"]) == ("leader", new_epoch, new_leader)
 
 
 class _Background:

@@ -219,13 +219,14 @@ def _scrape(url: str) -> Scrape:
 
 def test_page_loads_live_without_console_errors(page: Page, served: Served) -> None:
     """`prfaas serve` prints the dashboard's address; the page shows every instance up with
-    its role, the threshold in force, and logs no console error."""
+    its role, the threshold in force, that it runs alone, and logs no console error."""
     assert f"dashboard  {served.url}/dashboard" in served.summary
     for name, _, role, _ in ENGINES:
         card = page.locator(f'[data-instance="{name}"]')
         assert card.get_attribute("data-health") == "up"
         assert card.locator(".role").inner_text() == role
     assert _text(page, "#kpi-threshold") == str(THRESHOLD)
+    assert _text(page, "#kpi-replica") == "alone"  # no [coordination]: it decides by itself
     assert served.console == []
 
 
