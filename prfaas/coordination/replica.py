@@ -166,8 +166,7 @@ class Coordinator:
 
     async def _transitions(self) -> None:
         """Lead or follow as the election says, one transition at a time."""
-        while True:
-            await self._changed.wait()
+        while True:  # acts on the election as it is first (also after a restart), then waits
             self._changed.clear()
             now = self._election.leadership
             scheduler = self._scheduler
@@ -179,6 +178,7 @@ class Coordinator:
                 scheduler.follow(now.leader)
                 self._metrics.losses.inc()
                 self._metrics.leading.set(0)
+            await self._changed.wait()
 
     def _fenced(self) -> None:
         """An engine refused this leader's conversion: a newer leader exists. Stop at once."""

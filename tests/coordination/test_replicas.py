@@ -10,6 +10,7 @@ import math
 import signal
 import threading
 import time
+import urllib.request
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any
@@ -323,6 +324,10 @@ def test_with_the_store_down_replicas_serve_and_nobody_converts(
     assert load and {status for _, status in load} == {200}
     assert [r.metric("prfaas_role_conversions_total") for r in replicas] == before
     assert all(not r.coordination()["store_up"] for r in replicas)
+    assert all(r.metric("prfaas_coordination_store_up") == 0 for r in replicas)
+    for r in replicas:  # still in a load balancer's rotation
+        with urllib.request.urlopen(f"{r.url}/health", timeout=5) as reply:
+            assert reply.status == 200
 
     store.start()
     back = time.monotonic()

@@ -97,10 +97,9 @@ class Scheduler:
         `fence_timeout_s` is logged and fenced by this leader's first conversion of it),
         then decide from the state this gateway followed."""
         pd = [s for s in self._instances if s.cluster == "pd"]
-        async with asyncio.timeout(fence_timeout_s * 2):
-            answers = await asyncio.gather(
-                *(_fence(s.client, epoch, fence_timeout_s) for s in pd), return_exceptions=True
-            )
+        answers = await asyncio.gather(
+            *(_fence(s.client, epoch, fence_timeout_s) for s in pd), return_exceptions=True
+        )
         for s, answer in zip(pd, answers, strict=True):
             if isinstance(answer, BaseException):
                 logger.warning(
