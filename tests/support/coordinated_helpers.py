@@ -73,6 +73,7 @@ class Engine:
     url: str
     bootstrap_port: int
     kv_events: str
+    kv_events_replay: str
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -89,24 +90,25 @@ def start_engines(log_dir: Path) -> list[Engine]:
     started = []
     for launch in LAUNCHES:
         events = f"tcp://127.0.0.1:{free_port()}"
-        spec = EngineSpec(launch.id, launch.role, launch.model, 64, 1, None,
-                          extra_args=("--kv-events", events, *launch.engine_args()))  # fmt: skip
+        replay = f"tcp://127.0.0.1:{free_port()}"
+        args = ("--kv-events", events, "--kv-events-replay", replay, *launch.engine_args())
+        spec = EngineSpec(launch.id, launch.role, launch.model, 64, 1, None, extra_args=args)
         log = log_dir / f"{launch.id}.log"
         with log.open("wb") as out:
             proc = subprocess.Popen(spec.argv("127.0.0.1"), stdout=out, stderr=subprocess.STDOUT,
                                     env={**os.environ, ENV_SECRET: SECRET.hex()})  # fmt: skip
-        started.append((launch, proc, log, events))
+        started.append((launch, proc, log, events, replay))
     engines = []
     deadline = time.monotonic() + 180
-    for launch, proc, log, events in started:
+    for launch, proc, log, events, replay in started:
         while (match := READY.search(log.read_bytes())) is None:
             if proc.poll() is not None or time.monotonic() > deadline:
-                for _, p, _, _ in started:
+                for _, p, *_ in started:
                     p.kill()
                 raise AssertionError(f"engine {launch.id} did not start:\n{log.read_text()}")
             time.sleep(0.1)
         url, port = match.group(1).decode(), int(match.group(3))
-        engines.append(Engine(launch, proc, url, port, events))
+        engines.append(Engine(launch, proc, url, port, events, replay))
     return engines
 
 
@@ -129,6 +131,7 @@ def write_deployment(
         blocks.append(
             f'[[instances]]\nid = "{la.id}"\ncluster = "{la.cluster}"\nrole = "{la.role}"\n'
             f'url = "{e.url}"\nbootstrap_port = {e.bootstrap_port}\nkv_events = "{e.kv_events}"\n'
+            f'kv_events_replay = "{e.kv_events_replay}"\n'
         )
     coordination = (
         ""
