@@ -45,9 +45,12 @@ async def test_a_follower_applies_only_newer_versions() -> None:
     async with aiohttp.ClientSession() as session:
         leader, _, _ = _board(session)
         follower, routing, instances = _board(session)
+    seen: list[ScheduleState] = []
+    follower.listeners.append(seen.append)
     v1 = leader.change("short-term", "threshold", "raise", {}, threshold=1250)
     v2 = leader.change("short-term", "regime", "abundant", {}, regime="bandwidth_abundant")
     assert follower.apply(ScheduleState.decode(v2.encode()))
     assert not follower.apply(v1)  # stale: never applied over a newer one
+    assert seen == [v2]  # its listeners (the dashboard's) see what it applied
     assert (routing.threshold, routing.regime) == (1250, "bandwidth_abundant")
     assert follower.state == v2 and instances["pd-d0"].role == "decode"
