@@ -20,9 +20,14 @@ death, for stop from SIGCONT, for flood from its end) and whether it took over 3
 RSS of the gateway and of each engine (across restarts); the gateway's retries,
 migrations, ejections and engine restarts from `/metrics`.
 
+With `--replicas`, the faults hit gateways and the store instead: three `prfaas serve`
+replicas over one etcd behind Envoy, SIGKILLed, SIGTERMed (drained), SIGSTOPped, and etcd
+SIGKILLed (benchmarks/chaos_replicas.py).
+
 The machine is shared (2 cores, other work running): latencies are not the point here,
 what is lost and what is wrong is.
 Usage: python benchmarks/chaos.py [--duration 600] [--seed 0] [--clients 3] [--json OUT]
+       [--replicas]
 """
 
 from __future__ import annotations
@@ -475,7 +480,17 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=48, help="distinct prompts")
     parser.add_argument("--threshold", type=float, default=768.0, help="gateway t (tokens)")
     parser.add_argument("--json", dest="json_out", default=None)
+    parser.add_argument(
+        "--replicas",
+        action="store_true",
+        help="gateway and etcd faults against three replicas behind Envoy "
+        "(benchmarks/chaos_replicas.py) instead of engine faults against one gateway",
+    )
     args = parser.parse_args()
+    if args.replicas:
+        from chaos_replicas import run_replicas
+
+        return run_replicas(args.duration, args.seed, args.clients, args.json_out)
     # the flood's own sockets, written to after the sender cut them: not news
     logging.getLogger("asyncio").setLevel(logging.ERROR)
     result = asyncio.run(run(args))

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import prfaas.examples
 from prfaas.common.secret import ENV_SECRET, DeploymentSecret
 from prfaas.gateway.deployment import LaunchConfig
 from prfaas.serve.processes import READY, EngineSpec, free_port
@@ -35,31 +36,7 @@ LAUNCHES = (
 """One PrfaaS prefill (its egress paced: the emulated link) and a PD cluster of one prefill
 and two decodes (so the rebalancer can convert a decode)."""
 
-PROFILE = """
-[workload]
-input_distribution = "lognormal"
-mu = 6.9
-sigma = 0.9
-min_tokens = 128
-max_tokens = 6144
-output_tokens = 16
-[model]
-name = "reference tiny"
-kv_tokens = [256, 1024, 3072]
-kv_mib = [0.75, 2.25, 6.25]
-[hardware.cpu]
-prefill_tokens = [256, 1024, 3072]
-prefill_seconds = [0.2, 0.5, 1.6]
-decode_batch_max = 32
-decode_step_seconds = 0.015
-[clusters.prfaas]
-hardware = "cpu"
-instances = 1
-egress_gbps = 0.01
-[clusters.pd]
-hardware = "cpu"
-instances = 3
-"""
+PROFILE = (Path(prfaas.examples.__file__).parent / "reference_tiny_cpu.toml").read_text()
 """A planner profile for the tiny reference model on a CPU (made-up but plausible tables)."""
 
 
