@@ -8,7 +8,8 @@ kind, so the fast loop's trims or the slow loop's refusals never push a conversi
 and a call to each listener (the coordinator's publisher to the other gateways, the
 dashboard's decision list, the simulator's timeline).
 A follower gateway calls `apply` with a leader's state; only newer versions are applied
-(`ScheduleState.newer_than`), and its listeners see them too. A leader stamps its versions with `leader_epoch`.
+(`ScheduleState.newer_than`), and its listeners see them too. A leader stamps its
+versions with `leader_epoch`.
 """
 
 from __future__ import annotations
