@@ -362,6 +362,10 @@ async def _answers(session: aiohttp.ClientSession, url: str, prompts: list[str])
     return out
 
 
+def _why(timed: Timed) -> str:
+    return f"{timed.outcome.kind}:{timed.outcome.code}"
+
+
 def report(
     results: list[Timed], faults: list[Fault], changed: list[float], args: argparse.Namespace
 ) -> dict[str, Any]:
@@ -383,6 +387,7 @@ def report(
         "clients": args.clients,
         "requests": dict(classes),
         "lost": classes.get("lost", 0),
+        "not_completed": dict(Counter(_why(t) for t in results if t.outcome.kind != "completed")),
         "wrong_answers": wrong,
         "faults": [asdict(f) for f in faults],
         "recovery_s": by_kind,
