@@ -238,14 +238,14 @@ class Coordinator:
         """Apply every newer leader state (the current one first)."""
         current, revision = await self._client.get_with_revision(self._schedule_key)
         self._set_store(True)
-        if current is not None:
-            self._apply(current.value)
+        if current is not None:  # a catch-up: the state's age is no publish-to-apply lag
+            self._apply(current.value, lag=False)
         async for event in self._client.watch(self._schedule_key, start_revision=revision + 1):
             self._set_store(True)
             if event.kind == "put":
                 self._apply(event.kv.value)
 
-    def _apply(self, raw: bytes) -> None:
+    def _apply(self, raw: bytes, *, lag: bool = True) -> None:
         try:
             published = msgspec.json.decode(raw, type=Published)
         except msgspec.MsgspecError:
@@ -254,14 +254,15 @@ class Coordinator:
         if published.leader == self.replica_id or self._scheduler.leading:
             return
         if self._scheduler.board.apply(published.state):
-            lag = max(self._wall() - published.at, 0.0)
-            self._metrics.apply_lag.observe(lag)
+            took = max(self._wall() - published.at, 0.0)
+            if lag:
+                self._metrics.apply_lag.observe(took)
             state = published.state
             self.last_applied = {
                 "leader": published.leader,
                 "leader_epoch": state.leader_epoch,
                 "epoch": state.epoch,
-                "lag_s": lag,
+                "lag_s": took if lag else None,
             }
 
     # -- the replicas' reports -----------------------------------------------------------
