@@ -42,6 +42,8 @@ class StandIn:
     mode: Mode
     draining: bool = False
     seen: list[str] = field(default_factory=list)
+    release: asyncio.Event = field(default_factory=asyncio.Event)
+    """A slow stream ends (its last event and `[DONE]`) only once this is set."""
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -65,6 +67,8 @@ class StandIn:
         for n in range(20 if self.mode == "stream_slowly" else 1):
             await resp.write(f"data: {self.name} {n}\n\n".encode())
             await asyncio.sleep(0.1)
+        if self.mode == "stream_slowly":
+            await self.release.wait()
         if self.mode == "reset_after_headers":
             _reset(request)
             await asyncio.sleep(60)
@@ -168,8 +172,9 @@ async def test_a_response_that_began_is_never_retried(pair: Pair) -> None:
 async def test_a_draining_replica_finishes_its_stream_and_gets_no_new_request(
     pair: Pair,
 ) -> None:
-    """A's `/health` turns 503 while it streams (2 s): within Envoy's probe interval (1 s)
-    it is out, its stream still ends with `[DONE]`, and the next requests all go to B."""
+    """A's `/health` turns 503 while it streams (held open until the test releases it):
+    within Envoy's probe interval (1 s) it is out, the next requests all go to B, and its
+    stream still ends with `[DONE]`."""
     loop = asyncio.get_running_loop()
     async with aiohttp.ClientSession() as s:
         while not pair.a.seen:  # a stream in flight on A
@@ -183,6 +188,7 @@ async def test_a_draining_replica_finishes_its_stream_and_gets_no_new_request(
         assert loop.time() - drained_at < 1.5
         assert not in_flight.done()
         after = [await _post(s, pair.envoy.url) for _ in range(10)]
+        pair.a.release.set()
         status, body, _ = await in_flight
     assert status == 200 and body.endswith("data: a 19\n\ndata: [DONE]\n\n")
     assert len(pair.a.seen) == 1
