@@ -1,12 +1,15 @@
 """The engine-neutral page/state mover: a paged KV pool's pages and state slots to transport
 messages and back, shared by every engine's hand-off (reference, vLLM, SGLang).
 
-Torch-free: an engine adapter describes its memory as numpy views (`PagedPool`; torch
-tensors through `torch_views.as_numpy`), or implements the `PagePool` interface itself
-when its pages live in device memory (the SGLang plugin does), and this package does the rest:
+An engine adapter describes its memory as views, and this package does the rest: numpy
+views of host memory (`PagedPool`, torch-free), or torch views on any device
+(`torch_pool.TorchPagePool`, the device-aware mover: side-stream copies into a bounded
+pinned budget, placement on its own stream, completion fences; import it from its module,
+it needs torch):
 
     pool = PagedPool(pages={3: {"k": k3, "v": v3}}, states={0: {"conv": c0, "ssm": s0}})
     stream = PageStream(send_handle)                 # prefill, one per request
+    # (device pools: PageStream(send_handle, queue) with one SendQueue per worker)
     stream.send_pages(pool, 3, block_ids=[7, 2], first_page=0)   # right after layer 3
     stream.send_state(pool, 0, slot=5)               # once the state is final
     stream.send_meta({"first_token": 17, "num_tokens": 20}); stream.finish()
@@ -15,6 +18,7 @@ when its pages live in device memory (the SGLang plugin does), and this package 
     async for item in transfer:                      # prfaas.engines.transport.Transfer
         placer.place(item)
     placer.check_complete(num_tokens=20)
+    pool.fence().ready()                             # device pools: pages in place yet?
 
 The wire conventions (logical page ranges, part numbering, meta) are in `wire.py`.
 """
@@ -22,8 +26,10 @@ The wire conventions (logical page ranges, part numbering, meta) are in `wire.py
 from __future__ import annotations
 
 from prfaas.engines.kv_pages.errors import PageError
+from prfaas.engines.kv_pages.host_copy import Fence, HostCopy
 from prfaas.engines.kv_pages.placer import PagePlacer
 from prfaas.engines.kv_pages.pool import PagedPool, PagePool
+from prfaas.engines.kv_pages.send_queue import SendQueue
 from prfaas.engines.kv_pages.stream import LayerSink, PageStream
 from prfaas.engines.kv_pages.wire import (
     LAYER_PART_STRIDE,
@@ -37,12 +43,15 @@ from prfaas.engines.kv_pages.wire import (
 __all__ = [
     "LAYER_PART_STRIDE",
     "META",
+    "Fence",
+    "HostCopy",
     "LayerSink",
     "PageError",
     "PagePlacer",
     "PagePool",
     "PageStream",
     "PagedPool",
+    "SendQueue",
     "decode_meta",
     "encode_meta",
     "model_layer",

@@ -23,13 +23,16 @@ from typing import Protocol
 import numpy as np
 
 from prfaas.engines.kv_pages.errors import PageError
+from prfaas.engines.kv_pages.host_copy import HostCopy
 
 Arrays = Mapping[str, np.ndarray]
 
 
 class PagePool(Protocol):
-    """What the mover needs from a pool: reads return host (numpy) copies, writes take host
-    arrays, both in the wire layout of `wire.py` (see `PagedPool` for the semantics)."""
+    """What the mover needs from a pool: reads return host (numpy) copies, complete when
+    their `HostCopy` is ready; writes take host arrays; both in the wire layout of `wire.py`
+    (see `PagedPool` for the semantics). `PagedPool` (host memory) and `TorchPagePool`
+    (torch views on any device) implement it."""
 
     @property
     def page_size(self) -> int: ...
@@ -44,7 +47,7 @@ class PagePool(Protocol):
         """The linear-attention (state slot) layers."""
         ...
 
-    def gather(self, layer: int, block_ids: Sequence[int]) -> dict[str, np.ndarray]: ...
+    def gather(self, layer: int, block_ids: Sequence[int]) -> HostCopy: ...
 
     def scatter(
         self,
@@ -56,7 +59,7 @@ class PagePool(Protocol):
         skip: int = 0,
     ) -> int: ...
 
-    def read_state(self, layer: int, slot: int) -> dict[str, np.ndarray]: ...
+    def read_state(self, layer: int, slot: int) -> HostCopy: ...
 
     def write_state(self, layer: int, slot: int, arrays: Arrays) -> None: ...
 
@@ -97,10 +100,10 @@ class PagedPool:
                 return int(array.shape[1])
         return 0
 
-    def gather(self, layer: int, block_ids: Sequence[int]) -> dict[str, np.ndarray]:
+    def gather(self, layer: int, block_ids: Sequence[int]) -> HostCopy:
         """A copy of `layer`'s pages `block_ids`, each component `(n, page_size, *token)`."""
         ids = np.asarray(block_ids, dtype=np.int64)
-        return {name: array[ids] for name, array in self._layer_pages(layer).items()}
+        return HostCopy({name: array[ids] for name, array in self._layer_pages(layer).items()})
 
     def scatter(
         self,
@@ -139,9 +142,10 @@ class PagedPool:
             dest[name][ids, positions % size] = tokens[positions - first_token]
         return end
 
-    def read_state(self, layer: int, slot: int) -> dict[str, np.ndarray]:
+    def read_state(self, layer: int, slot: int) -> HostCopy:
         """A copy of `layer`'s state components in `slot`."""
-        return {name: array[slot].copy() for name, array in self._layer_states(layer).items()}
+        states = self._layer_states(layer)
+        return HostCopy({name: array[slot].copy() for name, array in states.items()})
 
     def write_state(self, layer: int, slot: int, arrays: Arrays) -> None:
         """Write a state received for `layer` into `slot`.

@@ -2,18 +2,22 @@
 
 It wraps any `LayerSink` (the transport's `SendHandle` is one) and numbers the pieces of a
 layer sent more than once (see `wire.py`). Thread-safe like the sink: call it from inside the
-forward pass, right after a layer wrote its KV.
+forward pass, right after a layer wrote its KV. Without a queue each message goes to the
+sink at once (the pool's copy is waited for); with a `SendQueue` (device pools) messages go
+from the queue's thread, in order, each once its copy has finished.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
+from prfaas.engines.kv_pages.host_copy import HostCopy
 from prfaas.engines.kv_pages.pool import PagePool
+from prfaas.engines.kv_pages.send_queue import SendQueue
 from prfaas.engines.kv_pages.wire import META, encode_meta, wire_layer
 from prfaas.engines.transport import Kind
 
@@ -40,8 +44,9 @@ class LayerSink(Protocol):
 class PageStream:
     """One request's outgoing pages, states and meta over a `LayerSink`."""
 
-    def __init__(self, sink: LayerSink) -> None:
+    def __init__(self, sink: LayerSink, queue: SendQueue | None = None) -> None:
         self.sink = sink
+        self.queue = queue
         self._parts: dict[int, int] = {}
         self._lock = threading.Lock()
 
@@ -54,11 +59,11 @@ class PageStream:
         """
         if block_ids:
             blocks = (first_page, first_page + len(block_ids))
-            self.send_arrays(layer, Kind.FULL_KV, pool.gather(layer, block_ids), blocks=blocks)
+            self.send_copy(layer, Kind.FULL_KV, pool.gather(layer, block_ids), blocks=blocks)
 
     def send_state(self, pool: PagePool, layer: int, slot: int) -> None:
         """Ship `layer`'s final state from `slot` (a copy)."""
-        self.send_arrays(layer, Kind.LINEAR_STATE, pool.read_state(layer, slot))
+        self.send_copy(layer, Kind.LINEAR_STATE, pool.read_state(layer, slot))
 
     def send_arrays(
         self,
@@ -69,25 +74,39 @@ class PageStream:
         blocks: tuple[int, int] | None = None,
     ) -> None:
         """Ship arrays already in wire form (see `wire.py`); do not modify them afterwards."""
+        self.send_copy(layer, kind, HostCopy(arrays), blocks=blocks)
+
+    def send_copy(
+        self, layer: int, kind: Kind, copy: HostCopy, *, blocks: tuple[int, int] | None = None
+    ) -> None:
+        """Ship a pool's copy once it has finished (see `send_arrays`)."""
         with self._lock:
             part = self._parts.get(layer, 0)
             self._parts[layer] = part + 1
-        self.sink.send_layer(wire_layer(layer, part), kind, arrays, blocks=blocks)
+        wire = wire_layer(layer, part)
+        self._run(copy, lambda: self.sink.send_layer(wire, kind, copy.arrays(), blocks=blocks))
 
     def send_aux(self, name: str, payload: bytes) -> None:
         """Named engine-specific bytes (e.g. SGLang's metadata buffers), in send order."""
         if name == META:
             raise ValueError(f"aux name {META!r} is reserved for send_meta")
-        self.sink.send_aux(name, payload)
+        self._run(None, lambda: self.sink.send_aux(name, payload))
 
     def send_meta(self, meta: Mapping[str, Any]) -> None:
         """The request's metadata (send it last, before `finish`)."""
-        self.sink.send_aux(META, encode_meta(meta))
+        payload = encode_meta(meta)
+        self._run(None, lambda: self.sink.send_aux(META, payload))
 
     def finish(self) -> None:
         """No more messages."""
-        self.sink.finish()
+        self._run(None, self.sink.finish)
 
     def abort(self, reason: str) -> None:
         """Give up; the decode side's transfer fails with `reason`."""
-        self.sink.abort(reason)
+        self._run(None, lambda: self.sink.abort(reason))
+
+    def _run(self, copy: HostCopy | None, send: Callable[[], None]) -> None:
+        if self.queue is None:
+            send()
+        else:
+            self.queue.put(copy, send)

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from prfaas.engines.kv_pages import PageError
+from prfaas.engines.kv_pages import HostCopy, PageError
 
 Arrays = Mapping[str, np.ndarray]
 MAMBA = "mamba"  # StateType.MAMBA's value: the only state kind this backend moves
@@ -145,12 +145,11 @@ class SGLangPool:
 
     # -- PagePool ----------------------------------------------------------------------
 
-    def gather(
-        self, layer: int, block_ids: Sequence[int] | np.ndarray | torch.Tensor
-    ) -> dict[str, np.ndarray]:
+    def gather(self, layer: int, block_ids: Sequence[int] | np.ndarray | torch.Tensor) -> HostCopy:
         """Host copies of `layer`'s pages `block_ids`, each `(n, page_size, token_bytes)`."""
         ids = self._index(block_ids)
-        return {name: to_host(view[ids]) for name, view in self._layer(self.pages, layer).items()}
+        views = self._layer(self.pages, layer)
+        return HostCopy({name: to_host(view[ids]) for name, view in views.items()})
 
     def scatter(
         self,
@@ -187,8 +186,9 @@ class SGLangPool:
             dest[name][pages, offsets] = rows.to(self.device)
         return end
 
-    def read_state(self, layer: int, slot: int) -> dict[str, np.ndarray]:
-        return {name: to_host(view[slot]) for name, view in self._layer(self.states, layer).items()}
+    def read_state(self, layer: int, slot: int) -> HostCopy:
+        views = self._layer(self.states, layer)
+        return HostCopy({name: to_host(view[slot]) for name, view in views.items()})
 
     def write_state(self, layer: int, slot: int, arrays: Arrays) -> None:
         dest = self._layer(self.states, layer)

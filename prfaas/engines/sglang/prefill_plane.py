@@ -147,7 +147,7 @@ class PrefillPlane:
         chosen = ids[start - first : end - first]
 
         def work() -> None:
-            arrays = self.pool.gather(layer, chosen)
+            arrays = self.pool.gather(layer, chosen).arrays()
             state.stream.send_arrays(layer, Kind.FULL_KV, arrays, blocks=(start, end))
 
         self.shipper.submit(work)

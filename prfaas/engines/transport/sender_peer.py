@@ -186,6 +186,7 @@ class SenderPeer:
                 if conn.closed:
                     return
                 nbytes = write_frame(conn.writer, frame)
+                del frame, item  # while the next frame is awaited: only `_unacked` holds it
                 conn.bytes_sent += nbytes
                 self._meter.add(self._loop.time(), nbytes)
                 await conn.writer.drain()

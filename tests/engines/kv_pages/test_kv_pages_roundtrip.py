@@ -143,11 +143,13 @@ async def test_missing_layer_is_reported_incomplete() -> None:
     src = vllm_like_pool(rng, pages=8, page=4, slots=2)
     dst = vllm_like_pool(rng, pages=8, page=4, slots=2)
     placer = PagePlacer(dst, {3: [5, 6], 7: [5, 6]}, dict.fromkeys(LINEAR_LAYERS, 0))
-    arrays = LayerArrays(src.gather(3, [0, 1]), (0, 2))
+    arrays = LayerArrays(src.gather(3, [0, 1]).arrays(), (0, 2))
     placer.place(LayerItem(wire_layer(3, 0), Kind.FULL_KV, arrays))
     for layer in LINEAR_LAYERS:
         placer.place(
-            LayerItem(layer, Kind.LINEAR_STATE, LayerArrays(src.read_state(layer, 1), None))
+            LayerItem(
+                layer, Kind.LINEAR_STATE, LayerArrays(src.read_state(layer, 1).arrays(), None)
+            )
         )
     assert placer.tokens(3) == 8
     with pytest.raises(PageError, match="layer 7: 0 tokens arrived, 8 expected"):
@@ -195,7 +197,7 @@ def test_local_prefix_hit_is_not_overwritten() -> None:
     dst = sglang_like_pool(rng, tokens=32, page=4, slots=1)
     held = {n: dst.pages[3][n][2].copy() for n in "kv"}  # the decode's cached first page
     placer = PagePlacer(dst, {3: [2, 5]}, {}, skip_tokens=4)
-    placer.place(LayerItem(3, Kind.FULL_KV, LayerArrays(src.gather(3, [6, 1]), (0, 2))))
+    placer.place(LayerItem(3, Kind.FULL_KV, LayerArrays(src.gather(3, [6, 1]).arrays(), (0, 2))))
     assert placer.tokens(3) == 8 and placer.tokens(7) == 4
     for n in "kv":
         assert np.array_equal(dst.pages[3][n][2], held[n])

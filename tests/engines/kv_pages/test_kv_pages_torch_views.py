@@ -21,6 +21,6 @@ def test_bf16_strided_view_shares_memory_with_the_tensor() -> None:
     want = torch.from_numpy(page[0].astype(np.int32)).to(torch.int16).view(torch.bfloat16)
     assert torch.equal(cache[0, 0].transpose(0, 1).view(torch.int16), want.view(torch.int16))
     assert (
-        pool.gather(0, [2])["k"].tobytes()
+        pool.gather(0, [2]).arrays()["k"].tobytes()
         == cache[0, 2].transpose(0, 1).contiguous().view(torch.uint16).numpy().tobytes()
     )

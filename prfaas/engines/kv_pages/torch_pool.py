@@ -1,0 +1,290 @@
+"""`TorchPagePool`: the device-aware page mover. A `PagePool` over torch views of an engine's
+KV memory, on a GPU or on the CPU, shared by the vLLM connector and the SGLang plugin.
+
+The views follow `PagedPool`'s convention: for every full-attention layer, each component
+as `(num_pages, page_size, *token_shape)` (a strided view of the engine's memory, no copy;
+an engine whose pages are opaque bytes, e.g. vLLM's, gives `(num_pages, page_size,
+page_bytes // page_size)` uint8 rows); for every linear-attention (Mamba) layer, each state
+component as `(num_slots, *state_shape)`. bfloat16 travels as uint16 and fp8 as uint8
+(their bits unchanged).
+
+On a GPU (prefill): `gather` and `read_state` record an event on the caller's current
+stream (the forward pass, which has only enqueued the layer's KV write when its hook runs)
+and copy on a low-priority side stream into pinned host memory from a `HostBudget`, so the
+forward never waits for a copy unless the budget is spent (a link slower than the prefill
+holds back the forward instead of growing host memory without bound). The returned
+`HostCopy` is ready once the copy finished; `reads_done()` waits for every copy enqueued
+so far (before the engine may free or reuse the blocks).
+On a GPU (decode): `scatter` and `write_state` stage received host arrays in pinned memory
+and copy them in on the pool's own placing stream; `fence()` marks everything enqueued so
+far, so a request is reported complete only once its pages are in place.
+On the CPU the same code runs without streams: every copy is complete when it returns.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import numpy as np
+import torch
+
+from prfaas.engines.kv_pages.errors import PageError
+from prfaas.engines.kv_pages.host_copy import Fence, HostCopy
+from prfaas.engines.kv_pages.staging import DEFAULT_BUDGET_BYTES, HostBudget
+
+Tensors = Mapping[str, torch.Tensor]
+
+_MOVABLE = {
+    torch.bfloat16: torch.int16,
+    torch.float8_e4m3fn: torch.uint8,
+    torch.float8_e5m2: torch.uint8,
+}
+"""dtypes numpy cannot hold, moved as an integer view of the same width."""
+_WIRE = {torch.bfloat16: np.dtype(np.uint16)}
+"""The wire dtype where it differs from the movable view's (bfloat16 travels as uint16)."""
+
+
+class TorchPagePool:
+    """Page and state-slot views of one engine's KV memory (see the module docstring)."""
+
+    def __init__(
+        self,
+        pages: Mapping[int, Tensors],
+        states: Mapping[int, Tensors] | None = None,
+        *,
+        send_budget_bytes: int = DEFAULT_BUDGET_BYTES,
+    ) -> None:
+        states = states or {}
+        every = (*pages.values(), *states.values())
+        devices = {t.device for comps in every for t in comps.values()}
+        if len(devices) > 1:
+            raise ValueError(f"every view must live on one device, got {sorted(map(str, devices))}")
+        self.device = devices.pop() if devices else torch.device("cpu")
+        self._wire = {
+            (layer, name): _WIRE.get(t.dtype)
+            for comps in (pages, states)
+            for layer, tensors in comps.items()
+            for name, t in tensors.items()
+        }
+        self.pages = {layer: _movable(f"pages[{layer}]", c, 2) for layer, c in pages.items()}
+        self.states = {layer: _movable(f"states[{layer}]", c, 1) for layer, c in states.items()}
+        sizes = {t.shape[1] for comps in self.pages.values() for t in comps.values()}
+        if len(sizes) > 1:
+            raise ValueError(f"every page component must share one page size, got {sorted(sizes)}")
+        cuda = self.device.type == "cuda"
+        self.budget = HostBudget(send_budget_bytes, pinned=cuda)
+        self._read_stream: Any = _stream(self.device) if cuda else None
+        self._place_stream: Any = _stream(self.device) if cuda else None
+        self._place_lock = threading.Lock()
+
+    # -- PagePool --------------------------------------------------------------------------
+
+    @property
+    def page_layers(self) -> Collection[int]:
+        return self.pages.keys()
+
+    @property
+    def state_layers(self) -> Collection[int]:
+        return self.states.keys()
+
+    @property
+    def page_size(self) -> int:
+        for comps in self.pages.values():
+            for tensor in comps.values():
+                return int(tensor.shape[1])
+        return 0
+
+    def gather(self, layer: int, block_ids: Sequence[int]) -> HostCopy:
+        """A host copy of `layer`'s pages `block_ids`, each component `(n, page_size, *token)`."""
+        comps = self._layer(self.pages, "paged (full-attention)", layer)
+        ids = torch.tensor(list(block_ids), dtype=torch.long)
+        return self._read(layer, comps, ids, one=False)
+
+    def read_state(self, layer: int, slot: int) -> HostCopy:
+        """A host copy of `layer`'s state components in `slot`."""
+        comps = self._layer(self.states, "state (linear-attention)", layer)
+        return self._read(layer, comps, torch.tensor([slot], dtype=torch.long), one=True)
+
+    def scatter(
+        self,
+        layer: int,
+        arrays: Mapping[str, np.ndarray],
+        first_token: int,
+        block_ids: Sequence[int],
+        *,
+        skip: int = 0,
+    ) -> int:
+        """Write token-ordered pages into this pool (as `PagedPool.scatter`); returns the
+        end of the tokens covered. The write is enqueued: see `fence()`."""
+        dest = self._layer(self.pages, "paged (full-attention)", layer)
+        if set(arrays) != set(dest):
+            raise PageError(
+                f"layer {layer}: got components {sorted(arrays)}, pool has {sorted(dest)}"
+            )
+        for name, src in arrays.items():
+            _check_fits(f"layer {layer} {name!r}", src, dest[name], self._wire_dtype(layer, name))
+        size = self.page_size
+        capacity = len(block_ids) * size
+        end = first_token
+        with self._placing():
+            for name, src in arrays.items():
+                tokens = src.reshape(-1, *src.shape[2:])  # (n * sender_page_size, *token)
+                end = max(first_token, min(first_token + len(tokens), capacity))
+                positions = np.arange(max(first_token, skip), end)
+                if not len(positions):
+                    continue
+                ids = np.asarray(block_ids, dtype=np.int64)[positions // size]
+                values = self._stage(np.take(tokens, positions - first_token, axis=0), dest[name])
+                index = (self._index(ids), self._index(positions % size))
+                dest[name].index_put_(index, values)
+        return end
+
+    def write_state(self, layer: int, slot: int, arrays: Mapping[str, np.ndarray]) -> None:
+        """Write a state received for `layer` into `slot` (enqueued: see `fence()`)."""
+        dest = self._layer(self.states, "state (linear-attention)", layer)
+        if set(arrays) != set(dest):
+            raise PageError(f"layer {layer}: got states {sorted(arrays)}, pool has {sorted(dest)}")
+        for name, src in arrays.items():
+            target = dest[name]
+            wire = self._wire_dtype(layer, name)
+            if src.shape != tuple(target.shape[1:]) or src.dtype != wire:
+                raise PageError(
+                    f"layer {layer} state {name!r}: {src.dtype}{list(src.shape)} does not match "
+                    f"the pool's {wire}{list(target.shape[1:])}"
+                )
+        with self._placing():
+            for name, src in arrays.items():
+                dest[name][slot].copy_(self._stage(src, dest[name]), non_blocking=True)
+
+    # -- completion --------------------------------------------------------------------------
+
+    def fence(self) -> Fence:
+        """Marks every write enqueued so far: ready once they are all in the engine's memory."""
+        if self._place_stream is None:
+            return Fence()
+        event = _event()
+        event.record(self._place_stream)
+        return Fence(event)
+
+    def reads_done(self) -> None:
+        """Wait until every copy out of the engine's memory enqueued so far has finished."""
+        if self._read_stream is not None:
+            self._read_stream.synchronize()
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _read(self, layer: int, comps: Tensors, ids: torch.Tensor, *, one: bool) -> HostCopy:
+        """Rows `ids` of every component into host buffers from the budget (`one`: a single
+        row, handed out without its leading axis)."""
+        out: dict[str, np.ndarray] = {}
+        if self._read_stream is None:
+            for name, view in comps.items():
+                host, root = self.budget.take((len(ids), *view.shape[1:]), view.dtype)
+                torch.index_select(view, 0, ids, out=host)
+                out[name] = self._to_wire(layer, name, root, one)
+            return HostCopy(out)
+        forward = torch.cuda.current_stream(self.device)
+        written = _event()
+        written.record(forward)
+        with torch.cuda.stream(self._read_stream):
+            self._read_stream.wait_event(written)
+            on_device = ids.to(self.device, non_blocking=True)
+            for name, view in comps.items():
+                picked = view.index_select(0, on_device)
+                host, root = self.budget.take(tuple(picked.shape), picked.dtype)
+                host.copy_(picked, non_blocking=True)
+                out[name] = self._to_wire(layer, name, root, one)
+            copied = _event()
+            copied.record(self._read_stream)
+        return HostCopy(out, Fence(copied))
+
+    @contextmanager
+    def _placing(self) -> Iterator[None]:
+        """Writes from any thread, one at a time, on the placing stream (none on the CPU)."""
+        stream = self._place_stream
+        with self._place_lock, torch.cuda.stream(stream) if stream is not None else nullcontext():
+            yield
+
+    def _stage(self, src: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+        """Host `src` as a tensor of `like`'s dtype on `like`'s device (through pinned
+        memory, copied on the current stream, on a GPU)."""
+        host = torch.from_numpy(np.ascontiguousarray(src).view(_numpy_dtype(like.dtype)))
+        if self._place_stream is None:
+            return host
+        pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+        pinned.copy_(host)
+        return pinned.to(self.device, non_blocking=True)
+
+    def _index(self, values: np.ndarray) -> torch.Tensor:
+        index = torch.from_numpy(values)
+        return index if self._place_stream is None else index.to(self.device, non_blocking=True)
+
+    def _wire_dtype(self, layer: int, name: str) -> np.dtype[Any]:
+        wire = self._wire.get((layer, name))
+        if wire is not None:
+            return wire
+        comps = self.pages.get(layer) or self.states[layer]
+        dtype: np.dtype[Any] = np.dtype(_numpy_dtype(comps[name].dtype))
+        return dtype
+
+    def _to_wire(self, layer: int, name: str, root: np.ndarray, one: bool) -> np.ndarray:
+        """A view of a budget buffer's `root` in wire form (a view: the budget holds the
+        bytes while it lives)."""
+        wire = self._wire.get((layer, name))
+        array = root if wire is None else root.view(wire)
+        return array[0] if one else array
+
+    @staticmethod
+    def _layer(where: Mapping[int, Tensors], what: str, layer: int) -> Tensors:
+        comps = where.get(layer)
+        if comps is None:
+            raise PageError(f"layer {layer} is not a {what} layer of this pool")
+        return comps
+
+
+def _stream(device: torch.device) -> Any:
+    """A CUDA stream of the lowest priority (copies yield to the forward's kernels)."""
+    return torch.cuda.Stream(device, priority=0)  # type: ignore[no-untyped-call]
+
+
+def _event() -> Any:
+    return torch.cuda.Event()  # type: ignore[no-untyped-call]
+
+
+def _movable(what: str, comps: Tensors, min_ndim: int) -> dict[str, torch.Tensor]:
+    """`comps` as views torch can index and numpy can hold (bfloat16 and fp8 as integers)."""
+    if not comps:
+        raise ValueError(f"{what} has no components")
+    out = {}
+    for name, tensor in comps.items():
+        if not isinstance(tensor, torch.Tensor) or tensor.ndim < min_ndim:
+            raise ValueError(
+                f"{what}[{name!r}] must be a torch tensor with >= {min_ndim} dims, got "
+                f"{type(tensor).__name__} {getattr(tensor, 'shape', None)}"
+            )
+        out[name] = tensor.view(_MOVABLE[tensor.dtype]) if tensor.dtype in _MOVABLE else tensor
+        _numpy_dtype(out[name].dtype)  # raises for a dtype the wire cannot carry
+    if len({t.shape[0] for t in out.values()}) != 1:
+        raise ValueError(f"{what} components disagree on their count")
+    return out
+
+
+def _numpy_dtype(dtype: torch.dtype) -> Any:
+    try:
+        return torch.empty((), dtype=dtype).numpy().dtype
+    except TypeError as exc:
+        raise ValueError(f"dtype {dtype} cannot travel") from exc
+
+
+def _check_fits(what: str, src: np.ndarray, target: torch.Tensor, wire: np.dtype[Any]) -> None:
+    """Received pages `(n, page, *token)` must match the pool's token shape and dtype."""
+    if src.ndim != target.ndim or tuple(src.shape[2:]) != tuple(target.shape[2:]):
+        raise PageError(
+            f"{what}: token shape {tuple(src.shape[2:])} does not match the pool's "
+            f"{tuple(target.shape[2:])}"
+        )
+    if src.dtype != wire:
+        raise PageError(f"{what}: dtype {src.dtype} is not {wire}")
