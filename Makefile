@@ -94,8 +94,8 @@ $(OPENSSL):
 test: $(STAMP) $(CHROMIUM) $(OPENSSL) $(VLLM_STAMP) $(VLLM_MODEL)/config.json $(SGLANG_STAMP)
 	PRFAAS_CHROMIUM=$(CHROMIUM) PRFAAS_OPENSSL=$(OPENSSL) $(BIN)/python -m pytest
 	$(SGLANG_BIN)/python -m pytest tests/engines/sglang
-	$(BIN)/ruff check prfaas tests benchmarks deploy
-	$(BIN)/ruff format --check prfaas tests benchmarks deploy
+	$(BIN)/ruff check prfaas tests benchmarks deploy scripts
+	$(BIN)/ruff format --check prfaas tests benchmarks deploy scripts
 	$(BIN)/mypy
 
 # The SGLang plugin's tests alone (about a minute).
@@ -103,7 +103,7 @@ test-sglang: $(SGLANG_STAMP)
 	$(SGLANG_BIN)/python -m pytest tests/engines/sglang
 
 lint: $(STAMP)
-	$(BIN)/ruff check prfaas tests benchmarks deploy
+	$(BIN)/ruff check prfaas tests benchmarks deploy scripts
 	$(BIN)/mypy
 
 # Every benchmark, one after the other (about 15 minutes); JSON lands in results/.
