@@ -162,14 +162,20 @@ class VLLMClient(BaseEngineClient):
         endpoint: VLLMEndpoint,
         session: aiohttp.ClientSession,
         config: SGLangClientConfig | None = None,
+        token: str | None = None,
     ) -> None:
+        """`token`: the deployment's control token, sent as `Authorization: Bearer` on every
+        call (the server's `auth.ControlTokenMiddleware` checks it)."""
         self.instance_id, self.endpoint = instance_id, endpoint
+        self._auth = {"Authorization": f"Bearer {token}"} if token else {}
         self.base_url = endpoint.base_url.rstrip("/")
         url = URL(self.base_url)
         if url.scheme not in ("http", "https") or url.host is None or url.port is None:
             raise ValueError(f"engine URL must be http(s)://host[:port], got {self.base_url!r}")
         self._root = url.path.rstrip("/")
-        self._pool = ConnectionPool(url.host, url.port, tls=url.scheme == "https")
+        self._pool = ConnectionPool(
+            url.host, url.port, tls=url.scheme == "https", headers=self._auth
+        )
         self._session = session
         self._config = config or SGLangClientConfig()
 
@@ -184,7 +190,7 @@ class VLLMClient(BaseEngineClient):
     async def _get(self, path: str) -> bytes:
         try:
             async with self._session.get(
-                f"{self.base_url}{path}", timeout=self._config.control_timeout()
+                f"{self.base_url}{path}", headers=self._auth, timeout=self._config.control_timeout()
             ) as resp:
                 raw = await resp.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
@@ -205,7 +211,7 @@ class VLLMClient(BaseEngineClient):
                 method,
                 f"{self.base_url}{path}",
                 data=body or None,
-                headers={"Content-Type": "application/json"} if body else None,
+                headers={**self._auth, **({"Content-Type": "application/json"} if body else {})},
                 timeout=self._config.control_timeout(),
             ) as resp:
                 return resp.status, await resp.read()

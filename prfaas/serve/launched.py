@@ -62,9 +62,9 @@ def _start(
     launch: LaunchConfig, config: DeploymentConfig, log_dir: Path, secret: DeploymentSecret
 ) -> Coroutine[Any, Any, EngineProcess]:
     """The start of one `[[launch]]` engine, by its engine kind."""
-    if launch.engine == "vllm":
-        return start_vllm(launch, config.model.name, log_dir)
     env = {ENV_SECRET: secret.hex()}
+    if launch.engine == "vllm":
+        return start_vllm(launch, config.model.name, log_dir, env)
     return start_engine(_spec(launch, config.model.block_size), log_dir, env=env)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import aiohttp
@@ -24,9 +25,10 @@ def vllm_server(
     bootstrap_port: int,
     events_port: int,
     replay_port: int | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> VLLMServer:
     """The server a `[[launch]]` entry describes (prefill roles pace their egress as set;
-    `replay_port`: where its KV events' replay is served).
+    `replay_port`: where its KV events' replay is served; `env`: added to its environment).
 
     Raises:
         RuntimeError: the vLLM environment's interpreter does not exist.
@@ -50,17 +52,21 @@ def vllm_server(
         kv_replay_port=replay_port,
         threads=launch.threads,
         extra_args=launch.vllm_args,
+        environment=dict(env or {}),
     )
 
 
-async def start_vllm(launch: LaunchConfig, served_name: str, log_dir: Path) -> EngineProcess:
-    """Start one vLLM server and wait until it answers `/health`.
+async def start_vllm(
+    launch: LaunchConfig, served_name: str, log_dir: Path, env: dict[str, str] | None = None
+) -> EngineProcess:
+    """Start one vLLM server and wait until it answers `/health`; `env` adds to its
+    environment (the deployment secret: never on its command line).
 
     Raises:
         RuntimeError: it exited or was not ready within START_TIMEOUT_S (names its log).
     """
     events, bootstrap, replay = free_port(), free_port(), free_port()
-    server = vllm_server(launch, served_name, bootstrap, events, replay)
+    server = vllm_server(launch, served_name, bootstrap, events, replay, env or {})
     log = log_dir / f"{launch.id}.log"
     with log.open("wb") as out:
         process = await asyncio.create_subprocess_exec(

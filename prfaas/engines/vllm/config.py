@@ -55,9 +55,11 @@ class ConnectorConfig:
             raise ValueError(f"unknown PrfaasConnector settings {unknown}; known: {sorted(known)}")
         return cls(**extra)
 
-    def sender(self) -> SenderConfig:
+    def sender(self, auth_key: bytes = b"") -> SenderConfig:
+        """The KV sender's settings; `auth_key`: the handshake's key (`transport_key()`)."""
         rate = self.egress_rate_mbps * MBPS if self.egress_rate_mbps else None
         return SenderConfig(
+            auth_key=auth_key,
             host=self.bootstrap_host,
             port=self.bootstrap_port,
             connections=self.connections,
@@ -66,5 +68,5 @@ class ConnectorConfig:
             delay_s=self.egress_delay_ms / 1000,
         )
 
-    def receiver(self) -> ReceiverConfig:
-        return ReceiverConfig()
+    def receiver(self, auth_key: bytes = b"") -> ReceiverConfig:
+        return ReceiverConfig(auth_key=auth_key)

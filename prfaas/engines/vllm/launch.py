@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 CONNECTOR_MODULE = "prfaas.engines.vllm.connector"
+AUTH_MIDDLEWARE = "prfaas.engines.vllm.auth.ControlTokenMiddleware"
+"""Every route but `/health` needs the deployment's control token (`auth.py`)."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,9 @@ class VLLMServer:
     extra_args: tuple[str, ...] = ()
     """More `vllm serve` flags, e.g. `--enable-auto-tool-choice --tool-call-parser hermes`
     (the tool-call parser the engine's OpenAI server answers `tools` with)."""
+    environment: Mapping[str, str] = field(default_factory=dict, repr=False)
+    """Added to the server's environment: the deployment secret (`PRFAAS_SECRET`) goes
+    here, never on the command line (which `ps` shows to every user)."""
 
     def command(self) -> list[str]:
         args = [
@@ -58,6 +63,7 @@ class VLLMServer:
             "--distributed-executor-backend", "uni",
             "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
             "--enable-prefix-caching", "--enable-prompt-tokens-details",
+            "--middleware", AUTH_MIDDLEWARE,
         ]  # fmt: skip
         if self.max_batched_tokens is not None:
             args += ["--max-num-batched-tokens", str(self.max_batched_tokens)]
@@ -102,6 +108,7 @@ class VLLMServer:
             VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "WARNING"),
             TOKENIZERS_PARALLELISM="false",
         )
+        env.update(self.environment)
         return env
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from prfaas.engines.kv_pages import PagedPool, PageError, PagePlacer, PageStream, decode_meta
 from prfaas.engines.kv_pages.wire import META, model_layer
 from prfaas.engines.transport import Transfer, TransferError
+from prfaas.engines.vllm.auth import transport_key
 from prfaas.engines.vllm.config import ConnectorConfig
 from prfaas.engines.vllm.layout import GroupLayout
 from prfaas.engines.vllm.metadata import PrfaasMetadata, RecvStart, SendStep
@@ -70,7 +71,8 @@ class WorkerSide:
 
     def __init__(self, config: ConnectorConfig, pool: PagedPool, groups: GroupLayout) -> None:
         self.config, self.pool, self.groups = config, pool, groups
-        self.transport = TransportThread(config.sender(), config.receiver())
+        key = transport_key()
+        self.transport = TransportThread(config.sender(key), config.receiver(key))
         self.trace = TransferTrace(config.trace_path)
         paged = [groups.block_size[groups.group_of[layer]] for layer in pool.pages]
         self._page_size = paged[0] if paged else 1

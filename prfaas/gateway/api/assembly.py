@@ -250,14 +250,14 @@ def _client(
     g: GatewayConfig,
     token: str | None,
 ) -> BaseEngineClient:
-    """The engine client of an instance, by its engine kind (reference engines and SGLang
-    servers get the deployment's control token)."""
+    """The engine client of an instance, by its engine kind (each gets the deployment's
+    control token)."""
     if cfg.engine == "vllm":
         host = cfg.bootstrap_address if cfg.role != "decode" else None
         endpoint = VLLMEndpoint(
             cfg.url, cfg.role, model.name, host, cfg.bootstrap_port, model.block_size
         )
-        return VLLMClient(cfg.id, endpoint, session, _client_config(g))
+        return VLLMClient(cfg.id, endpoint, session, _client_config(g), token)
     return SGLangClient(cfg.id, cfg.url, session, _client_config(g), token,
                         sglang_server=cfg.engine == "sglang")  # fmt: skip
 
