@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -39,6 +37,7 @@ from prfaas.engine_clients.base import (
     Role,
     call_failure,
 )
+from prfaas.engine_clients.control import ROLES, ControlPlane, error_code
 from prfaas.engine_clients.openai_relay import OpenAICall, usage_asked, with_usage
 from prfaas.http.client import ConnectionPool, HttpCall, post
 from prfaas.protocol.errors import invalid
@@ -48,21 +47,6 @@ from prfaas.protocol.openai_request import HARMLESS_FIELDS
 
 logger = logging.getLogger(__name__)
 STATS_PATHS = ("/stats", "/get_load")
-JSON_HEADERS = {"Content-Type": "application/json"}
-_ROLES: dict[str, Role] = {
-    "prefill": "prefill", "decode": "decode", "null": "both", "both": "both"
-}  # fmt: skip
-_SAFE_CODE = re.compile(r"[a-z_]{1,40}")
-
-
-def _error_code(body: bytes, default: str) -> str:
-    """The `error.code` of an OpenAI-style error body when it is a short identifier (safe to
-    show a client), else `default`."""
-    try:
-        code = orjson.loads(body)["error"]["code"]
-    except (orjson.JSONDecodeError, KeyError, TypeError):
-        return default
-    return code if isinstance(code, str) and _SAFE_CODE.fullmatch(code) else default
 
 
 @dataclass(frozen=True)
@@ -87,6 +71,16 @@ class SGLangClientConfig:
 
     def control_timeout(self) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=self.control_timeout_s, connect=self.connect_timeout_s)
+
+    def control_plane(
+        self, instance_id: str, base_url: str, session: aiohttp.ClientSession,
+        headers: dict[str, str],
+    ) -> ControlPlane:  # fmt: skip
+        """The engine's control routes with these timeouts."""
+        health = aiohttp.ClientTimeout(total=self.health_timeout_s, connect=self.connect_timeout_s)
+        return ControlPlane(instance_id, base_url, session, headers,
+                            control_timeout=self.control_timeout(), health_timeout=health,
+                            connect_timeout_s=self.connect_timeout_s)  # fmt: skip
 
 
 def _parse_load(load: Any) -> EngineStats:
@@ -141,7 +135,7 @@ class _GenerateCall(AnsweredCall):
                     status=503 if busy else 502,
                     retryable=busy,
                     rejected=400 <= self.status < 500 and not busy,
-                    code=_error_code(body, "engine_busy" if busy else "engine_error"),
+                    code=error_code(body, "engine_busy" if busy else "engine_error"),
                 )
             )
             return
@@ -300,7 +294,6 @@ class SGLangClient(BaseEngineClient):
         self._root = url.path.rstrip("/")
         self._generate_path = f"{self._root}/generate"
         auth = {"Authorization": f"Bearer {token}"} if token else {}
-        self._headers = {**JSON_HEADERS, **auth}
         self.auth_headers: dict[str, str] = auth
         """What every call to this engine carries (for other pollers of it)."""
         self._pool = ConnectionPool(url.host, url.port, tls=url.scheme == "https", headers=auth)
@@ -308,10 +301,7 @@ class SGLangClient(BaseEngineClient):
         self._config = config or SGLangClientConfig()
         self._aborts: set[asyncio.Task[None]] = set()
         self._stats_path: str | None = None
-        self._control_timeout = self._config.control_timeout()
-        self._health_timeout = aiohttp.ClientTimeout(
-            total=self._config.health_timeout_s, connect=self._config.connect_timeout_s
-        )
+        self.control = self._config.control_plane(instance_id, self.base_url, session, auth)
 
     def generate(self, request: GenerateRequest) -> EngineCall:
         """`/generate` from token ids, or the client's OpenAI body on the engine's own
@@ -355,105 +345,41 @@ class SGLangClient(BaseEngineClient):
     async def _abort(self, rid: str) -> None:
         # RuntimeError: the shared session closed first (gateway shutting down).
         with contextlib.suppress(aiohttp.ClientError, TimeoutError, EngineError, RuntimeError):
-            await self._control("POST", "/abort_request", {"rid": rid})
-
-    async def _control(
-        self,
-        method: str,
-        path: str,
-        body: Any = None,
-        limits: aiohttp.ClientTimeout | None = None,
-    ) -> Any:
-        async with self._session.request(
-            method,
-            f"{self.base_url}{path}",
-            data=None if body is None else orjson.dumps(body),
-            headers=self._headers,
-            timeout=limits or self._control_timeout,
-        ) as resp:
-            raw = await resp.read()
-            if resp.status != 200:
-                code = _error_code(raw, "engine_error")
-                raise EngineError(
-                    f"{self.instance_id}: {path} answered {resp.status} ({code})",
-                    status=resp.status,
-                    code=code,
-                )
-            return orjson.loads(raw) if raw else None
+            await self.control.request("POST", "/abort_request", {"rid": rid})
 
     async def health(self) -> bool:
         """True when `/health` answers 200 within the control timeout."""
-        return (await self.probe()).alive
+        return (await self.control.probe()).alive
 
     async def probe(self) -> EngineReport:
-        """One `/health` call: alive or not (and whether the connection was refused), plus
-        what the engine says about itself (the reference engine reports its role, start id
-        and whether it drains; SGLang's empty answer leaves them None)."""
-        try:
-            body = await self._control("GET", "/health", limits=self._health_timeout)
-        except aiohttp.ClientConnectorError as exc:
-            refused = exc.os_error.errno in (errno.ECONNREFUSED, errno.ECONNRESET)
-            return EngineReport(alive=False, refused=refused)
-        except (aiohttp.ClientError, TimeoutError, EngineError, orjson.JSONDecodeError):
-            return EngineReport(alive=False)
-        if not isinstance(body, dict):
-            return EngineReport(alive=True)
-        role, start_id = body.get("role"), body.get("start_id")
-        return EngineReport(
-            alive=True,
-            role=_ROLES.get(role) if isinstance(role, str) else None,
-            start_id=start_id if isinstance(start_id, str) else None,
-            draining=body.get("draining") is True,
-            prefix_pull=body.get("prefix_pull") is True,
-        )
+        """`/health`, with what the engine says about itself (the reference engine reports
+        its role, start id and whether it drains; SGLang's empty answer leaves them None)."""
+        return await self.control.probe()
 
     async def export_prefix(self, input_ids: Sequence[int], room: int) -> int:
         """`POST /kv/export` (a reference engine's; SGLang servers have none)."""
         body = {"input_ids": list(input_ids), "room": room}
         limits = aiohttp.ClientTimeout(total=self._config.total_timeout_s)
         try:
-            answer = await self._control("POST", "/kv/export", body, limits)
+            answer = await self.control.request("POST", "/kv/export", body, limits)
         except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
             raise EngineError(f"{self.instance_id}: /kv/export failed: {exc!r}") from exc
         return int(answer["prefix_tokens"])
 
     async def set_role(self, role: Role, *, timeout_s: float = 300.0, epoch: int = 0) -> float:
-        """`POST /admin/role` (the engine drains, then switches); the switch time in seconds.
-
-        Raises:
-            EngineError: refused (401 without the deployment's token, 400 for a bad role,
-                409 `fenced` from an older leader's epoch, 503 when the drain timed out),
-                unreachable, or past `timeout_s`.
-        """
-        timeout = aiohttp.ClientTimeout(total=timeout_s, connect=self._config.connect_timeout_s)
-        body = await self._role_api("/admin/role", {"role": role, "epoch": epoch}, timeout)
-        try:
-            return float(body["switch_seconds"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise EngineError(f"{self.instance_id}: /admin/role answered {body!r}") from exc
+        """The reference engine's role API (`ControlPlane.set_role`)."""
+        return await self.control.set_role(role, timeout_s=timeout_s, epoch=epoch)
 
     async def fence(self, epoch: int) -> int:
-        """`POST /admin/fence`: the engine's floor after announcing `epoch`."""
-        body = await self._role_api("/admin/fence", {"epoch": epoch}, None)
-        try:
-            return int(body["epoch"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise EngineError(f"{self.instance_id}: /admin/fence answered {body!r}") from exc
-
-    async def _role_api(
-        self, path: str, body: dict[str, Any], limits: aiohttp.ClientTimeout | None
-    ) -> Any:
-        try:
-            return await self._control("POST", path, body, limits)
-        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
-            raise EngineError(f"{self.instance_id}: {path} failed: {exc!r}") from exc
+        """The reference engine's `POST /admin/fence` (`ControlPlane.fence`)."""
+        return await self.control.fence(epoch)
 
     async def stats(self) -> EngineStats:
         """Load from `/stats` (reference engine) or `/get_load` (SGLang), whichever answers."""
         paths = [self._stats_path] if self._stats_path else list(STATS_PATHS)
         for path in paths:
             try:
-                load = await self._control("GET", path)
+                load = await self.control.request("GET", path)
             except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
                 raise EngineError(f"{self.instance_id}: {path} failed: {exc!r}") from exc
             except EngineError:
@@ -464,13 +390,13 @@ class SGLangClient(BaseEngineClient):
 
     async def info(self) -> EngineInfo:
         try:
-            info = await self._control("GET", "/server_info")
+            info = await self.control.request("GET", "/server_info")
         except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
             raise EngineError(f"{self.instance_id}: /server_info failed: {exc!r}") from exc
         mode = str(info.get("disaggregation_mode") or "null")
         port = info.get("disaggregation_bootstrap_port")
         return EngineInfo(
-            role=_ROLES.get(mode, "both"),
+            role=ROLES.get(mode, "both"),
             page_size=int(info.get("page_size") or 1),
             bootstrap_host=info.get("disaggregation_bootstrap_host") or info.get("host"),
             bootstrap_port=int(port) if port is not None else None,

@@ -23,7 +23,7 @@ Aborting a call drops its connection, which vLLM turns into an abort of the requ
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
@@ -35,6 +35,7 @@ from prfaas.engine_clients.base import (
     EngineCall,
     EngineError,
     EngineInfo,
+    EngineReport,
     EngineStats,
     Role,
 )
@@ -178,6 +179,7 @@ class VLLMClient(BaseEngineClient):
         )
         self._session = session
         self._config = config or SGLangClientConfig()
+        self.control = self._config.control_plane(instance_id, self.base_url, session, self._auth)
 
     def generate(self, request: GenerateRequest) -> EngineCall:
         return _CompletionCall(self, request)
@@ -219,12 +221,24 @@ class VLLMClient(BaseEngineClient):
             raise EngineError(f"{self.instance_id}: {path} failed: {exc!r}") from exc
 
     async def health(self) -> bool:
-        """True when `/health` answers 200 within the control timeout."""
-        try:
-            await self._get("/health")
-        except EngineError:
-            return False
-        return True
+        """True when `/health` answers 200 within the health timeout."""
+        return (await self.control.probe()).alive
+
+    async def probe(self) -> EngineReport:
+        """`/health`, with the role, start id and drain that PrfaaS's role middleware adds to
+        vLLM's answer (`prfaas.engines.vllm.role`; None without it)."""
+        return await self.control.probe()
+
+    async def set_role(self, role: Role, *, timeout_s: float = 300.0, epoch: int = 0) -> float:
+        """The role middleware's `POST /admin/role`: the server drains the requests it holds,
+        then takes `role` (where the gateways send work; the connector runs `kv_both`)."""
+        seconds = await self.control.set_role(role, timeout_s=timeout_s, epoch=epoch)
+        self.endpoint = replace(self.endpoint, role=role)
+        return seconds
+
+    async def fence(self, epoch: int) -> int:
+        """The role middleware's `POST /admin/fence`."""
+        return await self.control.fence(epoch)
 
     async def stats(self) -> EngineStats:
         """Load from vLLM's Prometheus gauges (`/metrics`)."""
@@ -240,8 +254,13 @@ class VLLMClient(BaseEngineClient):
         )
 
     async def info(self) -> EngineInfo:
+        """The role the server reports (the configured one without the role middleware),
+        and the configured KV sender."""
+        report = await self.control.probe()
         e = self.endpoint
-        return EngineInfo(e.role, e.page_size, e.bootstrap_host, e.bootstrap_port, e.model)
+        role = report.role or e.role
+        return EngineInfo(role, e.page_size, e.bootstrap_host, e.bootstrap_port, e.model,
+                          report.start_id)  # fmt: skip
 
     async def close(self) -> None:
         self._pool.close()

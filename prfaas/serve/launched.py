@@ -37,16 +37,15 @@ def _spec(launch: LaunchConfig, page_size: int) -> EngineSpec:
 
 
 def _instance(launch: LaunchConfig, engine: EngineProcess) -> InstanceConfig:
-    # a reference engine serves KV at its bootstrap port whatever its role (a decode
-    # switched to prefill later needs it); a vLLM decode has none
-    keep = launch.engine == "reference" or launch.role != "decode"
+    # every launched engine serves KV at its bootstrap port whatever its role (vLLM's
+    # connector runs kv_both): a decode switched to prefill later needs it
     return InstanceConfig(
         launch.id,
         launch.cluster,
         launch.role,
         engine.url,
         "127.0.0.1",
-        engine.bootstrap_port if keep else None,
+        engine.bootstrap_port,
         engine.kv_events,
         launch.engine,
         engine.kv_events_replay,

@@ -13,6 +13,7 @@ from pathlib import Path
 import aiohttp
 
 from prfaas.engines.vllm.launch import VLLMServer
+from prfaas.engines.vllm.role import ENV_ROLE
 from prfaas.gateway.deployment import LaunchConfig
 from prfaas.serve.processes import EngineProcess, EngineSpec, free_port, stop_process
 
@@ -52,7 +53,7 @@ def vllm_server(
         kv_replay_port=replay_port,
         threads=launch.threads,
         extra_args=launch.vllm_args,
-        environment=dict(env or {}),
+        environment={**(env or {}), ENV_ROLE: launch.role},
     )
 
 

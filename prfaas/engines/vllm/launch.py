@@ -18,7 +18,10 @@ from typing import Any
 
 CONNECTOR_MODULE = "prfaas.engines.vllm.connector"
 AUTH_MIDDLEWARE = "prfaas.engines.vllm.auth.ControlTokenMiddleware"
-"""Every route but `/health` needs the deployment's control token (`auth.py`)."""
+"""Every route but `/health` needs the deployment's control token (`auth.py`); listed last,
+it is the outermost (vLLM adds `--middleware`s in order, each around the previous)."""
+ROLE_MIDDLEWARE = "prfaas.engines.vllm.role.RoleMiddleware"
+"""The role API the long-term scheduler converts the instance through (`role.py`)."""
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,7 @@ class VLLMServer:
             "--distributed-executor-backend", "uni",
             "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
             "--enable-prefix-caching", "--enable-prompt-tokens-details",
-            "--middleware", AUTH_MIDDLEWARE,
+            "--middleware", ROLE_MIDDLEWARE, "--middleware", AUTH_MIDDLEWARE,
         ]  # fmt: skip
         if self.max_batched_tokens is not None:
             args += ["--max-num-batched-tokens", str(self.max_batched_tokens)]

@@ -253,7 +253,7 @@ def _client(
     """The engine client of an instance, by its engine kind (each gets the deployment's
     control token)."""
     if cfg.engine == "vllm":
-        host = cfg.bootstrap_address if cfg.role != "decode" else None
+        host = cfg.bootstrap_address if cfg.bootstrap_port is not None else None
         endpoint = VLLMEndpoint(
             cfg.url, cfg.role, model.name, host, cfg.bootstrap_port, model.block_size
         )

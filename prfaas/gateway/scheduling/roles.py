@@ -2,8 +2,9 @@
 
 1. The gateway stops routing new work to it (`InstanceState.draining`: the policies see it
    as unavailable), so nothing new lands there while it drains.
-2. The engine's role API (`BaseEngineClient.set_role`; the reference engine's
-   `POST /admin/role`) refuses new work, lets every request it holds finish, then switches.
+2. The engine's role API (`BaseEngineClient.set_role`: `POST /admin/role` of a reference
+   engine, or of a vLLM server's role middleware, `prfaas.engines.vllm.role`) refuses new
+   work, lets every request it holds finish, then switches.
    A request that raced the first step is refused with a retryable 503, which the Router
    retries elsewhere.
 3. The gateway reads the engine's new bootstrap address (a prefill needs one), records the
