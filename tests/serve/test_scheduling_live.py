@@ -13,15 +13,7 @@
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import random
-import re
-import signal
-import subprocess
-import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,103 +21,25 @@ from typing import Any
 import aiohttp
 import pytest
 from coordinated_helpers import PROFILE
-
-from prfaas.common.secret import ENV_SECRET, DeploymentSecret
-
-START_TIMEOUT_S = 300
-READY = re.compile(r"\(Ctrl-C\) stops|Ctrl-C stops")
-LISTENING = re.compile(r"PrfaaS gateway listening on (http://\S+)")
-MODEL = "qwen3-next-tiny"
-
-
-# The deployment secret `prfaas serve` hands its engines: known here, so the test may call
-# an engine's control routes (`/admin/egress`) with its token, as an operator would.
-SECRET = DeploymentSecret.generate()
-ENGINE_AUTH = {"Authorization": f"Bearer {SECRET.control_token()}"}
-
-
-def _spawn(*args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "prfaas.cli.main", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, ENV_SECRET: SECRET.hex()},
-    )
-
-
-def _started(proc: subprocess.Popen[str]) -> str:
-    """Wait for the start-up summary; returns the gateway URL."""
-    assert proc.stdout is not None
-    seen: list[str] = []
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            raise AssertionError(f"exited before ready:\n{''.join(seen)}")
-        seen.append(line)
-        if READY.search(line):
-            match = LISTENING.search("".join(seen))
-            assert match is not None, seen
-            return match.group(1)
-    raise AssertionError(f"not ready in {START_TIMEOUT_S}s:\n{''.join(seen)}")
-
-
-def _stop(proc: subprocess.Popen[str]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+from serve_live_helpers import (
+    ENGINE_AUTH,
+    admin_state,
+    complete,
+    get,
+    load,
+    spawn,
+    started,
+    stop,
+)
 
 
 @pytest.fixture(scope="module")
 def embedded() -> Iterator[str]:
-    proc = _spawn("serve", "--port", "0", "--scheduler-period", "3")
+    proc = spawn("serve", "--port", "0", "--scheduler-period", "3")
     try:
-        yield _started(proc)
+        yield started(proc)
     finally:
-        _stop(proc)
-
-
-def _words(n_tokens: int, seed: int) -> str:
-    """`n_tokens` byte-level tokens of fresh text (no prefix shared with other seeds)."""
-    rng = random.Random(seed)
-    text = f"{seed} "
-    while len(text) < n_tokens:
-        text += "".join(rng.choice("abcdefghij") for _ in range(rng.randint(2, 7))) + " "
-    return text[:n_tokens]
-
-
-async def _complete(s: aiohttp.ClientSession, url: str, tokens: int, seed: int) -> tuple[int, str]:
-    body = {"model": MODEL, "prompt": _words(tokens, seed), "max_tokens": 2}
-    async with s.post(f"{url}/v1/completions", json=body) as resp:
-        await resp.read()
-        return resp.status, resp.headers.get("x-prfaas-route", "")
-
-
-async def _state(s: aiohttp.ClientSession, url: str) -> dict[str, Any]:
-    async with s.get(f"{url}/admin/state") as resp:
-        body: dict[str, Any] = await resp.json()
-        return body
-
-
-async def _load(url: str, seconds: float, tokens: int, workers: int, seed: int) -> list[int]:
-    """`workers` clients sending fresh prompts back to back; returns every status."""
-    statuses: list[int] = []
-    end = time.monotonic() + seconds
-
-    async def worker(w: int) -> None:
-        async with aiohttp.ClientSession() as s:
-            n = 0
-            while time.monotonic() < end:
-                status, _ = await _complete(s, url, tokens, seed + 1000 * w + n)
-                statuses.append(status)
-                n += 1
-
-    await asyncio.gather(*(worker(w) for w in range(workers)))
-    return statuses
+        stop(proc)
 
 
 def _recent(state: dict[str, Any], loop: str, kind: str) -> list[dict[str, Any]]:
@@ -139,22 +53,22 @@ async def test_link_drop_raises_t_and_the_last_decode_is_kept(embedded: str) -> 
     the PD prefill. The slow requests still complete."""
     url = embedded
     async with aiohttp.ClientSession() as s:
-        statuses = await _load(url, 8.0, 700, 2, seed=1)  # prefill-heavy: 2 output tokens
+        statuses = await load(url, 8.0, 700, 2, seed=1)  # prefill-heavy: 2 output tokens
         await asyncio.sleep(4.0)  # a long-term period sees it
-        before = await _state(s, url)
+        before = await admin_state(s, url)
         prfaas = before["clusters"]["prfaas"][0]["url"]
         probe = int(before["threshold"]) + 50
         egress = f"{prfaas}/admin/egress"
         async with s.post(egress, json={"rate_mbps": 1}, headers=ENGINE_AUTH) as resp:
             assert resp.status == 200
         lowered = time.monotonic()
-        slow = [asyncio.create_task(_complete(s, url, probe, seed=70 + i)) for i in range(2)]
-        while (await _state(s, url))["threshold"] < probe:
-            assert time.monotonic() - lowered < 10, (await _state(s, url))["scheduler"]
+        slow = [asyncio.create_task(complete(s, url, probe, seed=70 + i)) for i in range(2)]
+        while (await admin_state(s, url))["threshold"] < probe:
+            assert time.monotonic() - lowered < 10, (await admin_state(s, url))["scheduler"]
             await asyncio.sleep(0.25)
         reaction_s = time.monotonic() - lowered
-        status, after = await _complete(s, url, probe, seed=78)
-        state = await _state(s, url)
+        status, after = await complete(s, url, probe, seed=78)
+        state = await admin_state(s, url)
         crawled = await asyncio.gather(*slow)
         async with s.post(egress, json={"rate_mbps": 10}, headers=ENGINE_AUTH) as resp:
             assert resp.status == 200
@@ -202,36 +116,30 @@ def _deployment(tmp: Path) -> Path:
     return path
 
 
-def _get(url: str, headers: dict[str, str] | None = None) -> Any:
-    request = urllib.request.Request(url, headers=headers or {})
-    with urllib.request.urlopen(request, timeout=10) as reply:
-        return json.load(reply)
-
-
 async def test_prefill_heavy_load_converts_one_of_two_decodes(tmp_path: Path) -> None:
-    proc = _spawn("serve", "--port", "0", "--config", str(_deployment(tmp_path)))
+    proc = spawn("serve", "--port", "0", "--config", str(_deployment(tmp_path)))
     try:
-        url = _started(proc)
+        url = started(proc)
         statuses: list[int] = []
         deadline = time.monotonic() + 60
         converted: dict[str, Any] | None = None
         seed = 10
         while converted is None:
-            assert time.monotonic() < deadline, _get(f"{url}/admin/state")["scheduler"]
-            statuses += await _load(url, 3.0, 900, 3, seed)
+            assert time.monotonic() < deadline, get(f"{url}/admin/state")["scheduler"]
+            statuses += await load(url, 3.0, 900, 3, seed)
             seed += 10_000
-            state = _get(f"{url}/admin/state")
+            state = get(f"{url}/admin/state")
             pd = {i["id"]: i for i in state["clusters"]["pd"]}
             roles = {i: v["role"] for i, v in pd.items()}
             if list(roles.values()).count("prefill") == 2:
                 converted = next(pd[i] for i in ("pd-d0", "pd-d1") if roles[i] == "prefill")
-        info = _get(f"{converted['url']}/server_info", ENGINE_AUTH)
-        served_before = _get(f"{converted['url']}/stats", ENGINE_AUTH)["prompt_tokens_total"]
-        statuses += await _load(url, 4.0, 900, 3, seed)
-        served_after = _get(f"{converted['url']}/stats", ENGINE_AUTH)["prompt_tokens_total"]
-        final = _get(f"{url}/admin/state")
+        info = get(f"{converted['url']}/server_info", ENGINE_AUTH)
+        served_before = get(f"{converted['url']}/stats", ENGINE_AUTH)["prompt_tokens_total"]
+        statuses += await load(url, 4.0, 900, 3, seed)
+        served_after = get(f"{converted['url']}/stats", ENGINE_AUTH)["prompt_tokens_total"]
+        final = get(f"{url}/admin/state")
     finally:
-        _stop(proc)
+        stop(proc)
     assert statuses and set(statuses) == {200}  # nothing lost to the conversion
     assert info["disaggregation_mode"] == "prefill"
     assert served_after > served_before  # it prefills now
