@@ -22,9 +22,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from prfaas.engines.vllm.config import ConnectorConfig
-from prfaas.engines.vllm.layout import GroupLayout, build_pool, layer_index
+from prfaas.engines.vllm.layout import GroupLayout, build_views, layer_index
 from prfaas.engines.vllm.metadata import PrfaasMetadata
 from prfaas.engines.vllm.scheduler_side import SchedulerSide, StateBlocks
+from prfaas.engines.vllm.support import check_supported
 from prfaas.engines.vllm.worker_side import WorkerSide
 
 logger = logging.getLogger(__name__)
@@ -37,12 +38,34 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
         self._config = ConnectorConfig.from_extra(extra)
+        check_supported(vllm_config, kv_cache_config, self._config)
         self._groups = GroupLayout.from_kv_cache_config(kv_cache_config)
         self._scheduler: SchedulerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             blocks = StateBlocks(vllm_config.cache_config, any(self._groups.is_state))
             self._scheduler = SchedulerSide(blocks)
         self._worker: WorkerSide | None = None
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        """The layout both sides of a transfer should run (`kv_cache_layout`, NHD unless
+        set; the CPU backend reads only HND). vLLM drops a preference its backends cannot
+        take, with a warning: the decode's signature check then names the difference."""
+        from vllm.platforms import current_platform
+
+        transfer = getattr(vllm_config, "kv_transfer_config", None)
+        extra = getattr(transfer, "kv_connector_extra_config", None)
+        config = ConnectorConfig.from_extra(extra)
+        if current_platform.is_cpu():
+            return "HND"
+        return config.required_layout()
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """`save_kv_layer` runs between a graph's pieces; a FULL graph (a step where every
+        request has one token, e.g. a repeated prompt's last step after a prefix hit) would
+        skip it and that step's pages would never leave."""
+        return True
 
     # -- scheduler side ----------------------------------------------------------------------
 
@@ -75,14 +98,31 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     # -- worker side -----------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        pool = build_pool(kv_caches, self._kv_cache_config)
-        self._worker = WorkerSide(self._config, pool, self._groups)
+        from vllm.distributed.parallel_state import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
+        views = build_views(
+            kv_caches,
+            self._kv_cache_config,
+            backend=_attention_backend(self._vllm_config, kv_caches),
+            cache_dtype=str(self._vllm_config.cache_config.cache_dtype),
+            tp_size=get_tensor_model_parallel_world_size(),
+            tp_rank=get_tensor_model_parallel_rank(),
+        )
+        self._worker = WorkerSide(self._config, views, self._groups)
         logger.info(
-            "PrfaasConnector: KV sender on %s:%d, %d paged and %d state layers",
+            "PrfaasConnector: TP rank %d/%d KV sender on %s:%d, %d paged (%s, %s) and %d "
+            "state layers",
+            views.signature.tp_rank,
+            views.signature.tp_size,
             self._config.bootstrap_host,
             self._worker.bootstrap_port,
-            len(pool.pages),
-            len(pool.states),
+            len(views.pages),
+            views.signature.layout,
+            views.signature.backend,
+            len(views.states),
         )
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
@@ -126,3 +166,15 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def _work(self) -> WorkerSide:
         assert self._worker is not None, "register_kv_caches has not run"
         return self._worker
+
+
+def _attention_backend(vllm_config: Any, kv_caches: dict[str, Any]) -> str:
+    """The attention backend of the full-attention layers (how they read a page's bytes),
+    from vLLM's layer registry; "" when it cannot tell."""
+    context = getattr(vllm_config.compilation_config, "static_forward_context", {}) or {}
+    names = set()
+    for name in kv_caches:
+        backend = getattr(context.get(name), "attn_backend", None)
+        if backend is not None and hasattr(backend, "get_name"):
+            names.add(str(backend.get_name()))
+    return "/".join(sorted(names))

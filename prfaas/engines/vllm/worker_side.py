@@ -1,16 +1,26 @@
 """The worker half of the connector: pages and states out of the prefill's KV cache as its
-layers run, into the decode's own blocks as they arrive (a thin adapter over `kv_pages`).
+layers run, into the decode's own blocks as they arrive (a thin adapter over `kv_pages`'s
+device-aware `TorchPagePool`).
 
-Prefill: `save_kv_layer` of a full-attention layer sends the pages this step completed (a
-page the step only began waits for the next step, so no page travels twice; the last page
-of the handed-over tokens goes with the last step). In the step that reaches the handoff
-point (`scheduler_side.handoff`), it also sends the state of every linear layer below
-it at that point (those layers have run, so their states are final), and `wait_for_save`
-sends the states of the linear layers after the last full-attention layer, the meta, and
-finishes. Only the last layer's pages and the states above it wait for the end of that
-step's forward; the prefill's remaining token computes while they travel.
+Prefill: a room opens with the layout signature (aux `layout`), so the decode can refuse
+pages it would misread before placing any. `save_kv_layer` of a full-attention layer sends
+the pages this step completed (a page the step only began waits for the next step, so no
+page travels twice; the last page of the handed-over tokens goes with the last step). In
+the step that reaches the handoff point (`scheduler_side.handoff`), it also sends the state
+of every linear layer below it at that point (those layers have run, so their states are
+final), and `wait_for_save` sends the states of the linear layers after the last
+full-attention layer, the meta, and finishes. Only the last layer's pages and the states
+above it wait for the end of that step's forward; the prefill's remaining token computes
+while they travel. On a GPU a save only enqueues the copy (an event on the forward stream,
+the copy on a side stream into bounded pinned memory) and the `SendQueue` hands each
+message to the transport once its copy is done; `wait_for_save` waits for the step's
+copies (`reads_done`) before vLLM may free or reuse the blocks.
 Decode: each `RecvStart` becomes a transfer on the transport loop whose layers are placed as
-they arrive; completion (or failure) is reported through `transfer_results`.
+they arrive (staged H2D copies on the pool's own stream); a request is reported finished
+(or failed) only once a fence taken after its last placement is ready, polled without
+blocking (`transfer_results`).
+Tensor parallelism: each TP rank has its own sender at the base port + rank, and a decode's
+rank r fetches from the prefill's rank r; the signature carries TP size and rank.
 """
 
 from __future__ import annotations
@@ -20,16 +30,19 @@ import logging
 import threading
 from dataclasses import dataclass, field
 
-from prfaas.engines.kv_pages import PagedPool, PageError, PagePlacer, PageStream, decode_meta
+from prfaas.engines.kv_pages import Fence, PageError, PagePlacer, PageStream, SendQueue, decode_meta
+from prfaas.engines.kv_pages.torch_pool import TorchPagePool
 from prfaas.engines.kv_pages.wire import META, model_layer
-from prfaas.engines.transport import Transfer, TransferError
+from prfaas.engines.transport import Kind, LayerItem, Transfer, TransferError
 from prfaas.engines.vllm.auth import transport_key
-from prfaas.engines.vllm.config import ConnectorConfig
-from prfaas.engines.vllm.layout import GroupLayout
+from prfaas.engines.vllm.config import ConnectorConfig, peer_port
+from prfaas.engines.vllm.layout import KV, GroupLayout, LayoutSignature, PoolViews, check_placement
 from prfaas.engines.vllm.metadata import PrfaasMetadata, RecvStart, SendStep
 from prfaas.engines.vllm.trace import TransferTrace
 from prfaas.engines.vllm.transport_thread import TransportThread
 
+LAYOUT = "layout"
+"""The aux message a room opens with: the prefill's `LayoutSignature` (JSON)."""
 logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.01
 
@@ -44,39 +57,57 @@ class _Outgoing:
 
 @dataclass
 class _Results:
-    """Receive outcomes, filled on the transport loop, drained by the worker thread."""
+    """Receive outcomes, filled on the transport loop, drained by the worker thread. An
+    outcome counts once its fence is ready: every write into the request's blocks it
+    enqueued has landed (a failed one too, or a late copy would land in blocks vLLM has
+    already given to another request)."""
 
-    finished: set[str] = field(default_factory=set)
-    failed: set[str] = field(default_factory=set)
+    pending: list[tuple[str, bool, Fence]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     ready: threading.Event = field(default_factory=threading.Event)
 
-    def add(self, req_id: str, ok: bool) -> None:
+    def add(self, req_id: str, ok: bool, fence: Fence) -> None:
         with self.lock:
-            self.finished.add(req_id)
-            if not ok:
-                self.failed.add(req_id)
+            self.pending.append((req_id, ok, fence))
         self.ready.set()
 
     def drain(self) -> tuple[set[str], set[str]]:
+        """(finished, failed) among outcomes whose fence is ready (never blocks)."""
+        done: set[str] = set()
+        bad: set[str] = set()
         with self.lock:
-            done, bad = self.finished, self.failed
-            self.finished, self.failed = set(), set()
-            self.ready.clear()
+            waiting = []
+            for req_id, ok, fence in self.pending:
+                if not fence.ready():
+                    waiting.append((req_id, ok, fence))
+                    continue
+                done.add(req_id)
+                if not ok:
+                    bad.add(req_id)
+            self.pending = waiting
+            self.ready.clear()  # one still waiting on its fence is polled again next step
         return done, bad
 
 
 class WorkerSide:
     """Sends and receives for one worker over its `TransportThread`."""
 
-    def __init__(self, config: ConnectorConfig, pool: PagedPool, groups: GroupLayout) -> None:
-        self.config, self.pool, self.groups = config, pool, groups
+    def __init__(self, config: ConnectorConfig, views: PoolViews, groups: GroupLayout) -> None:
+        self.config, self.groups = config, groups
+        self.signature = views.signature
+        self.tp_rank = views.signature.tp_rank
+        self.pool = TorchPagePool(
+            views.pages, views.states, send_budget_bytes=config.send_budget_bytes
+        )
+        self.queue = SendQueue()
         key = transport_key()
-        self.transport = TransportThread(config.sender(key), config.receiver(key))
+        self.transport = TransportThread(
+            config.sender(key, tp_rank=self.tp_rank), config.receiver(key)
+        )
         self.trace = TransferTrace(config.trace_path)
-        paged = [groups.block_size[groups.group_of[layer]] for layer in pool.pages]
-        self._page_size = paged[0] if paged else 1
-        self._state_layers = sorted(pool.states)
+        self._layout = views.signature.to_json()
+        self._page_size = views.block_size or 1
+        self._state_layers = sorted(self.pool.states)
         self._out: dict[str, _Outgoing] = {}
         self._meta: PrfaasMetadata | None = None
         self._steps: list[SendStep] = []
@@ -102,7 +133,9 @@ class WorkerSide:
                 handle = self.transport.call(
                     functools.partial(self.transport.sender.open, step.room)
                 )
-                self._out[step.req_id] = _Outgoing(step.room, PageStream(handle))
+                stream = PageStream(handle, self.queue)
+                stream.send_aux(LAYOUT, self._layout)  # first: checked before any page
+                self._out[step.req_id] = _Outgoing(step.room, stream)
 
     def start_recvs(self, meta: PrfaasMetadata) -> None:
         """Start fetching the KV of requests this step allocated blocks for."""
@@ -146,6 +179,8 @@ class WorkerSide:
             out.stream.finish()
             del self._out[step.req_id]
         self._steps = []
+        # the copies out of this step's blocks are done before vLLM may free or reuse them
+        self.pool.reads_done()
 
     def _send_states(self, step: SendStep, out: _Outgoing, below: int | None = None) -> None:
         """Send the final states of the linear layers not sent yet (those below model layer
@@ -177,6 +212,7 @@ class WorkerSide:
         return done, failed
 
     def close(self) -> None:
+        self.queue.close()
         self.transport.close()
 
     # -- the transport loop ------------------------------------------------------------------
@@ -193,12 +229,19 @@ class WorkerSide:
         try:
             if start.req_id in self._ended:
                 raise ValueError("the decode request ended before its KV transfer began")
+            check_placement(self._page_size, start.skip_tokens, self._page_size)
             transfer = await self.transport.receiver.fetch(
-                start.host, start.port, start.room, timeout_s=self.config.timeout_s
-            )
+                start.host, peer_port(start.port, self.tp_rank), start.room,
+                timeout_s=self.config.timeout_s,
+            )  # fmt: skip
             self._transfers[start.req_id] = transfer
             placer = self._placer(start)
+            checked = False
             async for item in transfer:
+                if not checked:  # the signature arrived before any layer (sent first)
+                    self.check_signature(transfer.aux(LAYOUT))
+                    checked = True
+                self._check_item(item, start)
                 placer.place(item)
                 self.trace("placed", start.room, layer=model_layer(item.layer),
                            kind=item.kind.name)  # fmt: skip
@@ -218,7 +261,22 @@ class WorkerSide:
         finally:
             self._transfers.pop(start.req_id, None)
             self._ended.discard(start.req_id)
-            self._results.add(start.req_id, ok)
+            self._results.add(start.req_id, ok, self.pool.fence())
+
+    def check_signature(self, payload: bytes | None) -> None:
+        """Raise PageError unless the prefill's layout signature equals this worker's."""
+        if payload is None:
+            raise PageError("the prefill sent no layout signature before its pages "
+                            "(a PrfaaS connector of another version?)")  # fmt: skip
+        why = self.signature.mismatch(LayoutSignature.from_json(payload))
+        if why is not None:
+            raise PageError(f"refused before placing anything: {why}")
+
+    def _check_item(self, item: LayerItem, start: RecvStart) -> None:
+        if item.kind is Kind.FULL_KV and KV in item.arrays:
+            pages = item.arrays[KV]
+            sender = int(pages.shape[1]) if pages.ndim == 3 else -1
+            check_placement(self._page_size, start.skip_tokens, sender)
 
     def _placer(self, start: RecvStart) -> PagePlacer:
         tables = {layer: start.block_ids[self.groups.group_of[layer]] for layer in self.pool.pages}
