@@ -27,12 +27,14 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from math import prod
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
-import torch
 
 from prfaas.engines.kv_pages import PageError
+
+if TYPE_CHECKING:  # torch is imported where views are built (the module imports without it)
+    import torch
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 KV = "kv"
@@ -279,6 +281,8 @@ def page_view(
     order = "HND" if cache.stride(1) >= cache.stride(2) or cache.shape[1] == 1 else "NHD"
     if page % block_size:
         raise ValueError(f"{name}: a {page}-byte page is not {block_size} equal rows")
+    import torch
+
     view = torch.as_strided(
         raw, (num_blocks, block_size, page // block_size),
         (raw.stride(0) if num_blocks > 1 else page, page // block_size, 1),
@@ -297,6 +301,8 @@ def state_views(
         raise ValueError(f"{name}: {cache.shape[0]} state blocks, expected {num_blocks}")
     raw = _bytes(name, cache)
     page = _dense(name, raw, "a state page")
+    import torch
+
     flat = torch.as_strided(
         raw, (num_blocks, page), (raw.stride(0) if num_blocks > 1 else page, 1),
         raw.storage_offset(),
@@ -325,6 +331,8 @@ def state_views(
 
 def _bytes(name: str, cache: torch.Tensor) -> torch.Tensor:
     """`cache` viewed as uint8 (its content axis in bytes), no copy."""
+    import torch
+
     if cache.stride(-1) != 1:
         raise ValueError(f"{name}: the content axis is not contiguous (strides {cache.stride()})")
     return cache if cache.dtype == torch.uint8 else cache.view(torch.uint8)
