@@ -118,17 +118,15 @@ class VLLMServer:
         seconds per 3.4-4.1 s request, taken from the prefill computing beside it (its
         forward 25% slower). With the worker in process the wait blocks: 0.5 CPU seconds."""
         env = dict(os.environ)
-        if not self.on_cpu:
-            env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-            return env
-        env.update(
-            VLLM_ENABLE_V1_MULTIPROCESSING="0",  # lets the CPU platform keep "uni"
-            OMP_NUM_THREADS=str(self.threads),
-            VLLM_CPU_OMP_THREADS_BIND="nobind",
-            VLLM_CPU_NUM_OF_RESERVED_CPU="0",
-            VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "WARNING"),
-            TOKENIZERS_PARALLELISM="false",
-        )
+        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        if self.on_cpu:  # on a GPU vLLM's own executor and threads
+            env.update(
+                VLLM_ENABLE_V1_MULTIPROCESSING="0",  # lets the CPU platform keep "uni"
+                OMP_NUM_THREADS=str(self.threads),
+                VLLM_CPU_OMP_THREADS_BIND="nobind",
+                VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+                TOKENIZERS_PARALLELISM="false",
+            )
         env.update(self.environment)
         return env
 

