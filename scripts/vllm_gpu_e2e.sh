@@ -52,6 +52,8 @@ NEAR_TIE=0.3
 MODEL="$WORK/tiny-qwen3-next"
 
 export CUDA_VISIBLE_DEVICES=$GPU HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# one deployment secret for every server and gateway: the KV transport authenticates peers
+export PRFAAS_SECRET=${PRFAAS_SECRET:-$("$PYTHON" -c 'import secrets; print(secrets.token_hex(32))')}
 export VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-INFO}
 
 # Four servers share one GPU: each takes a small fixed KV cache and a small share of memory.
