@@ -29,6 +29,9 @@ EXTRA_ONLY = (
     "prfaas.engines.vllm.scheduler_side",
     "prfaas.engines.vllm.worker_side",
     "prfaas.engines.vllm.bench_client",
+    # the device-aware page mover runs inside engines (torch); the rest of kv_pages does not
+    "prfaas.engines.kv_pages.torch_pool",
+    "prfaas.engines.kv_pages.staging",
 )
 LISTENING = re.compile(r"listening on (http://\S+)")
 
