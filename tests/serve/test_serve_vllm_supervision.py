@@ -2,7 +2,8 @@
 PrfaaS prefill and a PD decode, the tiny checkpoint): a SIGKILLed vLLM API server takes its
 EngineCore with it (no orphan), a stream it was serving ends at once with an OpenAI error
 event and no `[DONE]`, the supervisor starts it again and the gateway serves through it; a
-SIGKILLed `prfaas serve` leaves no vLLM process behind. Slow (vLLM starts take about a
+SIGSTOPped one is killed (its whole tree) after `unresponsive_restart_s` and started again;
+a SIGKILLed `prfaas serve` leaves no vLLM process behind. Slow (vLLM starts take about a
 minute each on a small machine): one module, one gateway."""
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from prfaas.testing.processes import child_pids
 
 LISTENING = re.compile(r"PrfaaS gateway listening on (http://\S+)")
 START_TIMEOUT_S = 600
+GRACE_S = 8.0
 
 
 def _deployment() -> str:
@@ -57,6 +59,7 @@ vocab_size = 384
 policy = "prfaas"
 threshold = 0
 health_interval_s = 0.5
+unresponsive_restart_s = {GRACE_S}
 {engines}"""
 
 
@@ -177,6 +180,37 @@ def test_a_killed_vllm_decode_ends_its_stream_leaves_no_orphan_and_comes_back(
     with _post(url, {**body, "stream": False, "max_tokens": 8}) as reply:
         answer = json.load(reply)
     assert answer["usage"]["completion_tokens"] == 8
+
+
+def test_a_stopped_vllm_prefill_is_killed_whole_and_restarted(serving: Serving) -> None:
+    url = serving.url
+    leader = _engine_leader(serving, "prfaas-p0")
+    tree = descendants(leader)
+    server = child_pids(leader)[0]
+    os.kill(server, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        while [pid for pid in tree if alive(pid)]:
+            assert time.monotonic() < stopped + 60, _state(url)["prfaas-p0"]
+            time.sleep(0.2)
+    finally:
+        if alive(server):
+            os.kill(server, signal.SIGKILL)
+    assert time.monotonic() - stopped >= GRACE_S
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while (
+        _scrape(url).value("prfaas_engine_restarts_total", instance="prfaas-p0") < 1
+        or _state(url)["prfaas-p0"]["status"] != "healthy"
+    ):
+        assert time.monotonic() < deadline, _state(url)
+        time.sleep(1)
+    scrape = _scrape(url)
+    assert scrape.value("prfaas_engine_unresponsive_kills_total", instance="prfaas-p0") == 1
+    body = {"model": "qwen3-next-tiny", "prompt": "hello there", "max_tokens": 8,
+            "ignore_eos": True, "temperature": 0}  # fmt: skip
+    with _post(url, body) as reply:
+        assert reply.headers["x-prfaas-route"] == "prfaas"
+        assert json.load(reply)["usage"]["completion_tokens"] == 8
 
 
 def test_sigkill_of_serve_leaves_no_vllm_process(serving: Serving) -> None:
