@@ -2,13 +2,15 @@
 one that dies, or stops answering, is started again.
 
 Each engine has a watcher task. When its process exits without being asked to, the watcher
-kills what is left of its process group (a vLLM server's EngineCore), logs it, waits a
-backoff (doubling from `backoff_s` up to `max_backoff_s`, reset once an engine stayed up
-`stable_s`), and starts it with the same spec on the same ports; if those ports are taken,
-on fresh ones. A restart budget (`budget` restarts per `window_s`) stops a crash loop: past
-it the engine stays down (the gateway keeps it ejected) and an error is logged. `/metrics`
-counts restarts (`prfaas_engine_restarts_total`) and shows whether each engine runs
-(`prfaas_engine_up`).
+kills what is left of its process group (a vLLM server's EngineCore), has the gateway eject
+it at once (its calls aborted, so the Router retries or migrates them, and nothing routed to
+it while it restarts: a restarting server may accept connections long before it answers
+them), logs it, waits a backoff (doubling from `backoff_s` up to `max_backoff_s`, reset once
+an engine stayed up `stable_s`), and starts it with the same spec on the same ports; if
+those ports are taken, on fresh ones. A restart budget (`budget` restarts per `window_s`)
+stops a crash loop: past it the engine stays down (the gateway keeps it ejected) and an
+error is logged. `/metrics` counts restarts (`prfaas_engine_restarts_total`) and shows
+whether each engine runs (`prfaas_engine_up`).
 
 After every restart the gateway is told where the engine is now (`Gateway.relocate`, the
 same addresses or new ones): a new client, the KV-event subscription joined afresh and the
@@ -154,6 +156,8 @@ class Supervisor:
             if self._stopping:
                 return
             kill_group(engine.process)  # what it left behind (vLLM's EngineCore)
+            if (state := self._instance(name)) is not None:  # not routed to until it is back
+                state.eject(f"its process exited (code {code})")
             if loop.time() - started >= self.policy.stable_s:
                 backoff = self.policy.backoff_s
             if not self._allowed(name, loop.time()):
@@ -199,7 +203,7 @@ class Supervisor:
         since: float | None = None
         while True:
             await asyncio.sleep(self.policy.check_s)
-            state = None if self._gateway is None or grace == 0 else self._instance(name)
+            state = None if grace == 0 else self._instance(name)
             if state is None or state.status != "ejected" or state.failures == 0:
                 since = None
                 continue
@@ -208,7 +212,9 @@ class Supervisor:
                 return
 
     def _instance(self, name: str) -> InstanceState | None:
-        assert self._gateway is not None
+        """The gateway's view of the engine (None before the gateway is up)."""
+        if self._gateway is None:
+            return None
         try:
             return self._gateway.instances[name]
         except KeyError:
