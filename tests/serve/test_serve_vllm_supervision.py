@@ -211,6 +211,19 @@ def test_a_stopped_vllm_prefill_is_killed_whole_and_restarted(serving: Serving) 
     with _post(url, body) as reply:
         assert reply.headers["x-prfaas-route"] == "prfaas"
         assert json.load(reply)["usage"]["completion_tokens"] == 8
+    # the restarted engines' KV events reach the index (the gateway joined them afresh)
+    long = {**body, "prompt": "hello there " * 70, "max_tokens": 2}
+    with _post(url, long) as reply:
+        assert reply.status == 200
+    deadline = time.monotonic() + 30
+    while _index_entries(url) == 0:
+        assert time.monotonic() < deadline, "no KV events from the restarted engines"
+        time.sleep(0.5)
+
+
+def _index_entries(url: str) -> int:
+    with urllib.request.urlopen(f"{url}/admin/state", timeout=10) as reply:
+        return int(json.load(reply)["kv_index"]["entries"])
 
 
 def test_sigkill_of_serve_leaves_no_vllm_process(serving: Serving) -> None:
