@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from prfaas.serve.reaper import descendants, wrap
+from prfaas.testing.processes import child_pids, engine_pid
 
 TREE = [sys.executable, "-c", "import subprocess, sys, time; "
         "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
@@ -46,6 +47,7 @@ def _all_gone(pids: list[int], timeout_s: float = 10) -> None:
 def test_the_tree_dies_with_its_server() -> None:
     proc = subprocess.Popen(wrap(TREE, exec_=False), start_new_session=True)
     server, child = _tree(proc.pid, 2)
+    assert engine_pid(proc.pid) == server
     os.kill(server, signal.SIGKILL)
     assert proc.wait(10) == 128 + signal.SIGKILL
     _all_gone([server, child])
@@ -72,6 +74,12 @@ def test_a_sigkilled_parent_takes_every_engine_along() -> None:
     parent = subprocess.Popen([sys.executable, "-c", starter])
     try:
         tree = _tree(parent.pid, 4)  # the reaper, the server, its child, the exec'd engine
+        time.sleep(0.5)  # the exec'd one has replaced the reaper's image by now
+        kept = {pid: engine_pid(pid) for pid in child_pids(parent.pid)}
+        assert len(kept) == 2 and list(kept.values()).count(None) == 0
+        exec_d = [pid for pid, engine in kept.items() if engine == pid]
+        reaped = [engine for pid, engine in kept.items() if engine != pid]
+        assert len(exec_d) == len(reaped) == 1 and reaped[0] in tree
     finally:
         parent.kill()
         parent.wait()
