@@ -127,6 +127,10 @@ class GatewayConfig:
     """Failed probes in a row that eject an instance (a refused connection ejects at once)."""
     readmit_after: int = 2
     """Good probes in a row that readmit an ejected instance."""
+    unresponsive_restart_s: float = 30.0
+    """`prfaas serve`'s launched engines: one ejected and still not answering its probes
+    this long after (a stopped or wedged process) is killed, its whole process tree, and
+    started again; 0 never does."""
     max_retries: int = 2
     """Re-dispatches of a request that failed before its first token (another instance)."""
     max_migrations: int = 2
@@ -154,6 +158,8 @@ class GatewayConfig:
             check(getattr(self, name) > 0, name, getattr(self, name), "must be > 0")
         for name in ("eject_after", "readmit_after"):
             check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        grace = self.unresponsive_restart_s
+        check(0 <= grace <= 3600, "unresponsive_restart_s", grace, "must be in [0, 3600]")
         for name in ("max_retries", "max_migrations"):
             check(0 <= getattr(self, name) <= 10, name, getattr(self, name), "must be in 0..10")
         wait = self.retry_wait_s

@@ -45,7 +45,7 @@ from prfaas.serve.profiling import (
 )
 from prfaas.serve.run import serve_gateway, setups, signals_cancel_current_task
 from prfaas.serve.summary import summary_lines
-from prfaas.serve.supervisor import Supervisor
+from prfaas.serve.supervisor import Supervisor, restart_policy
 
 DEFAULT_LINK_MBPS = 10.0
 DEFAULT_DELAY_MS = 5.0
@@ -239,7 +239,8 @@ async def serve_embedded(options: EmbeddedOptions, host: str, port: int) -> int:
     secret = DeploymentSecret.from_env(path=options.gateway.secret_file)
     with signals_cancel_current_task():
         cluster = await start_cluster(options, log_dir, secret)
-    supervisor = Supervisor(cluster.engines, log_dir, cluster.env)
+    policy = restart_policy(options.gateway)
+    supervisor = Supervisor(cluster.engines, log_dir, cluster.env, policy)
     supervisor.start()
     try:
         profile: DeploymentProfile | None = None

@@ -2,8 +2,8 @@
 or vLLM servers for `engine = "vllm"`) as child processes (reference engines with the
 deployment secret in their environment: the configured one, else a fresh one), add them to
 the deployment as running instances, serve (with the PrfaaS prefill instances' egress
-telemetry polled, `assembly.egress_setup`), restart a reference engine that dies
-(`supervisor.Supervisor`), stop them all on exit."""
+telemetry polled, `assembly.egress_setup`), restart any of them that dies or stops
+answering (`supervisor.Supervisor`), stop them all on exit."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from prfaas.gateway.api.assembly import Gateway, egress_setup
 from prfaas.gateway.deployment import DeploymentConfig, InstanceConfig, LaunchConfig
 from prfaas.serve.processes import EngineProcess, EngineSpec, free_port, start_engine
 from prfaas.serve.run import serve_gateway, setups, signals_cancel_current_task
-from prfaas.serve.supervisor import Supervisor
+from prfaas.serve.supervisor import Starter, Supervisor, restart_policy
 from prfaas.serve.vllm_engines import start_vllm
 
 
@@ -63,7 +63,7 @@ def _start(
     """The start of one `[[launch]]` engine, by its engine kind."""
     env = {ENV_SECRET: secret.hex()}
     if launch.engine == "vllm":
-        return start_vllm(launch, config.model.name, log_dir, env)
+        return start_vllm(launch, config.model.name, log_dir, env=env)
     return start_engine(_spec(launch, config.model.block_size), log_dir, env=env)
 
 
@@ -89,20 +89,24 @@ async def serve_launched(
     port: int,
     on_ready: Callable[[Gateway, int], None] | None = None,
 ) -> int:
-    """Start the `[[launch]]` engines, serve the whole deployment, restart reference engines
-    that die, stop every engine on exit."""
+    """Start the `[[launch]]` engines, serve the whole deployment, restart engines that die
+    or stop answering, stop every engine on exit."""
     log_dir = Path(tempfile.mkdtemp(prefix="prfaas-serve-"))
     print(f"starting {len(config.launch)} engine(s); logs in {log_dir}", flush=True)
     secret = launch_secret(config)
     with signals_cancel_current_task():
         engines = await start_launched(config, log_dir, secret)
-    reference = {
-        e.spec.name: e
-        for la, e in zip(config.launch, engines, strict=True)
-        if la.engine == "reference"
-    }
-    others = [e for e in engines if e.spec.name not in reference]
-    supervisor = Supervisor(reference, log_dir, {ENV_SECRET: secret.hex()})
+    supervisor = Supervisor(
+        {e.spec.name: e for e in engines},
+        log_dir,
+        {ENV_SECRET: secret.hex()},
+        restart_policy(config.gateway),
+        starters={
+            la.id: _vllm_starter(la, config.model.name, log_dir, {ENV_SECRET: secret.hex()})
+            for la in config.launch
+            if la.engine == "vllm"
+        },
+    )
     supervisor.start()
     try:
         started = tuple(_instance(la, e) for la, e in zip(config.launch, engines, strict=True))
@@ -110,5 +114,17 @@ async def serve_launched(
         setup = setups(egress_setup(), supervisor.attach)
         await serve_gateway(full, host, port, setup=setup, on_ready=on_ready, secret=secret)
     finally:
-        await asyncio.gather(supervisor.stop(), *(e.stop() for e in others))
+        await supervisor.stop()
     return 0
+
+
+def _vllm_starter(
+    launch: LaunchConfig, served_name: str, log_dir: Path, env: dict[str, str]
+) -> Starter:
+    """How the supervisor starts a vLLM engine again (on the ports it is given, with the
+    deployment secret in its environment as at its first start)."""
+
+    async def start(ports: EngineSpec, log_name: str) -> EngineProcess:
+        return await start_vllm(launch, served_name, log_dir, ports, log_name, env)
+
+    return start

@@ -4,6 +4,10 @@ Each child runs `python -m prfaas.cli.main engine ...` and prints one line once 
 `prfaas engine ready: http://HOST:PORT role=ROLE bootstrap_port=B`. Its stderr goes to a log
 file so a failed start can be diagnosed. The deployment secret reaches it through its
 environment (`PRFAAS_SECRET`), never its command line, which `ps` shows to every user.
+
+Every engine runs in a session (and process group) of its own, under `reaper.py`: its whole
+tree dies with it (`kill_group` after its leader exits, whatever ended it) and with this
+process (a parent-death signal, so even a SIGKILLed `prfaas serve` leaves nothing behind).
 """
 
 from __future__ import annotations
@@ -18,7 +22,10 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
+
+from prfaas.serve import reaper
 
 READY = re.compile(rb"prfaas engine ready: (http://\S+) role=(\w+) bootstrap_port=(\d+)")
 STOP_GRACE_S = 5.0
@@ -95,16 +102,38 @@ class EngineProcess:
             await self.drain
 
 
-async def stop_process(process: asyncio.subprocess.Process) -> None:
+async def stop_process(process: asyncio.subprocess.Process, grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM the engine's leader process, SIGKILL its whole group after `grace_s`, and
+    SIGKILL whatever is left of the group once the leader is gone (a child it left)."""
     if process.returncode is None:
         with contextlib.suppress(ProcessLookupError):
             process.send_signal(signal.SIGTERM)
         try:
-            await asyncio.wait_for(process.wait(), STOP_GRACE_S)
+            await asyncio.wait_for(process.wait(), grace_s)
         except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
+            kill_group(process)
             await process.wait()
+    kill_group(process)
+
+
+def kill_group(process: asyncio.subprocess.Process) -> None:
+    """SIGKILL every process of the engine's process group (a stopped one too)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+
+
+async def spawn(
+    argv: list[str], *, exec_: bool, env: Mapping[str, str], stdout: Any, stderr: Any
+) -> asyncio.subprocess.Process:
+    """Start `argv` as an engine: in a new session, under `reaper` (`exec_`: `argv` starts
+    no processes of its own, so it only gets the parent-death signal)."""
+    return await asyncio.create_subprocess_exec(
+        *reaper.wrap(argv, exec_=exec_),
+        stdout=stdout,
+        stderr=stderr,
+        env=dict(env),
+        start_new_session=True,
+    )
 
 
 async def _drain(stream: asyncio.StreamReader) -> None:
@@ -129,8 +158,9 @@ async def start_engine(
     """
     log = log_dir / f"{log_name or spec.name}.log"
     with log.open("wb") as err:
-        process = await asyncio.create_subprocess_exec(
-            *spec.argv(host),
+        process = await spawn(
+            spec.argv(host),
+            exec_=True,
             stdout=asyncio.subprocess.PIPE,
             stderr=err,
             env={**os.environ, **(env or {})},

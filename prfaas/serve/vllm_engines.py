@@ -1,6 +1,8 @@
 """vLLM engines as child processes for `[[launch]]` entries with `engine = "vllm"`: a vLLM
 OpenAI server from the vLLM environment with the PrfaaS connector, ready once `/health`
-answers (vLLM prints no ready line of ours)."""
+answers (vLLM prints no ready line of ours). It runs under `reaper.py` (not `exec`): vLLM's
+API server starts an EngineCore process that outlives a killed server unless someone kills it.
+A restart (`supervisor.Supervisor`) passes the ports it had."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import aiohttp
 from prfaas.engines.vllm.launch import VLLMServer
 from prfaas.engines.vllm.role import ENV_ROLE
 from prfaas.gateway.deployment import LaunchConfig
-from prfaas.serve.processes import EngineProcess, EngineSpec, free_port, stop_process
+from prfaas.serve.processes import EngineProcess, EngineSpec, free_port, spawn, stop_process
 
 START_TIMEOUT_S = 300.0
 
@@ -26,10 +28,12 @@ def vllm_server(
     bootstrap_port: int,
     events_port: int,
     replay_port: int | None = None,
+    port: int = 0,
     env: Mapping[str, str] | None = None,
 ) -> VLLMServer:
     """The server a `[[launch]]` entry describes (prefill roles pace their egress as set;
-    `replay_port`: where its KV events' replay is served; `env`: added to its environment).
+    `replay_port`: where its KV events' replay is served; `port`: its HTTP port, 0 for any
+    free one; `env`: added to its environment).
 
     Raises:
         RuntimeError: the vLLM environment's interpreter does not exist.
@@ -46,7 +50,7 @@ def vllm_server(
     return VLLMServer(
         python=Path(launch.python),
         model=Path(launch.model),
-        port=free_port(),
+        port=port or free_port(),
         served_name=served_name,
         connector=connector,
         kv_events_port=events_port,
@@ -58,20 +62,34 @@ def vllm_server(
 
 
 async def start_vllm(
-    launch: LaunchConfig, served_name: str, log_dir: Path, env: dict[str, str] | None = None
+    launch: LaunchConfig,
+    served_name: str,
+    log_dir: Path,
+    ports: EngineSpec | None = None,
+    log_name: str | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> EngineProcess:
-    """Start one vLLM server and wait until it answers `/health`; `env` adds to its
-    environment (the deployment secret: never on its command line).
+    """Start one vLLM server and wait until it answers `/health`. `ports`: the HTTP,
+    bootstrap, KV-event and replay ports to use (a restart's; 0 or None: a free one);
+    output goes to `log_dir/<log_name or id>.log`; `env` adds to its environment (the
+    deployment secret: never on its command line).
 
     Raises:
         RuntimeError: it exited or was not ready within START_TIMEOUT_S (names its log).
     """
-    events, bootstrap, replay = free_port(), free_port(), free_port()
-    server = vllm_server(launch, served_name, bootstrap, events, replay, env or {})
-    log = log_dir / f"{launch.id}.log"
+    ports = ports or EngineSpec(launch.id, launch.role, launch.model)
+    events = ports.kv_events_port or free_port()
+    replay = ports.kv_replay_port or free_port()
+    bootstrap = ports.bootstrap_port or free_port()
+    server = vllm_server(launch, served_name, bootstrap, events, replay, ports.port, env)
+    log = log_dir / f"{log_name or launch.id}.log"
     with log.open("wb") as out:
-        process = await asyncio.create_subprocess_exec(
-            *server.command(), env=server.env(), stdout=out, stderr=asyncio.subprocess.STDOUT
+        process = await spawn(
+            server.command(),
+            exec_=False,
+            env=server.env(),
+            stdout=out,
+            stderr=asyncio.subprocess.STDOUT,
         )
     url = f"http://{server.host}:{server.port}"
     try:
@@ -84,8 +102,9 @@ async def start_vllm(
         await asyncio.shield(stop_process(process))
         raise
     spec = EngineSpec(
-        launch.id, launch.role, launch.model, kv_events_port=events, kv_replay_port=replay
-    )
+        launch.id, launch.role, launch.model, kv_events_port=events, kv_replay_port=replay,
+        port=server.port, bootstrap_port=bootstrap,
+    )  # fmt: skip
     reaper = asyncio.get_running_loop().create_task(_reap(process))  # output goes to the log
     return EngineProcess(spec, process, url, bootstrap, log, reaper)
 

@@ -27,3 +27,18 @@ def group_cpu_seconds(pgid: int) -> float:
     """CPU time (user + system) the live processes of process group `pgid` have used."""
     ticks = sum(int(f[11]) + int(f[12]) for _, f in _stats() if int(f[2]) == pgid)
     return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def engine_pid(child: int) -> int | None:
+    """The engine's own process behind one of `prfaas serve`'s children: the child itself,
+    or, for an engine run under `prfaas.serve.reaper` (a vLLM server), the server it started
+    (None while it has none). A fault meant for the engine (SIGKILL, SIGSTOP) goes there;
+    `os.killpg(child, ...)` reaches its whole tree."""
+    try:
+        argv = Path(f"/proc/{child}/cmdline").read_text().split("\0")
+    except OSError:
+        return None
+    if "prfaas.serve.reaper" not in argv[:3]:
+        return child
+    children = child_pids(child)
+    return children[0] if children else None

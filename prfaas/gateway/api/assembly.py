@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -115,14 +116,23 @@ class Gateway:
         kv_events: str | None,
         kv_events_replay: str | None = None,
     ) -> None:
-        """An engine came back at new addresses (a restart on other ports): point the
+        """An engine came back (a restart, on its old addresses or new ones): point the
         instance's client, bootstrap address, KV-event subscription (and its replay
         endpoint) and egress polling at them. Its index entries are dropped, then rebuilt
         from its snapshot (what it cached before the subscription joined)."""
         state = self.instances[instance_id]
         old = state.client
         config = _client_config(self.config.gateway)
-        state.client = SGLangClient(instance_id, url, self.session, config, self.token)
+        if isinstance(old, VLLMClient):  # a vLLM instance without a KV sender keeps none
+            if state.bootstrap_port is None:
+                bootstrap_port = None
+            port = old.endpoint.bootstrap_port if bootstrap_port is None else bootstrap_port
+            endpoint = dataclasses.replace(old.endpoint, base_url=url, bootstrap_port=port)
+            state.client = VLLMClient(instance_id, endpoint, self.session, config, self.token)
+        else:
+            sglang = isinstance(old, SGLangClient) and old.sglang_server
+            state.client = SGLangClient(instance_id, url, self.session, config, self.token,
+                                        sglang_server=sglang)  # fmt: skip
         if bootstrap_port is not None:
             state.bootstrap_port = bootstrap_port
         if kv_events is not None:

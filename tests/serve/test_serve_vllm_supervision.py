@@ -1,0 +1,237 @@
+"""Supervision of launched vLLM engines, on a real `prfaas serve` over real vLLM servers (a
+PrfaaS prefill and a PD decode, the tiny checkpoint): a SIGKILLed vLLM API server takes its
+EngineCore with it (no orphan), a stream it was serving ends at once with an OpenAI error
+event and no `[DONE]`, the supervisor starts it again and the gateway serves through it; a
+SIGSTOPped one is killed (its whole tree) after `unresponsive_restart_s` and started again;
+a SIGKILLed `prfaas serve` leaves no vLLM process behind. Slow (vLLM starts take about a
+minute each on a small machine): one module, one gateway."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import pytest
+from metrics_helpers import Scrape
+from vllm_helpers import MODEL, VLLM_PYTHON, require_vllm
+
+from prfaas.serve.reaper import descendants
+from prfaas.testing.processes import child_pids
+
+LISTENING = re.compile(r"PrfaaS gateway listening on (http://\S+)")
+START_TIMEOUT_S = 600
+GRACE_S = 8.0
+
+
+def _deployment() -> str:
+    engines = "".join(
+        f"""
+[[launch]]
+id = "{name}"
+engine = "vllm"
+cluster = "{cluster}"
+role = "{role}"
+model = "{MODEL}"
+python = "{VLLM_PYTHON}"
+"""
+        for name, cluster, role in (("prfaas-p0", "prfaas", "prefill"), ("pd-d0", "pd", "decode"))
+    )
+    return f"""
+[model]
+name = "qwen3-next-tiny"
+tokenizer = "{MODEL}"
+context_length = 4096
+block_size = 384
+vocab_size = 384
+
+[gateway]
+policy = "prfaas"
+threshold = 0
+health_interval_s = 0.5
+unresponsive_restart_s = {GRACE_S}
+{engines}"""
+
+
+@dataclass
+class Serving:
+    proc: subprocess.Popen[str]
+    url: str
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie whose parent is gone counts as dead: this machine's init may not
+    reap it)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.fixture(scope="module")
+def serving(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
+    require_vllm()
+    root = tmp_path_factory.mktemp("vllm-supervision")
+    config = root / "deploy.toml"
+    config.write_text(_deployment())
+    log = root / "serve.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "prfaas.cli.main", "serve", "--port", "0", "--config",
+             str(config)],
+            stdout=out, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline and proc.poll() is None:
+            if match := LISTENING.search(log.read_text()):
+                yield Serving(proc, match.group(1))
+                return
+            time.sleep(0.5)
+        pytest.fail("prfaas serve did not start:\n" + log.read_text()[-3000:])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        print(log.read_text()[-4000:])
+
+
+def _state(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(f"{url}/admin/state", timeout=10) as reply:
+        state: dict[str, Any] = json.load(reply)
+    return {i["id"]: i for c in state["clusters"].values() for i in c}
+
+
+def _scrape(url: str) -> Scrape:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as reply:
+        return Scrape.parse(reply.read().decode())
+
+
+def _engine_leader(serving: Serving, instance: str) -> int:
+    """The pid of `prfaas serve`'s child that runs `instance` (its vLLM server's parent)."""
+    port = str(urlparse(_state(serving.url)[instance]["url"]).port)
+    for pid in child_pids(serving.proc.pid):
+        argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+        if "--port" in argv and argv[argv.index("--port") + 1] == port:
+            return pid
+    raise AssertionError(f"no process serves {instance} on port {port}")
+
+
+def _post(url: str, body: dict[str, Any], timeout: float = 120) -> Any:
+    request = urllib.request.Request(
+        f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    return urllib.request.urlopen(request, timeout=timeout)
+
+
+def test_a_killed_vllm_decode_ends_its_stream_leaves_no_orphan_and_comes_back(
+    serving: Serving,
+) -> None:
+    url = serving.url
+    leader = _engine_leader(serving, "pd-d0")
+    tree = descendants(leader)
+    server = child_pids(leader)[0]  # the API server; its EngineCore below it
+    assert len(tree) >= 2, "expected vLLM's API server and its EngineCore"
+    assert all(os.getpgid(pid) == leader for pid in tree)
+    body = {"model": "qwen3-next-tiny", "prompt": "hello there", "max_tokens": 3000,
+            "ignore_eos": True, "stream": True, "temperature": 0}  # fmt: skip
+    events: list[str] = []
+    with _post(url, body, timeout=60) as stream:
+        for raw in stream:
+            if raw.startswith(b"data: "):
+                events.append(raw[6:].decode().strip())
+            if len(events) >= 3:
+                break
+        os.kill(server, signal.SIGKILL)
+        killed = time.monotonic()
+        for raw in stream:
+            if raw.startswith(b"data: "):
+                events.append(raw[6:].decode().strip())
+        ended = time.monotonic() - killed
+    assert ended < 10, ended
+    assert events[-1] != "[DONE]"
+    assert "error" in json.loads(events[-1]), events[-3:]
+    deadline = time.monotonic() + 10
+    while [pid for pid in tree if alive(pid)]:
+        assert time.monotonic() < deadline, f"orphans: {[p for p in tree if alive(p)]}"
+        time.sleep(0.1)
+
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while (
+        _scrape(url).value("prfaas_engine_restarts_total", instance="pd-d0") < 1
+        or _state(url)["pd-d0"]["status"] != "healthy"
+    ):
+        assert time.monotonic() < deadline, _state(url)
+        time.sleep(1)
+    assert _state(url)["pd-d0"]["ejections"] == 1
+    assert _scrape(url).value("prfaas_engine_restarts_total", instance="pd-d0") == 1
+    assert _engine_leader(serving, "pd-d0") != leader
+    with _post(url, {**body, "stream": False, "max_tokens": 8}) as reply:
+        answer = json.load(reply)
+    assert answer["usage"]["completion_tokens"] == 8
+
+
+def test_a_stopped_vllm_prefill_is_killed_whole_and_restarted(serving: Serving) -> None:
+    url = serving.url
+    leader = _engine_leader(serving, "prfaas-p0")
+    tree = descendants(leader)
+    server = child_pids(leader)[0]
+    os.kill(server, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        while [pid for pid in tree if alive(pid)]:
+            assert time.monotonic() < stopped + 60, _state(url)["prfaas-p0"]
+            time.sleep(0.2)
+    finally:
+        if alive(server):
+            os.kill(server, signal.SIGKILL)
+    assert time.monotonic() - stopped >= GRACE_S
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while (
+        _scrape(url).value("prfaas_engine_restarts_total", instance="prfaas-p0") < 1
+        or _state(url)["prfaas-p0"]["status"] != "healthy"
+    ):
+        assert time.monotonic() < deadline, _state(url)
+        time.sleep(1)
+    scrape = _scrape(url)
+    assert scrape.value("prfaas_engine_unresponsive_kills_total", instance="prfaas-p0") == 1
+    body = {"model": "qwen3-next-tiny", "prompt": "hello there", "max_tokens": 8,
+            "ignore_eos": True, "temperature": 0}  # fmt: skip
+    with _post(url, body) as reply:
+        assert reply.headers["x-prfaas-route"] == "prfaas"
+        assert json.load(reply)["usage"]["completion_tokens"] == 8
+    # the restarted engines' KV events reach the index (the gateway joined them afresh)
+    long = {**body, "prompt": "hello there " * 70, "max_tokens": 2}
+    with _post(url, long) as reply:
+        assert reply.status == 200
+    deadline = time.monotonic() + 30
+    while _index_entries(url) == 0:
+        assert time.monotonic() < deadline, "no KV events from the restarted engines"
+        time.sleep(0.5)
+
+
+def _index_entries(url: str) -> int:
+    with urllib.request.urlopen(f"{url}/admin/state", timeout=10) as reply:
+        return int(json.load(reply)["kv_index"]["entries"])
+
+
+def test_sigkill_of_serve_leaves_no_vllm_process(serving: Serving) -> None:
+    tree = descendants(serving.proc.pid)
+    assert len(tree) >= 4  # two engines: each a leader, an API server, an EngineCore
+    serving.proc.kill()
+    serving.proc.wait()
+    deadline = time.monotonic() + 15
+    while [pid for pid in tree if alive(pid)]:
+        assert time.monotonic() < deadline, [pid for pid in tree if alive(pid)]
+        time.sleep(0.1)
