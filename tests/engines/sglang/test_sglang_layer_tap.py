@@ -14,9 +14,11 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
+import pytest
 import sglang_helpers as sh
 import torch
 from sglang.srt.disaggregation.base.conn import KVPoll
+from sglang.srt.disaggregation.common.conn import KVTransferError
 from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.sampling.sampling_params import SamplingParams
 from torch import nn
@@ -251,3 +253,27 @@ def test_send_after_ships_everything_after_the_last_chunk(make_pair: Any) -> Non
         assert (pages, states) == ([], []), end  # after the forward, before its send()
     assert sorted(sink.pages()) == [(3, (0, 2)), (3, (2, 4)), (7, (0, 2)), (7, (2, 4))]
     assert sorted(sink.states()) == sorted(sh.MAMBA_LAYERS)
+
+
+def test_a_state_slot_other_than_the_hooks_fails_the_room(pair: sh.Pair) -> None:
+    """The hook read the states from the slot SGLang maps the request to; a last `send()`
+    naming another slot means they disagree: the room fails rather than send two states."""
+    src = np.array([9, 2, 30, 5], dtype=np.int32)
+    sender, receiver = pair.sender(ROOM), pair.receiver(ROOM)
+    receiver.send_metadata(src, 3, [np.array([2], dtype=np.int32)], decode_prefix_len=0)
+    assert sh.wait_for(sender.poll, KVPoll.WaitingForInput) == KVPoll.WaitingForInput
+    tap = LayerTap(pair.prefill_mgr.prefill)
+    model = TinyModel(pair.prefill)
+    install_layer_hooks(model, tap)
+    slots_of = torch.as_tensor(np.repeat(src, sh.PAGE) * sh.PAGE + np.tile(np.arange(sh.PAGE), 4))
+    req = _req()
+    req.extend_end = TOKENS
+    sender.init(len(src), aux_index=1)
+    tap.plan([req], slots_of[None, :].to(torch.int64), _same, lambda r: torch.tensor([SLOT]))
+    model(slots_of[:TOKENS])
+    tap.clear()
+    sender.send(src, [np.array([SLOT + 1], dtype=np.int32)], TOKENS)
+    assert sh.wait_for(sender.poll, KVPoll.Failed) == KVPoll.Failed
+    with pytest.raises(KVTransferError, match=f"states from slot {SLOT}, SGLang's send"):
+        sender.failure_exception()
+    assert sh.wait_for(receiver.poll, KVPoll.Failed) == KVPoll.Failed
