@@ -9,8 +9,10 @@ scheduler using the prfaas backend in its layer-wise mode (the default):
 - `init_disaggregation`: after SGLang built its KV manager, register a torch forward hook
   on each decoder layer of the model (`install_layer_hooks`), calling `LayerTap.after_layer`;
 - `run_batch`: before the forward, `LayerTap.plan` works out, per request of the batch
-  whose room is bootstrapped, which logical pages this chunk completes (the same rule as
-  SGLang's `send_kv_chunk`: whole pages, and the partial last page once the prompt ends),
+  whose room is bootstrapped (SGLang's too: not `pending_bootstrap`, an optimistic prefill
+  whose pages SGLang may still release and requeue), which logical pages this chunk
+  completes (the same rule as SGLang's `send_kv_chunk`: whole pages, and the partial last
+  page once the prompt ends),
   their physical ids, and for a request whose prompt this chunk ends, the Mamba slot its
   states are in (SGLang's own `send_kv_chunk` reads the same slot after the forward); one
   small device-to-host read per batch brings these to the host. After the forward the plan
@@ -89,8 +91,9 @@ class LayerTap:
         found: list[tuple[PrefillRoom, int, int, torch.Tensor | None, torch.Tensor | None]] = []
         for req in reqs:
             state = self.plane.rooms.get(getattr(req, "bootstrap_room", None))
-            if state is None or req.extend_end is None:
-                continue
+            if state is None or req.extend_end is None or getattr(req, "pending_bootstrap", False):
+                continue  # a request SGLang prefills optimistically may be released and
+                # requeued before its bootstrap is final: its `send()` catches up then
             total = len(req.origin_input_ids)
             last = req.extend_end >= total
             tokens = min(req.extend_end, total) - state.base_tokens

@@ -277,3 +277,22 @@ def test_a_state_slot_other_than_the_hooks_fails_the_room(pair: sh.Pair) -> None
     with pytest.raises(KVTransferError, match=f"states from slot {SLOT}, SGLang's send"):
         sender.failure_exception()
     assert sh.wait_for(receiver.poll, KVPoll.Failed) == KVPoll.Failed
+
+
+def test_an_optimistic_prefill_still_pending_bootstrap_is_left_to_send(pair: sh.Pair) -> None:
+    """SGLang may release and requeue the pages of a request it prefills before its
+    bootstrap is final: the hook plans nothing for it (its `send()` catches up later)."""
+    src = np.array([9, 2, 30, 5], dtype=np.int32)
+    sender, receiver = pair.sender(ROOM), pair.receiver(ROOM)
+    receiver.send_metadata(src, 3, [np.array([2], dtype=np.int32)], decode_prefix_len=0)
+    assert sh.wait_for(sender.poll, KVPoll.WaitingForInput) == KVPoll.WaitingForInput
+    tap = LayerTap(pair.prefill_mgr.prefill)
+    req = _req()
+    req.extend_end = CHUNK
+    table = torch.arange(TOKENS, dtype=torch.int64)[None, :]
+    req.pending_bootstrap = True
+    tap.plan([req], table, _same, lambda r: torch.tensor([SLOT]))
+    assert tap.planned == []
+    req.pending_bootstrap = False
+    tap.plan([req], table, _same, lambda r: torch.tensor([SLOT]))
+    assert [(p.first, p.end, p.slot) for p in tap.planned] == [(0, 2, None)]
