@@ -241,6 +241,9 @@ def test_states_leave_layer_by_layer_during_the_last_chunk_only(pair: sh.Pair) -
             ), k
     assert sorted(states) == sorted(sh.MAMBA_LAYERS)
     assert sorted(sink.states()) == sorted(sh.MAMBA_LAYERS)  # send() sent none again
+    timeline = pair.prefill_mgr.prefill.rooms[ROOM].timeline  # what the room's log line says
+    assert "messages=10 " in timeline.summary()  # 2 x 2 page messages, 6 states
+    assert "sent_before_last_send=1.000" in timeline.summary()
 
 
 def test_send_after_ships_everything_after_the_last_chunk(make_pair: Any) -> None:
@@ -253,6 +256,7 @@ def test_send_after_ships_everything_after_the_last_chunk(make_pair: Any) -> Non
         assert (pages, states) == ([], []), end  # after the forward, before its send()
     assert sorted(sink.pages()) == [(3, (0, 2)), (3, (2, 4)), (7, (0, 2)), (7, (2, 4))]
     assert sorted(sink.states()) == sorted(sh.MAMBA_LAYERS)
+    assert "sent_before_last_send=0.000" in pair.prefill_mgr.prefill.rooms[ROOM].timeline.summary()
 
 
 def test_a_state_slot_other_than_the_hooks_fails_the_room(pair: sh.Pair) -> None:
