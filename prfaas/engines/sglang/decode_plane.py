@@ -9,9 +9,8 @@ every layer's pages at this request's page ids and its Mamba state in its slot
 memory and copies them in on its own placing stream), writes SGLang's metadata buffers at
 its aux index, checks nothing is missing, waits for the pool's fence taken after the last
 placement (every copy into this engine's memory done), and only then marks the room
-`Success`. Any failure
-(the prefill's abort, a timeout, a lost prefill, a bad layout) marks it `Failed` with the
-reason, which `failure_exception()` raises.
+`Success`. Any failure (the prefill's abort, a timeout, a lost prefill, a bad layout)
+marks it `Failed` with the reason, which `failure_exception()` raises.
 """
 
 from __future__ import annotations
