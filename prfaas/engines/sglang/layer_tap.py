@@ -15,8 +15,9 @@ scheduler using the prfaas backend in its layer-wise mode (the default):
   page once the prompt ends),
   their physical ids, and for a request whose prompt this chunk ends, the Mamba slot its
   states are in (SGLang's own `send_kv_chunk` reads the same slot after the forward); one
-  small device-to-host read per batch brings these to the host. After the forward the plan
-  is dropped.
+  small device-to-host copy per batch brings these to the host, waited for by the first
+  layer hook (the forward's first layer is enqueued by then). After the forward the plan is
+  dropped.
 
 Each layer hook then ships that layer's planned pages and states (`PrefillPlane.ship_pages`,
 `ship_state`): the pool records an event on the forward's current stream and copies on a
@@ -69,7 +70,26 @@ class LayerTap:
 
     def __init__(self, plane: Any) -> None:
         self.plane = plane
-        self.planned: list[PlannedRoom] = []
+        self._planned: list[PlannedRoom] = []
+        self._pending: tuple[list[_Found], _HostRead] | None = None
+
+    @property
+    def planned(self) -> list[PlannedRoom]:
+        """The batch's plan (waits for its host read the first time it is asked for)."""
+        if self._pending is not None:
+            found, read = self._pending
+            self._pending = None
+            host, at = read.numpy(), 0
+            for state, first, end, ids, slot in found:
+                count = 0 if ids is None else int(ids.numel())
+                page_ids, at = host[at : at + count], at + count
+                slot_id = None
+                if slot is not None:
+                    slot_id, at = int(host[at]), at + 1
+                self._planned.append(
+                    PlannedRoom(state, first, end if count else first, page_ids, slot_id)
+                )
+        return self._planned
 
     def plan(
         self,
@@ -85,10 +105,10 @@ class LayerTap:
         allocator's `translate_kv_indices_for_transfer`; `state_slot(req)` the request's
         Mamba slot as a one-element tensor (None: the pool has no Mamba layers).
         """
-        self.planned = []
+        self.clear()
         pool = self.plane.pool
         page = pool.page_size
-        found: list[tuple[PrefillRoom, int, int, torch.Tensor | None, torch.Tensor | None]] = []
+        found: list[_Found] = []
         for req in reqs:
             state = self.plane.rooms.get(getattr(req, "bootstrap_room", None))
             if state is None or req.extend_end is None or getattr(req, "pending_bootstrap", False):
@@ -113,17 +133,7 @@ class LayerTap:
         if not found:
             return
         parts = [t.reshape(-1).to(torch.int64) for f in found for t in f[3:] if t is not None]
-        host = torch.cat(parts).cpu().numpy()  # the one host read of the batch's plan
-        at = 0
-        for state, first, end, ids, slot in found:
-            count = 0 if ids is None else int(ids.numel())
-            page_ids, at = host[at : at + count], at + count
-            slot_id = None
-            if slot is not None:
-                slot_id, at = int(host[at]), at + 1
-            self.planned.append(
-                PlannedRoom(state, first, end if count else first, page_ids, slot_id)
-            )
+        self._pending = (found, _HostRead(torch.cat(parts)))  # the batch's one host read
 
     def after_layer(self, layer: int) -> None:
         """Layer `layer`'s forward has been issued: ship its planned pages and states."""
@@ -138,11 +148,39 @@ class LayerTap:
                 if states and p.slot is not None:
                     self.plane.ship_state(p.state, layer, p.slot)
             except ValueError as exc:  # never out of the forward: this room fails instead
-                self.planned.remove(p)
+                self._planned.remove(p)
                 self.plane.on_abort(p.state.room, f"prfaas: {exc}")
 
     def clear(self) -> None:
-        self.planned = []
+        self._planned = []
+        self._pending = None
+
+
+_Found = tuple[PrefillRoom, int, int, torch.Tensor | None, torch.Tensor | None]
+"""A room planned before the host read: (room, first, end, page ids, Mamba slot)."""
+
+
+class _HostRead:
+    """Device indices on their way to host memory: on a GPU copied into pinned memory
+    without blocking (on the scheduler's current stream, after the batch's own writes of
+    them) and waited for only when first read, by the first layer hook, when the GPU already
+    has that layer's work; on the CPU read at once."""
+
+    def __init__(self, values: torch.Tensor) -> None:
+        self._event: Any = None
+        if values.device.type == "cuda":
+            self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self._host.copy_(values, non_blocking=True)
+            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._event.record()
+        else:
+            self._host = values
+
+    def numpy(self) -> np.ndarray:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return self._host.numpy()
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
