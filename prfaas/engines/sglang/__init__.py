@@ -4,7 +4,9 @@
 stock `sglang==0.5.23`; start both servers with `--disaggregation-transfer-backend prfaas`
 (the prefill also with `--disable-prefill-cuda-graph`). KV pages and Mamba states stream
 from prefill to decode over `prfaas.engines.transport`, layer by layer as the prefill's
-forward writes them (`layer_tap.py`), through the engine-neutral mover `engines/kv_pages`.
+forward writes them (`layer_tap.py`; the states during the last chunk), through the
+device-aware mover `engines/kv_pages` (`TorchPagePool`, `SendQueue`);
+`PRFAAS_SGLANG_LAYERWISE=0` sends everything after the last chunk's forward instead.
 
 Files: `plugin.py` registration; `conn.py` SGLang's manager/sender/receiver/bootstrap
 classes; `prefill_plane.py`, `shipping.py`, `decode_plane.py` the data plane of each side;

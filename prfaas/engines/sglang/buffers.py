@@ -1,6 +1,6 @@
 """SGLang's KV memory, seen through `KVArgs`: byte views over the pointers a KV manager is
-given, as a `PagePool` (full-attention pages and Mamba state slots) plus the aux
-(metadata) buffers.
+given, as the device-aware page mover's pool (`kv_pages.torch_pool.TorchPagePool`: pages of
+full-attention layers and Mamba state slots) plus the aux (metadata) buffers.
 
 `KVArgs` carries raw pointers, lengths and per-item byte sizes, and the global layer id of
 every entry. Everything here is bytes (uint8): K and V of one token are
@@ -9,21 +9,25 @@ their views with the same code from their own `KVArgs`, so component names and l
 agree, and a decode checks the prefill's layout (`layout()`) before its first transfer.
 
 The views are torch tensors on the pool's device (CPU tensors over host memory in tests,
-CUDA tensors over device memory on GPU) so one code path gathers and scatters on both.
-Reads return host numpy copies (through pinned memory on CUDA); writes take host arrays.
+CUDA tensors over device memory on GPU); every one must alias the memory it was built over
+(`check_alias`, at build time): a view that silently became a copy would read stale pages
+and, on the decode, lose every write. How they move (side-stream copies into a bounded
+pinned budget on the prefill, pinned staging on a placing stream and a completion fence on
+the decode) is `TorchPagePool`'s.
 """
 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from prfaas.engines.kv_pages import HostCopy, PageError
+from prfaas.engines.kv_pages import PageError
+from prfaas.engines.kv_pages.torch_pool import TorchPagePool
 
 Arrays = Mapping[str, np.ndarray]
 MAMBA = "mamba"  # StateType.MAMBA's value: the only state kind this backend moves
@@ -42,23 +46,49 @@ class _DeviceMemory:
 
 
 def raw_bytes(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
-    """A uint8 tensor over `nbytes` of memory the engine owns at `ptr` (shared, no copy)."""
+    """A uint8 tensor over `nbytes` of memory the engine owns at `ptr` (shared, no copy:
+    checked, see `check_alias`)."""
     if nbytes <= 0:
         raise ValueError(f"buffer at {ptr:#x} has {nbytes} bytes")
     if device.type == "cpu":
         array = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
-        return torch.from_numpy(array)
-    return torch.as_tensor(_DeviceMemory(ptr, nbytes), device=device)
+        tensor = torch.from_numpy(array)
+    else:
+        tensor = torch.as_tensor(_DeviceMemory(ptr, nbytes), device=device)
+    check_alias(tensor, ptr, nbytes, device, f"the buffer at {ptr:#x}")
+    return tensor
 
 
-def to_host(tensor: torch.Tensor) -> np.ndarray:
-    """A host numpy copy of `tensor` (through pinned memory when it lives on a GPU)."""
-    if tensor.device.type == "cpu":
-        return tensor.numpy().copy()
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    host.copy_(tensor, non_blocking=True)
-    torch.cuda.current_stream(tensor.device).synchronize()
-    return host.numpy()
+def check_alias(view: torch.Tensor, ptr: int, nbytes: int, device: torch.device, what: str) -> None:
+    """Raise unless `view` lies on `device` inside the `nbytes` registered at `ptr` and
+    starts there: a view that does not alias the engine's memory (a copy torch made, e.g.
+    of a pointer on another GPU) would read stale pages and lose the decode's writes.
+
+    Raises:
+        ValueError: naming `what`, the pointers and the extents.
+    """
+    problem = ""
+    if view.device != device:
+        problem = f"it is on {view.device}, the engine's memory on {device}"
+    elif view.data_ptr() != ptr:
+        problem = f"it starts at {view.data_ptr():#x}, not at the registered {ptr:#x}"
+    else:
+        extent = _extent(view)
+        if extent > nbytes:
+            problem = f"it spans {extent} bytes of the {nbytes} registered"
+    if problem:
+        raise ValueError(
+            f"prfaas: the view of {what} does not alias the memory SGLang registered: "
+            f"{problem} (a copy would lose the transfer's writes; refusing to start)"
+        )
+
+
+def _extent(view: torch.Tensor) -> int:
+    """Bytes from a view's first element to the end of its last."""
+    if view.numel() == 0:
+        return 0
+    last = sum((size - 1) * stride for size, stride in zip(view.shape, view.stride(), strict=True))
+    return (last + 1) * view.element_size()
 
 
 def _names(count: int) -> list[str]:
@@ -108,30 +138,31 @@ class KVLayout:
         return None
 
 
-class SGLangPool:
-    """A `PagePool` over the KV pages and Mamba state slots a `KVArgs` describes."""
+class SGLangPool(TorchPagePool):
+    """The `TorchPagePool` over the KV pages and Mamba state slots a `KVArgs` describes
+    (`(num_pages, page_size, token_bytes)` and `(num_slots, slot_bytes)` uint8 views)."""
 
-    def __init__(self, kv_args: Any, device: torch.device, *, is_mla: bool) -> None:
-        self.device = device
-        self._page_size = int(kv_args.page_size)
-        self.pages = _page_views(kv_args, device, self._page_size, is_mla=is_mla)
-        self.states = _state_views(kv_args, device)
-
-    @property
-    def page_size(self) -> int:
-        return self._page_size
-
-    @property
-    def page_layers(self) -> Collection[int]:
-        return self.pages.keys()
-
-    @property
-    def state_layers(self) -> Collection[int]:
-        return self.states.keys()
+    def __init__(
+        self,
+        kv_args: Any,
+        device: torch.device,
+        *,
+        is_mla: bool,
+        send_budget_bytes: int | None = None,
+    ) -> None:
+        page_size = int(kv_args.page_size)
+        registered: dict[tuple[str, int, str], tuple[int, int]] = {}
+        pages = _page_views(kv_args, device, page_size, is_mla=is_mla, registered=registered)
+        states = _state_views(kv_args, device, registered=registered)
+        budget = {} if send_budget_bytes is None else {"send_budget_bytes": send_budget_bytes}
+        super().__init__(pages, states, **budget)
+        for (where, layer, name), (ptr, nbytes) in registered.items():
+            view = (self.pages if where == "pages" else self.states)[layer][name]
+            check_alias(view, ptr, nbytes, device, f"layer {layer} {name!r}")
 
     def layout(self, aux_item_lens: Sequence[int]) -> KVLayout:
         return KVLayout(
-            page_size=self._page_size,
+            page_size=self.page_size,
             pages={
                 layer: {n: int(t.shape[2]) for n, t in comps.items()}
                 for layer, comps in self.pages.items()
@@ -143,86 +174,14 @@ class SGLangPool:
             aux_item_lens=[int(n) for n in aux_item_lens],
         )
 
-    # -- PagePool ----------------------------------------------------------------------
-
-    def gather(self, layer: int, block_ids: Sequence[int] | np.ndarray | torch.Tensor) -> HostCopy:
-        """Host copies of `layer`'s pages `block_ids`, each `(n, page_size, token_bytes)`."""
-        ids = self._index(block_ids)
-        views = self._layer(self.pages, layer)
-        return HostCopy({name: to_host(view[ids]) for name, view in views.items()})
-
-    def scatter(
-        self,
-        layer: int,
-        arrays: Arrays,
-        first_token: int,
-        block_ids: Sequence[int],
-        *,
-        skip: int = 0,
-    ) -> int:
-        """Write token-ordered pages (tokens `first_token ..`) into this request's
-        `block_ids`; tokens past their capacity or below `skip` are not written. Returns the
-        end of the tokens covered (as `PagedPool.scatter`)."""
-        dest = self._layer(self.pages, layer)
-        if set(arrays) != set(dest):
-            raise PageError(f"layer {layer}: got {sorted(arrays)}, pool has {sorted(dest)}")
-        for name, src in arrays.items():
-            width = dest[name].shape[2]
-            if src.dtype != np.uint8 or src.ndim != 3 or src.shape[2] != width:
-                raise PageError(
-                    f"layer {layer} {name!r}: {src.dtype}{list(src.shape)} does not fit "
-                    f"{width} bytes per token"
-                )
-        capacity = len(block_ids) * self._page_size
-        end = first_token
-        table = torch.as_tensor(np.asarray(block_ids, dtype=np.int64))
-        for name, src in arrays.items():  # validated first: a refused message writes nothing
-            tokens = src.reshape(-1, src.shape[2])
-            end = max(first_token, min(first_token + len(tokens), capacity))
-            positions = torch.arange(max(first_token, skip), end)
-            rows = torch.from_numpy(np.ascontiguousarray(tokens[(positions - first_token).numpy()]))
-            pages = table[positions // self._page_size].to(self.device)
-            offsets = (positions % self._page_size).to(self.device)
-            dest[name][pages, offsets] = rows.to(self.device)
-        return end
-
-    def read_state(self, layer: int, slot: int) -> HostCopy:
-        views = self._layer(self.states, layer)
-        return HostCopy({name: to_host(view[slot]) for name, view in views.items()})
-
-    def write_state(self, layer: int, slot: int, arrays: Arrays) -> None:
-        dest = self._layer(self.states, layer)
-        if set(arrays) != set(dest):
-            raise PageError(f"layer {layer}: got states {sorted(arrays)}, pool has {sorted(dest)}")
-        for name, src in arrays.items():
-            target = dest[name]
-            if src.dtype != np.uint8 or src.shape != tuple(target.shape[1:]):
-                raise PageError(
-                    f"layer {layer} state {name!r}: {src.dtype}{list(src.shape)} does not fit "
-                    f"{target.shape[1]} bytes per slot"
-                )
-            target[slot] = torch.from_numpy(np.ascontiguousarray(src)).to(self.device)
-
-    def flush(self) -> None:
-        """Wait until every write issued so far has landed (a no-op on CPU)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def _index(self, block_ids: Sequence[int] | np.ndarray | torch.Tensor) -> torch.Tensor:
-        if isinstance(block_ids, torch.Tensor):
-            return block_ids.to(self.device, torch.int64)
-        return torch.as_tensor(np.asarray(block_ids, dtype=np.int64)).to(self.device)
-
-    @staticmethod
-    def _layer(table: Mapping[int, dict[str, torch.Tensor]], layer: int) -> dict[str, torch.Tensor]:
-        comps = table.get(layer)
-        if comps is None:
-            raise PageError(f"layer {layer} is not in this pool")
-        return comps
-
 
 def _page_views(
-    kv_args: Any, device: torch.device, page_size: int, *, is_mla: bool
+    kv_args: Any,
+    device: torch.device,
+    page_size: int,
+    *,
+    is_mla: bool,
+    registered: dict[tuple[str, int, str], tuple[int, int]],
 ) -> dict[int, dict[str, torch.Tensor]]:
     ptrs, lens, items = kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens
     layer_ids = list(kv_args.kv_layer_ids or []) or _positional_layer_ids(
@@ -230,14 +189,20 @@ def _page_views(
     )
     if len(layer_ids) != len(ptrs):
         raise ValueError(f"{len(layer_ids)} KV layer ids for {len(ptrs)} KV buffers")
-    views: dict[int, list[torch.Tensor]] = {}
+    views: dict[int, list[tuple[torch.Tensor, int, int]]] = {}
     for layer, ptr, nbytes, item in zip(layer_ids, ptrs, lens, items, strict=True):
         if int(item) % page_size:
             raise ValueError(f"KV item of {item} bytes is not a whole number of tokens")
         usable = int(nbytes) // int(item) * int(item)
-        view = raw_bytes(int(ptr), usable, device)
-        views.setdefault(int(layer), []).append(view.view(-1, page_size, int(item) // page_size))
-    return {layer: dict(zip(_names(len(v)), v, strict=True)) for layer, v in views.items()}
+        view = raw_bytes(int(ptr), usable, device).view(-1, page_size, int(item) // page_size)
+        views.setdefault(int(layer), []).append((view, int(ptr), int(nbytes)))
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for layer, entries in views.items():
+        for name, (view, ptr, nbytes) in zip(_names(len(entries)), entries, strict=True):
+            check_alias(view, ptr, nbytes, device, f"layer {layer} {name!r}")
+            registered[("pages", layer, name)] = (ptr, nbytes)
+            out.setdefault(layer, {})[name] = view
+    return out
 
 
 def _positional_layer_ids(entries: int, draft: int, groups: int) -> list[int]:
@@ -251,7 +216,9 @@ def _positional_layer_ids(entries: int, draft: int, groups: int) -> list[int]:
     return ids
 
 
-def _state_views(kv_args: Any, device: torch.device) -> dict[int, dict[str, torch.Tensor]]:
+def _state_views(
+    kv_args: Any, device: torch.device, *, registered: dict[tuple[str, int, str], tuple[int, int]]
+) -> dict[int, dict[str, torch.Tensor]]:
     views: dict[int, dict[str, torch.Tensor]] = {}
     types = [getattr(t, "value", t) for t in (kv_args.state_types or [])]
     for c, kind in enumerate(types):
@@ -267,7 +234,10 @@ def _state_views(kv_args: Any, device: torch.device) -> dict[int, dict[str, torc
         for layer, ptr, nbytes, item in zip(layer_ids, ptrs, lens, items, strict=True):
             comps = views.setdefault(int(layer), {})
             usable = int(nbytes) // int(item) * int(item)
-            comps[f"{c}.{len(comps)}"] = raw_bytes(int(ptr), usable, device).view(-1, int(item))
+            name = f"{c}.{len(comps)}"
+            comps[name] = raw_bytes(int(ptr), usable, device).view(-1, int(item))
+            check_alias(comps[name], int(ptr), int(nbytes), device, f"layer {layer} {name!r}")
+            registered[("states", int(layer), name)] = (int(ptr), int(nbytes))
     return views
 
 

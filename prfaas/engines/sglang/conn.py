@@ -54,12 +54,17 @@ class PrfaasKVManager(CommonKVManager):  # type: ignore[misc]
         server_args: Any,
         is_mla_backend: bool | None = False,
     ) -> None:
-        if disaggregation_mode == DisaggregationMode.PREFILL:
-            check_prefill_args(server_args)
         settings = BackendSettings.from_env()
+        if disaggregation_mode == DisaggregationMode.PREFILL:
+            check_prefill_args(server_args, layerwise=settings.layerwise)
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         self._check_supported()
-        self.pool = SGLangPool(args, _device(args), is_mla=bool(is_mla_backend))
+        self.pool = SGLangPool(
+            args,
+            _device(args),
+            is_mla=bool(is_mla_backend),
+            send_budget_bytes=settings.send_budget_bytes,
+        )
         self.aux = AuxBuffers(args)
         self.loop = LoopThread(f"prfaas-transport-{disaggregation_mode.value}")
         self.prefill: PrefillPlane | None = None

@@ -5,10 +5,12 @@ each room over the transport, and place what arrives in this engine's own pools.
 manager's `LoopThread`. A receiver's `send_metadata` calls `start(...)`: once the prefill
 rank's `Endpoint` is known (it answers our `Register`), a task fetches the room, places
 every layer's pages at this request's page ids and its Mamba state in its slot
-(`PagePlacer`, off the loop on a worker thread), writes SGLang's metadata buffers at its
-aux index, checks nothing is missing, and only then marks the room `Success`. Any failure
-(the prefill's abort, a timeout, a lost prefill, a bad layout) marks it `Failed` with the
-reason, which `failure_exception()` raises.
+(`PagePlacer`, off the loop on a worker thread; on a GPU the pool stages them in pinned
+memory and copies them in on its own placing stream), writes SGLang's metadata buffers at
+its aux index, checks nothing is missing, waits for the pool's fence taken after the last
+placement (every copy into this engine's memory done), and only then marks the room
+`Success`. Any failure (the prefill's abort, a timeout, a lost prefill, a bad layout)
+marks it `Failed` with the reason, which `failure_exception()` raises.
 """
 
 from __future__ import annotations
@@ -131,7 +133,9 @@ class DecodePlane:
             placer.check_complete(int(meta["num_tokens"]))
             if fetch.aux_index is not None:
                 self.aux.write(fetch.aux_index, result.aux[AUX])
-            await asyncio.to_thread(self.pool.flush)  # device copies done before Success
+            fence = self.pool.fence()  # after the last placement: covers all of this room's
+            if not fence.ready():
+                await asyncio.to_thread(fence.wait)
         except (TransferError, PageError, ValueError, KeyError) as exc:
             self._fail(fetch.room, f"prfaas transfer failed: {exc}")
             return

@@ -9,9 +9,11 @@ subprocess (before `Scheduler.init_disaggregation`). It:
 3. wraps `sglang.srt.disaggregation.utils.get_kv_class` (an AROUND hook, which SGLang also
    rebinds in every module that imported it by name) to answer for PRFAAS with our
    classes (`conn.py`) and defer to SGLang for every other backend;
-4. wraps `prepare_server_args` to refuse a prefill server without
-   `--disable-prefill-cuda-graph`, and `Scheduler.init_disaggregation` / `run_batch` to
-   install the per-layer forward hooks (`layer_tap.py`).
+4. wraps `prepare_server_args` (the flags) and `ServerArgs.resolve_once` (what SGLang
+   resolved them to) to refuse a layer-wise prefill whose forward would bypass the layer
+   hooks (`settings.check_prefill_args`: a prefill CUDA graph, two-batch overlap, PD
+   multiplexing), and `Scheduler.init_disaggregation` / `run_batch` to install the
+   per-layer forward hooks (`layer_tap.py`).
 
 Idempotent; SGLang's modules are imported only when it runs. The interface moves between
 SGLang releases, so any version but `SGLANG_VERSION` is refused.
@@ -26,6 +28,7 @@ SGLANG_VERSION = "0.5.23"
 BACKEND = "prfaas"
 GET_KV_CLASS = "sglang.srt.disaggregation.utils.get_kv_class"
 PREPARE_SERVER_ARGS = "sglang.srt.server_args.prepare_server_args"
+RESOLVE_ONCE = "sglang.srt.server_args.ServerArgs.resolve_once"
 INIT_DISAGGREGATION = "sglang.srt.managers.scheduler.Scheduler.init_disaggregation"
 RUN_BATCH = "sglang.srt.managers.scheduler.Scheduler.run_batch"
 
@@ -60,6 +63,7 @@ def register() -> None:
     add_disagg_transfer_backend_choices([BACKEND])
     HookRegistry.register(GET_KV_CLASS, _get_kv_class, HookType.AROUND)
     HookRegistry.register(PREPARE_SERVER_ARGS, _prepare_server_args, HookType.AROUND)
+    HookRegistry.register(RESOLVE_ONCE, _resolve_once, HookType.AROUND)
     HookRegistry.register(INIT_DISAGGREGATION, layer_tap.init_disaggregation, HookType.AROUND)
     HookRegistry.register(RUN_BATCH, layer_tap.run_batch, HookType.AROUND)
     HookRegistry.apply_hooks()  # load_plugins applies them too; applying twice is a no-op
@@ -101,3 +105,11 @@ def _prepare_server_args(original: Any, argv: list[str]) -> Any:
     server_args = original(argv)
     check_prefill_args(server_args)
     return server_args
+
+
+def _resolve_once(original: Any, server_args: Any, *args: Any, **kwargs: Any) -> Any:
+    from prfaas.engines.sglang.settings import check_prefill_args
+
+    result = original(server_args, *args, **kwargs)
+    check_prefill_args(server_args)
+    return result

@@ -4,9 +4,18 @@ control messages and `send()` calls do to them.
 `PrefillPlane` belongs to one prefill-mode `PrfaasKVManager` (one per scheduler rank). It
 runs a `KVSender` on the manager's `LoopThread`; answers a decode's `Register` with that
 sender's endpoint; opens a room's `SendHandle` once the decode's `Metadata` arrived (the
-room is then `WaitingForInput`); ships pages per layer (`ship_pages`, from the forward
-hook and from `send()`), and with the last chunk the Mamba states, SGLang's metadata
-buffers and our meta; and turns the handle's outcome into the room's `KVPoll` state.
+room is then `WaitingForInput`); and turns the handle's outcome into the room's `KVPoll`
+state.
+
+Layer-wise (the default): the forward hook ships each layer's new pages (`ship_pages`) and,
+during the last chunk, each Mamba layer's final state (`ship_state`) right after that layer
+ran; SGLang's `send()` after a chunk ships what the hook did not (a cached prefix, a state
+of a request the hook did not plan), and with the last chunk SGLang's metadata buffers and
+our meta. Send-after (`PRFAAS_SGLANG_LAYERWISE=0`): no hook; `send()` only notes each
+chunk's pages, and the last one ships every page, state and metadata after the last chunk's
+forward. Either way the pool copies on the forward thread's stream order (a side stream
+after an event, into the pinned budget) and one `SendQueue` per worker hands the copies to
+the transport once they finished.
 """
 
 from __future__ import annotations
@@ -14,19 +23,19 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+import time
 from typing import Any
 
 import numpy as np
-import torch
 from sglang.srt.disaggregation.base.conn import KVPoll
 
-from prfaas.engines.kv_pages import LayerSink
+from prfaas.engines.kv_pages import LayerSink, SendQueue
 from prfaas.engines.sglang.buffers import AuxBuffers, KVLayout, SGLangPool
 from prfaas.engines.sglang.loop_thread import LoopThread
 from prfaas.engines.sglang.messages import Endpoint, Metadata, Register
 from prfaas.engines.sglang.settings import BackendSettings
-from prfaas.engines.sglang.shipping import PrefillRoom, Shipper
-from prfaas.engines.transport import Kind, KVSender, SenderConfig
+from prfaas.engines.sglang.shipping import PrefillRoom
+from prfaas.engines.transport import KVSender, SenderConfig
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +61,7 @@ class PrefillPlane:
         self.pool = pool
         self.aux = aux
         self.loop = loop
+        self.layerwise = settings.layerwise
         host = settings.bind_host or mgr.local_ip
         self.sender = KVSender(
             SenderConfig(
@@ -67,7 +77,15 @@ class PrefillPlane:
         self.layout = pool.layout(aux.item_lens)
         self.rooms: dict[int, PrefillRoom] = {}
         self._lock = threading.Lock()
-        self.shipper = Shipper(pool.device)
+        self.queue = SendQueue("prfaas-kv-send")
+        logger.info(
+            "prfaas prefill: %s, transport %s:%d, %d connections, pacing %s, send budget %d bytes",
+            "layer-wise" if self.layerwise else "send-after",
+            *self.endpoint,
+            settings.connections,
+            f"{settings.rate_bytes_per_s:.0f} B/s" if settings.rate_bytes_per_s else "off",
+            settings.send_budget_bytes,
+        )
 
     # -- control messages (the manager's ZMQ thread) --------------------------------------
 
@@ -118,10 +136,20 @@ class PrefillPlane:
             base_tokens=msg.decode_prefix_len,
             num_pages=msg.num_pages,
             page_layers=self.pool.page_layers,
+            queue=self.queue,
         )
 
     def _concluded(self, room: int, done: concurrent.futures.Future[None]) -> None:
         error = done.exception()
+        state = self.rooms.get(room)
+        if state is not None:
+            logger.info(
+                "prfaas prefill room=%d mode=%s ok=%d %s",
+                room,
+                "layerwise" if self.layerwise else "send_after",
+                error is None,
+                state.timeline.summary(),
+            )
         if error is None:
             self.mgr.update_status(room, KVPoll.Success)
         else:
@@ -137,20 +165,23 @@ class PrefillPlane:
     # -- shipping (the scheduler thread) ---------------------------------------------------
 
     def ship_pages(
-        self, state: PrefillRoom, layer: int, first: int, ids: np.ndarray | torch.Tensor, end: int
+        self, state: PrefillRoom, layer: int, first: int, ids: np.ndarray, end: int
     ) -> None:
         """Hand `layer`'s logical pages `first..end` (physical `ids`) to the transport,
-        skipping those already handed over."""
+        skipping those already handed over (the copy is enqueued; see the module doc)."""
         start = state.take(layer, first, end)
         if start is None:
             return
-        chosen = ids[start - first : end - first]
+        state.timeline.note_queued(layer)
+        chosen = [int(i) for i in ids[start - first : end - first]]
+        state.stream.send_pages(self.pool, layer, chosen, first_page=start)
 
-        def work() -> None:
-            arrays = self.pool.gather(layer, chosen).arrays()
-            state.stream.send_arrays(layer, Kind.FULL_KV, arrays, blocks=(start, end))
-
-        self.shipper.submit(work)
+    def ship_state(self, state: PrefillRoom, layer: int, slot: int) -> None:
+        """Hand `layer`'s final Mamba state in `slot` to the transport, once per room."""
+        if state.take_state(layer):
+            state.state_slot = slot
+            state.timeline.note_queued(layer)
+            state.stream.send_state(self.pool, layer, slot)
 
     def add_transfer_request(
         self,
@@ -168,11 +199,20 @@ class PrefillPlane:
         if state is None:  # a dummy rank, or the room was cleared
             return
         self.mgr.update_status(room, KVPoll.Transferring)
-        ids = np.asarray(kv_indices, dtype=np.int64)
+        ids = np.array(kv_indices, dtype=np.int64)  # a copy: send-after keeps it
         state.tokens += int(num_kv_tokens or 0)
+        if is_last_chunk:
+            state.timeline.last_send = time.perf_counter()
+        pieces = [(int(index_slice.start), int(index_slice.stop), ids)]
+        if not self.layerwise:
+            state.deferred += pieces
+            if not is_last_chunk:
+                return
+            pieces, state.deferred = state.deferred, []
         try:
             for layer in self.pool.page_layers:
-                self.ship_pages(state, layer, index_slice.start, ids, index_slice.stop)
+                for first, end, chosen in pieces:
+                    self.ship_pages(state, layer, first, chosen, end)
         except ValueError as exc:
             self.on_abort(room, f"prfaas: {exc}")
             return
@@ -184,20 +224,22 @@ class PrefillPlane:
         if pool.state_layers and slot is None:
             self.on_abort(state.room, "prfaas: the last chunk carried no Mamba state slot")
             return
-        meta = {"num_tokens": state.tokens, "base_tokens": state.base_tokens}
-
-        def work() -> None:
-            for layer in pool.state_layers:
-                stream.send_state(pool, layer, slot)  # type: ignore[arg-type]
-            if aux_index is not None:
-                stream.send_aux(AUX, self.aux.read(aux_index))
-            stream.send_meta(meta)
-            stream.finish()
-
-        self.shipper.submit(work)
+        if state.states_shipped() and state.state_slot != slot:
+            self.on_abort(
+                state.room,
+                f"prfaas: the forward hook sent Mamba states from slot {state.state_slot}, "
+                f"SGLang's send() names slot {slot}",
+            )
+            return
+        for layer in pool.state_layers:  # those the hook did not send
+            self.ship_state(state, layer, slot)  # type: ignore[arg-type]
+        if aux_index is not None:
+            stream.send_aux(AUX, self.aux.read(aux_index))
+        stream.send_meta({"num_tokens": state.tokens, "base_tokens": state.base_tokens})
+        stream.finish()
 
     def close(self) -> None:
-        self.shipper.close()
+        self.queue.close()
 
 
 def _mamba_slot(state_indices: list[Any] | None) -> int | None:
