@@ -51,10 +51,10 @@ def reused(url: str, ids: list[int]) -> int:
     return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
 
 
-async def measure(url: str, events_port: int, prefixes: int, tokens: int) -> list[Row]:
+async def measure(url: str, events: str, prefixes: int, tokens: int) -> list[Row]:
     """Each prefix alone, then its followers; before each, what the index says."""
     index = KVIndexManager(block_size=BLOCK)
-    feed = KVEventFeed(index, {"vllm": f"tcp://127.0.0.1:{events_port}"},
+    feed = KVEventFeed(index, {"vllm": events},
                        vllm=frozenset({"vllm"}))  # fmt: skip
     feed.start()
     rng = random.Random(5)
@@ -81,10 +81,10 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=3000, help="prefix length")
     parser.add_argument("--json", dest="json_out", default=None)
     args = parser.parse_args()
-    events = free_port()
-    server = VLLMServer(ROOT / ".venv-vllm/bin/python", MODEL, free_port(), "tiny",
-                        kv_events_port=events)  # fmt: skip
     logs = Path(tempfile.mkdtemp(prefix="vllm-reuse-"))
+    events = f"ipc://{logs}/events"
+    server = VLLMServer(ROOT / ".venv-vllm/bin/python", MODEL, free_port(), "tiny",
+                        kv_events=events)  # fmt: skip
     servers = start_servers({"vllm": server}, logs)
     try:
         rows = asyncio.run(measure(servers["vllm"].url, events, args.prefixes, args.tokens))

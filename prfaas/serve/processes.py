@@ -38,6 +38,12 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def ipc_events(directory: str, name: str) -> tuple[str, str]:
+    """Engine `name`'s KV-event and replay endpoints as unix sockets in `directory` (the
+    same across its restarts)."""
+    return f"ipc://{directory}/{name}.events", f"ipc://{directory}/{name}.replay"
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """One engine to start."""
@@ -56,6 +62,10 @@ class EngineSpec:
     """HTTP port (0: any free one); a restart asks for the port it had."""
     bootstrap_port: int = 0
     """KV bootstrap port (0: any free one)."""
+    kv_events_ipc: str | None = None
+    """Publish KV events on unix sockets in this directory (private to this user:
+    `ipc_events`) instead of `kv_events_port`: vLLM's publisher binds TCP only on every
+    interface, where anyone who reaches the host could read the prompts' token ids."""
 
     def argv(self, host: str) -> list[str]:
         args = [sys.executable, "-m", "prfaas.cli.main", "engine", "--role", self.role]
@@ -82,11 +92,15 @@ class EngineProcess:
 
     @property
     def kv_events(self) -> str | None:
+        if self.spec.kv_events_ipc is not None:
+            return ipc_events(self.spec.kv_events_ipc, self.spec.name)[0]
         port = self.spec.kv_events_port
         return None if port is None else f"tcp://127.0.0.1:{port}"
 
     @property
     def kv_events_replay(self) -> str | None:
+        if self.spec.kv_events_ipc is not None:
+            return ipc_events(self.spec.kv_events_ipc, self.spec.name)[1]
         port = self.spec.kv_replay_port
         return None if port is None or self.kv_events is None else f"tcp://127.0.0.1:{port}"
 

@@ -241,8 +241,10 @@ class Supervisor:
             new = await start(same, log_name)
         except RuntimeError as exc:
             logger.warning("engine %s could not start on its old ports: %s", name, exc)
-            replay = None if old.spec.kv_replay_port is None else free_port()
-            fresh = replace(old.spec, port=0, bootstrap_port=0, kv_events_port=free_port(),
+            spec = old.spec
+            events = None if spec.kv_events_port is None else free_port()
+            replay = None if spec.kv_replay_port is None else free_port()
+            fresh = replace(spec, port=0, bootstrap_port=0, kv_events_port=events,
                             kv_replay_port=replay)  # fmt: skip
             try:
                 new = await start(fresh, log_name)

@@ -17,7 +17,14 @@ import aiohttp
 from prfaas.engines.vllm.launch import VLLMServer
 from prfaas.engines.vllm.role import ENV_ROLE
 from prfaas.gateway.deployment import LaunchConfig
-from prfaas.serve.processes import EngineProcess, EngineSpec, free_port, spawn, stop_process
+from prfaas.serve.processes import (
+    EngineProcess,
+    EngineSpec,
+    free_port,
+    ipc_events,
+    spawn,
+    stop_process,
+)
 
 START_TIMEOUT_S = 300.0
 
@@ -26,14 +33,15 @@ def vllm_server(
     launch: LaunchConfig,
     served_name: str,
     bootstrap_port: int,
-    events_port: int,
-    replay_port: int | None = None,
+    events: str,
+    replay: str | None = None,
     port: int = 0,
     env: Mapping[str, str] | None = None,
 ) -> VLLMServer:
     """The server a `[[launch]]` entry describes (prefill roles pace their egress as set;
-    `replay_port`: where its KV events' replay is served; `port`: its HTTP port, 0 for any
-    free one; `env`: added to its environment).
+    `events`, `replay`: where its KV events and their replay are served, see
+    `VLLMServer.kv_events`; `port`: its HTTP port, 0 for any free one; `env`: added to its
+    environment).
 
     Raises:
         RuntimeError: the vLLM environment's interpreter does not exist.
@@ -53,8 +61,8 @@ def vllm_server(
         port=port or free_port(),
         served_name=served_name,
         connector=connector,
-        kv_events_port=events_port,
-        kv_replay_port=replay_port,
+        kv_events=events,
+        kv_events_replay=replay,
         threads=launch.threads,
         extra_args=launch.vllm_args,
         environment={**(env or {}), ENV_ROLE: launch.role},
@@ -78,9 +86,8 @@ async def start_vllm(
         RuntimeError: it exited or was not ready within START_TIMEOUT_S (names its log).
     """
     ports = ports or EngineSpec(launch.id, launch.role, launch.model)
-    events = ports.kv_events_port or free_port()
-    replay = ports.kv_replay_port or free_port()
     bootstrap = ports.bootstrap_port or free_port()
+    events, replay = ipc_events(str(log_dir), launch.id)  # log_dir is private (mkdtemp)
     server = vllm_server(launch, served_name, bootstrap, events, replay, ports.port, env)
     log = log_dir / f"{log_name or launch.id}.log"
     with log.open("wb") as out:
@@ -102,8 +109,8 @@ async def start_vllm(
         await asyncio.shield(stop_process(process))
         raise
     spec = EngineSpec(
-        launch.id, launch.role, launch.model, kv_events_port=events, kv_replay_port=replay,
-        port=server.port, bootstrap_port=bootstrap,
+        launch.id, launch.role, launch.model, kv_events_ipc=str(log_dir), port=server.port,
+        bootstrap_port=bootstrap,
     )  # fmt: skip
     reaper = asyncio.get_running_loop().create_task(_reap(process))  # output goes to the log
     return EngineProcess(spec, process, url, bootstrap, log, reaper)

@@ -8,6 +8,7 @@ minute each on a small machine): one module, one gateway."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -224,6 +225,52 @@ def test_a_stopped_vllm_prefill_is_killed_whole_and_restarted(serving: Serving) 
 def _index_entries(url: str) -> int:
     with urllib.request.urlopen(f"{url}/admin/state", timeout=10) as reply:
         return int(json.load(reply)["kv_index"]["entries"])
+
+
+def _listening(pids: list[int]) -> set[tuple[str, int]]:
+    """The (address, port) of every TCP socket listening in these processes (from /proc)."""
+    inodes = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    link = os.readlink(fd)
+                    if link.startswith("socket:["):
+                        inodes.add(link[8:-1])
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state == "0A" and inode in inodes:  # LISTEN
+                addr, port = local.split(":")
+                found.add((addr, int(port, 16)))
+    return found
+
+
+def test_every_engine_port_listens_on_loopback_and_kv_events_on_a_private_socket(
+    serving: Serving,
+) -> None:
+    """Issue 28 finding 5: vLLM's KV-event publisher binds TCP only on every interface, where
+    any subscriber read the prompts' token ids. Launched vLLM servers publish on unix
+    sockets in `prfaas serve`'s private directory instead, and nothing they run listens on
+    TCP beyond loopback (HTTP and the KV transport)."""
+    tree = descendants(serving.proc.pid)
+    listening = _listening(tree)
+    assert listening, "the engines listen somewhere"
+    assert {addr for addr, _ in listening} == {"0100007F"}, listening  # 127.0.0.1 only
+    endpoints = set()  # each server's argv appears twice: its reaper's too
+    for pid in tree:
+        with contextlib.suppress(OSError):
+            argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+            if "--kv-events-config" in argv:
+                config = json.loads(argv[argv.index("--kv-events-config") + 1])
+                endpoints |= {config["endpoint"], config["replay_endpoint"]}
+    assert len(endpoints) == 4, endpoints  # two servers: events and replay each
+    for endpoint in endpoints:
+        assert endpoint.startswith("ipc://"), endpoint
+        folder = Path(endpoint.removeprefix("ipc://")).parent
+        assert folder.stat().st_mode & 0o077 == 0, oct(folder.stat().st_mode)  # this user's
 
 
 def test_sigkill_of_serve_leaves_no_vllm_process(serving: Serving) -> None:

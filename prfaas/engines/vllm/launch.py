@@ -37,11 +37,14 @@ class VLLMServer:
     host: str = "127.0.0.1"
     connector: Mapping[str, Any] | None = field(default=None)
     """`kv_connector_extra_config` of the PrfaaS connector; None runs without a connector."""
-    kv_events_port: int | None = None
-    """Publish KV cache events (ZMQ PUB) on this port."""
-    kv_replay_port: int | None = None
-    """With `kv_events_port`: serve vLLM's replay of its recent event batches on this port
-    (a gateway started later catches up from it, best effort: a bounded buffer)."""
+    kv_events: str | None = None
+    """Publish KV cache events (ZMQ PUB) bound here: `ipc://PATH` (a unix socket: in a
+    directory private to this user, no one else can subscribe) or `tcp://*:PORT` (vLLM's
+    publisher binds TCP only on every interface; it connects to any other address)."""
+    kv_events_replay: str | None = None
+    """With `kv_events`: serve vLLM's replay of its recent event batches here (`ipc://` or
+    `tcp://HOST:PORT`; a gateway started later catches up from it, best effort: a bounded
+    buffer)."""
     kv_cache_bytes: int = 256 * 2**20
     max_model_len: int = 4096
     max_batched_tokens: int | None = None
@@ -94,16 +97,15 @@ class VLLMServer:
                 "kv_connector_extra_config": dict(self.connector),
             }
             args += ["--kv-transfer-config", json.dumps(config)]
-        if self.kv_events_port is not None:
+        if self.kv_events is not None:
             events = {
                 "enable_kv_cache_events": True,
                 "publisher": "zmq",
-                # vLLM binds only wildcard endpoints (it connects to any other)
-                "endpoint": f"tcp://*:{self.kv_events_port}",
+                "endpoint": self.kv_events,
                 "topic": "kv-events",
             }
-            if self.kv_replay_port is not None:
-                events["replay_endpoint"] = f"tcp://*:{self.kv_replay_port}"
+            if self.kv_events_replay is not None:
+                events["replay_endpoint"] = self.kv_events_replay
             args += ["--kv-events-config", json.dumps(events)]
         return args + list(self.extra_args)
 
@@ -178,6 +180,12 @@ class VLLMProcess:
     def _signal(self, sig: signal.Signals) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, sig)
+
+
+def subscriber_endpoint(bound: str) -> str:
+    """Where a subscriber on this host connects to a publisher bound at `bound`
+    (`tcp://*:PORT` -> `tcp://127.0.0.1:PORT`; `ipc://` unchanged)."""
+    return bound.replace("tcp://*:", "tcp://127.0.0.1:", 1)
 
 
 def start_servers(

@@ -65,7 +65,7 @@ class Cluster:
 
     def deployment(self) -> DeploymentConfig:
         e = self.engines
-        events = {n: f"tcp://127.0.0.1:{r.server.kv_events_port}" for n, r in e.items()}
+        events = {n: str(r.server.kv_events) for n, r in e.items()}
         instances = (
             InstanceConfig("prfaas-p0", "prfaas", "prefill", e["prfaas-p0"].url, "127.0.0.1",
                            e["prfaas-p0"].bootstrap_port, events["prfaas-p0"], "vllm"),
@@ -87,11 +87,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     def trace(name: str, **extra: Any) -> dict[str, Any]:
         return {"trace_path": str(root / f"{name}.jsonl"), "timeout_s": 60, **extra}
 
+    def events(name: str) -> str:  # a unix socket: only this user can subscribe
+        return f"ipc://{root}/{name}.events"
+
     paced = trace("prfaas-p0", egress_rate_mbps=100, egress_delay_ms=100)
     specs = {
-        "pd-p0": server("pd-p0", trace("pd-p0"), kv_events_port=free_port()),
-        "prfaas-p0": server("prfaas-p0", paced, kv_events_port=free_port()),
-        "pd-d0": server("pd-d0", trace("pd-d0"), kv_events_port=free_port()),
+        "pd-p0": server("pd-p0", trace("pd-p0"), kv_events=events("pd-p0")),
+        "prfaas-p0": server("prfaas-p0", paced, kv_events=events("prfaas-p0")),
+        "pd-d0": server("pd-d0", trace("pd-d0"), kv_events=events("pd-d0")),
     }
     engines = start_all(specs, root)
     try:
