@@ -27,6 +27,7 @@ from serve_live_helpers import (
     complete,
     get,
     load,
+    load_until_a_decode_converts,
     spawn,
     started,
     stop,
@@ -121,18 +122,7 @@ async def test_prefill_heavy_load_converts_one_of_two_decodes(tmp_path: Path) ->
     try:
         url = started(proc)
         statuses: list[int] = []
-        deadline = time.monotonic() + 60
-        converted: dict[str, Any] | None = None
-        seed = 10
-        while converted is None:
-            assert time.monotonic() < deadline, get(f"{url}/admin/state")["scheduler"]
-            statuses += await load(url, 3.0, 900, 3, seed)
-            seed += 10_000
-            state = get(f"{url}/admin/state")
-            pd = {i["id"]: i for i in state["clusters"]["pd"]}
-            roles = {i: v["role"] for i, v in pd.items()}
-            if list(roles.values()).count("prefill") == 2:
-                converted = next(pd[i] for i in ("pd-d0", "pd-d1") if roles[i] == "prefill")
+        converted, seed = await load_until_a_decode_converts(url, 60, statuses)
         info = get(f"{converted['url']}/server_info", ENGINE_AUTH)
         served_before = get(f"{converted['url']}/stats", ENGINE_AUTH)["prompt_tokens_total"]
         statuses += await load(url, 4.0, 900, 3, seed)

@@ -9,14 +9,20 @@ Issue 28 acceptance: a live scheduling test with vLLM engines."""
 from __future__ import annotations
 
 import re
-import time
 import urllib.request
 from pathlib import Path
-from typing import Any
 
 import pytest
 from coordinated_helpers import PROFILE
-from serve_live_helpers import ENGINE_AUTH, get, load, spawn, started, stop
+from serve_live_helpers import (
+    ENGINE_AUTH,
+    get,
+    load,
+    load_until_a_decode_converts,
+    spawn,
+    started,
+    stop,
+)
 from vllm_helpers import MODEL, VLLM_PYTHON, require_vllm
 
 pytestmark = pytest.mark.timeout(900)
@@ -61,17 +67,7 @@ async def test_prefill_heavy_load_converts_one_of_two_vllm_decodes(tmp_path: Pat
     try:
         url = started(proc)
         statuses: list[int] = []
-        deadline = time.monotonic() + 180
-        converted: dict[str, Any] | None = None
-        seed = 10
-        while converted is None:
-            assert time.monotonic() < deadline, get(f"{url}/admin/state")["scheduler"]
-            statuses += await load(url, 3.0, 900, 3, seed)
-            seed += 10_000
-            pd = {i["id"]: i for i in get(f"{url}/admin/state")["clusters"]["pd"]}
-            roles = {i: v["role"] for i, v in pd.items()}
-            if list(roles.values()).count("prefill") == 2:
-                converted = next(pd[i] for i in ("pd-d0", "pd-d1") if roles[i] == "prefill")
+        converted, seed = await load_until_a_decode_converts(url, 180, statuses)
         health = get(f"{converted['url']}/health")
         served_before = _prompt_tokens(converted["url"])
         statuses += await load(url, 6.0, 900, 3, seed)

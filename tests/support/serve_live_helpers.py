@@ -110,3 +110,22 @@ def get(url: str, headers: dict[str, str] | None = None) -> Any:
     request = urllib.request.Request(url, headers=headers or {})
     with urllib.request.urlopen(request, timeout=10) as reply:
         return json.load(reply)
+
+
+async def load_until_a_decode_converts(
+    url: str, timeout_s: float, statuses: list[int]
+) -> tuple[dict[str, Any], int]:
+    """A prefill-heavy load (3 clients, 900-token prompts, 2 output tokens) until one of the
+    PD decodes `pd-d0`, `pd-d1` reports role prefill; every status goes to `statuses`.
+    Returns that instance's `/admin/state` entry and the next unused prompt seed."""
+    deadline = time.monotonic() + timeout_s
+    seed = 10
+    while True:
+        assert time.monotonic() < deadline, get(f"{url}/admin/state")["scheduler"]
+        statuses += await load(url, 3.0, 900, 3, seed)
+        seed += 10_000
+        pd = {i["id"]: i for i in get(f"{url}/admin/state")["clusters"]["pd"]}
+        roles = {i: v["role"] for i, v in pd.items()}
+        if list(roles.values()).count("prefill") == 2:
+            converted = next(pd[i] for i in ("pd-d0", "pd-d1") if roles[i] == "prefill")
+            return converted, seed

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -125,22 +125,11 @@ class PagedPool:
             PageError: unknown layer, missing component, or a token shape/dtype mismatch.
         """
         dest = self._layer_pages(layer)
-        if set(arrays) != set(dest):
-            raise PageError(
-                f"layer {layer}: got components {sorted(arrays)}, pool has {sorted(dest)}"
-            )
-        for name, src in arrays.items():
-            _check_fits(f"layer {layer} {name!r}", src, dest[name])
-        size = self.page_size
-        capacity = len(block_ids) * size
-        end = first_token
+        check_pages(layer, arrays, {n: (a.shape, a.dtype) for n, a in dest.items()})
+        where = Placement.of(arrays, first_token, block_ids, self.page_size, skip)
         for name, src in arrays.items():  # validated first: a refused message writes nothing
-            tokens = src.reshape(-1, *src.shape[2:])  # (n * sender_page_size, *token)
-            end = max(first_token, min(first_token + len(tokens), capacity))
-            positions = np.arange(max(first_token, skip), end)
-            ids = np.asarray(block_ids, dtype=np.int64)[positions // size]
-            dest[name][ids, positions % size] = tokens[positions - first_token]
-        return end
+            dest[name][where.pages, where.offsets] = where.rows_of(src)
+        return where.end
 
     def read_state(self, layer: int, slot: int) -> HostCopy:
         """A copy of `layer`'s state components in `slot`."""
@@ -192,11 +181,56 @@ def _check_components(what: str, layer: int, comps: Arrays, *, min_ndim: int) ->
         raise ValueError(f"{what}[{layer}] components disagree on their count: {sorted(leading)}")
 
 
-def _check_fits(what: str, src: np.ndarray, target: np.ndarray) -> None:
-    """Received pages `(n, page, *token)` must match the pool's token shape and dtype."""
-    if src.ndim != target.ndim or src.shape[2:] != target.shape[2:]:
-        raise PageError(
-            f"{what}: token shape {src.shape[2:]} does not match the pool's {target.shape[2:]}"
-        )
-    if src.dtype != target.dtype:
-        raise PageError(f"{what}: dtype {src.dtype} is not {target.dtype}")
+def check_pages(
+    layer: int, arrays: Arrays, dest: Mapping[str, tuple[tuple[int, ...], np.dtype[Any]]]
+) -> None:
+    """Received pages `(n, page, *token)` of `layer` must have the pool's components, and
+    each the pool's token shape and (wire) dtype (`dest`: component -> shape, dtype)."""
+    if set(arrays) != set(dest):
+        raise PageError(f"layer {layer}: got components {sorted(arrays)}, pool has {sorted(dest)}")
+    for name, src in arrays.items():
+        shape, dtype = dest[name]
+        what = f"layer {layer} {name!r}"
+        if src.ndim != len(shape) or tuple(src.shape[2:]) != tuple(shape[2:]):
+            raise PageError(
+                f"{what}: token shape {tuple(src.shape[2:])} does not match the pool's "
+                f"{tuple(shape[2:])}"
+            )
+        if src.dtype != dtype:
+            raise PageError(f"{what}: dtype {src.dtype} is not {dtype}")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where received token rows go in a pool: row `rows[i]` of the received tokens to page
+    `pages[i]` at offset `offsets[i]`; `end` is the end of the tokens covered."""
+
+    rows: np.ndarray
+    pages: np.ndarray
+    offsets: np.ndarray
+    end: int
+
+    @classmethod
+    def of(
+        cls,
+        arrays: Arrays,
+        first_token: int,
+        block_ids: Sequence[int],
+        page_size: int,
+        skip: int,
+    ) -> Placement:
+        """Tokens `first_token ..` of a request (`arrays`: `(n, sender_page, *token)` per
+        component) into the request's block table `block_ids` of pages of `page_size`:
+        tokens past the table's capacity (the sender's padding) and below `skip` (already
+        held here) are left out."""
+        first = next(iter(arrays.values()))
+        count = int(first.shape[0]) * int(first.shape[1]) if first.ndim > 1 else 0
+        capacity = len(block_ids) * page_size
+        end = max(first_token, min(first_token + count, capacity))
+        positions = np.arange(max(first_token, skip), end)
+        pages = np.asarray(block_ids, dtype=np.int64)[positions // page_size]
+        return cls(positions - first_token, pages, positions % page_size, end)
+
+    def rows_of(self, src: np.ndarray) -> np.ndarray:
+        """The received rows of one component that land, in placement order (a copy)."""
+        return np.take(src.reshape(-1, *src.shape[2:]), self.rows, axis=0)

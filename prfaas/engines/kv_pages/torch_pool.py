@@ -33,6 +33,7 @@ import torch
 
 from prfaas.engines.kv_pages.errors import PageError
 from prfaas.engines.kv_pages.host_copy import Fence, HostCopy
+from prfaas.engines.kv_pages.pool import Placement, check_pages
 from prfaas.engines.kv_pages.staging import DEFAULT_BUDGET_BYTES, HostBudget
 
 Tensors = Mapping[str, torch.Tensor]
@@ -120,27 +121,16 @@ class TorchPagePool:
         """Write token-ordered pages into this pool (as `PagedPool.scatter`); returns the
         end of the tokens covered. The write is enqueued: see `fence()`."""
         dest = self._layer(self.pages, "paged (full-attention)", layer)
-        if set(arrays) != set(dest):
-            raise PageError(
-                f"layer {layer}: got components {sorted(arrays)}, pool has {sorted(dest)}"
-            )
-        for name, src in arrays.items():
-            _check_fits(f"layer {layer} {name!r}", src, dest[name], self._wire_dtype(layer, name))
-        size = self.page_size
-        capacity = len(block_ids) * size
-        end = first_token
+        shapes = {n: (tuple(t.shape), self._wire_dtype(layer, n)) for n, t in dest.items()}
+        check_pages(layer, arrays, shapes)
+        where = Placement.of(arrays, first_token, block_ids, self.page_size, skip)
+        if not len(where.rows):
+            return where.end
         with self._placing():
+            index = (self._index(where.pages), self._index(where.offsets))
             for name, src in arrays.items():
-                tokens = src.reshape(-1, *src.shape[2:])  # (n * sender_page_size, *token)
-                end = max(first_token, min(first_token + len(tokens), capacity))
-                positions = np.arange(max(first_token, skip), end)
-                if not len(positions):
-                    continue
-                ids = np.asarray(block_ids, dtype=np.int64)[positions // size]
-                values = self._stage(np.take(tokens, positions - first_token, axis=0), dest[name])
-                index = (self._index(ids), self._index(positions % size))
-                dest[name].index_put_(index, values)
-        return end
+                dest[name].index_put_(index, self._stage(where.rows_of(src), dest[name]))
+        return where.end
 
     def write_state(self, layer: int, slot: int, arrays: Mapping[str, np.ndarray]) -> None:
         """Write a state received for `layer` into `slot` (enqueued: see `fence()`)."""
@@ -277,14 +267,3 @@ def _numpy_dtype(dtype: torch.dtype) -> Any:
         return torch.empty((), dtype=dtype).numpy().dtype
     except TypeError as exc:
         raise ValueError(f"dtype {dtype} cannot travel") from exc
-
-
-def _check_fits(what: str, src: np.ndarray, target: torch.Tensor, wire: np.dtype[Any]) -> None:
-    """Received pages `(n, page, *token)` must match the pool's token shape and dtype."""
-    if src.ndim != target.ndim or tuple(src.shape[2:]) != tuple(target.shape[2:]):
-        raise PageError(
-            f"{what}: token shape {tuple(src.shape[2:])} does not match the pool's "
-            f"{tuple(target.shape[2:])}"
-        )
-    if src.dtype != wire:
-        raise PageError(f"{what}: dtype {src.dtype} is not {wire}")
