@@ -11,7 +11,8 @@ exit the supervisor did not ask for), `stop` (SIGSTOP for a few seconds, then SI
 with vLLM: garbage, HELLOs that never authenticate, forged AUTHs and REGISTERs, connections
 that say nothing). With vLLM engines the fault hits the vLLM API server (not its reaper), and
 every other stop outlasts the deployment's `unresponsive_restart_s` (set to 8 s there), so
-the supervisor kills and restarts it.
+the supervisor kills and restarts it; a vLLM start takes a minute or more here, so the
+kinds come in seeded rounds (each once per round) with 5-15 s between faults.
 Every answer is classified:
 - completed: a whole answer (`[DONE]` after a finish reason, or a JSON completion);
 - failed: the client was told (an HTTP error, or an error event that ends a stream);
@@ -131,10 +132,16 @@ def _engine_name(pid: int) -> str | None:
     return None
 
 
+def engine_leaders(gateway_pid: int) -> dict[str, int]:
+    """`prfaas serve`'s child for each engine (a vLLM server's reaper) by instance id."""
+    found = {(_engine_name(p), p) for p in child_pids(gateway_pid)}
+    return {name: pid for name, pid in found if name is not None}
+
+
 def engine_pids(gateway_pid: int) -> dict[str, int]:
     """Each engine's own process (a vLLM server, not its reaper) by instance id."""
-    found = {(_engine_name(p), engine_pid(p)) for p in child_pids(gateway_pid)}
-    return {name: pid for name, pid in found if name is not None and pid is not None}
+    found = {(name, engine_pid(p)) for name, p in engine_leaders(gateway_pid).items()}
+    return {name: pid for name, pid in found if pid is not None}
 
 
 def alive(pid: int) -> bool:
@@ -342,7 +349,9 @@ def _bytes(frame: Any) -> bytes:
 @dataclass(frozen=True)
 class Target:
     """What the faults hit: the engines' names, the recovery goal, and with vLLM the long
-    stops and floods of any engine's bootstrap port."""
+    stops, floods of any engine's bootstrap port, and the kinds in seeded rounds (each kind
+    once per round: a vLLM death costs minutes on this machine, so a run holds few faults)
+    with shorter pauses between faults."""
 
     engines: tuple[str, ...] = ENGINES
     goal_s: float = RECOVERY_GOAL_S
@@ -374,17 +383,24 @@ async def chaos(
     t0: float,
     target: Target = Target(),
 ) -> None:
-    stops = 0
+    stops, round_ = 0, list[str]()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
         await asyncio.sleep(rng.uniform(10, 20))
         while time.monotonic() < stop - 30:
-            kind, engine = rng.choice(FAULTS), rng.choice(target.engines)
+            if target.vllm:
+                round_ = round_ or rng.sample(FAULTS, len(FAULTS))
+                kind, engine = round_[0], rng.choice(target.engines)
+            else:
+                kind, engine = rng.choice(FAULTS), rng.choice(target.engines)
             if kind == "flood" and not target.vllm:
                 engine = "prfaas-p0"
-            pid = engine_pids(gateway_pid).get(engine)
-            if pid is None:
+            leader = engine_leaders(gateway_pid).get(engine)
+            pid = None if leader is None else engine_pid(leader)
+            if leader is None or pid is None:
                 await asyncio.sleep(1)
                 continue
+            if round_:
+                round_.pop(0)
             fault = Fault(kind, engine, round(time.monotonic() - t0, 1))
             faults.append(fault)
             print(f"[{fault.at_s:7.1f} s] {kind} {engine} (pid {pid})", flush=True)
@@ -405,10 +421,10 @@ async def chaos(
                 fault.detail = str(await flood(instance["bootstrap_port"], fault.duration_s))
                 since = time.monotonic()
             if died is not None:
-
-                def new_pid(old: int = pid, name: str = engine) -> int | None:
-                    now = engine_pids(gateway_pid).get(name)
-                    return None if now in (None, old) else now
+                # a new leader: the old reaper may hold the orphaned EngineCore a moment
+                def new_pid(old: int = leader, name: str = engine) -> int | None:
+                    now = engine_leaders(gateway_pid).get(name)
+                    return None if now is None or now == old else engine_pid(now)
 
                 back = await watch_comeback(new_pid, instance["url"], died)
                 fault.respawn_s, fault.start_s = back.respawn_s, back.start_s
@@ -422,7 +438,7 @@ async def chaos(
                     fault.recovery_less_start_s = round(fault.recovery_s - fault.start_s, 2)
                 fault.within_goal = fault.recovery_s <= target.goal_s
             print(f"           recovered in {fault.recovery_s} s", flush=True)
-            await asyncio.sleep(rng.uniform(15, 30))
+            await asyncio.sleep(rng.uniform(5, 15) if target.vllm else rng.uniform(15, 30))
 
 
 async def _instance(session: aiohttp.ClientSession, url: str, name: str) -> dict[str, Any]:
