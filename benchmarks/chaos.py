@@ -184,11 +184,16 @@ class Outcome:
     stream: bool = False
     correct: bool | None = None
     latency_s: float = 0.0
+    message: str = ""
+    """A failure's error message (the gateway's, naming the engine's where it relays it)."""
+    at: float = 0.0
+    """When it ended (the loop's clock)."""
 
 
 @dataclass
 class Tally:
     outcomes: list[Outcome] = field(default_factory=list)
+    t0: float = 0.0
 
     def counts(self) -> dict[str, int]:
         return dict(Counter(o.kind for o in self.outcomes))
@@ -203,9 +208,12 @@ async def one_request(
     try:
         async with session.post(f"{url}/v1/completions", json=body) as r:
             if r.status != 200:
-                code = str((await r.json(content_type=None)).get("error", {}).get("code"))
+                error = (await r.json(content_type=None)).get("error", {})
+                code = str(error.get("code"))
                 door = r.status == 429 or code == "no_instance_available"  # never accepted
-                return Outcome("refused" if door else "failed", code, stream)
+                kind = "refused" if door else "failed"
+                return Outcome(kind, code, stream, message=str(error.get("message"))[:300],
+                               at=time.monotonic())  # fmt: skip
             if not stream:
                 answer = await r.json()
                 text = answer["choices"][0]["text"]
@@ -221,7 +229,10 @@ async def one_request(
                     break
                 event = orjson.loads(data)
                 if "error" in event:
-                    return Outcome("failed", str(event["error"].get("code")), stream)
+                    error = event["error"]
+                    return Outcome("failed", str(error.get("code")), stream,
+                                   message=str(error.get("message"))[:300],
+                                   at=time.monotonic())  # fmt: skip
                 texts.append(event["choices"][0]["text"])
                 finished = finished or event["choices"][0]["finish_reason"] is not None
             return _finished(done and finished, "".join(texts), expected, stream, start)
@@ -516,7 +527,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.monotonic()
         start.append(t0)
         stop = t0 + args.duration
-        tally, faults, peaks = Tally(), list[Fault](), dict[str, int]()
+        tally, faults, peaks = Tally(t0=t0), list[Fault](), dict[str, int]()
         tasks = [client_loop(url, pool, random.Random(args.seed * 100 + i), stop, tally)
                  for i in range(args.clients)]  # fmt: skip
         await asyncio.gather(
@@ -580,6 +591,16 @@ def report(
         "refused_429": counts.get("refused", 0),
         "lost": counts.get("lost", 0),
         "error_codes": dict(Counter(o.code for o in tally.outcomes if o.kind != "completed")),
+        "failures": [
+            {
+                "at_s": round(o.at - tally.t0, 1),
+                "code": o.code,
+                "stream": o.stream,
+                "message": o.message,
+            }
+            for o in tally.outcomes
+            if o.kind == "failed"
+        ],
         "completed_equal_to_unfailed": sum(1 for o in completed if o.correct),
         "completed_different": sum(1 for o in completed if not o.correct),
         "e2e_p50_s": statistics.median([o.latency_s for o in completed]) if completed else None,
@@ -628,6 +649,8 @@ def print_report(r: dict[str, Any]) -> None:
     console.print(f"peak RSS MiB: {r['peak_rss_mib']}")
     console.print(f"gateway counters: {r['gateway_counters']}")
     console.print(f"errors: {r['error_codes']}")
+    for message, n in Counter(f["message"] for f in r["failures"]).most_common(8):
+        console.print(f"  {n} x {message}")
     console.print(f"engine start (new process to /health) s: {r['engine_start_s']}; "
                   f"recovery less that start s: {r['recovery_less_start_s']}; "
                   f"gateway answers equal to the references before the chaos: "
