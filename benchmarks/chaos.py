@@ -12,7 +12,8 @@ with vLLM: garbage, HELLOs that never authenticate, forged AUTHs and REGISTERs, 
 that say nothing). With vLLM engines the fault hits the vLLM API server (not its reaper), and
 every other stop outlasts the deployment's `unresponsive_restart_s` (set to 8 s there), so
 the supervisor kills and restarts it; a vLLM start takes a minute or more here, so the
-kinds come in seeded rounds (each once per round) with 5-15 s between faults.
+kinds come in seeded rounds (each once per round, stop twice: one long, one short) with
+5-15 s between faults.
 Every answer is classified:
 - completed: a whole answer (`[DONE]` after a finish reason, or a JSON completion);
 - failed: the client was told (an HTTP error, or an error event that ends a stream);
@@ -88,6 +89,8 @@ LISTENING = re.compile(r"PrfaaS gateway listening on (http://\S+)")
 ENGINE_READY = re.compile(r"prfaas engine ready: (http://\S+)")
 ENGINES = ("prfaas-p0", "pd-p0", "pd-d0")
 VLLM_RECOVERY_GOAL_S = 60.0
+VLLM_ROUND = (*FAULTS, "stop")
+"""With vLLM, each round holds every kind and two stops: every other stop is long."""
 FAULTS = ("kill", "restart", "stop", "flood")
 
 
@@ -399,7 +402,7 @@ async def chaos(
         await asyncio.sleep(rng.uniform(10, 20))
         while time.monotonic() < stop - 30:
             if target.vllm:
-                round_ = round_ or rng.sample(FAULTS, len(FAULTS))
+                round_ = round_ or rng.sample(VLLM_ROUND, len(VLLM_ROUND))
                 kind, engine = round_[0], rng.choice(target.engines)
             else:
                 kind, engine = rng.choice(FAULTS), rng.choice(target.engines)
