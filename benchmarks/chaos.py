@@ -89,9 +89,9 @@ LISTENING = re.compile(r"PrfaaS gateway listening on (http://\S+)")
 ENGINE_READY = re.compile(r"prfaas engine ready: (http://\S+)")
 ENGINES = ("prfaas-p0", "pd-p0", "pd-d0")
 VLLM_RECOVERY_GOAL_S = 60.0
+FAULTS = ("kill", "restart", "stop", "flood")
 VLLM_ROUND = (*FAULTS, "stop")
 """With vLLM, each round holds every kind and two stops: every other stop is long."""
-FAULTS = ("kill", "restart", "stop", "flood")
 
 
 # -- processes -----------------------------------------------------------------------------
