@@ -224,19 +224,22 @@ class Router:
             room = self.bootstrap(source)
         except NoInstanceAvailable:  # the source has no KV transport address
             return request
+        tokens = decision.cached_tokens  # the source's prefix (longer than the prefill's)
         task = asyncio.get_running_loop().create_task(
-            self._export(source, request.input_ids, room.room)
+            self._export(source, request.input_ids, room.room, tokens)
         )
         self._exports.add(task)
         task.add_done_callback(self._exports.discard)
         self.prefix_pulls["started"] += 1
-        return replace(request, prefix_pull=room)
+        return replace(request, prefix_pull=room, prefix_tokens=tokens)
 
-    async def _export(self, source: InstanceState, ids: Sequence[int], room: int) -> None:
+    async def _export(
+        self, source: InstanceState, ids: Sequence[int], room: int, expected: int
+    ) -> None:
         """The source's side of a prefix pull; a failure costs only the recompute (the
         prefill's pull fails too and it computes the prefix itself)."""
         try:
-            tokens = await source.client.export_prefix(ids, room)
+            tokens = await source.client.export_prefix(ids, room, expected)
         except EngineError as exc:
             self.prefix_pulls["failed"] += 1
             logger.warning("prefix export from %s failed: %s", source.instance_id, exc)
