@@ -253,8 +253,12 @@ class VLLMClient(BaseEngineClient):
         """`/health`, with the role, start id and drain that PrfaaS's role middleware adds to
         vLLM's answer (`prfaas.engines.vllm.role`; None without it); an instance with a KV
         sender exports and pulls prefixes (its connector does both)."""
-        report = await self.control.probe()
-        return replace(report, prefix_pull=self.endpoint.bootstrap_port is not None)
+        return replace(await self.control.probe(), prefix_pull=self.prefix_pull)
+
+    @property
+    def prefix_pull(self) -> bool:
+        """Whether it exports and pulls prefixes: with a KV sender, its connector does."""
+        return self.endpoint.bootstrap_port is not None
 
     async def export_prefix(
         self, input_ids: Sequence[int], room: int, tokens: int | None = None
