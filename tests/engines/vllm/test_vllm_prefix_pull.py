@@ -69,8 +69,14 @@ def prompt(seed: int, n: int) -> list[int]:
 
 
 def run(url: str, ids: list[int], params: dict[str, Any] | None = None) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": "tiny", "prompt": ids, "max_tokens": 12,
-                            "temperature": 0, "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    body: dict[str, Any] = {
+        "model": "tiny",
+        "prompt": ids,
+        "max_tokens": 12,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     if params is not None:
         body["kv_transfer_params"] = params
     return completion(url, body)
@@ -88,11 +94,15 @@ def handoff(c: Cluster, prefill: str, decode: str, ids: list[int]) -> int:
     """A PD hand-off of `ids` (prefill `prefill`, decode `decode`); the room."""
     room = random.getrandbits(63)
     port = c.engines[prefill].bootstrap_port
-    done = threading.Thread(target=run, args=(c.engines[prefill].url, ids,
-                                              {"do_remote_decode": True, "room": room}))  # fmt: skip
+    done = threading.Thread(
+        target=run, args=(c.engines[prefill].url, ids, {"do_remote_decode": True, "room": room})
+    )
     done.start()
-    run(c.engines[decode].url, ids, {"do_remote_prefill": True, "remote_host": "127.0.0.1",
-                                     "remote_port": port, "room": room})  # fmt: skip
+    run(
+        c.engines[decode].url,
+        ids,
+        {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": port, "room": room},
+    )
     done.join()
     return room
 
@@ -101,11 +111,19 @@ def pull(c: Cluster, source: str, puller: str, ids: list[int], tokens: int) -> d
     """The source exports `ids[:tokens]` (a prefill request of `tokens` + 1 tokens) while
     `puller` computes `ids` after pulling them; the puller's answer (and its room)."""
     room = random.getrandbits(63)
-    export = threading.Thread(target=run, args=(c.engines[source].url, ids[: tokens + 1],
-                                                {"do_remote_decode": True, "room": room}))  # fmt: skip
+    export = threading.Thread(
+        target=run,
+        args=(c.engines[source].url, ids[: tokens + 1], {"do_remote_decode": True, "room": room}),
+    )
     export.start()
-    params = {"prefix_pull": {"host": "127.0.0.1", "port": c.engines[source].bootstrap_port,
-                              "room": room, "tokens": tokens}}  # fmt: skip
+    params = {
+        "prefix_pull": {
+            "host": "127.0.0.1",
+            "port": c.engines[source].bootstrap_port,
+            "room": room,
+            "tokens": tokens,
+        }
+    }
     answer = run(c.engines[puller].url, ids, params)
     export.join()
     return {**answer, "room": room}
@@ -144,13 +162,25 @@ def deployment(c: Cluster) -> DeploymentConfig:
     e = c.engines
 
     def instance(name: str, cluster: str, role: str) -> InstanceConfig:
-        return InstanceConfig(name, cluster, role, e[name].url, "127.0.0.1",
-                              e[name].bootstrap_port, str(e[name].server.kv_events), "vllm")  # fmt: skip
+        return InstanceConfig(
+            name,
+            cluster,
+            role,
+            e[name].url,
+            "127.0.0.1",
+            e[name].bootstrap_port,
+            str(e[name].server.kv_events),
+            "vllm",
+        )
 
-    instances = (instance("prfaas-p0", "prfaas", "prefill"), instance("pd-p0", "pd", "prefill"),
-                 instance("pd-d0", "pd", "decode"))  # fmt: skip
-    model = ModelConfig(name="tiny", tokenizer=str(MODEL), context_length=4096,
-                        block_size=BLOCK, vocab_size=384)  # fmt: skip
+    instances = (
+        instance("prfaas-p0", "prfaas", "prefill"),
+        instance("pd-p0", "pd", "prefill"),
+        instance("pd-d0", "pd", "decode"),
+    )
+    model = ModelConfig(
+        name="tiny", tokenizer=str(MODEL), context_length=4096, block_size=BLOCK, vocab_size=384
+    )
     gateway = GatewayConfig(threshold=THRESHOLD, regime="bandwidth_abundant")
     return DeploymentConfig(model, gateway, instances)
 
@@ -166,8 +196,9 @@ async def through_gateway(c: Cluster, ids: list[int]) -> dict[str, Any]:
             router = gw.router
 
             async def generate(prompt_ids: list[int]) -> tuple[list[int], Any]:
-                routed = await router.dispatch(f"r{random.random()}", prompt_ids, sampling,
-                                               stream=True)  # fmt: skip
+                routed = await router.dispatch(
+                    f"r{random.random()}", prompt_ids, sampling, stream=True
+                )
                 out, chunk = [], routed.first
                 try:
                     while chunk is not None:
@@ -187,8 +218,12 @@ async def through_gateway(c: Cluster, ids: list[int]) -> dict[str, Any]:
                 if router.prefix_pulls["exported"] + router.prefix_pulls["failed"]:
                     break
                 await asyncio.sleep(0.05)
-            return {"warm": warm, "decision": decision, "ids": out,
-                    "pulls": dict(router.prefix_pulls)}  # fmt: skip
+            return {
+                "warm": warm,
+                "decision": decision,
+                "ids": out,
+                "pulls": dict(router.prefix_pulls),
+            }
         finally:
             await gw.stop()
 
