@@ -128,6 +128,10 @@ class BaseEngineClient(ABC):
     reference engine and SGLang servers), simulated (virtual clock)."""
 
     instance_id: str
+    pull_failure_fails_request: bool = False
+    """A failed prefix pull fails the engine's request (vLLM's `kv_load_failure_policy`
+    "fail"), instead of the engine computing the prefix itself: the gateway then runs it
+    again without the pull."""
 
     @abstractmethod
     def generate(self, request: GenerateRequest) -> EngineCall:

@@ -182,6 +182,10 @@ class _CompletionCall(OpenAICall):
 class VLLMClient(BaseEngineClient):
     """A client of one vLLM server running the PrfaaS connector."""
 
+    pull_failure_fails_request = True
+    """The connector runs vLLM's `kv_load_failure_policy` "fail" (a decode whose KV did not
+    arrive must not answer), which fails a request whose prefix pull failed too."""
+
     def __init__(
         self,
         instance_id: str,
