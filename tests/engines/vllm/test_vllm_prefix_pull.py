@@ -30,6 +30,7 @@ from prfaas.engines.vllm.launch import VLLMProcess
 from prfaas.gateway.api.assembly import build_gateway
 from prfaas.gateway.deployment import DeploymentConfig, GatewayConfig, InstanceConfig, ModelConfig
 from prfaas.protocol.generate import SamplingParams
+from prfaas.serve.processes import free_port
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -55,7 +56,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
     def spec(name: str) -> Any:
         trace = {"trace_path": str(root / f"{name}.jsonl"), "timeout_s": 30}
-        return server(name, trace, kv_events=f"ipc://{root}/{name}.events")
+        events, replay = f"ipc://{root}/{name}.events", f"ipc://{root}/{name}.replay"
+        return server(name, trace, kv_events=events, kv_events_replay=replay)
 
     engines = start_all({n: spec(n) for n in ("pd-p0", "pd-d0", "prfaas-p0")}, root)
     try:
@@ -65,7 +67,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 
 def prompt(seed: int, n: int) -> list[int]:
-    return [random.Random(seed).randrange(1, 256) for _ in range(n)]
+    rng = random.Random(seed)
+    return [rng.randrange(1, 256) for _ in range(n)]
 
 
 def run(url: str, ids: list[int], params: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -171,6 +174,7 @@ def deployment(c: Cluster) -> DeploymentConfig:
             e[name].bootstrap_port,
             str(e[name].server.kv_events),
             "vllm",
+            str(e[name].server.kv_events_replay),  # a second gateway catches up from it
         )
 
     instances = (
@@ -185,9 +189,11 @@ def deployment(c: Cluster) -> DeploymentConfig:
     return DeploymentConfig(model, gateway, instances)
 
 
-async def through_gateway(c: Cluster, ids: list[int]) -> dict[str, Any]:
+async def through_gateway(c: Cluster, ids: list[int], unreachable: bool = False) -> dict[str, Any]:
     """Warm the PD cluster with the prompt's 769-token prefix through the gateway (the PD
-    route: 769 uncached <= t), wait until the KV index has it, then run the whole prompt."""
+    route: 769 uncached <= t), wait until the KV index has it, then run the whole prompt.
+    `unreachable`: the gateway then gives the PD instances' KV senders as a closed port (the
+    source's export runs, but the puller cannot reach it)."""
     sampling = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
     async with aiohttp.ClientSession() as session:
         gw = build_gateway(deployment(c), session)
@@ -206,23 +212,28 @@ async def through_gateway(c: Cluster, ids: list[int]) -> dict[str, Any]:
                         chunk = await routed.next()
                 finally:
                     routed.close()
-                return out, routed.decision
+                return out, routed
 
             _, warm = await generate(ids[: PREFIX + 1])
             for _ in range(200):
                 if router.decide(ids).prefix_source is not None:
                     break
                 await asyncio.sleep(0.05)
-            out, decision = await generate(ids)
+            if unreachable:
+                for name in ("pd-p0", "pd-d0"):
+                    router.instances[name].bootstrap_port = free_port()
+            out, routed = await generate(ids)
             for _ in range(200):
                 if router.prefix_pulls["exported"] + router.prefix_pulls["failed"]:
                     break
                 await asyncio.sleep(0.05)
             return {
-                "warm": warm,
-                "decision": decision,
+                "warm": warm.decision,
+                "decision": routed.decision,
                 "ids": out,
                 "pulls": dict(router.prefix_pulls),
+                "retries": routed.retries,
+                "healthy": all(i.healthy for i in router.instances),
             }
         finally:
             await gw.stop()
@@ -243,4 +254,18 @@ def test_gateway_pulls_the_pd_prefix_into_the_prfaas_prefill(cluster: Cluster) -
     trace = read_trace(cluster.root / "prfaas-p0.jsonl")
     pulled = [t for t in trace if t["event"] == "received" and t["tokens"] == PREFIX]
     assert pulled, "prfaas-p0 received no 768-token prefix"
+    assert result["ids"] == ids_of(run(cluster.engines["pd-p0"].url, ids))
+
+
+def test_a_pull_whose_source_is_unreachable_costs_only_the_recompute(cluster: Cluster) -> None:
+    """The PrfaaS prefill cannot reach the source's KV sender: vLLM fails its request (the
+    connector's `kv_load_failure_policy` is "fail"), and the gateway runs it again on the
+    same prefill without the pull: the client gets the local recompute's answer, no
+    instance is blamed."""
+    ids = prompt(4, 2000)
+    result = asyncio.run(through_gateway(cluster, ids, unreachable=True))
+    decision = result["decision"]
+    assert (decision.prefill_instance, decision.prefix_transfer_from) == ("prfaas-p0", "pd"), result
+    assert result["pulls"]["started"] == 1
+    assert result["retries"] == 0 and result["healthy"]
     assert result["ids"] == ids_of(run(cluster.engines["pd-p0"].url, ids))
