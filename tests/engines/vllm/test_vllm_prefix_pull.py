@@ -55,7 +55,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("vllm-pull")
 
     def spec(name: str) -> Any:
-        trace = {"trace_path": str(root / f"{name}.jsonl"), "timeout_s": 30}
+        trace = {"trace_path": str(root / f"{name}.jsonl"), "timeout_s": 30, "pull_timeout_s": 8}
         events, replay = f"ipc://{root}/{name}.events", f"ipc://{root}/{name}.replay"
         return server(name, trace, kv_events=events, kv_events_replay=replay)
 
