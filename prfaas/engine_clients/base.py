@@ -128,6 +128,10 @@ class BaseEngineClient(ABC):
     reference engine and SGLang servers), simulated (virtual clock)."""
 
     instance_id: str
+    pull_failure_fails_request: bool = False
+    """A failed prefix pull fails the engine's request (vLLM's `kv_load_failure_policy`
+    "fail"), instead of the engine computing the prefix itself: the gateway then runs it
+    again without the pull."""
 
     @abstractmethod
     def generate(self, request: GenerateRequest) -> EngineCall:
@@ -145,9 +149,13 @@ class BaseEngineClient(ABC):
     async def info(self) -> EngineInfo:
         """The instance's role, page size and bootstrap address."""
 
-    async def export_prefix(self, input_ids: Sequence[int], room: int) -> int:
+    async def export_prefix(
+        self, input_ids: Sequence[int], room: int, tokens: int | None = None
+    ) -> int:
         """Have the engine send the KV of the longest prefix of `input_ids` it caches into
         `room` on its KV transport, for another engine to pull (`GenerateRequest.prefix_pull`).
+        `tokens`: the prefix's length as the gateway's KV index has it (an engine that must
+        export exactly what the puller expects, vLLM, exports that many).
 
         Returns:
             The prefix's length in tokens, once delivered (0: nothing cached).

@@ -356,8 +356,11 @@ class SGLangClient(BaseEngineClient):
         its role, start id and whether it drains; SGLang's empty answer leaves them None)."""
         return await self.control.probe()
 
-    async def export_prefix(self, input_ids: Sequence[int], room: int) -> int:
-        """`POST /kv/export` (a reference engine's; SGLang servers have none)."""
+    async def export_prefix(
+        self, input_ids: Sequence[int], room: int, tokens: int | None = None
+    ) -> int:
+        """`POST /kv/export` (a reference engine's; SGLang servers have none): the longest
+        prefix it caches, whatever `tokens` says."""
         body = {"input_ids": list(input_ids), "room": room}
         limits = aiohttp.ClientTimeout(total=self._config.total_timeout_s)
         try:

@@ -18,11 +18,18 @@ Two bodies, as vLLM's own P/D proxies build them:
 - A request without one (token-id callers, migrations, the simulator) is a `/v1/completions`
   body of its token ids with answers carrying token ids (`return_token_ids`).
 Aborting a call drops its connection, which vLLM turns into an abort of the request.
+
+Prefix pulls (the bandwidth-abundant regime): the prefill's request carries the room and the
+prefix length (`GenerateRequest.prefix_pull`, `prefix_tokens`) as `kv_transfer_params`'
+`prefix_pull`; `export_prefix` has the source compute the prefix's first S + 1 tokens as a
+prefill request of that room (its cache supplies the S, its connector sends their KV and the
+states at S; vLLM holds the blocks while the request runs).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -43,7 +50,7 @@ from prfaas.engine_clients.openai_relay import OpenAICall, usage_asked, with_usa
 from prfaas.engine_clients.sglang import SGLangClientConfig
 from prfaas.http.client import ConnectionPool, HttpCall, post
 from prfaas.protocol.generate import GenerateChunk, GenerateRequest
-from prfaas.protocol.kv_transfer import RemoteDecode, RemotePrefill
+from prfaas.protocol.kv_transfer import PrefixPull, RemoteDecode, RemotePrefill
 from prfaas.protocol.openai_body import OpenAIBody
 
 _GAUGE = re.compile(rb"^(vllm:[a-z_]+)\{[^}]*\} ([0-9.eE+-]+)$", re.MULTILINE)
@@ -95,13 +102,31 @@ def completion_body(request: GenerateRequest, endpoint: VLLMEndpoint) -> dict[st
     if boot is None:
         return body
     if (boot.host, boot.port) == (endpoint.bootstrap_host, endpoint.bootstrap_port):
-        body.update(
-            max_tokens=1, stream=False, kv_transfer_params=RemoteDecode(boot.room).to_json()
-        )
+        body.update(max_tokens=1, stream=False, kv_transfer_params=prefill_params(request))
         body.pop("stream_options", None)
     else:
         body["kv_transfer_params"] = RemotePrefill(boot.host, boot.port, boot.room).to_json()
     return body
+
+
+def prefill_params(request: GenerateRequest) -> dict[str, Any]:
+    """The prefill's `kv_transfer_params`: stream to the decode's room, after pulling the
+    prefix first when the request says so."""
+    assert request.bootstrap is not None
+    params = RemoteDecode(request.bootstrap.room).to_json()
+    pull = request.prefix_pull
+    if pull is not None and request.prefix_tokens > 0:
+        params.update(PrefixPull(pull.host, pull.port, pull.room, request.prefix_tokens).to_json())
+    return params
+
+
+def export_body(input_ids: Sequence[int], room: int, tokens: int, model: str) -> dict[str, Any]:
+    """The source's side of a prefix pull: a prefill request of the prompt's first
+    `tokens` + 1 tokens into `room` (its handoff point is `tokens`; its prefix cache
+    supplies them, else it computes them)."""
+    return {"model": model, "prompt": list(input_ids[: tokens + 1]), "max_tokens": 1,
+            "temperature": 0, "stream": False,
+            "kv_transfer_params": RemoteDecode(room).to_json()}  # fmt: skip
 
 
 def prefill_fields(body: OpenAIBody) -> dict[str, Any]:
@@ -124,7 +149,7 @@ def openai_body(request: GenerateRequest, endpoint: VLLMEndpoint) -> dict[str, A
     if boot is not None and (boot.host, boot.port) == (endpoint.bootstrap_host,
                                                        endpoint.bootstrap_port):  # fmt: skip
         return {**prefill_fields(request.openai), "model": endpoint.model,
-                "kv_transfer_params": RemoteDecode(boot.room).to_json()}  # fmt: skip
+                "kv_transfer_params": prefill_params(request)}  # fmt: skip
     body = {**request.openai.fields, "model": endpoint.model}
     if boot is not None:
         body["kv_transfer_params"] = RemotePrefill(boot.host, boot.port, boot.room).to_json()
@@ -156,6 +181,10 @@ class _CompletionCall(OpenAICall):
 
 class VLLMClient(BaseEngineClient):
     """A client of one vLLM server running the PrfaaS connector."""
+
+    pull_failure_fails_request = True
+    """The connector runs vLLM's `kv_load_failure_policy` "fail" (a decode whose KV did not
+    arrive must not answer), which fails a request whose prefix pull failed too."""
 
     def __init__(
         self,
@@ -226,8 +255,43 @@ class VLLMClient(BaseEngineClient):
 
     async def probe(self) -> EngineReport:
         """`/health`, with the role, start id and drain that PrfaaS's role middleware adds to
-        vLLM's answer (`prfaas.engines.vllm.role`; None without it)."""
-        return await self.control.probe()
+        vLLM's answer (`prfaas.engines.vllm.role`; None without it); an instance with a KV
+        sender exports and pulls prefixes (its connector does both)."""
+        return replace(await self.control.probe(), prefix_pull=self.prefix_pull)
+
+    @property
+    def prefix_pull(self) -> bool:
+        """Whether it exports and pulls prefixes: with a KV sender, its connector does."""
+        return self.endpoint.bootstrap_port is not None
+
+    async def export_prefix(
+        self, input_ids: Sequence[int], room: int, tokens: int | None = None
+    ) -> int:
+        """Send the KV of `input_ids`' first `tokens` tokens (and the linear states there)
+        into `room` on this instance's KV sender: `export_body` as a `/v1/completions`
+        request; answers `tokens` once vLLM has computed it (its pages copied out for the
+        sender, which keeps them until the puller has them or its register timeout).
+
+        Raises:
+            EngineError: no length given, or the request failed.
+        """
+        if not tokens or tokens >= len(input_ids):
+            raise EngineError(f"{self.instance_id}: a vLLM export needs a prefix length "
+                              f"shorter than the prompt, got {tokens!r}", status=501)  # fmt: skip
+        body = orjson.dumps(export_body(input_ids, room, tokens, self.endpoint.model))
+        headers = {**self._auth, "Content-Type": "application/json"}
+        limits = aiohttp.ClientTimeout(total=self._config.total_timeout_s,
+                                       connect=self._config.connect_timeout_s)  # fmt: skip
+        try:
+            async with self._session.post(f"{self.base_url}/v1/completions", data=body,
+                                          headers=headers, timeout=limits) as resp:  # fmt: skip
+                status, raw = resp.status, await resp.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise EngineError(f"{self.instance_id}: prefix export failed: {exc!r}") from exc
+        if status != 200:
+            raise EngineError(f"{self.instance_id}: prefix export answered {status}: "
+                              f"{raw[:300]!r}", status=status)  # fmt: skip
+        return tokens
 
     async def set_role(self, role: Role, *, timeout_s: float = 300.0, epoch: int = 0) -> float:
         """The role middleware's `POST /admin/role`: the server drains the requests it holds,

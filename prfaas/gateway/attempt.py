@@ -98,6 +98,11 @@ class Attempt:
                 await asyncio.shield(prefill.ended)
         return None
 
+    def abort_prefill(self, error: EngineError) -> None:
+        """End the prefill call with `error` (the decode, still waiting, is aborted too)."""
+        if self._prefill_call is not None:
+            self._prefill_call.abort(error)
+
     def close(self) -> None:
         """Abort calls still running; drop the instances' in-flight counts. Idempotent."""
         if self._closed:

@@ -107,7 +107,7 @@ class HealthMonitor:
         if isinstance(client, SGLangClient):
             report = await client.probe()
         elif isinstance(client, VLLMClient):  # vLLM's /health says alive or not, no more
-            report = EngineReport(alive=await client.health())
+            report = EngineReport(alive=await client.health(), prefix_pull=client.prefix_pull)
         else:
             return
         if report.alive:

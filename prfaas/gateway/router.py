@@ -208,12 +208,18 @@ class Router:
         return Bootstrap(prefill.bootstrap_host, prefill.bootstrap_port, self.room_source())
 
     def with_prefix_pull(
-        self, decision: RouteDecision, prefill: InstanceState, request: GenerateRequest
+        self,
+        decision: RouteDecision,
+        prefill: InstanceState,
+        request: GenerateRequest,
+        on_export_failed: Callable[[EngineError], None] | None = None,
     ) -> GenerateRequest:
         """The prefill's request. When `decision` moves a cached prefix across clusters (the
         bandwidth-abundant regime) and both engines can, the source starts exporting it into
         a fresh room on its KV transport now, and the prefill is told to pull it from there
-        before computing the rest; otherwise `request` itself (the prefill computes it)."""
+        before computing the rest; otherwise `request` itself (the prefill computes it).
+        `on_export_failed` hears of an export that failed (the prefill's pull then waits in
+        vain, where its engine does not give up on it by itself)."""
         source_id = decision.prefix_source
         if source_id is None or source_id not in self.instances:
             return request
@@ -224,22 +230,33 @@ class Router:
             room = self.bootstrap(source)
         except NoInstanceAvailable:  # the source has no KV transport address
             return request
+        tokens = decision.cached_tokens  # the source's prefix (longer than the prefill's)
         task = asyncio.get_running_loop().create_task(
-            self._export(source, request.input_ids, room.room)
+            self._export(source, request.input_ids, room.room, tokens, on_export_failed)
         )
         self._exports.add(task)
         task.add_done_callback(self._exports.discard)
         self.prefix_pulls["started"] += 1
-        return replace(request, prefix_pull=room)
+        return replace(request, prefix_pull=room, prefix_tokens=tokens)
 
-    async def _export(self, source: InstanceState, ids: Sequence[int], room: int) -> None:
+    async def _export(
+        self,
+        source: InstanceState,
+        ids: Sequence[int],
+        room: int,
+        expected: int,
+        on_failed: Callable[[EngineError], None] | None = None,
+    ) -> None:
         """The source's side of a prefix pull; a failure costs only the recompute (the
-        prefill's pull fails too and it computes the prefix itself)."""
+        prefill's pull fails too and it computes the prefix itself, or, where a failed pull
+        fails the engine's request (vLLM), the request is retried without the pull)."""
         try:
-            tokens = await source.client.export_prefix(ids, room)
+            tokens = await source.client.export_prefix(ids, room, expected)
         except EngineError as exc:
             self.prefix_pulls["failed"] += 1
             logger.warning("prefix export from %s failed: %s", source.instance_id, exc)
+            if on_failed is not None:
+                on_failed(exc)
             return
         self.prefix_pulls["exported" if tokens else "failed"] += 1
         logger.info("prefix export from %s: %d tokens", source.instance_id, tokens)
@@ -306,6 +323,8 @@ class Dispatch:
         self._began = False  # a chunk was handed out
         self._last: GenerateChunk | None = None
         self._reported = self._closed = False
+        self._pulling = False  # the current attempt's prefill pulls a prefix
+        self._no_pull = False  # a pull failed this request: compute the prefix instead
 
     @property
     def decision(self) -> RouteDecision:
@@ -364,8 +383,12 @@ class Dispatch:
         rid = self.rid if not self._attempts else f"{self.rid}-{self._attempts}"
         self._attempts += 1
         request = GenerateRequest(rid, ids, sampling, self.stream, bootstrap, openai=self.openai)
-        pull = prefill is not decode and decision.prefix_source is not None
-        prefill_request = router.with_prefix_pull(decision, prefill, request) if pull else None
+        pull = prefill is not decode and decision.prefix_source is not None and not self._no_pull
+        prefill_request = None
+        if pull:
+            on_failed = partial(self._export_failed, self._attempts)
+            prefill_request = router.with_prefix_pull(decision, prefill, request, on_failed)
+        self._pulling = prefill_request is not None and prefill_request.prefix_pull is not None
         self._decision = decision
         self._base = len(self._output)
         observer = router.observer
@@ -376,6 +399,17 @@ class Dispatch:
         if observer is not None:
             observer.dispatched(rid, decision, self.rid)
         return self._attempt
+
+    def _export_failed(self, attempt_no: int, error: EngineError) -> None:
+        """The source's export for attempt `attempt_no` failed: a prefill whose engine fails
+        the request on a failed pull (vLLM) would wait for the room until its transfer
+        timeout, so its call is aborted now, and `_recover` computes the prefix instead."""
+        attempt = self._attempt
+        if attempt is None or self._attempts != attempt_no or self._began:
+            return
+        if attempt.prefill.client.pull_failure_fails_request:
+            attempt.abort_prefill(EngineError(f"prefix export failed: {error}",
+                                              code="prefix_pull_failed"))  # fmt: skip
 
     def _still_excluded(self) -> set[str]:
         """Instances that failed this request and were not readmitted since (a restarted
@@ -390,6 +424,17 @@ class Dispatch:
         attempt.close()
         self._attempt = None
         failed = attempt.failed or attempt.decode
+        if self._pulling and failed is attempt.prefill and not self._began:
+            # the prefix pull failed (its source or the link): the same prefill computes the
+            # prefix instead; neither blamed nor counted as a retry
+            logger.info("%s: prefix pull on %s failed (%s); computing it instead", self.rid,
+                        failed.instance_id, exc.code)  # fmt: skip
+            self._no_pull = True
+            try:
+                self._launch()
+                return
+            except NoInstanceAvailable:
+                pass  # then as any failure
         if exc.unreachable:
             failed.eject("connection refused")
         self._excluded[failed.instance_id] = failed.readmissions

@@ -238,6 +238,10 @@ class GenerateRequest:
     """PrfaaS extension, for engines that say `prefix_pull` in `/server_info`: before the
     prefill, fetch the prompt's cached prefix from this room, which the engine at that
     bootstrap address fills (`POST /kv/export`)."""
+    prefix_tokens: int = 0
+    """With `prefix_pull`: the prefix's length as the gateway's KV index has it at the source
+    (vLLM engines allocate blocks for it before the transfer begins; reference engines take
+    whatever arrives). Not part of `/generate` bodies."""
     openai: OpenAIBody | None = None
     """The client's OpenAI body, when the engine's own OpenAI server answers it."""
 

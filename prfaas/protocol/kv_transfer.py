@@ -9,6 +9,11 @@ gateway's vLLM client. The whole exchange is in `prfaas/engines/vllm/PROTOCOL.md
 - To the decode instance: `{"do_remote_prefill": true, "remote_host": H, "remote_port": P,
   "room": R}`; it loads C tokens of KV and the linear states from the prefill's KV sender
   at H:P into its own blocks, then computes the rest.
+- A prefix pull (bandwidth-abundant regime), to the computing instance, alone or beside
+  `do_remote_decode`: `{"prefix_pull": {"host": H, "port": P, "room": R, "tokens": S}}`; it
+  loads the KV of the prompt's first S tokens and the linear states at S from the KV sender
+  at H:P (room R, which the source's export request fills: `{"do_remote_decode": true,
+  "room": R}` on the prompt's first S + 1 tokens), then computes the rest.
 """
 
 from __future__ import annotations
@@ -55,6 +60,44 @@ class RemotePrefill:
             "remote_port": self.port,
             "room": self.room,
         }
+
+
+@dataclass(frozen=True)
+class PrefixPull:
+    """Load the prompt's first `tokens` tokens (KV and linear states) from room `room` at
+    the KV sender host:port, which the source's export fills, before computing the rest."""
+
+    host: str
+    port: int
+    room: int
+    tokens: int
+
+    def __post_init__(self) -> None:
+        RemotePrefill(self.host, self.port, self.room)  # the same checks
+        if self.tokens <= 0:
+            raise ValueError(f"prefix_pull.tokens must be > 0, got {self.tokens!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"prefix_pull": {"host": self.host, "port": self.port, "room": self.room,
+                                "tokens": self.tokens}}  # fmt: skip
+
+
+def parse_prefix_pull(params: Mapping[str, Any] | None) -> PrefixPull | None:
+    """The prefix pull a request's `kv_transfer_params` asks for (None: none).
+
+    Raises:
+        ValueError: `prefix_pull` is not `{"host", "port", "room", "tokens"}` as above.
+    """
+    pull = (params or {}).get("prefix_pull")
+    if pull is None:
+        return None
+    if not isinstance(pull, Mapping):
+        raise ValueError('prefix_pull must be {"host", "port", "room", "tokens"}')
+    try:
+        return PrefixPull(str(pull["host"]), _int(pull["port"]), _int(pull["room"]),
+                          _int(pull["tokens"]))  # fmt: skip
+    except KeyError as exc:
+        raise ValueError(f"prefix_pull lacks {exc.args[0]!r}") from None
 
 
 def parse_kv_transfer_params(

@@ -6,6 +6,7 @@ with token ids, failed) turned into chunks or errors. Real vLLM servers drive it
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import aiohttp
 import orjson
@@ -13,7 +14,13 @@ import pytest
 from aiohttp import web
 
 from prfaas.engine_clients.base import EngineError, collect
-from prfaas.engine_clients.vllm import VLLMClient, VLLMEndpoint, completion_body, openai_body
+from prfaas.engine_clients.vllm import (
+    VLLMClient,
+    VLLMEndpoint,
+    completion_body,
+    export_body,
+    openai_body,
+)
 from prfaas.protocol.generate import Bootstrap, GenerateRequest, SamplingParams
 from prfaas.protocol.openai_body import OpenAIBody
 
@@ -154,3 +161,22 @@ async def test_failures_are_engine_errors(client: VLLMClient) -> None:
         await collect(client.generate(GenerateRequest("e", (0,), sampling, True)))
     with pytest.raises(EngineError, match="d0: the request failed in the engine"):
         await collect(client.generate(GenerateRequest("f", (9,), sampling, True)))
+
+
+def test_a_prefix_pull_goes_to_the_prefill_only_and_the_export_is_its_prefix() -> None:
+    """The prefill's `kv_transfer_params` carry the pull (room and length) beside its own
+    room, in token-id and forwarded bodies alike; the decode's never do. The source's export
+    is a prefill request of the prefix plus one token into the pull's room."""
+    boot, pull = Bootstrap("10.0.0.5", 8998, 42), Bootstrap("10.0.0.9", 7000, 43)
+    request = GenerateRequest("r1", tuple(range(1, 11)), SamplingParams(), True, boot,
+                              prefix_pull=pull, prefix_tokens=4)  # fmt: skip
+    want = {"do_remote_decode": True, "room": 42,
+            "prefix_pull": {"host": "10.0.0.9", "port": 7000, "room": 43, "tokens": 4}}  # fmt: skip
+    assert completion_body(request, PREFILL)["kv_transfer_params"] == want
+    assert "prefix_pull" not in completion_body(request, DECODE)["kv_transfer_params"]
+    forwarded = replace(request, openai=OpenAIBody("chat", CLIENT_BODY))
+    assert openai_body(forwarded, PREFILL)["kv_transfer_params"] == want
+    assert export_body(request.input_ids, 43, 4, "tiny") == {
+        "model": "tiny", "prompt": [1, 2, 3, 4, 5], "max_tokens": 1, "temperature": 0,
+        "stream": False, "kv_transfer_params": {"do_remote_decode": True, "room": 43},
+    }  # fmt: skip

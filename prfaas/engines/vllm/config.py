@@ -36,6 +36,10 @@ class ConnectorConfig:
     """Added one-way delay of every KV frame (emulated distance)."""
     timeout_s: float = 120.0
     """Decode side: a transfer not complete within this fails its request."""
+    pull_timeout_s: float = 30.0
+    """A prefix pull not complete within this fails (the gateway then has the prompt
+    computed): a source whose KV sender never answers costs this much before the
+    recompute (a sender that answered and then went away, `connect_timeout_s`)."""
     trace_path: str | None = None
     """Append JSON lines of transfer events (layer sent/placed, forward end) here."""
     kv_cache_layout: str = "NHD"
@@ -59,6 +63,8 @@ class ConnectorConfig:
             raise ValueError(f"egress_delay_ms must be in [0, 10000], got {self.egress_delay_ms!r}")
         if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
+        if not (math.isfinite(self.pull_timeout_s) and self.pull_timeout_s > 0):
+            raise ValueError(f"pull_timeout_s must be > 0, got {self.pull_timeout_s!r}")
         if not (math.isfinite(self.send_budget_mb) and self.send_budget_mb > 0):
             raise ValueError(f"send_budget_mb must be > 0, got {self.send_budget_mb!r}")
         if self.kv_cache_layout not in LAYOUTS:

@@ -37,6 +37,8 @@ class RecvStart:
     block_ids: BlockIds
     num_tokens: int
     skip_tokens: int
+    pull: bool = False
+    """A prefix pull (from another cluster's cache) rather than a prefill's handoff."""
 
 
 @dataclass

@@ -14,6 +14,11 @@ every step that computes part of [0, C) becomes a `SendStep`, the one reaching C
 With C = 0 it sends nothing (no room is opened) and computes one token only, to answer.
 Decode (`do_remote_prefill`): C prompt tokens are loaded asynchronously into the blocks the
 scheduler allocates, then vLLM computes the rest (everything when C = 0: no transfer).
+Prefix pull (`prefix_pull`, on a prefill or a lone request): the S tokens another instance
+exports (its own prefill request on the prompt's first S + 1 tokens, whose handoff point is
+S) are loaded the same way, then vLLM computes the rest; a prefill then sends from page 0,
+the pulled pages too. S must be a handoff point of this request (a block boundary no later
+than its own C), else nothing is pulled and the prompt is computed here.
 """
 
 from __future__ import annotations
@@ -24,7 +29,13 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from prfaas.engines.vllm.metadata import BlockIds, PrfaasMetadata, RecvStart, SendStep
-from prfaas.protocol.kv_transfer import RemoteDecode, RemotePrefill, parse_kv_transfer_params
+from prfaas.protocol.kv_transfer import (
+    PrefixPull,
+    RemoteDecode,
+    RemotePrefill,
+    parse_kv_transfer_params,
+    parse_prefix_pull,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +100,7 @@ class SchedulerSide:
         self._sending: dict[str, _Sending] = {}
         self._recvs: list[RecvStart] = []
         self._local_hits: dict[str, int] = {}
+        self._pulls: dict[str, PrefixPull] = {}
 
     def on_new_request(self, request: Any) -> None:
         """A prefill request is cut to its part of the prompt; it sends only when the
@@ -106,7 +118,7 @@ class SchedulerSide:
     ) -> tuple[int, bool]:
         side = _side(request)
         if not isinstance(side, RemotePrefill):
-            return 0, False
+            return self._pull_tokens(request, num_computed_tokens)
         count = handoff(request.num_prompt_tokens, self._state_block()).tokens
         count -= num_computed_tokens
         if count <= 0:
@@ -114,24 +126,49 @@ class SchedulerSide:
         self._local_hits[request.request_id] = num_computed_tokens
         return count, True
 
+    def _pull_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """The tokens a prefix pull loads past the local hit (0: no pull, or one this
+        request cannot use: past its own handoff point, off a state block, or no longer
+        than the local hit; the room is then left to the source's register timeout)."""
+        pull = _pull(request)
+        if pull is None:
+            return 0, False
+        state_block = self._state_block()
+        usable = handoff(request.num_prompt_tokens, state_block).tokens
+        aligned = state_block is None or pull.tokens % state_block == 0
+        if pull.tokens > usable or not aligned or pull.tokens <= num_computed_tokens:
+            logger.info("request %s: prefix pull of %d tokens not used (local hit %d, "
+                        "handoff %d)", request.request_id, pull.tokens, num_computed_tokens,
+                        usable)  # fmt: skip
+            return 0, False
+        self._local_hits[request.request_id] = num_computed_tokens
+        self._pulls[request.request_id] = pull
+        return pull.tokens - num_computed_tokens, True
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        side = _side(request)
-        if not isinstance(side, RemotePrefill) or num_external_tokens <= 0:
+        side, pull = _side(request), self._pulls.pop(request.request_id, None)
+        source = pull if pull is not None else side
+        if not isinstance(source, RemotePrefill | PrefixPull) or num_external_tokens <= 0:
             return
         hit = self._local_hits.pop(request.request_id, 0)
         self._recvs.append(
             RecvStart(
                 req_id=request.request_id,
-                host=side.host,
-                port=side.port,
-                room=side.room,
+                host=source.host,
+                port=source.port,
+                room=source.room,
                 block_ids=tuple(list(ids) for ids in blocks.get_block_ids()),
                 num_tokens=hit + num_external_tokens,
                 skip_tokens=hit,
+                pull=pull is not None,
             )
         )
         # one transfer per request, even if it is scheduled again after the load
-        request.kv_transfer_params = {**request.kv_transfer_params, "do_remote_prefill": False}
+        params = {**request.kv_transfer_params}
+        params.pop("prefix_pull", None)
+        if isinstance(side, RemotePrefill):
+            params["do_remote_prefill"] = False
+        request.kv_transfer_params = params
 
     def build_connector_meta(self, scheduler_output: Any) -> PrfaasMetadata:
         meta = PrfaasMetadata(
@@ -170,7 +207,7 @@ class SchedulerSide:
         `handoff` knows): its transfer fails, naming both, rather than send wrong states."""
         end = start + scheduled[req_id]
         error = None
-        if end > sending.tokens:
+        if end > sending.tokens and start != sending.tokens:  # a hit at C kept its states
             error = (f"vLLM computed tokens {start}..{end} in one step, past the handoff point "
                      f"{sending.tokens}: the linear states there were not kept")  # fmt: skip
             logger.error("request %s: %s", req_id, error)
@@ -185,6 +222,7 @@ class SchedulerSide:
         """The worker copies pages as it sends them: blocks are freed at once."""
         self._sending.pop(request.request_id, None)
         self._local_hits.pop(request.request_id, None)
+        self._pulls.pop(request.request_id, None)
         return False, None
 
 
@@ -193,6 +231,14 @@ def _side(request: Any) -> RemoteDecode | RemotePrefill | None:
         return parse_kv_transfer_params(request.kv_transfer_params)
     except ValueError as exc:
         logger.warning("request %s: ignoring kv_transfer_params: %s", request.request_id, exc)
+        return None
+
+
+def _pull(request: Any) -> PrefixPull | None:
+    try:
+        return parse_prefix_pull(request.kv_transfer_params)
+    except ValueError as exc:
+        logger.warning("request %s: ignoring prefix_pull: %s", request.request_id, exc)
         return None
 
 

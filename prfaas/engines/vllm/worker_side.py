@@ -232,7 +232,7 @@ class WorkerSide:
             check_placement(self._page_size, start.skip_tokens, self._page_size)
             transfer = await self.transport.receiver.fetch(
                 start.host, peer_port(start.port, self.tp_rank), start.room,
-                timeout_s=self.config.timeout_s,
+                timeout_s=self.config.pull_timeout_s if start.pull else self.config.timeout_s,
             )  # fmt: skip
             self._transfers[start.req_id] = transfer
             placer = self._placer(start)
