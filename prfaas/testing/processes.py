@@ -42,3 +42,13 @@ def engine_pid(child: int) -> int | None:
         return child
     children = child_pids(child)
     return children[0] if children else None
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie whose parent is gone counts as dead: this machine's init may not
+    reap it)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

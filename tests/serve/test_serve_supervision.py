@@ -22,7 +22,7 @@ import pytest
 from metrics_helpers import Scrape
 
 from prfaas.serve.reaper import descendants
-from prfaas.testing.processes import child_pids
+from prfaas.testing.processes import alive, child_pids
 
 LISTENING = re.compile(r"PrfaaS gateway listening on (http://\S+)")
 GRACE_S = 3.0
@@ -47,16 +47,6 @@ role = "decode"
 class Serving:
     proc: subprocess.Popen[str]
     url: str
-
-
-def alive(pid: int) -> bool:
-    """Running (a zombie whose parent is gone counts as dead: this machine's init may not
-    reap it)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 @pytest.fixture(scope="module")

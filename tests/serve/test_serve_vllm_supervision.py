@@ -28,7 +28,7 @@ from metrics_helpers import Scrape
 from vllm_helpers import MODEL, VLLM_PYTHON, require_vllm
 
 from prfaas.serve.reaper import descendants
-from prfaas.testing.processes import child_pids
+from prfaas.testing.processes import alive, child_pids
 
 LISTENING = re.compile(r"PrfaaS gateway listening on (http://\S+)")
 START_TIMEOUT_S = 600
@@ -68,16 +68,6 @@ unresponsive_restart_s = {GRACE_S}
 class Serving:
     proc: subprocess.Popen[str]
     url: str
-
-
-def alive(pid: int) -> bool:
-    """Running (a zombie whose parent is gone counts as dead: this machine's init may not
-    reap it)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 @pytest.fixture(scope="module")
