@@ -3,7 +3,8 @@ or vLLM servers for `engine = "vllm"`) as child processes (reference engines wit
 deployment secret in their environment: the configured one, else a fresh one), add them to
 the deployment as running instances, serve (with the PrfaaS prefill instances' egress
 telemetry polled, `assembly.egress_setup`), restart any of them that dies or stops
-answering (`supervisor.Supervisor`), stop them all on exit."""
+answering (`supervisor.Supervisor`; a vLLM engine from a standby spawned ahead of need,
+`vllm_engines.VLLMRestarts`), stop them all on exit."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from prfaas.gateway.deployment import DeploymentConfig, InstanceConfig, LaunchCo
 from prfaas.serve.processes import EngineProcess, EngineSpec, free_port, start_engine
 from prfaas.serve.run import serve_gateway, setups, signals_cancel_current_task
 from prfaas.serve.supervisor import Starter, Supervisor, restart_policy
-from prfaas.serve.vllm_engines import start_vllm
+from prfaas.serve.vllm_engines import VLLMRestarts, start_vllm
 
 
 def _spec(launch: LaunchConfig, page_size: int) -> EngineSpec:
@@ -96,35 +97,26 @@ async def serve_launched(
     secret = launch_secret(config)
     with signals_cancel_current_task():
         engines = await start_launched(config, log_dir, secret)
+    env = {ENV_SECRET: secret.hex()}
+    restarts = {
+        la.id: VLLMRestarts(la, config.model.name, log_dir, env)
+        for la in config.launch
+        if la.engine == "vllm"
+    }
+    starters: dict[str, Starter] = dict(restarts)
     supervisor = Supervisor(
-        {e.spec.name: e for e in engines},
-        log_dir,
-        {ENV_SECRET: secret.hex()},
-        restart_policy(config.gateway),
-        starters={
-            la.id: _vllm_starter(la, config.model.name, log_dir, {ENV_SECRET: secret.hex()})
-            for la in config.launch
-            if la.engine == "vllm"
-        },
+        {e.spec.name: e for e in engines}, log_dir, env, restart_policy(config.gateway), starters
     )
     supervisor.start()
     try:
+        for engine in engines:  # each vLLM engine's next start, ahead of need
+            if (restart := restarts.get(engine.spec.name)) is not None:
+                await restart.prepare(engine)
         started = tuple(_instance(la, e) for la, e in zip(config.launch, engines, strict=True))
         full = dataclasses.replace(config, instances=config.instances + started, launch=())
         setup = setups(egress_setup(), supervisor.attach)
         await serve_gateway(full, host, port, setup=setup, on_ready=on_ready, secret=secret)
     finally:
         await supervisor.stop()
+        await asyncio.gather(*(r.stop() for r in restarts.values()))
     return 0
-
-
-def _vllm_starter(
-    launch: LaunchConfig, served_name: str, log_dir: Path, env: dict[str, str]
-) -> Starter:
-    """How the supervisor starts a vLLM engine again (on the ports it is given, with the
-    deployment secret in its environment as at its first start)."""
-
-    async def start(ports: EngineSpec, log_name: str) -> EngineProcess:
-        return await start_vllm(launch, served_name, log_dir, ports, log_name, env)
-
-    return start

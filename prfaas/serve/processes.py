@@ -137,12 +137,19 @@ def kill_group(process: asyncio.subprocess.Process) -> None:
 
 
 async def spawn(
-    argv: list[str], *, exec_: bool, env: Mapping[str, str], stdout: Any, stderr: Any
+    argv: list[str],
+    *,
+    exec_: bool,
+    env: Mapping[str, str],
+    stdout: Any,
+    stderr: Any,
+    stdin: Any = asyncio.subprocess.DEVNULL,
 ) -> asyncio.subprocess.Process:
     """Start `argv` as an engine: in a new session, under `reaper` (`exec_`: `argv` starts
     no processes of its own, so it only gets the parent-death signal)."""
     return await asyncio.create_subprocess_exec(
         *reaper.wrap(argv, exec_=exec_),
+        stdin=stdin,
         stdout=stdout,
         stderr=stderr,
         env=dict(env),

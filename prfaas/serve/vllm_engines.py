@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 
 from prfaas.engines.vllm.launch import VLLMServer
 from prfaas.engines.vllm.role import ENV_ROLE
+from prfaas.engines.vllm.standby import GO
 from prfaas.gateway.deployment import LaunchConfig
 from prfaas.serve.processes import (
     EngineProcess,
@@ -27,6 +30,7 @@ from prfaas.serve.processes import (
 )
 
 START_TIMEOUT_S = 300.0
+logger = logging.getLogger(__name__)
 
 
 def vllm_server(
@@ -85,35 +89,158 @@ async def start_vllm(
     Raises:
         RuntimeError: it exited or was not ready within START_TIMEOUT_S (names its log).
     """
+    server, bootstrap = _server(launch, served_name, log_dir, ports, env)
+    log = log_dir / f"{log_name or launch.id}.log"
+    process = await _spawn(server, log, standby=False)
+    return await _ready(launch, server, bootstrap, process, log)
+
+
+def _server(
+    launch: LaunchConfig,
+    served_name: str,
+    log_dir: Path,
+    ports: EngineSpec | None,
+    env: Mapping[str, str] | None,
+) -> tuple[VLLMServer, int]:
+    """The server to start on `ports` (0 or None: free ones), and its bootstrap port."""
     ports = ports or EngineSpec(launch.id, launch.role, launch.model)
     bootstrap = ports.bootstrap_port or free_port()
     events, replay = ipc_events(str(log_dir), launch.id)  # log_dir is private (mkdtemp)
     server = vllm_server(launch, served_name, bootstrap, events, replay, ports.port, env)
-    log = log_dir / f"{log_name or launch.id}.log"
+    return server, bootstrap
+
+
+async def _spawn(server: VLLMServer, log: Path, standby: bool) -> asyncio.subprocess.Process:
     with log.open("wb") as out:
-        process = await spawn(
-            server.command(),
+        return await spawn(
+            server.command(standby),
             exec_=False,
             env=server.env(),
+            stdin=asyncio.subprocess.PIPE if standby else asyncio.subprocess.DEVNULL,
             stdout=out,
             stderr=asyncio.subprocess.STDOUT,
         )
+
+
+async def _ready(
+    launch: LaunchConfig,
+    server: VLLMServer,
+    bootstrap: int,
+    process: asyncio.subprocess.Process,
+    log: Path,
+) -> EngineProcess:
+    """The started engine once it answers `/health` (else stopped).
+
+    Raises:
+        RuntimeError: it exited or was not ready within START_TIMEOUT_S (names its log).
+    """
     url = f"http://{server.host}:{server.port}"
     try:
         await asyncio.wait_for(_healthy(process, url), START_TIMEOUT_S)
     except (TimeoutError, EOFError):
         await stop_process(process)
-        tail = log.read_text(errors="replace")[-2000:]
+        tail = (await asyncio.to_thread(log.read_text, errors="replace"))[-2000:]
         raise RuntimeError(f"vLLM engine {launch.id} did not start (log {log}):\n{tail}") from None
     except BaseException:
         await asyncio.shield(stop_process(process))
         raise
     spec = EngineSpec(
-        launch.id, launch.role, launch.model, kv_events_ipc=str(log_dir), port=server.port,
+        launch.id, launch.role, launch.model, kv_events_ipc=str(log.parent), port=server.port,
         bootstrap_port=bootstrap,
     )  # fmt: skip
     reaper = asyncio.get_running_loop().create_task(_reap(process))  # output goes to the log
     return EngineProcess(spec, process, url, bootstrap, log, reaper)
+
+
+@dataclass
+class Standby:
+    """A vLLM server spawned ahead of need (`prfaas.engines.vllm.standby`): vLLM imported,
+    waiting for `go` on its stdin, on the ports of the engine it would replace."""
+
+    launch: LaunchConfig
+    server: VLLMServer
+    bootstrap_port: int
+    process: asyncio.subprocess.Process
+    log: Path
+
+    def serves(self, ports: EngineSpec) -> bool:
+        """Whether it is alive and would listen on `ports` (a restart's)."""
+        return (
+            self.process.returncode is None
+            and ports.port == self.server.port
+            and ports.bootstrap_port == self.bootstrap_port
+        )
+
+    async def go(self, log: Path) -> EngineProcess:
+        """Serve, and wait until it answers `/health`; its output goes on into `log`.
+
+        Raises:
+            RuntimeError: it had exited, or did not become ready (names its log).
+        """
+        self.log.rename(log)
+        assert self.process.stdin is not None
+        try:
+            self.process.stdin.write(f"{GO}\n".encode())
+            await self.process.stdin.drain()
+        except (BrokenPipeError, ConnectionResetError):
+            await stop_process(self.process)
+            raise RuntimeError(f"the standby of vLLM engine {self.launch.id} had exited "
+                               f"(log {log})") from None  # fmt: skip
+        return await _ready(self.launch, self.server, self.bootstrap_port, self.process, log)
+
+    async def stop(self) -> None:
+        await stop_process(self.process)
+
+
+class VLLMRestarts:
+    """Starts one launched vLLM engine again for the supervisor (a `supervisor.Starter`):
+    from the standby spawned after its last start (`launch.vllm_standby`) when that one is
+    alive on the ports asked for, else afresh. Owns the standby: `stop` ends it."""
+
+    def __init__(
+        self, launch: LaunchConfig, served_name: str, log_dir: Path, env: Mapping[str, str]
+    ) -> None:
+        self.launch = launch
+        self._served_name = served_name
+        self._log_dir = log_dir
+        self._env = dict(env)
+        self._standby: Standby | None = None
+        self.warm_starts = 0
+        """Restarts served by a standby."""
+
+    async def prepare(self, engine: EngineProcess) -> None:
+        """Spawn the standby for the next start of `engine` (on its ports)."""
+        if not self.launch.vllm_standby:
+            return
+        await self.stop()
+        server, bootstrap = _server(
+            self.launch, self._served_name, self._log_dir, engine.spec, self._env
+        )
+        log = self._log_dir / f"{self.launch.id}.standby.log"
+        process = await _spawn(server, log, standby=True)
+        self._standby = Standby(self.launch, server, bootstrap, process, log)
+
+    async def __call__(self, ports: EngineSpec, log_name: str) -> EngineProcess:
+        standby, self._standby = self._standby, None
+        if standby is not None and standby.serves(ports):
+            logger.warning("engine %s starts from its standby (vLLM imported ahead)",
+                           self.launch.id)  # fmt: skip
+            engine = await standby.go(self._log_dir / f"{log_name}.log")
+            self.warm_starts += 1
+        else:
+            if standby is not None:
+                await standby.stop()
+            engine = await start_vllm(
+                self.launch, self._served_name, self._log_dir, ports, log_name, self._env
+            )
+        await self.prepare(engine)
+        return engine
+
+    async def stop(self) -> None:
+        """End the standby, if any."""
+        standby, self._standby = self._standby, None
+        if standby is not None:
+            await standby.stop()
 
 
 async def _healthy(process: asyncio.subprocess.Process, url: str) -> None:

@@ -3,8 +3,9 @@ PrfaaS prefill and a PD decode, the tiny checkpoint): a SIGKILLed vLLM API serve
 EngineCore with it (no orphan), a stream it was serving ends at once with an OpenAI error
 event and no `[DONE]`, the supervisor starts it again and the gateway serves through it; a
 SIGSTOPped one is killed (its whole tree) after `unresponsive_restart_s` and started again;
-a SIGKILLed `prfaas serve` leaves no vLLM process behind. Slow (vLLM starts take about a
-minute each on a small machine): one module, one gateway."""
+a SIGKILLed `prfaas serve` leaves no vLLM process behind (standbys included); a restart
+starts from the standby spawned ahead of it, and a new standby follows. Slow (vLLM starts
+take about a minute each on a small machine): one module, one gateway."""
 
 from __future__ import annotations
 
@@ -109,14 +110,37 @@ def _scrape(url: str) -> Scrape:
         return Scrape.parse(reply.read().decode())
 
 
+def _on_port(serving: Serving, instance: str) -> tuple[int, list[int]]:
+    """`instance`'s HTTP port, and `prfaas serve`'s children given it (each a reaper: the
+    engine's, and the standby's for its next start)."""
+    port = int(urlparse(_state(serving.url)[instance]["url"]).port or 0)
+    found = []
+    for pid in child_pids(serving.proc.pid):
+        with contextlib.suppress(OSError):
+            argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+            if "--port" in argv and argv[argv.index("--port") + 1] == str(port):
+                found.append(pid)
+    return port, found
+
+
 def _engine_leader(serving: Serving, instance: str) -> int:
     """The pid of `prfaas serve`'s child that runs `instance` (its vLLM server's parent)."""
-    port = str(urlparse(_state(serving.url)[instance]["url"]).port)
-    for pid in child_pids(serving.proc.pid):
-        argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
-        if "--port" in argv and argv[argv.index("--port") + 1] == port:
+    port, children = _on_port(serving, instance)
+    for pid in children:
+        if ("0100007F", port) in _listening(descendants(pid)):
             return pid
     raise AssertionError(f"no process serves {instance} on port {port}")
+
+
+def _standby(serving: Serving, instance: str) -> int:
+    """The pid of the standby for `instance`'s next start: vLLM imported, listening on
+    nothing, waiting."""
+    _, children = _on_port(serving, instance)
+    waiting = [pid for pid in children if not _listening(descendants(pid))]
+    assert len(waiting) == 1, (children, waiting)
+    argv = Path(f"/proc/{waiting[0]}/cmdline").read_text().split("\0")
+    assert "prfaas.engines.vllm.standby" in argv, argv
+    return waiting[0]
 
 
 def _post(url: str, body: dict[str, Any], timeout: float = 120) -> Any:
@@ -131,6 +155,7 @@ def test_a_killed_vllm_decode_ends_its_stream_leaves_no_orphan_and_comes_back(
 ) -> None:
     url = serving.url
     leader = _engine_leader(serving, "pd-d0")
+    standby = _standby(serving, "pd-d0")
     tree = descendants(leader)
     server = child_pids(leader)[0]  # the API server; its EngineCore below it
     assert len(tree) >= 2, "expected vLLM's API server and its EngineCore"
@@ -167,7 +192,8 @@ def test_a_killed_vllm_decode_ends_its_stream_leaves_no_orphan_and_comes_back(
         time.sleep(1)
     assert _state(url)["pd-d0"]["ejections"] == 1
     assert _scrape(url).value("prfaas_engine_restarts_total", instance="pd-d0") == 1
-    assert _engine_leader(serving, "pd-d0") != leader
+    assert _engine_leader(serving, "pd-d0") == standby  # vLLM was imported ahead
+    assert _standby(serving, "pd-d0") not in (leader, standby)  # and the next one is
     with _post(url, {**body, "stream": False, "max_tokens": 8}) as reply:
         answer = json.load(reply)
     assert answer["usage"]["completion_tokens"] == 8
@@ -176,6 +202,7 @@ def test_a_killed_vllm_decode_ends_its_stream_leaves_no_orphan_and_comes_back(
 def test_a_stopped_vllm_prefill_is_killed_whole_and_restarted(serving: Serving) -> None:
     url = serving.url
     leader = _engine_leader(serving, "prfaas-p0")
+    standby = _standby(serving, "prfaas-p0")
     tree = descendants(leader)
     server = child_pids(leader)[0]
     os.kill(server, signal.SIGSTOP)
@@ -197,6 +224,7 @@ def test_a_stopped_vllm_prefill_is_killed_whole_and_restarted(serving: Serving) 
         time.sleep(1)
     scrape = _scrape(url)
     assert scrape.value("prfaas_engine_unresponsive_kills_total", instance="prfaas-p0") == 1
+    assert _engine_leader(serving, "prfaas-p0") == standby
     body = {"model": "qwen3-next-tiny", "prompt": "hello there", "max_tokens": 8,
             "ignore_eos": True, "temperature": 0}  # fmt: skip
     with _post(url, body) as reply:
@@ -265,7 +293,9 @@ def test_every_engine_port_listens_on_loopback_and_kv_events_on_a_private_socket
 
 def test_sigkill_of_serve_leaves_no_vllm_process(serving: Serving) -> None:
     tree = descendants(serving.proc.pid)
-    assert len(tree) >= 4  # two engines: each a leader, an API server, an EngineCore
+    # two engines (each a leader, an API server, an EngineCore), two standbys (each a
+    # leader and its waiting server)
+    assert len(tree) >= 10
     serving.proc.kill()
     serving.proc.wait()
     deadline = time.monotonic() + 15

@@ -22,6 +22,9 @@ AUTH_MIDDLEWARE = "prfaas.engines.vllm.auth.ControlTokenMiddleware"
 it is the outermost (vLLM adds `--middleware`s in order, each around the previous)."""
 ROLE_MIDDLEWARE = "prfaas.engines.vllm.role.RoleMiddleware"
 """The role API the long-term scheduler converts the instance through (`role.py`)."""
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+STANDBY_MODULE = "prfaas.engines.vllm.standby"
+"""The same server, imported ahead of need and started by a line on stdin (`standby.py`)."""
 
 
 @dataclass(frozen=True)
@@ -68,9 +71,11 @@ class VLLMServer:
             return _vllm_cpu_build(self.python)
         return self.device == "cpu"
 
-    def command(self) -> list[str]:
+    def command(self, standby: bool = False) -> list[str]:
+        """The command line; `standby`: one that imports vLLM, then waits for `go` on its
+        stdin before it serves (`standby.py`)."""
         args = [
-            str(self.python), "-m", "vllm.entrypoints.openai.api_server",
+            str(self.python), "-m", STANDBY_MODULE if standby else SERVER_MODULE,
             "--model", str(self.model), "--served-model-name", self.served_name,
             "--host", self.host, "--port", str(self.port),
             "--dtype", "bfloat16",

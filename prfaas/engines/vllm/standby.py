@@ -1,0 +1,37 @@
+"""A vLLM OpenAI server started ahead of need, for the next restart of an engine.
+
+`python -m prfaas.engines.vllm.standby ARGS...` (the vLLM environment's interpreter, the
+environment the server will have) imports vLLM's API server, then waits for one line on
+stdin: `go` serves with ARGS (the `vllm.entrypoints.openai.api_server` flags), anything else
+or end of input exits 0. The import is a third to a half of a vLLM start on CPU (10 of 23 s
+on an idle 2-core machine, more under load: it is single-threaded Python), so a supervisor
+that keeps one standby per engine brings a dead engine back that much sooner
+(`prfaas.serve.vllm_engines.VLLMRestarts`). vLLM's EngineCore process is spawned after `go`,
+as at any start, and imports vLLM afresh.
+
+`main` runs only as `__main__`: vLLM spawns its EngineCore with the `spawn` start method,
+which imports this module again in the child, where nothing must run.
+"""
+
+from __future__ import annotations
+
+import sys
+
+GO = "go"
+
+
+def main() -> int:
+    from vllm.entrypoints.launchers.api_server import entry  # the slow part: vLLM, torch
+
+    from prfaas.engines.vllm import auth, role  # noqa: F401  (the middlewares vLLM loads)
+
+    print("prfaas standby: vLLM imported, waiting", file=sys.stderr, flush=True)
+    if sys.stdin.readline().strip() != GO:
+        return 0
+    sys.argv = ["vllm.entrypoints.openai.api_server", *sys.argv[1:]]
+    entry.main()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
