@@ -80,7 +80,7 @@ from prfaas.engines.transport.frames import Kind, make_frame
 from prfaas.engines.transport.wire import json_frame
 from prfaas.engines.vllm.launch import VLLMProcess
 from prfaas.serve.reaper import descendants
-from prfaas.testing.processes import child_pids, engine_pid
+from prfaas.testing.processes import child_pids, engine_pid, waiting_standby
 
 MODEL = "qwen3-next-tiny"
 MAX_TOKENS = 16
@@ -136,8 +136,11 @@ def _engine_name(pid: int) -> str | None:
 
 
 def engine_leaders(gateway_pid: int) -> dict[str, int]:
-    """`prfaas serve`'s child for each engine (a vLLM server's reaper) by instance id."""
-    found = {(_engine_name(p), p) for p in child_pids(gateway_pid)}
+    """`prfaas serve`'s child for each engine (a vLLM server's reaper) by instance id (not
+    the standby for its next start: a vLLM engine started from it counts from its `go`,
+    when it starts its EngineCore)."""
+    children = [p for p in child_pids(gateway_pid) if not waiting_standby(p)]
+    found = {(_engine_name(p), p) for p in children}
     return {name: pid for name, pid in found if name is not None}
 
 

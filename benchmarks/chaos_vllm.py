@@ -85,8 +85,10 @@ def start_aggregated(model_name: str, python: Path, model: Path) -> VLLMProcess:
 
 @dataclass
 class Comeback:
-    """After an engine's death: when the supervisor's new process appeared and when vLLM
-    answered `/health` on it (seconds from the death; None: not seen within the limit)."""
+    """After an engine's death: when the supervisor's new process appeared (from a standby
+    spawned ahead of need, vLLM already imported: its EngineCore, started once the
+    supervisor told it to serve) and when vLLM answered `/health` on it (seconds from the
+    death; None: not seen within the limit)."""
 
     respawn_s: float | None = None
     health_s: float | None = None

@@ -44,6 +44,20 @@ def engine_pid(child: int) -> int | None:
     return children[0] if children else None
 
 
+def waiting_standby(child: int) -> bool:
+    """Whether one of `prfaas serve`'s children is a vLLM engine's standby still waiting to
+    be told to serve (`prfaas.engines.vllm.standby`: it has started no EngineCore yet), not
+    an engine."""
+    server = engine_pid(child)
+    if server is None:
+        return False
+    try:
+        argv = Path(f"/proc/{server}/cmdline").read_text().split("\0")
+    except OSError:
+        return False
+    return "prfaas.engines.vllm.standby" in argv and not child_pids(server)
+
+
 def alive(pid: int) -> bool:
     """Running (a zombie whose parent is gone counts as dead: this machine's init may not
     reap it)."""

@@ -29,7 +29,7 @@ from metrics_helpers import Scrape
 from vllm_helpers import MODEL, VLLM_PYTHON, require_vllm
 
 from prfaas.serve.reaper import descendants
-from prfaas.testing.processes import alive, child_pids
+from prfaas.testing.processes import alive, child_pids, waiting_standby
 
 LISTENING = re.compile(r"PrfaaS gateway listening on (http://\S+)")
 START_TIMEOUT_S = 600
@@ -136,10 +136,9 @@ def _standby(serving: Serving, instance: str) -> int:
     """The pid of the standby for `instance`'s next start: vLLM imported, listening on
     nothing, waiting."""
     _, children = _on_port(serving, instance)
-    waiting = [pid for pid in children if not _listening(descendants(pid))]
+    waiting = [pid for pid in children if waiting_standby(pid)]
     assert len(waiting) == 1, (children, waiting)
-    argv = Path(f"/proc/{waiting[0]}/cmdline").read_text().split("\0")
-    assert "prfaas.engines.vllm.standby" in argv, argv
+    assert not _listening(descendants(waiting[0]))
     return waiting[0]
 
 
