@@ -557,10 +557,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 proc.wait()
 
 
+SERVE_LINES = ("restart", "exited", "back", "ejected", "readmitted", "standby")
+"""The serve log's lines about engines' deaths and comebacks, shown as they come."""
+
+
 def _drain(proc: subprocess.Popen[str], t0: list[float]) -> None:
     assert proc.stdout is not None
     for line in proc.stdout:
-        if any(w in line for w in ("restart", "exited", "back", "ejected", "readmitted")):
+        if any(w in line for w in SERVE_LINES):
             at = time.monotonic() - t0[0] if t0 else 0.0
             print(f"[{at:7.1f} s]   serve: {line.rstrip()}", flush=True)
 
