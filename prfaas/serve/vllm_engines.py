@@ -205,8 +205,6 @@ class VLLMRestarts:
         self._log_dir = log_dir
         self._env = dict(env)
         self._standby: Standby | None = None
-        self.warm_starts = 0
-        """Restarts served by a standby."""
 
     async def prepare(self, engine: EngineProcess) -> None:
         """Spawn the standby for the next start of `engine` (on its ports)."""
@@ -226,7 +224,6 @@ class VLLMRestarts:
             logger.warning("engine %s starts from its standby (vLLM imported ahead)",
                            self.launch.id)  # fmt: skip
             engine = await standby.go(self._log_dir / f"{log_name}.log")
-            self.warm_starts += 1
         else:
             if standby is not None:
                 await standby.stop()
