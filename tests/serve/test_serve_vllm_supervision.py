@@ -198,6 +198,33 @@ def test_a_killed_vllm_decode_ends_its_stream_leaves_no_orphan_and_comes_back(
     assert answer["usage"]["completion_tokens"] == 8
 
 
+def test_an_engine_whose_standby_died_starts_afresh(serving: Serving) -> None:
+    """A standby that died while waiting (here SIGKILLed) is not told to serve: the next
+    restart starts vLLM afresh, and a new standby follows it."""
+    url = serving.url
+    standby = _standby(serving, "pd-d0")
+    os.kill(standby, signal.SIGKILL)
+    leader = _engine_leader(serving, "pd-d0")
+    restarts = _scrape(url).value("prfaas_engine_restarts_total", instance="pd-d0")
+    os.kill(child_pids(leader)[0], signal.SIGKILL)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while (
+        _scrape(url).value("prfaas_engine_restarts_total", instance="pd-d0") < restarts + 1
+        or _state(url)["pd-d0"]["status"] != "healthy"
+    ):
+        assert time.monotonic() < deadline, _state(url)
+        time.sleep(1)
+    now = _engine_leader(serving, "pd-d0")
+    assert now not in (leader, standby)
+    argv = Path(f"/proc/{child_pids(now)[0]}/cmdline").read_text().split("\0")
+    assert "vllm.entrypoints.openai.api_server" in argv  # a cold start
+    assert _standby(serving, "pd-d0") != standby
+    body = {"model": "qwen3-next-tiny", "prompt": "hello there", "max_tokens": 8,
+            "ignore_eos": True, "temperature": 0}  # fmt: skip
+    with _post(url, body) as reply:
+        assert json.load(reply)["usage"]["completion_tokens"] == 8
+
+
 def test_a_stopped_vllm_prefill_is_killed_whole_and_restarted(serving: Serving) -> None:
     url = serving.url
     leader = _engine_leader(serving, "prfaas-p0")
