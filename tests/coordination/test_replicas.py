@@ -21,6 +21,7 @@ from coordinated_helpers import (
     ENGINE_AUTH,
     Engine,
     Replica,
+    agreed_leader,
     get_json,
     leaders,
     post_json,
@@ -78,21 +79,6 @@ def replicas(engines: list[Engine], store: EtcdServer, tmp_path: Path) -> Iterat
             r.stop()
 
 
-def _agreed_leader(replicas: list[Replica]) -> tuple[str, int]:
-    """Wait until exactly one replica leads and every live one names it; (leader, epoch)."""
-
-    def agreed() -> tuple[str, int] | None:
-        views = [r.coordination() for r in replicas]
-        names = {v["leader"] for v in views} | {v["epoch"] for v in views}
-        leading = [v["replica"] for v in views if v["role"] == "leader"]
-        if len(leading) == 1 and len(names) == 2 and views[0]["leader"] == leading[0]:
-            return leading[0], int(views[0]["epoch"])
-        return None
-
-    found: tuple[str, int] = wait_for("one agreed leader", agreed, 20.0)
-    return found
-
-
 def _words(n_tokens: int, seed: int) -> str:
     """`n_tokens` byte-level tokens of fresh text (nothing shared with other seeds)."""
     import random
@@ -146,7 +132,7 @@ def test_one_leader_and_a_follower_leads_soon_after_a_sigkill(
     SIGKILL a follower leads within 3 s of the lease's expiry at a newer epoch, its decisions
     continue (its periods run) and the remaining follower applies them; requests sent to
     the two live replicas meanwhile all succeed."""
-    leader, epoch = _agreed_leader(replicas)
+    leader, epoch = agreed_leader(replicas)
     for _ in range(20):  # one leader at any time (sampled over a second)
         assert len(leaders(replicas)) == 1
         time.sleep(0.05)
@@ -157,7 +143,7 @@ def test_one_leader_and_a_follower_leads_soon_after_a_sigkill(
     old.proc.wait()
 
     load = _Background(_open_loop([r.url for r in rest], 4.0, TTL_S + 2.0, 200, 1))
-    new_leader, new_epoch = _agreed_leader(rest)
+    new_leader, new_epoch = agreed_leader(rest)
     took = time.monotonic() - killed
     assert took <= TTL_S + 3.0, f"a follower led {took:.1f} s after the SIGKILL"
     assert new_leader != leader and new_epoch > epoch
@@ -208,7 +194,7 @@ def test_a_paused_leader_is_fenced_by_the_engines_and_steps_down(
     paused (SIGSTOP) for 10 s, a follower leads and announces its epoch to the engines; on
     SIGCONT, when the drain ends, the engine refuses the old leader's conversion (409
     fenced): the role is unchanged and the old leader says it follows."""
-    leader, epoch = _agreed_leader(replicas)
+    leader, epoch = agreed_leader(replicas)
     old = next(r for r in replicas if r.name == leader)
     decodes = [e for e in engines if e.launch.role == "decode"]
     holds = [_hold(e, f"hold-{e.launch.id}") for e in decodes]
@@ -222,7 +208,7 @@ def test_a_paused_leader_is_fenced_by_the_engines_and_steps_down(
         old.signal(signal.SIGSTOP)
         paused = time.monotonic()
         rest = [r for r in replicas if r is not old]
-        new_leader, new_epoch = _agreed_leader(rest)
+        new_leader, new_epoch = agreed_leader(rest)
         assert new_epoch > epoch
         time.sleep(max(10.0 - (time.monotonic() - paused), 0.0))
         old.signal(signal.SIGCONT)
@@ -281,7 +267,7 @@ def test_the_leader_estimates_all_replicas_traffic_and_converts_once(
     estimated arrival rate and mean incremental length are within 10% of the offered load's,
     and the prefill-heavy load converts exactly one decode (one conversion in all, not one
     per replica)."""
-    leader, _ = _agreed_leader(replicas)
+    leader, _ = agreed_leader(replicas)
     lead = next(r for r in replicas if r.name == leader)
     rate, tokens, seconds = 3.0, 900, 12 * PERIOD_S  # the EWMA forgets the start (0.7^12)
     load = _Background(_open_loop([r.url for r in replicas], rate, seconds, tokens, 10_000))
@@ -309,7 +295,7 @@ def test_with_the_store_down_replicas_serve_and_nobody_converts(
     """etcd killed: every replica says the store is down, nobody leads, every replica keeps
     serving on the last state, and a prefill-heavy load converts nothing; etcd back: a
     leader is elected and decides again within one period."""
-    _agreed_leader(replicas)
+    agreed_leader(replicas)
     store.kill()
     wait_for(
         "every replica sees the store down and follows",
@@ -331,7 +317,7 @@ def test_with_the_store_down_replicas_serve_and_nobody_converts(
 
     store.start()
     back = time.monotonic()
-    leader, _ = _agreed_leader(replicas)
+    leader, _ = agreed_leader(replicas)
     lead = next(r for r in replicas if r.name == leader)
     periods = lead.metric("prfaas_rebalance_periods_total")
     wait_for(
