@@ -26,11 +26,11 @@ same parser aiohttp uses (llhttp):
   refused), answers every request that was not running yet with `error_response(503)`,
   `Connection: close` and `x-prfaas-not-started: 1` (on connections already open, `/health`
   included, so a load balancer's health check sees the drain; the header tells a proxy that
-  the request never ran, so sending it to another server is safe), and lets the handlers running finish for up to
-  `grace_s` (`cut()` ends that wait early). A handler still running then is cancelled and
-  its response ended by the server: a 503 where nothing was sent yet, else the stream's
-  `cut_tail` (the handler's last words, e.g. an SSE error event) and the body's proper end,
-  so no client sees a response cut off without a reason.
+  the request never ran, so sending it to another server is safe), and lets the handlers
+  running finish for up to `grace_s` (`cut()` ends that wait early). A handler still
+  running then is cancelled and its response ended by the server: a 503 where nothing was
+  sent yet, else the stream's `cut_tail` (the handler's last words, e.g. an SSE error event)
+  and the body's proper end, so no client sees a response cut off without a reason.
 
 Handlers return an `HttpResponse`, or start a stream on the `Exchange` and return None.
 """
