@@ -10,6 +10,7 @@ load (streamed and whole requests through Envoy).
 - SIGKILL of the leader: only streams it had begun fail; requests on the other replicas,
   and every request started after the kill, succeed (also while nobody leads); a follower
   leads within the lease TTL plus a margin, and counts the election.
+- The Grafana dashboard's `[coordination]` row queries only metrics these replicas export.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import asyncio
 import json
 import signal
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +29,8 @@ import pytest
 from coordinated_helpers import PROFILE, Replica, agreed_leader, start_replica
 from envoy_helpers import EnvoyFront
 from etcd_helpers import EtcdServer
+from grafana_helpers import dashboard, panels, queried
+from metrics_helpers import Scrape
 from replica_helpers import MODEL, Engine, deployment_file, reference_engine
 
 pytestmark = pytest.mark.timeout(150)
@@ -323,3 +327,22 @@ async def test_sigkill_of_the_leader_under_load(front: Front) -> None:
         f"elsewhere; {len(leaderless)} sent while nobody led, all answered; {new_leader} "
         f"led after {led_after:.2f} s"
     )
+
+
+def test_the_grafana_coordination_panels_query_what_replicas_export(front: Front) -> None:
+    """deploy/grafana/prfaas.json's `[coordination]` row has panels for who leads, elections
+    and lead losses, etcd's reachability and the followers' apply lag, and every metric
+    they name is in a real scrape of each coordinated replica, leader and followers."""
+    named = queried(panels(dashboard(), coordination=True))
+    assert {
+        "prfaas_coordination_leader",
+        "prfaas_leader_elections_total",
+        "prfaas_leader_losses_total",
+        "prfaas_coordination_store_up",
+        "prfaas_schedule_apply_lag_seconds_bucket",
+    } <= named
+    for r in front.replicas:
+        with urllib.request.urlopen(f"{r.url}/metrics", timeout=5) as reply:
+            scrape = Scrape.parse(reply.read().decode())
+        exported = {s.name for samples in scrape.families.values() for s in samples}
+        assert named <= exported, (r.name, sorted(named - exported))
