@@ -323,10 +323,12 @@ def test_with_the_store_down_replicas_serve_and_nobody_converts(
     and its first period comes within one period (+0.5 s) of that election.
 
     Why these bounds: the last leader's election key outlives the outage, bound to its
-    lease, and etcd restarts every lease with its full TTL, so the key is gone TTL after
-    etcd is back at the latest (sooner, in fact: the old leader, which kept its lease id
-    when it could not revoke it, revokes it at its first election round that etcd answers;
-    rounds that fail are retried every TTL/3); the next round creates the key. The
+    lease, and etcd restarts every lease with its full TTL (plus its election timeout,
+    0.5 s here; expired leases are reaped every 0.5 s), so the key is gone about TTL + 1 s
+    after etcd is back at the latest. In fact sooner: the old leader, which kept its lease
+    id when it could not revoke it, revokes it at its first election round that etcd
+    answers (failed rounds are retried every TTL/3), and the next round, or a follower
+    watching the key, creates it again. The
     scheduler's period timer runs in every replica whether it leads or not (a follower's
     period only drops its samples), so the first period after `lead()` comes at the
     timer's next expiry: within one period of the election. The election is timed when
