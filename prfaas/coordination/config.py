@@ -13,6 +13,7 @@ Without the table a gateway runs alone, as one process that is always its own le
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
@@ -29,15 +30,26 @@ class CoordinationConfig:
     publish_s: float = 0.5
 
     def __post_init__(self) -> None:
-        bad = [u for u in self.endpoints if urlparse(u).scheme not in ("http", "https")]
+        bad = [u for u in self.endpoints if not _http_url(u)]
         check(not bad and bool(self.endpoints), "etcd", self.etcd,
-              "must be http(s) URLs, comma-separated")  # fmt: skip
+              "must be http(s)://HOST[:PORT] URLs, comma-separated")  # fmt: skip
         check(self.prefix.startswith("/") and not self.prefix.endswith("/"), "prefix",
               self.prefix, "must start with / and not end with /")  # fmt: skip
-        check(self.lease_ttl_s >= 1, "lease_ttl_s", self.lease_ttl_s, "must be >= 1 (etcd's unit)")
+        check(1 <= self.lease_ttl_s < math.inf, "lease_ttl_s", self.lease_ttl_s,
+              "must be >= 1 (etcd's unit) and finite")  # fmt: skip
         check(0 < self.publish_s < self.lease_ttl_s, "publish_s", self.publish_s,
               "must be > 0 and < lease_ttl_s")  # fmt: skip
 
     @property
     def endpoints(self) -> tuple[str, ...]:
         return tuple(u.strip().rstrip("/") for u in self.etcd.split(",") if u.strip())
+
+
+def _http_url(url: str) -> bool:
+    """An http or https URL with a host, and a port number if it names one."""
+    try:
+        parsed = urlparse(url)
+        parsed.port  # noqa: B018 (raises ValueError on a port that is not a number in range)
+    except ValueError:
+        return False
+    return parsed.scheme in ("http", "https") and bool(parsed.hostname)

@@ -23,13 +23,14 @@ same parser aiohttp uses (llhttp):
   aborts the request on the engines), and a handler that raises gets a 500 without a
   traceback; idle keep-alive connections close after `keepalive_timeout_s`;
 - `stop(grace_s)` drains: it closes the listening socket at once (new connections are
-  refused), answers every request that was not running yet with `error_response(503)` and
-  `Connection: close` (on connections already open, `/health` included, so a load
-  balancer's health check sees the drain), and lets the handlers running finish for up to
-  `grace_s` (`cut()` ends that wait early). A handler still running then is cancelled and
-  its response ended by the server: a 503 where nothing was sent yet, else the stream's
-  `cut_tail` (the handler's last words, e.g. an SSE error event) and the body's proper end,
-  so no client sees a response cut off without a reason.
+  refused), answers every request that was not running yet with `error_response(503)`,
+  `Connection: close` and `x-prfaas-not-started: 1` (on connections already open, `/health`
+  included, so a load balancer's health check sees the drain; the header tells a proxy that
+  the request never ran, so sending it to another server is safe), and lets the handlers
+  running finish for up to `grace_s` (`cut()` ends that wait early). A handler still
+  running then is cancelled and its response ended by the server: a 503 where nothing was
+  sent yet, else the stream's `cut_tail` (the handler's last words, e.g. an SSE error event)
+  and the body's proper end, so no client sees a response cut off without a reason.
 
 Handlers return an `HttpResponse`, or start a stream on the `Exchange` and return None.
 """
@@ -42,7 +43,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from email.utils import formatdate
 from http import HTTPStatus
 
@@ -139,6 +140,9 @@ MAX_PIPELINED = 16
 """Queued requests on one connection beyond which reading pauses until they are answered."""
 LINGER_S = 2.0
 """After an error answer, how long input is still read (and dropped) before closing."""
+NOT_STARTED_HEADER = "x-prfaas-not-started"
+"""On a draining server's 503 to a request it never ran (value `1`): safe to send elsewhere
+(deploy/envoy's front door retries such an answer on another replica)."""
 CANCEL_WAIT_S = 1.0
 """How long `stop()` waits for cancelled handlers to end their responses."""
 _FORBIDDEN_HEADERS = frozenset(("content-length", "transfer-encoding", "connection", "date"))
@@ -522,6 +526,7 @@ class _HttpProtocol(asyncio.Protocol):
         should send it elsewhere (what it pipelined after it is dropped, unanswered)."""
         self._pending.clear()
         resp = self.server.error_response(503, "the server is shutting down; retry elsewhere")
+        resp = replace(resp, headers={**resp.headers, NOT_STARTED_HEADER: "1"})
         with contextlib.suppress(ConnectionError):
             self.send(Exchange(self, request, keep_alive=False).whole(resp))
         self._linger_close()

@@ -39,7 +39,11 @@ def test_the_route_streams_and_retries_only_before_the_answer() -> None:
     assert [f["name"] for f in typed["http_filters"]] == ["envoy.filters.http.router"]
     (route,) = typed["route_config"]["virtual_hosts"][0]["routes"]
     assert route["route"]["timeout"] == "0s"
-    assert route["route"]["retry_policy"]["retry_on"] == "connect-failure,refused-stream,reset"
+    policy = route["route"]["retry_policy"]
+    assert policy["retry_on"] == "connect-failure,refused-stream,reset,retriable-headers"
+    assert policy["retriable_headers"] == [
+        {"name": "x-prfaas-not-started", "string_match": {"exact": "1"}}
+    ]
 
 
 def test_envoy_accepts_it_without_deprecated_fields(tmp_path: Path) -> None:

@@ -6,6 +6,9 @@ response headers, a reset after them, a `/health` that turns 503).
   client never seeing it.
 - A response that has begun (headers and a first event sent) is never retried: the client
   sees the stream cut, and no other replica ever gets that request.
+- A draining replica's 503 to a request it never ran (`x-prfaas-not-started: 1`, as the
+  gateway's HTTP server answers on a connection Envoy had pooled) is retried on another
+  replica; any other 503 reaches the client as it was.
 - A replica whose `/health` answers 503 (a gateway draining on SIGTERM) gets no new request
   once Envoy has probed it, while the stream it is serving runs to its end.
 """
@@ -28,7 +31,9 @@ from envoy_helpers import EnvoyFront
 
 pytestmark = pytest.mark.timeout(60)
 
-Mode = Literal["answer", "reset_before_headers", "reset_after_headers", "stream_slowly"]
+Mode = Literal[
+    "answer", "reset_before_headers", "reset_after_headers", "stream_slowly", "refuse_draining"
+]
 Answer = tuple[int, str, str | None]
 """A client's (status, body read until the end or the cut, x-request-id)."""
 
@@ -59,6 +64,10 @@ class StandIn:
         self.seen.append(request.headers["x-request-id"])
         if self.mode == "answer":
             return web.json_response({"replica": self.name})
+        if self.mode == "refuse_draining":  # as prfaas.http.server refuses during a drain
+            error = {"error": {"code": "shutting_down", "message": "shutting down"}}
+            flag = {"x-prfaas-not-started": "1"} if len(self.seen) % 2 else {}
+            return web.json_response(error, status=503, headers={"Connection": "close", **flag})
         if self.mode == "reset_before_headers":
             _reset(request)
             await asyncio.sleep(60)  # cancelled with the connection
@@ -151,6 +160,26 @@ async def test_a_reset_before_the_response_is_retried_on_another_replica(pair: P
     for request_id in pair.a.seen:
         line = retried[request_id]
         assert (line["attempts"], line["upstream_host"], line["status"]) == (2, pair.b_address, 200)
+
+
+@pytest.mark.parametrize("pair", ["refuse_draining"], indirect=True)
+async def test_a_503_for_a_request_never_run_is_retried_and_no_other(pair: Pair) -> None:
+    """A answers its first request 503 with `x-prfaas-not-started: 1` and its second 503
+    without it (two: a third 503 in a row would eject it): the first is retried once on B
+    (the client gets B's answer), the second reaches the client as A sent it."""
+    async with aiohttp.ClientSession() as s:
+        answers = []
+        while len(pair.a.seen) < 2:
+            assert len(answers) < 100, "A got too few requests"
+            answers.append(await _post(s, pair.envoy.url))
+        counters = await pair.envoy.counters(s)
+    flagged, plain = pair.a.seen
+    by_id = {request_id: (status, body) for status, body, request_id in answers}
+    status, body = by_id[flagged]
+    assert status == 200 and '"b"' in body and flagged in pair.b.seen
+    status, body = by_id[plain]
+    assert status == 503 and "shutting_down" in body and plain not in pair.b.seen
+    assert counters["upstream_rq_retry"] == 1
 
 
 @pytest.mark.parametrize("pair", ["reset_after_headers"], indirect=True)

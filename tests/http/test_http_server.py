@@ -452,8 +452,9 @@ async def test_a_draining_server_answers_new_requests_on_open_connections_with_5
     served: Served,
 ) -> None:
     """While a request runs out its grace: new connections are refused; a new request on
-    an idle keep-alive connection gets 503 with `Connection: close` (its handler never
-    runs) and the connection closes; the request in flight still completes."""
+    an idle keep-alive connection gets 503 with `Connection: close` and
+    `x-prfaas-not-started: 1` (its handler never runs: a proxy may send it elsewhere) and
+    the connection closes; the request in flight still completes, without that header."""
     idle_r, idle_w = await served.connect()
     idle_w.write(request("GET", "/echo/before"))
     assert (await read_response(idle_r)).status == 200  # keep-alive, idle from now on
@@ -468,11 +469,13 @@ async def test_a_draining_server_answers_new_requests_on_open_connections_with_5
     refused = await read_response(idle_r)
     assert refused.status == 503
     assert refused.headers["connection"] == "close"
+    assert refused.headers["x-prfaas-not-started"] == "1"
     assert "shutting down" in refused.json()["error"]["message"]
     assert await read_eof(idle_r) == b""
     assert "/echo/during" not in served.probe.calls
     finished = await read_response(busy_r)
     assert finished.status == 200 and finished.json() == {"slept": 0.5}
+    assert "x-prfaas-not-started" not in finished.headers
     await asyncio.wait_for(stopping, 2)
     assert not served.probe.sleep_cancelled.is_set()
     idle_w.close()

@@ -225,6 +225,22 @@ def leaders(replicas: Sequence[Replica]) -> list[str]:
     return out
 
 
+def agreed_leader(replicas: Sequence[Replica], timeout_s: float = 20.0) -> tuple[str, int]:
+    """Wait until exactly one replica leads and every one of `replicas` names it and the same
+    epoch; (leader, epoch)."""
+
+    def agreed() -> tuple[str, int] | None:
+        views = [r.coordination() for r in replicas]
+        names = {v["leader"] for v in views} | {v["epoch"] for v in views}
+        leading = [v["replica"] for v in views if v["role"] == "leader"]
+        if len(leading) == 1 and len(names) == 2 and views[0]["leader"] == leading[0]:
+            return leading[0], int(views[0]["epoch"])
+        return None
+
+    found: tuple[str, int] = wait_for("one agreed leader", agreed, timeout_s)
+    return found
+
+
 def wait_for(what: str, check: Any, timeout_s: float, every_s: float = 0.05) -> Any:
     """Poll `check()` until it returns something truthy; its value."""
     deadline = time.monotonic() + timeout_s

@@ -86,8 +86,9 @@ def reference_engine(workdir: Path) -> Iterator[Engine]:
         _stop(proc)
 
 
-def deployment_file(path: Path, engine: Engine) -> Path:
-    """The one deployment file every replica reads (no [coordination]: each runs alone)."""
+def deployment_file(path: Path, engine: Engine, extra: str = "") -> Path:
+    """The one deployment file every replica reads; `extra` is appended (tables such as
+    `[scheduler]` and `[coordination]`; without the latter each replica runs alone)."""
     path.write_text(
         f"""
 [model]
@@ -102,6 +103,7 @@ role = "both"
 url = "{engine.url}"
 bootstrap_port = {engine.bootstrap_port}
 """
+        + extra
     )
     return path
 

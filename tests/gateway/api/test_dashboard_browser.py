@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import openai
-import promql_parser
 import pytest
+from grafana_helpers import dashboard, metric_names, panels, queried
 from metrics_helpers import Scrape
 from playwright.sync_api import Browser, ConsoleMessage, Page, sync_playwright
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
@@ -38,7 +38,6 @@ CHROMIUM_ARGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
 ]  # fmt: skip
-GRAFANA = Path(__file__).resolve().parents[3] / "deploy" / "grafana" / "prfaas.json"
 MODEL, BLOCK, THRESHOLD = "qwen3-next-tiny", 16, 64
 LISTENING = re.compile(r"PrfaaS gateway listening on (http://\S+)")
 START_TIMEOUT_S = 180
@@ -230,33 +229,25 @@ def test_page_loads_live_without_console_errors(page: Page, served: Served) -> N
     assert served.console == []
 
 
-def _metric_names(query: str) -> set[str]:
-    """The metrics a Grafana PromQL query selects (its variables given values as Grafana
-    would). Raises ValueError if it does not parse."""
-    expr = promql_parser.parse(query.replace("$__rate_interval", "1m").replace("$job", ".*"))
-    names: set[str] = set()
-
-    def visit(node: promql_parser.Expr) -> None:
-        if isinstance(node, promql_parser.VectorSelector):
-            names.add(node.name)
-
-    promql_parser.walk(expr, visit)
-    return names
-
-
 def test_grafana_dashboard_queries_exported_metrics(served: Served) -> None:
     """deploy/grafana/prfaas.json loads, every query parses as PromQL (Grafana's variables
-    substituted) and every metric it names is in a real scrape of the running gateway."""
+    substituted) and every metric it names outside the `[coordination]` row is in a real
+    scrape of the running gateway (that row's: tests/deploy/test_envoy_coordinated.py)."""
     _burst(served.url, 2, 2, seed=7)  # so each histogram has samples on both routes
     exported = {s.name for samples in _scrape(served.url).families.values() for s in samples}
-    board = json.loads(GRAFANA.read_text())
+    board = dashboard()
     assert board["uid"] == "prfaas-gateway" and board["panels"]
     assert len({p["id"] for p in board["panels"]}) == len(board["panels"])
-    targets = [t for p in board["panels"] for t in p["targets"]]
-    assert all(t["datasource"]["uid"] == "${datasource}" for t in targets)
-    queries = [t["expr"] for t in targets]
-    queries += [a["expr"] for a in board["annotations"]["list"] if "expr" in a]
-    named = {name for query in queries for name in _metric_names(query)}
+    every = panels(board, coordination=False) + panels(board, coordination=True)
+    assert all(t["datasource"]["uid"] == "${datasource}" for p in every for t in p["targets"])
+    queried(every)  # every query parses (raises ValueError if one does not)
+    named = queried(panels(board, coordination=False))
+    named |= {
+        name
+        for a in board["annotations"]["list"]
+        if "expr" in a
+        for name in metric_names(a["expr"])
+    }
     for variable in board["templating"]["list"]:
         if variable["type"] == "query":
             named |= set(re.findall(r"label_values\((\w+)", variable["query"]["query"]))
