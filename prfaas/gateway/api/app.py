@@ -253,12 +253,15 @@ class GatewayApp:
             raise
 
     async def stop(self, drain_s: float = 2.0) -> None:
-        """Drain, then stop: stop listening, answer new requests 503 (`/health` too, so a
-        load balancer takes this gateway out), let requests in flight finish for up to
-        `drain_s` seconds (`cut_drain` ends that wait), end what is left with an error
+        """Drain, then stop: a coordinated leader resigns first (another replica decides
+        from now on), stop listening, answer new requests 503 (`/health` too, so a load
+        balancer takes this gateway out), let requests in flight finish for up to `drain_s`
+        seconds (`cut_drain` ends that wait), end what is left with an error
         (`HttpServer.stop`); then the gateway's tasks and engine connections. Engines stay
         up throughout: those `prfaas serve` started stop after this returns. Idempotent."""
         try:
+            if self._gateway is not None:
+                await self._gateway.resign()
             if self._server is not None:
                 await self._server.stop(drain_s)
         finally:

@@ -96,9 +96,15 @@ class Gateway:
         if self.coordinator is not None:
             self.coordinator.start()
 
+    async def resign(self) -> None:
+        """Stop coordinating: a leader resigns, so another replica leads while this one
+        drains (nothing decides here after it). Idempotent."""
+        coordinator, self.coordinator = self.coordinator, None
+        if coordinator is not None:
+            await coordinator.stop()
+
     async def stop(self) -> None:
-        if self.coordinator is not None:
-            await self.coordinator.stop()
+        await self.resign()
         if self.scheduler is not None:
             await self.scheduler.stop()
         await self.activity.stop()
