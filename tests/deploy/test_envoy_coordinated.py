@@ -16,12 +16,11 @@ load (streamed and whole requests through Envoy).
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import time
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -31,7 +30,7 @@ from envoy_helpers import EnvoyFront
 from etcd_helpers import EtcdServer
 from grafana_helpers import dashboard, panels, queried
 from metrics_helpers import Scrape
-from replica_helpers import MODEL, Engine, deployment_file, reference_engine
+from replica_helpers import Engine, Outcome, completion, deployment_file, reference_engine
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -39,7 +38,7 @@ TTL_S = 2.0
 DRAIN_S = 3.0
 EXIT_MARGIN_S = 3.0
 """After the drain deadline: the coordinator's resignation and the process's exit."""
-SHORT, LONG = 24, 300
+LONG = 300
 """Output tokens of the background requests (about a second each under this load), and of
 the long streams (well past the drain deadline)."""
 CLIENTS = 8
@@ -106,61 +105,6 @@ def front(engine: Engine, store: EtcdServer, tmp_path: Path) -> Iterator[Front]:
             r.stop()
 
 
-@dataclass
-class Outcome:
-    """One client request through Envoy: its `data:` payloads (a whole answer's body as its
-    one payload), or the client's exception when the body was cut."""
-
-    n: int
-    stream: bool
-    start: float
-    end: float
-    status: int | None
-    request_id: str | None
-    events: list[str] = field(default_factory=list)
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        """Whole: 200 and, streamed, ended by `[DONE]`."""
-        if self.error is not None or self.status != 200 or not self.events:
-            return False
-        return self.events[-1] == "[DONE]" if self.stream else '"choices"' in self.events[0]
-
-    def error_code(self) -> str | None:
-        """The code of the OpenAI error the answer ended with (a stream's last event, a
-        whole answer's body), if it ended with one."""
-        if self.error is not None or not self.events or self.events[-1] == "[DONE]":
-            return None
-        try:
-            body = json.loads(self.events[-1])
-        except ValueError:
-            return None
-        error = body.get("error") if isinstance(body, dict) else None
-        return None if not isinstance(error, dict) else str(error.get("code"))
-
-
-async def _request(
-    s: aiohttp.ClientSession, url: str, n: int, stream: bool, tokens: int = SHORT
-) -> Outcome:
-    body = {"model": MODEL, "prompt": f"request {n}", "max_tokens": tokens, "temperature": 0,
-            "ignore_eos": True, "stream": stream}  # fmt: skip
-    out = Outcome(n, stream, time.monotonic(), 0.0, None, None)
-    try:
-        async with s.post(f"{url}/v1/completions", json=body) as r:
-            out.status, out.request_id = r.status, r.headers.get("x-request-id")
-            if stream and r.status == 200:
-                async for line in r.content:
-                    if line.startswith(b"data: "):
-                        out.events.append(line[6:].decode().strip())
-            else:
-                out.events.append(await r.text())
-    except aiohttp.ClientError as exc:
-        out.error = repr(exc)
-    out.end = time.monotonic()
-    return out
-
-
 class Load:
     """`CLIENTS` clients sending requests back to back through Envoy, every other one
     streamed, until `stop`."""
@@ -173,7 +117,7 @@ class Load:
     async def _client(self, c: int, s: aiohttp.ClientSession, url: str) -> None:
         n = c
         while self._running:
-            self.outcomes.append(await _request(s, url, n, stream=n % 2 == 0))
+            self.outcomes.append(await completion(s, url, n, stream=n % 2 == 0))
             n += CLIENTS
 
     async def stop(self) -> list[Outcome]:
@@ -189,7 +133,7 @@ async def _long_stream_on(
     per-host active counts say where each went) until one is on `address`; all of them."""
     sent: list[asyncio.Task[Outcome]] = []
     while len(sent) < 8:
-        sent.append(asyncio.create_task(_request(s, envoy.url, 1000 + len(sent), True, LONG)))
+        sent.append(asyncio.create_task(completion(s, envoy.url, 1000 + len(sent), True, LONG)))
         deadline = time.monotonic() + 10.0
         while sum(h.stats["rq_active"] for h in (await envoy.hosts(s)).values()) < len(sent):
             assert time.monotonic() < deadline, "a long stream never reached a replica"

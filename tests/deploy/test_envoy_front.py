@@ -24,7 +24,15 @@ import aiohttp
 import pytest
 from envoy_helpers import EnvoyFront
 from metrics_helpers import Scrape
-from replica_helpers import MODEL, Engine, Replica, gateway_replicas, reference_engine
+from replica_helpers import (
+    MODEL,
+    Engine,
+    Outcome,
+    Replica,
+    completion,
+    gateway_replicas,
+    reference_engine,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -56,35 +64,6 @@ def front(engine: Engine, tmp_path: Path) -> Iterator[Front]:
             envoy.stop()
 
 
-@dataclass
-class Outcome:
-    """One client request through Envoy."""
-
-    n: int
-    stream: bool
-    start: float
-    end: float
-    status: int | None
-    request_id: str | None
-    ok: bool
-    error: str | None = None
-
-
-async def _request(s: aiohttp.ClientSession, url: str, n: int, stream: bool) -> Outcome:
-    """A completion (24 tokens, greedy); ok only if whole: 200 and, streamed, `[DONE]`."""
-    body = {"model": MODEL, "prompt": f"request {n}", "max_tokens": 24, "temperature": 0,
-            "ignore_eos": True, "stream": stream}  # fmt: skip
-    start, status, request_id = time.monotonic(), None, None
-    try:
-        async with s.post(f"{url}/v1/completions", json=body) as r:
-            status, request_id = r.status, r.headers.get("x-request-id")
-            text = await r.text()
-    except aiohttp.ClientError as exc:
-        return Outcome(n, stream, start, time.monotonic(), status, request_id, False, repr(exc))
-    whole = text.rstrip().endswith("data: [DONE]") if stream else '"choices"' in text
-    return Outcome(n, stream, start, time.monotonic(), status, request_id, status == 200 and whole)
-
-
 async def _served(s: aiohttp.ClientSession, url: str) -> float:
     """Completions a gateway says it finished (its `prfaas_requests_total`, all labels)."""
     async with s.get(f"{url}/metrics") as r:
@@ -105,7 +84,7 @@ async def test_requests_spread_over_the_replicas_and_streams_pass_unbuffered(
 
         async def one(n: int) -> Outcome:
             async with slots:
-                return await _request(s, envoy.url, n, stream=False)
+                return await completion(s, envoy.url, n, stream=False)
 
         outcomes = await asyncio.gather(*(one(n) for n in range(24)))
         assert all(o.ok for o in outcomes), [o for o in outcomes if not o.ok]
@@ -145,7 +124,7 @@ async def test_sigkill_of_one_replica_under_load(front: Front) -> None:
     async def client(c: int, s: aiohttp.ClientSession) -> None:
         n = c
         while loop.time() < stop_at:
-            outcomes.append(await _request(s, envoy.url, n, stream=n % 2 == 0))
+            outcomes.append(await completion(s, envoy.url, n, stream=n % 2 == 0))
             n += 8
 
     async with aiohttp.ClientSession() as s:

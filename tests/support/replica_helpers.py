@@ -4,14 +4,17 @@ a port each), each a real process a test can SIGKILL."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import aiohttp
 
 from prfaas.serve.processes import free_port
 
@@ -130,3 +133,59 @@ def gateway_replicas(engine: Engine, workdir: Path, count: int) -> Iterator[list
     finally:
         for replica in replicas:
             _stop(replica.proc)
+
+
+@dataclass
+class Outcome:
+    """One client request through Envoy: its `data:` payloads (a whole answer's body as its
+    one payload), or the client's exception when the body was cut."""
+
+    n: int
+    stream: bool
+    start: float
+    end: float
+    status: int | None
+    request_id: str | None
+    events: list[str] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Whole: 200 and, streamed, ended by `[DONE]`."""
+        if self.error is not None or self.status != 200 or not self.events:
+            return False
+        return self.events[-1] == "[DONE]" if self.stream else '"choices"' in self.events[0]
+
+    def error_code(self) -> str | None:
+        """The code of the OpenAI error the answer ended with (a stream's last event, a
+        whole answer's body), if it ended with one."""
+        if self.error is not None or not self.events or self.events[-1] == "[DONE]":
+            return None
+        try:
+            body = json.loads(self.events[-1])
+        except ValueError:
+            return None
+        error = body.get("error") if isinstance(body, dict) else None
+        return None if not isinstance(error, dict) else str(error.get("code"))
+
+
+async def completion(
+    s: aiohttp.ClientSession, url: str, n: int, stream: bool, tokens: int = 24
+) -> Outcome:
+    """Completion `n` (`tokens` tokens, greedy) through `url`: its outcome, never raising."""
+    body = {"model": MODEL, "prompt": f"request {n}", "max_tokens": tokens, "temperature": 0,
+            "ignore_eos": True, "stream": stream}  # fmt: skip
+    out = Outcome(n, stream, time.monotonic(), 0.0, None, None)
+    try:
+        async with s.post(f"{url}/v1/completions", json=body) as r:
+            out.status, out.request_id = r.status, r.headers.get("x-request-id")
+            if stream and r.status == 200:
+                async for line in r.content:
+                    if line.startswith(b"data: "):
+                        out.events.append(line[6:].decode().strip())
+            else:
+                out.events.append(await r.text())
+    except aiohttp.ClientError as exc:
+        out.error = repr(exc)
+    out.end = time.monotonic()
+    return out
