@@ -177,7 +177,10 @@ class Standby:
         Raises:
             RuntimeError: it had exited, or did not become ready (names its log).
         """
-        self.log.rename(log)
+        try:
+            self.log.rename(log)
+        except OSError:  # it goes on writing where it was
+            log = self.log
         assert self.process.stdin is not None
         try:
             self.process.stdin.write(f"{GO}\n".encode())
@@ -207,7 +210,8 @@ class VLLMRestarts:
         self._standby: Standby | None = None
 
     async def prepare(self, engine: EngineProcess) -> None:
-        """Spawn the standby for the next start of `engine` (on its ports)."""
+        """Spawn the standby for the next start of `engine` (on its ports); one that cannot
+        be spawned is logged, never raised (the engine serves either way)."""
         if not self.launch.vllm_standby:
             return
         await self.stop()
@@ -215,7 +219,11 @@ class VLLMRestarts:
             self.launch, self._served_name, self._log_dir, engine.spec, self._env
         )
         log = self._log_dir / f"{self.launch.id}.standby.log"
-        process = await _spawn(server, log, standby=True)
+        try:
+            process = await _spawn(server, log, standby=True)
+        except OSError as exc:  # the engine serves; its next start is a cold one
+            logger.warning("engine %s: no standby (%s)", self.launch.id, exc)
+            return
         self._standby = Standby(self.launch, server, bootstrap, process, log)
 
     async def __call__(self, ports: EngineSpec, log_name: str) -> EngineProcess:
