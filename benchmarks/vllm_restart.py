@@ -52,10 +52,11 @@ async def _timed_cold(launch: LaunchConfig, log_dir: Path, engine: EngineProcess
     return engine, time.monotonic() - t0
 
 
-async def _timed_warm(restarts: VLLMRestarts, log_dir: Path, engine: EngineProcess, name: str
+async def _timed_warm(restarts: VLLMRestarts, engine: EngineProcess, name: str
                       ) -> tuple[EngineProcess, float]:  # fmt: skip
     await restarts.prepare(engine)
-    await _imported(log_dir / f"{restarts.launch.id}.standby.log")
+    assert restarts.standby is not None, "no standby was spawned"
+    await _imported(restarts.standby.log)
     await engine.stop()
     t0 = time.monotonic()
     engine = await restarts(engine.spec, name)
@@ -81,7 +82,7 @@ async def measure(runs: int) -> list[dict[str, float]]:
                 if kind == "cold":
                     engine, row[kind] = await _timed_cold(launch, log_dir, engine, name)
                 else:
-                    engine, row[kind] = await _timed_warm(restarts, log_dir, engine, name)
+                    engine, row[kind] = await _timed_warm(restarts, engine, name)
             row["ratio"] = row["standby"] / row["cold"]
             rows.append(row)
             print(f"run {run}: cold {row['cold']:.2f} s, standby {row['standby']:.2f} s",

@@ -46,10 +46,12 @@ class CoordinationConfig:
 
 
 def _http_url(url: str) -> bool:
-    """An http or https URL with a host, and a port number if it names one."""
+    """An http or https URL of a host, and a port number (1-65535) if it names one: no
+    path, query or fragment (the client appends etcd's `/v3/...` routes to it)."""
     try:
         parsed = urlparse(url)
-        parsed.port  # noqa: B018 (raises ValueError on a port that is not a number in range)
+        port = parsed.port  # raises ValueError on a port that is not a number in range
     except ValueError:
         return False
-    return parsed.scheme in ("http", "https") and bool(parsed.hostname)
+    bare = parsed.path in ("", "/") and not (parsed.query or parsed.fragment)
+    return parsed.scheme in ("http", "https") and bool(parsed.hostname) and bare and port != 0

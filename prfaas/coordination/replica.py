@@ -115,6 +115,7 @@ class Coordinator:
         )
         self._tasks: list[asyncio.Task[None]] = []
         self._rejoin: asyncio.Task[None] | None = None  # a resignation and a new campaign
+        self._stopped = False
         self._changed = asyncio.Event()  # leadership changed: the transition task acts
         self._outgoing: ScheduleState | None = None  # the leader's latest state to publish
         self._publish = asyncio.Event()
@@ -140,7 +141,11 @@ class Coordinator:
             self._tasks.append(loop.create_task(_forever(job, self._store_down)))
 
     async def stop(self) -> None:
-        """Stop publishing and watching; a leader resigns (another leads at once)."""
+        """Stop publishing and watching; a leader resigns (another leads at once). Final:
+        nothing after it (a conversion still running that comes back fenced) campaigns
+        again."""
+        self._stopped = True
+        self._scheduler.long.on_fenced = None
         tasks, self._tasks = self._tasks, []
         if self._rejoin is not None:
             tasks.append(self._rejoin)
@@ -195,7 +200,7 @@ class Coordinator:
     def _resign(self) -> None:
         """Give up this replica's lease (if it still holds one) and campaign again as a
         follower: a leader told by an engine or by etcd that it no longer leads."""
-        if self._rejoin is not None and not self._rejoin.done():
+        if self._stopped or (self._rejoin is not None and not self._rejoin.done()):
             return
 
         async def rejoin() -> None:

@@ -240,10 +240,11 @@ class LaunchConfig:
     vllm_args: tuple[str, ...] = ()
     """vLLM engines: more `vllm serve` flags (e.g. `--enable-auto-tool-choice`,
     `--tool-call-parser hermes`: the client's `tools` are the engine's to answer)."""
-    vllm_standby: bool = True
+    vllm_standby: bool | None = None
     """vLLM engines: keep the next start's server spawned ahead of need, vLLM imported
     (about 600 MB of host memory, waiting), so a restart skips that import (a third to a
-    half of a vLLM start on CPU). Reference engines start in seconds and have none."""
+    half of a vLLM start on CPU); unset: on. Reference engines start in seconds and have
+    none."""
     egress_rate_mbps: float | None = None
     """Prefill roles: cap (emulate) this engine's whole KV egress, in Mbit/s."""
     egress_delay_ms: float = 0.0
@@ -269,6 +270,8 @@ class LaunchConfig:
         check(self.threads >= 1, "threads", self.threads, "must be >= 1")
         check(not self.vllm_args or self.engine == "vllm", "vllm_args", list(self.vllm_args),
               "is for vLLM engines only")  # fmt: skip
+        check(self.vllm_standby is None or self.engine == "vllm", "vllm_standby",
+              self.vllm_standby, "is for vLLM engines only")  # fmt: skip
         rate = self.egress_rate_mbps
         check(rate is None or rate > 0, "egress_rate_mbps", rate, "must be > 0")
         check(self.egress_delay_ms >= 0, "egress_delay_ms", self.egress_delay_ms, "must be >= 0")

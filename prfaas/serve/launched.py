@@ -107,11 +107,11 @@ async def serve_launched(
     supervisor = Supervisor(
         {e.spec.name: e for e in engines}, log_dir, env, restart_policy(config.gateway), starters
     )
+    for engine in engines:  # each vLLM engine's next start, ahead of need
+        if (restart := restarts.get(engine.spec.name)) is not None:
+            await restart.prepare(engine)
     supervisor.start()
     try:
-        for engine in engines:  # each vLLM engine's next start, ahead of need
-            if (restart := restarts.get(engine.spec.name)) is not None:
-                await restart.prepare(engine)
         started = tuple(_instance(la, e) for la, e in zip(config.launch, engines, strict=True))
         full = dataclasses.replace(config, instances=config.instances + started, launch=())
         setup = setups(egress_setup(), supervisor.attach)

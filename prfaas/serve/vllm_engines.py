@@ -198,7 +198,9 @@ class Standby:
 class VLLMRestarts:
     """Starts one launched vLLM engine again for the supervisor (a `supervisor.Starter`):
     from the standby spawned after its last start (`launch.vllm_standby`) when that one is
-    alive on the ports asked for, else afresh. Owns the standby: `stop` ends it."""
+    alive on the ports asked for, else (or when it fails to start) afresh on those ports.
+    Owns the standby: `stop` ends it. Called by one watcher at a time, after `prepare` for
+    the engine's first start."""
 
     def __init__(
         self, launch: LaunchConfig, served_name: str, log_dir: Path, env: Mapping[str, str]
@@ -208,37 +210,53 @@ class VLLMRestarts:
         self._log_dir = log_dir
         self._env = dict(env)
         self._standby: Standby | None = None
+        self._spawned = 0  # standbys so far: each logs to a file of its own
+
+    @property
+    def standby(self) -> Standby | None:
+        """The standby waiting for the engine's next start, if any."""
+        return self._standby
 
     async def prepare(self, engine: EngineProcess) -> None:
         """Spawn the standby for the next start of `engine` (on its ports); one that cannot
         be spawned is logged, never raised (the engine serves either way)."""
-        if not self.launch.vllm_standby:
+        if self.launch.vllm_standby is False:
             return
         await self.stop()
-        server, bootstrap = _server(
-            self.launch, self._served_name, self._log_dir, engine.spec, self._env
-        )
-        log = self._log_dir / f"{self.launch.id}.standby.log"
+        self._spawned += 1
+        log = self._log_dir / f"{self.launch.id}.standby.{self._spawned}.log"
         try:
+            server, bootstrap = _server(
+                self.launch, self._served_name, self._log_dir, engine.spec, self._env
+            )
             process = await _spawn(server, log, standby=True)
-        except OSError as exc:  # the engine serves; its next start is a cold one
+        except (OSError, RuntimeError) as exc:  # the next start is a cold one
             logger.warning("engine %s: no standby (%s)", self.launch.id, exc)
             return
         self._standby = Standby(self.launch, server, bootstrap, process, log)
 
     async def __call__(self, ports: EngineSpec, log_name: str) -> EngineProcess:
         standby, self._standby = self._standby, None
+        engine = None
         if standby is not None and standby.serves(ports):
             logger.warning("engine %s starts from its standby (vLLM imported ahead)",
                            self.launch.id)  # fmt: skip
-            engine = await standby.go(self._log_dir / f"{log_name}.log")
-        else:
-            if standby is not None:
-                await standby.stop()
+            try:
+                engine = await standby.go(self._log_dir / f"{log_name}.log")
+            except RuntimeError as exc:
+                logger.warning("engine %s: its standby did not start (%s); starting afresh",
+                               self.launch.id, exc)  # fmt: skip
+        elif standby is not None:
+            await standby.stop()
+        if engine is None:
             engine = await start_vllm(
                 self.launch, self._served_name, self._log_dir, ports, log_name, self._env
             )
-        await self.prepare(engine)
+        try:
+            await self.prepare(engine)
+        except BaseException:  # cancelled: the started engine is nobody's else
+            await asyncio.shield(engine.stop())
+            raise
         return engine
 
     async def stop(self) -> None:

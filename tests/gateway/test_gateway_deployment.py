@@ -171,6 +171,18 @@ def test_engine_kind_per_instance_defaults_to_reference(tmp_path: Path) -> None:
         load_deployment(_write(tmp_path, launched))
 
 
+def test_launch_vllm_standby_is_for_vllm_engines(tmp_path: Path) -> None:
+    """`vllm_standby` (a vLLM engine's next start spawned ahead of need) is unset (on) by
+    default, may be turned off, and is refused, named, on a reference engine."""
+    text = '[[launch]]\nid = "v"\ncluster = "pd"\nrole = "decode"\nengine = "vllm"\n'
+    assert load_deployment(_write(tmp_path, text)).launch[0].vllm_standby is None
+    off = load_deployment(_write(tmp_path, text + "vllm_standby = false\n"))
+    assert off.launch[0].vllm_standby is False
+    reference = text.replace('engine = "vllm"\n', "vllm_standby = true\n")
+    with pytest.raises(ConfigError, match=r"launch\[0\]\.vllm_standby: is for vLLM engines"):
+        load_deployment(_write(tmp_path, reference))
+
+
 def test_launch_transport_tls(tmp_path: Path) -> None:
     """`transport_tls_*` fields of launched reference engines: paths relative to the file
     become absolute `prfaas engine` flags, which parse back into the engine's `TlsConfig`;

@@ -135,8 +135,13 @@ def _engine_leader(serving: Serving, instance: str) -> int:
 def _standby(serving: Serving, instance: str) -> int:
     """The pid of the standby for `instance`'s next start: vLLM imported, listening on
     nothing, waiting."""
-    _, children = _on_port(serving, instance)
-    waiting = [pid for pid in children if waiting_standby(pid)]
+    deadline = time.monotonic() + 10  # a new standby's reaper starts its server at once
+    while True:
+        _, children = _on_port(serving, instance)
+        waiting = [pid for pid in children if waiting_standby(pid)]
+        if len(waiting) == 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert len(waiting) == 1, (children, waiting)
     assert not _listening(descendants(waiting[0]))
     return waiting[0]

@@ -20,6 +20,7 @@ limits), so an oversized one is refused from its `Content-Length` before it is r
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Awaitable, Callable
@@ -253,17 +254,22 @@ class GatewayApp:
             raise
 
     async def stop(self, drain_s: float = 2.0) -> None:
-        """Drain, then stop: a coordinated leader resigns first (another replica decides
-        from now on), stop listening, answer new requests 503 (`/health` too, so a load
-        balancer takes this gateway out), let requests in flight finish for up to `drain_s`
-        seconds (`cut_drain` ends that wait), end what is left with an error
-        (`HttpServer.stop`); then the gateway's tasks and engine connections. Engines stay
-        up throughout: those `prfaas serve` started stop after this returns. Idempotent."""
+        """Drain, then stop: stop listening, answer new requests 503 (`/health` too, so a
+        load balancer takes this gateway out), let requests in flight finish for up to
+        `drain_s` seconds (`cut_drain` ends that wait), end what is left with an error
+        (`HttpServer.stop`), while a coordinated leader resigns (another replica decides
+        from the drain's start, even if etcd is slow to answer); then the gateway's tasks
+        and engine connections. Engines stay up throughout: those `prfaas serve` started
+        stop after this returns. Idempotent."""
         try:
+            steps = []
             if self._gateway is not None:
-                await self._gateway.resign()
+                steps.append(self._gateway.resign())
             if self._server is not None:
-                await self._server.stop(drain_s)
+                steps.append(self._server.stop(drain_s))
+            for outcome in await asyncio.gather(*steps, return_exceptions=True):
+                if isinstance(outcome, BaseException):
+                    raise outcome
         finally:
             try:
                 if self._gateway is not None:
