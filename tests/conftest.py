@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from aiohttp_helpers import start_app
+from etcd_helpers import EtcdServer
 
 from prfaas.testing.null_server import NullConfig, NullServer
 
@@ -70,3 +71,12 @@ def null_process() -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
+    """A running etcd of its own (fresh data), killed at teardown."""
+    server = EtcdServer(tmp_path / "etcd-data")
+    server.start()
+    yield server
+    server.kill()

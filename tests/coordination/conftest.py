@@ -1,23 +1,14 @@
-"""Fixtures for the coordination tests: a real etcd per test (helpers in etcd_helpers.py)."""
+"""Fixtures for the coordination tests: a client of the project-wide `etcd` fixture's
+server (tests/conftest.py)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator
 
 import pytest
 from etcd_helpers import EtcdServer
 
 from prfaas.coordination.etcd import EtcdClient
-
-
-@pytest.fixture
-def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
-    """A running etcd of its own (fresh data), killed at teardown."""
-    server = EtcdServer(tmp_path / "etcd-data")
-    server.start()
-    yield server
-    server.kill()
 
 
 @pytest.fixture

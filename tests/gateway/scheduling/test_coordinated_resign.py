@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
-import pytest
 from etcd_helpers import EtcdServer
 from gateway_helpers import Engines, GatewayFactory, deployment
 
@@ -20,14 +18,6 @@ from prfaas.coordination.etcd import EtcdClient
 from prfaas.gateway.scheduling.config import SchedulerConfig
 
 PREFIX = "/prfaas/resign-test"
-
-
-@pytest.fixture
-def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
-    server = EtcdServer(tmp_path / "etcd-data")
-    server.start()
-    yield server
-    server.kill()
 
 
 async def test_a_resigned_leader_never_campaigns_again(
