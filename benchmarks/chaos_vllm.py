@@ -19,6 +19,7 @@ import aiohttp
 
 from prfaas.engines.vllm.launch import VLLMProcess, VLLMServer, start_servers
 from prfaas.serve.processes import free_port
+from prfaas.testing.launch_tables import vllm_launch
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = Path(os.environ.get("PRFAAS_VLLM_PYTHON", ROOT / ".venv-vllm/bin/python"))
@@ -38,17 +39,9 @@ ENGINES = (
 
 def deployment(model_name: str, threshold: float, python: Path, model: Path) -> str:
     """The deployment file: the tiny checkpoint on four launched vLLM engines."""
+    paced = "egress_rate_mbps = 200\negress_delay_ms = 2\n"
     launches = "".join(
-        f"""
-[[launch]]
-id = "{name}"
-engine = "vllm"
-cluster = "{cluster}"
-role = "{role}"
-model = "{model}"
-python = "{python}"
-"""
-        + ("egress_rate_mbps = 200\negress_delay_ms = 2\n" if cluster == "prfaas" else "")
+        vllm_launch(name, cluster, role, model, python, paced if cluster == "prfaas" else "")
         for name, cluster, role in ENGINES
     )
     return f"""

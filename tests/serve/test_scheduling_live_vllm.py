@@ -25,6 +25,8 @@ from serve_live_helpers import (
 )
 from vllm_helpers import MODEL, VLLM_PYTHON, require_vllm
 
+from prfaas.testing.launch_tables import vllm_launch
+
 pytestmark = pytest.mark.timeout(900)
 
 PROMPT_TOKENS = re.compile(rb"^vllm:prompt_tokens_total\{[^}]*\} ([0-9.e+]+)$", re.M)
@@ -33,8 +35,7 @@ PROMPT_TOKENS = re.compile(rb"^vllm:prompt_tokens_total\{[^}]*\} ([0-9.e+]+)$", 
 def _deployment(tmp: Path) -> Path:
     (tmp / "profile.toml").write_text(PROFILE)
     launch = "".join(
-        f'[[launch]]\nid = "{i}"\nengine = "vllm"\ncluster = "{c}"\nrole = "{r}"\n'
-        f'model = "{MODEL}"\npython = "{VLLM_PYTHON}"\n{extra}\n'
+        vllm_launch(i, c, r, MODEL, VLLM_PYTHON, extra) + "\n"
         for i, c, r, extra in (
             ("prfaas-p0", "prfaas", "prefill", "egress_rate_mbps = 200\n"),
             ("pd-p0", "pd", "prefill", ""),

@@ -29,6 +29,7 @@ from metrics_helpers import Scrape
 from vllm_helpers import MODEL, VLLM_PYTHON, require_vllm
 
 from prfaas.serve.reaper import descendants
+from prfaas.testing.launch_tables import vllm_launch
 from prfaas.testing.processes import alive, child_pids, waiting_standby
 
 LISTENING = re.compile(r"PrfaaS gateway listening on (http://\S+)")
@@ -38,15 +39,7 @@ GRACE_S = 8.0
 
 def _deployment() -> str:
     engines = "".join(
-        f"""
-[[launch]]
-id = "{name}"
-engine = "vllm"
-cluster = "{cluster}"
-role = "{role}"
-model = "{MODEL}"
-python = "{VLLM_PYTHON}"
-"""
+        vllm_launch(name, cluster, role, MODEL, VLLM_PYTHON)
         for name, cluster, role in (("prfaas-p0", "prfaas", "prefill"), ("pd-d0", "pd", "decode"))
     )
     return f"""
