@@ -97,8 +97,7 @@ class Gateway:
             self.coordinator.start()
 
     async def resign(self) -> None:
-        """Stop coordinating: a leader resigns, so another replica leads while this one
-        drains (nothing decides here after it). Idempotent."""
+        """Stop coordinating for good (a leader resigns: another leads during the drain)."""
         coordinator, self.coordinator = self.coordinator, None
         if coordinator is not None:
             await coordinator.stop()
