@@ -51,8 +51,9 @@ import aiohttp
 from chaos import MAX_TOKENS, MODEL, Outcome, one_request, words
 
 import prfaas.examples
+from prfaas.common.ports import free_port
 from prfaas.common.secret import ENV_SECRET, DeploymentSecret
-from prfaas.serve.processes import READY, free_port
+from prfaas.serve.processes import READY
 from prfaas.testing.etcd_server import EtcdServer
 
 REPO = Path(__file__).resolve().parents[1]

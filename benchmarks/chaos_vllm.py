@@ -17,8 +17,8 @@ from pathlib import Path
 
 import aiohttp
 
+from prfaas.common.ports import free_port
 from prfaas.engines.vllm.launch import VLLMProcess, VLLMServer, start_servers
-from prfaas.serve.processes import free_port
 from prfaas.testing.launch_tables import vllm_launch
 
 ROOT = Path(__file__).resolve().parents[1]

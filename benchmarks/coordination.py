@@ -69,7 +69,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from prfaas.serve.processes import free_port
+from prfaas.common.ports import free_port
 from prfaas.testing.etcd_server import EtcdServer
 
 MACHINE = "shared noisy 2-core machine (etcd, null engines, gateways and client on 2 cores)"

@@ -74,13 +74,13 @@ import aiohttp
 import orjson
 
 from prfaas.common.hashing import hash_blocks
+from prfaas.common.ports import free_port
 from prfaas.common.tokenizer import ByteTokenizer
 from prfaas.gateway.instances import InstanceManager, InstanceState
 from prfaas.gateway.kv_index import KVIndexManager
 from prfaas.policies.routing import PrfaasPolicy, RoutingSnapshot
 from prfaas.protocol.kv_events import BlockStored, KVEventBatch, decode_batch, encode_batch
 from prfaas.protocol.openai_request import load_json, parse_sampling
-from prfaas.serve.processes import free_port
 
 BLOCK = 64
 SGLANG_VENV = Path(os.environ.get("PRFAAS_SGLANG_ROUTER_VENV", "/tmp/sglang-router-venv"))

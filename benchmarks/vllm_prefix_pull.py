@@ -37,8 +37,8 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
+from prfaas.common.ports import free_port
 from prfaas.engines.vllm.launch import VLLMProcess, VLLMServer, start_servers
-from prfaas.serve.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = Path(os.environ.get("PRFAAS_VLLM_PYTHON", ROOT / ".venv-vllm/bin/python"))

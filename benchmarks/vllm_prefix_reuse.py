@@ -29,10 +29,10 @@ from rich.console import Console
 from rich.table import Table
 
 from prfaas.common.hashing import iter_block_hashes
+from prfaas.common.ports import free_port
 from prfaas.engines.vllm.launch import VLLMServer, start_servers
 from prfaas.gateway.kv_feed import KVEventFeed
 from prfaas.gateway.kv_index import KVIndexManager
-from prfaas.serve.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / ".cache/tiny-qwen3-next"

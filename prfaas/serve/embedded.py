@@ -26,6 +26,7 @@ from typing import Any
 
 import aiohttp
 
+from prfaas.common.ports import free_port
 from prfaas.common.secret import ENV_SECRET, DeploymentSecret
 from prfaas.engine_clients.sglang import SGLangClient
 from prfaas.gateway.api.assembly import Gateway, egress_setup
@@ -34,7 +35,7 @@ from prfaas.gateway.link import EgressSample, fetch_sample
 from prfaas.gateway.scheduling.config import SchedulerConfig
 from prfaas.policies.profile import DeploymentProfile
 from prfaas.policies.workload_estimate import EstimateConfig
-from prfaas.serve.processes import EngineProcess, EngineSpec, free_port, start_engine
+from prfaas.serve.processes import EngineProcess, EngineSpec, start_engine
 from prfaas.serve.profiling import (
     MeasuredProfile,
     Pair,

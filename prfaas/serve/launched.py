@@ -15,10 +15,11 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+from prfaas.common.ports import free_port
 from prfaas.common.secret import ENV_SECRET, DeploymentSecret
 from prfaas.gateway.api.assembly import Gateway, egress_setup
 from prfaas.gateway.deployment import DeploymentConfig, InstanceConfig, LaunchConfig
-from prfaas.serve.processes import EngineProcess, EngineSpec, free_port, start_engine
+from prfaas.serve.processes import EngineProcess, EngineSpec, start_engine
 from prfaas.serve.run import serve_gateway, setups, signals_cancel_current_task
 from prfaas.serve.supervisor import Starter, Supervisor, restart_policy
 from prfaas.serve.vllm_engines import VLLMRestarts, start_vllm

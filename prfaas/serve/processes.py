@@ -17,7 +17,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -29,13 +28,6 @@ from prfaas.serve import reaper
 
 READY = re.compile(rb"prfaas engine ready: (http://\S+) role=(\w+) bootstrap_port=(\d+)")
 STOP_GRACE_S = 5.0
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free right now (for endpoints a child must bind itself, e.g. ZMQ PUB)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def ipc_events(directory: str, name: str) -> tuple[str, str]:

@@ -36,13 +36,13 @@ from pathlib import Path
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from prfaas.common.ports import free_port
 from prfaas.gateway.api.assembly import Gateway
 from prfaas.gateway.deployment import GatewayConfig
 from prfaas.gateway.instances import InstanceState
 from prfaas.serve.processes import (
     EngineProcess,
     EngineSpec,
-    free_port,
     kill_group,
     start_engine,
 )

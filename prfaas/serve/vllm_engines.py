@@ -16,6 +16,7 @@ from pathlib import Path
 
 import aiohttp
 
+from prfaas.common.ports import free_port
 from prfaas.engines.vllm.launch import VLLMServer
 from prfaas.engines.vllm.role import ENV_ROLE
 from prfaas.engines.vllm.standby import GO
@@ -23,7 +24,6 @@ from prfaas.gateway.deployment import LaunchConfig
 from prfaas.serve.processes import (
     EngineProcess,
     EngineSpec,
-    free_port,
     ipc_events,
     spawn,
     stop_process,

@@ -14,11 +14,9 @@ deployment's `[coordination]` table and serves until Ctrl-C.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -26,6 +24,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from prfaas.common.ports import free_ports
 
 
 class EtcdStartError(RuntimeError):
@@ -113,15 +113,6 @@ class EtcdServer:
         """Kill (if running) and start again on the same ports and data."""
         self.kill()
         self.start()
-
-
-def free_ports(n: int) -> list[int]:
-    """`n` distinct loopback ports free right now (held together while picked)."""
-    with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in sockets]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 from etcd_helpers import EtcdServer
 
+from prfaas.common.ports import free_port
 from prfaas.coordination.etcd import (
     EtcdClient,
     EtcdError,
@@ -21,7 +22,6 @@ from prfaas.coordination.etcd import (
     WatchEvent,
     prefix_end,
 )
-from prfaas.serve.processes import free_port
 
 
 async def test_put_get_delete_and_prefix_reads(client: EtcdClient) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 
 import aiohttp
@@ -10,6 +9,7 @@ import numpy as np
 import pytest
 from loadgen_helpers import FIRST_DELAY_S, TOKEN_DELAY_S, Script
 
+from prfaas.common.ports import free_port
 from prfaas.loadgen.apis import create_api
 from prfaas.loadgen.client import RequestSpec, StreamingClient
 from prfaas.loadgen.conversation import Conversation
@@ -78,9 +78,7 @@ async def test_midstream_error_and_truncated_stream_fail(scripted: tuple[str, Sc
 
 
 async def test_unreachable_server_is_a_failed_record() -> None:
-    with socket.socket() as s:  # bound then closed: nobody listens there
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # nobody listens there
     rec = await _send(f"http://127.0.0.1:{port}", "ok")
     assert not rec.ok and rec.error is not None and rec.error.startswith("connection error")
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import statistics
 from dataclasses import replace
 from pathlib import Path
@@ -10,6 +9,7 @@ from pathlib import Path
 import pytest
 from loadgen_helpers import Script
 
+from prfaas.common.ports import free_port
 from prfaas.loadgen.arrivals import ClosedLoop, RateArrivals, TraceArrivals
 from prfaas.loadgen.driver import spec_rngs
 from prfaas.loadgen.spec import BenchSpec, NoProgress, RunResult, TargetError
@@ -33,12 +33,6 @@ def _turns(turns: int, first: int, turn: int) -> WorkloadOptions:
 async def _run(url: str, plan: BenchSpec, options: HttpOptions | None = None) -> RunResult:
     runner = HttpRunner(url, options or HttpOptions(model="ok"))
     return await runner.run(plan, NoProgress())
-
-
-def _free_port() -> int:
-    with socket.socket() as s:  # bound then closed: nobody listens there
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def test_open_loop_sends_exactly_n_on_schedule(null_url: str) -> None:
@@ -135,7 +129,7 @@ async def test_same_seed_same_requests(scripted: tuple[str, Script]) -> None:
 async def test_targets_rejected_clearly() -> None:
     with pytest.raises(TargetError, match="must be an http"):
         HttpRunner("localhost:8000", HttpOptions())
-    port = _free_port()
+    port = free_port()
     plan = BenchSpec(_small(), ClosedLoop(1), num_requests=1)
     with pytest.raises(TargetError, match="cannot reach"):
         await _run(f"http://127.0.0.1:{port}", plan)

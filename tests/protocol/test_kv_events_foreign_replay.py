@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from vllm_helpers import ROOT, VLLM_PYTHON, require_vllm
 
+from prfaas.common.ports import free_port
 from prfaas.protocol.kv_events import BlockStored, KVEventSubscriber
 from prfaas.protocol.kv_events.vllm_events import VLLMEventDecoder
-from prfaas.serve.processes import free_port
 
 CHILD = Path(__file__).resolve().parents[1] / "support" / "kv_publisher_child.py"
 SGLANG_PYTHON = ROOT / ".venv-sglang/bin/python"

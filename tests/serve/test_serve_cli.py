@@ -12,7 +12,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from prfaas.serve.processes import free_port
+from prfaas.common.ports import free_port
 
 LISTENING = re.compile(r"listening on (http://\S+)")
 

@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from prfaas.serve.processes import EngineProcess, EngineSpec, free_port, start_engine
+from prfaas.common.ports import free_port
+from prfaas.serve.processes import EngineProcess, EngineSpec, start_engine
 
 LISTENING = re.compile(r"PrfaaS gateway listening on (http://\S+)")
 PAGE = 64

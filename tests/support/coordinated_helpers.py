@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import prfaas.examples
+from prfaas.common.ports import free_port
 from prfaas.common.secret import ENV_SECRET, DeploymentSecret
 from prfaas.gateway.deployment import LaunchConfig
-from prfaas.serve.processes import READY, EngineSpec, free_port
+from prfaas.serve.processes import READY, EngineSpec
 
 SECRET = DeploymentSecret.generate()
 ENGINE_AUTH = {"Authorization": f"Bearer {SECRET.control_token()}"}

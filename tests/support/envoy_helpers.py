@@ -25,7 +25,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from prfaas.serve.processes import free_port
+from prfaas.common.ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ENVOY_DIR = REPO_ROOT / "deploy" / "envoy"

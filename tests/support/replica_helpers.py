@@ -16,7 +16,7 @@ from pathlib import Path
 
 import aiohttp
 
-from prfaas.serve.processes import free_port
+from prfaas.common.ports import free_port
 
 MODEL = "qwen3-next-tiny"
 START_TIMEOUT_S = 120.0

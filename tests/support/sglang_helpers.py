@@ -5,7 +5,6 @@ SGLang's scheduler drives them."""
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,13 +32,6 @@ RANK_ZERO = {
     "attn_dcp_rank": 0,
     "pp_group": None,
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def server_args(bootstrap_port: int, *extra: str) -> Any:

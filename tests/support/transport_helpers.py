@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,14 +60,6 @@ def assert_same(a: dict[str, np.ndarray], b: object) -> None:
         got = b[name]  # type: ignore[index]
         assert got.dtype == array.dtype and got.shape == array.shape, name
         assert got.tobytes() == array.tobytes(), name
-
-
-def free_port() -> int:
-    """A port that was free a moment ago (for starting a sender after its receiver)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def tls_configs(directory: Path) -> tuple[TlsConfig, TlsConfig]:

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
+from prfaas.common.ports import free_port
 from prfaas.engines.vllm.launch import VLLMProcess, VLLMServer, start_servers
-from prfaas.serve.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(os.environ.get("PRFAAS_VLLM_PYTHON", ROOT / ".venv-vllm/bin/python"))

@@ -19,6 +19,7 @@ import sglang_helpers as sh
 from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType, TransferBackend
 from sglang.srt.plugins import load_plugins
 
+from prfaas.common.ports import free_port
 from prfaas.engines.sglang import SGLANG_VERSION
 from prfaas.engines.sglang.plugin import check_version
 
@@ -31,7 +32,7 @@ def bootstrap() -> Iterator[tuple[Any, str]]:
     """(server args, bootstrap address) with SGLang's real bootstrap server running."""
     from sglang.srt.disaggregation.utils import get_kv_class
 
-    port = sh.free_port()
+    port = free_port()
     args = sh.server_args(port)
     server = get_kv_class(TransferBackend.PRFAAS, KVClassType.BOOTSTRAP_SERVER)(
         host=sh.HOST, port=port

@@ -21,6 +21,8 @@ from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.conn import KVTransferError
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
+from prfaas.common.ports import free_port
+
 PAGES = 32  # pages of each pool (128 tokens)
 
 
@@ -135,7 +137,7 @@ def test_prefill_death_fails_the_decode(bootstrap: tuple[Any, str], repo_root: P
     """A prefill process killed (SIGKILL) after its first chunk: the decode's room ends
     Failed with a reason naming the lost prefill, not stuck in Transferring."""
     args, _ = bootstrap
-    port = sh.free_port()
+    port = free_port()
     child = subprocess.Popen(
         [sys.executable, str(repo_root / "tests/support/sglang_prefill_child.py"), str(port), "31"],
         stdout=subprocess.PIPE,

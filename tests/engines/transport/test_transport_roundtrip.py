@@ -7,8 +7,9 @@ import threading
 
 import numpy as np
 import pytest
-from transport_helpers import assert_same, free_port, layer_kind, make_pair, random_arrays
+from transport_helpers import assert_same, layer_kind, make_pair, random_arrays
 
+from prfaas.common.ports import free_port
 from prfaas.engines.transport import Kind, KVReceiver, KVSender, SenderConfig
 
 pytestmark = pytest.mark.timeout(60)

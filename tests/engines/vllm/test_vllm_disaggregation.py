@@ -41,11 +41,11 @@ from vllm_helpers import (
 )
 
 from prfaas.common.hashing import iter_block_hashes
+from prfaas.common.ports import free_port
 from prfaas.engines.vllm.launch import VLLMProcess
 from prfaas.gateway.api.assembly import Gateway, build_gateway
 from prfaas.gateway.deployment import DeploymentConfig, GatewayConfig, InstanceConfig, ModelConfig
 from prfaas.protocol.generate import SamplingParams
-from prfaas.serve.processes import free_port
 from prfaas.testing.processes import group_cpu_seconds
 
 pytestmark = pytest.mark.timeout(900)

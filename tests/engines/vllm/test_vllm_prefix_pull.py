@@ -26,11 +26,11 @@ from vllm_helpers import (
     stop_all,
 )
 
+from prfaas.common.ports import free_port
 from prfaas.engines.vllm.launch import VLLMProcess
 from prfaas.gateway.api.assembly import build_gateway
 from prfaas.gateway.deployment import DeploymentConfig, GatewayConfig, InstanceConfig, ModelConfig
 from prfaas.protocol.generate import SamplingParams
-from prfaas.serve.processes import free_port
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -31,7 +31,8 @@ from metrics_helpers import Scrape
 from playwright.sync_api import Browser, ConsoleMessage, Page, sync_playwright
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
-from prfaas.serve.processes import READY, EngineSpec, free_port
+from prfaas.common.ports import free_port
+from prfaas.serve.processes import READY, EngineSpec
 
 CHROMIUM = os.environ.get("PRFAAS_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = [

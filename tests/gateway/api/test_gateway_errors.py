@@ -4,7 +4,6 @@ the gateway keeps serving afterwards."""
 from __future__ import annotations
 
 import asyncio
-import socket
 from typing import Any
 
 import aiohttp
@@ -13,6 +12,7 @@ from aiohttp import web
 from aiohttp_helpers import start_app
 from gateway_helpers import Engines, GatewayFactory, deployment
 
+from prfaas.common.ports import free_port
 from prfaas.testing.null_server import NullConfig, NullServer
 
 OK_BODY = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
@@ -126,16 +126,10 @@ async def test_queue_full_is_429_with_retry_after(gateway_factory: GatewayFactor
         await runner.cleanup()
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.parametrize("stream", [False, True])
 async def test_engines_down_is_503(gateway_factory: GatewayFactory, stream: bool) -> None:
     """Engines that do not answer: health marks them down and requests get 503, not a hang."""
-    urls = {name: f"http://127.0.0.1:{_closed_port()}" for name in ("prfaas-p0", "pd-p0", "pd-d0")}
+    urls = {name: f"http://127.0.0.1:{free_port()}" for name in ("prfaas-p0", "pd-p0", "pd-d0")}
     url, gateway = await gateway_factory(deployment(urls))
     assert not any(s.healthy for s in gateway.instances)
     status, reply = await _post(f"{url}/v1/completions", {**OK_BODY, "stream": stream})
@@ -150,7 +144,7 @@ async def test_a_prefill_that_died_between_health_checks_is_retried_elsewhere(
     """The PD prefill died right after the last poll: its refused connection ejects it and
     the request is retried on the PrfaaS prefill (the other cluster), so the client never
     sees the failure."""
-    urls = {**null_engines.urls, "pd-p0": f"http://127.0.0.1:{_closed_port()}"}
+    urls = {**null_engines.urls, "pd-p0": f"http://127.0.0.1:{free_port()}"}
     url, gateway = await gateway_factory(deployment(urls, health_interval_s=60))
     gateway.instances["pd-p0"].status = "healthy"  # as if it died right after the last poll
     status, reply = await _post(f"{url}/v1/completions", OK_BODY)
@@ -164,7 +158,7 @@ async def test_unreachable_decode_is_marked_down(
 ) -> None:
     """A decode engine that died between health checks is marked unhealthy by the Router
     (so a retry cannot pick it again); the client gets a JSON engine error, not a hang."""
-    urls = {**null_engines.urls, "pd-d0": f"http://127.0.0.1:{_closed_port()}"}
+    urls = {**null_engines.urls, "pd-d0": f"http://127.0.0.1:{free_port()}"}
     url, gateway = await gateway_factory(deployment(urls, health_interval_s=60, retry_wait_s=0))
     for stream in (False, True):
         gateway.instances["pd-d0"].status = "healthy"  # as if it died after the last poll

@@ -33,8 +33,8 @@ from openai_battery import (
 )
 from vllm_helpers import MODEL, require_vllm, server, start_all, stop_all
 
+from prfaas.common.ports import free_port
 from prfaas.engines.vllm.launch import VLLMProcess
-from prfaas.serve.processes import free_port
 
 pytestmark = pytest.mark.timeout(1200)
 

@@ -10,7 +10,6 @@ import random
 import re
 import select
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ import pytest
 from engine_helpers import hf_greedy, random_prompt
 from transformers import PreTrainedModel
 
+from prfaas.common.ports import free_port
 from prfaas.protocol.kv_events import BlockStored, KVEventSubscriber
 
 READY = re.compile(r"prfaas engine ready: (http://\S+) role=(\w+) bootstrap_port=(\d+)")
@@ -34,13 +34,6 @@ class EngineProc:
     url: str
     bootstrap_port: int
     proc: subprocess.Popen[str]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def launch(role: str, log: Path, *extra: str) -> subprocess.Popen[str]:

@@ -1,0 +1,72 @@
+"""Ports picked now for a process to bind later (an engine's HTTP and bootstrap ports, an
+etcd's, a test server's).
+
+A port is picked below the kernel's ephemeral range (`ip_local_port_range`) when there is room
+there: the kernel never hands such a port to an outgoing connection or to a `bind(("", 0))`,
+so nothing else on the machine takes it between the pick and the bind, nor between an
+engine's death and its restart on the same ports. One process never hands out a port twice.
+Where the range cannot be read (not Linux) or leaves no room, the kernel picks (`bind` to 0).
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import threading
+from pathlib import Path
+
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST = 10000
+"""The lowest port picked: well-known and registered services mostly sit below it."""
+MIN_ROOM = 1000
+"""Fewer free-to-pick ports than this below the ephemeral range: let the kernel pick."""
+ATTEMPTS = 200
+
+_given: set[int] = set()
+_lock = threading.Lock()
+
+
+def pickable(ephemeral_low: int) -> range:
+    """The ports picked from, given the ephemeral range's lowest port: empty when there is
+    too little room below it."""
+    room = range(LOWEST, ephemeral_low)
+    return room if len(room) >= MIN_ROOM else range(0)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that nothing listens on now and that nothing but its taker will bind."""
+    return free_ports(1, host)[0]
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` distinct such ports."""
+    room = pickable(_ephemeral_low())
+    with _lock:
+        return [_pick(room, host) for _ in range(n)]
+
+
+def _pick(room: range, host: str) -> int:
+    for _ in range(ATTEMPTS if room else 0):
+        port = random.choice(room)
+        if port not in _given and _bindable(host, port):
+            _given.add(port)
+            return port
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0

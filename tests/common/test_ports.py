@@ -1,0 +1,55 @@
+"""Ports picked for a later bind: below the kernel's ephemeral range, free, never handed out
+twice by one process; the kernel's pick where there is no room."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from prfaas.common import ports
+
+
+def _ephemeral_low() -> int:
+    return int(ports.EPHEMERAL_RANGE.read_text().split()[0])
+
+
+def test_the_room_is_below_the_ephemeral_range_or_none() -> None:
+    assert ports.pickable(32768) == range(ports.LOWEST, 32768)
+    assert ports.pickable(ports.LOWEST + ports.MIN_ROOM - 1) == range(0)
+    assert ports.pickable(0) == range(0)
+
+
+def test_ports_are_distinct_bindable_and_below_the_ephemeral_range() -> None:
+    picked = ports.free_ports(64) + [ports.free_port() for _ in range(64)]
+    assert len(set(picked)) == len(picked)
+    assert all(ports.LOWEST <= p < _ephemeral_low() for p in picked), picked
+    for port in picked:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
+def test_a_port_in_use_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", ports.free_port()))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        ports._given.discard(taken)  # only the listener stands in the way now
+        choices = iter([taken, taken])
+        real_choice = ports.random.choice
+        monkeypatch.setattr(
+            ports.random, "choice", lambda room: next(choices, None) or real_choice(room)
+        )
+        port = ports.free_port()
+    assert port != taken and ports.LOWEST <= port < _ephemeral_low()
+
+
+def test_no_room_lets_the_kernel_pick(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    whole = tmp_path / "ip_local_port_range"
+    whole.write_text("1024\t65535\n")
+    monkeypatch.setattr(ports, "EPHEMERAL_RANGE", whole)
+    port = ports.free_port()
+    assert port >= 1024
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
