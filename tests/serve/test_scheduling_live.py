@@ -2,7 +2,7 @@
 (real forward passes, real KV over the paced transport, real sockets).
 
 - Embedded default (one PD decode): lowering the emulated link at run time (the PrfaaS
-  prefill's `POST /admin/egress`) raises `t` within seconds, so a prompt that went to PrfaaS
+  prefill's `POST /admin/egress`) raises `t`, so a prompt that went to PrfaaS
   now goes to the PD prefill; a prefill-heavy load makes the rebalancer want another
   prefill, and the guard rail refuses to convert the only decode, saying why.
 - `[[launch]]` deployment with two PD decodes: the same kind of load converts one decode
@@ -33,6 +33,11 @@ from serve_live_helpers import (
     stop,
 )
 
+RAISE_WITHIN_S = 30.0
+"""How long `t` may take to rise past the probe after the link falls. The probes' own
+prefills come first (on two busy cores, seconds each), then a tick or two of a crawling link;
+how fast `t` follows the link is measured by `benchmarks/scheduling.py` on the simulator."""
+
 
 @pytest.fixture(scope="module")
 def embedded() -> Iterator[str]:
@@ -49,9 +54,9 @@ def _recent(state: dict[str, Any], loop: str, kind: str) -> list[dict[str, Any]]
 
 async def test_link_drop_raises_t_and_the_last_decode_is_kept(embedded: str) -> None:
     """Prefill-heavy warm-up (the rebalancer wants a second prefill and is refused); then
-    the link falls from 10 to 1 Mbit/s while prompts just above `t` go to PrfaaS: within
-    seconds `t` rises past them (their KV now crawls), and the same prompt length goes to
-    the PD prefill. The slow requests still complete."""
+    the link falls from 10 to 1 Mbit/s while prompts just above `t` go to PrfaaS: `t` rises
+    past them (their KV now crawls), and the same prompt length goes to the PD prefill. The
+    slow requests still complete."""
     url = embedded
     async with aiohttp.ClientSession() as s:
         statuses = await load(url, 8.0, 700, 2, seed=1)  # prefill-heavy: 2 output tokens
@@ -65,9 +70,8 @@ async def test_link_drop_raises_t_and_the_last_decode_is_kept(embedded: str) -> 
         lowered = time.monotonic()
         slow = [asyncio.create_task(complete(s, url, probe, seed=70 + i)) for i in range(2)]
         while (await admin_state(s, url))["threshold"] < probe:
-            assert time.monotonic() - lowered < 10, (await admin_state(s, url))["scheduler"]
+            assert time.monotonic() - lowered < RAISE_WITHIN_S, await admin_state(s, url)
             await asyncio.sleep(0.25)
-        reaction_s = time.monotonic() - lowered
         status, after = await complete(s, url, probe, seed=78)
         state = await admin_state(s, url)
         crawled = await asyncio.gather(*slow)
@@ -76,7 +80,6 @@ async def test_link_drop_raises_t_and_the_last_decode_is_kept(embedded: str) -> 
     assert set(statuses) == {200}
     assert crawled == [(200, "prfaas")] * 2, crawled
     assert status == 200 and after == "pd", state["scheduler"]
-    assert reaction_s < 10
     raises = [d for d in state["scheduler"]["recent"]
               if d["kind"] in ("threshold", "set_point") and d["at"] > 0
               and (d["inputs"].get("capacity_bytes_per_s")
