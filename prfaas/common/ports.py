@@ -34,7 +34,7 @@ def pickable(ephemeral_low: int) -> range:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that nothing listens on now and that nothing but its taker will bind."""
+    """A port nothing listens on now, which no connection or kernel-picked bind will take."""
     return free_ports(1, host)[0]
 
 
