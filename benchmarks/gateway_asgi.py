@@ -24,7 +24,7 @@ from typing import Any
 from prfaas.gateway.api.app import GatewayApp, server_error
 from prfaas.gateway.api.assembly import egress_setup
 from prfaas.gateway.deployment import DeploymentConfig, load_deployment
-from prfaas.http.server import Exchange, HttpRequest, HttpResponse, ResponseStream
+from prfaas.http.messages import Exchange, HttpRequest, HttpResponse, ResponseStream
 
 logger = logging.getLogger(__name__)
 CONFIG_ENV = "PRFAAS_BENCH_GATEWAY_CONFIG"
@@ -153,7 +153,7 @@ class GatewayAsgi:
                 return
             if not message.get("more_body", False):
                 break
-        request = HttpRequest._from_wire(  # the lazy header decoding our server uses
+        request = HttpRequest.from_wire(  # the lazy header decoding our server uses
             scope["method"],
             (scope.get("raw_path") or scope["path"].encode()).decode("latin-1"),
             scope["query_string"].decode("latin-1"),
@@ -193,7 +193,7 @@ class GatewayAsgi:
             protocol.response_bytes(too_big.status, headers, too_big.body)
             return
         raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in scope.headers.items()]
-        request = HttpRequest._from_wire(scope.method, scope.path, scope.query_string, raw,
+        request = HttpRequest.from_wire(scope.method, scope.path, scope.query_string, raw,
                                          body, scope.http_version)  # fmt: skip
         transport: Any = None
 

@@ -23,7 +23,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from prfaas.gateway.api.app import server_error
-from prfaas.http.server import Exchange, HttpLimits, HttpRequest, HttpResponse, HttpServer
+from prfaas.http.messages import Exchange, HttpRequest, HttpResponse
+from prfaas.http.server import HttpLimits, HttpServer
 
 LIMITS = HttpLimits(max_body_bytes=64 * 1024, max_head_bytes=8 * 1024, request_timeout_s=5.0)
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])

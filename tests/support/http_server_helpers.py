@@ -10,13 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs
 
-from prfaas.http.server import (
-    Exchange,
-    HttpLimits,
-    HttpRequest,
-    HttpResponse,
-    HttpServer,
-)
+from prfaas.http.messages import Exchange, HttpRequest, HttpResponse
+from prfaas.http.server import HttpLimits, HttpServer
 
 
 def render_error(status: int, message: str) -> HttpResponse:

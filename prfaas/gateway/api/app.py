@@ -35,7 +35,8 @@ from prfaas.gateway.api.assembly import Gateway, build_gateway
 from prfaas.gateway.api.dashboard import DASHBOARD_PAGES, since_query
 from prfaas.gateway.api.utility_routes import detokenize, ping, tokenize, version
 from prfaas.gateway.deployment import DeploymentConfig
-from prfaas.http.server import Exchange, HttpLimits, HttpRequest, HttpResponse, HttpServer
+from prfaas.http.messages import Exchange, HttpRequest, HttpResponse
+from prfaas.http.server import HttpLimits, HttpServer
 from prfaas.policies.profile import DeploymentProfile
 from prfaas.protocol.errors import APIError, invalid
 from prfaas.protocol.openai_request import ModelLimits, load_json, max_body_bytes

@@ -31,7 +31,7 @@ from prfaas.gateway.admission import AdmissionManager, QueueFull
 from prfaas.gateway.api.activity import ActivityRecorder, FinishedRequest
 from prfaas.gateway.api.metrics import GatewayMetrics
 from prfaas.gateway.router import Dispatch, Router
-from prfaas.http.server import Exchange, HttpRequest, HttpResponse
+from prfaas.http.messages import Exchange, HttpRequest, HttpResponse
 from prfaas.policies.routing import NoInstanceAvailable, RouteDecision
 from prfaas.protocol.errors import APIError
 from prfaas.protocol.openai_request import (

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qs
 
-from prfaas.http.server import Exchange, HttpRequest, HttpResponse
+from prfaas.http.messages import Exchange, HttpRequest, HttpResponse
 from prfaas.protocol.errors import invalid
 
 if TYPE_CHECKING:

@@ -20,7 +20,7 @@ from prfaas.common.tokenizer import chat_ids
 from prfaas.engine_clients.base import EngineError
 from prfaas.engine_clients.vllm import VLLMClient
 from prfaas.gateway.api.assembly import Gateway
-from prfaas.http.server import Exchange, HttpRequest, HttpResponse
+from prfaas.http.messages import Exchange, HttpRequest, HttpResponse
 from prfaas.protocol.errors import APIError, invalid
 from prfaas.protocol.openai_chat import chat_prompt
 from prfaas.protocol.openai_request import load_json
