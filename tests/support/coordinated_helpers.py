@@ -232,9 +232,9 @@ def agreed_leader(replicas: Sequence[Replica], timeout_s: float = 20.0) -> tuple
 
     def agreed() -> tuple[str, int] | None:
         views = [r.coordination() for r in replicas]
-        names = {v["leader"] for v in views} | {v["epoch"] for v in views}
+        named = {(v["leader"], v["epoch"]) for v in views}  # one pair: all agree
         leading = [v["replica"] for v in views if v["role"] == "leader"]
-        if len(leading) == 1 and len(names) == 2 and views[0]["leader"] == leading[0]:
+        if len(leading) == 1 and len(named) == 1 and views[0]["leader"] == leading[0]:
             return leading[0], int(views[0]["epoch"])
         return None
 
