@@ -1,8 +1,10 @@
-"""A call of an engine's own OpenAI route whose answer is relayed to the client as the engine
-wrote it (vLLM servers, SGLang servers and the reference engine alike): each SSE event, or
-the whole body, becomes a `GenerateChunk` whose `raw` is those bytes, with the counts read
-from the answer's `usage` for the gateway's accounting. An engine's own refusal (a 4xx but
-429) keeps its status and body for the client, who sent what it refused.
+"""A call of an engine's own API route (OpenAI completions and chat, Anthropic Messages,
+OpenAI Responses) whose answer is relayed to the client as the engine wrote it (vLLM servers,
+SGLang servers and the reference engine alike): each SSE event, or the whole body, becomes a
+`GenerateChunk` whose `raw` is those bytes (and `event` the event's name, for the APIs that
+name them), with the counts read from the answer (`prfaas.protocol.relayed_answer`) for the
+gateway's accounting. An engine's own refusal (a 4xx but 429) keeps its status and body for
+the client, who sent what it refused.
 """
 
 from __future__ import annotations
@@ -13,14 +15,17 @@ import orjson
 
 from prfaas.engine_clients.base import AnsweredCall, EngineError, call_failure
 from prfaas.http.client import HttpCall
+from prfaas.protocol import relayed_answer
+from prfaas.protocol.client_body import EVENT_STREAMS, Api
 from prfaas.protocol.generate import GenerateChunk, GenerateRequest
 
 
-def with_usage(body: dict[str, Any]) -> dict[str, Any]:
-    """A streamed body that asks for its usage (the gateway counts tokens from it; the
-    usage event a client did not ask for is not relayed). A client that did not ask for it
-    gets no continuous usage either, as the engine would answer it alone."""
-    if body.get("stream") is True:
+def with_usage(body: dict[str, Any], api: Api) -> dict[str, Any]:
+    """A streamed completions or chat body that asks for its usage (the gateway counts
+    tokens from it; the usage event a client did not ask for is not relayed). A client that
+    did not ask for it gets no continuous usage either, as the engine would answer it alone.
+    Messages and Responses streams always end with their usage."""
+    if body.get("stream") is True and api not in EVENT_STREAMS:
         options = body.get("stream_options")
         given = options if isinstance(options, dict) else {}
         extra = {} if given.get("include_usage") is True else {"continuous_usage_stats": False}
@@ -29,8 +34,8 @@ def with_usage(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def usage_asked(request: GenerateRequest) -> bool:
-    """Whether the client asked for a streamed answer's usage itself."""
-    options = request.openai.fields.get("stream_options") if request.openai else None
+    """Whether the client asked for a streamed completions or chat answer's usage itself."""
+    options = request.client_body.fields.get("stream_options") if request.client_body else None
     return isinstance(options, dict) and options.get("include_usage") is True
 
 
@@ -42,11 +47,11 @@ class OpenAICall(AnsweredCall):
 
     def __init__(
         self, name: str, path: str, stream: bool, prompt_tokens: int, *, relay: bool,
-        usage_asked: bool = False,
+        usage_asked: bool = False, api: Api = "completions",
     ) -> None:  # fmt: skip
         super().__init__(stream)
         self.name, self.prompt_tokens, self.relay = name, prompt_tokens, relay
-        self._path, self._usage_asked = path, usage_asked
+        self._path, self._usage_asked, self.api = path, usage_asked, api
         self._completion = 0
 
     def on_end(self, error: BaseException | None) -> None:
@@ -98,33 +103,30 @@ class OpenAICall(AnsweredCall):
             self._event(answer)
 
     def _check(self, event: Any) -> None:
-        name = self.name
         if not isinstance(event, dict):
-            raise EngineError(f"{name}: an answer that is not a JSON object")
-        if "error" in event or event.get("object") == "error":
-            error = event.get("error", event)
-            raise EngineError(f"{name}: {error.get('message', error)}")
-        for choice in event.get("choices") or ():
-            if choice.get("finish_reason") == "error":
-                raise EngineError(f"{name}: the request failed in the engine (KV load?)")
+            raise EngineError(f"{self.name}: an answer that is not a JSON object")
+        failure = relayed_answer.error(self.api, event)
+        if failure is not None:
+            raise EngineError(f"{self.name}: {failure}")
 
     def _relayed(self, raw: bytes, event: Any) -> None:
         """One event of a forwarded request, kept as written; its usage (when it carries
         one) gives the counts. The usage event the client did not ask for is not relayed."""
         self._check(event)
-        choices, usage = event.get("choices"), event.get("usage")
-        if isinstance(usage, dict):
-            self._completion = int(usage.get("completion_tokens") or 0)
-            self.prompt_tokens = int(usage.get("prompt_tokens") or self.prompt_tokens)
-            details = usage.get("prompt_tokens_details")
-            cached = int((details or {}).get("cached_tokens") or 0)
+        api = self.api
+        found = relayed_answer.usage(api, event)
+        if found is not None:
+            self._completion = found.completion_tokens or self._completion
+            self.prompt_tokens = found.prompt_tokens or self.prompt_tokens
+            cached = found.cached_tokens
         else:
             cached = 0
-            self._completion += 1 if choices else 0  # about one token an event, until usage
-        last = choices[-1] if isinstance(choices, list) and choices else {}
-        hidden = self.stream and not choices and not self._usage_asked
+            self._completion += relayed_answer.output_event(api, event)  # about one token each
+        hidden = (self.stream and api not in EVENT_STREAMS and not event.get("choices")
+                  and not self._usage_asked)  # fmt: skip
         self.push(GenerateChunk((), "", self.prompt_tokens, self._completion, cached,
-                                last.get("finish_reason"), b"" if hidden else raw))  # fmt: skip
+                                relayed_answer.finish(api, event), b"" if hidden else raw,
+                                relayed_answer.event_name(api, event)))  # fmt: skip
 
     def _event(self, event: dict[str, Any]) -> None:
         """A token-path answer (not relayed): subclasses that send one read it."""

@@ -40,9 +40,9 @@ from prfaas.engine_clients.base import (
 from prfaas.engine_clients.control import ROLES, ControlPlane, error_code
 from prfaas.engine_clients.openai_relay import OpenAICall, usage_asked, with_usage
 from prfaas.http.client import ConnectionPool, HttpCall, post
-from prfaas.protocol.errors import invalid
+from prfaas.protocol.client_body import Api, ClientBody
+from prfaas.protocol.errors import dialect_of, invalid
 from prfaas.protocol.generate import AnswerError, GenerateChunk, GenerateRequest, parse_answer
-from prfaas.protocol.openai_body import Api, OpenAIBody
 from prfaas.protocol.openai_request import HARMLESS_FIELDS
 
 logger = logging.getLogger(__name__)
@@ -223,36 +223,57 @@ SGLANG_COMPLETION_FIELDS = frozenset({
     "temperature", "top_k", "top_p", "user", "watermark",
 })  # fmt: skip
 """The fields sglang 0.5.23's `CompletionRequest` declares (it ignores any other)."""
+SGLANG_MESSAGES_FIELDS = frozenset({
+    "betas", "bootstrap_host", "bootstrap_port", "bootstrap_room", "disagg_prefill_dp_rank",
+    "max_tokens", "messages", "metadata", "model", "output_config", "routed_dp_rank",
+    "stop_sequences", "stream", "system", "temperature", "thinking", "tool_choice", "tools",
+    "top_k", "top_p",
+})  # fmt: skip
+"""The fields sglang 0.5.23's `AnthropicMessagesRequest` declares (it ignores any other)."""
+SGLANG_RESPONSES_FIELDS = frozenset({
+    "background", "bootstrap_host", "bootstrap_port", "bootstrap_room", "cache_salt",
+    "chat_template_kwargs", "data_parallel_rank", "disagg_prefill_dp_rank", "extra_key",
+    "frequency_penalty", "include", "input", "instructions", "max_output_tokens",
+    "max_tool_calls", "metadata", "min_p", "model", "parallel_tool_calls", "presence_penalty",
+    "previous_response_id", "priority", "reasoning", "repetition_penalty", "request_id",
+    "routed_dp_rank", "service_tier", "session_id", "stop", "store", "stream", "temperature",
+    "text", "tool_choice", "tools", "top_k", "top_logprobs", "top_p", "truncation", "user",
+})  # fmt: skip
+"""The fields sglang 0.5.23's `ResponsesRequest` declares (it ignores any other)."""
 SGLANG_OPENAI_FIELDS: dict[Api, frozenset[str]] = {
-    "chat": SGLANG_CHAT_FIELDS, "completions": SGLANG_COMPLETION_FIELDS
+    "chat": SGLANG_CHAT_FIELDS, "completions": SGLANG_COMPLETION_FIELDS,
+    "messages": SGLANG_MESSAGES_FIELDS, "responses": SGLANG_RESPONSES_FIELDS,
 }  # fmt: skip
 
 
-def unknown_to_sglang(body: OpenAIBody) -> str | None:
-    """The first field of a client's body that SGLang's OpenAI server would silently ignore
-    (fields that cannot change an answer aside), or None."""
+def unknown_to_sglang(body: ClientBody) -> str | None:
+    """The first field of a client's body that SGLang's server would silently ignore on
+    its route (fields that cannot change an answer aside), or None."""
     known = SGLANG_OPENAI_FIELDS[body.api] | HARMLESS_FIELDS
     return next((key for key in sorted(body.fields) if key not in known), None)
 
 
 def forwarded_body(request: GenerateRequest) -> dict[str, Any]:
-    """The client's OpenAI body plus SGLang's PD fields (`bootstrap_host`,
-    `bootstrap_port`, `bootstrap_room`: sglang 0.5.23's `PDRoutingFields`), the same for
-    the prefill and the decode call, as SGLang's own PD router sends it (and a prefix pull,
-    for engines that say they take one); a streamed one asks for its usage."""
-    assert request.openai is not None
-    return with_usage({**request.openai.fields, **request.pd_fields()})
+    """The client's body plus SGLang's PD fields (`bootstrap_host`, `bootstrap_port`,
+    `bootstrap_room`: sglang 0.5.23's `PDRoutingFields`, which its completions, chat,
+    Messages and Responses requests all take), the same for the prefill and the decode call,
+    as SGLang's own PD router sends it (and a prefix pull, for engines that say they take
+    one); a streamed completions or chat one asks for its usage."""
+    assert request.client_body is not None
+    body = request.client_body
+    return with_usage({**body.fields, **request.pd_fields()}, body.api)
 
 
 class _ForwardedCall(OpenAICall):
-    """A client's OpenAI body on the engine's own OpenAI route, its answer relayed."""
+    """A client's body on the engine's own API route, its answer relayed."""
 
     def __init__(self, client: SGLangClient, request: GenerateRequest) -> None:
-        assert request.openai is not None
-        body, path = forwarded_body(request), request.openai.path
+        assert request.client_body is not None
+        body, path = forwarded_body(request), request.client_body.path
         super().__init__(client.instance_id, path, bool(body.get("stream")),
                          len(request.input_ids), relay=True,
-                         usage_asked=usage_asked(request))  # fmt: skip
+                         usage_asked=usage_asked(request),
+                         api=request.client_body.api)  # fmt: skip
         self.http = client.post_openai(path, orjson.dumps(body), self)
 
 
@@ -304,16 +325,18 @@ class SGLangClient(BaseEngineClient):
         self.control = self._config.control_plane(instance_id, self.base_url, session, auth)
 
     def generate(self, request: GenerateRequest) -> EngineCall:
-        """`/generate` from token ids, or the client's OpenAI body on the engine's own
-        route when the request carries one."""
-        if request.openai is None:
+        """`/generate` from token ids, or the client's body on the engine's own route
+        when the request carries one."""
+        if request.client_body is None:
             return _GenerateCall(self, request)
-        unknown = unknown_to_sglang(request.openai) if self.sglang_server else None
+        body = request.client_body
+        unknown = unknown_to_sglang(body) if self.sglang_server else None
         if unknown is not None:
-            error = invalid(f"'{unknown}' is not supported by SGLang's OpenAI server", unknown)
+            error = invalid(f"'{unknown}' is not supported by SGLang's server on {body.path}",
+                            unknown)  # fmt: skip
             return _Refused(EngineError(f"{self.instance_id}: {error.message}", status=400,
                                         rejected=True, code="engine_refused",
-                                        answer=error.encode()))  # fmt: skip
+                                        answer=error.encode(dialect_of(body.path))))  # fmt: skip
         return _ForwardedCall(self, request)
 
     def post_openai(self, path: str, body: bytes, call: OpenAICall) -> HttpCall:

@@ -1,5 +1,6 @@
-"""The vLLM engine client: vLLM's OpenAI routes with PrfaaS `kv_transfer_params`
-(`prfaas.protocol.kv_transfer`), for vLLM servers running our connector.
+"""The vLLM engine client: vLLM's API routes (OpenAI completions, chat and Responses,
+Anthropic Messages) with PrfaaS `kv_transfer_params` (`prfaas.protocol.kv_transfer`), for
+vLLM servers running our connector.
 
 The Router hands every engine the same `GenerateRequest` (one bootstrap room) and starts the
 prefill and the decode call at once; this client tells which side it is from the bootstrap
@@ -8,13 +9,14 @@ the KV to room R), any other makes it the decode (it fetches room R from there w
 prefill still computes, then generates). Without a bootstrap it runs the request alone.
 
 Two bodies, as vLLM's own P/D proxies build them:
-- A request with the client's OpenAI body (`request.openai`) goes to the route the client
-  called, whole, plus `kv_transfer_params`. The decode gets everything; the prefill what
-  computing the prompt's KV needs: the same rendering fields, one token, one sequence,
-  unstreamed, no grammar (`prefill_fields`). The decode's answer is relayed as vLLM wrote it
-  (`GenerateChunk.raw`); a streamed one is asked for its usage (and that event kept from a
-  client that did not ask) so the gateway can count its tokens. An engine's own refusal
-  (a 4xx but 429) keeps its status and body for the client.
+- A request with the client's body (`request.client_body`) goes to the route the client
+  called, whole, plus `kv_transfer_params` (each of those routes' request models takes
+  them). The decode gets everything; the prefill what computing the prompt's KV needs: the
+  same rendering fields, one token, one sequence, unstreamed, no grammar
+  (`prefill_fields`). The decode's answer is relayed as vLLM wrote it
+  (`GenerateChunk.raw`); a streamed completions or chat one is asked for its usage (and
+  that event kept from a client that did not ask) so the gateway can count its tokens. An
+  engine's own refusal (a 4xx but 429) keeps its status and body for the client.
 - A request without one (token-id callers, migrations, the simulator) is a `/v1/completions`
   body of its token ids with answers carrying token ids (`return_token_ids`).
 Aborting a call drops its connection, which vLLM turns into an abort of the request.
@@ -49,19 +51,30 @@ from prfaas.engine_clients.base import (
 from prfaas.engine_clients.openai_relay import OpenAICall, usage_asked, with_usage
 from prfaas.engine_clients.sglang import SGLangClientConfig
 from prfaas.http.client import ConnectionPool, HttpCall, post
+from prfaas.protocol.client_body import Api, ClientBody
 from prfaas.protocol.generate import GenerateChunk, GenerateRequest
 from prfaas.protocol.kv_transfer import PrefixPull, RemoteDecode, RemotePrefill
-from prfaas.protocol.openai_body import OpenAIBody
 
-_GAUGE = re.compile(rb"^(vllm:[a-z_]+)\{[^}]*\} ([0-9.eE+-]+)$", re.MULTILINE)
-PREFILL_DROPS = frozenset({
+CHAT_PREFILL_DROPS = frozenset({
     "max_completion_tokens", "min_tokens", "n", "best_of", "stream_options", "logprobs",
     "top_logprobs", "prompt_logprobs", "echo", "return_token_ids", "response_format",
     "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
     "guided_decoding_backend", "guided_whitespace_pattern", "parallel_tool_calls",
 })  # fmt: skip
+_GAUGE = re.compile(rb"^(vllm:[a-z_]+)\{[^}]*\} ([0-9.eE+-]+)$", re.MULTILINE)
+PREFILL_DROPS: dict[Api, frozenset[str]] = {
+    "completions": CHAT_PREFILL_DROPS,
+    "chat": CHAT_PREFILL_DROPS,
+    "messages": frozenset({"stream"}),
+    "responses": frozenset({"stream", "text", "include", "top_logprobs", "structured_outputs",
+                            "max_tool_calls"}),
+}  # fmt: skip
 """What a prefill's body leaves out: its one token is thrown away, so nothing that shapes
 the output (counts, grammars, log-probabilities) is worth computing there."""
+NO_TOOL_CHOICE: dict[Api, Any] = {
+    "completions": "none", "chat": "none", "messages": {"type": "none"}, "responses": "none",
+}  # fmt: skip
+"""Each API's `tool_choice` that renders the tools without a tool grammar."""
 
 
 @dataclass(frozen=True)
@@ -129,45 +142,55 @@ def export_body(input_ids: Sequence[int], room: int, tokens: int, model: str) ->
             "kv_transfer_params": RemoteDecode(room).to_json()}  # fmt: skip
 
 
-def prefill_fields(body: OpenAIBody) -> dict[str, Any]:
-    """A prefill's copy of the client's body: the same prompt rendering (messages, tools,
-    template kwargs, prompt, cache salt), one token, one sequence, unstreamed, no grammar
-    (tools are rendered with `tool_choice` none, so no tool grammar either)."""
-    fields = {k: v for k, v in body.fields.items() if k not in PREFILL_DROPS}
-    fields.update(max_tokens=1, stream=False)
+def prefill_fields(body: ClientBody) -> dict[str, Any]:
+    """A prefill's copy of the client's body: the same prompt rendering (messages or input,
+    system or instructions, tools, template kwargs, prompt, cache salt), one token, one
+    sequence, unstreamed, unstored, no grammar (tools are rendered with the API's `tool_choice`
+    none, so no tool grammar either; a Messages body keeps its `output_config` effort, which
+    renders, but not its format)."""
+    api = body.api
+    fields = {k: v for k, v in body.fields.items() if k not in PREFILL_DROPS[api]}
+    if api == "responses":
+        fields.update(max_output_tokens=1, stream=False, store=False, background=False)
+    else:
+        fields.update(max_tokens=1, stream=False)
+    config = fields.get("output_config")
+    if api == "messages" and isinstance(config, dict) and "format" in config:
+        fields["output_config"] = {k: v for k, v in config.items() if k != "format"}
     if fields.get("tool_choice") is not None:
-        fields["tool_choice"] = "none"
+        fields["tool_choice"] = NO_TOOL_CHOICE[api]
     return fields
 
 
-def openai_body(request: GenerateRequest, endpoint: VLLMEndpoint) -> dict[str, Any]:
-    """The body of a request that carries the client's OpenAI body (`request.openai`) on
+def engine_body(request: GenerateRequest, endpoint: VLLMEndpoint) -> dict[str, Any]:
+    """The body of a request that carries the client's body (`request.client_body`) on
     `endpoint`: the prefill's (`prefill_fields`), the decode's or the lone engine's (the
     client's, whole)."""
-    assert request.openai is not None
+    assert request.client_body is not None
     boot = request.bootstrap
     if boot is not None and (boot.host, boot.port) == (endpoint.bootstrap_host,
                                                        endpoint.bootstrap_port):  # fmt: skip
-        return {**prefill_fields(request.openai), "model": endpoint.model,
+        return {**prefill_fields(request.client_body), "model": endpoint.model,
                 "kv_transfer_params": prefill_params(request)}  # fmt: skip
-    body = {**request.openai.fields, "model": endpoint.model}
+    body = {**request.client_body.fields, "model": endpoint.model}
     if boot is not None:
         body["kv_transfer_params"] = RemotePrefill(boot.host, boot.port, boot.room).to_json()
-    return with_usage(body)
+    return with_usage(body, request.client_body.api)
 
 
 class _CompletionCall(OpenAICall):
     """One call of vLLM's OpenAI API: relayed (a forwarded body), or read as token chunks."""
 
     def __init__(self, client: VLLMClient, request: GenerateRequest) -> None:
-        forwarded = request.openai
+        forwarded = request.client_body
         if forwarded is None:
             body, path = completion_body(request, client.endpoint), "/v1/completions"
         else:
-            body, path = openai_body(request, client.endpoint), forwarded.path
+            body, path = engine_body(request, client.endpoint), forwarded.path
         super().__init__(client.instance_id, path, bool(body.get("stream")),
                          len(request.input_ids), relay=forwarded is not None,
-                         usage_asked=usage_asked(request))  # fmt: skip
+                         usage_asked=usage_asked(request),
+                         api=forwarded.api if forwarded else "completions")  # fmt: skip
         self.http = client.post(path, orjson.dumps(body), self)
 
     def _event(self, event: dict[str, Any]) -> None:

@@ -46,6 +46,11 @@ period_s = 60.0              # long-term period; tick_s = 1.0 the short-term tic
 etcd = "http://127.0.0.1:2379"
 prefix = "/prfaas/default"
 lease_ttl_s = 2.0
+
+[responses]                  # optional: the Responses API's stored state (gateway/responses/)
+store = "memory"             # or "redis://HOST:PORT/DB", which replicas share
+ttl_s = 86400.0
+max_mb = 256.0
 ```
 
 The file is read by `prfaas.common.toml_tables` (unknown keys and wrong types are errors);
@@ -63,6 +68,7 @@ from urllib.parse import urlparse
 from prfaas.common.toml_tables import ConfigError, build, check, load_toml
 from prfaas.coordination.config import CoordinationConfig
 from prfaas.engine_clients.base import Role
+from prfaas.gateway.responses.config import ResponsesConfig
 from prfaas.gateway.scheduling.config import SchedulerConfig
 from prfaas.policies.routing import Regime, Route
 
@@ -329,6 +335,8 @@ class DeploymentConfig:
     """Dual-timescale scheduling (`[scheduler]`); absent: `t` moves only by hand."""
     coordination: CoordinationConfig | None = None
     """Several gateway replicas sharing one etcd (`[coordination]`); absent: one gateway."""
+    responses: ResponsesConfig = field(default_factory=ResponsesConfig)
+    """Where the Responses API's stored responses live (`[responses]`)."""
 
     def __post_init__(self) -> None:
         members: list[InstanceConfig | LaunchConfig] = [*self.instances, *self.launch]

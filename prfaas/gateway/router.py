@@ -9,7 +9,7 @@ get the same retries (a failure before any output goes to other instances, eithe
 cluster) and migrations (a decode that dies mid-stream: the prompt plus the tokens
 already streamed go to another decode, so a greedy answer equals an unfailed run's).
 
-A request that carries the client's OpenAI body (`OpenAIBody`: the engine's own OpenAI
+A request that carries the client's OpenAI body (`ClientBody`: the engine's own OpenAI
 server answers it) is retried the same way before output, but never migrated: its answer is
 the engine's own rendering (tool-call parsers, grammars, log-probabilities, several
 choices), which no continuation on another engine reproduces exactly, so a decode that dies
@@ -42,8 +42,8 @@ from prfaas.policies.routing import (
     RoutingSnapshot,
 )
 from prfaas.policies.ttft_forecast import LoadForecast
+from prfaas.protocol.client_body import ClientBody
 from prfaas.protocol.generate import Bootstrap, GenerateChunk, GenerateRequest, SamplingParams
-from prfaas.protocol.openai_body import OpenAIBody
 
 logger = logging.getLogger(__name__)
 WAIT_POLL_S = 0.2
@@ -175,7 +175,7 @@ class Router:
         sampling: SamplingParams,
         *,
         stream: bool,
-        openai: OpenAIBody | None = None,
+        client_body: ClientBody | None = None,
     ) -> Dispatch:
         """Decide, start the prefill and decode calls at once, and return once the first
         output chunk is in (`Dispatch.first`; with `stream=False` the engines answer in one
@@ -185,15 +185,15 @@ class Router:
         A failure before any output is retried on a fresh decision without the instance
         that failed (`RetryPolicy.max_retries`); one after output began is migrated
         (`Dispatch.next`). An instance that could not even be connected to is ejected.
-        `openai` (the client's body, for engines whose own OpenAI server answers) travels
-        with every attempt; one that must run on one engine (`OpenAIBody.one_engine`) has
+        `client_body` (the client's body, for engines whose own OpenAI server answers) travels
+        with every attempt; one that must run on one engine (`ClientBody.one_engine`) has
         its decode compute the prompt too.
 
         Raises:
             NoInstanceAvailable: nowhere to run the request.
             EngineError: the request failed on an engine and could not be retried.
         """
-        routed = Dispatch(self, rid, tuple(input_ids), sampling, stream, openai)
+        routed = Dispatch(self, rid, tuple(input_ids), sampling, stream, client_body)
         try:
             await routed.start()
         except BaseException:  # cancelled too: the calls are aborted
@@ -299,12 +299,12 @@ class Dispatch:
         input_ids: tuple[int, ...],
         sampling: SamplingParams,
         stream: bool,
-        openai: OpenAIBody | None = None,
+        client_body: ClientBody | None = None,
     ) -> None:
         self.router, self.rid, self.input_ids = router, rid, input_ids
-        self.sampling, self.stream, self.openai = sampling, stream, openai
-        self._one_engine = openai is not None and openai.one_engine() is not None
-        self._resumable = openai is None and sampling.resumable
+        self.sampling, self.stream, self.client_body = sampling, stream, client_body
+        self._one_engine = client_body is not None and client_body.one_engine() is not None
+        self._resumable = client_body is None and sampling.resumable
         """Whether a cut stream may migrate: another engine continues it exactly from the
         prompt plus the output so far (not an engine's own answer, whose parsers and
         grammars hold state the gateway cannot hand over, nor output-counting penalties
@@ -382,7 +382,9 @@ class Dispatch:
         bootstrap = None if prefill is decode else router.bootstrap(prefill)
         rid = self.rid if not self._attempts else f"{self.rid}-{self._attempts}"
         self._attempts += 1
-        request = GenerateRequest(rid, ids, sampling, self.stream, bootstrap, openai=self.openai)
+        request = GenerateRequest(
+            rid, ids, sampling, self.stream, bootstrap, client_body=self.client_body
+        )
         pull = prefill is not decode and decision.prefix_source is not None and not self._no_pull
         prefill_request = None
         if pull:

@@ -1,16 +1,23 @@
 """OpenAI-style errors: one exception type, one JSON shape on the wire, for every HTTP server
 in the project (the gateway, the reference engine, the null server).
 
-The body is `{"error": {"message", "type", "param", "code"}}` with the matching status. Code
-that serves HTTP raises `APIError` (or `InvalidRequest`, a 400 that is also a `ValueError`)
-and renders its `encode()`, so no traceback ever reaches a client.
+The body is `{"error": {"message", "type", "param", "code"}}` with the matching status, or,
+on Anthropic's routes (`/v1/messages`), Anthropic's `{"type": "error", "error": {"type",
+"message"}}` (`Dialect`). Code that serves HTTP raises `APIError` (or `InvalidRequest`, a 400
+that is also a `ValueError`) and renders its `encode()`, so no traceback ever reaches a client.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Literal
 
 import orjson
+
+Dialect = Literal["openai", "anthropic"]
+"""Whose error body a route answers with."""
+ANTHROPIC_PATHS = "/v1/messages"
+"""The prefix of Anthropic's routes."""
 
 _TYPES: dict[int, str] = {
     400: "invalid_request_error",
@@ -30,6 +37,19 @@ _TYPES: dict[int, str] = {
     503: "service_unavailable",
     504: "engine_timeout",
 }
+
+_ANTHROPIC_TYPES: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+"""Anthropic's error types by status (any other 4xx is `invalid_request_error`, any other
+5xx `api_error`)."""
 
 # The codes of errors the HTTP servers raise themselves (framing, limits, timeouts, crashes).
 _SERVER_CODES = {
@@ -68,8 +88,12 @@ class APIError(Exception):
     def type(self) -> str:
         return _TYPES.get(self.status, "api_error")
 
-    def body(self) -> dict[str, object]:
-        """The OpenAI error object."""
+    def body(self, dialect: Dialect = "openai") -> dict[str, object]:
+        """The error object: OpenAI's, or Anthropic's (which has no param or code)."""
+        if dialect == "anthropic":
+            fallback = "invalid_request_error" if self.status < 500 else "api_error"
+            kind = _ANTHROPIC_TYPES.get(self.status, fallback)
+            return {"type": "error", "error": {"type": kind, "message": self.message}}
         return {
             "error": {
                 "message": self.message,
@@ -79,9 +103,14 @@ class APIError(Exception):
             }
         }
 
-    def encode(self) -> bytes:
+    def encode(self, dialect: Dialect = "openai") -> bytes:
         """The JSON body."""
-        return orjson.dumps(self.body())
+        return orjson.dumps(self.body(dialect))
+
+
+def dialect_of(path: str) -> Dialect:
+    """The error dialect of the route at `path`."""
+    return "anthropic" if path.startswith(ANTHROPIC_PATHS) else "openai"
 
 
 class InvalidRequest(APIError, ValueError):

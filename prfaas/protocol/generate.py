@@ -16,8 +16,8 @@ from typing import Any
 
 import orjson
 
+from prfaas.protocol.client_body import ClientBody
 from prfaas.protocol.errors import InvalidRequest
-from prfaas.protocol.openai_body import OpenAIBody
 
 DEFAULT_MAX_NEW_TOKENS = 128
 MAX_ROOM = 2**64 - 1
@@ -224,8 +224,8 @@ class Bootstrap:
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    """One request to an engine: a `/generate` call, or, with `openai`, the client's OpenAI
-    body for the engine's own OpenAI server (the engine client renders its engine's body
+    """One request to an engine: a `/generate` call, or, with `client_body`, the client's
+    body for the engine's own API route (the engine client renders its engine's body
     from it). In SGLang's PD protocol the same request (one bootstrap room) goes to the
     prefill and the decode instance at once. `input_ids` are the routing ids either way."""
 
@@ -242,8 +242,8 @@ class GenerateRequest:
     """With `prefix_pull`: the prefix's length as the gateway's KV index has it at the source
     (vLLM engines allocate blocks for it before the transfer begins; reference engines take
     whatever arrives). Not part of `/generate` bodies."""
-    openai: OpenAIBody | None = None
-    """The client's OpenAI body, when the engine's own OpenAI server answers it."""
+    client_body: ClientBody | None = None
+    """The client's body, when the engine's own API route answers it."""
 
     @cached_property
     def body(self) -> bytes:
@@ -369,9 +369,12 @@ class GenerateChunk:
     cached_tokens: int = 0
     finish_reason: str | None = None
     raw: bytes | None = None
-    """An OpenAI engine's own answer (a whole JSON body, or one SSE event's data), relayed
-    to the client as written; empty for an event only the gateway's accounting asked for
-    (not relayed)."""
+    """An engine's own API answer (a whole JSON body, or one SSE event's data), relayed to
+    the client as written; empty for an event only the gateway's accounting asked for (not
+    relayed)."""
+    event: str | None = None
+    """The SSE event name of a relayed event, for the APIs whose streams name their events
+    (Anthropic Messages, OpenAI Responses)."""
 
 
 def answer(

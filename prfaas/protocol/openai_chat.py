@@ -18,7 +18,10 @@ import orjson
 from prfaas.common.tokenizer import ChatPrompt
 from prfaas.protocol.errors import invalid
 
-TEXT_PARTS = ("text", "input_text")
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+"""Text part types, and the key that holds each one's text."""
+SKIPPED_EMPTY = ("text", "refusal")
+"""Part types skipped when their text is missing (vLLM logs and skips them)."""
 KEPT_KEYS = ("tool_calls", "tool_call_id", "name", "reasoning", "reasoning_content")
 """Message keys a template may read besides role and content (vLLM passes them on)."""
 
@@ -130,17 +133,18 @@ def _message(m: Any, i: int) -> dict[str, Any]:
 
 
 def _content(value: Any, i: int) -> str:
-    """A message's content as one string: vLLM's "string" content format."""
+    """A message's content as one string: vLLM's "string" content format (the texts of its
+    text parts joined by newlines; a text or refusal part without one is skipped)."""
     if value is None:
         return ""
     if isinstance(value, str):
         return value
-    if isinstance(value, list):
-        texts = [
-            p.get("text") for p in value if isinstance(p, dict) and p.get("type") in TEXT_PARTS
-        ]
-        if len(texts) == len(value) and all(isinstance(t, str) for t in texts):
-            return "\n".join(str(t) for t in texts)
+    if isinstance(value, list) and all(isinstance(p, dict) for p in value):
+        texts = [p.get(TEXT_PARTS.get(p.get("type"), "")) for p in value]
+        kept = [t for t, p in zip(texts, value, strict=True)
+                if t is not None or p.get("type") not in SKIPPED_EMPTY]  # fmt: skip
+        if all(isinstance(t, str) for t in kept):
+            return "\n".join(str(t) for t in kept)
     raise invalid(f"'messages[{i}].content' must be a string or a list of text parts", "messages")
 
 

@@ -3,7 +3,7 @@ parser of the gateway, the reference engine's own OpenAI route and the null serv
 
 Two modes, by who answers the request (`OpenAIMode`):
 - `forward` (vLLM engines): the engine's own OpenAI server answers, so the client's body
-  travels whole (`OpenAIBody`). Only what the gateway itself reads is checked here (model,
+  travels whole (`ClientBody`). Only what the gateway itself reads is checked here (model,
   stream options, max tokens, the prompt or messages it tokenizes to route, the context);
   every other field is the engine's to honour or refuse.
 - `generate` (reference engines and SGLang servers, which serve both SGLang's `/generate`
@@ -26,14 +26,15 @@ from typing import Any, Literal
 import orjson
 
 from prfaas.common.tokenizer import Tokenizer, chat_ids
+from prfaas.protocol.client_body import Api, ClientBody
 from prfaas.protocol.errors import APIError, invalid
 from prfaas.protocol.generate import SamplingParams, logit_bias
-from prfaas.protocol.openai_body import Api, OpenAIBody
 from prfaas.protocol.openai_chat import chat_prompt
 
 __all__ = [
-    "Api", "CompletionCall", "ModelLimits", "OpenAIMode", "generate_gap", "load_json",
-    "parse_call", "parse_sampling",
+    "Api", "CompletionCall", "ModelLimits", "OpenAIMode", "chat_body_ids", "check_context",
+    "generate_gap",
+    "load_json", "parse_call", "parse_sampling", "typed",
 ]  # fmt: skip
 OpenAIMode = Literal["forward", "generate"]
 GENERATE_FIELDS = frozenset({
@@ -85,7 +86,7 @@ class CompletionCall:
     (the engine reads the body)."""
     stream: bool
     include_usage: bool
-    body: OpenAIBody | None = None
+    body: ClientBody | None = None
     """`forward` mode: the client's body, for the engine's own OpenAI server."""
 
 
@@ -106,7 +107,9 @@ def load_json(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def _typed(body: dict[str, Any], key: str, kinds: tuple[type, ...], what: str) -> Any:
+def typed(body: dict[str, Any], key: str, kinds: tuple[type, ...], what: str) -> Any:
+    """`body[key]`: None when absent, else one of `kinds` (a boolean only where `bool` is
+    one of them). Raises APIError(400) naming `key` for anything else."""
     value = body.get(key)
     if value is None:
         return None
@@ -116,7 +119,7 @@ def _typed(body: dict[str, Any], key: str, kinds: tuple[type, ...], what: str) -
 
 
 def _number(body: dict[str, Any], key: str, lo: float, hi: float, default: float) -> float:
-    value = _typed(body, key, (int, float), "a number")
+    value = typed(body, key, (int, float), "a number")
     if value is None:
         return default
     if not (math.isfinite(value) and lo <= value <= hi):
@@ -138,7 +141,7 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
 
 def _max_tokens(body: dict[str, Any]) -> int:
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    value = _typed(body, key, (int,), "an integer")
+    value = typed(body, key, (int,), "an integer")
     if value is None:
         return DEFAULT_MAX_TOKENS
     if value < 1:
@@ -179,13 +182,13 @@ def generate_gap(body: dict[str, Any]) -> str | None:
 def parse_sampling(body: dict[str, Any]) -> SamplingParams:
     """Sampling parameters from an OpenAI body (extensions: `top_k`, `min_p`,
     `ignore_eos`, `repetition_penalty`, `stop_token_ids`, `min_tokens`)."""
-    top_k = _typed(body, "top_k", (int,), "an integer")
+    top_k = typed(body, "top_k", (int,), "an integer")
     if top_k is not None and (top_k == 0 or top_k < -1):
         raise invalid(f"'top_k' must be -1 or >= 1, got {top_k}", "top_k")
     top_p = _number(body, "top_p", 0.0, 1.0, 1.0)
     if top_p == 0:
         raise invalid("'top_p' must be > 0, got 0", "top_p")
-    seed = _typed(body, "seed", (int,), "an integer")
+    seed = typed(body, "seed", (int,), "an integer")
     return SamplingParams(
         max_new_tokens=_max_tokens(body),
         temperature=_number(body, "temperature", 0.0, 2.0, 1.0),
@@ -193,10 +196,10 @@ def parse_sampling(body: dict[str, Any]) -> SamplingParams:
         top_k=-1 if top_k is None else top_k,
         min_p=_number(body, "min_p", 0.0, 1.0, 0.0),
         stop=_stop(body),
-        ignore_eos=bool(_typed(body, "ignore_eos", (bool,), "a boolean")),
+        ignore_eos=bool(typed(body, "ignore_eos", (bool,), "a boolean")),
         seed=seed,
         stop_token_ids=_token_ids(body, "stop_token_ids"),
-        min_new_tokens=_typed(body, "min_tokens", (int,), "an integer") or 0,
+        min_new_tokens=typed(body, "min_tokens", (int,), "an integer") or 0,
         repetition_penalty=_number(body, "repetition_penalty", 1e-6, 1e6, 1.0),
         frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0, 0.0),
         presence_penalty=_number(body, "presence_penalty", -2.0, 2.0, 0.0),
@@ -237,9 +240,9 @@ def _prompt_ids(
 
 
 def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
-    stream = bool(_typed(body, "stream", (bool,), "a boolean"))
-    options = _typed(body, "stream_options", (dict,), "an object") or {}
-    usage = _typed(options, "include_usage", (bool,), "a boolean")
+    stream = bool(typed(body, "stream", (bool,), "a boolean"))
+    options = typed(body, "stream_options", (dict,), "an object") or {}
+    usage = typed(options, "include_usage", (bool,), "a boolean")
     return stream, bool(usage)
 
 
@@ -276,17 +279,18 @@ def parse_call(
     sampling = SamplingParams(max_new_tokens=_max_tokens(body)) if forward else parse_sampling(body)
     stream, usage = _stream(body)
     if api == "chat":
-        ids = _tokenize_chat(tokenizer, body)
+        ids = chat_body_ids(tokenizer, body)
     else:
         ids = _prompt_ids(body, tokenizer, limits.vocab_size, batch=forward)
     # vLLM's default max tokens is whatever the context leaves: one must fit
     asked = body.get("max_completion_tokens", body.get("max_tokens")) is not None
     check_context(len(ids), sampling.max_new_tokens if asked or not forward else 1, limits)
-    forwarded = OpenAIBody(api, body) if forward else None
+    forwarded = ClientBody(api, body) if forward else None
     return CompletionCall(api, model, tuple(ids), sampling, stream, usage, forwarded)
 
 
-def _tokenize_chat(tokenizer: Tokenizer, body: dict[str, Any]) -> list[int]:
+def chat_body_ids(tokenizer: Tokenizer, body: dict[str, Any]) -> list[int]:
+    """The prompt ids of a chat body (the engine's rendering). Raises APIError(400)."""
     prompt = chat_prompt(body, template=tokenizer.chat_template)
     try:
         return chat_ids(tokenizer, prompt)

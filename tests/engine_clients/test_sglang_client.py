@@ -14,8 +14,8 @@ from aiohttp import web
 
 from prfaas.engine_clients.base import EngineError, collect
 from prfaas.engine_clients.sglang import SGLangClient, SGLangClientConfig
+from prfaas.protocol.client_body import ClientBody
 from prfaas.protocol.generate import GenerateRequest, SamplingParams
-from prfaas.protocol.openai_body import OpenAIBody
 
 
 class _Engine:
@@ -166,7 +166,7 @@ async def test_an_sglang_server_client_refuses_by_name_what_sglang_would_ignore(
     reference engine's client forwards it: that engine refuses by name itself)."""
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
             "structured_outputs": {"regex": "a+"}}  # fmt: skip
-    request = GenerateRequest("r", (1, 2), openai=OpenAIBody("chat", body))
+    request = GenerateRequest("r", (1, 2), client_body=ClientBody("chat", body))
     async with aiohttp.ClientSession() as session:
         client = SGLangClient("s", "http://127.0.0.1:9", session, sglang_server=True)
         with pytest.raises(EngineError) as err:

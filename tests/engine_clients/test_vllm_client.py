@@ -18,11 +18,11 @@ from prfaas.engine_clients.vllm import (
     VLLMClient,
     VLLMEndpoint,
     completion_body,
+    engine_body,
     export_body,
-    openai_body,
 )
+from prfaas.protocol.client_body import ClientBody
 from prfaas.protocol.generate import Bootstrap, GenerateRequest, SamplingParams
-from prfaas.protocol.openai_body import OpenAIBody
 
 PREFILL = VLLMEndpoint("http://127.0.0.1:1", "prefill", "tiny", "10.0.0.5", 8998)
 DECODE = VLLMEndpoint("http://127.0.0.1:2", "decode", "tiny")
@@ -102,9 +102,9 @@ def test_a_forwarded_body_reaches_the_decode_whole_and_the_prefill_as_a_prompt()
     with `tool_choice` none, template kwargs, cache salt) for one unstreamed token without
     grammar, several choices or log-probabilities."""
     boot = Bootstrap("10.0.0.5", 8998, 42)
-    forwarded = OpenAIBody("chat", CLIENT_BODY)
-    request = GenerateRequest("r1", (1, 2, 3), SamplingParams(), True, boot, openai=forwarded)
-    dec, pre = openai_body(request, DECODE), openai_body(request, PREFILL)
+    forwarded = ClientBody("chat", CLIENT_BODY)
+    request = GenerateRequest("r1", (1, 2, 3), SamplingParams(), True, boot, client_body=forwarded)
+    dec, pre = engine_body(request, DECODE), engine_body(request, PREFILL)
     assert {k: v for k, v in dec.items() if k not in ("kv_transfer_params", "stream_options")} == (
         CLIENT_BODY
     )
@@ -138,8 +138,8 @@ async def test_forwarded_answers_are_relayed_as_written(client: VLLMClient) -> N
 
 
 def _forwarded(fields: dict[str, object]) -> GenerateRequest:
-    body = OpenAIBody("completions", {"model": "tiny", **fields})
-    return GenerateRequest("f", (1,), SamplingParams(), body.stream, openai=body)
+    body = ClientBody("completions", {"model": "tiny", **fields})
+    return GenerateRequest("f", (1,), SamplingParams(), body.stream, client_body=body)
 
 
 async def test_streamed_and_whole_answers_become_chunks(client: VLLMClient) -> None:
@@ -174,8 +174,8 @@ def test_a_prefix_pull_goes_to_the_prefill_only_and_the_export_is_its_prefix() -
             "prefix_pull": {"host": "10.0.0.9", "port": 7000, "room": 43, "tokens": 4}}  # fmt: skip
     assert completion_body(request, PREFILL)["kv_transfer_params"] == want
     assert "prefix_pull" not in completion_body(request, DECODE)["kv_transfer_params"]
-    forwarded = replace(request, openai=OpenAIBody("chat", CLIENT_BODY))
-    assert openai_body(forwarded, PREFILL)["kv_transfer_params"] == want
+    forwarded = replace(request, client_body=ClientBody("chat", CLIENT_BODY))
+    assert engine_body(forwarded, PREFILL)["kv_transfer_params"] == want
     assert export_body(request.input_ids, 43, 4, "tiny") == {
         "model": "tiny", "prompt": [1, 2, 3, 4, 5], "max_tokens": 1, "temperature": 0,
         "stream": False, "kv_transfer_params": {"do_remote_decode": True, "room": 43},

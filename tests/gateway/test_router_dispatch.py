@@ -24,8 +24,8 @@ from prfaas.gateway.instances import InstanceManager, InstanceState
 from prfaas.gateway.kv_index import KVIndexManager
 from prfaas.gateway.router import Dispatch, RetryPolicy, Router, RoutingState
 from prfaas.policies.routing import PrfaasPolicy
+from prfaas.protocol.client_body import ClientBody
 from prfaas.protocol.generate import GenerateChunk, GenerateRequest, SamplingParams
-from prfaas.protocol.openai_body import OpenAIBody
 
 
 class _Call(QueuedCall):
@@ -175,12 +175,12 @@ async def test_a_forwarded_request_is_never_migrated() -> None:
     continues exactly."""
     router, prefill, decode = _router()
     router.retry = RetryPolicy(wait_s=5)
-    body = OpenAIBody("chat", {"model": "tiny", "messages": [], "tools": [{}]})
+    body = ClientBody("chat", {"model": "tiny", "messages": [], "tools": [{}]})
     task = asyncio.ensure_future(
-        router.dispatch("r", tuple(range(64)), SamplingParams(), stream=True, openai=body)
+        router.dispatch("r", tuple(range(64)), SamplingParams(), stream=True, client_body=body)
     )
     await asyncio.sleep(0)
-    assert decode.requests[0].openai is body and prefill.requests[0].openai is body
+    assert decode.requests[0].client_body is body and prefill.requests[0].client_body is body
     decode.calls[0].push(GenerateChunk((), "", 64, 1, 0, raw=b"{}"))
     prefill.calls[0].finish()
     routed = await task
@@ -220,9 +220,9 @@ async def test_several_sequences_run_on_the_decode_alone() -> None:
     """`n > 1` (or prompt log-probabilities): the decode computes the prompt itself; no
     prefill call, no bootstrap."""
     router, prefill, decode = _router()
-    body = OpenAIBody("completions", {"model": "tiny", "prompt": "x", "n": 2})
+    body = ClientBody("completions", {"model": "tiny", "prompt": "x", "n": 2})
     task = asyncio.ensure_future(
-        router.dispatch("r", tuple(range(64)), SamplingParams(), stream=False, openai=body)
+        router.dispatch("r", tuple(range(64)), SamplingParams(), stream=False, client_body=body)
     )
     await asyncio.sleep(0)
     assert not prefill.calls and decode.requests[0].bootstrap is None

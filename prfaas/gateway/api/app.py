@@ -1,15 +1,20 @@
-"""The gateway's HTTP application on `HttpServer`: OpenAI API, health, metrics, admin state.
+"""The gateway's HTTP application on `HttpServer`: the OpenAI and Anthropic APIs, health,
+metrics, admin state.
 
-Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, the engine
-server's utility routes (`utility_routes.py`: `/tokenize`, `/detokenize`, `/version`,
-`/ping`), `GET /health`,
-`GET /metrics` (Prometheus text), `GET /admin/state`, `POST /admin/state` (set `threshold`
-and/or `regime`: with schedulers running this pins them until `{"scheduler": "auto"}`),
-`GET /dashboard` (the live page and its script and style) and `GET /admin/dashboard` (the
-data it polls); `HEAD` wherever `GET` is. Unknown paths get a JSON 404, known paths with
-another method a JSON 405 with `Allow`. `GatewayApp` owns the one engine `ClientSession`, the
-`Gateway` and the server: `start` brings them up in that order, `stop` takes them down in
-reverse, so every background task stops with the app.
+Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/messages` (Anthropic),
+`POST /v1/responses` (OpenAI Responses) with `GET|DELETE /v1/responses/{id}` and `POST
+/v1/responses/{id}/cancel` (`responses_routes.py`), `GET /v1/models`, the engine server's
+utility routes (`utility_routes.py`: `/tokenize`, `/detokenize`, `/version`, `/ping`,
+`POST /v1/messages/count_tokens`), `GET /openapi.json` (what is served, `openapi.py`), `GET
+/health`, `GET /metrics` (Prometheus text), `GET /admin/state`, `POST /admin/state` (set
+`threshold` and/or `regime`: with schedulers running this pins them until `{"scheduler":
+"auto"}`), `GET /dashboard` (the live page and its script and style) and `GET
+/admin/dashboard` (the data it polls); `HEAD` wherever `GET` is. Unknown paths get a JSON
+404, known paths with another method a JSON 405 with `Allow`. Every error is a JSON body
+in the route's own dialect: Anthropic's under `/v1/messages`, OpenAI's elsewhere.
+`GatewayApp` owns the one engine `ClientSession`, the `Gateway` and the server: `start`
+brings them up in that order, `stop` takes them down in reverse, so every background task
+stops with the app.
 
 Who may call what: clients' API keys (`api_keys`) open the OpenAI routes; `/admin/*` takes
 only an operator key (`admin_keys`, never a client's). Without operator keys the `GET`
@@ -31,14 +36,15 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from prfaas.common.secret import DeploymentSecret, token_matches
+from prfaas.gateway.api import responses_routes
 from prfaas.gateway.api.assembly import Gateway, build_gateway
 from prfaas.gateway.api.dashboard import DASHBOARD_PAGES, since_query
-from prfaas.gateway.api.utility_routes import detokenize, ping, tokenize, version
+from prfaas.gateway.api.utility_routes import count_tokens, detokenize, ping, tokenize, version
 from prfaas.gateway.deployment import DeploymentConfig
 from prfaas.http.messages import Exchange, HttpRequest, HttpResponse
 from prfaas.http.server import HttpLimits, HttpServer
 from prfaas.policies.profile import DeploymentProfile
-from prfaas.protocol.errors import APIError, invalid
+from prfaas.protocol.errors import APIError, dialect_of, invalid
 from prfaas.protocol.openai_request import ModelLimits, load_json, max_body_bytes
 
 SESSION_LIMIT = 0  # no cap on pooled connections: admission bounds concurrency
@@ -49,9 +55,9 @@ def _json(obj: object, status: int = 200) -> HttpResponse:
     return HttpResponse(status, orjson.dumps(obj))
 
 
-def error_response(exc: APIError) -> HttpResponse:
-    """An `APIError` as its HTTP response."""
-    return HttpResponse(exc.status, exc.encode(), headers=exc.headers)
+def error_response(exc: APIError, path: str = "") -> HttpResponse:
+    """An `APIError` as its HTTP response, in the dialect of the route at `path`."""
+    return HttpResponse(exc.status, exc.encode(dialect_of(path)), headers=exc.headers)
 
 
 def server_error(status: int, message: str) -> HttpResponse:
@@ -65,6 +71,14 @@ async def completions(gw: Gateway, request: HttpRequest, exchange: Exchange) -> 
 
 async def chat(gw: Gateway, request: HttpRequest, exchange: Exchange) -> HttpResponse | None:
     return await gw.service.handle(request, exchange, "chat")
+
+
+async def messages(gw: Gateway, request: HttpRequest, exchange: Exchange) -> HttpResponse | None:
+    return await gw.service.handle(request, exchange, "messages")
+
+
+async def responses(gw: Gateway, request: HttpRequest, exchange: Exchange) -> HttpResponse | None:
+    return await gw.service.handle(request, exchange, "responses")
 
 
 async def models(gw: Gateway, request: HttpRequest, exchange: Exchange) -> HttpResponse:
@@ -175,6 +189,9 @@ async def dashboard_data(gw: Gateway, request: HttpRequest, exchange: Exchange) 
 ROUTES: dict[str, dict[str, Route]] = {
     "/v1/completions": {"POST": completions},
     "/v1/chat/completions": {"POST": chat},
+    "/v1/messages": {"POST": messages},
+    "/v1/messages/count_tokens": {"POST": count_tokens},
+    "/v1/responses": {"POST": responses},
     "/v1/models": {"GET": models},
     "/tokenize": {"POST": tokenize},
     "/detokenize": {"POST": detokenize},
@@ -186,6 +203,19 @@ ROUTES: dict[str, dict[str, Route]] = {
     "/admin/dashboard": {"GET": dashboard_data},
     **{path: {"GET": page} for path, page in DASHBOARD_PAGES.items()},
 }
+RESPONSE_ROUTES: dict[str, dict[str, Route]] = {
+    "": {"GET": responses_routes.retrieve, "DELETE": responses_routes.delete},
+    "cancel": {"POST": responses_routes.cancel},
+}
+"""`/v1/responses/{id}` and `/v1/responses/{id}/cancel`, by action."""
+
+
+def routes_of(path: str) -> dict[str, Route] | None:
+    """The handlers by method at `path` (None: no route)."""
+    methods = ROUTES.get(path)
+    if methods is None and (found := responses_routes.response_path(path)) is not None:
+        methods = RESPONSE_ROUTES[found[1]]
+    return methods
 
 
 class GatewayApp:
@@ -288,10 +318,11 @@ class GatewayApp:
 
     async def dispatch(self, request: HttpRequest, exchange: Exchange) -> HttpResponse | None:
         """Route one request; `APIError` becomes its JSON response."""
-        methods = ROUTES.get(request.path)
+        path = request.path
+        methods = routes_of(path)
         if methods is None:
             return error_response(
-                APIError(404, f"no route {request.method} {request.path}", code="not_found")
+                APIError(404, f"no route {request.method} {path}", code="not_found"), path
             )
         handler = methods.get(request.method)
         if handler is None and request.method == "HEAD":
@@ -301,14 +332,15 @@ class GatewayApp:
             return error_response(
                 APIError(
                     405,
-                    f"method {request.method} not allowed on {request.path}",
+                    f"method {request.method} not allowed on {path}",
                     code="method_not_allowed",
                     headers={"Allow": allow},
-                )
+                ),
+                path,
             )
         try:
             return await handler(self.gateway, request, exchange)
         except APIError as exc:
             if exchange.stream is not None:
                 raise  # too late for a status: the server cuts the response
-            return error_response(exc)
+            return error_response(exc, path)

@@ -33,6 +33,7 @@ from prfaas.gateway.instances import InstanceManager, InstanceState
 from prfaas.gateway.kv_feed import KVEventFeed
 from prfaas.gateway.kv_index import KVIndexManager
 from prfaas.gateway.link import EgressMonitor
+from prfaas.gateway.responses.service import ResponsesService, create_store
 from prfaas.gateway.router import RetryPolicy, Router, RoutingState
 from prfaas.gateway.scheduling.decisions import SchedulerCounters
 from prfaas.gateway.scheduling.scheduler import Scheduler
@@ -112,6 +113,8 @@ class Gateway:
         await self.router.cancel_exports()
         for state in self.instances:
             await state.client.close()
+        if self.service.responses is not None:
+            await self.service.responses.close()
 
     async def relocate(
         self,
@@ -337,6 +340,9 @@ def build_gateway(
         admission=AdmissionManager(max_running=g.max_running, max_queued=g.max_queued),
         metrics=metrics,
         api_keys=frozenset(g.api_keys),
+        responses=ResponsesService(
+            create_store(config.responses), metrics.response_store_errors.inc
+        ),
         retry_after_s=g.retry_after_s,
         mode=openai_mode(config),
     )
@@ -367,6 +373,10 @@ def build_gateway(
         gateway.scheduler = Scheduler(sched, chosen, router, instances, counters)
         metrics.add_gauges(gateway.scheduler.gauges)
         gateway.scheduler.board.listeners.append(_dashboard_reporter(gateway))
+    if config.coordination is not None and not config.responses.shared:
+        logger.warning("[coordination] with the memory response store: a Responses follow-up "
+                       "that reaches another replica is answered 404 (share a Redis store: "
+                       "[responses] store = \"redis://...\")")  # fmt: skip
     if config.coordination is not None:
         if gateway.scheduler is None:
             logger.warning("[coordination] without a scheduler: this replica runs alone")

@@ -1,17 +1,21 @@
-"""The OpenAI completion handlers: authenticate, parse, admit, route, relay (SSE or JSON).
+"""The generation handlers of every API (OpenAI completions and chat, Anthropic Messages,
+OpenAI Responses): authenticate, parse, admit, route, relay (SSE or JSON).
 
 The routing itself lives in `Router` (no HTTP there); this module only adapts HTTP to it
 and keeps the metrics. A client that disconnects cancels the handler, which closes the
 Router's stream and so aborts the request on both the prefill and the decode engine. So does
-the end of the gateway's drain (`GatewayApp.stop`): a stream still running then ends with an
-OpenAI error event (`shutting_down`) and, like every stream that fails, no `[DONE]`; a
-whole answer not ready gets the HTTP server's 503.
+the end of the gateway's drain (`GatewayApp.stop`): a stream still running then ends with the
+API's error event (`shutting_down`) and, like every stream that fails, without the API's end
+(`[DONE]`, `message_stop`, `response.completed`); a whole answer not ready gets the HTTP
+server's 503.
 
-A forwarded request (every request in `forward` mode, for vLLM engines; in `generate` mode,
-one that `/generate` cannot express) goes to the engines whole and their answer comes back as
-they wrote it: each event (or the whole body) unchanged, the engine's refusal with its own
-status and body; the metrics read the answer's usage. Any other request's answer is rendered
-here from the engine's `/generate` output.
+A forwarded request (every Messages and Responses request; every request in `forward` mode,
+for vLLM engines; in `generate` mode, one that `/generate` cannot express) goes to the
+engines whole and their answer comes back as they wrote it: each event (or the whole body)
+unchanged, the engine's refusal with its own status and body; the metrics read the answer's
+usage. A Responses answer also has the `previous_response_id` the client gave, and is stored
+before the client has it all (`prfaas.gateway.responses`). Any other request's answer is
+rendered here from the engine's `/generate` output.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import orjson
 
@@ -30,9 +35,12 @@ from prfaas.engine_clients.base import EngineError
 from prfaas.gateway.admission import AdmissionManager, QueueFull
 from prfaas.gateway.api.activity import ActivityRecorder, FinishedRequest
 from prfaas.gateway.api.metrics import GatewayMetrics
+from prfaas.gateway.responses.service import ResponsesService
+from prfaas.gateway.responses.turn import ResponseTurn
 from prfaas.gateway.router import Dispatch, Router
 from prfaas.http.messages import Exchange, HttpRequest, HttpResponse
 from prfaas.policies.routing import NoInstanceAvailable, RouteDecision
+from prfaas.protocol import anthropic_messages, openai_responses, sse
 from prfaas.protocol.errors import APIError
 from prfaas.protocol.openai_request import (
     Api,
@@ -45,10 +53,12 @@ from prfaas.protocol.openai_request import (
 from prfaas.protocol.openai_response import Accumulator
 
 SSE_HEADERS = {"Cache-Control": "no-cache"}
-STOPPED = "the gateway stopped before the answer was complete; retry"
-STOPPED_EVENT = b"data: " + APIError(503, STOPPED, code="shutting_down").encode() + b"\n\n"
-"""A stream still running at the end of the gateway's drain ends with this error event
+STOPPED = APIError(503, "the gateway stopped before the answer was complete; retry",
+                   code="shutting_down")  # fmt: skip
+"""A stream still running at the end of the gateway's drain ends with this error's event
 (written by the HTTP server: `Exchange.start_stream`'s `cut_tail`)."""
+RID_PREFIXES: dict[Api, str] = {"completions": "cmpl", "chat": "chatcmpl", "messages": "msg",
+                                "responses": "resp"}  # fmt: skip
 PARSE_IN_THREAD_BYTES = 64 * 1024
 """Bodies larger than this are parsed and tokenized on a worker thread, so a burst of big
 bodies cannot hold the event loop (and `/health`) for long."""
@@ -81,6 +91,8 @@ class CompletionService:
     metrics: GatewayMetrics
     activity: ActivityRecorder | None = None
     """Where finished requests are booked for the dashboard."""
+    responses: ResponsesService | None = None
+    """The Responses API's stored state (None: `/v1/responses` is not served)."""
     api_keys: frozenset[str] = frozenset()
     retry_after_s: int = 1
     mode: OpenAIMode = "generate"
@@ -89,11 +101,14 @@ class CompletionService:
     clock: Callable[[], float] = field(default=lambda: asyncio.get_running_loop().time())
 
     def check_auth(self, request: HttpRequest) -> None:
-        """Raises APIError(401) unless API keys are off or the bearer key is one of them."""
+        """Raises APIError(401) unless API keys are off or the request carries one of them:
+        as a bearer key (OpenAI's clients), or in `x-api-key` (Anthropic's)."""
         if not self.api_keys:
             return
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or key.strip() not in self.api_keys:
+        if scheme.lower() == "bearer" and key.strip() in self.api_keys:
+            return
+        if request.headers.get("x-api-key", "").strip() not in self.api_keys:
             raise APIError(401, "invalid or missing API key", code="invalid_api_key")
 
     async def handle(
@@ -143,14 +158,19 @@ class CompletionService:
         self, request: HttpRequest, exchange: Exchange, api: Api, timing: _Timing
     ) -> HttpResponse | None:
         self.check_auth(request)
-        if len(request.body) > PARSE_IN_THREAD_BYTES:
-            call = await asyncio.to_thread(self._parse, request.body, api)
-        else:
-            call = self._parse(request.body, api)
+        big = len(request.body) > PARSE_IN_THREAD_BYTES
+        body = await asyncio.to_thread(load_json, request.body) if big else load_json(request.body)
+        turn = None
+        if api == "responses":
+            if self.responses is None:
+                raise APIError(404, "the Responses API is not served here", code="not_found")
+            turn = await self.responses.turn(body)
+            body = turn.engine
+        call = await asyncio.to_thread(self._parse, body, api) if big else self._parse(body, api)
         try:
             async with self.admission.slot():
                 timing.prompt_tokens = len(call.input_ids)  # admitted requests only
-                return await self._serve(exchange, call, timing)
+                return await self._serve(exchange, call, timing, turn)
         except QueueFull as exc:
             raise APIError(
                 429,
@@ -159,17 +179,21 @@ class CompletionService:
                 headers={"Retry-After": str(self.retry_after_s)},
             ) from None
 
-    def _parse(self, body: bytes, api: Api) -> CompletionCall:
-        return parse_call(load_json(body), api, self.limits, self.tokenizer, self.mode)
+    def _parse(self, body: dict[str, Any], api: Api) -> CompletionCall:
+        if api == "messages":
+            return anthropic_messages.parse_call(body, self.limits, self.tokenizer)
+        if api == "responses":
+            return openai_responses.parse_call(body, self.limits, self.tokenizer)
+        return parse_call(body, api, self.limits, self.tokenizer, self.mode)
 
     async def _serve(
-        self, exchange: Exchange, call: CompletionCall, timing: _Timing
+        self, exchange: Exchange, call: CompletionCall, timing: _Timing, turn: ResponseTurn | None
     ) -> HttpResponse | None:
-        prefix = "chatcmpl" if call.api == "chat" else "cmpl"
-        acc = Accumulator(call, f"{prefix}-{secrets.token_hex(16)}", int(time.time()))
+        rid = f"{RID_PREFIXES[call.api]}-{secrets.token_hex(16)}"
+        acc = Accumulator(call, rid, int(time.time()))
         try:
             routed = await self.router.dispatch(
-                acc.rid, call.input_ids, call.sampling, stream=call.stream, openai=call.body
+                acc.rid, call.input_ids, call.sampling, stream=call.stream, client_body=call.body
             )
         except NoInstanceAvailable as exc:
             raise APIError(503, str(exc), code="no_instance_available") from None
@@ -185,14 +209,16 @@ class CompletionService:
             timing.stream = call.stream
             acc.index_cached_tokens = routed.decision.cached_tokens
             if call.stream:
-                await self._sse(exchange, acc, routed)
+                await self._sse(exchange, acc, routed, turn)
                 return None
-            return await self._whole(acc, routed)
+            return await self._whole(acc, routed, turn)
         finally:
             timing.output_tokens = acc.last.completion_tokens if acc.last else 0
             routed.close()
 
-    async def _whole(self, acc: Accumulator, routed: Dispatch) -> HttpResponse:
+    async def _whole(
+        self, acc: Accumulator, routed: Dispatch, turn: ResponseTurn | None
+    ) -> HttpResponse:
         """A non-streaming request: the engines answered in one piece, so does the gateway."""
         chunk = routed.first
         try:
@@ -203,12 +229,17 @@ class CompletionService:
             raise _engine_error(exc) from None
         headers = route_headers(routed.decision)
         if acc.call.body is not None and acc.last is not None and acc.last.raw is not None:
-            return HttpResponse(200, acc.last.raw, headers=headers)  # the engine's own answer
+            raw = acc.last.raw if turn is None else await turn.whole(acc.last.raw)
+            return HttpResponse(200, raw, headers=headers)  # the engine's own answer
         return HttpResponse(200, orjson.dumps(acc.final()), headers=headers)
 
-    async def _sse(self, exchange: Exchange, acc: Accumulator, routed: Dispatch) -> None:
+    async def _sse(
+        self, exchange: Exchange, acc: Accumulator, routed: Dispatch, turn: ResponseTurn | None
+    ) -> None:
+        api = acc.call.api
         headers = {**SSE_HEADERS, **route_headers(routed.decision)}
-        resp = exchange.start_stream(200, headers, "text/event-stream", cut_tail=STOPPED_EVENT)
+        resp = exchange.start_stream(200, headers, "text/event-stream",
+                                     cut_tail=sse.error_event(api, STOPPED))  # fmt: skip
         chunk = routed.first
         forwarded = acc.call.body is not None
         try:
@@ -217,16 +248,18 @@ class CompletionService:
                 if not forwarded:
                     await resp.write(_sse(acc.chunk(chunk)))
                 elif chunk.raw:  # the engine's own event, as written
-                    await resp.write(b"data: " + chunk.raw + b"\n\n")
+                    raw = chunk.raw if turn is None else await turn.event(chunk.event, chunk.raw)
+                    await resp.write(sse.frame(api, raw, chunk.event))
                 chunk = await routed.next()
         except EngineError as exc:
-            # Too late for a status: an OpenAI error event, and no `[DONE]`, so a client
-            # that trusts `[DONE]` never takes the cut-off answer for a whole one.
-            await resp.write(_sse(_engine_error(exc).body()))
+            # Too late for a status: the API's error event, and not its end, so a client
+            # that trusts the end never takes the cut-off answer for a whole one.
+            sequence = None if turn is None else turn.events
+            await resp.write(sse.error_event(api, _engine_error(exc), sequence))
         else:
             if acc.call.include_usage and not forwarded:
                 await resp.write(_sse(acc.usage_chunk()))
-            await resp.write(b"data: [DONE]\n\n")
+            await resp.write(sse.end(api))
         await resp.end()
 
 

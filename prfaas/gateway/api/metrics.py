@@ -133,6 +133,11 @@ class GatewayMetrics:
             "Re-dispatches of requests whose decode engine failed mid-stream.",
             registry=reg,
         )
+        self.response_store_errors = Counter(
+            "prfaas_response_store_errors",  # exported as prfaas_response_store_errors_total
+            "Responses API answers the response store could not keep (follow-ups get 404).",
+            registry=reg,
+        )
         self._exported = _WithoutCreated(reg)
 
     def route_event(self, event: RouteEvent) -> None:

@@ -1,10 +1,12 @@
-"""The routes a client of an OpenAI engine server expects besides completions: `POST
-/tokenize`, `POST /detokenize`, `GET /version`, `GET|POST /ping`.
+"""The routes a client of an engine server expects besides generation: `POST /tokenize`,
+`POST /detokenize`, `GET /version`, `GET|POST /ping`, and Anthropic's `POST
+/v1/messages/count_tokens`.
 
-In front of vLLM engines (`forward` mode) `/tokenize`, `/detokenize` and `/version` are
-the engine's own: relayed to a healthy instance (a decode first) as it answers them. Else
-the gateway answers with vLLM's bodies from its own tokenizer and rendering (the one the
-engines share): `{count, max_model_len, tokens, token_strs}`, `{prompt}`, `{version}`.
+In front of vLLM engines (`forward` mode) `/tokenize`, `/detokenize`, `/version` and
+`count_tokens` are the engine's own: relayed to a healthy instance (a decode first) as it
+answers them. Else the gateway answers with vLLM's bodies from its own tokenizer and
+rendering (the one the engines share): `{count, max_model_len, tokens, token_strs}`,
+`{prompt}`, `{version}`, `{input_tokens, context_management}`.
 `/ping` is the gateway's readiness, as vLLM's is its engine's: 200 with an empty body, or
 503.
 """
@@ -21,6 +23,7 @@ from prfaas.engine_clients.base import EngineError
 from prfaas.engine_clients.vllm import VLLMClient
 from prfaas.gateway.api.assembly import Gateway
 from prfaas.http.messages import Exchange, HttpRequest, HttpResponse
+from prfaas.protocol import anthropic_messages
 from prfaas.protocol.errors import APIError, invalid
 from prfaas.protocol.openai_chat import chat_prompt
 from prfaas.protocol.openai_request import load_json
@@ -62,6 +65,17 @@ async def detokenize(gw: Gateway, request: HttpRequest, exchange: Exchange) -> H
     if not isinstance(tokens, list) or not all(type(t) is int and t >= 0 for t in tokens):
         raise invalid("'tokens' must be a list of non-negative integers", "tokens")
     return HttpResponse(200, orjson.dumps({"prompt": gw.service.tokenizer.decode(tokens)}))
+
+
+async def count_tokens(gw: Gateway, request: HttpRequest, exchange: Exchange) -> HttpResponse:
+    gw.service.check_auth(request)
+    if gw.service.mode == "forward":
+        return await _relay(gw, "POST", "/v1/messages/count_tokens", request.body)
+    service = gw.service
+    count = anthropic_messages.count_tokens(load_json(request.body), service.limits,
+                                            service.tokenizer)  # fmt: skip
+    answer = {"input_tokens": count, "context_management": {"original_input_tokens": count}}
+    return HttpResponse(200, orjson.dumps(answer))
 
 
 async def version(gw: Gateway, request: HttpRequest, exchange: Exchange) -> HttpResponse:

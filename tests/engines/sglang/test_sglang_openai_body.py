@@ -19,8 +19,8 @@ from prfaas.engine_clients.sglang import (
     forwarded_body,
     unknown_to_sglang,
 )
+from prfaas.protocol.client_body import ClientBody
 from prfaas.protocol.generate import Bootstrap, GenerateRequest
-from prfaas.protocol.openai_body import OpenAIBody
 
 MODELS: dict[str, Any] = {"chat": ChatCompletionRequest, "completions": CompletionRequest}
 
@@ -42,12 +42,14 @@ def _shapes() -> list[Any]:
 def test_forwarded_bodies_parse_in_sglang_with_every_field(api: str, extra: Any) -> None:
     base = {**GREEDY, "messages": USER} if api == "chat" else {**GREEDY, "prompt": PROMPT}
     body = {**base, **extra, "stream": True}
-    openai = OpenAIBody(api, body)  # type: ignore[arg-type]
+    openai = ClientBody(api, body)  # type: ignore[arg-type]
     unknown = unknown_to_sglang(openai)
     if unknown is not None:  # refused by name by the client: SGLang would ignore it
         assert unknown in extra and unknown not in MODELS[api].model_fields
         return
-    request = GenerateRequest("r", (1, 2), bootstrap=Bootstrap("10.0.0.1", 8998, 42), openai=openai)
+    request = GenerateRequest(
+        "r", (1, 2), bootstrap=Bootstrap("10.0.0.1", 8998, 42), client_body=openai
+    )
     sent = asyncio.run(_body(request))
     if extra.get("temperature") == "hot":  # SGLang's own 400 (the gateway refuses it first)
         with pytest.raises(pydantic.ValidationError, match="temperature"):

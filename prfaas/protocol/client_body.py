@@ -1,5 +1,7 @@
-"""The client's OpenAI request as it arrived: what a `forward`-mode gateway hands the engine's
-own OpenAI server (`prfaas.protocol.openai_request` says which fields the gateway read)."""
+"""The client's request body as it arrived, for an engine's own server to answer: what a
+gateway hands the engine's OpenAI completions or chat route, its Anthropic Messages route or
+its OpenAI Responses route (the parsers in `prfaas.protocol` say which fields the gateway
+read)."""
 
 from __future__ import annotations
 
@@ -7,13 +9,22 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-Api = Literal["completions", "chat"]
-PATHS: dict[Api, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
-"""Each API's route on an OpenAI server."""
+Api = Literal["completions", "chat", "messages", "responses"]
+"""OpenAI completions and chat completions, Anthropic Messages, OpenAI Responses."""
+PATHS: dict[Api, str] = {
+    "completions": "/v1/completions",
+    "chat": "/v1/chat/completions",
+    "messages": "/v1/messages",
+    "responses": "/v1/responses",
+}
+"""Each API's route on an engine's server."""
+EVENT_STREAMS: frozenset[Api] = frozenset({"messages", "responses"})
+"""APIs whose streams name every event (`event: TYPE` before its `data:`) and end without
+`data: [DONE]`."""
 
 
 @dataclass(frozen=True, eq=False)
-class OpenAIBody:
+class ClientBody:
     """One client body, whole (never mutated: engine clients copy what they change)."""
 
     api: Api

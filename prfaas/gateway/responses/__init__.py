@@ -1,0 +1,1 @@
+"""OpenAI Responses state: stored responses and their conversations, kept by the gateway."""

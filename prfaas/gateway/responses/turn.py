@@ -1,0 +1,85 @@
+"""One Responses request through the gateway: the engine's answer made the client's (the
+`previous_response_id` it gave, which the engine never saw) and stored, when asked, before
+the client has it all, so that a follow-up sent the moment the answer ends finds it on any
+replica that shares the store.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+
+from prfaas.gateway.responses.conversation import for_client, stored
+from prfaas.gateway.responses.store import ResponseStore, StoreUnavailable
+from prfaas.protocol.relayed_answer import FINAL_RESPONSE_EVENTS
+
+logger = logging.getLogger(__name__)
+RESPONSE_EVENTS = FINAL_RESPONSE_EVENTS | {"response.created", "response.in_progress",
+                                           "response.queued"}  # fmt: skip
+"""The events that carry the response object."""
+
+
+class ResponseTurn:
+    """The client's body, the body the engine got, and where the answer is stored (None:
+    `store: false`). `on_store_error` hears of an answer the store could not keep (the
+    client still gets it; a follow-up to it is then answered 404)."""
+
+    def __init__(
+        self,
+        client: dict[str, Any],
+        engine: dict[str, Any],
+        store: ResponseStore | None,
+        on_store_error: Callable[[], None] | None = None,
+        overrides: dict[str, Any] | None = None,
+    ) -> None:
+        """`overrides`: fields of the response object the gateway sets (a background
+        response's id and flag)."""
+        self.client, self.engine, self.store = client, engine, store
+        self._on_store_error = on_store_error
+        self._overrides = overrides or {}
+        self._patch = client.get("previous_response_id") is not None or bool(overrides)
+        self.events = 0
+        """Events relayed so far (the next event's `sequence_number`)."""
+        self.response: dict[str, Any] | None = None
+        """The final response object, once it went by."""
+
+    async def whole(self, raw: bytes) -> bytes:
+        """A whole answer (the response object) as the client's, stored first."""
+        return await self._final(raw)
+
+    async def event(self, name: str | None, raw: bytes) -> bytes:
+        """One streamed event as the client's; the final one stored first."""
+        self.events += 1
+        if name in FINAL_RESPONSE_EVENTS:
+            event = orjson.loads(raw)
+            event["response"] = orjson.loads(await self._final(orjson.dumps(event["response"])))
+            return orjson.dumps(event)
+        if self._patch and name in RESPONSE_EVENTS:
+            event = orjson.loads(raw)
+            event["response"] = self._client_object(event["response"])
+            return orjson.dumps(event)
+        return raw
+
+    def _client_object(self, response: dict[str, Any]) -> dict[str, Any]:
+        return {**for_client(response, self.client), **self._overrides}
+
+    async def _final(self, raw: bytes) -> bytes:
+        response = self._client_object(orjson.loads(raw)) if self._patch else orjson.loads(raw)
+        self.response = response
+        await self.keep(response)
+        return orjson.dumps(response) if self._patch else raw
+
+    async def keep(self, response: dict[str, Any]) -> None:
+        """Store `response` under its id (where this turn is stored)."""
+        response_id = response.get("id")
+        if self.store is None or not isinstance(response_id, str):
+            return
+        try:
+            await self.store.put(response_id, stored(self.engine, response))
+        except StoreUnavailable as exc:
+            logger.warning("response %s was answered but not stored: %s", response_id, exc)
+            if self._on_store_error is not None:
+                self._on_store_error()
