@@ -42,6 +42,7 @@ ENGINE_FIELDS = GENERATE_FIELDS | HARMLESS_FIELDS | frozenset({
     "tools", "tool_choice", "parallel_tool_calls", "response_format", "structured_outputs",
     "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
     "skip_special_tokens", "bootstrap_host", "bootstrap_port", "bootstrap_room", "prefix_pull",
+    "reasoning_effort",
 })  # fmt: skip
 """What the reference engine's OpenAI route serves."""
 STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
@@ -94,7 +95,7 @@ def parse_engine_call(
         if key not in ENGINE_FIELDS:
             raise invalid(f"'{key}' is not supported by this engine", key)
     if api == "completions":
-        for key in ("tools", "tool_choice", "parallel_tool_calls"):
+        for key in ("tools", "tool_choice", "parallel_tool_calls", "reasoning_effort"):
             if key in body:
                 raise invalid(f"'{key}' is not supported by the completions API", key)
     if body.get("best_of") not in (None, 1):

@@ -48,6 +48,8 @@ class Sequence:
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    matched: int | str | None = None
+    """What stopped it (a stop string, a token id), as the engine's finish reason says."""
     cached_tokens: int = 0
 
     def add(self, event: TokenEvent, decode: Decode, stops: tuple[str, ...] = ()) -> Delta:
@@ -61,6 +63,8 @@ class Sequence:
         delta, self.text = text[len(self.text) :], text
         if reason is not None:
             self.finish_reason = str(reason.get("type"))
+            matched = reason.get("matched")
+            self.matched = matched if isinstance(matched, int | str) else None
         return Delta(delta, event.logprobs, self.finish_reason)
 
 
@@ -122,7 +126,16 @@ class Answer:
             choice["message"] = message
         else:
             choice["text"] = seq.text
-        return {**choice, "logprobs": logprobs, "finish_reason": finish}
+        return {**choice, "logprobs": logprobs, "finish_reason": finish,
+                "stop_reason": self._stop_reason(seq)}  # fmt: skip
+
+    def _stop_reason(self, seq: Sequence) -> int | str | None:
+        """vLLM's `stop_reason`: the stop string or stop token id that ended the sequence
+        (None at the end of sequence, a completed grammar or the length limit)."""
+        matched = seq.matched
+        if isinstance(matched, int) and matched not in self.request.sampling.stop_token_ids:
+            return None
+        return matched
 
     def _calls(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """A chat choice's content and tool calls."""
@@ -171,8 +184,10 @@ class Answer:
             earlier = seq.logprobs[: len(seq.logprobs) - len(delta.logprobs)]
             offset = sum(len(self.token_text([e.token])) for e in earlier)
             lp = self._logprobs(list(delta.logprobs), offset)
-        return {**self._head(True), "choices": [{**choice, "logprobs": lp,
-                                                 "finish_reason": finish}]}  # fmt: skip
+        choice.update(logprobs=lp, finish_reason=finish)
+        if finish is not None:
+            choice["stop_reason"] = self._stop_reason(seq)
+        return {**self._head(True), "choices": [choice]}
 
     def _chat_delta(self, index: int, text: str, final: bool) -> list[dict[str, Any]]:
         req = self.request

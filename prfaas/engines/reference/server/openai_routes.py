@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
+from typing import Any
 
 from aiohttp import web
 
@@ -45,10 +46,29 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _serve(request: web.Request, api: Api) -> web.StreamResponse:
+    answer, pieces = await start_chat(request, load_json(await request.read()), api)
+    if not answer.request.call.stream:
+        return web.json_response(await whole_answer(pieces, answer))
+    response: web.StreamResponse | None = None
+    async with aclosing(chat_events(pieces, answer)) as events:
+        async for event in events:
+            response = response or await open_sse(request)  # errors before it stay JSON
+            await send_sse(response, event)
+    assert response is not None, "a request ends with a finish reason"
+    await send_sse(response, "[DONE]")
+    return response
+
+
+async def start_chat(
+    request: web.Request, body: dict[str, Any], api: Api
+) -> tuple[Answer, AsyncGenerator[Piece, None]]:
+    """Parse a completions or chat `body` and start its sequences: the answer they fill, and
+    their deltas as they come (`whole_answer` or `chat_events` reads them). The other APIs'
+    routes (`agent_routes.py`) run their chat bodies through here too."""
     service, tok, info = request.app[SERVICE], request.app[TOKENIZER], request.app[INFO]
     pool = service.core.pool.config
     limits = ModelLimits(info.model, pool.num_blocks * pool.block_size, info.vocab_size)
-    call = parse_engine_call(load_json(await request.read()), api, limits, tok)
+    call = parse_engine_call(body, api, limits, tok)
     rid = ("chatcmpl-" if api == "chat" else "cmpl-") + secrets.token_hex(16)
     answer = Answer(call, rid, int(time.time()), tok.decode)
     constraints = await asyncio.to_thread(_constraints, request.app, call)  # off the loop
@@ -59,13 +79,31 @@ async def _serve(request: web.Request, api: Api) -> web.StreamResponse:
         params, bootstrap = call.sequence(i), call.bootstrap
         runs.append(service.generate(seq_rid, ids, params, bootstrap, call.prefix_pull,
                                      constraint=constraints[i]))  # fmt: skip
-    pieces = _merged(runs, answer)
-    if call.call.stream:
-        return await _stream(request, answer, pieces)
+    return answer, _merged(runs, answer)
+
+
+async def whole_answer(pieces: AsyncGenerator[Piece, None], answer: Answer) -> dict[str, Any]:
+    """The whole (non-streamed) answer, once every sequence ended."""
     async with aclosing(pieces) as it:
         async for _ in it:
             pass
-    return web.json_response(answer.whole())
+    return answer.whole()
+
+
+async def chat_events(
+    pieces: AsyncGenerator[Piece, None], answer: Answer
+) -> AsyncGenerator[dict[str, Any], None]:
+    """The streamed answer's events (the usage event last, when asked; no `[DONE]`)."""
+    options = answer.request
+    async with aclosing(pieces) as it:
+        async for index, delta in it:
+            event = answer.event(index, delta)
+            if event is not None:
+                if options.continuous_usage:
+                    event["usage"] = answer.usage()
+                yield event
+    if options.call.include_usage:
+        yield answer.usage_event()
 
 
 def _constraints(app: web.Application, call: EngineOpenAICall) -> list[TokenConstraint | None]:
@@ -138,26 +176,6 @@ def _take(answer: Answer, index: int, event: TokenEvent, decode: Decode) -> Delt
     if not seq.ids and event.finish_reason is not None:
         check_abort(event.finish_reason)
     return seq.add(event, decode, answer.request.sampling.stop)
-
-
-async def _stream(
-    request: web.Request, answer: Answer, pieces: AsyncGenerator[Piece, None]
-) -> web.StreamResponse:
-    response: web.StreamResponse | None = None
-    options = answer.request
-    async with aclosing(pieces) as it:
-        async for index, delta in it:
-            response = response or await open_sse(request)  # errors before it stay JSON errors
-            event = answer.event(index, delta)
-            if event is not None:
-                if options.continuous_usage:
-                    event["usage"] = answer.usage()
-                await send_sse(response, event)
-    assert response is not None, "a request ends with a finish reason"
-    if options.call.include_usage:
-        await send_sse(response, answer.usage_event())
-    await send_sse(response, "[DONE]")
-    return response
 
 
 async def models(request: web.Request) -> web.Response:

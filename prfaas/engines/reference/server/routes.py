@@ -1,5 +1,6 @@
 """The engine's HTTP server (aiohttp): SGLang's `/generate` and admin routes, plus the OpenAI
-routes from `openai_routes.py`. Every error is an OpenAI-style JSON error (`errors.py`)."""
+routes from `openai_routes.py` and the Messages and Responses routes from `agent_routes.py`.
+Every error is a JSON error in the route's dialect (`errors.py`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from prfaas.common.secret import token_matches
 from prfaas.common.tokenizer import Tokenizer
 from prfaas.engines.reference.handoff.base import HandoffError
 from prfaas.engines.reference.handoff.transport import TransportSender
+from prfaas.engines.reference.server.agent_routes import add_agent_routes
 from prfaas.engines.reference.server.app_keys import INFO, SERVICE, TOKENIZER, ModelInfo
 from prfaas.engines.reference.server.errors import Handler, error_middleware, json_error
 from prfaas.engines.reference.server.openai_routes import add_openai_routes
@@ -334,4 +336,5 @@ def create_app(
     app.router.add_post("/abort_request", abort_request)
     app.router.add_post("/kv/export", kv_export)
     add_openai_routes(app)
+    add_agent_routes(app)
     return app
