@@ -26,6 +26,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import orjson
@@ -167,6 +168,18 @@ class CompletionService:
             turn = await self.responses.turn(body)
             body = turn.engine
         call = await asyncio.to_thread(self._parse, body, api) if big else self._parse(body, api)
+        if turn is not None and turn.client.get("background") is True:
+            assert self.responses is not None
+            run = partial(self._background, call, _Timing(api, self.clock()))
+            queued = await self.responses.start_background(turn, call.model, run)
+            return HttpResponse(200, orjson.dumps(queued))
+        return await self._admitted(exchange, call, timing, turn)
+
+    async def _admitted(
+        self, exchange: Exchange | None, call: CompletionCall, timing: _Timing,
+        turn: ResponseTurn | None,
+    ) -> HttpResponse | None:  # fmt: skip
+        """Serve `call` once admission gives it a slot (a 429 when the queue is full)."""
         try:
             async with self.admission.slot():
                 timing.prompt_tokens = len(call.input_ids)  # admitted requests only
@@ -179,6 +192,27 @@ class CompletionService:
                 headers={"Retry-After": str(self.retry_after_s)},
             ) from None
 
+    async def _background(self, call: CompletionCall, timing: _Timing) -> bytes:
+        """A background response's whole answer (its metrics booked like a request's).
+
+        Raises:
+            APIError: it failed (the engine's refusal too, with its words).
+        """
+        try:
+            answer = await self._admitted(None, call, timing, None)
+            assert answer is not None, "a whole answer"
+            if answer.status != 200:
+                raise APIError(answer.status, _refusal_message(answer.body), code="engine_refused")
+            return answer.body
+        except APIError as exc:
+            timing.status = exc.status
+            raise
+        except asyncio.CancelledError:
+            timing.status = 499
+            raise
+        finally:
+            asyncio.get_running_loop().call_soon(self._account, timing)
+
     def _parse(self, body: dict[str, Any], api: Api) -> CompletionCall:
         if api == "messages":
             return anthropic_messages.parse_call(body, self.limits, self.tokenizer)
@@ -187,8 +221,9 @@ class CompletionService:
         return parse_call(body, api, self.limits, self.tokenizer, self.mode)
 
     async def _serve(
-        self, exchange: Exchange, call: CompletionCall, timing: _Timing, turn: ResponseTurn | None
-    ) -> HttpResponse | None:
+        self, exchange: Exchange | None, call: CompletionCall, timing: _Timing,
+        turn: ResponseTurn | None,
+    ) -> HttpResponse | None:  # fmt: skip
         rid = f"{RID_PREFIXES[call.api]}-{secrets.token_hex(16)}"
         acc = Accumulator(call, rid, int(time.time()))
         try:
@@ -209,6 +244,7 @@ class CompletionService:
             timing.stream = call.stream
             acc.index_cached_tokens = routed.decision.cached_tokens
             if call.stream:
+                assert exchange is not None, "a streamed answer has its exchange"
                 await self._sse(exchange, acc, routed, turn)
                 return None
             return await self._whole(acc, routed, turn)
@@ -261,6 +297,16 @@ class CompletionService:
                 await resp.write(_sse(acc.usage_chunk()))
             await resp.write(sse.end(api))
         await resp.end()
+
+
+def _refusal_message(body: bytes) -> str:
+    """The message of an engine's error body (OpenAI's or Anthropic's shape)."""
+    try:
+        error = orjson.loads(body).get("error")
+    except (orjson.JSONDecodeError, AttributeError):
+        return "the engine refused the request"
+    message = error.get("message") if isinstance(error, dict) else None
+    return str(message or "the engine refused the request")
 
 
 def _engine_error(exc: EngineError) -> APIError:

@@ -4,10 +4,11 @@ The gateway keeps the Responses API's state itself (`store`, `previous_response_
 follow-up works whichever replica and engine it reaches, and its prompt counts whole for
 routing: the engine always gets a stateless body whose `input` is the whole conversation
 (the stored one, then the turn's own input), with `store: false` and without
-`previous_response_id`. As OpenAI's API does, a previous response's `instructions` do not
-carry over; its input items and its output items (messages, function calls, reasoning) do,
-the output items as the input items that say the same (so a follow-up that answers a function
-call renders the call before its output).
+`previous_response_id` or `background` (the gateway runs background responses itself). As
+OpenAI's API does, a previous response's `instructions` do not carry over; its input items
+and its output items (messages, function calls, reasoning) do, the output items as the input
+items that say the same (so a follow-up that answers a function call renders the call
+before its output).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import orjson
 
 from prfaas.protocol.openai_responses import input_items
 
-GATEWAY_FIELDS = ("previous_response_id", "store")
+GATEWAY_FIELDS = ("previous_response_id", "store", "background")
 INPUT_KEYS: dict[str, tuple[str, ...]] = {
     "function_call": ("id", "call_id", "name", "arguments", "status", "namespace"),
     "custom_tool_call": ("id", "call_id", "name", "input"),

@@ -1,19 +1,41 @@
 """The gateway's side of the Responses API's state: a turn's stored conversation loaded
-(`turn`), and `GET /v1/responses/{id}`, `DELETE /v1/responses/{id}`, `POST
-/v1/responses/{id}/cancel` answered from the store.
+(`turn`), background responses run and cancelled (`start_background`, `cancel`), and `GET
+/v1/responses/{id}`, `DELETE /v1/responses/{id}`, `POST /v1/responses/{id}/cancel` answered
+from the store.
+
+A background response (`background: true`, which needs `store`) is answered at once with
+its `queued` object, then run by a task this service owns; its stored object moves to
+`in_progress`, then to the engine's answer (`completed`, `incomplete`), or to `failed`
+(the engine's error, or the gateway stopping) or `cancelled`. A cancel that reaches another
+replica than the one running it marks it `cancelled` in the shared store (the running
+replica then keeps that status; the engine still finishes the work).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+import orjson
+
 from prfaas.gateway.responses.config import ResponsesConfig
-from prfaas.gateway.responses.conversation import StoredResponse, engine_body
+from prfaas.gateway.responses.conversation import StoredResponse, engine_body, stored
 from prfaas.gateway.responses.store import MemoryResponseStore, ResponseStore, StoreUnavailable
 from prfaas.gateway.responses.turn import ResponseTurn
-from prfaas.protocol.errors import APIError
+from prfaas.protocol.errors import APIError, invalid
 from prfaas.protocol.openai_responses import check_flags
+from prfaas.protocol.responses_answer import new_id, response_object
+
+logger = logging.getLogger(__name__)
+RUNNING = ("queued", "in_progress")
+STOPPED = {
+    "code": "shutting_down",
+    "message": "the gateway stopped before the response was complete; create it again",
+}
 
 MB = 2**20
 
@@ -46,6 +68,8 @@ class ResponsesService:
     ) -> None:
         self.store = store
         self._on_store_error = on_store_error
+        self._running: dict[str, asyncio.Task[None]] = {}
+        self._stopping = False
 
     async def turn(self, body: dict[str, Any]) -> ResponseTurn:
         """A Responses request's turn: the engine's stateless body (the stored conversation
@@ -60,7 +84,16 @@ class ResponsesService:
         previous = None
         if previous_id is not None:
             previous = await self._load(previous_id, "previous_response_id")
+            if previous.response.get("status") in RUNNING:
+                raise invalid(f"the previous response {previous_id} is still running",
+                              "previous_response_id")  # fmt: skip
         keep = body.get("store") is not False
+        if body.get("background") is True:
+            if not keep:
+                raise invalid("background can only be used when `store` is true", "background")
+            if body.get("stream") is True:
+                raise invalid("a background response is not streamed here: poll GET "
+                              "/v1/responses/{id}", "stream")  # fmt: skip
         return ResponseTurn(body, engine_body(body, previous), self.store if keep else None,
                             self._on_store_error)  # fmt: skip
 
@@ -89,9 +122,93 @@ class ResponsesService:
 
     async def cancel(self, response_id: str) -> dict[str, Any]:
         """`POST /v1/responses/{id}/cancel`: only a response still running in the background
-        can be cancelled. Raises APIError(400|404|503)."""
-        await self._load(response_id, "response_id")
-        raise APIError(400, "Cannot cancel a synchronous response.", param="response_id")
+        can be cancelled; the answer is its cancelled object. Raises APIError(400|404|503)."""
+        record = await self._load(response_id, "response_id")
+        if record.response.get("status") not in RUNNING:
+            raise APIError(400, "Cannot cancel a synchronous response.", param="response_id")
+        task = self._running.get(response_id)
+        if task is not None:  # this replica runs it: stop it (it records the cancel)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return (await self._load(response_id, "response_id")).response
+        return await self._mark(response_id, "cancelled")
+
+    async def start_background(
+        self, turn: ResponseTurn, model: str, run: Callable[[], Awaitable[bytes]]
+    ) -> dict[str, Any]:
+        """Store `turn`'s queued response and run it in the background: `run` dispatches the
+        engine's body and returns its whole answer, which is stored when it ends. Returns the
+        queued object (the client's answer now).
+
+        Raises:
+            APIError: 503 when the store cannot keep the queued response.
+        """
+        response_id = new_id("resp")
+        queued = response_object(turn.client, response_id=response_id, created=int(time.time()),
+                                 model=model, status="queued", output=[], usage=None)  # fmt: skip
+        queued.update(background=True, previous_response_id=turn.client.get("previous_response_id"))
+        try:
+            await self.store.put(response_id, stored(turn.engine, queued))
+        except StoreUnavailable as exc:
+            raise unavailable(exc) from None
+        task = asyncio.get_running_loop().create_task(self._run(response_id, turn, run))
+        self._running[response_id] = task
+        task.add_done_callback(lambda _: self._running.pop(response_id, None))
+        return queued
+
+    async def _run(
+        self, response_id: str, turn: ResponseTurn, run: Callable[[], Awaitable[bytes]]
+    ) -> None:
+        try:
+            await self._mark(response_id, "in_progress")
+            raw = await run()
+        except asyncio.CancelledError:
+            await self._settle(response_id, "failed" if self._stopping else "cancelled")
+            raise
+        except APIError as exc:
+            await self._settle(response_id, "failed", {"code": exc.code, "message": exc.message})
+            return
+        response = {**orjson.loads(raw), "id": response_id, "background": True,
+                    "previous_response_id": turn.client.get("previous_response_id")}  # fmt: skip
+        current = await self._get(response_id)
+        if current is not None and current.response.get("status") == "cancelled":
+            return  # cancelled through another replica while the engine worked
+        await turn.keep(response)
+
+    async def _settle(self, response_id: str, status: str, error: Any = None) -> None:
+        """Record how a background response ended without an answer (never raises)."""
+        try:
+            await self._mark(response_id, status, error or (STOPPED if status == "failed"
+                                                            else None))  # fmt: skip
+        except APIError as exc:
+            logger.warning("background response %s ended %s, unrecorded: %s", response_id,
+                           status, exc.message)  # fmt: skip
+
+    async def _get(self, response_id: str) -> StoredResponse | None:
+        try:
+            return await self.store.get(response_id)
+        except StoreUnavailable:
+            return None
+
+    async def _mark(self, response_id: str, status: str, error: Any = None) -> dict[str, Any]:
+        """Set a stored response's status (and error). Raises APIError(404|503)."""
+        record = await self._load(response_id, "response_id")
+        response = {**record.response, "status": status}
+        if error is not None:
+            response["error"] = error
+        try:
+            await self.store.put(response_id, StoredResponse(response, record.conversation))
+        except StoreUnavailable as exc:
+            raise unavailable(exc) from None
+        return response
 
     async def close(self) -> None:
+        """Stop the background responses still running (each recorded `failed`), then the
+        store's connections."""
+        self._stopping = True
+        tasks = list(self._running.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self.store.close()
