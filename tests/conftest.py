@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from aiohttp_helpers import start_app
 from etcd_helpers import EtcdServer
+from redis_helpers import RedisServer
 
 from prfaas.testing.null_server import NullConfig, NullServer
 
@@ -77,6 +78,15 @@ def null_process() -> Iterator[str]:
 def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
     """A running etcd of its own (fresh data), killed at teardown."""
     server = EtcdServer(tmp_path / "etcd-data")
+    server.start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def redis() -> Iterator[RedisServer]:
+    """A running Redis of its own (empty), killed at teardown."""
+    server = RedisServer()
     server.start()
     yield server
     server.kill()

@@ -6,6 +6,9 @@ protocol (`prfaas.protocol`), as the gateway and the reference engine do, and an
 
 - OpenAI `/v1/completions` and `/v1/chat/completions`, streaming (SSE) or not, with `usage`
   including `prompt_tokens_details.cached_tokens`;
+- Anthropic `/v1/messages` and OpenAI `/v1/responses` (stateless), streaming or not: the chat
+  answer converted as the reference engine converts it (`prfaas.protocol.anthropic_answer`,
+  `responses_answer`);
 - SGLang's `/generate`: streamed `data: {"text", "output_ids", "meta_info": {"id",
   "prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason"}}` chunks (text and
   ids cumulative, as SGLang streams them by default), then `data: [DONE]`;
@@ -23,11 +26,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
@@ -37,6 +41,13 @@ from aiohttp.typedefs import Handler
 from prfaas.common.event_loop import run_main
 from prfaas.common.hashing import hash_blocks
 from prfaas.common.tokenizer import ByteTokenizer
+from prfaas.protocol import (
+    anthropic_answer,
+    anthropic_messages,
+    openai_responses,
+    responses_answer,
+    sse,
+)
 from prfaas.protocol.errors import APIError
 from prfaas.protocol.generate import GenerateChunk, GenerateRequest, answer, parse_request
 from prfaas.protocol.openai_request import (
@@ -47,6 +58,7 @@ from prfaas.protocol.openai_request import (
     parse_call,
 )
 from prfaas.protocol.openai_response import Accumulator
+from prfaas.protocol.responses_answer import ResponseStream
 
 MAX_CONTEXT = 2_000_000  # prompt + output tokens the null server takes
 _BYTES = ByteTokenizer()
@@ -164,6 +176,8 @@ class NullServer:
         app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[json_errors])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/messages", self.messages)
+        app.router.add_post("/v1/responses", self.responses)
         app.router.add_post("/generate", self.generate)
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
@@ -189,6 +203,49 @@ class NullServer:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, "generate")
 
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        """Anthropic Messages: the chat answer as the message (or its events)."""
+        body = load_json(await request.read())
+        call = anthropic_messages.parse_call(body, _limits(body), _BYTES)
+        acc, chunks = self._chat(call)
+        if not call.stream:
+            await self._pause(len(chunks))
+            return web.json_response(anthropic_answer.message(_whole(acc, chunks)))
+        stream = anthropic_answer.MessageStream()
+        events = (e for c in chunks for e in stream.feed(_delta(acc, c)))
+        return await self._stream(
+            request, "messages", events, lambda: [*stream.feed(acc.usage_chunk()), *stream.done()]
+        )
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI Responses (stateless): the chat answer as the response (or its events)."""
+        body = load_json(await request.read())
+        call = openai_responses.parse_call(body, _limits(body), _BYTES)
+        acc, chunks = self._chat(call)
+        response_id = f"resp_null{self.served}"
+        if not call.stream:
+            await self._pause(len(chunks))
+            return web.json_response(responses_answer.response(body, _whole(acc, chunks),
+                                                               response_id))  # fmt: skip
+        stream = ResponseStream(body, response_id, int(time.time()), call.model)
+        events = (e for c in chunks for e in stream.feed(_delta(acc, c)))
+        named = ((e["type"], e) for e in itertools.chain(stream.start(), events))
+        return await self._stream(
+            request,
+            "responses",
+            named,
+            lambda: [(e["type"], e) for e in stream.finish(acc.usage())],
+        )
+
+    def _chat(self, call: CompletionCall) -> tuple[Accumulator, list[GenerateChunk]]:
+        """The filler answer of `call` as a chat answer's pieces."""
+        self.served += 1
+        cached = self.cache.lookup_and_insert(list(call.input_ids))
+        chat = replace(call, api="chat")
+        return Accumulator(chat, f"chatcmpl-null{self.served}", int(time.time())), openai_chunks(
+            chat, cached
+        )
+
     async def _serve(self, request: web.Request, api: str) -> web.StreamResponse:
         body = load_json(await request.read())
         self.served += 1
@@ -200,10 +257,9 @@ class NullServer:
             if not call.stream:  # a stream takes its delays event by event (`_stream`)
                 await self._pause(n)
                 return web.json_response(generate_answer(call, n, cached))
-            answers = (generate_answer(call, i + 1, cached) for i in range(n))
-            return await self._stream(request, answers)
-        model = body.get("model")  # the null server answers for any model name
-        limits = ModelLimits(model if isinstance(model, str) and model else "null", MAX_CONTEXT)
+            answers = ((None, generate_answer(call, i + 1, cached)) for i in range(n))
+            return await self._stream(request, "completions", answers, list)
+        limits = _limits(body)  # the null server answers for any model name
         api_name: Api = "chat" if api == "chat" else "completions"
         # `forward` reads only the model, prompt and max tokens (all a null answer uses) and
         # takes any other field, the PD fields of a router or our gateway's too
@@ -216,9 +272,10 @@ class NullServer:
             for chunk in chunks:
                 acc.add(chunk)
             return web.json_response(acc.final())
-        events = (_delta(acc, c) for c in chunks)
-        usage = [acc.usage_chunk] if completion.include_usage else []
-        return await self._stream(request, events, usage)
+        events = ((None, _delta(acc, c)) for c in chunks)
+        usage = completion.include_usage
+        return await self._stream(request, api_name, events,
+                                  lambda: [(None, acc.usage_chunk())] if usage else [])  # fmt: skip
 
     async def _pause(self, tokens: int) -> None:
         delay = self.config.first_token_delay_s + self.config.token_delay_s * (tokens - 1)
@@ -228,21 +285,24 @@ class NullServer:
     async def _stream(
         self,
         request: web.Request,
-        events: Iterator[dict[str, Any]],
-        after: list[Callable[[], dict[str, Any]]] | None = None,
+        api: Api,
+        events: Iterator[tuple[str | None, dict[str, Any]]],
+        after: Callable[[], list[tuple[str | None, dict[str, Any]]]],
     ) -> web.StreamResponse:
+        """`events` (name, data), then what `after` gives once they were sent, then the
+        API's end (`data: [DONE]` where it has one); delays as configured."""
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await resp.prepare(request)
-        for i, event in enumerate(events):
+        for i, (name, event) in enumerate(events):
             delay = self.config.first_token_delay_s if i == 0 else self.config.token_delay_s
             if delay > 0:
                 await asyncio.sleep(delay)
-            await resp.write(_sse(event))
-        for last in after or ():
-            await resp.write(_sse(last()))
-        await resp.write(b"data: [DONE]\n\n")
+            await resp.write(sse.frame(api, orjson.dumps(event), name))
+        for name, event in after():
+            await resp.write(sse.frame(api, orjson.dumps(event), name))
+        await resp.write(sse.end(api))
         await resp.write_eof()
         return resp
 
@@ -252,8 +312,16 @@ def _delta(acc: Accumulator, chunk: GenerateChunk) -> dict[str, Any]:
     return acc.chunk(chunk)
 
 
-def _sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
+def _whole(acc: Accumulator, chunks: list[GenerateChunk]) -> dict[str, Any]:
+    for chunk in chunks:
+        acc.add(chunk)
+    return acc.final()
+
+
+def _limits(body: dict[str, Any]) -> ModelLimits:
+    """Any model is served: the limits name the body's."""
+    model = body.get("model")
+    return ModelLimits(model if isinstance(model, str) and model else "null", MAX_CONTEXT)
 
 
 async def serve(config: NullConfig, host: str, port: int) -> None:

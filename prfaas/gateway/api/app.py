@@ -36,7 +36,7 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from prfaas.common.secret import DeploymentSecret, token_matches
-from prfaas.gateway.api import responses_routes
+from prfaas.gateway.api import openapi, responses_routes
 from prfaas.gateway.api.assembly import Gateway, build_gateway
 from prfaas.gateway.api.dashboard import DASHBOARD_PAGES, since_query
 from prfaas.gateway.api.utility_routes import count_tokens, detokenize, ping, tokenize, version
@@ -208,6 +208,19 @@ RESPONSE_ROUTES: dict[str, dict[str, Route]] = {
     "cancel": {"POST": responses_routes.cancel},
 }
 """`/v1/responses/{id}` and `/v1/responses/{id}/cancel`, by action."""
+
+
+async def openapi_json(gw: Gateway, request: HttpRequest, exchange: Exchange) -> HttpResponse:
+    """`GET /openapi.json`: what this gateway serves (`openapi.py`)."""
+    paths: dict[str, list[str]] = {p: [*m, *(["HEAD"] if "GET" in m else [])]
+                                   for p, m in ROUTES.items()}  # fmt: skip
+    for action, methods in RESPONSE_ROUTES.items():
+        template = "/v1/responses/{response_id}" + (f"/{action}" if action else "")
+        paths[template] = list(methods)
+    return _json(openapi.document(paths, gw.config.model.name))
+
+
+ROUTES["/openapi.json"] = {"GET": openapi_json}
 
 
 def routes_of(path: str) -> dict[str, Route] | None:
