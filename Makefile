@@ -20,6 +20,7 @@ SGLANG_DEPS := 'transformers==5.19.0' 'apache-tvm-ffi==0.1.11' triton psutil pyb
 CHROMIUM ?= /usr/bin/chromium
 # The transport TLS tests make a throwaway CA with the openssl command line.
 OPENSSL ?= /usr/bin/openssl
+REDIS ?= /usr/bin/redis-server
 
 .PHONY: run plan test test-sglang lint bench clean vllm-env vllm-model
 
@@ -84,6 +85,14 @@ $(CHROMIUM):
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium
 	@test -x $(CHROMIUM) || { echo "make: apt installed chromium but $(CHROMIUM) is missing" >&2; exit 1; }
 
+# The shared Responses store's tests run a real Redis (Debian's redis-server), installed with
+# apt when missing.
+$(REDIS):
+	@command -v apt-get >/dev/null || { echo "make: $(REDIS) is missing and there is no apt-get: install Redis and run make test REDIS=/path/to/redis-server" >&2; exit 1; }
+	apt-get update -q
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server
+	@test -x $(REDIS) || { echo "make: apt installed redis-server but $(REDIS) is missing" >&2; exit 1; }
+
 # The openssl command line (Debian's openssl package), installed with apt when missing.
 $(OPENSSL):
 	@command -v apt-get >/dev/null || { echo "make: $(OPENSSL) is missing and there is no apt-get: install OpenSSL's command line and run make test OPENSSL=/path/to/openssl" >&2; exit 1; }
@@ -91,8 +100,8 @@ $(OPENSSL):
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -q openssl
 	@test -x $(OPENSSL) || { echo "make: apt installed openssl but $(OPENSSL) is missing" >&2; exit 1; }
 
-test: $(STAMP) $(CHROMIUM) $(OPENSSL) $(VLLM_STAMP) $(VLLM_MODEL)/config.json $(SGLANG_STAMP)
-	PRFAAS_CHROMIUM=$(CHROMIUM) PRFAAS_OPENSSL=$(OPENSSL) $(BIN)/python -m pytest
+test: $(STAMP) $(CHROMIUM) $(OPENSSL) $(REDIS) $(VLLM_STAMP) $(VLLM_MODEL)/config.json $(SGLANG_STAMP)
+	PRFAAS_CHROMIUM=$(CHROMIUM) PRFAAS_OPENSSL=$(OPENSSL) PRFAAS_REDIS_SERVER=$(REDIS) $(BIN)/python -m pytest
 	$(SGLANG_BIN)/python -m pytest tests/engines/sglang
 	$(BIN)/ruff check prfaas tests benchmarks deploy scripts
 	$(BIN)/ruff format --check prfaas tests benchmarks deploy scripts

@@ -17,8 +17,9 @@ Kinds of block (paper 3.2):
 
 Eviction goes leaves first: only an unreferenced indexed block with no indexed child is
 evicted, so the index never holds a chain with a hole, and evicting a block also frees the
-state snapshot keyed by its hash. Every index insert/evict/flush is recorded as a KV event
-(`prfaas.protocol.kv_events`, SGLang's format) for the engine to publish (`take_events`).
+state snapshot keyed by its hash. Every index insert/evict/flush, and every state snapshot
+kept (`StatesStored`) or evicted, is recorded as a KV event (`prfaas.protocol.kv_events`,
+SGLang's format) for the engine to publish (`take_events`).
 
 Typical engine use for one request:
 
@@ -49,7 +50,14 @@ from prfaas.engines.reference.cache.pool_types import (
 )
 from prfaas.engines.reference.cache.prefix_index import PrefixIndex
 from prfaas.engines.reference.cache.state_slots import StateSlotPool
-from prfaas.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from prfaas.protocol.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    StatesRemoved,
+    StatesStored,
+)
 
 __all__ = [
     "BlockPool",
@@ -211,30 +219,44 @@ class BlockPool:
         """Enter the request's newly filled full blocks into the prefix index.
 
         `token_ids` are the request's tokens from position 0 whose KV is already written;
-        every full block past the indexed ones is hashed (chained) and indexed. Stops for
-        good at a block whose hash is already indexed elsewhere (the block stays private,
-        as in vLLM). Transfer requests index nothing. Records one `BlockStored`.
-        Returns the number of blocks newly indexed.
+        every full block past the indexed ones is hashed (chained) and indexed. A block whose
+        hash is already cached (another request computed the same tokens, or this one
+        recomputed a cached prefix that had no state to resume from) is adopted: the request
+        references the cached copy and its own goes back to the free list, so its chain goes
+        on past it. Transfer requests index nothing. Records one `BlockStored` for the new
+        blocks. Returns the number of blocks newly indexed.
         """
         req = self._request(request_id)
         bs = self._config.block_size
         full = min(len(token_ids) // bs, len(req.blocks))
         if req.transfer or req.chain_broken or full <= req.num_indexed:
             return 0
-        first, parent = req.num_indexed, req.last_hash
+        parent, first = req.last_hash, req.num_indexed
         hashes: list[int] = []
-        for i in range(first, full):
+        for i in range(req.num_indexed, full):
             block_hash = hash_block(req.last_hash, token_ids[i * bs : (i + 1) * bs])
-            if self._index.lookup(block_hash) is not None:
-                req.chain_broken = True
-                break
-            self._index.insert(req.blocks[i], block_hash, req.last_hash)
+            cached = self._index.lookup(block_hash)
+            if cached is None:
+                self._index.insert(req.blocks[i], block_hash, req.last_hash)
+                hashes.append(block_hash)
+            else:  # only before the first new block: a cached chain has no hole
+                self._adopt(req, i, cached)
+                parent, first = block_hash, i + 1
             req.num_indexed, req.last_hash = i + 1, block_hash
-            hashes.append(block_hash)
         if hashes:
             tokens = tuple(token_ids[first * bs : (first + len(hashes)) * bs])
             self._events.append(BlockStored(tuple(hashes), parent, tokens, bs))
         return len(hashes)
+
+    def _adopt(self, req: RequestBlocks, position: int, cached: int) -> None:
+        """Swap the request's private block at `position` for the `cached` block holding
+        the same tokens' KV (the private copy returns to the free list)."""
+        own = req.blocks[position]
+        self._acquire(cached)
+        req.blocks[position] = cached
+        self._ref[own] -= 1
+        if self._ref[own] == 0:
+            self._release(own)
 
     def save_state(self, request_id: str, num_tokens: int) -> int | None:
         """Reserve a snapshot slot for the request's linear state at `num_tokens` tokens.
@@ -252,7 +274,15 @@ class BlockPool:
         if n > req.num_indexed:
             return None
         block_hash = self._index.hash_of(req.blocks[n - 1])
-        return None if block_hash is None else self._slots.save(block_hash)
+        if block_hash is None:
+            return None
+        slot = self._slots.save(block_hash)
+        evicted = self._slots.take_evicted()
+        if evicted:
+            self._events.append(StatesRemoved(tuple(evicted)))
+        if slot is not None:
+            self._events.append(StatesStored((block_hash,)))
+        return slot
 
     def clear(self) -> None:
         """Flush the prefix index and every snapshot; records `AllBlocksCleared`.

@@ -30,6 +30,7 @@ class StateSlotPool:
         self._ref = [0] * num_slots
         self._lru: OrderedDict[int, int] = OrderedDict()  # unpinned held slot -> tick
         self._tick = 0
+        self._evicted: list[int] = []  # hashes whose snapshot `save` evicted, until taken
 
     @property
     def num_slots(self) -> int:
@@ -74,6 +75,12 @@ class StateSlotPool:
         self._key[slot] = block_hash
         self._lru[slot] = self._next_tick()
         return slot
+
+    def take_evicted(self) -> list[int]:
+        """The block hashes whose snapshots `save` evicted since the last call (then
+        forgotten); `drop` and `clear` are the caller's own and not listed."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
 
     def acquire(self, slot: int) -> None:
         """Pin a held slot so it cannot be evicted while a request restores it."""
@@ -136,7 +143,9 @@ class StateSlotPool:
     def _evict_lru(self) -> bool:
         if not self._lru:
             return False
-        self._forget(next(iter(self._lru)))
+        slot = next(iter(self._lru))
+        self._evicted.append(self._key[slot])
+        self._forget(slot)
         return True
 
     def _forget(self, slot: int) -> None:

@@ -12,7 +12,13 @@ from prfaas.engines.reference.cache.block_pool import (
     PrefixMatch,
     StaleMatch,
 )
-from prfaas.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from prfaas.protocol.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    StatesRemoved,
+    StatesStored,
+)
 
 BS = 4
 
@@ -293,18 +299,42 @@ def test_transfer_after_a_local_prefix_keeps_the_prefix_shared() -> None:
     pool.check_integrity()
 
 
-def test_duplicate_content_stays_private() -> None:
-    """Two requests computing the same blocks: the second's copy is not indexed, then freed."""
+def test_duplicate_content_is_adopted_and_the_chain_goes_on() -> None:
+    """Two requests computing the same blocks: the second adopts the first's cached copies
+    (its own go back to the free list at once) and indexes its blocks past them, so a later
+    turn of either conversation hits its whole chain."""
     pool = make_pool()
     prompt = toks(9)
-    pool.allocate("a", 9)
-    pool.allocate("b", 9)
-    assert pool.cache_full_blocks("a", prompt) == 2
-    assert pool.cache_full_blocks("b", prompt) == 0
-    assert pool.save_state("b", 4) is None
+    pool.allocate("a", 9)  # blocks 0, 1, 2
+    pool.allocate("b", 13)  # blocks 3, 4, 5, 6
+    assert pool.cache_full_blocks("a", prompt[:8]) == 2
+    pool.take_events()
+    longer = [*prompt, 100, 101, 102, 103]
+    assert pool.cache_full_blocks("b", longer) == 1  # blocks 0, 1 adopted; its 3rd indexed
+    assert pool.block_table("b") == (0, 1, 5, 6)
+    assert pool.free_block_ids() == (7, 3, 4)
+    h = hash_blocks(longer, BS)
+    assert pool.take_events() == [BlockStored((h[2],), h[1], tuple(longer[8:12]), BS)]
+    assert pool.save_state("b", 4) is not None  # a state where b adopted a's block
+    pool.free("a")
     pool.free("b")
-    assert pool.free_block_ids() == (6, 7, 5, 4, 3)
+    assert match(pool, [*longer, 7]).block_ids == (0,)  # the state at block 0
+    assert match(pool, [*longer, 7]).block_only_ids == (0, 1, 5)
     pool.check_integrity()
+
+
+def test_kept_states_are_events_for_the_gateway() -> None:
+    """A saved snapshot is a `StatesStored`; one evicted to make room a `StatesRemoved`."""
+    pool = make_pool(slots=1)
+    prompt = toks(8)
+    run_prefill(pool, "a", prompt)
+    pool.take_events()
+    h = hash_blocks(prompt, BS)
+    assert pool.save_state("a", 4) is not None
+    assert pool.take_events() == [StatesStored((h[0],))]
+    assert pool.save_state("a", 4) is None and pool.take_events() == []  # kept already
+    assert pool.save_state("a", 8) is not None  # the only slot: the first snapshot goes
+    assert pool.take_events() == [StatesRemoved((h[0],)), StatesStored((h[1],))]
 
 
 def test_stale_match_is_rejected_without_change() -> None:

@@ -1,10 +1,10 @@
 """Random operation sequences on the block pool (hypothesis stateful), against a shadow model.
 
 The machine plays an engine: it writes tokens into a shadow copy of the KV blocks and state
-slots exactly where the pool says, and rebuilds the prefix index from the KV events as the
-gateway would. After every step: `check_integrity()`, the event-built index equals the pool's,
-and every prefix match returns blocks (and a snapshot) whose shadow contents are exactly the
-prompt's tokens: reuse is never of overwritten or foreign data.
+slots exactly where the pool says, and rebuilds the prefix index and the kept states from the
+KV events as the gateway would. After every step: `check_integrity()`, the event-built index
+equals the pool's, and every prefix match returns blocks (and a snapshot) whose shadow
+contents are exactly the prompt's tokens: reuse is never of overwritten or foreign data.
 """
 
 from __future__ import annotations
@@ -17,7 +17,14 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from prfaas.common.hashing import hash_block, hash_blocks
 from prfaas.engines.reference.cache.block_pool import BlockPool, BlockPoolConfig, OutOfKVCapacity
-from prfaas.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from prfaas.protocol.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    StatesRemoved,
+    StatesStored,
+)
 
 BS = 2
 NUM_BLOCKS = 10
@@ -48,6 +55,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.states: dict[int, tuple[int, ...]] = {}  # slot -> prefix its snapshot summarises
         self.reqs: dict[str, Req] = {}
         self.indexed: set[int] = set()  # built from events only
+        self.kept: set[int] = set()  # hashes with a state snapshot, built from events only
         self.next_id = 0
 
     # ------------------------------------------------------------------ helpers
@@ -146,6 +154,8 @@ class PoolMachine(RuleBasedStateMachine):
             self._apply(event)
         assert all(self.pool.is_cached(h) for h in self.indexed)
         assert len(self.indexed) == self.pool.stats().cached_blocks
+        assert self.kept <= self.indexed
+        assert len(self.kept) == self.pool.stats().held_state_slots
 
     def _apply(self, event: KVEvent) -> None:
         if isinstance(event, BlockStored):
@@ -155,12 +165,20 @@ class PoolMachine(RuleBasedStateMachine):
                 parent = hash_block(parent, event.token_ids[i * BS : (i + 1) * BS])
                 assert parent == block_hash and block_hash not in self.indexed
                 self.indexed.add(block_hash)
-        elif isinstance(event, BlockRemoved):
+        elif isinstance(event, BlockRemoved):  # a removed block's state goes with it
             assert set(event.block_hashes) <= self.indexed
             self.indexed -= set(event.block_hashes)
+            self.kept -= set(event.block_hashes)
+        elif isinstance(event, StatesStored):
+            assert set(event.block_hashes) <= self.indexed - self.kept
+            self.kept |= set(event.block_hashes)
+        elif isinstance(event, StatesRemoved):
+            assert set(event.block_hashes) <= self.kept
+            self.kept -= set(event.block_hashes)
         else:
             assert isinstance(event, AllBlocksCleared)
             self.indexed.clear()
+            self.kept.clear()
 
 
 PoolMachine.TestCase.settings = settings(
