@@ -50,8 +50,23 @@ in the same rounds while a client polls its `/admin/dashboard` once a second, as
 `/dashboard` page does: the dashboard's cost on the request path is the difference between
 the two gateways' added latency.
 
+Part 3 (`--apis`, real processes, loopback): the gateway's added latency on Anthropic
+`/v1/messages` and OpenAI `/v1/responses` against chat completions through the same gateway:
+each API's request (the same ~540-token user turn, 8 output tokens, greedy; a Responses
+request stored, as by default) straight to the null decode engine (`direct-API`), through the
+gateway over null engines spoken to as SGLang servers (`prfaas-API`: Messages and Responses
+forwarded whole with `bootstrap_*`, plain chat through `/generate`) and as vLLM servers
+(`prfaas-forward-API`: every API forwarded whole with `kv_transfer_params`). A forwarded
+request costs its engines twice (the prefill renders the body too, on the same two cores):
+`pair-API` is the client sending those two engine calls itself, at once, so the forwarding
+gateway's own work is its p50 over that pair (`prfaas-forward-vs-pair-API`). Sequential
+requests interleaved across all twelve targets, the order rotating per round; added p50 = a
+target's p50 minus its base's p50 in the same round; the ratio API / chat per gateway, of
+the medians over rounds and per round (goal <= 1.1).
+
 Usage: python benchmarks/gateway.py [--rounds 5] [--requests 200] [--json OUT]
        [--servers granian,granian-rsgi,uvicorn | --servers none] [--dashboard]
+       python benchmarks/gateway.py --apis [--stream] [--rounds 5] [--requests 200] --skip-overhead
 """
 
 from __future__ import annotations
@@ -76,9 +91,11 @@ import orjson
 from prfaas.common.hashing import hash_blocks
 from prfaas.common.ports import free_port
 from prfaas.common.tokenizer import ByteTokenizer
+from prfaas.engine_clients.vllm import prefill_fields
 from prfaas.gateway.instances import InstanceManager, InstanceState
 from prfaas.gateway.kv_index import KVIndexManager
 from prfaas.policies.routing import PrfaasPolicy, RoutingSnapshot
+from prfaas.protocol.client_body import ClientBody
 from prfaas.protocol.kv_events import BlockStored, KVEventBatch, decode_batch, encode_batch
 from prfaas.protocol.openai_request import load_json, parse_sampling
 
@@ -445,6 +462,136 @@ def run_overhead(
             proc.wait(10)
 
 
+# ------------------------------------------------------------------ part 3: APIs
+
+APIS = ("chat", "messages", "responses")
+API_PATHS = {"chat": "/v1/chat/completions", "messages": "/v1/messages",
+             "responses": "/v1/responses"}  # fmt: skip
+
+
+def api_body(api: str, stream: bool) -> bytes:
+    """The same user turn in each API's body."""
+    turn = [{"role": "user", "content": PROMPT}]
+    body: dict[str, Any] = {
+        "chat": {"model": "null", "messages": turn, "max_tokens": 8, "temperature": 0},
+        "messages": {"model": "null", "messages": turn, "max_tokens": 8, "temperature": 0},
+        "responses": {"model": "null", "input": PROMPT, "max_output_tokens": 8, "temperature": 0},
+    }[api]
+    return orjson.dumps({**body, "stream": True} if stream else body)
+
+
+Calls = list[tuple[str, bytes]]
+"""One target's request: the (URL, body) posts sent at once, all awaited."""
+
+
+async def _post(session: aiohttp.ClientSession, url: str, body: bytes) -> None:
+    async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
+        await r.read()
+        if r.status != 200:
+            raise RuntimeError(f"{url}: HTTP {r.status}")
+
+
+async def _timed(session: aiohttp.ClientSession, calls: Calls) -> float:
+    start = time.perf_counter()
+    await asyncio.gather(*(_post(session, url, body) for url, body in calls))
+    return time.perf_counter() - start
+
+
+def _pair(urls: list[str], api: str, stream: bool) -> Calls:
+    """What the forwarding gateway sends the engines for one request, sent by the client
+    itself: the prefill's one-token body and the decode's whole body, at once."""
+    body = orjson.loads(api_body(api, stream))
+    prefill = prefill_fields(ClientBody(api, body))  # type: ignore[arg-type]
+    return [(urls[0] + API_PATHS[api], orjson.dumps(prefill)),
+            (urls[2] + API_PATHS[api], api_body(api, stream))]  # fmt: skip
+
+
+async def api_rounds(targets: dict[str, Calls], rounds: int, n: int) -> list[dict[str, float]]:
+    """Per round, each target's p50 (ms): `n` sequential requests per target, one to each
+    target in turn; the order rotates from round to round."""
+    names = list(targets)
+    per_round = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64)) as session:
+        for name in names:  # ready, and every path warm
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    await _timed(session, targets[name])
+                    break
+                except (aiohttp.ClientError, RuntimeError):
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.25)
+            for _ in range(50):
+                await _timed(session, targets[name])
+        for r in range(rounds):
+            order = names[r % len(names) :] + names[: r % len(names)]
+            lat: dict[str, list[float]] = {name: [] for name in order}
+            for _ in range(n):
+                for name in order:
+                    lat[name].append(await _timed(session, targets[name]))
+            per_round.append({name: _pct(v, 0.5) * 1e3 for name, v in lat.items()})
+    return per_round
+
+
+def run_apis(rounds: int, n: int, stream: bool) -> dict[str, Any]:
+    logs = Path(tempfile.mkdtemp(prefix="prfaas-bench-apis-"))
+    ports = [free_port() for _ in range(3)]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    null = [sys.executable, "-m", "prfaas.testing.null_server", "--port"]
+    procs = [_spawn([*null, str(p)], logs / f"null{p}.log") for p in ports]
+    gateways = {}
+    for name, engine in (("prfaas", "sglang"), ("prfaas-forward", "vllm")):
+        port = free_port()
+        config = _gateway_config(logs / f"{name}.toml", urls, engine=engine)
+        procs.append(_spawn_gateway("ours", config, port, logs / f"{name}.log"))
+        gateways[name] = f"http://127.0.0.1:{port}"
+    targets: dict[str, Calls] = {}
+    for api in APIS:
+        body = api_body(api, stream)
+        targets[f"direct-{api}"] = [(urls[2] + API_PATHS[api], body)]
+        targets[f"pair-{api}"] = _pair(urls, api, stream)
+        for name, url in gateways.items():
+            targets[f"{name}-{api}"] = [(url + API_PATHS[api], body)]
+    try:
+        per_round = asyncio.run(api_rounds(targets, rounds, n))
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(10)
+    return api_report(per_round, tuple(gateways))
+
+
+def api_report(per_round: list[dict[str, float]], gateways: tuple[str, ...]) -> dict[str, Any]:
+    """Added p50 per gateway and API (medians over rounds) and each API's ratio to chat: over
+    the decode alone (`prfaas-*`, `prfaas-forward-*`), and the forwarding gateway's over the
+    pair of engine calls it makes (`prfaas-forward-*-vs-pair`: its own work only)."""
+    added = [{f"{g}-{a}": m[f"{g}-{a}"] - m[f"direct-{a}"] for g in gateways for a in APIS}
+             for m in per_round]  # fmt: skip
+    for m, row in zip(per_round, added, strict=True):
+        row.update({f"prfaas-forward-vs-pair-{a}": m[f"prfaas-forward-{a}"] - m[f"pair-{a}"]
+                    for a in APIS})  # fmt: skip
+    rows, ratios = [], {}
+    for g in (*gateways, "prfaas-forward-vs-pair"):
+        chat = statistics.median(r[f"{g}-chat"] for r in added)
+        for api in APIS:
+            value = statistics.median(r[f"{g}-{api}"] for r in added)
+            per = [r[f"{g}-{api}"] / max(r[f"{g}-chat"], 1e-6) for r in added]
+            base = "pair" if g.endswith("vs-pair") else "direct"
+            direct = statistics.median(m[f"{base}-{api}"] for m in per_round)
+            rows.append({"target": f"{g}-{api}", "base_p50_ms": direct,
+                         "added_p50_ms": value, "vs_chat": value / max(chat, 1e-6),
+                         "vs_chat_median_of_rounds": statistics.median(per)})  # fmt: skip
+            ratios[f"{g}-{api}"] = {"of_medians": value / max(chat, 1e-6), "per_round": per}
+    _table("Part 3: added p50 per API through the same gateway (medians over rounds; ms)", rows)
+    for name, r in ratios.items():
+        if not name.endswith("-chat"):
+            print(f"{name} / chat: {r['of_medians']:.2f} (rounds "
+                  f"{', '.join(f'{x:.2f}' for x in r['per_round'])}; goal <= 1.1)")  # fmt: skip
+    return {"apis": rows, "api_ratios": ratios, "api_rounds": per_round}
+
+
 # ------------------------------------------------------------------ report
 
 
@@ -533,6 +680,12 @@ def main() -> None:
         f"(default: {','.join(OTHER_SERVERS)})",
     )
     parser.add_argument(
+        "--apis",
+        action="store_true",
+        help="part 3: added latency of /v1/messages and /v1/responses against chat "
+        "completions through the same gateway",
+    )
+    parser.add_argument(
         "--dashboard",
         action="store_true",
         help=f"also measure target {WATCHED}: the same gateway with a dashboard client "
@@ -557,6 +710,8 @@ def main() -> None:
         result.update(rounds=args.rounds, requests=args.requests, stream=args.stream)
         if any(r["target"] == "sglang-router" for r in rows):
             result.update(_ratios(rows, per_round))
+    if args.apis:
+        result.update(run_apis(args.rounds, args.requests, args.stream), apis_stream=args.stream)
     if args.json:
         args.json.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
 

@@ -25,8 +25,12 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import lru_cache
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from jinja2 import Template
 
 BYTE_LEVEL = "byte-level"
 BYTE_VOCAB = 256
@@ -126,32 +130,14 @@ def render_template(
     """Render `template` (default: `tokenizer.chat_template`) for `chat` as `transformers`
     does."""
     from jinja2 import TemplateError
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    def raise_exception(message: str) -> None:
-        raise TemplateError(message)
-
-    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None) -> str:
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent)
-
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
-    )
-
-    def strftime_now(fmt: str) -> str:
-        return datetime.now().strftime(fmt)
-
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
     prompt = chat if isinstance(chat, ChatPrompt) else ChatPrompt.of(chat)
     messages = [dict(m) for m in prompt.messages]
     if prompt.continue_final_message:
         messages[-1] = _tagged(messages[-1])
     variables = {**tokenizer.template_variables(), **prompt.template_kwargs}
     try:
-        compiled = env.from_string(template or tokenizer.chat_template or "")
+        compiled = _compiled(template or tokenizer.chat_template or "")
         rendered = compiled.render(
             messages=messages,
             tools=None if prompt.tools is None else [dict(t) for t in prompt.tools],
@@ -162,6 +148,36 @@ def render_template(
     except TemplateError as exc:
         raise ValueError(f"the chat template of {tokenizer.name} failed: {exc}") from None
     return _continued(rendered) if prompt.continue_final_message else rendered
+
+
+@lru_cache(maxsize=32)
+def _compiled(source: str) -> Template:
+    """A chat template compiled once (compiling took milliseconds per request: more than
+    the rest of a chat request's routing) in `transformers`' sandboxed environment.
+
+    Raises:
+        jinja2.TemplateError: the template does not compile.
+    """
+    from jinja2 import TemplateError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None) -> str:
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent)
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(source)
 
 
 CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
