@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 import pytest
+from agent_battery import assembled_message
 
 from prfaas.protocol import anthropic_answer, relayed_answer, responses_answer, sse
 from prfaas.protocol.errors import APIError
@@ -65,30 +66,6 @@ def test_message_content_blocks() -> None:
     ]
 
 
-def _replay(events: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
-    """A client's view of a Messages stream: the message its events build."""
-    message: dict[str, Any] = {}
-    partial: dict[int, str] = {}
-    for name, data in events:
-        assert data["type"] == name
-        if name == "message_start":
-            message = {**data["message"], "content": []}
-        elif name == "content_block_start":
-            assert data["index"] == len(message["content"])
-            message["content"].append(dict(data["content_block"]))
-        elif name == "content_block_delta":
-            block, delta = message["content"][data["index"]], data["delta"]
-            if delta["type"] == "text_delta":
-                block["text"] += delta["text"]
-            else:
-                partial[data["index"]] = partial.get(data["index"], "") + delta["partial_json"]
-        elif name == "message_delta":
-            message.update(data["delta"], usage=data["usage"])
-    for index, text in partial.items():
-        message["content"][index]["input"] = json.loads(text)
-    return message
-
-
 def test_message_stream_builds_the_whole_message() -> None:
     stream = anthropic_answer.MessageStream()
     events = [e for c in chunks(["Let me", " see."], [CALL], "tool_calls") for e in stream.feed(c)]
@@ -96,7 +73,7 @@ def test_message_stream_builds_the_whole_message() -> None:
     names = [n for n, _ in events]
     assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"]
     assert names.count("content_block_start") == names.count("content_block_stop") == 2
-    built = _replay(events)
+    built = assembled_message(list(events))
     want = anthropic_answer.message(whole("Let me see.", [CALL], "tool_calls"))
     assert built["content"] == want["content"]
     assert (built["stop_reason"], built["usage"]) == (want["stop_reason"], want["usage"])

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,6 +31,7 @@ from agent_battery import (
     message_text,
     messages_loop,
     output_text,
+    post,
     responses_loop,
     sse_events,
 )
@@ -52,18 +51,6 @@ def url() -> Iterator[str]:
         yield started(proc)
     finally:
         stop(proc)
-
-
-def post(url: str, path: str, payload: dict[str, Any]) -> tuple[int, dict[str, str], Any]:
-    """POST a JSON body: status, headers, and the answer (JSON, or a stream's raw bytes)."""
-    request = urllib.request.Request(url + path, json.dumps(payload).encode(),
-                                     {"Content-Type": "application/json"})  # fmt: skip
-    try:
-        with urllib.request.urlopen(request, timeout=300) as r:
-            raw, status, headers = r.read(), r.status, dict(r.headers)
-    except urllib.error.HTTPError as exc:
-        return exc.code, dict(exc.headers), json.loads(exc.read())
-    return status, headers, raw if payload.get("stream") else json.loads(raw)
 
 
 def test_anthropic_sdk_tool_use_round_trip_stream_and_count(url: str) -> None:

@@ -7,6 +7,8 @@ plus a 10-turn agent loop per API."""
 from __future__ import annotations
 
 import json
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -197,6 +199,18 @@ def responses_loop(post: Callable[[dict[str, Any]], tuple[dict[str, str], Any]],
                     "output": f"{18 + k} C"} for c in calls]  # fmt: skip
         items = outputs or [{"role": "user", "content": f"And in Lyon, day {k}?"}]
     return out
+
+
+def post(url: str, path: str, payload: dict[str, Any]) -> tuple[int, dict[str, str], Any]:
+    """POST a JSON body: status, headers, and the answer (JSON, or a stream's raw bytes)."""
+    request = urllib.request.Request(url + path, json.dumps(payload).encode(),
+                                     {"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=300) as r:
+            raw, status, headers = r.read(), r.status, dict(r.headers)
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), json.loads(exc.read() or b"null")
+    return status, headers, raw if payload.get("stream") else json.loads(raw)
 
 
 def sse_events(raw: bytes) -> list[tuple[str | None, Any]]:

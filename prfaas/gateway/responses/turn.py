@@ -67,10 +67,13 @@ class ResponseTurn:
         return {**for_client(response, self.client), **self._overrides}
 
     async def _final(self, raw: bytes) -> bytes:
-        response = self._client_object(orjson.loads(raw)) if self._patch else orjson.loads(raw)
+        """The final response object as the client's (as written when nothing changed),
+        stored first."""
+        given = orjson.loads(raw)
+        response = self._client_object(given)
         self.response = response
         await self.keep(response)
-        return orjson.dumps(response) if self._patch else raw
+        return raw if response == given else orjson.dumps(response)
 
     async def keep(self, response: dict[str, Any]) -> None:
         """Store `response` under its id (where this turn is stored)."""

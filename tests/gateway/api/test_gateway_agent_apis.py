@@ -103,6 +103,9 @@ async def test_messages_errors_are_anthropics_and_the_gateway_keeps_serving(
                 assert r.status == status and body["type"] == "error", body
         async with session.post(url + "/v1/messages", data=b"{not json") as r:
             assert r.status == 400 and (await r.json())["error"]["type"] == "invalid_request_error"
+        huge = b'{"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "'
+        async with session.post(url + "/v1/messages", data=huge + b"x" * 2**23 + b'"}]}') as r:
+            assert r.status == 413  # refused from its Content-Length, before it is read
     ok = await client.messages.create(model="tiny", max_tokens=2, messages=USER)
     assert ok.stop_reason == "max_tokens"
 

@@ -47,6 +47,7 @@ from agent_battery import (
     cases,
     message_text,
     messages_loop,
+    post,
     responses_loop,
     sse_events,
 )
@@ -142,17 +143,6 @@ def _get_json(url: str, headers: dict[str, str] | None = None) -> Any:
     with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}),
                                 timeout=30) as r:  # fmt: skip
         return json.loads(r.read())
-
-
-def post(url: str, path: str, payload: dict[str, Any]) -> tuple[int, dict[str, str], Any]:
-    request = urllib.request.Request(url + path, json.dumps(payload).encode(),
-                                     {"Content-Type": "application/json"})  # fmt: skip
-    try:
-        with urllib.request.urlopen(request, timeout=300) as r:
-            raw, status, headers = r.read(), r.status, dict(r.headers)
-    except urllib.error.HTTPError as exc:
-        return exc.code, dict(exc.headers), json.loads(exc.read() or b"null")
-    return status, headers, raw if payload.get("stream") else json.loads(raw)
 
 
 # ------------------------------------------------------------------ routing ids
