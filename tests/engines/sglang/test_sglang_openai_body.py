@@ -10,12 +10,20 @@ from typing import Any
 
 import pydantic
 import pytest
+from agent_battery import GREEDY_MESSAGES, GREEDY_RESPONSES, MESSAGES, RESPONSES
 from openai_battery import CHAT, COMPLETIONS, GREEDY, PROMPT, USER
-from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from sglang.srt.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+from sglang.srt.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponsesRequest,
+)
 
 from prfaas.engine_clients.sglang import (
     SGLANG_CHAT_FIELDS,
     SGLANG_COMPLETION_FIELDS,
+    SGLANG_MESSAGES_FIELDS,
+    SGLANG_RESPONSES_FIELDS,
     forwarded_body,
     unknown_to_sglang,
 )
@@ -28,6 +36,44 @@ MODELS: dict[str, Any] = {"chat": ChatCompletionRequest, "completions": Completi
 def test_the_declared_field_lists_are_sglangs() -> None:
     assert set(ChatCompletionRequest.model_fields) == SGLANG_CHAT_FIELDS
     assert set(CompletionRequest.model_fields) == SGLANG_COMPLETION_FIELDS
+    assert set(AnthropicMessagesRequest.model_fields) == SGLANG_MESSAGES_FIELDS
+    assert set(ResponsesRequest.model_fields) == SGLANG_RESPONSES_FIELDS
+
+
+AGENT_MODELS: dict[str, Any] = {"messages": AnthropicMessagesRequest,
+                                "responses": ResponsesRequest}  # fmt: skip
+AGENT_BASES = {"messages": GREEDY_MESSAGES, "responses": GREEDY_RESPONSES}
+MALFORMED = ("over-context", "unknown-block", "bad-role", "no-max-tokens", "unknown-model",
+             "unknown-item", "no-input")  # fmt: skip
+
+
+def _agent_shapes() -> list[Any]:
+    return [
+        pytest.param(api, extra, id=f"{api}-{name}")
+        for api, shapes in (("messages", MESSAGES), ("responses", RESPONSES))
+        for name, extra in shapes.items() if name not in MALFORMED
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(("api", "extra"), _agent_shapes())
+def test_messages_and_responses_bodies_parse_in_sglang_with_the_pd_fields(
+    api: str, extra: Any
+) -> None:
+    """Every well-formed Messages and Responses shape of the agent battery, forwarded with
+    SGLang's PD fields, parses into sglang's own request model with `bootstrap_*` set, or
+    is refused by name by the client (a field the model does not declare)."""
+    body = {k: v for k, v in {**AGENT_BASES[api], **extra, "stream": True}.items()
+            if v is not None}  # fmt: skip
+    client_body = ClientBody(api, body)  # type: ignore[arg-type]
+    unknown = unknown_to_sglang(client_body)
+    if unknown is not None:
+        assert unknown in body and unknown not in AGENT_MODELS[api].model_fields
+        return
+    request = GenerateRequest("r", (1, 2), bootstrap=Bootstrap("10.0.0.1", 8998, 42),
+                              client_body=client_body)  # fmt: skip
+    parsed = AGENT_MODELS[api](**asyncio.run(_body(request)))
+    assert (parsed.bootstrap_host, parsed.bootstrap_port, parsed.bootstrap_room) == (
+        "10.0.0.1", 8998, 42)  # fmt: skip
 
 
 def _shapes() -> list[Any]:

@@ -36,6 +36,7 @@ GATEWAY_FAMILIES = {
     "prfaas_request_migrations": "counter",
     "prfaas_instance_ejections": "counter",
     "prfaas_prefix_pulls": "counter",
+    "prfaas_response_store_errors": "counter",
 }
 # Escaping needed in a label value: a newline, a quote and a backslash.
 ODD_ID = 'pd-d0 "rack\\7"\nrow 2'
