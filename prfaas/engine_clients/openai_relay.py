@@ -53,6 +53,7 @@ class OpenAICall(AnsweredCall):
         self.name, self.prompt_tokens, self.relay = name, prompt_tokens, relay
         self._path, self._usage_asked, self.api = path, usage_asked, api
         self._completion = 0
+        self._event_name: str | None = None  # the current SSE event's `event:` line
 
     def on_end(self, error: BaseException | None) -> None:
         if self.ended.done():
@@ -86,13 +87,25 @@ class OpenAICall(AnsweredCall):
         return EngineError(message)
 
     def _line(self, line: bytes) -> None:
-        """One SSE line; raises EngineError for an error event (ends the HTTP call)."""
+        """One SSE line; raises EngineError for an error event (ends the HTTP call). An
+        event a Messages or Responses stream names, and whose data the gateway need not
+        read (`relayed_answer.must_read`), is relayed without decoding it."""
+        if line.startswith(b"event:"):
+            self._event_name = line[6:].strip().decode(errors="replace")
+            return
         payload = line[5:].strip() if line.startswith(b"data:") else b""
-        if payload and payload != b"[DONE]":
-            if self.relay:
-                self._relayed(payload, orjson.loads(payload))
-            else:
-                self._event(orjson.loads(payload))
+        if not payload or payload == b"[DONE]":
+            return
+        name, self._event_name = self._event_name, None
+        if not self.relay:
+            self._event(orjson.loads(payload))
+        elif relayed_answer.must_read(self.api, name):
+            self._relayed(payload, orjson.loads(payload))
+        else:
+            assert name is not None
+            self._completion += relayed_answer.output_name(self.api, name)
+            self.push(GenerateChunk((), "", self.prompt_tokens, self._completion, 0, None,
+                                    payload, name))  # fmt: skip
 
     def _answer(self, raw: bytes) -> None:
         """A whole answer: as written (relay), or token chunks."""

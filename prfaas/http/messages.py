@@ -5,6 +5,8 @@ with chunked encoding and write back-pressure; `HEAD` without a body). The conne
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -125,8 +127,15 @@ def _head(status: int, content_type: str | None, headers: Mapping[str, str]) -> 
     return lines
 
 
+COALESCE_BYTES = 64 * 1024
+"""Pieces a turn of the loop holds back to send together at most (a larger one goes out at
+once, so that a client reading slower than we write holds the writer back)."""
+
+
 class ResponseStream:
-    """A response body sent piece by piece (chunked, or until close for HTTP/1.0)."""
+    """A response body sent piece by piece (chunked, or until close for HTTP/1.0). The pieces
+    written in one turn of the event loop (a relay handing on the several events one read
+    from an engine brought) go out in one send at the end of that turn."""
 
     def __init__(self, exchange: Exchange, head: bytes, cut_tail: bytes = b"") -> None:
         self._exchange = exchange
@@ -134,10 +143,13 @@ class ResponseStream:
         self._chunked = exchange.request.http_version != "1.0"
         self._no_body = exchange.request.method == "HEAD"
         self._cut_tail = cut_tail
+        self._unsent: list[bytes] = []  # pieces written in this turn of the loop
+        self._unsent_bytes = 0
         self.ended = False
 
     async def write(self, data: bytes) -> None:
-        """Send one piece; waits while the client reads slower than we write.
+        """Send one piece (with the others written in this turn of the loop); waits while
+        the client reads slower than we write.
 
         Raises:
             ConnectionResetError: the client has gone away.
@@ -149,16 +161,33 @@ class ResponseStream:
         out = self._take_head()
         if data and not self._no_body:
             out += b"%x\r\n%s\r\n" % (len(data), data) if self._chunked else data
-        conn = self._exchange.conn
-        conn.send(out)
-        await conn.drain()
+        if not self._unsent:
+            asyncio.get_running_loop().call_soon(self._send_unsent)
+        self._unsent.append(out)
+        self._unsent_bytes += len(out)
+        if self._unsent_bytes >= COALESCE_BYTES:  # large: out now, so back-pressure holds
+            self._send_unsent()
+        await self._exchange.conn.drain()
+
+    def _send_unsent(self) -> None:
+        """Send the pieces written since the last send, in one write (a client that left
+        is seen by the writer's next `write`)."""
+        if self._unsent:
+            with contextlib.suppress(ConnectionError):
+                self._exchange.conn.send(self._take_unsent())
+
+    def _take_unsent(self) -> bytes:
+        out = b"".join(self._unsent)
+        self._unsent.clear()
+        self._unsent_bytes = 0
+        return out
 
     async def end(self) -> None:
         """Finish the body (the last chunk); the connection then serves its next request."""
         if self.ended:
             return
         self.ended = True
-        out = self._take_head()
+        out = self._take_unsent() + self._take_head()
         if self._chunked and not self._no_body:
             out += b"0\r\n\r\n"
         if out:
@@ -171,7 +200,7 @@ class ResponseStream:
         if self.ended:
             return
         self.ended = True
-        out = self._take_head()
+        out = self._take_unsent() + self._take_head()
         if self._cut_tail and not self._no_body:
             tail = self._cut_tail
             out += b"%x\r\n%s\r\n" % (len(tail), tail) if self._chunked else tail

@@ -26,6 +26,18 @@ from prfaas.protocol.client_body import EVENT_STREAMS, Api
 FINAL_RESPONSE_EVENTS = frozenset({"response.completed", "response.incomplete",
                                    "response.failed"})  # fmt: skip
 """The Responses events that carry the final response object."""
+READ_EVENTS: dict[Api, frozenset[str]] = {
+    "messages": frozenset({"message_start", "message_delta", "error"}),
+    "responses": FINAL_RESPONSE_EVENTS | {"error"},
+}
+"""The named events whose data the gateway reads (usage, the finish, an error); any other
+event of these streams is relayed unread, counted by its name."""
+
+
+def must_read(api: Api, name: str | None) -> bool:
+    """Whether a streamed event named `name` (None: the stream names no events) must be
+    decoded for its counts, finish or error."""
+    return name is None or api not in EVENT_STREAMS or name in READ_EVENTS[api]
 
 
 @dataclass(frozen=True)
@@ -75,12 +87,15 @@ def usage(api: Api, event: dict[str, Any]) -> Usage | None:
 def output_event(api: Api, event: dict[str, Any]) -> bool:
     """Whether a streamed `event` carries output (about one token; the counts until the
     final usage come from these)."""
-    if api == "messages":
-        return event.get("type") == "content_block_delta"
-    if api == "responses":
+    if api in EVENT_STREAMS:
         kind = event.get("type")
-        return isinstance(kind, str) and kind.endswith(".delta")
+        return isinstance(kind, str) and output_name(api, kind)
     return bool(event.get("choices"))
+
+
+def output_name(api: Api, name: str) -> bool:
+    """Whether the event `name` of a Messages or Responses stream carries output."""
+    return name == "content_block_delta" if api == "messages" else name.endswith(".delta")
 
 
 def finish(api: Api, event: dict[str, Any]) -> str | None:

@@ -47,33 +47,38 @@ class ResponseTurn:
         """The final response object, once it went by."""
 
     async def whole(self, raw: bytes) -> bytes:
-        """A whole answer (the response object) as the client's, stored first."""
-        return await self._final(raw)
+        """A whole answer (the response object) as the client's, stored first (as written
+        when the client's view is the engine's)."""
+        given = orjson.loads(raw)
+        response = await self._final(given)
+        return raw if response is given else orjson.dumps(response)
 
     async def event(self, name: str | None, raw: bytes) -> bytes:
         """One streamed event as the client's; the final one stored first."""
         self.events += 1
         if name in FINAL_RESPONSE_EVENTS:
             event = orjson.loads(raw)
-            event["response"] = orjson.loads(await self._final(orjson.dumps(event["response"])))
-            return orjson.dumps(event)
+            response = await self._final(event["response"])
+            return raw if response is event["response"] else orjson.dumps(
+                {**event, "response": response}
+            )  # fmt: skip
         if self._patch and name in RESPONSE_EVENTS:
             event = orjson.loads(raw)
-            event["response"] = self._client_object(event["response"])
-            return orjson.dumps(event)
+            return orjson.dumps({**event, "response": self._client_object(event["response"])})
         return raw
 
     def _client_object(self, response: dict[str, Any]) -> dict[str, Any]:
         return {**for_client(response, self.client), **self._overrides}
 
-    async def _final(self, raw: bytes) -> bytes:
-        """The final response object as the client's (as written when nothing changed),
-        stored first."""
-        given = orjson.loads(raw)
+    async def _final(self, given: dict[str, Any]) -> dict[str, Any]:
+        """The final response object as the client's (`given` itself when that changes
+        nothing), stored first."""
         response = self._client_object(given)
+        if response == given:
+            response = given
         self.response = response
         await self.keep(response)
-        return raw if response == given else orjson.dumps(response)
+        return response
 
     async def keep(self, response: dict[str, Any]) -> None:
         """Store `response` under its id (where this turn is stored)."""
