@@ -186,6 +186,16 @@ async def dashboard_data(gw: Gateway, request: HttpRequest, exchange: Exchange) 
     return _json({**gw.activity.snapshot(since_query(request.query)), "time": time.time()})
 
 
+async def openapi_json(gw: Gateway, request: HttpRequest, exchange: Exchange) -> HttpResponse:
+    """`GET /openapi.json`: what this gateway serves (`openapi.py`)."""
+    paths: dict[str, list[str]] = {p: [*m, *(["HEAD"] if "GET" in m else [])]
+                                   for p, m in ROUTES.items()}  # fmt: skip
+    for action, methods in RESPONSE_ROUTES.items():
+        template = "/v1/responses/{response_id}" + (f"/{action}" if action else "")
+        paths[template] = list(methods)
+    return _json(openapi.document(paths, gw.config.model.name))
+
+
 ROUTES: dict[str, dict[str, Route]] = {
     "/v1/completions": {"POST": completions},
     "/v1/chat/completions": {"POST": chat},
@@ -201,6 +211,7 @@ ROUTES: dict[str, dict[str, Route]] = {
     "/metrics": {"GET": metrics},
     "/admin/state": {"GET": admin_state, "POST": set_admin_state},
     "/admin/dashboard": {"GET": dashboard_data},
+    "/openapi.json": {"GET": openapi_json},
     **{path: {"GET": page} for path, page in DASHBOARD_PAGES.items()},
 }
 RESPONSE_ROUTES: dict[str, dict[str, Route]] = {
@@ -208,19 +219,6 @@ RESPONSE_ROUTES: dict[str, dict[str, Route]] = {
     "cancel": {"POST": responses_routes.cancel},
 }
 """`/v1/responses/{id}` and `/v1/responses/{id}/cancel`, by action."""
-
-
-async def openapi_json(gw: Gateway, request: HttpRequest, exchange: Exchange) -> HttpResponse:
-    """`GET /openapi.json`: what this gateway serves (`openapi.py`)."""
-    paths: dict[str, list[str]] = {p: [*m, *(["HEAD"] if "GET" in m else [])]
-                                   for p, m in ROUTES.items()}  # fmt: skip
-    for action, methods in RESPONSE_ROUTES.items():
-        template = "/v1/responses/{response_id}" + (f"/{action}" if action else "")
-        paths[template] = list(methods)
-    return _json(openapi.document(paths, gw.config.model.name))
-
-
-ROUTES["/openapi.json"] = {"GET": openapi_json}
 
 
 def routes_of(path: str) -> dict[str, Route] | None:
