@@ -23,29 +23,19 @@ On the CPU the same code runs without streams: every copy is complete when it re
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Collection, Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
+from prfaas.engines.kv_pages.device_copy import WIRE, DeviceCopier, movable, numpy_dtype
 from prfaas.engines.kv_pages.errors import PageError
 from prfaas.engines.kv_pages.host_copy import Fence, HostCopy
 from prfaas.engines.kv_pages.pool import Placement, check_pages
-from prfaas.engines.kv_pages.staging import DEFAULT_BUDGET_BYTES, HostBudget
+from prfaas.engines.kv_pages.staging import DEFAULT_BUDGET_BYTES
 
 Tensors = Mapping[str, torch.Tensor]
-
-_MOVABLE = {
-    torch.bfloat16: torch.int16,
-    torch.float8_e4m3fn: torch.uint8,
-    torch.float8_e5m2: torch.uint8,
-}
-"""dtypes numpy cannot hold, moved as an integer view of the same width."""
-_WIRE = {torch.bfloat16: np.dtype(np.uint16)}
-"""The wire dtype where it differs from the movable view's (bfloat16 travels as uint16)."""
 
 
 class TorchPagePool:
@@ -65,7 +55,7 @@ class TorchPagePool:
             raise ValueError(f"every view must live on one device, got {sorted(map(str, devices))}")
         self.device = devices.pop() if devices else torch.device("cpu")
         self._wire = {
-            (layer, name): _WIRE.get(t.dtype)
+            (layer, name): WIRE.get(t.dtype)
             for comps in (pages, states)
             for layer, tensors in comps.items()
             for name, t in tensors.items()
@@ -75,11 +65,8 @@ class TorchPagePool:
         sizes = {t.shape[1] for comps in self.pages.values() for t in comps.values()}
         if len(sizes) > 1:
             raise ValueError(f"every page component must share one page size, got {sorted(sizes)}")
-        cuda = self.device.type == "cuda"
-        self.budget = HostBudget(send_budget_bytes, pinned=cuda)
-        self._read_stream: Any = _stream(self.device) if cuda else None
-        self._place_stream: Any = _stream(self.device) if cuda else None
-        self._place_lock = threading.Lock()
+        self.copier = DeviceCopier(self.device, send_budget_bytes=send_budget_bytes)
+        self.budget = self.copier.budget
 
     # -- PagePool --------------------------------------------------------------------------
 
@@ -126,10 +113,11 @@ class TorchPagePool:
         where = Placement.of(arrays, first_token, block_ids, self.page_size, skip)
         if not len(where.rows):
             return where.end
-        with self._placing():
-            index = (self._index(where.pages), self._index(where.offsets))
+        with self.copier.placing():
+            index = (self.copier.index(where.pages), self.copier.index(where.offsets))
             for name, src in arrays.items():
-                dest[name].index_put_(index, self._stage(where.rows_of(src), dest[name]))
+                rows = self.copier.staged(where.rows_of(src), dest[name].dtype)
+                dest[name].index_put_(index, rows)
         return where.end
 
     def write_state(self, layer: int, slot: int, arrays: Mapping[str, np.ndarray]) -> None:
@@ -145,79 +133,34 @@ class TorchPagePool:
                     f"layer {layer} state {name!r}: {src.dtype}{list(src.shape)} does not match "
                     f"the pool's {wire}{list(target.shape[1:])}"
                 )
-        with self._placing():
+        with self.copier.placing():
             for name, src in arrays.items():
-                dest[name][slot].copy_(self._stage(src, dest[name]), non_blocking=True)
+                dest[name][slot].copy_(self.copier.staged(src, dest[name].dtype), non_blocking=True)
 
     # -- completion --------------------------------------------------------------------------
 
     def fence(self) -> Fence:
         """Marks every write enqueued so far: ready once they are all in the engine's memory."""
-        if self._place_stream is None:
-            return Fence()
-        event = _event()
-        event.record(self._place_stream)
-        return Fence(event)
+        return self.copier.placed()
 
     def reads_done(self) -> None:
         """Wait until every copy out of the engine's memory enqueued so far has finished."""
-        if self._read_stream is not None:
-            self._read_stream.synchronize()
+        self.copier.reads_done()
 
     # -- internals ---------------------------------------------------------------------------
 
     def _read(self, layer: int, comps: Tensors, ids: torch.Tensor, *, one: bool) -> HostCopy:
         """Rows `ids` of every component into host buffers from the budget (`one`: a single
         row, handed out without its leading axis)."""
-        out: dict[str, np.ndarray] = {}
-        if self._read_stream is None:
-            for name, view in comps.items():
-                host, root = self.budget.take((len(ids), *view.shape[1:]), view.dtype)
-                torch.index_select(view, 0, ids, out=host)
-                out[name] = self._to_wire(layer, name, root, one)
-            return HostCopy(out)
-        forward = torch.cuda.current_stream(self.device)
-        written = _event()
-        written.record(forward)
-        with torch.cuda.stream(self._read_stream):
-            self._read_stream.wait_event(written)
-            on_device = ids.to(self.device, non_blocking=True)
-            for name, view in comps.items():
-                picked = view.index_select(0, on_device)
-                host, root = self.budget.take(tuple(picked.shape), picked.dtype)
-                host.copy_(picked, non_blocking=True)
-                out[name] = self._to_wire(layer, name, root, one)
-            copied = _event()
-            copied.record(self._read_stream)
-        return HostCopy(out, Fence(copied))
-
-    @contextmanager
-    def _placing(self) -> Iterator[None]:
-        """Writes from any thread, one at a time, on the placing stream (none on the CPU)."""
-        stream = self._place_stream
-        with self._place_lock, torch.cuda.stream(stream) if stream is not None else nullcontext():
-            yield
-
-    def _stage(self, src: np.ndarray, like: torch.Tensor) -> torch.Tensor:
-        """Host `src` as a tensor of `like`'s dtype on `like`'s device (through pinned
-        memory, copied on the current stream, on a GPU)."""
-        host = torch.from_numpy(np.ascontiguousarray(src).view(_numpy_dtype(like.dtype)))
-        if self._place_stream is None:
-            return host
-        pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
-        pinned.copy_(host)
-        return pinned.to(self.device, non_blocking=True)
-
-    def _index(self, values: np.ndarray) -> torch.Tensor:
-        index = torch.from_numpy(values)
-        return index if self._place_stream is None else index.to(self.device, non_blocking=True)
+        roots, fence = self.copier.to_host(comps, ids)
+        return HostCopy({n: self._to_wire(layer, n, root, one) for n, root in roots.items()}, fence)
 
     def _wire_dtype(self, layer: int, name: str) -> np.dtype[Any]:
         wire = self._wire.get((layer, name))
         if wire is not None:
             return wire
         comps = self.pages.get(layer) or self.states[layer]
-        dtype: np.dtype[Any] = np.dtype(_numpy_dtype(comps[name].dtype))
+        dtype: np.dtype[Any] = np.dtype(numpy_dtype(comps[name].dtype))
         return dtype
 
     def _to_wire(self, layer: int, name: str, root: np.ndarray, one: bool) -> np.ndarray:
@@ -235,15 +178,6 @@ class TorchPagePool:
         return comps
 
 
-def _stream(device: torch.device) -> Any:
-    """A CUDA stream of the lowest priority (copies yield to the forward's kernels)."""
-    return torch.cuda.Stream(device, priority=0)  # type: ignore[no-untyped-call]
-
-
-def _event() -> Any:
-    return torch.cuda.Event()  # type: ignore[no-untyped-call]
-
-
 def _movable(what: str, comps: Tensors, min_ndim: int) -> dict[str, torch.Tensor]:
     """`comps` as views torch can index and numpy can hold (bfloat16 and fp8 as integers)."""
     if not comps:
@@ -255,15 +189,8 @@ def _movable(what: str, comps: Tensors, min_ndim: int) -> dict[str, torch.Tensor
                 f"{what}[{name!r}] must be a torch tensor with >= {min_ndim} dims, got "
                 f"{type(tensor).__name__} {getattr(tensor, 'shape', None)}"
             )
-        out[name] = tensor.view(_MOVABLE[tensor.dtype]) if tensor.dtype in _MOVABLE else tensor
-        _numpy_dtype(out[name].dtype)  # raises for a dtype the wire cannot carry
+        out[name] = movable(tensor)
+        numpy_dtype(out[name].dtype)  # raises for a dtype the wire cannot carry
     if len({t.shape[0] for t in out.values()}) != 1:
         raise ValueError(f"{what} components disagree on their count")
     return out
-
-
-def _numpy_dtype(dtype: torch.dtype) -> Any:
-    try:
-        return torch.empty((), dtype=dtype).numpy().dtype
-    except TypeError as exc:
-        raise ValueError(f"dtype {dtype} cannot travel") from exc
