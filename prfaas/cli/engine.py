@@ -1,5 +1,5 @@
-"""`prfaas engine`: run a CPU reference engine (prefill, decode or both) with an SGLang-
-compatible HTTP API."""
+"""`prfaas engine`: run a reference engine (prefill, decode or both; on the CPU or a GPU) with
+an SGLang-compatible HTTP API."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from prfaas.cli.extras import require_extra
 if TYPE_CHECKING:
     from prfaas.engines.transport import TlsConfig
 
-HELP = "Run a CPU reference engine serving a hybrid-attention model."
+HELP = "Run a reference engine serving a hybrid-attention model (CPU or GPU)."
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,6 +22,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model", default="qwen3-next-tiny", help="preset name or local checkpoint directory"
     )
     parser.add_argument("--role", choices=("prefill", "decode", "both"), default="both")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="torch device of the weights, KV pool and sampling: cpu, cuda or cuda:N",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        help="weights and KV dtype (default: float32 on cpu, bfloat16 on a GPU)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="bind address (HTTP and bootstrap)")
     parser.add_argument("--port", type=int, default=30000, help="HTTP port (0: any free)")
     parser.add_argument(
@@ -87,6 +97,13 @@ def _add_transfer_arguments(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--egress-delay-ms", type=float, default=0.0, help="added one-way delay of KV frames"
+    )
+    group.add_argument(
+        "--kv-send",
+        choices=("layerwise", "after-prefill"),
+        default="layerwise",
+        help="when KV goes on the wire: as each layer is computed, or all of it once the "
+        "prefill is over (the send-after baseline)",
     )
     group.add_argument(
         "--egress-capacity-mbps",
@@ -178,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
             egress_rate_bytes_per_s=_mbps("--egress-rate-mbps", args.egress_rate_mbps),
             egress_delay_s=args.egress_delay_ms / 1000,
             capacity_bytes_per_s=_mbps("--egress-capacity-mbps", args.egress_capacity_mbps),
+            layerwise=args.kv_send == "layerwise",
         )
         options = LaunchOptions(
             model=args.model,
@@ -188,6 +206,8 @@ def run(args: argparse.Namespace) -> int:
             kv_events_replay=args.kv_events_replay,
             cache_dir=args.model_cache,
             threads=args.threads,
+            device=args.device,
+            dtype=args.dtype,
             engine=engine,
             transfer=transfer,
             secret=DeploymentSecret.from_env(path=args.secret_file),

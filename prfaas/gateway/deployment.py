@@ -32,6 +32,7 @@ engine = "reference"         # reference: our engine; vllm: a vLLM server (conne
 cluster = "pd"
 role = "decode"
 model = "qwen3-next-tiny"
+# device = "cuda:0"          # reference engines: torch device (default cpu); dtype = "bfloat16"
 # egress_rate_mbps = 10      # prefill roles: pace this engine's KV egress (emulated link)
 # egress_delay_ms = 5        # prefill roles: added one-way delay
 # transport_tls_cert = "certs/pd-d0.pem"   # KV transport TLS (reference engines; all three
@@ -68,6 +69,7 @@ from urllib.parse import urlparse
 from prfaas.common.toml_tables import ConfigError, build, check, load_toml
 from prfaas.coordination.config import CoordinationConfig
 from prfaas.engine_clients.base import Role
+from prfaas.engines.reference.engine_config import DTYPES, is_device
 from prfaas.gateway.responses.config import ResponsesConfig
 from prfaas.gateway.scheduling.config import SchedulerConfig
 from prfaas.policies.routing import Regime, Route
@@ -243,6 +245,10 @@ class LaunchConfig:
     """vLLM engines: the interpreter of the vLLM environment (relative to the working
     directory, or absolute)."""
     threads: int = 1
+    device: str = "cpu"
+    """Reference engines: the torch device it runs on (`cpu`, `cuda`, `cuda:N`)."""
+    dtype: str | None = None
+    """Reference engines: weights and KV dtype; unset: float32 on cpu, bfloat16 on a GPU."""
     vllm_args: tuple[str, ...] = ()
     """vLLM engines: more `vllm serve` flags (e.g. `--enable-auto-tool-choice`,
     `--tool-call-parser hermes`: the client's `tools` are the engine's to answer)."""
@@ -274,6 +280,12 @@ class LaunchConfig:
         check(self.engine in LAUNCHED, "engine", self.engine, f"must be one of {LAUNCHED} "
               "(list running SGLang servers under [[instances]])")  # fmt: skip
         check(self.threads >= 1, "threads", self.threads, "must be >= 1")
+        check(is_device(self.device), "device", self.device, "must be cpu, cuda or cuda:N")
+        check(self.device == "cpu" or self.engine == "reference", "device", self.device,
+              "is for reference engines only (a vLLM build runs on its own device)")  # fmt: skip
+        check(self.dtype in (None, *DTYPES), "dtype", self.dtype, f"must be one of {DTYPES}")
+        check(self.dtype is None or self.engine == "reference", "dtype", self.dtype,
+              "is for reference engines only")  # fmt: skip
         check(not self.vllm_args or self.engine == "vllm", "vllm_args", list(self.vllm_args),
               "is for vLLM engines only")  # fmt: skip
         check(self.vllm_standby is None or self.engine == "vllm", "vllm_standby",
@@ -309,8 +321,13 @@ class LaunchConfig:
         return self.transport_tls_cert is not None
 
     def engine_args(self) -> tuple[str, ...]:
-        """Extra `prfaas engine` flags for the link emulation and transport TLS, if any."""
+        """Extra `prfaas engine` flags for the device, the link emulation and transport TLS,
+        if any."""
         args: list[str] = []
+        if self.device != "cpu":
+            args += ["--device", self.device]
+        if self.dtype is not None:
+            args += ["--dtype", self.dtype]
         if self.egress_rate_mbps is not None:
             args += ["--egress-rate-mbps", f"{self.egress_rate_mbps:g}"]
         if self.egress_delay_ms > 0:

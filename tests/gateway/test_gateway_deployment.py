@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
 
+from prfaas.cli import engine as engine_cli
 from prfaas.cli.engine import transport_tls
 from prfaas.cli.main import build_parser
 from prfaas.common.toml_tables import ConfigError
@@ -149,6 +151,28 @@ def test_launch_link_emulation(tmp_path: Path) -> None:
     paced_decode = text.replace('role = "decode"\n', 'role = "decode"\negress_delay_ms = 3\n')
     with pytest.raises(ConfigError, match=r"launch\[1\]\.role: has no KV egress to pace"):
         load_deployment(_write(tmp_path, paced_decode))
+
+
+def test_launch_device(tmp_path: Path) -> None:
+    """A launched reference engine runs on the device (and dtype) its entry names, passed
+    as `prfaas engine` flags that the engine's own parser takes; the CPU default adds no
+    flag; a malformed device, an unknown dtype, or a device on a vLLM engine is refused,
+    named."""
+    base = '[[launch]]\nid = "pd-0"\ncluster = "pd"\nrole = "both"\n'
+    assert load_deployment(_write(tmp_path, base)).launch[0].engine_args() == ()
+    gpu = load_deployment(_write(tmp_path, base + 'device = "cuda:1"\ndtype = "float16"\n'))
+    args = gpu.launch[0].engine_args()
+    assert args == ("--device", "cuda:1", "--dtype", "float16")
+    parser = argparse.ArgumentParser()
+    engine_cli.add_arguments(parser)
+    parsed = parser.parse_args(list(args))
+    assert (parsed.device, parsed.dtype) == ("cuda:1", "float16")
+    for bad, key in (('device = "gpu0"', "device"), ('dtype = "int8"', "dtype")):
+        with pytest.raises(ConfigError, match=rf"launch\[0\]\.{key}: must be"):
+            load_deployment(_write(tmp_path, base + bad + "\n"))
+    vllm = base + 'engine = "vllm"\ndevice = "cuda"\n'
+    with pytest.raises(ConfigError, match=r"launch\[0\]\.device: is for reference engines"):
+        load_deployment(_write(tmp_path, vllm))
 
 
 def test_engine_kind_per_instance_defaults_to_reference(tmp_path: Path) -> None:

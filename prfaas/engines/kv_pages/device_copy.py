@@ -61,11 +61,12 @@ def wire_array(root: np.ndarray, dtype: torch.dtype) -> np.ndarray:
     return root if wire is None else root.view(wire)
 
 
-def from_wire(array: np.ndarray) -> torch.Tensor:
-    """A received array as a host tensor sharing its memory (uint16 is bfloat16's wire
+def torch_dtype(wire: np.dtype[Any]) -> torch.dtype:
+    """The torch dtype a received array of dtype `wire` holds (uint16 is bfloat16's wire
     form: no model state is uint16)."""
-    tensor = torch.from_numpy(array)
-    return tensor.view(torch.bfloat16) if array.dtype == np.uint16 else tensor
+    if wire == np.uint16:
+        return torch.bfloat16
+    return torch.from_numpy(np.empty(0, dtype=wire)).dtype
 
 
 class DeviceCopier:
@@ -92,8 +93,8 @@ class DeviceCopier:
         self, tensors: Mapping[str, torch.Tensor], index: torch.Tensor | None = None
     ) -> tuple[dict[str, np.ndarray], Fence]:
         """Host copies of `tensors` (rows `index` of each along dim 0, if given) in buffers
-        from the budget, in movable dtypes (numpy arrays whose lifetime holds the budget),
-        and the fence after which they hold the bytes."""
+        from the budget, in wire form (numpy arrays whose lifetime holds the budget), and
+        the fence after which they hold the bytes."""
         out: dict[str, np.ndarray] = {}
         if self._read_stream is None:
             for name, tensor in tensors.items():
@@ -104,7 +105,7 @@ class DeviceCopier:
                     host.copy_(src)
                 else:
                     torch.index_select(src, 0, index, out=host)
-                out[name] = root
+                out[name] = wire_array(root, tensor.dtype)
             return out, Fence()
         written = _event()
         written.record(torch.cuda.current_stream(self.device))
@@ -117,7 +118,7 @@ class DeviceCopier:
                 picked = src if on_device is None else src.index_select(0, on_device)
                 host, root = self.budget.take(tuple(picked.shape), picked.dtype)
                 host.copy_(picked, non_blocking=True)
-                out[name] = root
+                out[name] = wire_array(root, tensor.dtype)
             copied = _event()
             copied.record(self._read_stream)
         return out, Fence(copied)

@@ -1,5 +1,6 @@
-"""CPU reference engine: real hybrid models from `transformers`, the hybrid prefix cache pool
-(`block_pool`), prefill/decode roles, SGLang-compatible HTTP API and KV events.
+"""The reference engine (on the CPU or a GPU): real hybrid models from `transformers`, the
+hybrid prefix cache pool (`block_pool`), prefill/decode roles, SGLang-compatible HTTP API and
+KV events.
 
 Sub-packages, one job each: `model/` (presets, forward passes, the model-facing cache),
 `cache/` (the hybrid prefix cache pool and its tensors), `step/` (the engine step),

@@ -3,12 +3,27 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from prfaas.engines.transport import SenderConfig, TlsConfig
 
 ROLES = ("prefill", "decode", "both")
 MIB = 2**20
+DTYPES = ("float32", "bfloat16", "float16")
+"""Weight and KV dtypes the engine runs in."""
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+def is_device(device: str) -> bool:
+    """Whether `device` names a torch device the engine runs on (`cpu`, `cuda`, `cuda:N`)."""
+    return _DEVICE.fullmatch(device) is not None
+
+
+def default_dtype(device: str) -> str:
+    """The dtype an engine on `device` runs in unless told: float32 on the CPU (exact
+    cross-checks against `transformers`), bfloat16 on a GPU (as serving engines run)."""
+    return "float32" if device == "cpu" else "bfloat16"
 
 
 @dataclass(frozen=True)
@@ -82,6 +97,10 @@ class TransferConfig:
     """Added one-way delay of every KV frame (link emulation)."""
     capacity_bytes_per_s: float | None = None
     """Link capacity that telemetry utilisation is measured against (default: the rate)."""
+    layerwise: bool = True
+    """Put each layer's KV on the wire as soon as it is computed; False: hold every message
+    until the prefill is over (send-after, the baseline layer-wise pipelining is measured
+    against)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.connections <= 64:
@@ -111,4 +130,5 @@ class TransferConfig:
             process_rate_bytes_per_s=self.egress_rate_bytes_per_s,
             capacity_bytes_per_s=self.capacity_bytes_per_s,
             delay_s=self.egress_delay_s,
+            pipelined=self.layerwise,
         )

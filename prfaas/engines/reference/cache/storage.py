@@ -1,7 +1,8 @@
 """Tensor storage beside the block pool: KV pages of full layers and linear-state slots.
 
 `BlockPool` decides which block id or slot holds what; `KVStorage` holds the bytes. Pages are
-allocated lazily from the first sequence written (their shapes come from the model), as
+allocated lazily from the first sequence written (their shapes, dtype and device come from
+the model), as
 `(num_blocks, heads, block_size, dim)` per full-attention layer and `(num_slots, ...)` per
 linear layer for conv and recurrent states.
 """
@@ -33,7 +34,7 @@ class KVStorage:
         start, end = first * bs, (first + n) * bs
         if end > state.length:
             raise ValueError(f"blocks up to token {end} but the sequence has {state.length}")
-        index = torch.tensor(list(block_ids))
+        index: torch.Tensor | None = None
         for layer in state.keys:
             for src, pages in ((state.keys, self._k), (state.values, self._v)):
                 t = src[layer][0, ..., start:end, :]  # (h, n*bs, d)
@@ -41,6 +42,8 @@ class KVStorage:
                 blocks = t.movedim(-3, 0)  # (n, h, bs, d)
                 if layer not in pages:
                     pages[layer] = blocks.new_zeros((self.num_blocks, *blocks.shape[1:]))
+                if index is None:
+                    index = torch.tensor(list(block_ids), device=blocks.device)
                 pages[layer].index_copy_(0, index, blocks)
 
     def gather(self, block_ids: Sequence[int]) -> SeqState:
@@ -48,8 +51,10 @@ class KVStorage:
         state = SeqState(length=len(block_ids) * self.block_size)
         if not block_ids:
             return state
-        index = torch.tensor(list(block_ids))
+        index: torch.Tensor | None = None
         for layer, pages in self._k.items():
+            if index is None:
+                index = torch.tensor(list(block_ids), device=pages.device)
             for dst, src in ((state.keys, pages), (state.values, self._v[layer])):
                 blocks = src.index_select(0, index)  # (n, h, bs, d)
                 dst[layer] = blocks.movedim(0, -3).flatten(-3, -2).unsqueeze(0)  # (1,h,T,d)

@@ -1,11 +1,12 @@
 """The engine side of the prefill -> decode KV hand-off, and an in-process implementation.
 
 A prefill engine opens an `Outbox` per request (keyed by SGLang's `bootstrap_room`) and pushes
-each layer's arrays the moment the layer finishes (`send_layer` is thread-safe and non-blocking:
-it is called from inside the forward pass), then named aux bytes (the first token), then
-`finish()`. A decode engine `fetch`es the room from the prefill engine's bootstrap address and
-gets every layer in the order sent. `transport_handoff.py` adapts the cross-DC TCP transport to
-this interface; `InProcessHub` connects engines living in one process (tests).
+each layer's arrays the moment the layer finishes (`send_copy` is thread-safe and does not wait
+for a device copy: it is called from inside the forward pass), then the meta (the first
+token), then `finish()`. A decode engine `fetch`es the room from the prefill engine's
+bootstrap address and gets every layer in the order sent. `transport.py` adapts the cross-DC
+TCP transport to this interface; `InProcessHub` connects engines living in one process
+(tests).
 
 Layer kinds: `FULL_KV` carries `{"k", "v"}` for the block range `blocks` of a full-attention
 layer (MLA: the compressed latents); `LINEAR_STATE` carries `{"conv", "rec"}` of a linear layer.
@@ -18,9 +19,12 @@ import itertools
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
+import orjson
+
+from prfaas.engines.kv_pages import META, HostCopy
 
 _T = TypeVar("_T")
 
@@ -63,8 +67,13 @@ class Outbox(Protocol):
     ) -> None:
         """Queue one layer's arrays; do not modify them until `wait()` returns."""
 
-    def send_aux(self, name: str, payload: bytes) -> None:
-        """Queue named bytes, ordered with the layers."""
+    def send_copy(
+        self, layer: int, kind: str, copy: HostCopy, *, blocks: tuple[int, int] | None = None
+    ) -> None:
+        """Queue one layer's arrays being copied to the host; they go once the copy is done."""
+
+    def send_meta(self, meta: Mapping[str, Any]) -> None:
+        """Queue the JSON meta (aux `meta`), ordered with the layers."""
 
     def finish(self) -> None:
         """No more messages."""
@@ -154,10 +163,15 @@ class InProcessOutbox:
             self._check_open()
             self._room.layers.append(ReceivedLayer(layer, kind, copied, blocks))
 
-    def send_aux(self, name: str, payload: bytes) -> None:
+    def send_copy(
+        self, layer: int, kind: str, copy: HostCopy, *, blocks: tuple[int, int] | None = None
+    ) -> None:
+        self.send_layer(layer, kind, copy.arrays(), blocks=blocks)
+
+    def send_meta(self, meta: Mapping[str, Any]) -> None:
         with self._lock:
             self._check_open()
-            self._room.aux[name] = bytes(payload)
+            self._room.aux[META] = orjson.dumps(dict(meta))
 
     def finish(self) -> None:
         with self._lock:

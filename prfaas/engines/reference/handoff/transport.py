@@ -7,11 +7,13 @@ A thin adapter over the engine-neutral page mover (`prfaas.engines.kv_pages`): i
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
-from prfaas.engines.kv_pages import PageStream, model_layer
+from prfaas.engines.kv_pages import HostCopy, PageStream, SendQueue, model_layer
 from prfaas.engines.reference.handoff.base import (
     FULL_KV,
     LINEAR_STATE,
@@ -34,11 +36,11 @@ _NAMES = {v: k for k, v in _KINDS.items()}
 
 
 class TransportOutbox:
-    """`Outbox` over one transport `SendHandle`."""
+    """`Outbox` over one transport `SendHandle` (through the sender's `SendQueue`, if any)."""
 
-    def __init__(self, handle: SendHandle) -> None:
+    def __init__(self, handle: SendHandle, queue: SendQueue | None) -> None:
         self._handle = handle
-        self._stream = PageStream(handle)
+        self._stream = PageStream(handle, queue)
 
     def send_layer(
         self,
@@ -50,14 +52,19 @@ class TransportOutbox:
     ) -> None:
         self._stream.send_arrays(layer, _KINDS[kind], arrays, blocks=blocks)
 
-    def send_aux(self, name: str, payload: bytes) -> None:
-        self._handle.send_aux(name, payload)
+    def send_copy(
+        self, layer: int, kind: str, copy: HostCopy, *, blocks: tuple[int, int] | None = None
+    ) -> None:
+        self._stream.send_copy(layer, _KINDS[kind], copy, blocks=blocks)
+
+    def send_meta(self, meta: Mapping[str, Any]) -> None:
+        self._stream.send_meta(meta)
 
     def finish(self) -> None:
-        self._handle.finish()
+        self._stream.finish()
 
     def abort(self, reason: str) -> None:
-        self._handle.abort(reason)
+        self._stream.abort(reason)
 
     async def wait(self) -> None:
         try:
@@ -67,13 +74,20 @@ class TransportOutbox:
 
 
 class TransportSender:
-    """`HandoffSender` over a `KVSender` (the engine's bootstrap endpoint)."""
+    """`HandoffSender` over a `KVSender` (the engine's bootstrap endpoint). With `queued`
+    (an engine whose copies to the host complete later, on a GPU), messages go to the
+    transport from a `SendQueue` this sender starts and stops, each once its copy is done,
+    so the forward pass never waits for a copy."""
 
-    def __init__(self, config: SenderConfig) -> None:
+    def __init__(self, config: SenderConfig, *, queued: bool = False) -> None:
         self._sender = KVSender(config)
+        self._queued = queued
+        self._queue: SendQueue | None = None
 
     async def start(self) -> None:
         await self._sender.start()
+        if self._queued:
+            self._queue = SendQueue()
 
     @property
     def bootstrap_port(self) -> int:
@@ -85,9 +99,12 @@ class TransportSender:
         return self._sender
 
     def open(self, room: int) -> TransportOutbox:
-        return TransportOutbox(self._sender.open(room))
+        return TransportOutbox(self._sender.open(room), self._queue)
 
     async def close(self) -> None:
+        if self._queue is not None:
+            queue, self._queue = self._queue, None
+            await asyncio.to_thread(queue.close)
         await self._sender.close()
 
 

@@ -1,4 +1,5 @@
-"""Built-in tiny hybrid models and loading of any local checkpoint of a supported architecture.
+"""Built-in hybrid models (tiny ones for the CPU, GPU-sized Table 3 layouts) and loading of
+any local checkpoint of a supported architecture.
 
 A preset is a `transformers` config with a 3:1 linear:full layer pattern and seeded random
 weights. It is materialised once (`save_pretrained`) under the cache directory and then loaded
@@ -19,6 +20,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from prfaas.common.tokenizer import ByteTokenizer
+from prfaas.engines.reference.model import table3
 
 SUPPORTED_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "kimi_linear")
 PRESET_SEED = 1234
@@ -74,7 +76,12 @@ PRESETS: dict[str, Callable[[], PretrainedConfig]] = {
     "qwen3-next-mini": lambda: _qwen3_next(4),
     "qwen3.5-tiny": lambda: _qwen3_5(8),
     "kimi-linear-tiny": lambda: _kimi_linear(8),
+    "qwen3.5-gpu": lambda: table3.config("qwen3.5", "gpu", _SPECIALS),
+    "kimi-linear-gpu": lambda: table3.config("kimi-linear", "gpu", _SPECIALS),
 }
+STORED_BF16 = frozenset({"qwen3.5-gpu", "kimi-linear-gpu"})
+"""Presets sized for one GPU (the paper's Table 3 layouts, `table3.py`), stored in bfloat16
+(about 2.6 GB each); the others are stored in float32."""
 
 
 @dataclass(frozen=True)
@@ -119,7 +126,8 @@ def materialise(name: str, path: Path) -> None:
         return
     with torch.random.fork_rng():  # do not disturb the caller's global RNG
         torch.manual_seed(PRESET_SEED)
-        model = AutoModelForCausalLM.from_config(PRESETS[name](), dtype=torch.float32)  # type: ignore[no-untyped-call]
+        stored = torch.bfloat16 if name in STORED_BF16 else torch.float32
+        model = AutoModelForCausalLM.from_config(PRESETS[name](), dtype=stored)  # type: ignore[no-untyped-call]
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     model.save_pretrained(tmp)
     try:
@@ -130,8 +138,13 @@ def materialise(name: str, path: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def load_model(source: ModelSource) -> PreTrainedModel:
-    """Load the model in float32 eval mode from a local directory (materialising a preset).
+def load_model(
+    source: ModelSource,
+    device: torch.device | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> PreTrainedModel:
+    """Load the model in eval mode from a local directory (materialising a preset), in
+    `dtype` on `device` (default the CPU).
 
     Raises:
         ValueError: if the checkpoint's architecture is not a supported hybrid model.
@@ -146,7 +159,9 @@ def load_model(source: ModelSource) -> PreTrainedModel:
             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     model = AutoModelForCausalLM.from_pretrained(
-        source.path, dtype=torch.float32, local_files_only=True, attn_implementation="sdpa"
+        source.path, dtype=dtype, local_files_only=True, attn_implementation="sdpa"
     )
+    if device is not None and device.type != "cpu":
+        model.to(device)  # type: ignore[arg-type]
     model.eval()  # type: ignore[no-untyped-call]
     return model

@@ -52,17 +52,17 @@ def model_shape(model: PreTrainedModel) -> ModelShape:
     return ModelShape(str(config.model_type), layer_types, int(config.vocab_size), eos_id)
 
 
-def _full_mask(cache: HybridCache, n: int) -> torch.Tensor | None:
-    """Boolean (B, 1, n, W+n) mask: causal over each row's real positions; None when SDPA's
-    own causal mask is exact (no padding, nothing cached)."""
+def _full_mask(cache: HybridCache, n: int, device: torch.device) -> torch.Tensor | None:
+    """Boolean (B, 1, n, W+n) mask on `device`: causal over each row's real positions; None
+    when SDPA's own causal mask is exact (no padding, nothing cached)."""
     width = cache.width
     if width == 0 and len(set(cache.lengths)) == 1:
         return None
     total = width + n
-    cols = torch.arange(total).view(1, 1, 1, total)
-    query_abs = (width + torch.arange(n)).view(1, 1, n, 1)
-    starts = torch.tensor([width - length for length in cache.lengths]).view(-1, 1, 1, 1)
-    return (cols <= query_abs) & (cols >= starts)
+    cols = torch.arange(total, device=device).view(1, 1, 1, total)
+    query_abs = (width + torch.arange(n, device=device)).view(1, 1, n, 1)
+    starts = [width - length for length in cache.lengths]
+    return (cols <= query_abs) & (cols >= torch.tensor(starts, device=device).view(-1, 1, 1, 1))
 
 
 class _Active(threading.local):
@@ -77,6 +77,8 @@ class ModelRunner:
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
         self.shape = model_shape(model)
+        self.device = model.device
+        """Where the weights are: inputs, masks and the cache live there too."""
         self._active = _Active()
         for idx, layer in enumerate(model.model.layers):
             layer.register_forward_hook(self._hook(idx))
@@ -96,14 +98,16 @@ class ModelRunner:
         self, cache: HybridCache, input_ids: torch.Tensor, listener: LayerListener | None = None
     ) -> torch.Tensor:
         """Run `input_ids` (B, n) after each row's cached tokens; return last-position logits
-        (B, vocab) in float32. Mutates `cache` (appends n tokens to every row)."""
-        n = input_ids.shape[1]
-        positions = torch.tensor(cache.lengths).view(-1, 1) + torch.arange(n).view(1, n)
-        masks = {FULL: _full_mask(cache, n), LINEAR: None}
+        (B, vocab) in float32, on the model's device. Mutates `cache` (appends n tokens to
+        every row)."""
+        n, device = input_ids.shape[1], self.device
+        lengths = torch.tensor(cache.lengths, device=device).view(-1, 1)
+        positions = lengths + torch.arange(n, device=device).view(1, n)
+        masks = {FULL: _full_mask(cache, n, device), LINEAR: None}
         self._active.listener, self._active.cache = listener, cache
         try:
             out = self.model(
-                input_ids=input_ids, attention_mask=masks, position_ids=positions,
+                input_ids=input_ids.to(device), attention_mask=masks, position_ids=positions,
                 cache=cache, use_cache=True, logits_to_keep=1,
             )  # fmt: skip
         finally:

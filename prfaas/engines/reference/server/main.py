@@ -16,7 +16,13 @@ from aiohttp import web
 
 from prfaas.common.secret import DeploymentSecret
 from prfaas.common.tokenizer import BYTE_LEVEL, load_tokenizer
-from prfaas.engines.reference.engine_config import EngineConfig, TransferConfig
+from prfaas.engines.reference.engine_config import (
+    DTYPES,
+    EngineConfig,
+    TransferConfig,
+    default_dtype,
+    is_device,
+)
 from prfaas.engines.reference.handoff.transport import TransportReceiver, TransportSender
 from prfaas.engines.reference.model.presets import load_model, resolve
 from prfaas.engines.reference.model.runner import ModelRunner
@@ -44,6 +50,10 @@ class LaunchOptions:
     cached (`prfaas.protocol.kv_events`)."""
     cache_dir: Path | None = None
     threads: int | None = None
+    device: str = "cpu"
+    """The torch device of the weights, the KV pool and the sampling (`cpu`, `cuda[:N]`)."""
+    dtype: str | None = None
+    """Weights and KV dtype (`DTYPES`); None: the device's default (`default_dtype`)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     """KV transport of the prefill side (connections, egress pacing and delay)."""
@@ -63,6 +73,10 @@ class LaunchOptions:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.kv_events_replay is not None and self.kv_events is None:
             raise ValueError("--kv-events-replay needs --kv-events")
+        if not is_device(self.device):
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
 
 
 def build_app(options: LaunchOptions) -> tuple[web.Application, EngineService]:
@@ -70,7 +84,9 @@ def build_app(options: LaunchOptions) -> tuple[web.Application, EngineService]:
     if options.threads is not None:
         torch.set_num_threads(options.threads)
     source = resolve(options.model, options.cache_dir)
-    model = load_model(source)
+    dtype = getattr(torch, options.dtype or default_dtype(options.device))
+    model = load_model(source, torch.device(options.device), dtype)
+    logger.info("model %s on %s in %s", source.name, options.device, dtype)
     runner = ModelRunner(model)
     # A checkpoint without tokenizer.json (the tiny presets) is served byte-level.
     has_json = (source.path / "tokenizer.json").is_file()
@@ -81,7 +97,8 @@ def build_app(options: LaunchOptions) -> tuple[web.Application, EngineService]:
     if secret is None:
         logger.warning("no deployment secret: control routes and the KV transport are open")
     sender = TransportSender(
-        options.transfer.sender_config(options.host, options.bootstrap_port, key, options.tls)
+        options.transfer.sender_config(options.host, options.bootstrap_port, key, options.tls),
+        queued=core.copier.asynchronous,
     )
     receiver = TransportReceiver(ReceiverConfig(auth_key=key, tls=options.tls))
     service = EngineService(core, sender, receiver)

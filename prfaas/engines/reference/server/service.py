@@ -216,7 +216,7 @@ class EngineService:
             if state is None:
                 outbox.abort("no prefix of this prompt is cached here")
                 return 0
-            send_prefix(outbox, state, core.pool.config.block_size)
+            send_prefix(outbox, state, core.pool.config.block_size, core.copier)
             await outbox.wait()
         except BaseException:
             outbox.abort("the prefix export failed")
@@ -232,7 +232,7 @@ class EngineService:
                 source.host, source.port, source.room, timeout_s=core.config.handoff_timeout_s
             )
             shape, bs = core.runner.shape, core.pool.config.block_size
-            state = prefix_from_received(received, shape.layer_types, bs)
+            state = prefix_from_received(received, shape.layer_types, bs, core.copier)
             loop = asyncio.get_running_loop()
             added = await loop.run_in_executor(
                 self._executor, import_prefix, core.pool, core.storage, req.prompt, state

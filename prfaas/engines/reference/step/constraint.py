@@ -172,7 +172,8 @@ class TokenConstraint:
         bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
         allowed = np.unpackbits(bits, bitorder="little").view(bool)
         known = min(self._vocab.tokenizer_size, logits.numel())
-        logits[:known].masked_fill_(torch.from_numpy(~allowed[:known]), float("-inf"))
+        forbidden = torch.from_numpy(~allowed[:known]).to(logits.device, non_blocking=True)
+        logits[:known].masked_fill_(forbidden, float("-inf"))
         logits[known:] = float("-inf")
 
     def accept(self, token: int) -> None:

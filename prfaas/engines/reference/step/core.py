@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from prfaas.common.hashing import hash_blocks
+from prfaas.engines.kv_pages.device_copy import DeviceCopier
 from prfaas.engines.reference.cache.block_pool import BlockPool, BlockPoolConfig, OutOfKVCapacity
 from prfaas.engines.reference.cache.storage import KVStorage
 from prfaas.engines.reference.engine_config import EngineConfig
@@ -41,6 +42,8 @@ class EngineCore:
         pool_config = BlockPoolConfig(config.num_blocks, config.block_size, config.num_state_slots)
         self.pool = BlockPool(pool_config)
         self.storage = KVStorage(config.num_blocks, config.block_size, config.num_state_slots)
+        self.copier = DeviceCopier(runner.device)
+        """Hand-off copies between the model's device and the host."""
         self.counters = EngineCounters()
         self.event_sink: Callable[[list[KVEvent]], None] | None = None
         self.waiting: deque[Request] = deque()
@@ -139,7 +142,7 @@ class EngineCore:
             return False
         prefix = (match.block_ids, match.state_slot)
         budget = self.config.max_prefill_tokens
-        req.prefill = PrefillRun(self.storage, prompt, prefix, req.outbox, budget)
+        req.prefill = PrefillRun(self.storage, prompt, prefix, req.outbox, budget, self.copier)
         req.prompt_blocks_written = len(match.block_ids)
         req.cached_tokens = match.num_tokens
         self.counters.prefilled(len(prompt), match.num_tokens)
@@ -198,7 +201,7 @@ class EngineCore:
 
     def _admit_handoff(self, req: Request) -> bool:
         assert req.received is not None
-        handed = state_from_handoff(req.received, self.runner.shape.layer_types)
+        handed = state_from_handoff(req.received, self.runner.shape.layer_types, self.copier)
         if handed.state.length != len(req.prompt):
             raise HandoffError(f"{handed.state.length} tokens received for a prompt of "
                                f"{len(req.prompt)}")  # fmt: skip

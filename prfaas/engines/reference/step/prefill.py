@@ -16,6 +16,8 @@ import numpy as np
 import orjson
 import torch
 
+from prfaas.engines.kv_pages import META, HostCopy
+from prfaas.engines.kv_pages.device_copy import DeviceCopier, torch_dtype
 from prfaas.engines.reference.cache.storage import KVStorage
 from prfaas.engines.reference.handoff.base import (
     FULL_KV,
@@ -28,16 +30,15 @@ from prfaas.engines.reference.model.hybrid_cache import HybridCache, SeqState
 from prfaas.engines.reference.model.runner import FULL, LayerListener, ModelRunner
 from prfaas.engines.reference.step.sampling import Choice, TokenLogprob
 
-META = "meta"
-
 
 class LayerShipper:
-    """Turns layer-finished callbacks into `send_layer` calls: each full layer's KV in block
+    """Turns layer-finished callbacks into `send_copy` calls: each full layer's KV in block
     ranges as pieces complete (the first range includes the cached prefix), each linear
-    layer's state once, after the last piece."""
+    layer's state once, after the last piece. Copies to the host go through the engine's
+    `DeviceCopier` (off the forward's stream on a GPU)."""
 
-    def __init__(self, outbox: Outbox, block_size: int) -> None:
-        self.outbox, self.block_size = outbox, block_size
+    def __init__(self, outbox: Outbox, block_size: int, copier: DeviceCopier) -> None:
+        self.outbox, self.block_size, self.copier = outbox, block_size, copier
         self._sent: dict[int, int] = {}
 
     def listener(self, final: bool) -> LayerListener:
@@ -45,23 +46,26 @@ class LayerShipper:
             if kind == FULL:
                 self._send_kv(idx, cache)
             elif final:
-                arrays = {"conv": np_array(cache.conv[idx][0]), "rec": np_array(cache.rec[idx][0])}
-                self.outbox.send_layer(idx, LINEAR_STATE, arrays)
+                copy = host_copy(
+                    self.copier, {"conv": cache.conv[idx][0], "rec": cache.rec[idx][0]}
+                )
+                self.outbox.send_copy(idx, LINEAR_STATE, copy)
 
         return on_layer
 
     def _send_kv(self, idx: int, cache: HybridCache) -> None:
         k, v = cache.keys[idx], cache.values[idx]
         start, end = self._sent.get(idx, 0), k.shape[-2]
-        arrays = {"k": np_array(k[0, ..., start:end, :]), "v": np_array(v[0, ..., start:end, :])}
+        copy = host_copy(self.copier, {"k": k[0, ..., start:end, :], "v": v[0, ..., start:end, :]})
         blocks = (start // self.block_size, -(-end // self.block_size))
-        self.outbox.send_layer(idx, FULL_KV, arrays, blocks=blocks)
+        self.outbox.send_copy(idx, FULL_KV, copy, blocks=blocks)
         self._sent[idx] = end
 
 
-def np_array(t: torch.Tensor) -> np.ndarray:
-    """A contiguous numpy copy of `t`, for the wire."""
-    return np.ascontiguousarray(t.detach().numpy())
+def host_copy(copier: DeviceCopier, tensors: Mapping[str, torch.Tensor]) -> HostCopy:
+    """Host copies of `tensors` in wire form, for an `Outbox` (complete once its fence is)."""
+    arrays, fence = copier.to_host(tensors)
+    return HostCopy(arrays, fence)
 
 
 class PrefillRun:
@@ -80,6 +84,7 @@ class PrefillRun:
         prefix: tuple[tuple[int, ...], int | None],
         outbox: Outbox | None,
         budget: int,
+        copier: DeviceCopier,
     ) -> None:
         block_ids, slot = prefix
         self.prompt, self.bs = prompt, storage.block_size
@@ -89,7 +94,7 @@ class PrefillRun:
             storage.load_state(slot, self.state)
         n = len(prompt)
         self.last_boundary = max(self.state.length, (n - 1) // self.bs * self.bs)
-        self.shipper = LayerShipper(outbox, self.bs) if outbox is not None else None
+        self.shipper = LayerShipper(outbox, self.bs, copier) if outbox is not None else None
         self.logits: torch.Tensor | None = None
 
     @property
@@ -125,7 +130,7 @@ def send_meta(outbox: Outbox, first: Choice, prompt_len: int, cached: int) -> No
     }  # fmt: skip
     if first.logprob is not None:
         meta["first_logprob"] = [first.logprob.logprob, first.logprob.top]
-    outbox.send_aux(META, orjson.dumps(meta))
+    outbox.send_meta(meta)
 
 
 @dataclass(frozen=True)
@@ -137,8 +142,11 @@ class HandedOff:
     cached_tokens: int
 
 
-def state_from_handoff(received: Received, layer_types: tuple[str, ...]) -> HandedOff:
-    """Reassemble a `SeqState` from received layers; validates completeness and lengths.
+def state_from_handoff(
+    received: Received, layer_types: tuple[str, ...], copier: DeviceCopier
+) -> HandedOff:
+    """Reassemble a `SeqState` from received layers, on the copier's device (see
+    `assemble_state`); validates completeness and lengths.
 
     Raises:
         HandoffError: missing meta or layers, or lengths that disagree.
@@ -147,7 +155,7 @@ def state_from_handoff(received: Received, layer_types: tuple[str, ...]) -> Hand
     if raw is None:
         raise HandoffError("hand-off carried no meta (first token)")
     meta: Mapping[str, Any] = orjson.loads(raw)
-    state = assemble_state(received, int(meta["prompt_len"]), layer_types)
+    state = assemble_state(received, int(meta["prompt_len"]), layer_types, copier)
     token, lp = int(meta["first_token"]), meta.get("first_logprob")
     logprob = None
     if lp is not None:
@@ -155,26 +163,37 @@ def state_from_handoff(received: Received, layer_types: tuple[str, ...]) -> Hand
     return HandedOff(state, Choice(token, logprob), int(meta.get("cached_tokens", 0)))
 
 
-def assemble_state(received: Received, length: int, layer_types: tuple[str, ...]) -> SeqState:
-    """The `length`-token `SeqState` the received layers hold (KV pieces joined in order).
+def assemble_state(
+    received: Received, length: int, layer_types: tuple[str, ...], copier: DeviceCopier
+) -> SeqState:
+    """The `length`-token `SeqState` the received layers hold (KV pieces joined in order),
+    placed on the copier's device on its placing stream; the caller's stream (the forward
+    pass) is ordered after the placement.
 
     Raises:
         HandoffError: a layer missing, or KV of another length.
     """
     kv: dict[int, list[Mapping[str, np.ndarray]]] = {}
     state = SeqState(length=length)
-    for item in received.layers:
-        if item.kind == FULL_KV:
-            kv.setdefault(item.layer, []).append(item.arrays)
-        else:
-            state.conv[item.layer] = torch.from_numpy(np.array(item.arrays["conv"]))[None]
-            state.rec[item.layer] = torch.from_numpy(np.array(item.arrays["rec"]))[None]
-    for layer, parts in kv.items():
-        for name, dst in (("k", state.keys), ("v", state.values)):
-            joined = np.concatenate([p[name] for p in parts], axis=-2)
-            dst[layer] = torch.from_numpy(joined)[None]
+    with copier.placing():
+        for item in received.layers:
+            if item.kind == FULL_KV:
+                kv.setdefault(item.layer, []).append(item.arrays)
+            else:
+                state.conv[item.layer] = _placed(copier, np.array(item.arrays["conv"]))
+                state.rec[item.layer] = _placed(copier, np.array(item.arrays["rec"]))
+        for layer, parts in kv.items():
+            for name, dst in (("k", state.keys), ("v", state.values)):
+                dst[layer] = _placed(copier, np.concatenate([p[name] for p in parts], axis=-2))
+    copier.order_after_placed()
     _check_complete(state, layer_types)
     return state
+
+
+def _placed(copier: DeviceCopier, array: np.ndarray) -> torch.Tensor:
+    """A fresh received wire array as a (1, ...) tensor on the copier's device (on the CPU
+    sharing `array`'s memory)."""
+    return copier.staged(array, torch_dtype(array.dtype))[None]
 
 
 def _check_complete(state: SeqState, layer_types: tuple[str, ...]) -> None:

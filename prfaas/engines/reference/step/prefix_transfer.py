@@ -18,6 +18,8 @@ from itertools import count
 import orjson
 
 from prfaas.common.hashing import hash_blocks
+from prfaas.engines.kv_pages import META
+from prfaas.engines.kv_pages.device_copy import DeviceCopier
 from prfaas.engines.reference.cache.block_pool import BlockPool, OutOfKVCapacity
 from prfaas.engines.reference.cache.storage import KVStorage
 from prfaas.engines.reference.handoff.base import (
@@ -28,7 +30,7 @@ from prfaas.engines.reference.handoff.base import (
     Received,
 )
 from prfaas.engines.reference.model.hybrid_cache import SeqState
-from prfaas.engines.reference.step.prefill import META, assemble_state, np_array
+from prfaas.engines.reference.step.prefill import assemble_state, host_copy
 
 _imports = count()
 
@@ -46,24 +48,23 @@ def export_prefix(pool: BlockPool, storage: KVStorage, prompt: Sequence[int]) ->
     return state
 
 
-def send_prefix(outbox: Outbox, state: SeqState, block_size: int) -> None:
+def send_prefix(outbox: Outbox, state: SeqState, block_size: int, copier: DeviceCopier) -> None:
     """Queue the prefix's messages on `outbox` and finish it."""
     blocks = (0, state.length // block_size)
     for layer in sorted(state.keys):
-        arrays = {"k": np_array(state.keys[layer][0]), "v": np_array(state.values[layer][0])}
-        outbox.send_layer(layer, FULL_KV, arrays, blocks=blocks)
+        kv = {"k": state.keys[layer][0], "v": state.values[layer][0]}
+        outbox.send_copy(layer, FULL_KV, host_copy(copier, kv), blocks=blocks)
     for layer in sorted(state.conv):
-        arrays = {"conv": np_array(state.conv[layer][0]), "rec": np_array(state.rec[layer][0])}
-        outbox.send_layer(layer, LINEAR_STATE, arrays)
-    meta = {"prefix_tokens": state.length, "block_size": block_size}
-    outbox.send_aux(META, orjson.dumps(meta))
+        states = {"conv": state.conv[layer][0], "rec": state.rec[layer][0]}
+        outbox.send_copy(layer, LINEAR_STATE, host_copy(copier, states))
+    outbox.send_meta({"prefix_tokens": state.length, "block_size": block_size})
     outbox.finish()
 
 
 def prefix_from_received(
-    received: Received, layer_types: tuple[str, ...], block_size: int
+    received: Received, layer_types: tuple[str, ...], block_size: int, copier: DeviceCopier
 ) -> SeqState:
-    """The exported prefix as engine state, checked complete.
+    """The exported prefix as engine state on the copier's device, checked complete.
 
     Raises:
         HandoffError: no meta, another block size, or missing or short layers.
@@ -75,7 +76,7 @@ def prefix_from_received(
     if meta.get("block_size") != block_size:
         raise HandoffError(f"prefix of {meta.get('block_size')}-token blocks, this engine "
                            f"uses {block_size}")  # fmt: skip
-    return assemble_state(received, int(meta["prefix_tokens"]), layer_types)
+    return assemble_state(received, int(meta["prefix_tokens"]), layer_types, copier)
 
 
 def import_prefix(

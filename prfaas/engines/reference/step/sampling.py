@@ -116,14 +116,16 @@ def processed(
             if 0 <= token < logits.numel():
                 logits[token] = float("-inf")
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long)
+        seen = torch.tensor(
+            sorted(set(prompt) | set(output)), dtype=torch.long, device=logits.device
+        )
         values = logits[seen]
         p = params.repetition_penalty
         logits[seen] = torch.where(values > 0, values / p, values * p)
     if output and (params.frequency_penalty or params.presence_penalty):
         counts = Counter(output)
-        ids = torch.tensor(list(counts), dtype=torch.long)
-        n = torch.tensor(list(counts.values()), dtype=logits.dtype)
+        ids = torch.tensor(list(counts), dtype=torch.long, device=logits.device)
+        n = torch.tensor(list(counts.values()), dtype=logits.dtype, device=logits.device)
         logits[ids] -= params.frequency_penalty * n + params.presence_penalty
 
 
@@ -143,7 +145,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, seed: int, step: int) -
     """Pick output token number `step` from float32 `logits` (vocab,) under `params`.
 
     Randomness comes from (seed, step) alone, so a seeded request samples the same tokens
-    whether it is batched or not, and whether its first token came from a prefill engine.
+    whether it is batched or not, and whether its first token came from a prefill engine
+    (on one kind of device: the generator is the logits' device's).
     """
     if params.greedy:
         return int(torch.argmax(logits))
@@ -157,5 +160,5 @@ def sample(logits: torch.Tensor, params: SamplingParams, seed: int, step: int) -
         probs = probs.scatter(0, order[drop], 0.0)
     if params.min_p > 0:
         probs = torch.where(probs >= params.min_p * probs.max(), probs, 0.0)
-    gen = torch.Generator().manual_seed((seed * 1_000_003 + step) % 2**63)
+    gen = torch.Generator(logits.device).manual_seed((seed * 1_000_003 + step) % 2**63)
     return int(torch.multinomial(probs / probs.sum(), 1, generator=gen))

@@ -10,10 +10,12 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 import pytest
+import torch
 from engine_harness import engine_server
 from engine_helpers import hf_greedy, random_prompt
 from transformers import PreTrainedModel
 
+from prfaas.engines.kv_pages import HostCopy
 from prfaas.engines.reference.handoff.base import (
     FULL_KV,
     LINEAR_STATE,
@@ -23,6 +25,7 @@ from prfaas.engines.reference.handoff.base import (
     InProcessSender,
 )
 from prfaas.engines.reference.handoff.transport import TransportReceiver, TransportSender
+from prfaas.engines.reference.model.hybrid_cache import HybridCache, SeqState
 from prfaas.engines.reference.model.presets import load_model, resolve
 from prfaas.engines.reference.model.runner import ModelRunner
 from prfaas.engines.transport import SenderConfig
@@ -123,10 +126,13 @@ async def test_decode_reports_a_missing_prefill_as_502(tiny_runner: ModelRunner)
             assert "hand-off" in (await r.json())["error"]["message"]
 
 
-async def test_transport_adapter_round_trip() -> None:
+@pytest.mark.parametrize("queued", [False, True], ids=["direct", "send-queue"])
+async def test_transport_adapter_round_trip(queued: bool) -> None:
     """Over real TCP: repeated FULL_KV messages of one layer (several pieces) and linear
-    states arrive intact and in order, with aux bytes; an abort surfaces as HandoffError."""
-    sender = TransportSender(SenderConfig(host="127.0.0.1", port=0))
+    states arrive intact and in order, with the meta; an abort surfaces as HandoffError.
+    Queued (a GPU engine's sender), copies go out from the send queue's thread, each once
+    its copy's fence is ready, in the order sent."""
+    sender = TransportSender(SenderConfig(host="127.0.0.1", port=0), queued=queued)
     receiver = TransportReceiver()
     await sender.start()
     try:
@@ -136,9 +142,9 @@ async def test_transport_adapter_round_trip() -> None:
             receiver.fetch("127.0.0.1", sender.bootstrap_port, 5, timeout_s=20)
         )
         box.send_layer(3, FULL_KV, {"k": kv[0], "v": kv[0]}, blocks=(0, 1))
-        box.send_layer(0, LINEAR_STATE, {"conv": kv[1], "rec": kv[1]})
+        box.send_copy(0, LINEAR_STATE, HostCopy({"conv": kv[1], "rec": kv[1]}))
         box.send_layer(3, FULL_KV, {"k": kv[1], "v": kv[1]}, blocks=(1, 2))
-        box.send_aux("meta", b"{}")
+        box.send_meta({})
         box.finish()
         received, _ = await asyncio.gather(fetch, box.wait())
         assert [(m.layer, m.kind, m.blocks) for m in received.layers] == [
@@ -235,3 +241,35 @@ async def test_a_bootstrap_room_in_use_is_a_400(tiny_runner: ModelRunner) -> Non
             status, err = again.status, await again.json()
         waiting.cancel()
     assert status == 400 and "bootstrap_room 42" in err["error"]["message"]
+
+
+async def test_bfloat16_kv_travels_as_its_bits(engine_model_cache: Path) -> None:
+    """A bfloat16 engine (as on a GPU) ships KV and states as uint16 bits and the decode
+    engine places them back as bfloat16: P/D greedy output equals the aggregated engine's,
+    and a KV message's payload is the prefill's bfloat16 keys, bit for bit."""
+    model = load_model(resolve("qwen3.5-tiny", engine_model_cache), dtype=torch.bfloat16)
+    runner, hub = ModelRunner(model), InProcessHub()
+    prompt = random_prompt(11, 70)
+    async with (
+        engine_server(runner, hub, role="prefill") as pre,
+        engine_server(runner, hub, role="decode") as dec,
+        engine_server(runner, hub, role="both") as agg,
+        aiohttp.ClientSession() as s,
+    ):
+        port = pre.service.sender.bootstrap_port
+        _, d = await pd_generate(s, pre.url, dec.url, port, prompt, 12)
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 12, **GREEDY}}
+        async with s.post(f"{agg.url}/generate", json=body) as r:
+            aggregated = await r.json()
+        fetch = asyncio.create_task(InProcessReceiver(hub).fetch("h", port, 9, timeout_s=30))
+        shipped = {**body, "bootstrap_host": "h", "bootstrap_port": port, "bootstrap_room": 9}
+        async with s.post(f"{pre.url}/generate", json=shipped) as r:
+            assert r.status == 200
+        received = await fetch
+    assert d["output_ids"] == aggregated["output_ids"]
+    kv = next(m for m in received.layers if m.kind == FULL_KV)  # the prefix came from the pool
+    assert kv.arrays["k"].dtype == np.uint16 and kv.arrays["k"].shape[-2] == 70
+    cache = HybridCache([SeqState()])
+    runner.forward(cache, torch.tensor([prompt[:64]]))  # the first run's first piece
+    keys = cache.keys[kv.layer][0].view(torch.uint16).numpy()  # (h, T, d)
+    assert np.array_equal(kv.arrays["k"][..., :64, :], keys)
