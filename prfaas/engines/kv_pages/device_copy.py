@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -81,6 +81,7 @@ class DeviceCopier:
         self._read_stream: Any = _stream(self.device) if cuda else None
         self._place_stream: Any = _stream(self.device) if cuda else None
         self._place_lock = threading.Lock()
+        self._consumer: Any = None  # the stream that called placing(), while it holds the lock
 
     @property
     def asynchronous(self) -> bool:
@@ -135,19 +136,30 @@ class DeviceCopier:
         """Writes into the device from any thread, one at a time, on the placing stream
         (none on the CPU)."""
         stream = self._place_stream
-        with self._place_lock, torch.cuda.stream(stream) if stream is not None else nullcontext():
-            yield
+        with self._place_lock:
+            if stream is None:
+                yield
+                return
+            self._consumer = torch.cuda.current_stream(self.device)
+            try:
+                with torch.cuda.stream(stream):
+                    yield
+            finally:
+                self._consumer = None
 
     def staged(self, src: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         """Host `src` as a tensor of `dtype` (same item size) on the device: on the CPU a
         view of `src`'s memory, on a GPU a copy enqueued through pinned memory on the
-        current stream (call inside `placing()`)."""
+        placing stream (call inside `placing()`), marked in use by the stream that called
+        `placing()` (which reads it later), so its memory is not reused under that reader."""
         host = torch.from_numpy(np.ascontiguousarray(src).view(numpy_dtype(movable_dtype(dtype))))
         if self._place_stream is None:
             return host.view(dtype)
         pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
         pinned.copy_(host)
-        return pinned.to(self.device, non_blocking=True).view(dtype)
+        placed = pinned.to(self.device, non_blocking=True)
+        placed.record_stream(self._consumer)
+        return placed.view(dtype)
 
     def index(self, values: np.ndarray) -> torch.Tensor:
         """Index values as a tensor on the device (call inside `placing()`)."""
