@@ -136,16 +136,22 @@ def run_stage(stage: Stage, out: Path, env: dict[str, str], left_s: float) -> di
         done = subprocess.run(stage.argv(json_path, limit), env=env, capture_output=True,
                               text=True, timeout=limit, check=False, cwd=REPO)  # fmt: skip
     except subprocess.TimeoutExpired as exc:
-        return {"status": "timeout", "limit_s": round(limit), "seconds": round(limit, 1),
-                "output_tail": _text(exc.stdout)[-3000:] + _text(exc.stderr)[-3000:]}  # fmt: skip
-    seconds = round(time.monotonic() - began, 1)
-    (out / f"{stage.name}.log").write_text(done.stdout + "\n--- stderr ---\n" + done.stderr)
-    record: dict[str, Any] = {"status": "ok" if done.returncode == 0 else "failed",
-                              "returncode": done.returncode, "seconds": seconds}  # fmt: skip
-    if json_path.is_file():
-        record["result"] = json.loads(json_path.read_text())
-    if done.returncode != 0:
-        record["output_tail"] = (done.stdout[-2000:] + "\n" + done.stderr[-4000:]).strip()
+        record: dict[str, Any] = {"status": "timeout", "limit_s": round(limit),
+                                  "seconds": round(limit, 1)}  # fmt: skip
+        stdout, stderr = _text(exc.stdout), _text(exc.stderr)
+    else:
+        record = {"status": "ok" if done.returncode == 0 else "failed",
+                  "returncode": done.returncode,
+                  "seconds": round(time.monotonic() - began, 1)}  # fmt: skip
+        stdout, stderr = done.stdout, done.stderr
+    (out / f"{stage.name}.log").write_text(stdout + "\n--- stderr ---\n" + stderr)
+    if json_path.is_file():  # a stage cut short may have written what it had
+        try:
+            record["result"] = json.loads(json_path.read_text())
+        except ValueError as exc:
+            record["result_error"] = f"unreadable {json_path.name}: {exc}"
+    if record["status"] != "ok":
+        record["output_tail"] = (stdout[-2000:] + "\n" + stderr[-4000:]).strip()
     return record
 
 

@@ -24,6 +24,7 @@ import logging
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from prfaas.engines.reference.model import table3
 
-GPU_LENGTHS = (1024, 4096, 8192, 16384, 32768)
+GPU_LENGTHS = (1024, 4096, 8192, 16384, 32768, 65536)
 
 
 class _Fallbacks(logging.Handler):
@@ -82,59 +83,105 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_preset(
-    name: str, size: table3.Size, lengths: list[int], device: torch.device, reps: int,
-    deadline: float,
-) -> dict[str, Any]:  # fmt: skip
-    """Every length of one preset (a length that runs out of memory or time is recorded
-    as such and the longer ones are skipped)."""
-    fallbacks = _Fallbacks()
-    logging.getLogger("transformers").addHandler(fallbacks)
-    once = getattr(logging.Logger, "warning_once", None)  # transformers warns once a process
-    if once is not None and hasattr(once, "cache_clear"):
-        once.cache_clear()
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    rows: list[dict[str, Any]] = []
-    model = build(name, size, device, dtype)
-    cfg = model.config
-    params = sum(p.numel() for p in model.parameters())
-    try:
-        vocab = int(cfg.vocab_size)
-        prefill_s(model, torch.randint(0, vocab, (1, min(lengths)), device=device))  # warm-up
-        for length in lengths:
-            if time.monotonic() > deadline:
-                rows.append({"tokens": length, "skipped": "out of time"})
+class Measured:
+    """One preset built on the device, and what was measured of it."""
+
+    def __init__(self, name: str, size: table3.Size, device: torch.device) -> None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self.name, self.device = name, device
+        self.model = build(name, size, device, dtype)
+        self.rows: list[dict[str, Any]] = []
+        self.fallbacks: set[str] = set()
+        self.error: str | None = None
+        self.done = False
+        """No longer lengths: it ran out of memory, or failed."""
+
+    def warm_up(self, tokens: int) -> None:
+        """A first forward, noting the kernels `transformers` fell back from (it warns once
+        a process: its once-cache is cleared so every preset reports its own)."""
+        handler = _Fallbacks()
+        logging.getLogger("transformers").addHandler(handler)
+        once = getattr(logging.Logger, "warning_once", None)
+        if once is not None and hasattr(once, "cache_clear"):
+            once.cache_clear()
+        try:
+            prefill_s(self.model, self._ids(tokens))
+        finally:
+            logging.getLogger("transformers").removeHandler(handler)
+        self.fallbacks = handler.seen
+
+    def measure(self, length: int, reps: int) -> None:
+        """Prefill time at `length` (median of the reps after the first, which may tune
+        kernels for the new shape) and the KV bytes; an out-of-memory ends the preset."""
+        ids = self._ids(length)
+        try:
+            first, cache = prefill_s(self.model, ids)
+            held = table3.cache_bytes(cache)
+            del cache
+            times = [first] + [prefill_s(self.model, ids)[0] for _ in range(reps - 1)]
+        except torch.OutOfMemoryError:
+            self.rows.append({"tokens": length, "skipped": "out of memory"})
+            self.done = True
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return
+        seconds = statistics.median(times[1:] if len(times) > 2 else times)
+        kv = table3.compact_kv_bytes(self.model.config, length)
+        self.rows.append({
+            "tokens": length, "kv_bytes": kv, "cache_bytes": held,
+            "prefill_ms": round(seconds * 1e3, 3),
+            "phi_kv_gbps": round(kv * 8 / seconds / 1e9, 4),
+        })  # fmt: skip
+
+    def _ids(self, tokens: int) -> torch.Tensor:
+        return torch.randint(0, int(self.model.config.vocab_size), (1, tokens), device=self.device)
+
+    def report(self) -> dict[str, Any]:
+        cfg = self.model.config
+        out = {
+            "preset": self.name,
+            "model_type": cfg.model_type,
+            "attention": cfg._attn_implementation,
+            "layer_types": list(cfg.layer_types),
+            "params_b": round(sum(p.numel() for p in self.model.parameters()) / 1e9, 3),
+            "fallbacks": sorted(self.fallbacks),
+            "rows": self.rows,
+        }
+        if self.error is not None:
+            out["error"] = self.error
+        return out
+
+
+def measure_all(
+    names: list[str], size: table3.Size, lengths: list[int], device: torch.device, reps: int,
+    deadline: float, progress: Callable[[dict[str, dict[str, Any]]], None],
+) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """Every preset built once (they fit one GPU together), then every length across all
+    presets before the next, so running out of time loses the longest lengths, not a
+    twin (a length skipped is recorded); one preset's failure does not stop the others.
+    `progress` gets the reports so far after each length (a run cut short keeps them)."""
+    built: dict[str, Measured] = {}
+    failed: dict[str, dict[str, Any]] = {}
+    for name in names:
+        try:
+            built[name] = Measured(name, size, device)
+            built[name].warm_up(min(lengths))
+        except Exception as exc:
+            failed[name] = {"preset": name, "error": f"{type(exc).__name__}: {exc}", "rows": []}
+            built.pop(name, None)
+    for length in sorted(lengths):
+        for preset in built.values():
+            if preset.done:
                 continue
-            ids = torch.randint(0, vocab, (1, length), device=device)
+            if time.monotonic() > deadline:
+                preset.rows.append({"tokens": length, "skipped": "out of time"})
+                continue
             try:
-                first, cache = prefill_s(model, ids)
-                held = table3.cache_bytes(cache)
-                del cache
-                times = [first] + [prefill_s(model, ids)[0] for _ in range(reps - 1)]
-            except torch.OutOfMemoryError:
-                rows.append({"tokens": length, "skipped": "out of memory"})
-                break
-            seconds = statistics.median(times[1:] if len(times) > 2 else times)
-            kv = table3.compact_kv_bytes(cfg, length)
-            rows.append({
-                "tokens": length, "kv_bytes": kv, "cache_bytes": held,
-                "prefill_ms": round(seconds * 1e3, 3),
-                "phi_kv_gbps": round(kv * 8 / seconds / 1e9, 4),
-            })  # fmt: skip
-    finally:
-        logging.getLogger("transformers").removeHandler(fallbacks)
-        del model
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return {
-        "preset": name,
-        "model_type": cfg.model_type,
-        "attention": cfg._attn_implementation,
-        "layer_types": list(cfg.layer_types),
-        "params_b": round(params / 1e9, 3),
-        "fallbacks": sorted(fallbacks.seen),
-        "rows": rows,
-    }
+                preset.measure(length, reps)
+            except Exception as exc:
+                preset.error, preset.done = f"{type(exc).__name__}: {exc}", True
+        progress({n: built[n].report() if n in built else failed[n] for n in names})
+    return {name: built[name].report() if name in built else failed[name] for name in names}
 
 
 def ratios(presets: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -159,13 +206,21 @@ def ratios(presets: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     deadline = time.monotonic() + args.budget_s
-    presets: dict[str, dict[str, Any]] = {}
-    for name in args.presets:
-        try:
-            presets[name] = measure_preset(name, args.size, args.lengths, device, args.reps,
-                                           deadline)  # fmt: skip
-        except Exception as exc:  # one preset's failure must not lose the others
-            presets[name] = {"preset": name, "error": f"{type(exc).__name__}: {exc}", "rows": []}
+
+    def progress(presets: dict[str, dict[str, Any]]) -> None:
+        if args.json:  # whole or not at all: the campaign may stop this stage mid-write
+            partial = args.json.with_suffix(".partial")
+            partial.write_text(json.dumps(report(args, device, presets), indent=2))
+            partial.replace(args.json)
+
+    presets = measure_all(args.presets, args.size, args.lengths, device, args.reps, deadline,
+                          progress)  # fmt: skip
+    return report(args, device, presets)
+
+
+def report(
+    args: argparse.Namespace, device: torch.device, presets: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
     return {
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
