@@ -45,7 +45,7 @@ MODES = ("aggregated", "layerwise", "send_after")
 async def start(args: argparse.Namespace, log_dir: Path) -> dict[str, EngineProcess]:
     """The four engines, started together (each loads the model onto the device)."""
     common = ("--device", args.device, "--max-prefill-tokens", str(max(args.lengths)),
-              "--kv-capacity-tokens", str(2 * max(args.lengths) + 4096),
+              "--kv-capacity-tokens", str(2 * max(args.lengths) + 4096), "--state-slots", "16",
               "--transfer-chunk-kib", "1024")  # fmt: skip
     paced = ("--egress-delay-ms", f"{DELAY_MS:g}",
              "--egress-rate-mbps", f"{args.rates_gbps[0] * 1000:g}")  # fmt: skip
