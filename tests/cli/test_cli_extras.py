@@ -31,6 +31,7 @@ EXTRA_ONLY = (
     "prfaas.engines.vllm.bench_client",
     # the device-aware page mover runs inside engines (torch); the rest of kv_pages does not
     "prfaas.engines.kv_pages.torch_pool",
+    "prfaas.engines.kv_pages.device_copy",
     "prfaas.engines.kv_pages.staging",
 )
 LISTENING = re.compile(r"listening on (http://\S+)")
