@@ -76,7 +76,7 @@ def stages(device: str, dry: bool, carried: Path) -> list[Stage]:
                                               "--device", device.split(":")[0], *check,
                                               "--json", str(out)], 90),
         Stage("overlap", lambda out, _: [py, str(gpu / "handoff_overlap.py"), "--device", device,
-                                         *overlap, "--json", str(out)], 120),
+                                         *overlap, "--json", str(out)], 180),
         Stage("pd", lambda out, _: [py, str(gpu / "pd_engines.py"), "--device", device, *pd,
                                     "--json", str(out)], 200),
         Stage("phi_kv", lambda out, left: [py, str(gpu / "phi_kv.py"), "--device", device, *phi,
@@ -122,7 +122,13 @@ def _imports(paths: list[Path]) -> bool:
 
 def _env(paths: list[Path]) -> dict[str, str]:
     entries = [*map(str, paths), str(REPO), os.environ.get("PYTHONPATH", "")]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(e for e in entries if e)}
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(e for e in entries if e),
+        # Triton's autotuning results kept on disk, so a kernel one stage tuned (fla's, in
+        # a first forward) is not tuned again by the next stage's process
+        "TRITON_CACHE_AUTOTUNING": "1",
+    }
 
 
 def run_stage(stage: Stage, out: Path, env: dict[str, str], left_s: float) -> dict[str, Any]:

@@ -97,10 +97,12 @@ def render(report: Row) -> str:
         rows = [["max" if r["rate_gbps"] is None else r["rate_gbps"], r["tokens"],
                  round(r["kv_bytes"] / 1e6, 1), r["forward_alone_ms"], r["forward_shipping_ms"],
                  r["slowdown"], r["production_gbps"], r["share_before_forward_end"],
-                 r["bit_exact"]] for r in overlap["rows"]]  # fmt: skip
+                 r.get("tail_after_forward_ms", "-"), r["bit_exact"]]
+                for r in overlap["rows"]]  # fmt: skip
         parts += [f"### Layer-wise shipping in a real prefill ({overlap['model']})",
                   _table(["Gbps", "tokens", "KV MB", "alone ms", "shipping ms", "slowdown",
-                          "production Gbps", "on wire before end", "exact"], rows)]  # fmt: skip
+                          "production Gbps", "on wire before end", "last byte after end ms",
+                          "exact"], rows)]  # fmt: skip
     if (pd := _result(report, "pd")) is not None:
         rows = [[r["rate_gbps"], r["tokens"], round(r["kv_bytes"] / 1e6, 1),
                  round(r["transfer_s"] * 1e3, 1), round(r["ttft_aggregated_s"] * 1e3, 1),

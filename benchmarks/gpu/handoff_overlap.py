@@ -95,6 +95,8 @@ async def shipped(
     return {
         "forward_s": seconds,
         "bytes": total,
+        # what a decode waits for after the forward: the last byte's arrival, less the delay
+        "tail_s": max(0.0, arrivals[-1][0] - DELAY_S - ended) if arrivals else 0.0,
         # on the wire = arrived less the emulated one-way delay (loopback adds ~nothing)
         "share_before_forward_end": sum(n for t, n in arrivals if t - DELAY_S <= ended) / total,
         "bit_exact": _same(cache, received, runner.shape.layer_types),
@@ -120,11 +122,18 @@ def _same(
     return True
 
 
+def _say(began: float, what: str) -> None:
+    """A progress line (a stage cut short by its time limit shows how far it got)."""
+    print(f"[overlap {time.monotonic() - began:7.1f} s] {what}", flush=True)
+
+
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
+    began = time.monotonic()
     device = torch.device(args.device)
     dtype = getattr(torch, default_dtype(device.type))
     model = load_model(resolve(args.model, args.model_cache), device, dtype)
     runner = ModelRunner(model)
+    _say(began, f"{args.model} loaded on {device}")
     copier = DeviceCopier(device, send_budget_bytes=args.budget_mb << 20)
     gen = random.Random(11)
     rows = []
@@ -142,6 +151,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                     )
                     forward_s(runner, warm, None)
                     await shipped(runner, copier, sender, receiver, warm, gen.randrange(2**62))
+                    _say(began, f"{gbps:g} Gbit/s, {length} tokens: warmed up")
                     alone, runs = [], []
                     for _ in range(args.reps):  # interleaved
                         ids = torch.tensor([[gen.randrange(256) for _ in range(length)]],
@@ -150,10 +160,22 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                         runs.append(await shipped(runner, copier, sender, receiver, ids,
                                                   gen.randrange(2**62)))  # fmt: skip
                     rows.append(summarise(gbps, length, alone, runs))
+                    row = rows[-1]
+                    _say(began, f"{gbps:g} Gbit/s, {length} tokens: slowdown {row['slowdown']}, "
+                                f"on wire {row['share_before_forward_end']}, tail "
+                                f"{row['tail_after_forward_ms']} ms")  # fmt: skip
+                    if args.json:  # what was measured so far survives a time limit
+                        _write(args.json, report(args, device, dtype, rows))
             finally:
                 await sender.close()
     finally:
         await receiver.close()
+    return report(args, device, dtype, rows)
+
+
+def report(
+    args: argparse.Namespace, device: torch.device, dtype: torch.dtype, rows: list[dict[str, Any]]
+) -> dict[str, Any]:
     return {
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -187,21 +209,29 @@ def summarise(
             statistics.median(r["share_before_forward_end"] for r in runs), 4
         ),
         "bit_exact": all(r["bit_exact"] for r in runs),
+        "tail_after_forward_ms": round(statistics.median(r["tail_s"] for r in runs) * 1e3, 3),
         "budget_waits": runs[-1]["budget_waits"],
     }
+
+
+def _write(path: Path, report: dict[str, Any]) -> None:
+    """Whole or not at all: the campaign may stop this stage mid-write."""
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(report, indent=2))
+    partial.replace(path)
 
 
 def print_table(report: dict[str, Any]) -> None:
     print(f"layer-wise shipping in a {report['model']} prefill on {report['device_name']} "
           f"({report['dtype']}; medians of {report['reps']})")  # fmt: skip
     print(f"{'Gbps':>6} {'tokens':>7} {'KV MB':>8} {'alone ms':>9} {'ship ms':>9} {'slow':>6} "
-          f"{'prod Gbps':>9} {'faster':>6} {'on wire':>7} {'exact':>6}")  # fmt: skip
+          f"{'prod Gbps':>9} {'faster':>6} {'on wire':>7} {'tail ms':>8} {'exact':>6}")  # fmt: skip
     for r in report["rows"]:
         rate = "max" if r["rate_gbps"] is None else f"{r['rate_gbps']:g}"
         print(f"{rate:>6} {r['tokens']:7} {r['kv_bytes'] / 1e6:8.2f} {r['forward_alone_ms']:9.2f} "
               f"{r['forward_shipping_ms']:9.2f} {r['slowdown']:6.3f} {r['production_gbps']:9.2f} "
               f"{r['link_faster_than_production']!s:>6} {r['share_before_forward_end']:7.3f} "
-              f"{r['bit_exact']!s:>6}")  # fmt: skip
+              f"{r['tail_after_forward_ms']:8.2f} {r['bit_exact']!s:>6}")  # fmt: skip
     print("targets: slow <= 1.03; on wire >= 0.90 where the link is faster; exact")
 
 
@@ -224,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     report = asyncio.run(measure(args))
     print_table(report)
     if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
+        _write(args.json, report)
     return 0 if report["bit_exact"] else 1
 
 

@@ -89,7 +89,10 @@ class Measured:
     def __init__(self, name: str, size: table3.Size, device: torch.device) -> None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.name, self.device = name, device
+        began = time.monotonic()
         self.model = build(name, size, device, dtype)
+        self.build_s = time.monotonic() - began
+        self.warm_up_s: float | None = None
         self.rows: list[dict[str, Any]] = []
         self.fallbacks: set[str] = set()
         self.error: str | None = None
@@ -104,10 +107,12 @@ class Measured:
         once = getattr(logging.Logger, "warning_once", None)
         if once is not None and hasattr(once, "cache_clear"):
             once.cache_clear()
+        began = time.monotonic()
         try:
             prefill_s(self.model, self._ids(tokens))
         finally:
             logging.getLogger("transformers").removeHandler(handler)
+        self.warm_up_s = time.monotonic() - began
         self.fallbacks = handler.seen
 
     def measure(self, length: int, reps: int) -> None:
@@ -145,6 +150,9 @@ class Measured:
             "layer_types": list(cfg.layer_types),
             "params_b": round(sum(p.numel() for p in self.model.parameters()) / 1e9, 3),
             "fallbacks": sorted(self.fallbacks),
+            # the first forward compiles and tunes the kernels (Triton's, fla's)
+            "build_s": round(self.build_s, 2),
+            "warm_up_s": None if self.warm_up_s is None else round(self.warm_up_s, 2),
             "rows": self.rows,
         }
         if self.error is not None:
@@ -162,13 +170,21 @@ def measure_all(
     `progress` gets the reports so far after each length (a run cut short keeps them)."""
     built: dict[str, Measured] = {}
     failed: dict[str, dict[str, Any]] = {}
+
+    def reports() -> dict[str, dict[str, Any]]:
+        return {n: built[n].report() if n in built else failed[n] for n in built | failed}
+
     for name in names:
         try:
             built[name] = Measured(name, size, device)
             built[name].warm_up(min(lengths))
+            _say(f"{name}: built in {built[name].build_s:.1f} s, warmed up in "
+                 f"{built[name].warm_up_s:.1f} s")  # fmt: skip
         except Exception as exc:
             failed[name] = {"preset": name, "error": f"{type(exc).__name__}: {exc}", "rows": []}
             built.pop(name, None)
+            _say(f"{name}: {failed[name]['error']}")
+        progress(reports())
     for length in sorted(lengths):
         for preset in built.values():
             if preset.done:
@@ -180,8 +196,17 @@ def measure_all(
                 preset.measure(length, reps)
             except Exception as exc:
                 preset.error, preset.done = f"{type(exc).__name__}: {exc}", True
-        progress({n: built[n].report() if n in built else failed[n] for n in names})
+            _say(f"{preset.name} at {length}: {preset.error or preset.rows[-1]}")
+        progress(reports())
     return {name: built[name].report() if name in built else failed[name] for name in names}
+
+
+def _say(what: str) -> None:
+    """A progress line (a stage cut short by its time limit shows how far it got)."""
+    print(f"[phi_kv {time.monotonic() - _STARTED:7.1f} s] {what}", flush=True)
+
+
+_STARTED = time.monotonic()
 
 
 def ratios(presets: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
