@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """The GPU campaign: one command that measures the paper's core claims on one GPU and
-writes one JSON and a markdown table into an output folder.
+writes one JSON, a markdown table and every stage's output (`logs.txt`) into an output
+folder.
 
 Stages, each a child process with its own time limit, so one that fails (an import, an
 out-of-memory, a hang) records its error and the next one runs:
@@ -31,6 +32,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,6 +44,10 @@ WHEELS = REPO / ".cache" / "gpu-wheels"
 HF_FAMILY = ("transformers", "tokenizers", "safetensors", "huggingface_hub", "httpx2",
              "httpcore2", "regex", "anyio", "h11", "sniffio", "idna", "truststore")  # fmt: skip
 """Wheels installed apart, so the machine's own `transformers` can stand in for them."""
+MATERIALISE = """import sys
+from prfaas.engines.reference.model.presets import materialise, resolve
+materialise(resolve(sys.argv[1]))  # the preset's weights, written once on the CPU
+"""
 RESERVE_S = 10.0
 """Time kept back from the last stage for writing the report."""
 
@@ -54,6 +60,13 @@ class Stage:
     argv: Callable[[Path, float], list[str]]
     """(JSON path, seconds it may take) -> command line."""
     limit_s: float
+    needs_model: bool = False
+    """It loads the engine preset (`model`): wait for its materialisation first."""
+
+
+def model(dry: bool) -> str:
+    """The engine preset the overlap and P/D stages run."""
+    return "qwen3.5-tiny" if dry else "qwen3.5-gpu"
 
 
 def stages(device: str, dry: bool, carried: Path) -> list[Stage]:
@@ -63,12 +76,13 @@ def stages(device: str, dry: bool, carried: Path) -> list[Stage]:
     if dry:
         check = ["--tokens", "256", "--layers", "8", "--reps", "1", "--layouts", "sglang",
                  "--rate-gbps", "1"]  # fmt: skip
-        overlap = ["--model", "qwen3.5-tiny", "--lengths", "128", "--rates-gbps", "1", "0",
-                   "--reps", "1"]  # fmt: skip
-        pd = ["--model", "qwen3.5-tiny", "--lengths", "128", "--rates-gbps", "1", "--reps", "1"]
+        overlap = ["--lengths", "128", "--rates-gbps", "1", "0", "--reps", "1"]
+        pd = ["--lengths", "128", "--rates-gbps", "1", "--reps", "1"]
         phi = ["--size", "tiny", "--lengths", "64", "128", "--reps", "1"]
     else:
         check, overlap, pd, phi = [], [], [], []
+    overlap += ["--model", model(dry)]
+    pd += ["--model", model(dry)]
     return [
         Stage("env", lambda out, _: [py, str(gpu / "environment.py"), "--device", device,
                                      "--carried", str(carried), "--json", str(out)], 60),
@@ -76,9 +90,9 @@ def stages(device: str, dry: bool, carried: Path) -> list[Stage]:
                                               "--device", device.split(":")[0], *check,
                                               "--json", str(out)], 90),
         Stage("overlap", lambda out, _: [py, str(gpu / "handoff_overlap.py"), "--device", device,
-                                         *overlap, "--json", str(out)], 180),
+                                         *overlap, "--json", str(out)], 180, True),
         Stage("pd", lambda out, _: [py, str(gpu / "pd_engines.py"), "--device", device, *pd,
-                                    "--json", str(out)], 200),
+                                    "--json", str(out)], 200, True),
         Stage("phi_kv", lambda out, left: [py, str(gpu / "phi_kv.py"), "--device", device, *phi,
                                            "--budget-s", f"{max(left - 30, 10):.0f}",
                                            "--json", str(out)], 600),
@@ -131,12 +145,15 @@ def _env(paths: list[Path]) -> dict[str, str]:
     }
 
 
-def run_stage(stage: Stage, out: Path, env: dict[str, str], left_s: float) -> dict[str, Any]:
-    """Run one stage; its result, or its error, never raising."""
+def run_stage(
+    stage: Stage, work: Path, logs: Path, env: dict[str, str], left_s: float
+) -> dict[str, Any]:
+    """Run one stage (its JSON written under `work`, its output appended to `logs`); its
+    result, or its error, never raising."""
     limit = min(stage.limit_s, left_s)
     if limit < 5:
         return {"status": "skipped", "reason": "out of time"}
-    json_path = out / f"{stage.name}.json"
+    json_path = work / f"{stage.name}.json"
     began = time.monotonic()
     try:
         done = subprocess.run(stage.argv(json_path, limit), env=env, capture_output=True,
@@ -150,7 +167,8 @@ def run_stage(stage: Stage, out: Path, env: dict[str, str], left_s: float) -> di
                   "returncode": done.returncode,
                   "seconds": round(time.monotonic() - began, 1)}  # fmt: skip
         stdout, stderr = done.stdout, done.stderr
-    (out / f"{stage.name}.log").write_text(stdout + "\n--- stderr ---\n" + stderr)
+    with logs.open("a") as log:
+        log.write(f"=== {stage.name} ===\n{stdout}\n--- stderr ---\n{stderr}\n")
     if json_path.is_file():  # a stage cut short may have written what it had
         try:
             record["result"] = json.loads(json_path.read_text())
@@ -178,14 +196,29 @@ def campaign(args: argparse.Namespace) -> dict[str, Any]:
         "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "budget_s": args.budget_s, "carried": installed, "stages": {},
     }  # fmt: skip
-    for stage in stages(args.device, args.dry_run, args.carried):
-        if args.stages and stage.name not in args.stages:
-            continue
-        left = args.budget_s - (time.monotonic() - began) - RESERVE_S
-        print(f"[campaign] {stage.name} (up to {min(stage.limit_s, left):.0f} s)", flush=True)
-        report["stages"][stage.name] = result = run_stage(stage, out, env, left)
-        print(f"[campaign] {stage.name}: {result['status']} in {result.get('seconds', 0)} s",
-              flush=True)  # fmt: skip
+    chosen = [s for s in stages(args.device, args.dry_run, args.carried)
+              if not args.stages or s.name in args.stages]  # fmt: skip
+    # writing the preset's random weights takes about a minute for a GPU-sized one: done
+    # beside the first stages, waited for before one that loads it
+    making: subprocess.Popen[bytes] | None = None
+    if any(s.needs_model for s in chosen):
+        making = subprocess.Popen([sys.executable, "-c", MATERIALISE, model(args.dry_run)],
+                                  env=env, cwd=REPO)  # fmt: skip
+    # into `out`, three files (what a device run brings back is limited in number)
+    logs = out / "logs.txt"
+    logs.write_text("")
+    with tempfile.TemporaryDirectory(prefix="prfaas-campaign-") as scratch:
+        work = Path(scratch)
+        for stage in chosen:
+            if stage.needs_model and making is not None:
+                report["materialise_rc"] = making.wait()
+                report["materialised_after_s"] = round(time.monotonic() - began, 1)
+                making = None
+            left = args.budget_s - (time.monotonic() - began) - RESERVE_S
+            print(f"[campaign] {stage.name} (up to {min(stage.limit_s, left):.0f} s)", flush=True)
+            report["stages"][stage.name] = result = run_stage(stage, work, logs, env, left)
+            print(f"[campaign] {stage.name}: {result['status']} in {result.get('seconds', 0)} s",
+                  flush=True)  # fmt: skip
     report["seconds"] = round(time.monotonic() - began, 1)
     return report
 

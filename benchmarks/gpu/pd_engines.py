@@ -139,7 +139,7 @@ async def set_rate(session: aiohttp.ClientSession, url: str, gbps: float) -> Non
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
     source = resolve(args.model, args.model_cache)
     began = time.perf_counter()
-    await asyncio.to_thread(materialise, source.name, source.path)  # once, before the engines
+    await asyncio.to_thread(materialise, source)  # once, before the engines
     materialised_s = time.perf_counter() - began
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="prfaas-pd-") as logs:

@@ -25,8 +25,12 @@ def test_dry_run_writes_every_stage(engine_model_cache: Path, tmp_path: Path) ->
         env={**os.environ, "PRFAAS_MODEL_CACHE": str(engine_model_cache)},
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # three files come back from a device run: the JSON, the tables, every stage's output
+    assert sorted(p.name for p in out.iterdir()) == ["campaign.json", "campaign.md", "logs.txt"]
+    assert all(f"=== {name} ===" in (out / "logs.txt").read_text() for name in STAGES)
     report = json.loads((out / "campaign.json").read_text())
     assert list(report["stages"]) == STAGES
+    assert report["materialise_rc"] == 0
     assert all(s["status"] == "ok" and "result" in s for s in report["stages"].values())
     results = {name: stage["result"] for name, stage in report["stages"].items()}
 
@@ -38,7 +42,7 @@ def test_dry_run_writes_every_stage(engine_model_cache: Path, tmp_path: Path) ->
     assert overlap["bit_exact"] is True and len(overlap["rows"]) == 2  # a paced and an unpaced link
     for row in overlap["rows"]:
         assert row["kv_bytes"] > 0 and row["forward_alone_ms"] > 0
-        assert 0 < row["share_before_forward_end"] <= 1
+        assert 0 < row["share_before_forward_end"] <= 1 and row["tail_after_forward_ms"] >= 0
 
     pd = results["pd"]
     assert pd["greedy_equal"] is True and len(pd["rows"]) == 1

@@ -116,7 +116,15 @@ def resolve(model: str, cache_dir: Path | None = None) -> ModelSource:
     )
 
 
-def materialise(name: str, path: Path) -> None:
+def materialise(source: ModelSource) -> None:
+    """Write a preset's seeded random weights to its path unless already there (a
+    checkpoint directory is left as it is)."""
+    if source.preset:
+        source.path.parent.mkdir(parents=True, exist_ok=True)
+        _write_preset(source.name, source.path)
+
+
+def _write_preset(name: str, path: Path) -> None:
     """Write preset `name` (seeded random weights) to `path` unless already there.
 
     Safe against concurrent engines: each writes a private temporary directory and renames
@@ -149,9 +157,7 @@ def load_model(
     Raises:
         ValueError: if the checkpoint's architecture is not a supported hybrid model.
     """
-    if source.preset:
-        source.path.parent.mkdir(parents=True, exist_ok=True)
-        materialise(source.name, source.path)
+    materialise(source)
     config = AutoConfig.from_pretrained(source.path, local_files_only=True)
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
