@@ -79,10 +79,12 @@ def stages(device: str, dry: bool, carried: Path) -> list[Stage]:
         overlap = ["--lengths", "128", "--rates-gbps", "1", "0", "--reps", "1"]
         pd = ["--lengths", "128", "--rates-gbps", "1", "--reps", "1"]
         phi = ["--size", "tiny", "--lengths", "64", "128", "--reps", "1"]
-    else:
-        check, overlap, pd, phi = [], [], [], []
+    else:  # the overlap stage's 10 Gbit/s rows said what its 25 and unpaced ones did
+        check, overlap, pd, phi = [], ["--rates-gbps", "25", "0"], [], []
     overlap += ["--model", model(dry)]
-    pd += ["--model", model(dry)]
+    # the engines' defaults ran in the first H200 run (2026-12-04); the overlap stage
+    # measures both variants side by side
+    pd += ["--model", model(dry), "--transport", "8192:0.5"]
     return [
         Stage("env", lambda out, _: [py, str(gpu / "environment.py"), "--device", device,
                                      "--carried", str(carried), "--json", str(out)], 60),

@@ -4,13 +4,16 @@
 budget, the `SendQueue`, the transport) on a real model on `--device`, against the same
 forward with nothing shipped, interleaved over `--reps` prompts.
 
-Per link rate and prompt length: the forward's time alone and while shipping (timed to the
-end of the forward's own stream, so copies still running on the side stream do not count),
-the slowdown the per-layer copies cause, the KV production rate (bytes / forward time), and
-the share of the request's bytes on the wire before the forward ended (arrived at the
-receiver, over loopback paced with a 5 ms one-way delay, less that delay), plus whether
-every byte arrived as the prefill computed it. The last layer's bytes can only leave after
-it: with a full-attention last layer the share is at most 1 - 1/(full layers).
+Per variant (the transport's frame size and the interpreter's GIL switch interval: the
+transport's Python work shares the GIL with the forward's kernel launches, and each frame
+costs GIL hand-offs), link rate and prompt length: the forward's time alone and while
+shipping (timed to the end of the forward's own stream, so copies still running on the
+side stream do not count), the slowdown the per-layer copies cause, the KV production rate
+(bytes / forward time), the share of the request's bytes on the wire before the forward
+ended (arrived at the receiver, over loopback paced with a 5 ms one-way delay, less that
+delay), when the last byte arrived after it, and whether every byte arrived as the
+prefill computed it. The last layer's bytes can only leave after it: with a
+full-attention last layer the share is at most 1 - 1/(full layers).
 Targets (issue 37): slowdown <= 3%; >= 90% of the bytes on the wire before the forward ends
 when the link is faster than the KV production rate.
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import random
 import statistics
@@ -32,6 +36,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import transport_variant  # beside this script
 
 from prfaas.engines.kv_pages import model_layer
 from prfaas.engines.kv_pages.device_copy import DeviceCopier, movable
@@ -139,11 +144,14 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     receiver = KVReceiver()
     try:
-        for gbps in args.rates_gbps:
+        for transport, gbps in itertools.product(args.variants, args.rates_gbps):
+            sys.setswitchinterval(transport.switch_ms / 1e3)  # the process's, as in an engine
             rate = gbps * 1e9 / 8 if gbps > 0 else None
-            config = SenderConfig(process_rate_bytes_per_s=rate, delay_s=DELAY_S)
+            config = SenderConfig(process_rate_bytes_per_s=rate, delay_s=DELAY_S,
+                                  chunk_bytes=transport.frame_kib << 10)  # fmt: skip
             sender = TransportSender(config, queued=copier.asynchronous)
             await sender.start()
+            variant = f"{transport.label()}, {gbps:g} Gbit/s"
             try:
                 for length in args.lengths:
                     warm = torch.tensor(
@@ -151,7 +159,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                     )
                     forward_s(runner, warm, None)
                     await shipped(runner, copier, sender, receiver, warm, gen.randrange(2**62))
-                    _say(began, f"{gbps:g} Gbit/s, {length} tokens: warmed up")
+                    _say(began, f"{variant}, {length} tokens: warmed up")
                     alone, runs = [], []
                     for _ in range(args.reps):  # interleaved
                         ids = torch.tensor([[gen.randrange(256) for _ in range(length)]],
@@ -159,9 +167,11 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                         alone.append(forward_s(runner, ids, None)[0])
                         runs.append(await shipped(runner, copier, sender, receiver, ids,
                                                   gen.randrange(2**62)))  # fmt: skip
-                    rows.append(summarise(gbps, length, alone, runs))
+                    rows.append({"chunk_kib": transport.frame_kib,
+                                 "switch_ms": transport.switch_ms,
+                                 **summarise(gbps, length, alone, runs)})  # fmt: skip
                     row = rows[-1]
-                    _say(began, f"{gbps:g} Gbit/s, {length} tokens: slowdown {row['slowdown']}, "
+                    _say(began, f"{variant}, {length} tokens: slowdown {row['slowdown']}, "
                                 f"on wire {row['share_before_forward_end']}, tail "
                                 f"{row['tail_after_forward_ms']} ms")  # fmt: skip
                     if args.json:  # what was measured so far survives a time limit
@@ -224,11 +234,13 @@ def _write(path: Path, report: dict[str, Any]) -> None:
 def print_table(report: dict[str, Any]) -> None:
     print(f"layer-wise shipping in a {report['model']} prefill on {report['device_name']} "
           f"({report['dtype']}; medians of {report['reps']})")  # fmt: skip
-    print(f"{'Gbps':>6} {'tokens':>7} {'KV MB':>8} {'alone ms':>9} {'ship ms':>9} {'slow':>6} "
+    print(f"{'KiB':>5} {'GIL ms':>6} {'Gbps':>6} {'tokens':>7} {'KV MB':>8} {'alone ms':>9} "
+          f"{'ship ms':>9} {'slow':>6} "
           f"{'prod Gbps':>9} {'faster':>6} {'on wire':>7} {'tail ms':>8} {'exact':>6}")  # fmt: skip
     for r in report["rows"]:
         rate = "max" if r["rate_gbps"] is None else f"{r['rate_gbps']:g}"
-        print(f"{rate:>6} {r['tokens']:7} {r['kv_bytes'] / 1e6:8.2f} {r['forward_alone_ms']:9.2f} "
+        print(f"{r['chunk_kib']:5} {r['switch_ms']:6g} {rate:>6} {r['tokens']:7} "
+              f"{r['kv_bytes'] / 1e6:8.2f} {r['forward_alone_ms']:9.2f} "
               f"{r['forward_shipping_ms']:9.2f} {r['slowdown']:6.3f} {r['production_gbps']:9.2f} "
               f"{r['link_faster_than_production']!s:>6} {r['share_before_forward_end']:7.3f} "
               f"{r['tail_after_forward_ms']:8.2f} {r['bit_exact']!s:>6}")  # fmt: skip
@@ -244,6 +256,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rates-gbps", nargs="+", type=float, default=[10.0, 25.0, 0.0],
                    help="paced link rates (0: unpaced loopback)")  # fmt: skip
     p.add_argument("--budget-mb", type=int, default=1024, help="host (pinned) budget")
+    p.add_argument("--variants", nargs="+", type=transport_variant.parse, metavar="KIB:MS",
+                   default=[transport_variant.ENGINE_DEFAULT, transport_variant.FEWER_HANDOFFS],
+                   help="transport frame size and GIL switch interval, each measured "
+                   "(default: the engine's 1024:5, and 8192:0.5)")  # fmt: skip
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--json", type=Path)
     return p.parse_args(argv)

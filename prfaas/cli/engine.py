@@ -90,6 +90,13 @@ def _add_transfer_arguments(group: argparse._ArgumentGroup) -> None:
         help="largest KV frame; also the pacing burst (use ~64 on a slow paced link)",
     )
     group.add_argument(
+        "--gil-switch-ms",
+        type=float,
+        help="the interpreter's GIL switch interval (Python's default: 5 ms); shorter lets the "
+        "KV transport's event loop take the GIL back sooner from a forward launching kernels "
+        "(benchmarks/transport_gil.py)",
+    )
+    group.add_argument(
         "--egress-rate-mbps",
         type=float,
         help="cap this process's whole KV egress (all decode peers together) at this many "
@@ -187,6 +194,12 @@ def run(args: argparse.Namespace) -> int:
             max_prefill_tokens=args.max_prefill_tokens,
             num_state_slots=args.state_slots,
         )
+        if args.gil_switch_ms is not None:
+            if not 0.05 <= args.gil_switch_ms <= 100:
+                raise ValueError(
+                    f"--gil-switch-ms must be in [0.05, 100], got {args.gil_switch_ms}"
+                )
+            sys.setswitchinterval(args.gil_switch_ms / 1000)
         if not 0 <= args.egress_delay_ms <= 10_000:
             raise ValueError(f"--egress-delay-ms must be in [0, 10000], got {args.egress_delay_ms}")
         transfer = TransferConfig(

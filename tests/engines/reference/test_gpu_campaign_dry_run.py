@@ -39,13 +39,16 @@ def test_dry_run_writes_every_stage(engine_model_cache: Path, tmp_path: Path) ->
     assert results["device_check"]["bit_exact"] is True
 
     overlap = results["overlap"]
-    assert overlap["bit_exact"] is True and len(overlap["rows"]) == 2  # a paced and an unpaced link
+    # a paced and an unpaced link, each with the engine's transport and the fewer-hand-off one
+    assert overlap["bit_exact"] is True and len(overlap["rows"]) == 4
+    assert {(r["chunk_kib"], r["switch_ms"]) for r in overlap["rows"]} == {(1024, 5), (8192, 0.5)}
     for row in overlap["rows"]:
         assert row["kv_bytes"] > 0 and row["forward_alone_ms"] > 0
         assert 0 < row["share_before_forward_end"] <= 1 and row["tail_after_forward_ms"] >= 0
 
     pd = results["pd"]
     assert pd["greedy_equal"] is True and len(pd["rows"]) == 1
+    assert (pd["frame_kib"], pd["gil_switch_ms"]) == (8192, 0.5)  # engines ran with the flags
     row = pd["rows"][0]
     assert row["kv_bytes"] > 0
     assert all(row[f"ttft_{m}_s"] > 0 for m in ("aggregated", "layerwise", "send_after"))
@@ -65,3 +68,4 @@ def test_dry_run_writes_every_stage(engine_model_cache: Path, tmp_path: Path) ->
 
     table = (out / "campaign.md").read_text()
     assert "dry run" in table and "### Targets" in table and "### Phi_kv" in table
+    assert "(8192 KiB frames, GIL 0.5 ms)" in table

@@ -164,7 +164,7 @@ async def test_in_process_handoff_has_no_transfer_stats(tiny_runner: ModelRunner
 @pytest.mark.parametrize(
     ("flag", "value"),
     [("--egress-rate-mbps", "0"), ("--egress-capacity-mbps", "-1"),
-     ("--egress-delay-ms", "20000"), ("--transfer-connections", "0")],
+     ("--egress-delay-ms", "20000"), ("--transfer-connections", "0"), ("--gil-switch-ms", "0")],
 )  # fmt: skip
 def test_bad_transfer_flags_exit_2_naming_the_value(
     flag: str, value: str, capsys: pytest.CaptureFixture[str]

@@ -1,0 +1,153 @@
+"""Benchmark: the KV transport beside a GIL-busy thread, as a prefill engine runs it.
+
+A prefill engine sends KV from its event loop while the forward's thread launches kernels,
+holding the GIL between them. Each frame costs the loop several GIL hand-offs (a send, a
+poll, an acknowledgement), and a thread waiting for the GIL gets it only after the
+interpreter's switch interval (`sys.setswitchinterval`, 5 ms by default). Per frame size
+and switch interval: the goodput of a transfer (16 x 8 MiB; the sender in this process,
+the receiver in its own, loopback, unpaced) alone and beside a thread of short GIL-holding
+numpy steps (a stand-in for a launch-bound forward), and that thread's slowdown (its steps
+per second alone over while the transfer runs). On a GPU the campaign's overlap stage
+measures the same variants inside a real prefill (`benchmarks/gpu/handoff_overlap.py`).
+Every figure is the median of --runs transfers after a warm-up one; the machine is shared
+and noisy: read the ratios of rows measured in one run.
+Usage: python benchmarks/transport_gil.py [--runs 3] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from prfaas.engines.transport import Kind, KVSender, SenderConfig
+
+LAYERS, LAYER_MIB = 16, 8
+VARIANTS = ((1024, 5.0), (1024, 0.5), (8192, 5.0), (8192, 0.5))
+"""(frame KiB, GIL switch interval ms): the engine's default first."""
+RECEIVER = Path(__file__).with_name("transport.py")
+"""Its receiver role (a separate process, as a decode engine is)."""
+
+
+class Ticker:
+    """A thread taking short GIL-holding steps, counting them."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._steps = 0
+        self._thread = threading.Thread(target=self._run, name="ticker")
+        self.rate = 0.0
+        """Steps per second over its last run."""
+
+    def _run(self) -> None:
+        x = np.zeros(16)
+        while not self._stop.is_set():
+            x += 1.0
+            self._steps += 1
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        began = time.perf_counter()
+        self._thread.start()
+        try:
+            yield
+        finally:
+            self._stop.set()
+            self._thread.join()
+            self.rate = self._steps / (time.perf_counter() - began)
+
+
+def idle_rate(seconds: float = 1.0) -> float:
+    """The ticker's steps per second with nothing else running."""
+    ticker = Ticker()
+    with ticker.running():
+        time.sleep(seconds)
+    return ticker.rate
+
+
+async def variant(chunk_kib: int, switch_ms: float, runs: int, idle: float) -> dict[str, Any]:
+    """Alternating transfers alone and beside the ticker (first pair: warm-up)."""
+    default = sys.getswitchinterval()
+    sys.setswitchinterval(switch_ms / 1e3)
+    sender = KVSender(SenderConfig(host="127.0.0.1", chunk_bytes=chunk_kib << 10,
+                                   register_timeout_s=60))  # fmt: skip
+    await sender.start()
+    rooms = 2 * (runs + 1)
+    receiver = await asyncio.create_subprocess_exec(
+        sys.executable, str(RECEIVER), "--role", "receiver", "--host", "127.0.0.1",
+        "--port", str(sender.bootstrap_port), "--rooms", str(rooms), "--tls-dir", "",
+        stdout=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    data = np.random.default_rng(0).integers(0, 255, LAYER_MIB << 20, dtype=np.uint8)
+    alone, busy, slowdown = [], [], []
+    try:
+        for room in range(rooms):
+            ticker = Ticker() if room % 2 else None
+            with ticker.running() if ticker else contextlib.nullcontext():
+                began = time.perf_counter()
+                handle = sender.open(room)
+                for layer in range(LAYERS):
+                    handle.send_layer(layer, Kind.FULL_KV, {"kv": data})
+                handle.finish()
+                await handle.wait()
+                seconds = time.perf_counter() - began
+            if room < 2:
+                continue
+            goodput = LAYERS * LAYER_MIB * 2**20 / seconds / 1e9
+            if ticker is None:
+                alone.append(goodput)
+            else:
+                busy.append(goodput)
+                slowdown.append(idle / ticker.rate)
+        await asyncio.wait_for(receiver.wait(), 120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            receiver.kill()
+        await sender.close()
+        sys.setswitchinterval(default)
+    return {
+        "frame_kib": chunk_kib, "switch_ms": switch_ms,
+        "alone_GBps": round(statistics.median(alone), 3),
+        "beside_busy_thread_GBps": round(statistics.median(busy), 3),
+        "busy_thread_slowdown": round(statistics.median(slowdown), 3),
+    }  # fmt: skip
+
+
+async def measure(runs: int) -> list[dict[str, Any]]:
+    idle = idle_rate()
+    return [await variant(chunk, switch, runs, idle) for chunk, switch in VARIANTS]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    rows = asyncio.run(measure(args.runs))
+    print(f"transport beside a GIL-busy thread ({LAYERS} x {LAYER_MIB} MiB, loopback, "
+          f"medians of {args.runs})")  # fmt: skip
+    print(
+        f"{'frame KiB':>9} {'GIL ms':>6} {'alone GB/s':>10} {'beside GB/s':>11} {'thread slow':>11}"
+    )
+    for r in rows:
+        print(f"{r['frame_kib']:9} {r['switch_ms']:6g} {r['alone_GBps']:10.3f} "
+              f"{r['beside_busy_thread_GBps']:11.3f} "
+              f"{r['busy_thread_slowdown']:11.3f}")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps({"layers": LAYERS, "layer_mib": LAYER_MIB,
+                                         "runs": args.runs, "rows": rows}, indent=2))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
