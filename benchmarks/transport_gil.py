@@ -75,22 +75,23 @@ def idle_rate(seconds: float = 1.0) -> float:
     return ticker.rate
 
 
-async def variant(chunk_kib: int, switch_ms: float, runs: int, idle: float) -> dict[str, Any]:
+async def variant(frame_kib: int, switch_ms: float, runs: int, idle: float) -> dict[str, Any]:
     """Alternating transfers alone and beside the ticker (first pair: warm-up)."""
     default = sys.getswitchinterval()
     sys.setswitchinterval(switch_ms / 1e3)
-    sender = KVSender(SenderConfig(host="127.0.0.1", chunk_bytes=chunk_kib << 10,
+    sender = KVSender(SenderConfig(host="127.0.0.1", chunk_bytes=frame_kib << 10,
                                    register_timeout_s=60))  # fmt: skip
-    await sender.start()
+    receiver: asyncio.subprocess.Process | None = None
     rooms = 2 * (runs + 1)
-    receiver = await asyncio.create_subprocess_exec(
-        sys.executable, str(RECEIVER), "--role", "receiver", "--host", "127.0.0.1",
-        "--port", str(sender.bootstrap_port), "--rooms", str(rooms), "--tls-dir", "",
-        stdout=asyncio.subprocess.DEVNULL,
-    )  # fmt: skip
     data = np.random.default_rng(0).integers(0, 255, LAYER_MIB << 20, dtype=np.uint8)
     alone, busy, slowdown = [], [], []
     try:
+        await sender.start()
+        receiver = await asyncio.create_subprocess_exec(
+            sys.executable, str(RECEIVER), "--role", "receiver", "--host", "127.0.0.1",
+            "--port", str(sender.bootstrap_port), "--rooms", str(rooms), "--tls-dir", "",
+            stdout=asyncio.subprocess.DEVNULL,
+        )  # fmt: skip
         for room in range(rooms):
             ticker = Ticker() if room % 2 else None
             with ticker.running() if ticker else contextlib.nullcontext():
@@ -111,12 +112,13 @@ async def variant(chunk_kib: int, switch_ms: float, runs: int, idle: float) -> d
                 slowdown.append(idle / ticker.rate)
         await asyncio.wait_for(receiver.wait(), 120)
     finally:
-        with contextlib.suppress(ProcessLookupError):
+        if receiver is not None and receiver.returncode is None:
             receiver.kill()
+            await receiver.wait()
         await sender.close()
         sys.setswitchinterval(default)
     return {
-        "frame_kib": chunk_kib, "switch_ms": switch_ms,
+        "frame_kib": frame_kib, "gil_switch_ms": switch_ms,
         "alone_GBps": round(statistics.median(alone), 3),
         "beside_busy_thread_GBps": round(statistics.median(busy), 3),
         "busy_thread_slowdown": round(statistics.median(slowdown), 3),
@@ -140,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{'frame KiB':>9} {'GIL ms':>6} {'alone GB/s':>10} {'beside GB/s':>11} {'thread slow':>11}"
     )
     for r in rows:
-        print(f"{r['frame_kib']:9} {r['switch_ms']:6g} {r['alone_GBps']:10.3f} "
+        print(f"{r['frame_kib']:9} {r['gil_switch_ms']:6g} {r['alone_GBps']:10.3f} "
               f"{r['beside_busy_thread_GBps']:11.3f} "
               f"{r['busy_thread_slowdown']:11.3f}")  # fmt: skip
     if args.json:

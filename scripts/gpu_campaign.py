@@ -28,13 +28,14 @@ the machine's own is used and the campaign says so).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,9 +93,9 @@ def stages(device: str, dry: bool, carried: Path) -> list[Stage]:
                                               "--device", device.split(":")[0], *check,
                                               "--json", str(out)], 90),
         Stage("overlap", lambda out, _: [py, str(gpu / "handoff_overlap.py"), "--device", device,
-                                         *overlap, "--json", str(out)], 180, True),
+                                         *overlap, "--json", str(out)], 180, needs_model=True),
         Stage("pd", lambda out, _: [py, str(gpu / "pd_engines.py"), "--device", device, *pd,
-                                    "--json", str(out)], 200, True),
+                                    "--json", str(out)], 200, needs_model=True),
         Stage("phi_kv", lambda out, left: [py, str(gpu / "phi_kv.py"), "--device", device, *phi,
                                            "--budget-s", f"{max(left - 30, 10):.0f}",
                                            "--json", str(out)], 600),
@@ -205,15 +206,19 @@ def campaign(args: argparse.Namespace) -> dict[str, Any]:
     making: subprocess.Popen[bytes] | None = None
     if any(s.needs_model for s in chosen):
         making = subprocess.Popen([sys.executable, "-c", MATERIALISE, model(args.dry_run)],
-                                  env=env, cwd=REPO)  # fmt: skip
+                                  env=env, cwd=REPO, stdout=subprocess.DEVNULL)  # fmt: skip
     # into `out`, three files (what a device run brings back is limited in number)
     logs = out / "logs.txt"
     logs.write_text("")
-    with tempfile.TemporaryDirectory(prefix="prfaas-campaign-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="prfaas-campaign-") as scratch, _reaped(making):
         work = Path(scratch)
         for stage in chosen:
             if stage.needs_model and making is not None:
-                report["materialise_rc"] = making.wait()
+                left = args.budget_s - (time.monotonic() - began) - RESERVE_S
+                try:
+                    report["materialise_rc"] = making.wait(timeout=max(left, 1))
+                except subprocess.TimeoutExpired:
+                    report["materialise_rc"] = "out of time"
                 report["materialised_after_s"] = round(time.monotonic() - began, 1)
                 making = None
             left = args.budget_s - (time.monotonic() - began) - RESERVE_S
@@ -223,6 +228,17 @@ def campaign(args: argparse.Namespace) -> dict[str, Any]:
                   flush=True)  # fmt: skip
     report["seconds"] = round(time.monotonic() - began, 1)
     return report
+
+
+@contextlib.contextmanager
+def _reaped(proc: subprocess.Popen[bytes] | None) -> Iterator[None]:
+    """`proc` killed if still running when the block ends (a campaign stopped early)."""
+    try:
+        yield
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def markdown(report: dict[str, Any]) -> str:

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 Row = dict[str, Any]
+DEFAULT_FRAME_KIB, DEFAULT_SWITCH_MS = 1024, 5.0
+"""What a run from before the transport variants were recorded ran: the engine's defaults."""
 
 
 def _result(report: Row, stage: str) -> Row | None:
@@ -63,7 +65,9 @@ def _variants(overlap: Row | None) -> list[tuple[str, list[Row]]]:
     groups: dict[str, list[Row]] = {}
     for r in overlap["rows"]:
         label = (
-            f" ({r['chunk_kib']} KiB frames, GIL {r['switch_ms']:g} ms)" if "chunk_kib" in r else ""
+            f" ({r['frame_kib']} KiB frames, GIL {r['gil_switch_ms']:g} ms)"
+            if "frame_kib" in r
+            else ""
         )
         groups.setdefault(label, []).append(r)
     return list(groups.items())
@@ -106,7 +110,7 @@ def render(report: Row) -> str:
                   _table(["layout/mode", "exact", "slowdown", "placed before end", "layer p50 ms"],
                          rows)]  # fmt: skip
     if (overlap := _result(report, "overlap")) is not None:
-        rows = [[r.get("chunk_kib", 1024), r.get("switch_ms", 5),
+        rows = [[r.get("frame_kib", DEFAULT_FRAME_KIB), r.get("gil_switch_ms", DEFAULT_SWITCH_MS),
                  "max" if r["rate_gbps"] is None else r["rate_gbps"], r["tokens"],
                  round(r["kv_bytes"] / 1e6, 1), r["forward_alone_ms"], r["forward_shipping_ms"],
                  r["slowdown"], r["production_gbps"], r["share_before_forward_end"],
@@ -123,7 +127,10 @@ def render(report: Row) -> str:
                  round(r["ttft_layerwise_s"] * 1e3, 1), round(r["ttft_send_after_s"] * 1e3, 1),
                  r["layerwise_over_max"], r["layerwise_over_send_after"], r["greedy_equal"]]
                 for r in pd["rows"]]  # fmt: skip
-        frames = f"{pd.get('frame_kib', 1024)} KiB frames, GIL {pd.get('gil_switch_ms', 5):g} ms"
+        frames = (
+            f"{pd.get('frame_kib', DEFAULT_FRAME_KIB)} KiB frames, "
+            f"GIL {pd.get('gil_switch_ms', DEFAULT_SWITCH_MS):g} ms"
+        )
         parts += [f"### P/D engine processes ({pd['model']}, {pd['delay_ms']:g} ms one way, "
                   f"{frames})",
                   _table(["Gbps", "tokens", "KV MB", "transfer ms", "aggregated TTFT ms",

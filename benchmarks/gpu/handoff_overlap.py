@@ -10,10 +10,11 @@ costs GIL hand-offs), link rate and prompt length: the forward's time alone and 
 shipping (timed to the end of the forward's own stream, so copies still running on the
 side stream do not count), the slowdown the per-layer copies cause, the KV production rate
 (bytes / forward time), the share of the request's bytes on the wire before the forward
-ended (arrived at the receiver, over loopback paced with a 5 ms one-way delay, less that
-delay), when the last byte arrived after it, and whether every byte arrived as the
-prefill computed it. The last layer's bytes can only leave after it: with a
-full-attention last layer the share is at most 1 - 1/(full layers).
+ended (arrived at the receiver, a process of its own as a decode engine is, over loopback
+paced with a 5 ms one-way delay, less that delay), when the last byte arrived after it,
+and whether every byte arrived as the prefill computed it (digests compared). The last
+layer's bytes can only leave after it: with a full-attention last layer the share is at
+most 1 - 1/(full layers).
 Targets (issue 37): slowdown <= 3%; >= 90% of the bytes on the wire before the forward ends
 when the link is faster than the KV production rate.
 
@@ -26,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import random
 import statistics
 import sys
@@ -34,11 +34,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+import progress  # beside this script
 import torch
-import transport_variant  # beside this script
+import transport_variant
+from receiver_process import ReceiverProcess, digest
+from transport_variant import TransportVariant
 
-from prfaas.engines.kv_pages import model_layer
 from prfaas.engines.kv_pages.device_copy import DeviceCopier, movable
 from prfaas.engines.reference.engine_config import default_dtype
 from prfaas.engines.reference.handoff.transport import TransportSender
@@ -46,7 +47,7 @@ from prfaas.engines.reference.model.hybrid_cache import HybridCache, SeqState
 from prfaas.engines.reference.model.presets import default_cache_dir, load_model, resolve
 from prfaas.engines.reference.model.runner import FULL, ModelRunner
 from prfaas.engines.reference.step.prefill import LayerShipper
-from prfaas.engines.transport import KVReceiver, SenderConfig
+from prfaas.engines.transport import SenderConfig
 
 DELAY_S = 0.005
 BLOCK = 64
@@ -71,12 +72,13 @@ def _sync(device: torch.device) -> None:
 
 
 async def shipped(
-    runner: ModelRunner, copier: DeviceCopier, sender: TransportSender, receiver: KVReceiver,
-    ids: torch.Tensor, room: int,
+    runner: ModelRunner, copier: DeviceCopier, sender: TransportSender,
+    receiver: ReceiverProcess, ids: torch.Tensor, room: int,
 ) -> dict[str, Any]:  # fmt: skip
-    """One prefill shipping every layer as it finishes; timings and the received bytes."""
+    """One prefill shipping every layer as it finishes to the receiver process; timings and
+    whether what arrived is what the prefill computed."""
     outbox = sender.open(room)
-    transfer = await receiver.fetch("127.0.0.1", sender.bootstrap_port, room, timeout_s=300)
+    await receiver.fetch(sender.bootstrap_port, room)
     shipper = LayerShipper(outbox, BLOCK, copier)
 
     def prefill() -> tuple[float, float, HybridCache]:
@@ -86,16 +88,10 @@ async def shipped(
         outbox.finish()
         return seconds, ended, cache
 
-    task = asyncio.create_task(asyncio.to_thread(prefill))
-    arrivals: list[tuple[float, int]] = []
-    received: dict[tuple[int, str], np.ndarray] = {}
-    async for item in transfer:
-        arrivals.append((time.perf_counter(), sum(a.nbytes for a in item.arrays.values())))
-        for name, array in item.arrays.items():
-            received[(model_layer(item.layer), name)] = np.array(array)
-    await transfer.complete()
+    seconds, ended, cache = await asyncio.to_thread(prefill)  # the loop sends meanwhile
     await outbox.wait()
-    seconds, ended, cache = await task
+    got = await receiver.result()
+    arrivals: list[tuple[float, int]] = got["arrivals"]
     total = sum(n for _, n in arrivals)
     return {
         "forward_s": seconds,
@@ -104,15 +100,13 @@ async def shipped(
         "tail_s": max(0.0, arrivals[-1][0] - DELAY_S - ended) if arrivals else 0.0,
         # on the wire = arrived less the emulated one-way delay (loopback adds ~nothing)
         "share_before_forward_end": sum(n for t, n in arrivals if t - DELAY_S <= ended) / total,
-        "bit_exact": _same(cache, received, runner.shape.layer_types),
+        "bit_exact": _same(cache, got["digests"], runner.shape.layer_types),
         "budget_waits": copier.budget.stats.waits,
     }
 
 
-def _same(
-    cache: HybridCache, received: dict[tuple[int, str], np.ndarray], kinds: tuple[str, ...]
-) -> bool:
-    """Every received array equals the prefill's own tensor, bit for bit."""
+def _same(cache: HybridCache, digests: dict[str, str], kinds: tuple[str, ...]) -> bool:
+    """Every received array's digest is that of the prefill's own tensor's bits."""
     for layer, kind in enumerate(kinds):
         mine = (
             {"k": cache.keys[layer][0], "v": cache.values[layer][0]}
@@ -120,70 +114,62 @@ def _same(
             else {"conv": cache.conv[layer][0], "rec": cache.rec[layer][0]}
         )
         for name, tensor in mine.items():
-            bits = movable(tensor).cpu().numpy()
-            got = received.get((layer, name))
-            if got is None or got.tobytes() != np.ascontiguousarray(bits).tobytes():
+            if digests.get(f"{layer}/{name}") != digest(movable(tensor).cpu().numpy()):
                 return False
     return True
 
 
-def _say(began: float, what: str) -> None:
-    """A progress line (a stage cut short by its time limit shows how far it got)."""
-    print(f"[overlap {time.monotonic() - began:7.1f} s] {what}", flush=True)
-
-
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
-    began = time.monotonic()
+    """Every length across every (variant, rate) before the next length, so running out of
+    time loses the longest prompts, never a variant."""
     device = torch.device(args.device)
     dtype = getattr(torch, default_dtype(device.type))
     model = load_model(resolve(args.model, args.model_cache), device, dtype)
     runner = ModelRunner(model)
-    _say(began, f"{args.model} loaded on {device}")
+    progress.say("overlap", f"{args.model} loaded on {device}")
     copier = DeviceCopier(device, send_budget_bytes=args.budget_mb << 20)
     gen = random.Random(11)
-    rows = []
-    receiver = KVReceiver()
+    rows: list[dict[str, Any]] = []
+    default_switch = sys.getswitchinterval()
+    receiver = await ReceiverProcess.start()
+    senders: dict[tuple[TransportVariant, float], TransportSender] = {}
     try:
         for transport, gbps in itertools.product(args.variants, args.rates_gbps):
-            sys.setswitchinterval(transport.switch_ms / 1e3)  # the process's, as in an engine
             rate = gbps * 1e9 / 8 if gbps > 0 else None
             config = SenderConfig(process_rate_bytes_per_s=rate, delay_s=DELAY_S,
                                   chunk_bytes=transport.frame_kib << 10)  # fmt: skip
-            sender = TransportSender(config, queued=copier.asynchronous)
-            await sender.start()
-            variant = f"{transport.label()}, {gbps:g} Gbit/s"
-            try:
-                for length in args.lengths:
-                    warm = torch.tensor(
-                        [[gen.randrange(256) for _ in range(length)]], device=device
-                    )
-                    forward_s(runner, warm, None)
-                    await shipped(runner, copier, sender, receiver, warm, gen.randrange(2**62))
-                    _say(began, f"{variant}, {length} tokens: warmed up")
-                    alone, runs = [], []
-                    for _ in range(args.reps):  # interleaved
-                        ids = torch.tensor([[gen.randrange(256) for _ in range(length)]],
-                                           device=device)  # fmt: skip
-                        alone.append(forward_s(runner, ids, None)[0])
-                        runs.append(await shipped(runner, copier, sender, receiver, ids,
-                                                  gen.randrange(2**62)))  # fmt: skip
-                    rows.append({"chunk_kib": transport.frame_kib,
-                                 "switch_ms": transport.switch_ms,
-                                 **summarise(gbps, length, alone, runs)})  # fmt: skip
-                    row = rows[-1]
-                    _say(began, f"{variant}, {length} tokens: slowdown {row['slowdown']}, "
-                                f"on wire {row['share_before_forward_end']}, tail "
-                                f"{row['tail_after_forward_ms']} ms")  # fmt: skip
-                    if args.json:  # what was measured so far survives a time limit
-                        _write(args.json, report(args, device, dtype, rows))
-            finally:
-                await sender.close()
+            senders[transport, gbps] = TransportSender(config, queued=copier.asynchronous)
+            await senders[transport, gbps].start()
+        for length, ((transport, gbps), sender) in itertools.product(args.lengths, senders.items()):
+            sys.setswitchinterval(transport.gil_switch_ms / 1e3)  # the process's, as an engine's
+            case = f"{transport.label()}, {gbps:g} Gbit/s, {length} tokens"
+            warm = torch.tensor([[gen.randrange(256) for _ in range(length)]], device=device)
+            forward_s(runner, warm, None)
+            await shipped(runner, copier, sender, receiver, warm, gen.randrange(2**62))
+            progress.say("overlap", f"{case}: warmed up")
+            alone, runs = [], []
+            for _ in range(args.reps):  # interleaved
+                ids = torch.tensor([[gen.randrange(256) for _ in range(length)]], device=device)
+                alone.append(forward_s(runner, ids, None)[0])
+                runs.append(await shipped(runner, copier, sender, receiver, ids,
+                                          gen.randrange(2**62)))  # fmt: skip
+            row = {"frame_kib": transport.frame_kib, "gil_switch_ms": transport.gil_switch_ms,
+                   **summarise(gbps, length, alone, runs)}  # fmt: skip
+            rows.append(row)
+            progress.say("overlap", f"{case}: slowdown {row['slowdown']}, on wire "
+                         f"{row['share_before_forward_end']}, tail "
+                         f"{row['tail_after_forward_ms']} ms")  # fmt: skip
+            if args.json:  # what was measured so far survives a time limit
+                progress.write_json(args.json, overlap_report(args, device, dtype, rows))
     finally:
+        sys.setswitchinterval(default_switch)
+        for sender in senders.values():
+            await sender.close()
         await receiver.close()
-    return report(args, device, dtype, rows)
+    return overlap_report(args, device, dtype, rows)
 
 
-def report(
+def overlap_report(
     args: argparse.Namespace, device: torch.device, dtype: torch.dtype, rows: list[dict[str, Any]]
 ) -> dict[str, Any]:
     return {
@@ -224,13 +210,6 @@ def summarise(
     }
 
 
-def _write(path: Path, report: dict[str, Any]) -> None:
-    """Whole or not at all: the campaign may stop this stage mid-write."""
-    partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps(report, indent=2))
-    partial.replace(path)
-
-
 def print_table(report: dict[str, Any]) -> None:
     print(f"layer-wise shipping in a {report['model']} prefill on {report['device_name']} "
           f"({report['dtype']}; medians of {report['reps']})")  # fmt: skip
@@ -239,7 +218,7 @@ def print_table(report: dict[str, Any]) -> None:
           f"{'prod Gbps':>9} {'faster':>6} {'on wire':>7} {'tail ms':>8} {'exact':>6}")  # fmt: skip
     for r in report["rows"]:
         rate = "max" if r["rate_gbps"] is None else f"{r['rate_gbps']:g}"
-        print(f"{r['chunk_kib']:5} {r['switch_ms']:6g} {rate:>6} {r['tokens']:7} "
+        print(f"{r['frame_kib']:5} {r['gil_switch_ms']:6g} {rate:>6} {r['tokens']:7} "
               f"{r['kv_bytes'] / 1e6:8.2f} {r['forward_alone_ms']:9.2f} "
               f"{r['forward_shipping_ms']:9.2f} {r['slowdown']:6.3f} {r['production_gbps']:9.2f} "
               f"{r['link_faster_than_production']!s:>6} {r['share_before_forward_end']:7.3f} "
@@ -270,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     report = asyncio.run(measure(args))
     print_table(report)
     if args.json:
-        _write(args.json, report)
+        progress.write_json(args.json, report)
     return 0 if report["bit_exact"] else 1
 
 

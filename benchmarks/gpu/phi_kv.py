@@ -19,7 +19,6 @@ the paper's; the ratios are what compare.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import sys
@@ -28,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import progress  # beside this script
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
@@ -162,29 +162,31 @@ class Measured:
 
 def measure_all(
     names: list[str], size: table3.Size, lengths: list[int], device: torch.device, reps: int,
-    deadline: float, progress: Callable[[dict[str, dict[str, Any]]], None],
+    deadline: float, keep: Callable[[dict[str, dict[str, Any]]], None],
 ) -> dict[str, dict[str, Any]]:  # fmt: skip
     """Every preset built once (they fit one GPU together), then every length across all
     presets before the next, so running out of time loses the longest lengths, not a
     twin (a length skipped is recorded); one preset's failure does not stop the others.
-    `progress` gets the reports so far after each length (a run cut short keeps them)."""
+    `keep` gets the reports so far after each preset's build and each length (a run cut
+    short keeps them)."""
     built: dict[str, Measured] = {}
     failed: dict[str, dict[str, Any]] = {}
 
     def reports() -> dict[str, dict[str, Any]]:
-        return {n: built[n].report() if n in built else failed[n] for n in built | failed}
+        return {n: built[n].report() if n in built else failed[n]
+                for n in names if n in built or n in failed}  # fmt: skip
 
     for name in names:
         try:
             built[name] = Measured(name, size, device)
             built[name].warm_up(min(lengths))
-            _say(f"{name}: built in {built[name].build_s:.1f} s, warmed up in "
+            progress.say("phi_kv", f"{name}: built in {built[name].build_s:.1f} s, warmed up in "
                  f"{built[name].warm_up_s:.1f} s")  # fmt: skip
         except Exception as exc:
             failed[name] = {"preset": name, "error": f"{type(exc).__name__}: {exc}", "rows": []}
             built.pop(name, None)
-            _say(f"{name}: {failed[name]['error']}")
-        progress(reports())
+            progress.say("phi_kv", f"{name}: {failed[name]['error']}")
+        keep(reports())
     for length in sorted(lengths):
         for preset in built.values():
             if preset.done:
@@ -196,17 +198,9 @@ def measure_all(
                 preset.measure(length, reps)
             except Exception as exc:
                 preset.error, preset.done = f"{type(exc).__name__}: {exc}", True
-            _say(f"{preset.name} at {length}: {preset.error or preset.rows[-1]}")
-        progress(reports())
+            progress.say("phi_kv", f"{preset.name} at {length}: {preset.error or preset.rows[-1]}")
+        keep(reports())
     return {name: built[name].report() if name in built else failed[name] for name in names}
-
-
-def _say(what: str) -> None:
-    """A progress line (a stage cut short by its time limit shows how far it got)."""
-    print(f"[phi_kv {time.monotonic() - _STARTED:7.1f} s] {what}", flush=True)
-
-
-_STARTED = time.monotonic()
 
 
 def ratios(presets: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -232,14 +226,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     deadline = time.monotonic() + args.budget_s
 
-    def progress(presets: dict[str, dict[str, Any]]) -> None:
-        if args.json:  # whole or not at all: the campaign may stop this stage mid-write
-            partial = args.json.with_suffix(".partial")
-            partial.write_text(json.dumps(report(args, device, presets), indent=2))
-            partial.replace(args.json)
+    def keep(presets: dict[str, dict[str, Any]]) -> None:
+        if args.json:
+            progress.write_json(args.json, report(args, device, presets))
 
     presets = measure_all(args.presets, args.size, args.lengths, device, args.reps, deadline,
-                          progress)  # fmt: skip
+                          keep)  # fmt: skip
     return report(args, device, presets)
 
 
@@ -299,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     report = run(args)
     print_table(report)
     if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
+        progress.write_json(args.json, report)
     failed = [p for p in report["presets"].values() if "error" in p]
     return 1 if failed else 0
 

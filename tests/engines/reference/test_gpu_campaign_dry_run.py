@@ -41,7 +41,10 @@ def test_dry_run_writes_every_stage(engine_model_cache: Path, tmp_path: Path) ->
     overlap = results["overlap"]
     # a paced and an unpaced link, each with the engine's transport and the fewer-hand-off one
     assert overlap["bit_exact"] is True and len(overlap["rows"]) == 4
-    assert {(r["chunk_kib"], r["switch_ms"]) for r in overlap["rows"]} == {(1024, 5), (8192, 0.5)}
+    assert {(r["frame_kib"], r["gil_switch_ms"]) for r in overlap["rows"]} == {
+        (1024, 5),
+        (8192, 0.5),
+    }
     for row in overlap["rows"]:
         assert row["kv_bytes"] > 0 and row["forward_alone_ms"] > 0
         assert 0 < row["share_before_forward_end"] <= 1 and row["tail_after_forward_ms"] >= 0
