@@ -130,9 +130,11 @@ async def _long_stream_on(
     s: aiohttp.ClientSession, envoy: EnvoyFront, address: str
 ) -> list[asyncio.Task[Outcome]]:
     """Long streams sent one at a time through Envoy (nothing else in flight, so Envoy's
-    per-host active counts say where each went) until one is on `address`; all of them."""
+    per-host active counts say where each went) until one is on `address`; all of them.
+    Envoy's least-request picks two hosts at random, so a host can be passed over a few
+    times in a row (8 tries miss it with a chance of about (4/9)^8, 1 in 660)."""
     sent: list[asyncio.Task[Outcome]] = []
-    while len(sent) < 8:
+    while len(sent) < 16:
         sent.append(asyncio.create_task(completion(s, envoy.url, 1000 + len(sent), True, LONG)))
         deadline = time.monotonic() + 10.0
         while sum(h.stats["rq_active"] for h in (await envoy.hosts(s)).values()) < len(sent):
