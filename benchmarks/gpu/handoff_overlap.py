@@ -38,7 +38,6 @@ import progress  # beside this script
 import torch
 import transport_variant
 from receiver_process import ReceiverProcess, digest
-from transport_variant import TransportVariant
 
 from prfaas.engines.kv_pages.device_copy import DeviceCopier, movable
 from prfaas.engines.reference.engine_config import default_dtype
@@ -132,7 +131,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     default_switch = sys.getswitchinterval()
     receiver = await ReceiverProcess.start()
-    senders: dict[tuple[TransportVariant, float], TransportSender] = {}
+    senders: dict[tuple[transport_variant.TransportVariant, float], TransportSender] = {}
     try:
         for transport, gbps in itertools.product(args.variants, args.rates_gbps):
             rate = gbps * 1e9 / 8 if gbps > 0 else None
