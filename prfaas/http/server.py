@@ -71,7 +71,9 @@ class HttpLimits:
 
 
 Handler = Callable[[HttpRequest, Exchange], Awaitable[HttpResponse | None]]
-ErrorRenderer = Callable[[int, str], HttpResponse]
+ErrorRenderer = Callable[[int, str, str], HttpResponse]
+"""The server's own error answers: (status, message, the request's path, "" when unknown),
+so that an application answers each route's errors in that route's own error body."""
 
 MAX_PIPELINED = 16
 """Queued requests on one connection beyond which reading pauses until they are answered."""
@@ -314,7 +316,9 @@ class _HttpProtocol(asyncio.Protocol):
         """Answer a request that arrived during a drain with 503 and close: the client
         should send it elsewhere (what it pipelined after it is dropped, unanswered)."""
         self._pending.clear()
-        resp = self.server.error_response(503, "the server is shutting down; retry elsewhere")
+        resp = self.server.error_response(
+            503, "the server is shutting down; retry elsewhere", request.path
+        )
         resp = replace(resp, headers={**resp.headers, NOT_STARTED_HEADER: "1"})
         with contextlib.suppress(ConnectionError):
             self.send(Exchange(self, request, keep_alive=False).whole(resp))
@@ -333,7 +337,7 @@ class _HttpProtocol(asyncio.Protocol):
             logger.exception(
                 "unhandled error serving %s %s", exchange.request.method, exchange.request.path
             )
-            resp = self.server.error_response(500, "internal error")
+            resp = self.server.error_response(500, "internal error", exchange.request.path)
             if exchange.stream is not None and exchange.stream.started:
                 self._task = None  # too late for a status: cut the response
                 self.close()
@@ -366,17 +370,22 @@ class _HttpProtocol(asyncio.Protocol):
             else:
                 exchange.keep_alive = False
                 message = "the server stopped before the answer was ready; retry elsewhere"
-                self.send(exchange.whole(self.server.error_response(503, message)))
+                self.send(exchange.whole(
+                    self.server.error_response(503, message, exchange.request.path)
+                ))  # fmt: skip
 
     def _whole(self, exchange: Exchange, resp: HttpResponse | None) -> bytes:
         """The response's bytes, or a 500 when its headers cannot be sent."""
         try:
-            return exchange.whole(resp or self.server.error_response(500, "no response"))
+            path = exchange.request.path
+            return exchange.whole(resp or self.server.error_response(500, "no response", path))
         except ValueError:  # a line break in a header, a server-owned header, not latin-1
             logger.exception(
                 "bad response to %s %s", exchange.request.method, exchange.request.path
             )
-            return exchange.whole(self.server.error_response(500, "internal error"))
+            return exchange.whole(
+                self.server.error_response(500, "internal error", exchange.request.path)
+            )
 
     # -- writing ----------------------------------------------------------------------
 
@@ -413,11 +422,16 @@ class _HttpProtocol(asyncio.Protocol):
             return
         if self.closed:
             return
-        resp = self.server.error_response(status, message)
+        resp = self.server.error_response(status, message, self._target_path())
         request = HttpRequest("GET", "/", "", {}, b"")
         with contextlib.suppress(ConnectionError):
             self.send(Exchange(self, request, keep_alive=False).whole(resp))
         self._linger_close()
+
+    def _target_path(self) -> str:
+        """The path of the request being read, as far as it arrived ("" before any)."""
+        url = getattr(self, "_url", b"")
+        return url.partition(b"?")[0].decode("latin-1")
 
     def _linger_close(self) -> None:
         """Half-close after an error answer and drop what the client still sends, for up to

@@ -14,7 +14,7 @@ from prfaas.http.messages import Exchange, HttpRequest, HttpResponse
 from prfaas.http.server import HttpLimits, HttpServer
 
 
-def render_error(status: int, message: str) -> HttpResponse:
+def render_error(status: int, message: str, path: str = "") -> HttpResponse:
     """The test server's `error_response`: `{"error": {"message", "code"}}` JSON."""
     body = json.dumps({"error": {"message": message, "code": status}}).encode()
     return HttpResponse(status=status, body=body)

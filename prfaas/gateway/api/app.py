@@ -60,9 +60,10 @@ def error_response(exc: APIError, path: str = "") -> HttpResponse:
     return HttpResponse(exc.status, exc.encode(dialect_of(path)), headers=exc.headers)
 
 
-def server_error(status: int, message: str) -> HttpResponse:
-    """The HTTP server's own errors (bad framing, limits, timeouts, a crashed handler)."""
-    return error_response(APIError(status, message))
+def server_error(status: int, message: str, path: str = "") -> HttpResponse:
+    """The HTTP server's own errors (bad framing, limits, timeouts, a crashed handler), in
+    the dialect of the route the request was for."""
+    return error_response(APIError(status, message), path)
 
 
 async def completions(gw: Gateway, request: HttpRequest, exchange: Exchange) -> HttpResponse | None:

@@ -106,6 +106,11 @@ async def test_messages_errors_are_anthropics_and_the_gateway_keeps_serving(
         huge = b'{"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "'
         async with session.post(url + "/v1/messages", data=huge + b"x" * 2**23 + b'"}]}') as r:
             assert r.status == 413  # refused from its Content-Length, before it is read
+            assert (await r.json())["error"]["type"] == "request_too_large"
+        async with session.post(url + "/v1/messages", data=b"{}",
+                                headers={"Transfer-Encoding": "gzip, chunked"}) as r:  # fmt: skip
+            body = await r.json()  # the HTTP server's own refusal, in the route's dialect
+            assert r.status == 400 and body["type"] == "error", body
     ok = await client.messages.create(model="tiny", max_tokens=2, messages=USER)
     assert ok.stop_reason == "max_tokens"
 
