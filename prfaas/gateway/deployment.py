@@ -127,6 +127,9 @@ class GatewayConfig:
     """Requests dispatched to engines at once."""
     max_queued: int = 1024
     """Requests waiting for a slot; beyond this the gateway answers 429."""
+    queue_timeout_s: float = 60.0
+    """How long a request waits for a slot; past it the gateway answers 408 with
+    `Retry-After` (as SGLang's gateway does; OpenAI's and Anthropic's clients retry it)."""
     max_body_bytes: int = 16 * 1024 * 1024
     health_interval_s: float = 1.0
     health_timeout_s: float = 2.0
@@ -162,6 +165,8 @@ class GatewayConfig:
         for name in ("max_running", "max_body_bytes", "kv_index_max_blocks"):
             check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         check(self.max_queued >= 0, "max_queued", self.max_queued, "must be >= 0")
+        timeout = self.queue_timeout_s
+        check(0 < timeout <= 3600, "queue_timeout_s", timeout, "must be in (0, 3600]")
         for name in ("health_interval_s", "health_timeout_s"):
             check(getattr(self, name) > 0, name, getattr(self, name), "must be > 0")
         for name in ("eject_after", "readmit_after"):

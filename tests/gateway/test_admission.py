@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from prfaas.gateway.admission import AdmissionManager, QueueFull
+from prfaas.gateway.admission import AdmissionManager, QueueFull, QueueTimeout
 
 
 async def _hold(
@@ -81,3 +81,38 @@ async def test_waiter_cancelled_after_being_handed_a_slot_passes_it_on() -> None
     await asyncio.gather(handed, nxt, return_exceptions=True)
     assert handed.cancelled() and order == ["c"]
     assert (manager.running, manager.waiting) == (0, 0)
+
+
+async def test_waiter_past_its_deadline_gives_up_without_a_slot() -> None:
+    """A waiter that gets no slot within `queue_timeout_s` leaves with QueueTimeout, never
+    having taken a slot; the waiter behind it keeps its place and gets the next slot."""
+    manager = AdmissionManager(max_running=1, max_queued=2, queue_timeout_s=0.05)
+    order: list[str] = []
+    gate = asyncio.Event()
+    holder = asyncio.ensure_future(_hold(manager, "a", order, gate))
+    await asyncio.sleep(0)
+    late = asyncio.ensure_future(_hold(manager, "b", order, gate))
+    await asyncio.sleep(0.03)
+    patient = asyncio.ensure_future(_hold(manager, "c", order, gate))
+    with pytest.raises(QueueTimeout, match=r"waited 0\.05 s for a slot"):
+        await late
+    assert (manager.running, manager.waiting, manager.timed_out) == (1, 1, 1)
+    gate.set()  # "a" ends within c's deadline: c is served
+    await asyncio.gather(holder, patient)
+    assert order == ["a", "c"]
+    assert (manager.running, manager.waiting) == (0, 0)
+
+
+async def test_a_slot_handed_at_the_deadline_is_kept() -> None:
+    """A slot handed over before the deadline fires wins: the waiter runs, no timeout."""
+    manager = AdmissionManager(max_running=1, max_queued=1, queue_timeout_s=0.05)
+    held = manager.slot()
+    await held.__aenter__()
+    waiter = asyncio.ensure_future(manager._acquire())
+    await asyncio.sleep(0)
+    await held.__aexit__(None, None, None)
+    await asyncio.sleep(0.1)  # the deadline passes after the hand-over
+    await waiter
+    assert (manager.running, manager.timed_out) == (1, 0)
+    manager._release()
+    assert manager.running == 0

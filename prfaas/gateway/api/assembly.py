@@ -337,7 +337,9 @@ def build_gateway(
         router=router,
         tokenizer=tokenizer,
         limits=ModelLimits(m.name, m.context_length, m.vocab_size),
-        admission=AdmissionManager(max_running=g.max_running, max_queued=g.max_queued),
+        admission=AdmissionManager(
+            max_running=g.max_running, max_queued=g.max_queued, queue_timeout_s=g.queue_timeout_s
+        ),
         metrics=metrics,
         api_keys=frozenset(g.api_keys),
         responses=ResponsesService(

@@ -33,7 +33,7 @@ import orjson
 
 from prfaas.common.tokenizer import Tokenizer
 from prfaas.engine_clients.base import EngineError
-from prfaas.gateway.admission import AdmissionManager, QueueFull
+from prfaas.gateway.admission import AdmissionManager, QueueFull, QueueTimeout
 from prfaas.gateway.api.activity import ActivityRecorder, FinishedRequest
 from prfaas.gateway.api.metrics import GatewayMetrics
 from prfaas.gateway.responses.service import ResponsesService
@@ -179,9 +179,12 @@ class CompletionService:
         self, exchange: Exchange | None, call: CompletionCall, timing: _Timing,
         turn: ResponseTurn | None,
     ) -> HttpResponse | None:  # fmt: skip
-        """Serve `call` once admission gives it a slot (a 429 when the queue is full)."""
+        """Serve `call` once admission gives it a slot (a 429 when the queue is full, a 408
+        when no slot came in time)."""
+        queued = self.clock()
         try:
             async with self.admission.slot():
+                self.metrics.queue_wait.observe(self.clock() - queued)
                 timing.prompt_tokens = len(call.input_ids)  # admitted requests only
                 return await self._serve(exchange, call, timing, turn)
         except QueueFull as exc:
@@ -191,6 +194,11 @@ class CompletionService:
                 code="queue_full",
                 headers={"Retry-After": str(self.retry_after_s)},
             ) from None
+        except QueueTimeout as exc:
+            self.metrics.queue_wait.observe(self.clock() - queued)
+            raise APIError(408, f"the gateway is at capacity: {exc}; retry later",
+                           code="queue_timeout",
+                           headers={"Retry-After": str(self.retry_after_s)}) from None  # fmt: skip
 
     async def _background(self, call: CompletionCall, timing: _Timing) -> bytes:
         """A background response's whole answer (its metrics booked like a request's).

@@ -96,6 +96,13 @@ class GatewayMetrics:
             registry=reg,
             buckets=LATENCY_BUCKETS_S,
         )
+        self.queue_wait = Histogram(
+            "prfaas_queue_wait_seconds",
+            "Time a request waited for an admission slot (those that got one, and those that"
+            " gave up at queue_timeout_s).",
+            registry=reg,
+            buckets=LATENCY_BUCKETS_S,
+        )
         self.e2e = Histogram(
             "prfaas_e2e_seconds",
             "End-to-end request latency.",

@@ -4,6 +4,7 @@ the gateway keeps serving afterwards."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import aiohttp
@@ -122,6 +123,35 @@ async def test_queue_full_is_429_with_retry_after(gateway_factory: GatewayFactor
                 _assert_error(r.status, await r.json(), 429)
                 assert r.headers["Retry-After"] == "3"
             assert (await first).status == 200
+    finally:
+        await runner.cleanup()
+
+
+async def test_queue_deadline_is_408_with_retry_after(gateway_factory: GatewayFactory) -> None:
+    """One running slot: a request that waits past `queue_timeout_s` for it is answered 408
+    with Retry-After and never reaches an engine; the one running is served."""
+    slow = NullServer(NullConfig(first_token_delay_s=1.0, model="tiny"))
+    runner, slow_url = await start_app(slow.app())
+    try:
+        urls = dict.fromkeys(("prfaas-p0", "pd-p0", "pd-d0"), slow_url)
+        config = deployment(urls, max_running=1, max_queued=4, queue_timeout_s=0.2,
+                            retry_after_s=2)  # fmt: skip
+        url, gateway = await gateway_factory(config)
+        async with aiohttp.ClientSession() as s:
+            first = asyncio.ensure_future(s.post(f"{url}/v1/completions", json=OK_BODY))
+            await asyncio.sleep(0.2)
+            started = time.monotonic()
+            async with s.post(f"{url}/v1/completions", json=OK_BODY) as r:
+                _assert_error(r.status, await r.json(), 408)
+                assert r.headers["Retry-After"] == "2"
+            assert 0.15 < time.monotonic() - started < 0.8
+            assert gateway.service.admission.timed_out == 1
+            async with s.get(f"{url}/metrics") as r:
+                waits = [line for line in (await r.text()).splitlines()
+                         if line.startswith("prfaas_queue_wait_seconds_count")]  # fmt: skip
+            assert waits == ["prfaas_queue_wait_seconds_count 2.0"], waits
+            assert (await first).status == 200
+        assert gateway.service.admission.running == 0
     finally:
         await runner.cleanup()
 
