@@ -1,11 +1,17 @@
 """The bandwidth regime, chosen from the measured link rather than from configuration.
 
-The abundant regime (paper 3.4.3) pulls cached prefixes across the link, which costs
-egress; it pays only while the link has room to spare. So the chooser switches to
-`bandwidth_abundant` after `confirm_ticks` ticks in a row below `abundant_below` measured
-utilisation, and back to `bandwidth_scarce` after `scarce_ticks` ticks above
-`scarce_above`. The gap between the two marks and the confirmation keep it from flapping
-when the pulls themselves raise the utilisation. Without a measured capacity it holds.
+The abundant regime (paper 3.4.3) pulls cached prefixes across the link instead of
+recomputing them. A pull pays only when moving KV is faster than producing it: when the
+link's spare bandwidth exceeds the KV production rate of a prefill (Eq. 1's `Phi_kv`; the
+lowest over the profiled lengths, where pulls pay first). An idle link that is slower than
+that is not abundant: every pull over it would cost more than the recompute it saves. So the
+chooser leans to `bandwidth_abundant` while the utilisation is below `abundant_below` *and*
+the spare bandwidth beats `Phi_kv` (when the profile gives one), switching after
+`confirm_ticks` ticks in a row; and back to `bandwidth_scarce` after `scarce_ticks` ticks
+above `scarce_above` utilisation or with less spare than `Phi_kv`. The gap between the two
+marks and the confirmation keep it from flapping when the pulls themselves raise the
+utilisation. Without a measured capacity it holds. Each pull is still checked on its own
+(`ttft_forecast.predict_pull`).
 
 Pure: state and observation in, decision out.
 """
@@ -45,30 +51,59 @@ class RegimeState:
 
 
 @dataclass(frozen=True)
+class LinkReading:
+    """One tick's measurement of the link, as the chooser reads it."""
+
+    utilisation: float | None
+    """Egress over capacity (None: no measured capacity)."""
+    spare_bytes_per_s: float | None = None
+    kv_rate_bytes_per_s: float | None = None
+    """The lowest KV production rate of a prefill (`Phi_kv`; None: no profile)."""
+
+    @property
+    def pulls_pay(self) -> bool | None:
+        """Whether the spare bandwidth beats the KV production rate (None: unknown)."""
+        if self.spare_bytes_per_s is None or self.kv_rate_bytes_per_s is None:
+            return None
+        return self.spare_bytes_per_s > self.kv_rate_bytes_per_s
+
+    def describe_rates(self) -> str:
+        assert self.spare_bytes_per_s is not None and self.kv_rate_bytes_per_s is not None
+        sign = ">" if self.pulls_pay else "<="
+        return (f"spare {self.spare_bytes_per_s * 8e-6:.1f} Mbit/s {sign} KV production "
+                f"{self.kv_rate_bytes_per_s * 8e-6:.1f} Mbit/s")  # fmt: skip
+
+
+@dataclass(frozen=True)
 class RegimeDecision:
     state: RegimeState
     changed: bool
     reason: str
 
 
-def choose_regime(
-    config: RegimeConfig, state: RegimeState, utilisation: float | None
-) -> RegimeDecision:
-    """One tick: keep or switch the regime given the measured utilisation."""
-    if utilisation is None:
+def choose_regime(config: RegimeConfig, state: RegimeState, link: LinkReading) -> RegimeDecision:
+    """One tick: keep or switch the regime given the link's measurement."""
+    util, pays = link.utilisation, link.pulls_pay
+    if util is None:
         return RegimeDecision(RegimeState(state.regime), False, "hold: no measured capacity")
     if state.regime == "bandwidth_scarce":
         other: Regime = "bandwidth_abundant"
-        leaning = utilisation < config.abundant_below
-        needed, mark = config.confirm_ticks, f"< {config.abundant_below:g}"
+        leaning = util < config.abundant_below and pays is not False
+        needed = config.confirm_ticks
+        why = f"egress utilisation {util:.2f} < {config.abundant_below:g}"
+        if pays is not None:
+            why += f", {link.describe_rates()}"
     else:
         other = "bandwidth_scarce"
-        leaning = utilisation > config.scarce_above
-        needed, mark = config.scarce_ticks, f"> {config.scarce_above:g}"
+        busy = util > config.scarce_above
+        leaning = busy or pays is False
+        needed = config.scarce_ticks
+        why = (f"egress utilisation {util:.2f} > {config.scarce_above:g}" if busy
+               else link.describe_rates() if pays is False else "")  # fmt: skip
     if not leaning:
         return RegimeDecision(RegimeState(state.regime), False, "hold")
     streak = state.streak + 1
-    why = f"egress utilisation {utilisation:.2f} {mark} for {streak} ticks"
+    why += f" for {streak} ticks"
     if streak < needed:
         return RegimeDecision(RegimeState(state.regime, streak), False, f"hold: {why}")
     return RegimeDecision(RegimeState(other), True, f"{other}: {why}")

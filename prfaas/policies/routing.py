@@ -13,7 +13,10 @@ never the raw prompt length:
 
 With a `LoadForecast` in the snapshot (the short-term scheduler's), a request the threshold
 sends to PrfaaS goes there only if its predicted PrfaaS TTFT also beats its predicted local
-TTFT (conditional disaggregation, `ttft_forecast.py`); otherwise it stays in PD.
+TTFT, or the PD prefill pool is saturated (conditional disaggregation, `ttft_forecast.py`);
+otherwise it stays in PD. And a prefix pull of the abundant regime happens only when moving
+the prefix is predicted faster than recomputing it where the request runs; otherwise the
+request is routed as in the scarce regime, on what each cluster caches itself.
 """
 
 from __future__ import annotations
@@ -24,7 +27,13 @@ from typing import ClassVar, Literal
 
 import msgspec
 
-from prfaas.policies.ttft_forecast import LoadForecast, TTFTPrediction, predict_ttft
+from prfaas.policies.ttft_forecast import (
+    LoadForecast,
+    PullPrediction,
+    TTFTPrediction,
+    predict_pull,
+    predict_ttft,
+)
 
 Route = Literal["prfaas", "pd"]
 Regime = Literal["bandwidth_scarce", "bandwidth_abundant"]
@@ -190,6 +199,19 @@ class PrfaasPolicy(BaseRoutingPolicy):
 
     def decide(self, snapshot: RoutingSnapshot) -> RouteDecision:
         abundant = snapshot.regime == "bandwidth_abundant"
+        decision = self._decide(snapshot, abundant)
+        forecast = snapshot.forecast
+        if decision.prefix_transfer_from is None or forecast is None:
+            return decision
+        pull = _predict_pull(snapshot, forecast, decision)
+        if pull.pays:
+            return msgspec.structs.replace(decision, reason=f"{decision.reason}; {pull.describe()}")
+        local = self._decide(snapshot, abundant=False)
+        return msgspec.structs.replace(local, reason=f"{local.reason}; no {pull.describe()}")
+
+    def _decide(self, snapshot: RoutingSnapshot, abundant: bool) -> RouteDecision:
+        """The threshold rule on the prefix each cluster caches (`abundant`: the longer of
+        the two, pulled across when the other cluster holds it)."""
         l_pd = snapshot.cached_in(PD)
         prefix = max(l_pd, snapshot.cached_in(PRFAAS)) if abundant else l_pd
         uncached, t = snapshot.total_tokens - prefix, snapshot.threshold
@@ -201,7 +223,7 @@ class PrfaasPolicy(BaseRoutingPolicy):
         elif route == PD and not snapshot.pool(PD, "prefill") and snapshot.pool(PRFAAS, "prefill"):
             route, reason = PRFAAS, reason + "; no healthy PD prefill, fell back to PrfaaS"
         elif route == PRFAAS and snapshot.forecast is not None and snapshot.pool(PD, "prefill"):
-            prediction = _predict(snapshot, snapshot.forecast, prefix)
+            prediction = _predict(snapshot, snapshot.forecast, prefix, abundant)
             if not prediction.offload:
                 route = PD
             reason += f"; {prediction.describe()}"
@@ -216,21 +238,33 @@ class PrfaasPolicy(BaseRoutingPolicy):
 
 
 def _predict(
-    snapshot: RoutingSnapshot, forecast: LoadForecast, local_prefix: int
+    snapshot: RoutingSnapshot, forecast: LoadForecast, local_prefix: int, abundant: bool
 ) -> TTFTPrediction:
     """Both TTFT predictions of a request the threshold sends to PrfaaS: there it computes
-    what the PrfaaS cluster lacks (or, in the abundant regime, what neither cluster caches)."""
+    what the PrfaaS cluster lacks (or, `abundant`, what neither cluster caches), and the
+    decode gets the KV of the whole prompt over the link."""
     total = snapshot.total_tokens
     remote = snapshot.cached_in(PRFAAS)
-    if snapshot.regime == "bandwidth_abundant":
+    if abundant:
         remote = max(remote, snapshot.cached_in(PD))
     return predict_ttft(
         forecast,
         prfaas_tokens=total - remote,
         local_tokens=total - local_prefix,
+        shipped_tokens=total,
         prfaas_pool=[i.instance_id for i in snapshot.pool(PRFAAS, "prefill")],
         local_pool=[i.instance_id for i in snapshot.pool(PD, "prefill")],
     )
+
+
+def _predict_pull(
+    snapshot: RoutingSnapshot, forecast: LoadForecast, decision: RouteDecision
+) -> PullPrediction:
+    """The pull `decision` makes: the prefix its source holds, into its prefill instance."""
+    own = next(i.cached_tokens for i in snapshot.instances
+               if i.instance_id == decision.prefill_instance)  # fmt: skip
+    return predict_pull(forecast, cluster=decision.route, total_tokens=snapshot.total_tokens,
+                        own_prefix=own, pulled=decision.cached_tokens)  # fmt: skip
 
 
 class HomogeneousPolicy(BaseRoutingPolicy):

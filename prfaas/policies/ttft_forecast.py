@@ -1,9 +1,11 @@
-"""Conditional disaggregation: offload a long prefill only if PrfaaS is predicted to answer
-first (NVIDIA Dynamo's conditional disaggregation, Mooncake's TTFT-predicting conductor).
+"""Conditional disaggregation: offload a long prefill only if it helps (NVIDIA Dynamo's
+conditional disaggregation, Mooncake's TTFT-predicting conductor), and pull a cached prefix
+across the link only if moving it beats recomputing it.
 
-For one request the two predictions are
+For one request the two TTFT predictions are
 
-- PrfaaS: queue + `T_prfaas(l)` + `S_kv(l)` / spare egress;
+- PrfaaS: queue + `T_prfaas(l)` + `S_kv(l_total)` / spare egress (the decode gets the KV of
+  the whole prompt, the prefix the PrfaaS instance cached included);
 - local (PD prefill): queue + `T_pd(l)` (the PD cluster's RDMA hand-off is free here);
 
 where each queue is the *predicted* backlog of the least-backlogged instance of that pool
@@ -12,6 +14,15 @@ profile), never the engines' current queue lengths: deciding on current load mak
 two pools oscillate in anti-phase (Mooncake). The spare egress is the measured link
 capacity minus the measured egress, but at least the fair share a new transfer would get
 (capacity / (transfers + 1)), since the link is shared, not first come first served.
+
+Which objective wins: while the PD prefill pool has room (the request would wait there less
+than it computes), TTFT decides, so at low load a long prompt stays local when local is
+faster (a slow link); once the local pool is saturated (the wait is the larger part), the
+throughput-optimal threshold governs, as in the paper, and the offload goes ahead even when
+that request's own TTFT is predicted worse (`TTFTPrediction.offload`, which says so).
+
+A prefix pull (`predict_pull`) moves `S_kv(prefix)` over the spare link to save computing
+those tokens where the request runs; it pays only when the transfer is the shorter.
 
 Pure: the gateway builds a `LoadForecast` per request (`gateway/scheduling/`).
 """
@@ -40,6 +51,18 @@ class PrefillCosts:
         table = self.prfaas_prefill_s if cluster == "prfaas" else self.pd_prefill_s
         return max(float(table(max(tokens, 1))), 0.0)
 
+    def min_kv_rate(self) -> float:
+        """The lowest KV production rate (Eq. 1's `Phi_kv`, bytes/s) of either cluster at
+        the lengths the profile measured: a link with more spare bandwidth than this makes
+        pulling some cached prefixes cheaper than recomputing them (inf: none measured)."""
+        rates = [
+            float(self.kv_bytes(x)) / seconds
+            for table in (self.prfaas_prefill_s, self.pd_prefill_s)
+            for x in table.xs
+            if x >= 1 and (seconds := float(table(x))) > 0
+        ]
+        return min(rates, default=math.inf)
+
 
 @dataclass(frozen=True)
 class LinkState:
@@ -67,19 +90,51 @@ class LoadForecast(msgspec.Struct, frozen=True):
 
 @dataclass(frozen=True)
 class TTFTPrediction:
-    """Predicted time to first token on each side, in seconds."""
+    """Predicted time to first token on each side, in seconds, and what the local side's
+    prediction is made of (its queue and its own compute)."""
 
     prfaas_s: float
     local_s: float
+    local_wait_s: float = 0.0
+    local_compute_s: float = 0.0
+
+    @property
+    def local_saturated(self) -> bool:
+        """The request would wait in the PD prefill pool at least as long as it computes
+        there: the pool is the bottleneck, and throughput (the threshold) governs."""
+        return self.local_wait_s > 0 and self.local_wait_s >= self.local_compute_s
 
     @property
     def offload(self) -> bool:
-        """PrfaaS strictly beats local."""
-        return self.prfaas_s < self.local_s
+        """PrfaaS strictly beats local, or local is saturated (the threshold governs)."""
+        return self.prfaas_s < self.local_s or self.local_saturated
 
     def describe(self) -> str:
-        sign = "<" if self.offload else ">="
-        return f"predicted TTFT prfaas {self.prfaas_s:.2f}s {sign} local {self.local_s:.2f}s"
+        faster = self.prfaas_s < self.local_s
+        sign = "<" if faster else ">="
+        text = f"predicted TTFT prfaas {self.prfaas_s:.2f}s {sign} local {self.local_s:.2f}s"
+        if not faster and self.local_saturated:
+            text += (f"; local queue {self.local_wait_s:.2f}s >= its compute "
+                     f"{self.local_compute_s:.2f}s: the threshold governs")  # fmt: skip
+        return text
+
+
+@dataclass(frozen=True)
+class PullPrediction:
+    """A prefix pull: seconds to move the prefix's KV against seconds of compute it saves."""
+
+    tokens: int
+    transfer_s: float
+    recompute_s: float
+
+    @property
+    def pays(self) -> bool:
+        return self.transfer_s < self.recompute_s
+
+    def describe(self) -> str:
+        sign = "<" if self.pays else ">="
+        return (f"pull of {self.tokens} tokens {self.transfer_s:.2f}s {sign} recompute "
+                f"{self.recompute_s:.2f}s")  # fmt: skip
 
 
 def least_backlog(forecast: LoadForecast, instance_ids: Iterable[str]) -> float:
@@ -88,25 +143,46 @@ def least_backlog(forecast: LoadForecast, instance_ids: Iterable[str]) -> float:
     return min((get(i, 0.0) for i in instance_ids), default=math.inf)
 
 
+def transfer_s(forecast: LoadForecast, tokens: int) -> float:
+    """Seconds to move the KV of `tokens` over the spare link (0: no link telemetry)."""
+    if forecast.link is None or tokens <= 0:
+        return 0.0
+    spare = forecast.link.spare_bytes_per_s()
+    return float(forecast.costs.kv_bytes(tokens)) / spare if spare > 0 else math.inf
+
+
 def predict_ttft(
     forecast: LoadForecast,
     *,
     prfaas_tokens: int,
     local_tokens: int,
+    shipped_tokens: int,
     prfaas_pool: Iterable[str],
     local_pool: Iterable[str],
 ) -> TTFTPrediction:
-    """Both predictions for a request that would compute `prfaas_tokens` in PrfaaS or
-    `local_tokens` in the PD cluster (they differ when the clusters cache different
-    prefixes)."""
+    """Both predictions for a request that would compute `prfaas_tokens` in PrfaaS (then
+    ship the KV of `shipped_tokens` to the decode) or `local_tokens` in the PD cluster (they
+    differ when the clusters cache different prefixes)."""
     costs = forecast.costs
-    transfer = 0.0
-    if forecast.link is not None and prfaas_tokens > 0:
-        spare = forecast.link.spare_bytes_per_s()
-        kv = float(costs.kv_bytes(prfaas_tokens))
-        transfer = kv / spare if spare > 0 else math.inf
     prfaas = (
-        least_backlog(forecast, prfaas_pool) + costs.prefill_s("prfaas", prfaas_tokens) + transfer
+        least_backlog(forecast, prfaas_pool)
+        + costs.prefill_s("prfaas", prfaas_tokens)
+        + transfer_s(forecast, shipped_tokens)
     )
-    local = least_backlog(forecast, local_pool) + costs.prefill_s("pd", local_tokens)
-    return TTFTPrediction(prfaas, local)
+    wait = least_backlog(forecast, local_pool)
+    compute = costs.prefill_s("pd", local_tokens)
+    return TTFTPrediction(prfaas, wait + compute, wait, compute)
+
+
+def predict_pull(
+    forecast: LoadForecast, *, cluster: str, total_tokens: int, own_prefix: int, pulled: int
+) -> PullPrediction:
+    """A pull of the `pulled`-token prefix into `cluster`, whose computing instance caches
+    `own_prefix` of the `total_tokens` prompt: the KV of the whole pulled prefix crosses
+    the link (the holder exports it whole), and saves computing `pulled - own_prefix`
+    tokens there."""
+    costs = forecast.costs
+    saved = costs.prefill_s(cluster, total_tokens - own_prefix) - costs.prefill_s(
+        cluster, total_tokens - pulled
+    )  # fmt: skip
+    return PullPrediction(pulled, transfer_s(forecast, pulled), max(saved, 0.0))

@@ -58,15 +58,15 @@ SCHEDULER_PERIOD_S = 30.0  # long-term period of the embedded deployment
 
 def default_scheduler() -> SchedulerConfig:
     """The embedded deployment's schedulers: set-points kept in the range its prompts span;
-    a handful of requests per period is enough to re-plan on (a laptop's load is light); no
-    TTFT-conditional offload, since both clusters run on this same CPU: a prefill is never
-    faster in PrfaaS, so the condition would keep every prompt local at light load and the
-    deployment would no longer show the cross-cluster route (the threshold still applies)."""
+    a handful of requests per period is enough to re-plan on (a laptop's load is light).
+    Offloads are conditional, as in any deployment: both clusters run on this same CPU and
+    the emulated link is slow, so at light load a long prompt stays local (its KV would take
+    longer to cross than the PD prefill takes to compute it), and offloads begin once the
+    PD prefill is saturated, where the threshold governs."""
     return SchedulerConfig(
         period_s=SCHEDULER_PERIOD_S,
         min_threshold=T_RANGE[0],
         max_threshold=T_RANGE[1],
-        conditional=False,
         estimate=EstimateConfig(min_samples=5.0),
     )
 

@@ -1,5 +1,6 @@
 """Conditional disaggregation: the two TTFT predictions, and the PrfaaS policy offloading a
-request past the threshold only when PrfaaS is predicted to answer first."""
+request past the threshold only when PrfaaS is predicted to answer first or the PD prefill
+pool is saturated; a prefix pull only when moving the prefix beats recomputing it."""
 
 from __future__ import annotations
 
@@ -42,18 +43,18 @@ def test_prediction_sums_queue_prefill_and_transfer() -> None:
     """20,000 tokens: PrfaaS 1 s queue + 2 s + 2 GB over 8 Gbit/s spare (2 s) = 5 s;
     local 0.5 s queue + 4 s = 4.5 s: local wins."""
     f = _forecast({"pf0": 1.0, "pf1": 3.0, "pd0": 0.5}, LinkState(10 * GBIT, 2 * GBIT, 1))
-    p = predict_ttft(f, prfaas_tokens=20_000, local_tokens=20_000,
+    p = predict_ttft(f, prfaas_tokens=20_000, local_tokens=20_000, shipped_tokens=20_000,
                      prfaas_pool=["pf0", "pf1"], local_pool=["pd0"])  # fmt: skip
-    assert p == TTFTPrediction(prfaas_s=5.0, local_s=4.5)
+    assert p == TTFTPrediction(prfaas_s=5.0, local_s=4.5, local_wait_s=0.5, local_compute_s=4.0)
     assert not p.offload
     assert p.describe() == "predicted TTFT prfaas 5.00s >= local 4.50s"
 
 
 def test_no_link_telemetry_leaves_the_transfer_out() -> None:
     f = _forecast({})
-    p = predict_ttft(f, prfaas_tokens=20_000, local_tokens=20_000,
+    p = predict_ttft(f, prfaas_tokens=20_000, local_tokens=20_000, shipped_tokens=20_000,
                      prfaas_pool=["pf0"], local_pool=["pd0"])  # fmt: skip
-    assert p == TTFTPrediction(2.0, 4.0) and p.offload
+    assert p == TTFTPrediction(2.0, 4.0, 0.0, 4.0) and p.offload
 
 
 def test_least_backlog_of_an_empty_pool_is_infinite() -> None:
@@ -116,7 +117,9 @@ def test_prediction_uses_what_each_cluster_would_compute() -> None:
     d = PrfaasPolicy().decide(_snap(30_000, f, pd_cached=8_000))
     assert d.route == "prfaas" and d.reason.endswith("prfaas 3.00s < local 4.40s")
     d = PrfaasPolicy().decide(_snap(30_000, f, pd_cached=8_000, regime="bandwidth_abundant"))
-    assert d.route == "prfaas" and d.reason.endswith("prfaas 2.20s < local 4.40s")
+    assert d.route == "prfaas" and d.reason.endswith(
+        "prfaas 2.20s < local 4.40s; pull of 8000 tokens 0.00s < recompute 0.80s"
+    )  # no link telemetry: the pull's transfer is left out, as the offload's
     assert d.prefix_transfer_from == "pd"
 
 
@@ -127,3 +130,53 @@ def test_break_even_is_strict(backlog: float) -> None:
     f = _forecast({"pf0": backlog, "pd-p0": 0.5})
     route = PrfaasPolicy().decide(_snap(20_000, f)).route
     assert route == ("prfaas" if 2.0 + backlog < 4.5 else "pd")
+
+
+def test_the_decode_gets_the_whole_prompts_kv_cached_prefix_included() -> None:
+    """PrfaaS caches 18,000 of 20,000 tokens: it computes 2,000 (0.2 s) but ships the KV of
+    all 20,000 (2 GB over 1 Gbit/s: 16 s); local computes 20,000 (4 s) and wins."""
+    f = _forecast({}, LinkState(1 * GBIT))
+    d = PrfaasPolicy().decide(_snap(20_000, f, pf_cached=18_000, t=1_000))
+    assert d.route == "pd"
+    assert d.reason.endswith("predicted TTFT prfaas 16.20s >= local 4.00s")
+
+
+def test_a_saturated_local_pool_lets_the_threshold_govern() -> None:
+    """Over a slow link PrfaaS is predicted slower (2 s + 16 s) than local (4 s of compute),
+    but once the local queue is at least that compute (4 s), throughput decides: offload,
+    and the reason says what TTFT it trades."""
+    slow = LinkState(1 * GBIT)
+    assert PrfaasPolicy().decide(_snap(20_000, _forecast({"pd-p0": 3.9}, slow))).route == "pd"
+    d = PrfaasPolicy().decide(_snap(20_000, _forecast({"pd-p0": 4.0}, slow)))
+    assert d.route == "prfaas"
+    assert d.reason.endswith("predicted TTFT prfaas 18.00s >= local 8.00s; local queue 4.00s "
+                             ">= its compute 4.00s: the threshold governs")  # fmt: skip
+
+
+def test_a_pull_that_costs_more_than_recomputing_is_not_made() -> None:
+    """The issue's case: PrfaaS caches 6,000 tokens of a 6,100-token prompt, PD nothing, t =
+    4,000. Abundant: 100 uncached <= t, so PD computes it, pulling the 6,000-token prefix:
+    600 MB over 1 Gbit/s (4.8 s) against recomputing 6,000 tokens in PD (1.2 s). Not worth
+    it: routed as in the scarce regime (6,100 uncached > t), where the TTFT check keeps it
+    local (PrfaaS ships 610 MB: 4.9 s + 0.01 s >= 1.22 s)."""
+    f = _forecast({}, LinkState(1 * GBIT))
+    d = PrfaasPolicy().decide(
+        _snap(6_100, f, pf_cached=6_000, t=4_000, regime="bandwidth_abundant")
+    )
+    assert (d.route, d.prefix_transfer_from, d.cached_tokens) == ("pd", None, 0)
+    assert d.reason.endswith("; no pull of 6000 tokens 4.80s >= recompute 1.20s")
+
+
+def test_a_pull_that_beats_recomputing_is_made() -> None:
+    """The same over 100 Gbit/s: the pull takes 0.048 s against 1.2 s of recompute."""
+    f = _forecast({}, LinkState(100 * GBIT))
+    d = PrfaasPolicy().decide(
+        _snap(6_100, f, pf_cached=6_000, t=4_000, regime="bandwidth_abundant")
+    )
+    assert (d.route, d.prefix_transfer_from, d.cached_tokens) == ("pd", "prfaas", 6_000)
+    assert d.reason.endswith("; pull of 6000 tokens 0.05s < recompute 1.20s")
+
+
+def test_min_kv_rate_is_the_lowest_phi_kv_of_either_cluster() -> None:
+    """KV 100 kB/token; PrfaaS 10,000 tokens/s (1 GB/s), PD 5,000 (0.5 GB/s)."""
+    assert COSTS.min_kv_rate() == pytest.approx(0.5e9)

@@ -11,7 +11,7 @@ from prfaas.gateway.instances import InstanceManager
 from prfaas.gateway.scheduling.config import SchedulerConfig
 from prfaas.gateway.scheduling.decisions import ScheduleBoard
 from prfaas.gateway.scheduling.observer import SchedulingObserver
-from prfaas.policies.regime_choice import RegimeState, choose_regime
+from prfaas.policies.regime_choice import LinkReading, RegimeState, choose_regime
 from prfaas.policies.routing import Route
 from prfaas.policies.schedule_state import ScheduleState
 from prfaas.policies.threshold_trim import TrimObservation, TrimState, trim
@@ -81,17 +81,28 @@ class ShortTermLoop:
             pd_backlog_s=self._observer.pool_backlog(prefill_pool(self._instances, "pd")),
             capacity_bytes_per_s=None if link is None else link.capacity_bytes_per_s,
         )
+        reading = self._reading(link, util)
         inputs = {
             "egress_utilisation": util,
             "prfaas_backlog_s": obs.prfaas_backlog_s,
             "pd_backlog_s": obs.pd_backlog_s,
             "capacity_bytes_per_s": obs.capacity_bytes_per_s,
+            "spare_bytes_per_s": reading.spare_bytes_per_s,
+            "kv_rate_bytes_per_s": reading.kv_rate_bytes_per_s,
         }
         self.last = inputs
         if self.pinned:
             return
         self._trim(obs, inputs)
-        self._choose_regime(util, inputs)
+        self._choose_regime(reading, inputs)
+
+    def _reading(self, link: LinkState | None, util: float | None) -> LinkReading:
+        """The link as the regime chooser reads it: with the profile, whether its spare
+        bandwidth beats the KV production rate (pulls pay)."""
+        costs = self._observer.costs
+        if link is None or util is None or costs is None:
+            return LinkReading(util)
+        return LinkReading(util, link.spare_bytes_per_s(), costs.min_kv_rate())
 
     def _trim(self, obs: TrimObservation, inputs: dict[str, Any]) -> None:
         board = self._board
@@ -109,8 +120,8 @@ class ShortTermLoop:
                 threshold=decision.state.threshold,
             )
 
-    def _choose_regime(self, util: float | None, inputs: dict[str, Any]) -> None:
-        decision = choose_regime(self._config.regime, self.regime, util)
+    def _choose_regime(self, reading: LinkReading, inputs: dict[str, Any]) -> None:
+        decision = choose_regime(self._config.regime, self.regime, reading)
         self.regime = decision.state
         if decision.changed:
             self._board.change(

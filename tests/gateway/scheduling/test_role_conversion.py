@@ -202,16 +202,18 @@ def test_a_first_look_moves_a_far_off_set_point_before_the_first_period(
 def test_a_move_the_cooldown_refused_is_made_when_the_cooldown_ends(
     profile: DeploymentProfile, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Three decodes and a 15-second cooldown on 10-second periods: the period after the
+    """Three decodes and a 12-second cooldown on 10-second periods: the period after the
     first conversion wants the next one too, and the cooldown refuses it. The move is made
     on the tick the cooldown ends, not at the next period (a period's clock would put it
-    within a second of a multiple of 10 s after the first period)."""
+    within a second of a multiple of 10 s after the first period). The cooldown lasts at
+    least the drain it follows (about 14.5 s here, after the conversion that began at the
+    10 s period), so it ends between two periods."""
     caplog.set_level(logging.INFO, logger="prfaas.scheduler")
-    scheduler, errors = _scheduled(profile, 3, cooldown_s=15.0)
+    scheduler, errors = _scheduled(profile, 3, cooldown_s=12.0)
     assert errors == []
     first, second = [c for c in scheduler.long.conversions if c.ok][:2]
     assert first.to_role == second.to_role == "prefill"
-    cooled = first.started_at + first.drain_s + 15.0
+    cooled = first.started_at + first.drain_s + max(12.0, first.drain_s)
     assert cooled <= second.started_at <= cooled + 1.0  # the next tick
     logged = [json.loads(r.message) for r in caplog.records if r.name == "prfaas.scheduler"]
     refused = [d for d in logged if first.started_at < d["at"] < second.started_at
@@ -227,11 +229,11 @@ def test_a_move_the_cooldown_refused_is_made_when_the_cooldown_ends(
 def test_a_deferred_move_is_dropped_when_the_split_changed(
     profile: DeploymentProfile, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Three decodes and a 15-second cooldown, as above: while a move waits for the
+    """Three decodes and a 12-second cooldown, as above: while a move waits for the
     cooldown (the period at 30 s deferred it), a decode is ejected. When the cooldown ends
     the move is not made on a split it was not decided for; the log says why."""
     caplog.set_level(logging.INFO, logger="prfaas.scheduler")
-    config = SchedulerConfig(period_s=10.0, rebalance=RebalanceConfig(cooldown_s=15.0))
+    config = SchedulerConfig(period_s=10.0, rebalance=RebalanceConfig(cooldown_s=12.0))
 
     async def main() -> tuple[Scheduler, float]:
         cluster = SimCluster(profile, _deployment(profile, 1, 3), SimOptions())
