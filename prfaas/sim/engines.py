@@ -213,7 +213,7 @@ class SimulatedPrefillEngine(_SimulatedInstance):
         cached = await self._fetch_prefix(ids, self.cache.match(keys) * self.cache.block_size)
         tokens = max(len(ids) - cached, MIN_PREFILL_TOKENS)
         compute_s = float(self.timing.prefill_s(tokens))
-        nbytes = float(self.timing.kv_bytes(tokens))
+        nbytes = float(self.timing.kv_bytes(len(ids)))  # the decode gets the whole prompt's KV
         sent: asyncio.Future[None] | None = None
         if self.timing.pipelined:
             sent = self.link.transfer(nbytes, produce_s=compute_s)
