@@ -79,8 +79,10 @@ def test_an_idle_link_slower_than_kv_production_is_not_abundant() -> None:
     for _ in range(3):
         d = choose_regime(CFG, state, fast)
         state = d.state
-    assert d.changed and d.reason == ("bandwidth_abundant: egress utilisation 0.00 < 0.4, spare "
-                                      "100.0 Mbit/s > KV production 40.0 Mbit/s for 3 ticks")  # fmt: skip
+    assert d.changed and d.reason == (
+        "bandwidth_abundant: egress utilisation 0.00 < 0.4, spare "
+        "100.0 Mbit/s > KV production 40.0 Mbit/s for 3 ticks"
+    )
 
 
 def test_abundant_turns_scarce_once_the_spare_falls_below_kv_production() -> None:

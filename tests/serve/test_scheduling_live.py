@@ -85,7 +85,7 @@ async def test_link_drop_raises_t_and_the_last_decode_is_kept(embedded: str) -> 
             assert resp.status == 200
     assert set(statuses) == {200}
     assert [status for status, _ in crawled] == [200, 200], crawled
-    assert ("prfaas" in {route for _, route in crawled}), crawled  # the threshold governed
+    assert "prfaas" in {route for _, route in crawled}, crawled  # the threshold governed
     assert status == 200 and after == "pd", state["scheduler"]
     raises = [d for d in state["scheduler"]["recent"]
               if d["kind"] in ("threshold", "set_point") and d["at"] > 0

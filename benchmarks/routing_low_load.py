@@ -1,0 +1,166 @@
+"""Benchmark (live): at low load, does routing cost a request more than computing it locally?
+
+Issue 38's case, on the embedded default (`prfaas serve`: three reference engines on this
+machine's CPU, the PrfaaS prefill's KV paced to an emulated 10 Mbit/s, 5 ms link). With the
+PD prefill idle, long fresh prompts (over `t`) are sent one at a time, streamed, and their
+time to first token measured, under the PrfaaS policy (its rules as shipped: a conditional
+offload) and under `--policy homogeneous` (every prefill local: the local alternative),
+one deployment after the other, with the rounds interleaved (each round restarts both).
+Before 2026-12-04 the embedded default offloaded every prompt over `t` (6K tokens: 10.1 s
+against 2.3 s locally, the KV crawling over the link).
+
+It also leaves the link idle for `--idle-s` seconds and reads the bandwidth regime: an idle
+link slower than the KV production rate must stay `bandwidth_scarce` (before, 10 idle ticks
+turned it abundant, and prefix pulls then cost 4x a recompute).
+
+Goal: TTFT prfaas / homogeneous <= 1.1 (medians), every prompt kept local, regime scarce.
+Usage: python benchmarks/routing_low_load.py [--tokens 6000] [--prompts 3] [--rounds 2]
+       [--idle-s 15] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+MODEL = "qwen3-next-tiny"
+LISTENING = re.compile(r"PrfaaS gateway listening on (http://\S+)")
+READY = re.compile(r"Ctrl-C\) stops|Ctrl-C stops")
+POLICIES = ("prfaas", "homogeneous")
+
+
+def words(n_tokens: int, rng: random.Random) -> str:
+    """About `n_tokens` byte-level tokens of fresh text (the tiny model's tokenizer)."""
+    text = f"{rng.random()} "
+    while len(text) < n_tokens:
+        text += "".join(rng.choice("abcdefghij") for _ in range(rng.randint(2, 7))) + " "
+    return text[:n_tokens]
+
+
+def serve(policy: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """`prfaas serve` (embedded default) under `policy`; its URL once it is ready."""
+    out = log.open("wb")
+    proc = subprocess.Popen([sys.executable, "-m", "prfaas.cli.main", "serve", "--port", "0",
+                             "--policy", policy], stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        text = log.read_text(errors="replace")
+        if READY.search(text) and (found := LISTENING.search(text)):
+            return proc, found.group(1)
+        if proc.poll() is not None:
+            raise RuntimeError(f"prfaas serve exited:\n{text[-3000:]}")
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("prfaas serve was not ready within 300 s")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+async def ttft(session: aiohttp.ClientSession, url: str, prompt: str) -> tuple[float, str]:
+    """Seconds to the first streamed token, and the route the gateway chose."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "stream": True}
+    start = time.perf_counter()
+    async with session.post(f"{url}/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
+        first = None
+        async for line in resp.content:
+            if first is None and line.startswith(b"data:") and b"[DONE]" not in line:
+                first = time.perf_counter() - start
+        assert first is not None, "no token streamed"
+        return first, resp.headers["x-prfaas-route"]
+
+
+async def measure(url: str, prompts: list[str], idle_s: float) -> dict[str, Any]:
+    async with aiohttp.ClientSession() as session:
+        await ttft(session, url, words(200, random.Random(1)))  # warm the path
+        samples = [await ttft(session, url, p) for p in prompts]
+        async with session.get(f"{url}/admin/state") as resp:
+            threshold = (await resp.json())["threshold"]
+        await asyncio.sleep(idle_s)  # the link idle: what regime does it read as?
+        async with session.get(f"{url}/admin/state") as resp:
+            state = await resp.json()
+    regimes = [d["reason"] for d in state["scheduler"]["recent"] if d["kind"] == "regime"]
+    return {
+        "ttft_s": [s for s, _ in samples],
+        "routes": [r for _, r in samples],
+        "threshold": threshold,
+        "regime": state["regime"],
+        "regime_changes": regimes,
+    }
+
+
+def run(tokens: int, n_prompts: int, rounds: int, idle_s: float) -> dict[str, Any]:
+    logs = Path(tempfile.mkdtemp(prefix="prfaas-low-load-"))
+    per_round: list[dict[str, Any]] = []
+    for r in range(rounds):
+        rng = random.Random(r)
+        prompts = [words(tokens, rng) for _ in range(n_prompts)]
+        row = {}
+        for policy in POLICIES if r % 2 == 0 else POLICIES[::-1]:
+            print(f"round {r}: {policy} ...", flush=True)
+            proc, url = serve(policy, logs / f"{policy}-{r}.log")
+            try:
+                row[policy] = asyncio.run(measure(url, prompts, idle_s))
+            finally:
+                stop(proc)
+        per_round.append(row)
+    return report(per_round, tokens)
+
+
+def report(per_round: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
+    med = {p: statistics.median(x for row in per_round for x in row[p]["ttft_s"])
+           for p in POLICIES}  # fmt: skip
+    routes = [r for row in per_round for r in row["prfaas"]["routes"]]
+    regimes = [row["prfaas"]["regime"] for row in per_round]
+    ratio = med["prfaas"] / med["homogeneous"]
+    print(f"\n{tokens}-token fresh prompts, PD prefill idle, 10 Mbit/s emulated link "
+          f"(this machine's 2 shared cores: compare within this run only)")  # fmt: skip
+    print(f"{'policy':>12} {'TTFT p50 s':>11} {'routes':>30} {'t':>8} {'regime after idle':>20}")
+    for p in POLICIES:
+        rows = [row[p] for row in per_round]
+        got = ",".join(r for row in rows for r in row["routes"])
+        print(f"{p:>12} {med[p]:11.2f} {got:>30} {rows[-1]['threshold']:8.0f} "
+              f"{rows[-1]['regime']:>20}")  # fmt: skip
+    kept = f"{routes.count('pd')}/{len(routes)}"
+    print(f"TTFT prfaas / homogeneous: {ratio:.2f} (goal <= 1.1); prompts kept local: {kept}; "
+          f"regime after idle: {', '.join(regimes)}")  # fmt: skip
+    return {"tokens": tokens, "ttft_p50_s": med, "ratio": ratio, "routes": routes,
+            "regimes_after_idle": regimes, "rounds": per_round}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=6000)
+    parser.add_argument("--prompts", type=int, default=3, help="per deployment and round")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--idle-s", type=float, default=15.0)
+    parser.add_argument("--json", type=Path, metavar="OUT")
+    args = parser.parse_args()
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    result = run(args.tokens, args.prompts, args.rounds, args.idle_s)
+    if args.json:
+        args.json.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+
+
+if __name__ == "__main__":
+    main()
