@@ -56,13 +56,15 @@ each API's request (the same ~540-token user turn, 8 output tokens, greedy; a Re
 request stored, as by default) straight to the null decode engine (`direct-API`), through the
 gateway over null engines spoken to as SGLang servers (`prfaas-API`: Messages and Responses
 forwarded whole with `bootstrap_*`, plain chat through `/generate`) and as vLLM servers
-(`prfaas-forward-API`: every API forwarded whole with `kv_transfer_params`). A forwarded
-request costs its engines twice (the prefill renders the body too, on the same two cores):
-`pair-API` is the client sending those two engine calls itself, at once, so the forwarding
-gateway's own work is its p50 over that pair (`prfaas-forward-vs-pair-API`). Sequential
-requests interleaved across all twelve targets, the order rotating per round; added p50 = a
-target's p50 minus its base's p50 in the same round; the ratio API / chat per gateway, of
-the medians over rounds and per round (goal <= 1.1).
+(`prfaas-forward-API`: every API forwarded whole with `kv_transfer_params`). A request
+costs its engines twice (the prefill renders the body too, on the same two cores), and
+differently per API (chat through `/generate` against Messages and Responses rendered by
+the engine's own route): `pair-API` (vLLM's calls) and `pair-sglang-API` (SGLang's) are the
+client sending the two engine calls the gateway makes itself, at once, so a gateway's own
+work is its p50 over its pair (`prfaas-vs-pair-API`, `prfaas-forward-vs-pair-API`).
+Sequential requests interleaved across all fifteen targets, the order rotating per round;
+added p50 = a target's p50 minus its base's p50 in the same round; the ratio API / chat per
+gateway, of the medians over rounds and per round (goal <= 1.1).
 
 Usage: python benchmarks/gateway.py [--rounds 5] [--requests 200] [--json OUT]
        [--servers granian,granian-rsgi,uvicorn | --servers none] [--dashboard]
@@ -91,13 +93,16 @@ import orjson
 from prfaas.common.hashing import hash_blocks
 from prfaas.common.ports import free_port
 from prfaas.common.tokenizer import ByteTokenizer
+from prfaas.engine_clients.sglang import forwarded_body
 from prfaas.engine_clients.vllm import prefill_fields
 from prfaas.gateway.instances import InstanceManager, InstanceState
 from prfaas.gateway.kv_index import KVIndexManager
+from prfaas.gateway.responses.conversation import engine_body
 from prfaas.policies.routing import PrfaasPolicy, RoutingSnapshot
 from prfaas.protocol.client_body import ClientBody
+from prfaas.protocol.generate import Bootstrap, GenerateRequest
 from prfaas.protocol.kv_events import BlockStored, KVEventBatch, decode_batch, encode_batch
-from prfaas.protocol.openai_request import load_json, parse_sampling
+from prfaas.protocol.openai_request import ModelLimits, load_json, parse_call, parse_sampling
 
 BLOCK = 64
 SGLANG_VENV = Path(os.environ.get("PRFAAS_SGLANG_ROUTER_VENV", "/tmp/sglang-router-venv"))
@@ -111,6 +116,8 @@ FORWARD = "prfaas-gateway-forward"
 OTHER_SERVERS = ("granian", "granian-rsgi", "uvicorn")
 """The servers the gateway app is also measured on (benchmarks/gateway_server.py)."""
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 12  # ~540 tokens
+LIMITS = ModelLimits("null", 65536, None)
+"""The model the part-3 gateways serve (`_gateway_config`)."""
 
 
 # ------------------------------------------------------------------ part 1: decision cost
@@ -506,6 +513,26 @@ def _pair(urls: list[str], api: str, stream: bool) -> Calls:
             (urls[2] + API_PATHS[api], api_body(api, stream))]  # fmt: skip
 
 
+def _sglang_pair(urls: list[str], api: str, stream: bool) -> Calls:
+    """What the gateway sends engines spoken to as SGLang servers for one request, sent by
+    the client itself: the same body (with `bootstrap_*`) to the prefill and the decode, at
+    once; plain chat as `/generate` from the routing ids, Messages and Responses (the
+    gateway's stateless engine body) whole on their own route."""
+    body = orjson.loads(api_body(api, stream))
+    boot = Bootstrap("127.0.0.1", 8998, 1)
+    if api == "chat":
+        call = parse_call(body, "chat", LIMITS, ByteTokenizer(), "generate")
+        assert call.body is None, "plain chat goes through /generate"
+        raw, path = GenerateRequest("pair", call.input_ids, call.sampling, stream,
+                                    bootstrap=boot).body, "/generate"  # fmt: skip
+    else:
+        fields = engine_body(body, None) if api == "responses" else body
+        client = ClientBody(api, fields)  # type: ignore[arg-type]
+        request = GenerateRequest("pair", (), bootstrap=boot, client_body=client)
+        raw, path = orjson.dumps(forwarded_body(request)), API_PATHS[api]
+    return [(urls[0] + path, raw), (urls[2] + path, raw)]
+
+
 async def api_rounds(targets: dict[str, Calls], rounds: int, n: int) -> list[dict[str, float]]:
     """Per round, each target's p50 (ms): `n` sequential requests per target, one to each
     target in turn; the order rotates from round to round."""
@@ -551,6 +578,7 @@ def run_apis(rounds: int, n: int, stream: bool) -> dict[str, Any]:
         body = api_body(api, stream)
         targets[f"direct-{api}"] = [(urls[2] + API_PATHS[api], body)]
         targets[f"pair-{api}"] = _pair(urls, api, stream)
+        targets[f"pair-sglang-{api}"] = _sglang_pair(urls, api, stream)
         for name, url in gateways.items():
             targets[f"{name}-{api}"] = [(url + API_PATHS[api], body)]
     try:
@@ -563,22 +591,26 @@ def run_apis(rounds: int, n: int, stream: bool) -> dict[str, Any]:
     return api_report(per_round, tuple(gateways))
 
 
+PAIRS = {"prfaas": "pair-sglang", "prfaas-forward": "pair"}
+"""Each gateway's pair: the engine calls it makes for one request, sent by the client."""
+
+
 def api_report(per_round: list[dict[str, float]], gateways: tuple[str, ...]) -> dict[str, Any]:
     """Added p50 per gateway and API (medians over rounds) and each API's ratio to chat: over
-    the decode alone (`prfaas-*`, `prfaas-forward-*`), and the forwarding gateway's over the
-    pair of engine calls it makes (`prfaas-forward-*-vs-pair`: its own work only)."""
+    the decode alone (`prfaas-*`, `prfaas-forward-*`), and each gateway's over the engine
+    calls it makes, sent by the client itself (`*-vs-pair`: the gateway's own work only)."""
     added = [{f"{g}-{a}": m[f"{g}-{a}"] - m[f"direct-{a}"] for g in gateways for a in APIS}
              for m in per_round]  # fmt: skip
     for m, row in zip(per_round, added, strict=True):
-        row.update({f"prfaas-forward-vs-pair-{a}": m[f"prfaas-forward-{a}"] - m[f"pair-{a}"]
-                    for a in APIS})  # fmt: skip
+        row.update({f"{g}-vs-pair-{a}": m[f"{g}-{a}"] - m[f"{PAIRS[g]}-{a}"]
+                    for g in gateways for a in APIS})  # fmt: skip
     rows, ratios = [], {}
-    for g in (*gateways, "prfaas-forward-vs-pair"):
+    for g in (*gateways, *(f"{g}-vs-pair" for g in gateways)):
         chat = statistics.median(r[f"{g}-chat"] for r in added)
         for api in APIS:
             value = statistics.median(r[f"{g}-{api}"] for r in added)
             per = [r[f"{g}-{api}"] / max(r[f"{g}-chat"], 1e-6) for r in added]
-            base = "pair" if g.endswith("vs-pair") else "direct"
+            base = PAIRS[g.removesuffix("-vs-pair")] if g.endswith("-vs-pair") else "direct"
             direct = statistics.median(m[f"{base}-{api}"] for m in per_round)
             rows.append({"target": f"{g}-{api}", "base_p50_ms": direct,
                          "added_p50_ms": value, "vs_chat": value / max(chat, 1e-6),

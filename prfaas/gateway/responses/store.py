@@ -76,6 +76,10 @@ class MemoryResponseStore(ResponseStore):
         return StoredResponse.decode(entry[1])
 
     async def put(self, response_id: str, record: StoredResponse) -> None:
+        self.put_now(response_id, record)
+
+    def put_now(self, response_id: str, record: StoredResponse) -> None:
+        """`put`, which in memory never waits."""
         raw = record.encode()
         self._drop(response_id)
         if len(raw) > self.max_bytes:

@@ -1,11 +1,14 @@
 """One Responses request through the gateway: the engine's answer made the client's (the
-`previous_response_id` it gave, which the engine never saw) and stored, when asked, before
-the client has it all, so that a follow-up sent the moment the answer ends finds it on any
-replica that shares the store.
+`previous_response_id` it gave, which the engine never saw) and stored, when asked, so that a
+follow-up sent the moment the answer ends finds it: in a store the replicas share, before the
+client has it all (the follow-up may reach another replica); in this gateway's own memory,
+right after the event-loop step that writes it (off the answer's critical path, and still
+before any step that reads a follow-up, which the loop runs later, first in first out).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -13,7 +16,7 @@ from typing import Any
 import orjson
 
 from prfaas.gateway.responses.conversation import for_client, stored
-from prfaas.gateway.responses.store import ResponseStore, StoreUnavailable
+from prfaas.gateway.responses.store import MemoryResponseStore, ResponseStore, StoreUnavailable
 from prfaas.protocol.relayed_answer import FINAL_RESPONSE_EVENTS
 
 logger = logging.getLogger(__name__)
@@ -47,14 +50,14 @@ class ResponseTurn:
         """The final response object, once it went by."""
 
     async def whole(self, raw: bytes) -> bytes:
-        """A whole answer (the response object) as the client's, stored first (as written
-        when the client's view is the engine's)."""
+        """A whole answer (the response object) as the client's (as written when the
+        client's view is the engine's), stored (`keep`)."""
         given = orjson.loads(raw)
         response = await self._final(given)
         return raw if response is given else orjson.dumps(response)
 
     async def event(self, name: str | None, raw: bytes) -> bytes:
-        """One streamed event as the client's; the final one stored first."""
+        """One streamed event as the client's; the final one stored (`keep`)."""
         self.events += 1
         if name in FINAL_RESPONSE_EVENTS:
             event = orjson.loads(raw)
@@ -72,7 +75,7 @@ class ResponseTurn:
 
     async def _final(self, given: dict[str, Any]) -> dict[str, Any]:
         """The final response object as the client's (`given` itself when that changes
-        nothing), stored first."""
+        nothing), stored."""
         response = self._client_object(given)
         if response == given:
             response = given
@@ -81,9 +84,14 @@ class ResponseTurn:
         return response
 
     async def keep(self, response: dict[str, Any]) -> None:
-        """Store `response` under its id (where this turn is stored)."""
+        """Store `response` under its id (where this turn is stored): a memory store takes
+        it when the current event-loop step ends, a shared store before this returns."""
         response_id = response.get("id")
         if self.store is None or not isinstance(response_id, str):
+            return
+        if isinstance(self.store, MemoryResponseStore):
+            asyncio.get_running_loop().call_soon(self._keep_now, self.store, response_id,
+                                                 response)  # fmt: skip
             return
         try:
             await self.store.put(response_id, stored(self.engine, response))
@@ -91,3 +99,6 @@ class ResponseTurn:
             logger.warning("response %s was answered but not stored: %s", response_id, exc)
             if self._on_store_error is not None:
                 self._on_store_error()
+
+    def _keep_now(self, store: MemoryResponseStore, response_id: str, response: Any) -> None:
+        store.put_now(response_id, stored(self.engine, response))

@@ -20,7 +20,7 @@ from prfaas.gateway.responses.conversation import (
     stored,
 )
 from prfaas.gateway.responses.redis_store import RedisResponseStore
-from prfaas.gateway.responses.store import MemoryResponseStore, StoreUnavailable
+from prfaas.gateway.responses.store import MemoryResponseStore, ResponseStore, StoreUnavailable
 from prfaas.gateway.responses.turn import ResponseTurn
 
 CALL = {"type": "function_call", "id": "fc_1", "call_id": "c1", "name": "f",
@@ -128,7 +128,9 @@ def _event(kind: str, **fields: Any) -> bytes:
     return orjson.dumps({"type": kind, **fields})
 
 
-async def test_a_turn_stores_the_final_event_before_relaying_it() -> None:
+async def test_a_turn_stores_the_final_event_once_the_step_relaying_it_ends() -> None:
+    """A memory store takes the final response right after the event-loop step that relays
+    it (off the answer's critical path), before any later step could read a follow-up."""
     store = MemoryResponseStore(max_bytes=10_000, ttl_s=60)
     client = {"input": "more", "previous_response_id": "r1"}
     turn = ResponseTurn(client, {"input": [{"role": "user", "content": "q"}]}, store)
@@ -141,17 +143,27 @@ async def test_a_turn_stores_the_final_event_before_relaying_it() -> None:
     assert await store.get("r2") is None
     final = await turn.event("response.completed", _event("response.completed", response=response))
     assert orjson.loads(final)["response"]["previous_response_id"] == "r1"
+    assert await store.get("r2") is None  # the step relaying it has not ended
+    await asyncio.sleep(0)
     kept = await store.get("r2")
     assert kept is not None and kept.response["previous_response_id"] == "r1"
     assert kept.conversation[-1] == as_input(SAID) and turn.events == 3
 
 
 async def test_a_turn_that_cannot_store_still_answers_and_says_so() -> None:
-    class Down(MemoryResponseStore):
+    """A shared store that is down: the answer still goes out, the error is counted."""
+
+    class Down(ResponseStore):
+        async def get(self, response_id: str) -> StoredResponse | None:
+            raise StoreUnavailable("down")
+
         async def put(self, response_id: str, record: StoredResponse) -> None:
             raise StoreUnavailable("down")
 
+        async def delete(self, response_id: str) -> bool:
+            raise StoreUnavailable("down")
+
     errors: list[int] = []
-    turn = ResponseTurn({"input": "q"}, {"input": "q"}, Down(1000, 60), lambda: errors.append(1))
+    turn = ResponseTurn({"input": "q"}, {"input": "q"}, Down(), lambda: errors.append(1))
     raw = orjson.dumps({"id": "r1", "output": []})
     assert await turn.whole(raw) == raw and errors == [1]
