@@ -100,13 +100,20 @@ async def measure(url: str, prompts: list[str], idle_s: float) -> dict[str, Any]
         async with session.get(f"{url}/admin/state") as resp:
             state = await resp.json()
     regimes = [d["reason"] for d in state["scheduler"]["recent"] if d["kind"] == "regime"]
+    short = state["scheduler"].get("short_term", {})
     return {
+        "kv_rate_mbps": _mbps(short.get("kv_rate_bytes_per_s")),
+        "spare_mbps": _mbps(short.get("spare_bytes_per_s")),
         "ttft_s": [s for s, _ in samples],
         "routes": [r for _, r in samples],
         "threshold": threshold,
         "regime": state["regime"],
         "regime_changes": regimes,
     }
+
+
+def _mbps(bytes_per_s: float | None) -> float | None:
+    return None if bytes_per_s is None else bytes_per_s * 8e-6
 
 
 def run(tokens: int, n_prompts: int, rounds: int, idle_s: float) -> dict[str, Any]:
@@ -141,6 +148,9 @@ def report(per_round: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
         got = ",".join(r for row in rows for r in row["routes"])
         print(f"{p:>12} {med[p]:11.2f} {got:>30} {rows[-1]['threshold']:8.0f} "
               f"{rows[-1]['regime']:>20}")  # fmt: skip
+    last = per_round[-1]["prfaas"]
+    print(f"the gateway's reading of the idle link: spare {last['spare_mbps']} Mbit/s, "
+          f"KV production {last['kv_rate_mbps']} Mbit/s")  # fmt: skip
     kept = f"{routes.count('pd')}/{len(routes)}"
     print(f"TTFT prfaas / homogeneous: {ratio:.2f} (goal <= 1.1); prompts kept local: {kept}; "
           f"regime after idle: {', '.join(regimes)}")  # fmt: skip
