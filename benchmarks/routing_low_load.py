@@ -149,8 +149,10 @@ def report(per_round: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
         print(f"{p:>12} {med[p]:11.2f} {got:>30} {rows[-1]['threshold']:8.0f} "
               f"{rows[-1]['regime']:>20}")  # fmt: skip
     last = per_round[-1]["prfaas"]
-    print(f"the gateway's reading of the idle link: spare {last['spare_mbps']} Mbit/s, "
-          f"KV production {last['kv_rate_mbps']} Mbit/s")  # fmt: skip
+    spare, rate = last["spare_mbps"], last["kv_rate_mbps"]
+    if spare is not None and rate is not None:
+        print(f"the gateway's reading of the idle link: spare {spare:.1f} Mbit/s against a KV "
+              f"production rate of {rate:.1f} Mbit/s")  # fmt: skip
     kept = f"{routes.count('pd')}/{len(routes)}"
     print(f"TTFT prfaas / homogeneous: {ratio:.2f} (goal <= 1.1); prompts kept local: {kept}; "
           f"regime after idle: {', '.join(regimes)}")  # fmt: skip
