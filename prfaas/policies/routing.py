@@ -80,7 +80,8 @@ class RoutingSnapshot(msgspec.Struct, frozen=True, dict=True):
     threshold: float
     regime: Regime = "bandwidth_scarce"
     forecast: LoadForecast | None = None
-    """Predicted load and costs (conditional disaggregation); None: threshold only."""
+    """Predicted load and costs (conditional disaggregation, prefix pulls); None: threshold
+    only."""
 
     def pool(self, cluster: Route | None, role: str) -> tuple[InstanceView, ...]:
         """Healthy instances serving `role` in `cluster` (any cluster for None), in order."""
@@ -222,7 +223,9 @@ class PrfaasPolicy(BaseRoutingPolicy):
             route, reason = PD, reason + "; no healthy PrfaaS prefill, fell back to PD"
         elif route == PD and not snapshot.pool(PD, "prefill") and snapshot.pool(PRFAAS, "prefill"):
             route, reason = PRFAAS, reason + "; no healthy PD prefill, fell back to PrfaaS"
-        elif route == PRFAAS and snapshot.forecast is not None and snapshot.pool(PD, "prefill"):
+        elif route == PRFAAS and snapshot.pool(PD, "prefill") and (
+            snapshot.forecast is not None and snapshot.forecast.conditional
+        ):
             prediction = _predict(snapshot, snapshot.forecast, prefix, abundant)
             if not prediction.offload:
                 route = PD

@@ -86,6 +86,9 @@ class LoadForecast(msgspec.Struct, frozen=True):
     """Predicted seconds of prefill work queued ahead, per instance id (absent: idle)."""
     link: LinkState | None = None
     """None: no link telemetry, the transfer term is left out."""
+    conditional: bool = True
+    """Whether an offload past `t` is conditional on these predictions (prefix pulls are
+    checked against them either way)."""
 
 
 @dataclass(frozen=True)

@@ -180,3 +180,13 @@ def test_a_pull_that_beats_recomputing_is_made() -> None:
 def test_min_kv_rate_is_the_lowest_phi_kv_of_either_cluster() -> None:
     """KV 100 kB/token; PrfaaS 10,000 tokens/s (1 GB/s), PD 5,000 (0.5 GB/s)."""
     assert COSTS.min_kv_rate() == pytest.approx(0.5e9)
+
+
+def test_pulls_are_checked_when_offloads_are_not_conditional() -> None:
+    """`conditional = false` turns off the TTFT condition on offloads, not the pull check:
+    the long request goes to PrfaaS on the threshold alone, and the slow pull is not made."""
+    f = LoadForecast(COSTS, {}, LinkState(1 * GBIT), conditional=False)
+    d = PrfaasPolicy().decide(_snap(20_000, f, pf_cached=0, pd_cached=6_000, t=1_000,
+                                    regime="bandwidth_abundant"))  # fmt: skip
+    assert (d.route, d.prefix_transfer_from) == ("prfaas", None)
+    assert "predicted TTFT" not in d.reason and "; no pull of 6000 tokens" in d.reason

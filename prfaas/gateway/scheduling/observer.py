@@ -77,8 +77,9 @@ class _RemoteLoad:
 
 class SchedulingObserver:
     """Implements `RoutingObserver`. `costs` None: no profile, so no predictions (the
-    period's samples are still taken); `conditional` False: predictions feed the trimmer's
-    queues but are not given to the policy."""
+    period's samples are still taken); `conditional` False: an offload past `t` is not
+    conditional on the predictions (they still feed the trimmer's queues and check each
+    prefix pull)."""
 
     def __init__(
         self,
@@ -107,9 +108,10 @@ class SchedulingObserver:
         return self._clock()
 
     def forecast(self) -> LoadForecast | None:
-        if not self.conditional or self.costs is None:
+        if self.costs is None:
             return None
-        return LoadForecast(self.costs, self.backlogs(self._clock()), self.link)
+        return LoadForecast(self.costs, self.backlogs(self._clock()), self.link,
+                            self.conditional)  # fmt: skip
 
     def backlogs(self, now: float) -> dict[str, float]:
         """Predicted backlog per instance: this gateway's bookings plus the other replicas'."""
