@@ -122,6 +122,10 @@ class RouteDecision(msgspec.Struct, frozen=True):
     reason: str = ""
     prefix_source: str | None = None
     """The instance of `prefix_transfer_from` holding that prefix (the longest there)."""
+    prediction: TTFTPrediction | None = None
+    """The TTFT predictions an offload past `t` was decided on (None: none consulted)."""
+    pull: PullPrediction | None = None
+    """The prefix pull the abundant regime checked (made or not; None: none in question)."""
 
 
 def _affinity_key(i: InstanceView) -> tuple[int, int, str]:
@@ -206,9 +210,11 @@ class PrfaasPolicy(BaseRoutingPolicy):
             return decision
         pull = _predict_pull(snapshot, forecast, decision)
         if pull.pays:
-            return msgspec.structs.replace(decision, reason=f"{decision.reason}; {pull.describe()}")
+            reason = f"{decision.reason}; {pull.describe()}"
+            return msgspec.structs.replace(decision, reason=reason, pull=pull)
         local = self._decide(snapshot, abundant=False)
-        return msgspec.structs.replace(local, reason=f"{local.reason}; no {pull.describe()}")
+        reason = f"{local.reason}; no {pull.describe()}"
+        return msgspec.structs.replace(local, reason=reason, pull=pull)
 
     def _decide(self, snapshot: RoutingSnapshot, abundant: bool) -> RouteDecision:
         """The threshold rule on the prefix each cluster caches (`abundant`: the longer of
@@ -219,6 +225,7 @@ class PrfaasPolicy(BaseRoutingPolicy):
         sign = "<=" if uncached <= t else ">"
         reason = f"{snapshot.regime}: {uncached} uncached {sign} t={t:g}"
         route: Route = PRFAAS if uncached > t else PD
+        prediction = None
         if route == PRFAAS and not snapshot.pool(PRFAAS, "prefill"):
             route, reason = PD, reason + "; no healthy PrfaaS prefill, fell back to PD"
         elif route == PD and not snapshot.pool(PD, "prefill") and snapshot.pool(PRFAAS, "prefill"):
@@ -235,9 +242,12 @@ class PrfaasPolicy(BaseRoutingPolicy):
             other: Route = PRFAAS if route == PD else PD
             if snapshot.cached_in(other) > snapshot.cached_in(route):
                 prefix_from = other
-        return self.decision(
+        decision = self.decision(
             snapshot, pick_instance(snapshot, route, "prefill"), reason, prefix_from
         )
+        return decision if prediction is None else msgspec.structs.replace(
+            decision, prediction=prediction
+        )  # fmt: skip
 
 
 def _predict(

@@ -145,14 +145,57 @@ class GatewayMetrics:
             "Responses API answers the response store could not keep (follow-ups get 404).",
             registry=reg,
         )
+        self.offloads = Counter(
+            "prfaas_offload_decisions",  # exported as prfaas_offload_decisions_total
+            "Requests past t whose offload was decided on predicted TTFT: offloaded as faster,"
+            " offloaded as the PD prefill was saturated (the threshold governs), or kept local.",
+            ("decision",),
+            registry=reg,
+        )
+        self.ttft_traded = Histogram(
+            "prfaas_offload_ttft_traded_seconds",
+            "Predicted TTFT an offload under saturation cost its request against computing it"
+            " locally (PrfaaS minus local, predicted): what was traded for throughput.",
+            registry=reg,
+            buckets=LATENCY_BUCKETS_S,
+        )
+        self.pulls = Counter(
+            "prfaas_prefix_pull_decisions",  # exported as prfaas_prefix_pull_decisions_total
+            "Prefix pulls the bandwidth-abundant regime checked: made (the transfer predicted"
+            " faster than the recompute) or skipped (recomputed instead).",
+            ("decision",),
+            registry=reg,
+        )
+        self.pull_saved = Histogram(
+            "prfaas_prefix_pull_saved_seconds",
+            "Predicted seconds a pull saved against recomputing its prefix (recompute minus"
+            " transfer, predicted), for the pulls made.",
+            registry=reg,
+            buckets=LATENCY_BUCKETS_S,
+        )
         self._exported = _WithoutCreated(reg)
 
     def route_event(self, event: RouteEvent) -> None:
-        """Book what the Router reports about a finished request (`Router.on_event`)."""
+        """Book what the Router reports about a finished request (`Router.on_event`): its
+        retries and migrations, and the predictions its offload and pull were decided on."""
         if event.retries:
             self.retries.inc(event.retries)
         if event.migrations:
             self.migrations.inc(event.migrations)
+        decision = event.decision
+        prediction, pull = decision.prediction, decision.pull
+        if prediction is not None:
+            if decision.route == "pd":
+                self.offloads.labels("kept_local").inc()
+            elif prediction.prfaas_s < prediction.local_s:
+                self.offloads.labels("offloaded_faster").inc()
+            else:
+                self.offloads.labels("offloaded_saturated").inc()
+                self.ttft_traded.observe(prediction.prfaas_s - prediction.local_s)
+        if pull is not None:
+            self.pulls.labels("made" if pull.pays else "skipped").inc()
+            if pull.pays:
+                self.pull_saved.observe(pull.recompute_s - pull.transfer_s)
 
     def add_gauges(self, source: GaugeSource) -> None:
         """Sample `source` at every scrape from now on.

@@ -10,10 +10,14 @@ import openai
 import pytest
 from gateway_helpers import Engines, GatewayFactory, deployment
 from metrics_helpers import Scrape
+from msgspec.structs import replace as replace_struct
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY
 from prometheus_client.core import GaugeMetricFamily
 
 from prfaas.gateway.api.metrics import GatewayMetrics, labelled_gauge
+from prfaas.gateway.router import RouteEvent
+from prfaas.policies.routing import RouteDecision
+from prfaas.policies.ttft_forecast import PullPrediction, TTFTPrediction
 
 # What one gateway exports without link telemetry (`egress_setup` adds prfaas_egress_*).
 GATEWAY_FAMILIES = {
@@ -37,6 +41,11 @@ GATEWAY_FAMILIES = {
     "prfaas_instance_ejections": "counter",
     "prfaas_prefix_pulls": "counter",
     "prfaas_response_store_errors": "counter",
+    "prfaas_queue_wait_seconds": "histogram",
+    "prfaas_offload_decisions": "counter",
+    "prfaas_offload_ttft_traded_seconds": "histogram",
+    "prfaas_prefix_pull_decisions": "counter",
+    "prfaas_prefix_pull_saved_seconds": "histogram",
 }
 # Escaping needed in a label value: a newline, a quote and a backslash.
 ODD_ID = 'pd-d0 "rack\\7"\nrow 2'
@@ -137,3 +146,33 @@ def test_two_gateways_keep_separate_metrics() -> None:
     assert two.families["prfaas_requests"] == [] and "prfaas_queue_running" not in two.families
     assert REGISTRY.get_sample_value("prfaas_requests_total", {"api": "chat"}) is None
     assert not any(f.name.startswith("prfaas_") for f in REGISTRY.collect())
+
+
+def test_offload_and_pull_decisions_are_counted_with_what_they_traded() -> None:
+    """Each finished request's decision: an offload past `t` by why it went (or stayed), the
+    predicted TTFT a saturated offload traded, a pull made or skipped and what it saved."""
+    metrics = GatewayMetrics()
+    base = RouteDecision("prfaas", "p0", "d0", 8000, 0)
+    faster = TTFTPrediction(2.0, 3.0, 0.0, 3.0)
+    saturated = TTFTPrediction(9.0, 6.0, 3.0, 3.0)
+    made, skipped = PullPrediction(4000, 0.5, 2.0), PullPrediction(4000, 5.0, 2.0)
+    for decision in (
+        replace_struct(base, prediction=faster),
+        replace_struct(base, prediction=saturated),
+        replace_struct(base, route="pd", prediction=faster, pull=skipped),
+        replace_struct(base, route="pd", pull=made),
+        base,
+    ):
+        metrics.route_event(RouteEvent("r", decision, 8000, 4))
+    text = metrics.render().decode()
+    for line in (
+        'prfaas_offload_decisions_total{decision="offloaded_faster"} 1.0',
+        'prfaas_offload_decisions_total{decision="offloaded_saturated"} 1.0',
+        'prfaas_offload_decisions_total{decision="kept_local"} 1.0',
+        "prfaas_offload_ttft_traded_seconds_sum 3.0",
+        "prfaas_offload_ttft_traded_seconds_count 1.0",
+        'prfaas_prefix_pull_decisions_total{decision="made"} 1.0',
+        'prfaas_prefix_pull_decisions_total{decision="skipped"} 1.0',
+        "prfaas_prefix_pull_saved_seconds_sum 1.5",
+    ):
+        assert line in text.splitlines(), line
