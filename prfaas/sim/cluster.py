@@ -16,7 +16,6 @@ import asyncio
 import random
 from collections.abc import Sequence
 
-from prfaas.common.hashing import hash_blocks
 from prfaas.engine_clients.base import Role
 from prfaas.gateway.instances import InstanceManager, InstanceState
 from prfaas.gateway.kv_index import KVIndexManager
@@ -29,7 +28,6 @@ from prfaas.sim.cache import SimPrefixCache
 from prfaas.sim.deployments import Deployment, SimOptions
 from prfaas.sim.engines import (
     PrefillTiming,
-    RemotePrefix,
     SimRooms,
     SimulatedDecodeEngine,
     SimulatedPrefillEngine,
@@ -100,7 +98,9 @@ class SimCluster:
                 link = self.egress[i % len(self.egress)]
                 iid = f"prfaas-p{i}"
                 engine = self._prefill_engine(iid, "prfaas", d.prfaas_hw, link, profile)
-                self.instances.add(InstanceState(iid, "prfaas", "prefill", engine, iid, 0))
+                self.instances.add(
+                    InstanceState(iid, "prfaas", "prefill", engine, iid, 0, prefix_pull=True)
+                )
 
     def _prefill_engine(
         self,
@@ -119,7 +119,7 @@ class SimCluster:
             cache=cache,
             rooms=self.rooms,
             publish=self._publish,
-            remote_prefix=self._remote_finder(cluster),
+            pull_link=self._pull_link(cluster),
         )
         self.prefill[iid] = engine
         return engine
@@ -148,26 +148,15 @@ class SimCluster:
                     drain=self._drain,
                 )  # fmt: skip
                 self.pd[iid] = instance
-                bootstrap = (iid, 0) if role == "prefill" else (None, None)
-                self.instances.add(InstanceState(iid, "pd", role, instance, *bootstrap))
+                host, port = (iid, 0) if role == "prefill" else (None, None)
+                self.instances.add(
+                    InstanceState(iid, "pd", role, instance, host, port, prefix_pull=True)
+                )
 
-    def _remote_finder(self, cluster: Route) -> RemotePrefix:
-        """In the bandwidth-abundant regime (the Router's, when the request starts): the
-        longest prefix of a prompt cached by the other cluster's prefill instances (from the
-        real KV index), and the link it comes over (PrfaaS -> PD on the egress link, PD ->
-        PrfaaS on the reverse direction)."""
-        other: Route = "pd" if cluster == "prfaas" else "prfaas"
-        link = self.egress[0] if other == "prfaas" else self.ingress
-
-        def find(ids: Sequence[int]) -> tuple[int, SimLink] | None:
-            if self.router.state.regime != "bandwidth_abundant":
-                return None
-            members = [e.instance_id for e in self.prefills_in(other)]
-            cached = self.index.longest_prefix(hash_blocks(ids, self.index.block_size))
-            best = max((cached.get(iid, 0) for iid in members), default=0)
-            return (best, link) if best else None
-
-        return find
+    def _pull_link(self, cluster: Route) -> SimLink:
+        """The link a prefix pulled into `cluster` comes over: from PrfaaS to PD on the
+        egress link, from PD to PrfaaS on the reverse direction."""
+        return self.egress[0] if cluster == "pd" else self.ingress
 
     def _publish(self, instance_id: str, events: Sequence[KVEvent]) -> None:
         if events:

@@ -117,7 +117,6 @@ class PrefillTiming:
     pipelined: bool = True
 
 
-RemotePrefix = Callable[[Sequence[int]], tuple[int, SimLink] | None]
 """Where a longer cached prefix of a prompt sits in the other cluster: (tokens, the link to
 fetch it over), or None."""
 
@@ -152,15 +151,18 @@ class _SimulatedInstance(BaseEngineClient):
 class SimulatedPrefillEngine(_SimulatedInstance):
     """A simulated prefill instance (see the module docstring).
 
-    With `remote_prefix` (the bandwidth-abundant regime), a prompt whose longer prefix is
-    cached in the other cluster first pulls that prefix's KV, `S_kv(remote)` bytes, over
-    the given link, then computes only the rest. The whole prefix: a real export sends every
+    A request the Router gave a prefix pull (`GenerateRequest.prefix_pull`: the
+    bandwidth-abundant regime, where the pull was predicted to beat the recompute) first
+    pulls that prefix's KV, `S_kv(prefix_tokens)` bytes, over `pull_link` (from the other
+    cluster), then computes only the rest. The whole prefix: a real export sends every
     block from the first and the linear states at its end, whatever the puller caches
     (`benchmarks/prefix_pull.py` measured the pull at S_kv(n) within 0.2%, and its time at
-    1.02-1.04x bytes / rate from 2K tokens).
+    1.02-1.04x bytes / rate from 2K tokens). As a pull's source it exports at once (the
+    puller's transfer is the pull's time).
     """
 
     role = "prefill"
+    prefix_pull = True
 
     def __init__(
         self,
@@ -171,12 +173,12 @@ class SimulatedPrefillEngine(_SimulatedInstance):
         cache: SimPrefixCache,
         rooms: SimRooms,
         publish: Callable[[str, Sequence[KVEvent]], None],
-        remote_prefix: RemotePrefix | None = None,
+        pull_link: SimLink | None = None,
     ) -> None:
         self.instance_id = instance_id
         self.timing, self.link, self.cache, self.rooms = timing, link, cache, rooms
         self._publish = publish
-        self._remote_prefix = remote_prefix
+        self._pull_link = pull_link
         self._slot = asyncio.Semaphore(1)
         self._waiting = 0
         self._running = 0
@@ -201,16 +203,17 @@ class SimulatedPrefillEngine(_SimulatedInstance):
             self._waiting -= 1
         self._running += 1
         try:
-            return await self._compute_and_send(request.input_ids, room)
+            return await self._compute_and_send(request, room)
         finally:
             self._running -= 1
             self._slot.release()
 
-    async def _compute_and_send(self, ids: Sequence[int], room: _Room) -> int:
+    async def _compute_and_send(self, request: GenerateRequest, room: _Room) -> int:
         loop = asyncio.get_running_loop()
         start = loop.time()
+        ids = request.input_ids
         keys = self.cache.keys(ids)
-        cached = await self._fetch_prefix(ids, self.cache.match(keys) * self.cache.block_size)
+        cached = await self._fetch_prefix(request, self.cache.match(keys) * self.cache.block_size)
         tokens = max(len(ids) - cached, MIN_PREFILL_TOKENS)
         compute_s = float(self.timing.prefill_s(tokens))
         nbytes = float(self.timing.kv_bytes(len(ids)))  # the decode gets the whole prompt's KV
@@ -228,15 +231,21 @@ class SimulatedPrefillEngine(_SimulatedInstance):
         self._count(loop.time() - start, len(ids), cached, nbytes)
         return cached
 
-    async def _fetch_prefix(self, ids: Sequence[int], cached: int) -> int:
-        """Pull a longer prefix cached in the other cluster, if any; the tokens now cached."""
-        found = self._remote_prefix(ids) if self._remote_prefix is not None else None
-        if found is None or found[0] <= cached:
+    async def _fetch_prefix(self, request: GenerateRequest, cached: int) -> int:
+        """Pull the prefix the Router asked for, if longer than what is cached here; the
+        tokens now cached."""
+        wanted = request.prefix_tokens
+        if request.prefix_pull is None or self._pull_link is None or wanted <= cached:
             return cached
-        remote, link = found
-        await asyncio.shield(link.transfer(float(self.timing.kv_bytes(remote))))
+        await asyncio.shield(self._pull_link.transfer(float(self.timing.kv_bytes(wanted))))
         self.counters.prefix_fetches += 1
-        return remote
+        return wanted
+
+    async def export_prefix(
+        self, input_ids: Sequence[int], room: int, tokens: int | None = None
+    ) -> int:
+        """The longest prefix of `input_ids` cached here (the puller charges the transfer)."""
+        return self.cache.match(self.cache.keys(input_ids)) * self.cache.block_size
 
     def _count(self, busy_s: float, tokens: int, cached: int, nbytes: float) -> None:
         c = self.counters

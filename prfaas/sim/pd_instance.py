@@ -53,6 +53,14 @@ class SimulatedPDInstance(BaseEngineClient):
         self._idle = asyncio.Event()
         self._idle.set()
 
+    prefix_pull = True
+
+    async def export_prefix(
+        self, input_ids: Sequence[int], room: int, tokens: int | None = None
+    ) -> int:
+        """What its prefill engine caches (dropped when it stopped prefilling)."""
+        return await self.prefill.export_prefix(input_ids, room, tokens)
+
     def generate(self, request: GenerateRequest) -> EngineCall:
         engine = self.prefill if self.role == "prefill" else self.decode
         call = engine.generate(request)

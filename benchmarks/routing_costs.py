@@ -1,21 +1,26 @@
-"""Benchmark (live): at low load, does routing cost a request more than computing it locally?
+"""Benchmark (live): what PrfaaS's routing rules cost a request against computing it locally,
+at low load and under load.
 
-Issue 38's case, on the embedded default (`prfaas serve`: three reference engines on this
-machine's CPU, the PrfaaS prefill's KV paced to an emulated 10 Mbit/s, 5 ms link). With the
-PD prefill idle, long fresh prompts (over `t`) are sent one at a time, streamed, and their
-time to first token measured, under the PrfaaS policy (its rules as shipped: a conditional
-offload) and under `--policy homogeneous` (every prefill local: the local alternative),
-one deployment after the other, with the rounds interleaved (each round restarts both).
-Before 2026-12-04 the embedded default offloaded every prompt over `t` (6K tokens: 10.1 s
-against 2.3 s locally, the KV crawling over the link).
+On the embedded default (`prfaas serve`: three reference engines on this machine's CPU, the
+PrfaaS prefill's KV paced to an emulated 10 Mbit/s, 5 ms link), under the PrfaaS policy (its
+rules as shipped) and under `--policy homogeneous` (every prefill local: the local
+alternative), one deployment after the other, the order alternating per round:
 
-It also leaves the link idle for `--idle-s` seconds and reads the bandwidth regime: an idle
-link slower than the KV production rate must stay `bandwidth_scarce` (before, 10 idle ticks
-turned it abundant, and prefix pulls then cost 4x a recompute).
+- **low load:** with the PD prefill idle, long fresh prompts (over `t`) one at a time,
+  streamed; their time to first token and route. Before 2026-12-04 the embedded default
+  offloaded every prompt over `t` (6K tokens: 10.1 s against 2.3 s locally, its KV crawling
+  over the link). Goal: TTFT prfaas / homogeneous <= 1.1 (medians), every prompt local.
+- **idle link:** `--idle-s` seconds without requests, then the bandwidth regime: an idle
+  link slower than the KV production rate must stay `bandwidth_scarce` (before, 10 idle
+  ticks turned it abundant, and prefix pulls then cost 4x a recompute).
+- **under load:** `--clients` closed-loop clients of long fresh prompts for `--loaded-s`
+  seconds: served requests per second, TTFT p50/p90, the share offloaded, and from the
+  gateway's `/metrics` why each offload went (faster, or the PD prefill saturated) and the
+  predicted TTFT the saturated ones traded for throughput.
 
-Goal: TTFT prfaas / homogeneous <= 1.1 (medians), every prompt kept local, regime scarce.
-Usage: python benchmarks/routing_low_load.py [--tokens 6000] [--prompts 3] [--rounds 2]
-       [--idle-s 15] [--json OUT]
+Numbers from this 2-core machine, where both clusters share the CPU: compare within one run.
+Usage: python benchmarks/routing_costs.py [--tokens 6000] [--prompts 3] [--rounds 2]
+       [--idle-s 15] [--clients 3] [--loaded-s 60] [--json OUT]
 """
 
 from __future__ import annotations
@@ -90,15 +95,16 @@ async def ttft(session: aiohttp.ClientSession, url: str, prompt: str) -> tuple[f
         return first, resp.headers["x-prfaas-route"]
 
 
-async def measure(url: str, prompts: list[str], idle_s: float) -> dict[str, Any]:
+async def measure(url: str, prompts: list[str], args: argparse.Namespace) -> dict[str, Any]:
     async with aiohttp.ClientSession() as session:
         await ttft(session, url, words(200, random.Random(1)))  # warm the path
         samples = [await ttft(session, url, p) for p in prompts]
         async with session.get(f"{url}/admin/state") as resp:
             threshold = (await resp.json())["threshold"]
-        await asyncio.sleep(idle_s)  # the link idle: what regime does it read as?
+        await asyncio.sleep(args.idle_s)  # the link idle: what regime does it read as?
         async with session.get(f"{url}/admin/state") as resp:
             state = await resp.json()
+        loaded = await under_load(session, url, args)
     regimes = [d["reason"] for d in state["scheduler"]["recent"] if d["kind"] == "regime"]
     short = state["scheduler"].get("short_term", {})
     return {
@@ -109,29 +115,72 @@ async def measure(url: str, prompts: list[str], idle_s: float) -> dict[str, Any]
         "threshold": threshold,
         "regime": state["regime"],
         "regime_changes": regimes,
+        "loaded": loaded,
     }
+
+
+async def under_load(
+    session: aiohttp.ClientSession, url: str, args: argparse.Namespace
+) -> dict[str, Any]:
+    """`args.clients` closed-loop clients of fresh long prompts for `args.loaded_s` seconds:
+    what they got, and the gateway's counts of its offload decisions meanwhile."""
+    before = await _decisions(session, url)
+    done: list[tuple[float, str]] = []
+    end = time.monotonic() + args.loaded_s
+
+    async def client(c: int) -> None:
+        rng = random.Random(1000 + c)
+        while time.monotonic() < end:
+            done.append(await ttft(session, url, words(args.tokens, rng)))
+
+    start = time.monotonic()
+    await asyncio.gather(*(client(c) for c in range(args.clients)))
+    elapsed = time.monotonic() - start
+    after = await _decisions(session, url)
+    ttfts = sorted(x for x, _ in done)
+    routes = [r for _, r in done]
+    return {
+        "served_per_s": len(done) / elapsed,
+        "ttft_p50_s": statistics.median(ttfts),
+        "ttft_p90_s": ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))],
+        "offloaded": routes.count("prfaas") / len(routes),
+        "decisions": {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after},
+    }
+
+
+async def _decisions(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """The gateway's offload-decision counters and the predicted TTFT traded (sum, count)."""
+    async with session.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("prfaas_offload_decisions_total{"):
+            out[line.split('"')[1]] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("prfaas_offload_ttft_traded_seconds_sum"):
+            out["traded_s_sum"] = float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def _mbps(bytes_per_s: float | None) -> float | None:
     return None if bytes_per_s is None else bytes_per_s * 8e-6
 
 
-def run(tokens: int, n_prompts: int, rounds: int, idle_s: float) -> dict[str, Any]:
-    logs = Path(tempfile.mkdtemp(prefix="prfaas-low-load-"))
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    logs = Path(tempfile.mkdtemp(prefix="prfaas-routing-costs-"))
     per_round: list[dict[str, Any]] = []
-    for r in range(rounds):
+    for r in range(args.rounds):
         rng = random.Random(r)
-        prompts = [words(tokens, rng) for _ in range(n_prompts)]
+        prompts = [words(args.tokens, rng) for _ in range(args.prompts)]
         row = {}
         for policy in POLICIES if r % 2 == 0 else POLICIES[::-1]:
             print(f"round {r}: {policy} ...", flush=True)
             proc, url = serve(policy, logs / f"{policy}-{r}.log")
             try:
-                row[policy] = asyncio.run(measure(url, prompts, idle_s))
+                row[policy] = asyncio.run(measure(url, prompts, args))
             finally:
                 stop(proc)
         per_round.append(row)
-    return report(per_round, tokens)
+    return report(per_round, args.tokens)
 
 
 def report(per_round: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
@@ -156,20 +205,35 @@ def report(per_round: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
     kept = f"{routes.count('pd')}/{len(routes)}"
     print(f"TTFT prfaas / homogeneous: {ratio:.2f} (goal <= 1.1); prompts kept local: {kept}; "
           f"regime after idle: {', '.join(regimes)}")  # fmt: skip
+    print(f"\nunder load ({len(per_round)} rounds; medians of the rounds)")
+    print(f"{'policy':>12} {'served/s':>9} {'TTFT p50':>9} {'TTFT p90':>9} {'offloaded':>10}")
+    loaded = {}
+    for p in POLICIES:
+        rows = [row[p]["loaded"] for row in per_round]
+        keys = ("served_per_s", "ttft_p50_s", "ttft_p90_s", "offloaded")
+        loaded[p] = {k: statistics.median(x[k] for x in rows) for k in keys}
+        got = loaded[p]
+        print(f"{p:>12} {got['served_per_s']:9.3f} {got['ttft_p50_s']:9.2f} "
+              f"{got['ttft_p90_s']:9.2f} {got['offloaded']:10.0%}")  # fmt: skip
+    counts = [row["prfaas"]["loaded"]["decisions"] for row in per_round]
+    print("prfaas offload decisions per round: " + "; ".join(
+        ", ".join(f"{k} {v:g}" for k, v in sorted(c.items())) for c in counts))  # fmt: skip
     return {"tokens": tokens, "ttft_p50_s": med, "ratio": ratio, "routes": routes,
-            "regimes_after_idle": regimes, "rounds": per_round}  # fmt: skip
+            "regimes_after_idle": regimes, "loaded": loaded, "rounds": per_round}  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=6000)
-    parser.add_argument("--prompts", type=int, default=3, help="per deployment and round")
+    parser.add_argument("--prompts", type=int, default=3, help="at low load, per deployment")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--idle-s", type=float, default=15.0)
+    parser.add_argument("--clients", type=int, default=3, help="under load")
+    parser.add_argument("--loaded-s", type=float, default=60.0)
     parser.add_argument("--json", type=Path, metavar="OUT")
     args = parser.parse_args()
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    result = run(args.tokens, args.prompts, args.rounds, args.idle_s)
+    result = run(args)
     if args.json:
         args.json.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
 
