@@ -343,7 +343,9 @@ def build_gateway(
         metrics=metrics,
         api_keys=frozenset(g.api_keys),
         responses=ResponsesService(
-            create_store(config.responses), metrics.response_store_errors.inc
+            create_store(config.responses),
+            metrics.response_store_errors.inc,
+            cancel_poll_s=config.responses.cancel_poll_s,
         ),
         retry_after_s=g.retry_after_s,
         mode=openai_mode(config),

@@ -6,6 +6,8 @@ API's state (stored responses, the conversations `previous_response_id` continue
 store = "memory"          # this gateway's memory, or "redis://HOST:PORT/DB" (shared by replicas)
 ttl_s = 86400.0           # a stored response is forgotten this long after it was stored
 max_mb = 256.0            # memory store: past this, the least recently used are forgotten
+cancel_poll_s = 1.0       # shared store: how often a background response running on this
+                          # replica looks for a cancel another replica recorded
 ```
 
 Without the table: the memory store with these defaults. Gateway replicas (`[coordination]`)
@@ -29,12 +31,17 @@ class ResponsesConfig:
     store: str = "memory"
     ttl_s: float = 86400.0
     max_mb: float = 256.0
+    cancel_poll_s: float = 1.0
+    """With a shared store: how often a background response running here reads its stored
+    status, so that a cancel recorded through another replica stops its engine work."""
 
     def __post_init__(self) -> None:
         check(self.store == "memory" or _redis_url(self.store), "store", self.store,
               'must be "memory" or redis://HOST[:PORT][/DB] (rediss:// for TLS)')  # fmt: skip
         check(0 < self.ttl_s < math.inf, "ttl_s", self.ttl_s, "must be > 0 and finite")
         check(0 < self.max_mb < math.inf, "max_mb", self.max_mb, "must be > 0 and finite")
+        poll = self.cancel_poll_s
+        check(0 < poll <= 60, "cancel_poll_s", poll, "must be in (0, 60]")
 
     @property
     def shared(self) -> bool:

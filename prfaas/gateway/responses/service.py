@@ -7,8 +7,9 @@ A background response (`background: true`, which needs `store`) is answered at o
 its `queued` object, then run by a task this service owns; its stored object moves to
 `in_progress`, then to the engine's answer (`completed`, `incomplete`), or to `failed`
 (the engine's error, or the gateway stopping) or `cancelled`. A cancel that reaches another
-replica than the one running it marks it `cancelled` in the shared store (the running
-replica then keeps that status; the engine still finishes the work).
+replica than the one running it marks it `cancelled` in the shared store; the running
+replica reads its stored status every `cancel_poll_s` and, once it says cancelled, stops the
+engine work (the request is aborted on its engines) and keeps that status.
 """
 
 from __future__ import annotations
@@ -64,10 +65,15 @@ class ResponsesService:
     the store could not keep."""
 
     def __init__(
-        self, store: ResponseStore, on_store_error: Callable[[], None] | None = None
+        self,
+        store: ResponseStore,
+        on_store_error: Callable[[], None] | None = None,
+        *,
+        cancel_poll_s: float = 1.0,
     ) -> None:
         self.store = store
         self._on_store_error = on_store_error
+        self._cancel_poll_s = cancel_poll_s
         self._running: dict[str, asyncio.Task[None]] = {}
         self._stopping = False
 
@@ -162,7 +168,9 @@ class ResponsesService:
     ) -> None:
         try:
             await self._mark(response_id, "in_progress")
-            raw = await run()
+            raw = await self._watched(response_id, run)
+            if raw is None:
+                return  # cancelled through another replica: its status says so
         except asyncio.CancelledError:
             await self._settle(response_id, "failed" if self._stopping else "cancelled")
             raise
@@ -175,6 +183,29 @@ class ResponsesService:
         if current is not None and current.response.get("status") == "cancelled":
             return  # cancelled through another replica while the engine worked
         await turn.keep(response)
+
+    async def _watched(
+        self, response_id: str, run: Callable[[], Awaitable[bytes]]
+    ) -> bytes | None:
+        """`run()`'s answer; with a shared store, None once the stored status says another
+        replica cancelled it (the run is then cancelled: its engines abort the request)."""
+        if isinstance(self.store, MemoryResponseStore):
+            return await run()  # every cancel reaches this replica
+        work = asyncio.ensure_future(run())
+        try:
+            while True:
+                done, _ = await asyncio.wait({work}, timeout=self._cancel_poll_s)
+                if done:
+                    return work.result()
+                current = await self._get(response_id)
+                if current is not None and current.response.get("status") == "cancelled":
+                    work.cancel()
+                    await asyncio.gather(work, return_exceptions=True)
+                    return None
+        finally:
+            if not work.done():  # this task was cancelled (a cancel here, or a stop)
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
 
     async def _settle(self, response_id: str, status: str, error: Any = None) -> None:
         """Record how a background response ended without an answer (never raises)."""

@@ -251,6 +251,44 @@ async def test_two_gateways_share_the_conversation_through_redis(
         await elsewhere.create(model="tiny", input="x", previous_response_id=mine.id)
 
 
+async def test_a_cancel_through_another_replica_stops_the_engine_work(
+    gateway_factory: GatewayFactory, redis: RedisServer
+) -> None:
+    """A background response runs on replica A; its cancel reaches replica B, which records
+    it in the shared store; A reads that within `cancel_poll_s` and stops the engine work
+    (its request to the engines cancelled: about 10 s of tokens left) and keeps the status."""
+    from aiohttp_helpers import start_app
+
+    runners, urls = [], {}
+    for name in ("prfaas-p0", "pd-p0", "pd-d0"):
+        null = NullServer(NullConfig(block_size=16, model="tiny", token_delay_s=0.02))
+        runner, urls[name] = await start_app(null.app())
+        runners.append(runner)
+    try:
+        shared = ResponsesConfig(store=redis.url, cancel_poll_s=0.1)
+        config = replace(deployment(urls), responses=shared)
+        a, gw_a = await gateway_factory(config)
+        b, _ = await gateway_factory(config)
+        slow = await _openai(a).responses.create(
+            model="tiny", input="hi", max_output_tokens=500, background=True
+        )
+        service = gw_a.service.responses
+        assert service is not None
+        await asyncio.sleep(0.3)
+        assert slow.id in service._running  # A runs it
+        cancelled = await _openai(b).responses.cancel(slow.id)
+        assert cancelled.status == "cancelled"
+        for _ in range(40):
+            if slow.id not in service._running:
+                break
+            await asyncio.sleep(0.05)
+        assert slow.id not in service._running  # stopped within about one poll, not 10 s
+        assert (await _openai(a).responses.retrieve(slow.id)).status == "cancelled"
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
 async def test_with_the_store_down_follow_ups_are_503_and_answers_still_arrive(
     null_engines: Engines, gateway_factory: GatewayFactory, redis: RedisServer
 ) -> None:
