@@ -230,8 +230,10 @@ class PrfaasPolicy(BaseRoutingPolicy):
             route, reason = PD, reason + "; no healthy PrfaaS prefill, fell back to PD"
         elif route == PD and not snapshot.pool(PD, "prefill") and snapshot.pool(PRFAAS, "prefill"):
             route, reason = PRFAAS, reason + "; no healthy PD prefill, fell back to PrfaaS"
-        elif route == PRFAAS and snapshot.pool(PD, "prefill") and (
-            snapshot.forecast is not None and snapshot.forecast.conditional
+        elif (
+            route == PRFAAS
+            and snapshot.pool(PD, "prefill")
+            and (snapshot.forecast is not None and snapshot.forecast.conditional)
         ):
             prediction = _predict(snapshot, snapshot.forecast, prefix, abundant)
             if not prediction.offload:

@@ -184,9 +184,7 @@ class ResponsesService:
             return  # cancelled through another replica while the engine worked
         await turn.keep(response)
 
-    async def _watched(
-        self, response_id: str, run: Callable[[], Awaitable[bytes]]
-    ) -> bytes | None:
+    async def _watched(self, response_id: str, run: Callable[[], Awaitable[bytes]]) -> bytes | None:
         """`run()`'s answer; with a shared store, None once the stored status says another
         replica cancelled it (the run is then cancelled: its engines abort the request)."""
         if isinstance(self.store, MemoryResponseStore):
