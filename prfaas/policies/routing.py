@@ -176,9 +176,11 @@ class BaseRoutingPolicy(ABC):
         prefill: InstanceView,
         reason: str,
         prefix_from: Route | None = None,
+        prediction: TTFTPrediction | None = None,
     ) -> RouteDecision:
         """The decision to prefill on `prefill` (and pull the prefix cached in
-        `prefix_from` first, if given) and decode on the PD cluster's pick."""
+        `prefix_from` first, if given) and decode on the PD cluster's pick; `prediction`:
+        the TTFT predictions it was made on, if any."""
         decode = pick_instance(snapshot, PD, "decode")
         cached, source = prefill.cached_tokens, None
         if prefix_from is not None:
@@ -194,6 +196,7 @@ class BaseRoutingPolicy(ABC):
             prefix_from,
             reason,
             source,
+            prediction,
         )
 
 
@@ -244,12 +247,8 @@ class PrfaasPolicy(BaseRoutingPolicy):
             other: Route = PRFAAS if route == PD else PD
             if snapshot.cached_in(other) > snapshot.cached_in(route):
                 prefix_from = other
-        decision = self.decision(
-            snapshot, pick_instance(snapshot, route, "prefill"), reason, prefix_from
-        )
-        return decision if prediction is None else msgspec.structs.replace(
-            decision, prediction=prediction
-        )  # fmt: skip
+        prefill = pick_instance(snapshot, route, "prefill")
+        return self.decision(snapshot, prefill, reason, prefix_from, prediction)
 
 
 def _predict(
