@@ -15,8 +15,9 @@ alternative), one deployment after the other, the order alternating per round:
   ticks turned it abundant, and prefix pulls then cost 4x a recompute).
 - **under load:** `--clients` closed-loop clients of long fresh prompts for `--loaded-s`
   seconds: served requests per second, TTFT p50/p90, the share offloaded, and from the
-  gateway's `/metrics` why each offload went (faster, or the PD prefill saturated) and the
-  predicted TTFT the saturated ones traded for throughput.
+  gateway's `/metrics` why each offload went (faster, or the PD prefill saturated), the
+  predicted TTFT the saturated ones traded for throughput, and how often `t`, its set-point
+  and the regime changed under that steady load.
 
 Numbers from this 2-core machine, where both clusters share the CPU: compare within one run.
 Usage: python benchmarks/routing_costs.py [--tokens 6000] [--prompts 3] [--rounds 2]
@@ -149,7 +150,8 @@ async def under_load(
 
 
 async def _decisions(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    """The gateway's offload-decision counters and the predicted TTFT traded (sum, count)."""
+    """The gateway's offload-decision counters, the predicted TTFT traded (its sum), and
+    the changes of `t`, its set-point and the regime (counts)."""
     async with session.get(f"{url}/metrics") as resp:
         text = await resp.text()
     out = {}
@@ -158,6 +160,13 @@ async def _decisions(session: aiohttp.ClientSession, url: str) -> dict[str, floa
             out[line.split('"')[1]] = float(line.rsplit(" ", 1)[1])
         elif line.startswith("prfaas_offload_ttft_traded_seconds_sum"):
             out["traded_s_sum"] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("prfaas_schedule_changes_total{"):
+            labels = dict(part.split("=") for part in line[line.index("{") + 1 :
+                                                          line.index("}")].split(","))  # fmt: skip
+            kind = labels["kind"].strip('"')
+            if kind in ("threshold", "set_point", "regime"):
+                key = f"{kind}_changes"
+                out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
 
 

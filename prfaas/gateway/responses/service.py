@@ -182,7 +182,7 @@ class ResponsesService:
         current = await self._get(response_id)
         if current is not None and current.response.get("status") == "cancelled":
             return  # cancelled through another replica while the engine worked
-        await turn.keep(response)
+        await turn.keep(response, at_once=True)
 
     async def _watched(self, response_id: str, run: Callable[[], Awaitable[bytes]]) -> bytes | None:
         """`run()`'s answer; with a shared store, None once the stored status says another

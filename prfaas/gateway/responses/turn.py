@@ -83,13 +83,15 @@ class ResponseTurn:
         await self.keep(response)
         return response
 
-    async def keep(self, response: dict[str, Any]) -> None:
+    async def keep(self, response: dict[str, Any], *, at_once: bool = False) -> None:
         """Store `response` under its id (where this turn is stored): a memory store takes
-        it when the current event-loop step ends, a shared store before this returns."""
+        it when the current event-loop step ends, a shared store before this returns; with
+        `at_once`, any store before this returns (a background response, whose task's end
+        a cancel waits on)."""
         response_id = response.get("id")
         if self.store is None or not isinstance(response_id, str):
             return
-        if isinstance(self.store, MemoryResponseStore):
+        if isinstance(self.store, MemoryResponseStore) and not at_once:
             asyncio.get_running_loop().call_soon(self._keep_now, self.store, response_id,
                                                  response)  # fmt: skip
             return
