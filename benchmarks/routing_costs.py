@@ -17,17 +17,19 @@ alternative), one deployment after the other, the order alternating per round:
   seconds: served requests per second, TTFT p50/p90, the share offloaded, and from the
   gateway's `/metrics` why each offload went (faster, or the PD prefill saturated), the
   predicted TTFT the saturated ones traded for throughput, and how often `t`, its set-point
-  and the regime changed under that steady load.
+  and the regime changed under that steady load (equal lengths, or log-normal around
+  `--tokens` with `--length-sigma`: a length threshold splits equal lengths only by moving).
 
 Numbers from this 2-core machine, where both clusters share the CPU: compare within one run.
 Usage: python benchmarks/routing_costs.py [--tokens 6000] [--prompts 3] [--rounds 2]
-       [--idle-s 15] [--clients 3] [--loaded-s 60] [--json OUT]
+       [--idle-s 15] [--clients 3] [--loaded-s 60] [--length-sigma 0.5] [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import random
 import re
@@ -132,7 +134,7 @@ async def under_load(
     async def client(c: int) -> None:
         rng = random.Random(1000 + c)
         while time.monotonic() < end:
-            done.append(await ttft(session, url, words(args.tokens, rng)))
+            done.append(await ttft(session, url, words(_length(args, rng), rng)))
 
     start = time.monotonic()
     await asyncio.gather(*(client(c) for c in range(args.clients)))
@@ -147,6 +149,15 @@ async def under_load(
         "offloaded": routes.count("prfaas") / len(routes),
         "decisions": {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after},
     }
+
+
+def _length(args: argparse.Namespace, rng: random.Random) -> int:
+    """A loaded-phase prompt's length: `--tokens`, or log-normal around it with
+    `--length-sigma` (within a quarter and four times it)."""
+    if not args.length_sigma:
+        return int(args.tokens)
+    drawn = args.tokens * math.exp(rng.gauss(0.0, args.length_sigma))
+    return int(min(max(drawn, args.tokens / 4), args.tokens * 4))
 
 
 async def _decisions(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
@@ -239,6 +250,8 @@ def main() -> None:
     parser.add_argument("--idle-s", type=float, default=15.0)
     parser.add_argument("--clients", type=int, default=3, help="under load")
     parser.add_argument("--loaded-s", type=float, default=60.0)
+    parser.add_argument("--length-sigma", type=float, default=0.0,
+                        help="under load: log-normal prompt lengths around --tokens")  # fmt: skip
     parser.add_argument("--json", type=Path, metavar="OUT")
     args = parser.parse_args()
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
