@@ -48,6 +48,8 @@ MODEL = "qwen3-next-tiny"
 LISTENING = re.compile(r"PrfaaS gateway listening on (http://\S+)")
 READY = re.compile(r"Ctrl-C\) stops|Ctrl-C stops")
 POLICIES = ("prfaas", "homogeneous")
+MAX_PROMPT_TOKENS = 8000
+"""The embedded model's context (8,192 tokens) less room for the answer."""
 
 
 def words(n_tokens: int, rng: random.Random) -> str:
@@ -153,11 +155,11 @@ async def under_load(
 
 def _length(args: argparse.Namespace, rng: random.Random) -> int:
     """A loaded-phase prompt's length: `--tokens`, or log-normal around it with
-    `--length-sigma` (within a quarter and four times it)."""
+    `--length-sigma` (from a quarter of it up to the model's context)."""
     if not args.length_sigma:
         return int(args.tokens)
     drawn = args.tokens * math.exp(rng.gauss(0.0, args.length_sigma))
-    return int(min(max(drawn, args.tokens / 4), args.tokens * 4))
+    return int(min(max(drawn, args.tokens / 4), MAX_PROMPT_TOKENS))
 
 
 async def _decisions(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
