@@ -430,8 +430,7 @@ class _HttpProtocol(asyncio.Protocol):
 
     def _target_path(self) -> str:
         """The path of the request being read, as far as it arrived ("" before any)."""
-        url = getattr(self, "_url", b"")
-        return url.partition(b"?")[0].decode("latin-1")
+        return self._url.partition(b"?")[0].decode("latin-1")
 
     def _linger_close(self) -> None:
         """Half-close after an error answer and drop what the client still sends, for up to

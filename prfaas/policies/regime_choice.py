@@ -98,8 +98,9 @@ def choose_regime(config: RegimeConfig, state: RegimeState, link: LinkReading) -
         busy = util > config.scarce_above
         leaning = busy or pays is False
         needed = config.scarce_ticks
-        why = (f"egress utilisation {util:.2f} > {config.scarce_above:g}" if busy
-               else link.describe_rates() if pays is False else "")  # fmt: skip
+        why = f"egress utilisation {util:.2f} > {config.scarce_above:g}"
+        if not busy and leaning:
+            why = link.describe_rates()  # pulls no longer pay
     if not leaning:
         return RegimeDecision(RegimeState(state.regime), False, "hold")
     streak = state.streak + 1

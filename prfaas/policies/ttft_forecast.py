@@ -102,6 +102,11 @@ class TTFTPrediction:
     local_compute_s: float = 0.0
 
     @property
+    def faster(self) -> bool:
+        """PrfaaS is predicted to answer strictly first."""
+        return self.prfaas_s < self.local_s
+
+    @property
     def local_saturated(self) -> bool:
         """The request would wait in the PD prefill pool at least as long as it computes
         there: the pool is the bottleneck, and throughput (the threshold) governs."""
@@ -110,13 +115,12 @@ class TTFTPrediction:
     @property
     def offload(self) -> bool:
         """PrfaaS strictly beats local, or local is saturated (the threshold governs)."""
-        return self.prfaas_s < self.local_s or self.local_saturated
+        return self.faster or self.local_saturated
 
     def describe(self) -> str:
-        faster = self.prfaas_s < self.local_s
-        sign = "<" if faster else ">="
+        sign = "<" if self.faster else ">="
         text = f"predicted TTFT prfaas {self.prfaas_s:.2f}s {sign} local {self.local_s:.2f}s"
-        if not faster and self.local_saturated:
+        if not self.faster and self.local_saturated:
             text += (f"; local queue {self.local_wait_s:.2f}s >= its compute "
                      f"{self.local_compute_s:.2f}s: the threshold governs")  # fmt: skip
         return text

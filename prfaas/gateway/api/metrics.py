@@ -187,7 +187,7 @@ class GatewayMetrics:
         if prediction is not None:
             if decision.route == "pd":
                 self.offloads.labels("kept_local").inc()
-            elif prediction.prfaas_s < prediction.local_s:
+            elif prediction.faster:
                 self.offloads.labels("offloaded_faster").inc()
             else:
                 self.offloads.labels("offloaded_saturated").inc()
