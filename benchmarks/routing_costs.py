@@ -142,6 +142,8 @@ async def under_load(
     await asyncio.gather(*(client(c) for c in range(args.clients)))
     elapsed = time.monotonic() - start
     after = await _decisions(session, url)
+    async with session.get(f"{url}/admin/state") as resp:
+        recent = (await resp.json())["scheduler"]["recent"]
     ttfts = sorted(x for x, _ in done)
     routes = [r for _, r in done]
     return {
@@ -150,7 +152,15 @@ async def under_load(
         "ttft_p90_s": ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))],
         "offloaded": routes.count("prfaas") / len(routes),
         "decisions": {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after},
+        "threshold_moves": [_move(d) for d in recent if d["kind"] in ("threshold", "set_point")],
     }
+
+
+def _move(decision: dict[str, Any]) -> str:
+    """One of the last changes of `t` or its set-point, as `/admin/state` logged it."""
+    got = decision["inputs"]
+    return (f"{decision['at']:.0f} {decision['loop']}: {got.get('from', 0):.0f} -> "
+            f"{got.get('to', 0):.0f} ({decision['reason']})")  # fmt: skip
 
 
 def _length(args: argparse.Namespace, rng: random.Random) -> int:
@@ -194,7 +204,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rng = random.Random(r)
         prompts = [words(args.tokens, rng) for _ in range(args.prompts)]
         row = {}
-        for policy in POLICIES if r % 2 == 0 else POLICIES[::-1]:
+        policies = POLICIES[:1] if args.prfaas_only else POLICIES
+        for policy in policies if r % 2 == 0 else policies[::-1]:
             print(f"round {r}: {policy} ...", flush=True)
             proc, url = serve(policy, logs / f"{policy}-{r}.log")
             try:
@@ -206,18 +217,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def report(per_round: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
+    policies = [p for p in POLICIES if p in per_round[0]]
     med = {p: statistics.median(x for row in per_round for x in row[p]["ttft_s"])
-           for p in POLICIES}  # fmt: skip
+           for p in policies}  # fmt: skip
     routes = [r for row in per_round for r in row["prfaas"]["routes"]]
     regimes = [row["prfaas"]["regime"] for row in per_round]
-    ratio = med["prfaas"] / med["homogeneous"]
+    ratio = med["prfaas"] / med["homogeneous"] if "homogeneous" in med else None
     print(f"\n{tokens}-token fresh prompts, PD prefill idle, 10 Mbit/s emulated link "
           f"(this machine's 2 shared cores: compare within this run only)")  # fmt: skip
     print(f"{'policy':>12} {'TTFT p50 s':>11} {'routes':>30} {'t':>8} {'regime after idle':>20}")
-    for p in POLICIES:
+    for p in policies:
         rows = [row[p] for row in per_round]
-        got = ",".join(r for row in rows for r in row["routes"])
-        print(f"{p:>12} {med[p]:11.2f} {got:>30} {rows[-1]['threshold']:8.0f} "
+        shown = ",".join(r for row in rows for r in row["routes"])
+        print(f"{p:>12} {med[p]:11.2f} {shown:>30} {rows[-1]['threshold']:8.0f} "
               f"{rows[-1]['regime']:>20}")  # fmt: skip
     last = per_round[-1]["prfaas"]
     spare, rate = last["spare_mbps"], last["kv_rate_mbps"]
@@ -225,12 +237,13 @@ def report(per_round: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
         print(f"the gateway's reading of the idle link: spare {spare:.1f} Mbit/s against a KV "
               f"production rate of {rate:.1f} Mbit/s")  # fmt: skip
     kept = f"{routes.count('pd')}/{len(routes)}"
-    print(f"TTFT prfaas / homogeneous: {ratio:.2f} (goal <= 1.1); prompts kept local: {kept}; "
-          f"regime after idle: {', '.join(regimes)}")  # fmt: skip
+    if ratio is not None:
+        print(f"TTFT prfaas / homogeneous: {ratio:.2f} (goal <= 1.1)")
+    print(f"prompts kept local: {kept}; regime after idle: {', '.join(regimes)}")
     print(f"\nunder load ({len(per_round)} rounds; medians of the rounds)")
     print(f"{'policy':>12} {'served/s':>9} {'TTFT p50':>9} {'TTFT p90':>9} {'offloaded':>10}")
     loaded = {}
-    for p in POLICIES:
+    for p in policies:
         rows = [row[p]["loaded"] for row in per_round]
         keys = ("served_per_s", "ttft_p50_s", "ttft_p90_s", "offloaded")
         loaded[p] = {k: statistics.median(x[k] for x in rows) for k in keys}
@@ -240,6 +253,10 @@ def report(per_round: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
     counts = [row["prfaas"]["loaded"]["decisions"] for row in per_round]
     print("prfaas offload decisions per round: " + "; ".join(
         ", ".join(f"{k} {v:g}" for k, v in sorted(c.items())) for c in counts))  # fmt: skip
+    for r, measured in enumerate(per_round):
+        print(f"round {r}, the last changes of t under load:")
+        for move in measured["prfaas"]["loaded"]["threshold_moves"]:
+            print(f"  {move}")
     return {"tokens": tokens, "ttft_p50_s": med, "ratio": ratio, "routes": routes,
             "regimes_after_idle": regimes, "loaded": loaded, "rounds": per_round}  # fmt: skip
 
@@ -254,6 +271,8 @@ def main() -> None:
     parser.add_argument("--loaded-s", type=float, default=60.0)
     parser.add_argument("--length-sigma", type=float, default=0.0,
                         help="under load: log-normal prompt lengths around --tokens")  # fmt: skip
+    parser.add_argument("--prfaas-only", action="store_true",
+                        help="skip the homogeneous baseline (to watch t alone)")  # fmt: skip
     parser.add_argument("--json", type=Path, metavar="OUT")
     args = parser.parse_args()
     os.environ.setdefault("PYTHONUNBUFFERED", "1")

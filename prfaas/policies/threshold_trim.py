@@ -2,8 +2,12 @@
 
 Each tick (about a second) it sees the link's measured utilisation and the predicted
 backlog of both prefill pools (the gateway's predictions: PrfaaS occupancy includes the KV
-over the spare egress, so a saturated link shows up as PrfaaS backlog), and moves `t`
-inside a band around the long-term loop's set-point:
+over the spare egress, so a saturated link shows up as PrfaaS backlog). The rules read
+them averaged over what the current `t` did (about `smoothing_s`, restarted at each move,
+and no move until the averages span that long): one offload's KV runs a slow link full for
+its whole transfer and one long prompt fills a pool's queue for its whole prefill, which
+under a steady load is noise, not a change of load. The rules move `t` inside a band
+around the long-term loop's set-point:
 
 - **raise, multiplicatively** (`t *= raise_factor`) when the PrfaaS side is congested: its
   queue exceeds the PD-prefill queue by `queue_gap_s`, or the link is above its high-water
@@ -13,18 +17,16 @@ inside a band around the long-term loop's set-point:
   and moving work to PD would only move the queue;
 - **lower** after `clear_ticks` ticks without PrfaaS congestion: down to the band's floor
   while the PD-prefill queue exceeds the PrfaaS one by `queue_gap_s`, at the pace raising
-  keeps (a factor `raise_factor` per `holdoff_ticks`, in steps of at least `lower_step`:
-  two compute queues are balanced, nothing is probed, and near capacity a slower pace let
-  the PD queue grow for minutes after a raise, TTFT swinging between the pools); or
-  additively (`t -= lower_step`) back toward the set-point once the link is below its
-  low-water mark (probing the link, as TCP's additive increase does);
+  keeps (one raise's worth per `holdoff_ticks`: two compute queues are balanced, nothing
+  is probed); or additively (`t -= lower_step`) back toward the set-point once the link
+  is below its low-water mark (probing the link, as TCP's additive increase does);
 - **relax up** additively toward the set-point when `t` sits below it and neither side is
   congested;
 - hold otherwise (between the marks there is a dead band).
 
-After a raise the next waits `holdoff_ticks`, so the link's queued transfers drain and its
-utilisation shows what the new `t` does before `t` moves again (a saturated link reads 100%
-until then, and raising on every tick would overshoot).
+After a multiplicative step the next waits `holdoff_ticks`, so the link's queued transfers
+drain and its utilisation shows what the new `t` does before `t` moves again (a saturated
+link reads 100% until then, and stepping on every tick would overshoot).
 
 No oscillation under steady load: after a raise, the `t` at which the link was congested is
 remembered, and lowering back toward the set-point on a quiet link stops one step above it
@@ -74,6 +76,13 @@ class TrimConfig:
     """Quiet ticks in a row before each lowering step."""
     memory_s: float = 300.0
     """How long the last congested `t` bounds lowering."""
+    smoothing_s: float = 20.0
+    """The rules read egress utilisation and each pool's backlog averaged over about this
+    long (exponential moving averages; 0 reads them raw), and only over what the current `t`
+    did: each move of `t` starts the averages again, and the next move waits until they span
+    this long. Under a steady load one offload's KV runs the link full for its whole
+    transfer, and one long prompt moves a pool's backlog by its whole prefill time: noise,
+    not a change of load; read raw, they moved `t` back and forth between the rules."""
 
     def __post_init__(self) -> None:
         check(0 < self.high_water <= 1.5, "high_water", self.high_water, "must be in (0, 1.5]")
@@ -91,6 +100,7 @@ class TrimConfig:
         check(self.holdoff_ticks >= 1, "holdoff_ticks", self.holdoff_ticks, "must be >= 1")
         check(self.clear_ticks >= 1, "clear_ticks", self.clear_ticks, "must be >= 1")
         check(self.memory_s >= 0, "memory_s", self.memory_s, "must be >= 0")
+        check(self.smoothing_s >= 0, "smoothing_s", self.smoothing_s, "must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -108,6 +118,24 @@ class TrimObservation:
 
 
 @dataclass(frozen=True)
+class TrimAverages:
+    """Exponentially weighted sums of the observations since `t` last moved (`since`), each
+    decaying with time constant `smoothing_s`; a mean is its sum over `weight`."""
+
+    since: float
+    at: float
+    """The last observation folded in."""
+    weight: float = 0.0
+    utilisation: float | None = 0.0
+    """None once an observation had no link telemetry."""
+    prfaas_backlog: float = 0.0
+    pd_backlog: float = 0.0
+
+    def mean(self, total: float) -> float:
+        return total / self.weight if self.weight > 0 else 0.0
+
+
+@dataclass(frozen=True)
 class TrimState:
     """The trimmer's memory between ticks."""
 
@@ -115,8 +143,8 @@ class TrimState:
     set_point: float
     hot_ticks: int = 0
     quiet_ticks: int = 0
-    since_raise: int = 1_000_000
-    """Ticks since the last raise."""
+    since_step: int = 1_000_000
+    """Ticks since the last multiplicative step (a raise, or a lowering for the PD queue)."""
     congested_at: float | None = None
     """`t` at the last raise (lowering stops one step above it while remembered)."""
     remember_until: float = -math.inf
@@ -124,14 +152,17 @@ class TrimState:
     """Link capacity when the memory was taken."""
     planned_utilisation: float | None = None
     """What the long-term plan expects the link to run at (None: unknown)."""
+    averages: TrimAverages | None = None
+    """What the current `t` did so far (None: no tick seen since it was set)."""
 
     def with_set_point(self, set_point: float, planned: float | None = None) -> TrimState:
-        """The long-term loop re-solved `t`: jump to it and forget the congestion memory."""
+        """The long-term loop re-solved `t`: jump to it, forget the congestion memory, and
+        measure afresh what the new `t` does."""
         return TrimState(
             threshold=set_point,
             set_point=set_point,
             capacity=self.capacity,
-            since_raise=self.since_raise,
+            since_step=self.since_step,
             planned_utilisation=planned,
         )
 
@@ -158,8 +189,13 @@ def band(config: TrimConfig, set_point: float) -> tuple[float, float]:
 
 def trim(config: TrimConfig, state: TrimState, obs: TrimObservation) -> TrimDecision:
     """One tick of the trimmer (see the module docstring)."""
-    state = replace(_forget_if_stale(state, obs), since_raise=state.since_raise + 1)
-    util, pf, pd = obs.egress_utilisation, obs.prfaas_backlog_s, obs.pd_backlog_s
+    state = replace(_forget_if_stale(state, obs), since_step=state.since_step + 1)
+    seen = _averaged(config, state.averages, obs)
+    state = replace(state, averages=seen)
+    if obs.now - seen.since < config.smoothing_s:
+        return TrimDecision(state, False, f"hold: measuring what t {state.threshold:.0f} does")
+    pf, pd = seen.mean(seen.prfaas_backlog), seen.mean(seen.pd_backlog)
+    util = None if seen.utilisation is None else seen.mean(seen.utilisation)
     queue_hot = pf > config.queue_ratio * pd + config.queue_gap_s
     pd_hot = pd > config.queue_ratio * pf + config.queue_gap_s
     high = state.high_water(config)
@@ -182,8 +218,14 @@ def trim(config: TrimConfig, state: TrimState, obs: TrimObservation) -> TrimDeci
             f"PD queue {pd:.1f}s > {config.queue_ratio:g} x PrfaaS {pf:.1f}s"
             f" + {config.queue_gap_s:g}s"
         )
-        step = t * (1 - 1 / config.raise_factor) * config.clear_ticks / config.holdoff_ticks
-        return _lower(config, state, lo, why, step=step, remembered=False)
+        if state.since_step < config.holdoff_ticks:
+            left = config.holdoff_ticks - state.since_step
+            return TrimDecision(state, False, f"hold: {why}, {left} ticks after the last step")
+        lowered = _lower(config, state, lo, why, step=t * (1 - 1 / config.raise_factor),
+                         remembered=False)  # fmt: skip
+        if not lowered.changed:
+            return lowered
+        return replace(lowered, state=replace(lowered.state, since_step=0))
     if t > sp and (util is None or util < config.low_water):
         util_text = "unknown" if util is None else f"{util:.2f}"
         return _lower(config, state, sp, f"egress {util_text} < {config.low_water:g}")
@@ -191,6 +233,24 @@ def trim(config: TrimConfig, state: TrimState, obs: TrimObservation) -> TrimDeci
         new = min(t + config.lower_step_tokens, sp)
         return _moved(state, new, f"relax up toward set-point {sp:.0f}")
     return TrimDecision(state, False, "hold: within the dead band")
+
+
+def _averaged(config: TrimConfig, seen: TrimAverages | None, obs: TrimObservation) -> TrimAverages:
+    """Fold this tick's observations into the averages of the current `t` (every tick
+    weighs the same when fresh; older ones decay with `smoothing_s`)."""
+    if seen is None:
+        seen = TrimAverages(since=obs.now, at=obs.now)
+    dt = max(obs.now - seen.at, 0.0)
+    decay = math.exp(-dt / config.smoothing_s) if config.smoothing_s > 0 else 0.0
+    util, old_util = obs.egress_utilisation, seen.utilisation
+    return TrimAverages(
+        since=seen.since,
+        at=obs.now,
+        weight=seen.weight * decay + 1.0,
+        utilisation=None if util is None or old_util is None else old_util * decay + util,
+        prfaas_backlog=seen.prfaas_backlog * decay + obs.prfaas_backlog_s,
+        pd_backlog=seen.pd_backlog * decay + obs.pd_backlog_s,
+    )
 
 
 def _forget_if_stale(state: TrimState, obs: TrimObservation) -> TrimState:
@@ -209,15 +269,15 @@ def _raise(config: TrimConfig, state: TrimState, obs: TrimObservation, why: str)
     t = state.threshold
     if state.hot_ticks < config.confirm_ticks:
         return TrimDecision(state, False, f"hold: {why} (tick {state.hot_ticks})")
-    if state.since_raise < config.holdoff_ticks:
-        left = config.holdoff_ticks - state.since_raise
-        return TrimDecision(state, False, f"hold: {why}, {left} ticks after the last raise")
+    if state.since_step < config.holdoff_ticks:
+        left = config.holdoff_ticks - state.since_step
+        return TrimDecision(state, False, f"hold: {why}, {left} ticks after the last step")
     if t >= hi:
         return TrimDecision(state, False, f"hold: {why}, t at the band's top {hi:.0f}")
     remembered = replace(
         state,
         hot_ticks=0,
-        since_raise=0,
+        since_step=0,
         congested_at=t,
         remember_until=obs.now + config.memory_s,
     )
@@ -247,4 +307,9 @@ def _lower(
 
 
 def _moved(state: TrimState, threshold: float, why: str) -> TrimDecision:
-    return TrimDecision(replace(state, threshold=threshold, quiet_ticks=0), True, why)
+    """Move `t`, and start measuring what the new one does."""
+    now = state.averages.at if state.averages is not None else 0.0
+    fresh = TrimAverages(since=now, at=now)
+    return TrimDecision(
+        replace(state, threshold=threshold, quiet_ticks=0, averages=fresh), True, why
+    )
