@@ -70,6 +70,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="long-term scheduling period in seconds (embedded default 30; else the config's)",
     )
     parser.add_argument(
+        "--profile-out",
+        metavar="FILE",
+        help="embedded: write the deployment profile measured at start-up here (TOML, the "
+        "`prfaas plan` / `prfaas simulate --profile` format)",
+    )
+    parser.add_argument(
         "--replica-id",
         help="this gateway's name among the replicas of a [coordination] deployment "
         "(default: HOSTNAME:PORT)",

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import tomli_w
 
 from prfaas.common.ports import free_port
 from prfaas.common.secret import ENV_SECRET, DeploymentSecret
@@ -43,6 +44,7 @@ from prfaas.serve.profiling import (
     measure,
     measured_profile,
     plan_threshold,
+    profile_document,
 )
 from prfaas.serve.run import serve_gateway, setups, signals_cancel_current_task
 from prfaas.serve.summary import summary_lines
@@ -87,6 +89,8 @@ class EmbeddedOptions:
     scheduler: SchedulerConfig | None = field(default_factory=default_scheduler)
     """Dual-timescale scheduling on the measured profile (None: off; also off when
     `--threshold` skips the profiling)."""
+    profile_out: Path | None = None
+    """Where to write the measured profile (TOML; None: nowhere)."""
 
     def __post_init__(self) -> None:
         if not self.link_mbps > 0:
@@ -109,6 +113,7 @@ class EmbeddedOptions:
             gateway=gateway,
             threshold_override=overrides.get("threshold"),
             scheduler=scheduler,
+            profile_out=None if args.profile_out is None else Path(args.profile_out),
         )
 
     def link_args(self) -> tuple[str, ...]:
@@ -195,7 +200,8 @@ async def profile_and_plan(
     cluster: Cluster, options: EmbeddedOptions
 ) -> tuple[float, list[str], DeploymentProfile]:
     """Measure the engines, run the planner; returns `t`, summary lines and the measured
-    profile (the schedulers' predictions and re-solves use it)."""
+    profile (the schedulers' predictions and re-solves use it), written to
+    `options.profile_out` when set."""
     e, token = cluster.engines, cluster.secret.control_token()
     async with aiohttp.ClientSession() as session:
         client = {n: SGLangClient(n, p.url, session, token=token) for n, p in e.items()}
@@ -212,6 +218,10 @@ async def profile_and_plan(
     planned, report = plan_threshold(measured, options.workload)
     t = min(max(planned, T_RANGE[0]), T_RANGE[1])
     lines = _profile_lines(measured)
+    if options.profile_out is not None:
+        document = tomli_w.dumps(profile_document(measured, options.workload))
+        options.profile_out.write_text(document)
+        lines.append(f"             written to {options.profile_out}")
     note = "" if t == planned else f" (planner said {planned:.0f}; clamped to {T_RANGE})"
     lines.append(
         f"  planner    t = {t:.0f} tokens{note}; Lambda_max {report.prfaas_pd.lambda_max:.2f} "

@@ -27,6 +27,9 @@ import pytest
 from metrics_helpers import Scrape
 
 from prfaas.common.tokenizer import ByteTokenizer, ChatMessage, chat_ids
+from prfaas.policies.planner import plan
+from prfaas.policies.profile import load_profile
+from prfaas.serve.embedded import T_RANGE
 from prfaas.testing.processes import child_pids
 
 MODEL = "qwen3-next-tiny"
@@ -45,6 +48,8 @@ class Running:
     direct_url: str
     threshold: float
     output: list[str]
+    profile: Path
+    """Where `--profile-out` wrote the measured profile."""
 
 
 def _wait_line(proc: subprocess.Popen[str], pattern: re.Pattern[str], seen: list[str]) -> str:
@@ -70,9 +75,11 @@ def _spawn(*args: str) -> subprocess.Popen[str]:
 
 
 @pytest.fixture(scope="module")
-def running() -> Iterator[Running]:
+def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     # t stays the planner's; the operator key lets a test pin the regime
-    gateway = _spawn("serve", "--port", "0", "--no-scheduler", "--admin-key", ADMIN_KEY)
+    profile = tmp_path_factory.mktemp("serve") / "profile.toml"
+    gateway = _spawn("serve", "--port", "0", "--no-scheduler", "--admin-key", ADMIN_KEY,
+                     "--profile-out", str(profile))  # fmt: skip
     direct = _spawn("engine", "--role", "both", "--port", "0", "--threads", "1")
     seen: list[str] = []
     try:
@@ -83,7 +90,7 @@ def running() -> Iterator[Running]:
         direct_url = _wait_line(direct, ENGINE_READY, [])
         with urllib.request.urlopen(_admin(f"{url}/admin/state"), timeout=10) as reply:
             state = json.load(reply)
-        yield Running(gateway, direct, url, direct_url, float(state["threshold"]), seen)
+        yield Running(gateway, direct, url, direct_url, float(state["threshold"]), seen, profile)
     finally:
         for proc in (gateway, direct):
             if proc.poll() is None:
@@ -129,6 +136,20 @@ def test_summary_shows_planner_threshold(running: Running) -> None:
     # probed over the PrfaaS prefill's transport, paced at the default 10 Mbit/s: a busy
     # machine can only slow it; the one-frame pacing burst lets it read a little high
     assert 5.0 <= float(measured.group(1)) <= 11.0
+
+
+def test_the_measured_profile_is_written_for_the_planner_and_the_simulator(
+    running: Running,
+) -> None:
+    """`--profile-out` writes what start-up measured in the `prfaas plan` format: the
+    planner run on the file gives the gateway's `t`, on the measured link."""
+    profile = load_profile(running.profile)
+    summary = "".join(running.output)
+    measured = re.search(r"link ([0-9.]+) Mbit/s \(measured", summary)
+    assert measured is not None
+    assert profile.prfaas.egress_gbps == pytest.approx(float(measured.group(1)) / 1000, rel=0.01)
+    planned = plan(profile).prfaas_pd.threshold_tokens
+    assert planned is not None and min(max(planned, T_RANGE[0]), T_RANGE[1]) == running.threshold
 
 
 def test_short_prompt_routes_pd_and_matches_direct(running: Running) -> None:

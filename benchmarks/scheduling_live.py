@@ -1,0 +1,522 @@
+"""Benchmark (LIVE, beside its SIMULATED twin): the dual-timescale schedulers on real engines.
+
+The embedded default deployment (`prfaas serve`: three reference engines on this machine,
+real forward passes, KV over the real transport paced as a 10 Mbit/s, 5 ms link) runs one
+scenario of phases, each long enough for the long-term loop to settle:
+
+- `steady`: log-normal prompts as start-up profiling planned for, at `LOAD` of the
+  planner's Lambda_max (the smallest over the phases, so every phase can be carried);
+- `link-drop`: the link paced at a quarter (the PrfaaS prefill's `POST /admin/egress`);
+- `burst`: the link back, arrivals at twice 55% of Lambda_max, gamma-bursty (CV 2);
+- `longer`: median prompt length doubled;
+- `decode-heavy`: three times the output tokens.
+
+Three ways, each on a fresh deployment, the very same requests at the very same instants
+(one seed), as the simulator defines them: `static` (the start-up `t`, no schedulers),
+`dual` (the dual-timescale schedulers), `oracle` (no schedulers; each phase's planner
+optimum for its true conditions set through `POST /admin/state` at the phase's start).
+Without schedulers the gateway has no load forecast, so static and oracle offload every
+prompt past `t`; the schedulers' TTFT-predicting condition keeps one local when local is
+faster (and the embedded deployment's single PD decode leaves no conversion to make).
+Per phase: served req/s, TTFT p50/p90, offload share, egress utilisation, `t` and its
+changes, regime, queue waits, the gateway's offload decisions (kept local, offloaded because
+faster, offloaded because the PD prefill was saturated) and the predicted TTFT the
+saturated ones traded. The goals: dual against the live oracle (served >= 0.95x, TTFT P90
+<= 1.5x), `t` at most once per 5 minutes once settled, settled within three periods.
+
+The simulated twin: the same scenario through `prfaas simulate`'s scenario runner (the real
+Router and schedulers, simulated engines on a virtual clock), fed the profile the live
+deployment measured at start-up (`prfaas serve --profile-out`), and a table of live against
+simulated per phase. Live numbers come from this machine's shared cores (compare within
+one run); simulated ones are labelled so.
+
+Usage: python benchmarks/scheduling_live.py [--phase-s 180] [--period-s 20]
+           [--variants static,dual,oracle] [--seed 0] [--json OUT] [--plot OUT.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import math
+import os
+import re
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import orjson
+
+from prfaas.common.secret import ENV_SECRET, DeploymentSecret
+from prfaas.gateway.scheduling.config import SchedulerConfig
+from prfaas.loadgen.apis import create_api
+from prfaas.loadgen.arrivals import TraceArrivals
+from prfaas.loadgen.client import StreamingClient
+from prfaas.loadgen.driver import Driver
+from prfaas.loadgen.records import RequestRecord
+from prfaas.loadgen.spec import BenchSpec, NoProgress
+from prfaas.loadgen.tokens import TokenSpace
+from prfaas.policies.planner import plan
+from prfaas.policies.profile import DeploymentProfile, load_profile
+from prfaas.serve.embedded import DEFAULT_LINK_MBPS, default_scheduler
+from prfaas.sim.scenario_measure import SLO, phase_metrics
+from prfaas.sim.scenario_run import ControlEvent, Sample, Variant, VariantRun, run_variant
+from prfaas.sim.scenario_workload import ScenarioWorkload
+from prfaas.sim.scenarios import Conditions, Phase, Scenario, conditioned, oracle_lambda
+
+LOAD = 0.9
+VARIANTS: tuple[Variant, ...] = ("static", "dual", "oracle")
+MODEL = "qwen3-next-tiny"
+VOCAB = 260  # the embedded model's byte-level vocabulary
+CONTEXT = 8192
+READY = re.compile(r"Ctrl-C\) stops|Ctrl-C stops")
+LISTENING = re.compile(r"PrfaaS gateway listening on (http://\S+)")
+SAMPLE_S = 1.0
+DECISIONS = re.compile(r'^prfaas_offload_decisions_total\{decision="(\w+)"\} (\S+)$', re.M)
+TRADED = re.compile(r"^prfaas_offload_ttft_traded_seconds_sum (\S+)$", re.M)
+QUEUE_WAIT = re.compile(r"^prfaas_queue_wait_seconds_(sum|count) (\S+)$", re.M)
+LIVE_GOALS = {"served": 0.95, "p90": 1.5, "settle_periods": 3}
+
+
+def live_scenario(profile: DeploymentProfile, phase_s: float) -> Scenario:
+    """The phases above, rates from the planner on the measured profile."""
+    w = profile.workload
+    link = profile.prfaas.egress_gbps or DEFAULT_LINK_MBPS / 1000
+    base = Conditions(1.0, w.lengths.mu, w.lengths.sigma, w.output_tokens, link)
+    drop = replace(base, link_gbps=link / 4)
+    longer = replace(base, mu=base.mu + math.log(2))
+    heavy = replace(base, output_tokens=3 * base.output_tokens)
+    rate = LOAD * min(oracle_lambda(profile, c) for c in (base, drop, longer, heavy))
+    burst = replace(base, rate=2 * 0.55 * oracle_lambda(profile, base), burstiness=0.25)
+    spec = [("steady", replace(base, rate=rate)), ("link-drop", replace(drop, rate=rate)),
+            ("burst", burst), ("longer", replace(longer, rate=rate)),
+            ("decode-heavy", replace(heavy, rate=rate))]  # fmt: skip
+    phases = tuple(
+        Phase(name, i * phase_s, (i + 1) * phase_s, c) for i, (name, c) in enumerate(spec)
+    )
+    return Scenario("live", "steady, link / 4, burst, longer prompts, decode-heavy", phases)
+
+
+def oracle_threshold(profile: DeploymentProfile, c: Conditions) -> float:
+    """The planner's optimum `t` for a phase's true conditions (exact costing), within the
+    model's context (past it, every prompt is local anyway)."""
+    best = plan(conditioned(profile, c), exact=True).prfaas_pd.threshold_tokens
+    return CONTEXT if best is None or not math.isfinite(best) else min(best, CONTEXT)
+
+
+@dataclass
+class Deployment:
+    proc: subprocess.Popen[bytes]
+    url: str
+    prfaas_url: str
+    profile: DeploymentProfile
+    engine_auth: dict[str, str]
+    """The engines' control token (`/admin/egress`)."""
+    admin_auth: dict[str, str]
+    """The gateway's operator key (`/admin/state`)."""
+
+
+def start(variant: str, logs: Path, period_s: float) -> Deployment:
+    """`prfaas serve` (embedded default) with its measured profile written out."""
+    secret, admin_key = DeploymentSecret.generate(), secrets.token_hex(16)
+    env = {**os.environ, ENV_SECRET: secret.hex()}
+    log, profile = logs / f"{variant}.log", logs / f"{variant}-profile.toml"
+    out = log.open("wb")
+    cmd = [sys.executable, "-m", "prfaas.cli.main", "serve", "--port", "0",
+           "--scheduler-period", f"{period_s:g}", "--profile-out", str(profile),
+           "--admin-key", admin_key]  # fmt: skip
+    if variant != "dual":  # as in the simulator: no schedulers, so every prompt past t offloads
+        cmd.append("--no-scheduler")
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        text = log.read_text(errors="replace")
+        if READY.search(text) and (found := LISTENING.search(text)):
+            url = found.group(1)
+            admin = {"Authorization": f"Bearer {admin_key}"}
+            state = _get_json(f"{url}/admin/state", admin)
+            prfaas = state["clusters"]["prfaas"][0]["url"]
+            auth = {"Authorization": f"Bearer {secret.control_token()}"}
+            return Deployment(proc, url, prfaas, load_profile(profile), auth, admin)
+        if proc.poll() is not None:
+            raise RuntimeError(f"prfaas serve exited:\n{text[-3000:]}")
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("prfaas serve was not ready within 300 s")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def _get_json(url: str, headers: dict[str, str]) -> Any:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=30) as reply:
+        return orjson.loads(reply.read())
+
+
+@dataclass
+class LiveRun:
+    run: VariantRun
+    utilisation: list[tuple[float, float | None]]
+    """(at, egress utilisation) per sample."""
+    counters: list[dict[str, float]]
+    """The gateway's counters at each phase start, and at the end."""
+
+
+class Controller:
+    """Applies each phase's conditions at its start (link pacing; the oracle's and static's
+    pinned `t`), samples `/admin/state` every `SAMPLE_S`, and reads the gateway's counters
+    at each phase boundary. Times are seconds since the schedule's start."""
+
+    def __init__(self, d: Deployment, scenario: Scenario, variant: Variant,
+                 http: aiohttp.ClientSession) -> None:  # fmt: skip
+        self._d, self._scenario, self._variant, self._http = d, scenario, variant, http
+        self._loop = asyncio.get_running_loop()
+        self._t0: float | None = None
+        self.timeline: list[Sample] = []
+        self.events: list[ControlEvent] = []
+        self.utilisation: list[tuple[float, float | None]] = []
+        self.counters: list[dict[str, float]] = []
+        self._last: dict[str, Any] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def started(self) -> None:
+        """Schedule time 0 (the driver's `on_start`)."""
+        self._t0 = self._loop.time()
+        self._tasks = [asyncio.create_task(self._phases()), asyncio.create_task(self._sample())]
+
+    def now(self) -> float:
+        assert self._t0 is not None
+        return self._loop.time() - self._t0
+
+    async def stop(self) -> None:
+        self.counters.append(await self._counters())
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _phases(self) -> None:
+        link = None
+        for phase in self._scenario.phases:
+            await asyncio.sleep(max(phase.start_s - self.now(), 0.0))
+            self.counters.append(await self._counters())
+            c = phase.conditions
+            mbps = DEFAULT_LINK_MBPS * c.link_gbps / self._scenario.phases[0].conditions.link_gbps
+            if mbps != link:
+                link = mbps
+                await self._post(f"{self._d.prfaas_url}/admin/egress", {"rate_mbps": mbps},
+                                 self._d.engine_auth)  # fmt: skip
+            if self._variant == "oracle":
+                t = oracle_threshold(self._d.profile, c)
+                await self._post(f"{self._d.url}/admin/state", {"threshold": t},
+                                 self._d.admin_auth)  # fmt: skip
+
+    async def _post(self, url: str, body: dict[str, Any], headers: dict[str, str]) -> None:
+        async with self._http.post(url, json=body, headers=headers) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"POST {url} {body}: HTTP {resp.status} {await resp.text()}")
+
+    async def _state(self) -> dict[str, Any]:
+        async with self._http.get(f"{self._d.url}/admin/state",
+                                  headers=self._d.admin_auth) as resp:  # fmt: skip
+            return dict(await resp.json())
+
+    async def _counters(self) -> dict[str, float]:
+        async with self._http.get(f"{self._d.url}/metrics") as resp:
+            text = await resp.text()
+        out = {name: float(v) for name, v in DECISIONS.findall(text)}
+        out.update({f"queue_wait_{k}": float(v) for k, v in QUEUE_WAIT.findall(text)})
+        traded = TRADED.search(text)
+        out["traded_s"] = float(traded.group(1)) if traded else 0.0
+        return out
+
+    async def _sample(self) -> None:
+        while True:
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                self._record(await self._state())
+            await asyncio.sleep(SAMPLE_S)
+
+    def _record(self, state: dict[str, Any]) -> None:
+        at = self.now()
+        short = state["scheduler"].get("short_term", {})
+        util, cap = short.get("egress_utilisation"), short.get("capacity_bytes_per_s")
+        pd = state["clusters"]["pd"]
+        roles = ",".join(f"{s['id']}={s['role']}" for s in pd)
+        self.timeline.append(Sample(
+            at=at, threshold=float(state["threshold"]), regime=state["regime"],
+            n_prefill=sum(s["role"] == "prefill" for s in pd),
+            n_decode=sum(s["role"] == "decode" for s in pd), n_draining=0,
+            egress_gbps=(util or 0.0) * (cap or 0.0) * 8 / 1e9,
+            link_gbps=(cap or 0.0) * 8 / 1e9,
+        ))  # fmt: skip
+        self.utilisation.append((at, util))
+        now = {"threshold": state["threshold"], "set_point": state["scheduler"]["set_point"],
+               "regime": state["regime"], "role": roles}  # fmt: skip
+        if self._last is not None:
+            for kind, value in now.items():
+                if value != self._last[kind]:
+                    self.events.append(ControlEvent(at, kind, value))
+        self._last = now
+
+
+async def drive(d: Deployment, scenario: Scenario, variant: Variant, seed: int) -> LiveRun:
+    """The scenario's requests against the live gateway, the controller beside them."""
+    lengths = d.profile.workload.lengths
+    workload = ScenarioWorkload(scenario, round(lengths.lo), round(lengths.hi), TokenSpace(VOCAB))
+    spec = BenchSpec(workload, TraceArrivals(1.0), None, scenario.duration_s, seed)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as http:
+        client = StreamingClient(http, d.url, create_api("completions"), model=MODEL,
+                                 timeout_s=600.0, origin=time.perf_counter())  # fmt: skip
+        control = Controller(d, scenario, variant, http)
+
+        def on_start() -> None:
+            client.mark_origin()
+            control.started()
+
+        wall = time.perf_counter()
+        try:
+            records = await Driver(spec, client, NoProgress(), on_start).run()
+        finally:
+            await control.stop()
+    run = VariantRun(variant, tuple(records), tuple(control.timeline), tuple(control.events),
+                     (), time.perf_counter() - wall)  # fmt: skip
+    return LiveRun(run, control.utilisation, control.counters)
+
+
+def phase_row(live: LiveRun, phase: Phase, i: int) -> dict[str, Any]:
+    """One phase of a live run: the simulator's per-phase numbers plus what only live has."""
+    m = phase_metrics(live.run, phase, SLO())
+    a, b = phase.start_s, phase.end_s
+    arrived = [r for r in live.run.records if a <= r.scheduled_s < b and r.ok]
+    ttft = [r.ttft_s for r in arrived if r.ttft_s is not None]
+    utils = [u for at, u in live.utilisation if a <= at < b and u is not None]
+    before, after = live.counters[i], live.counters[min(i + 1, len(live.counters) - 1)]
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    waits = delta.get("queue_wait_count", 0.0)
+    regimes = sorted({s.regime for s in live.run.timeline if a <= s.at < b})
+    return {
+        **m.to_json(),
+        "ttft_p50_s": statistics.median(ttft) if ttft else None,
+        "offloaded": _share(arrived, "prfaas"),
+        "egress_utilisation": statistics.mean(utils) if utils else None,
+        "regimes": regimes,
+        "decisions": {k: delta.get(k, 0.0)
+                      for k in ("kept_local", "offloaded_faster", "offloaded_saturated")},
+        "traded_s_per_offload": delta.get("traded_s", 0.0)
+        / max(delta.get("offloaded_saturated", 0.0), 1.0),
+        "queue_wait_mean_s": delta.get("queue_wait_sum", 0.0) / waits if waits else None,
+        "t_over_time": [(round(s.at), s.threshold) for s in live.run.timeline
+                        if a <= s.at < b][:: max(int(10 / SAMPLE_S), 1)],
+    }  # fmt: skip
+
+
+def _share(records: list[RequestRecord], route: str) -> float | None:
+    return sum(r.route == route for r in records) / len(records) if records else None
+
+
+def sim_row(run: VariantRun, phase: Phase) -> dict[str, Any]:
+    m = phase_metrics(run, phase, SLO())
+    a, b = phase.start_s, phase.end_s
+    arrived = [r for r in run.records if a <= r.scheduled_s < b and r.ok]
+    ttft = [r.ttft_s for r in arrived if r.ttft_s is not None]
+    return {**m.to_json(), "ttft_p50_s": statistics.median(ttft) if ttft else None,
+            "offloaded": _share(arrived, "prfaas")}  # fmt: skip
+
+
+def twin(profile: DeploymentProfile, scenario: Scenario, variant: Variant,
+         config: SchedulerConfig, seed: int) -> VariantRun:  # fmt: skip
+    """The same scenario SIMULATED on the measured profile."""
+    return run_variant(profile, scenario, variant, scheduler=config, seed=seed)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    logs = Path(tempfile.mkdtemp(prefix="prfaas-scheduling-live-"))
+    print(f"logs in {logs}", flush=True)
+    scenario: Scenario | None = None
+    profile: DeploymentProfile | None = None
+    out: dict[str, Any] = {"variants": {}, "args": vars(args) | {"json": None, "plot": None}}
+    for variant in args.variants:
+        print(f"{variant}: starting the embedded deployment ...", flush=True)
+        d = start(variant, logs, args.period_s)
+        try:
+            if scenario is None:  # one scenario for every variant: the first one's profile
+                profile, scenario = d.profile, live_scenario(d.profile, args.phase_s)
+                out["scenario"] = [{"name": p.name, "start_s": p.start_s, "end_s": p.end_s,
+                                    **vars(p.conditions)} for p in scenario.phases]  # fmt: skip
+                print(_describe(scenario), flush=True)
+            print(f"{variant}: {scenario.duration_s:.0f} s of load ...", flush=True)
+            live = asyncio.run(drive(d, scenario, variant, args.seed))
+        finally:
+            stop(d.proc)
+        phases = [phase_row(live, p, i) for i, p in enumerate(scenario.phases)]
+        out["variants"][variant] = {"live": phases, "moves": [
+            (round(e.at, 1), e.kind, e.value) for e in live.run.events]}  # fmt: skip
+    assert profile is not None and scenario is not None
+    config = replace(default_scheduler(), period_s=args.period_s)
+    for variant in args.variants:
+        sim = twin(profile, scenario, variant, config, args.seed)
+        out["variants"][variant]["simulated"] = [sim_row(sim, p) for p in scenario.phases]
+    out["goals"] = goals(out, scenario, args.period_s)
+    report(out, scenario)
+    return out
+
+
+def _describe(scenario: Scenario) -> str:
+    rows = [f"  {p.name:>13}: {p.conditions.rate:.3f} req/s, median "
+            f"{math.exp(p.conditions.mu):.0f} tokens, {p.conditions.output_tokens} out, "
+            f"link {p.conditions.link_gbps * 1000:.2f} Mbit/s"
+            f"{', bursty' if p.conditions.burstiness != 1 else ''}"
+            for p in scenario.phases]  # fmt: skip
+    return "phases (from the measured profile):\n" + "\n".join(rows)
+
+
+def goals(out: dict[str, Any], scenario: Scenario, period_s: float) -> list[dict[str, Any]]:
+    """The issue's live goals per phase, dual-timescale against the live oracle and static."""
+    v = out["variants"]
+    if not {"dual", "oracle"} <= set(v):
+        return []
+    rows = []
+    for i, phase in enumerate(scenario.phases):
+        dual, oracle = v["dual"]["live"][i], v["oracle"]["live"][i]
+        served = _ratio(dual["served_rate"], oracle["served_rate"])
+        p90 = _ratio(dual["ttft_p90_s"], oracle["ttft_p90_s"])
+        settled = phase.start_s + LIVE_GOALS["settle_periods"] * period_s
+        moves = [e for e in v["dual"]["moves"]
+                 if e[1] == "threshold" and settled <= e[0] < phase.end_s]  # fmt: skip
+        window = phase.end_s - settled
+        rows.append({
+            "phase": phase.name, "served_vs_oracle": served, "p90_vs_oracle": p90,
+            "t_moves_settled": len(moves), "settled_window_s": window,
+            "settle_s": dual["settle_s"],
+            "served_ok": served is not None and served >= LIVE_GOALS["served"],
+            "p90_ok": p90 is not None and p90 <= LIVE_GOALS["p90"],
+            "settled_ok": dual["settle_s"] <= LIVE_GOALS["settle_periods"] * period_s,
+            "steady_ok": len(moves) <= max(1, int(window // 300)),
+        })  # fmt: skip
+    return rows
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b <= 0 else a / b
+
+
+def _f(x: float | None, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _row(phase: str, variant: str, lv: dict[str, Any], sm: dict[str, Any]) -> list[str]:
+    """One table row: live/simulated pairs, then what only the live run has."""
+
+    def pair(key: str, spec: str, width: int) -> str:
+        return f"{_f(lv[key], spec):>{width}}/{_f(sm[key], spec):<{width}}"
+
+    d = lv["decisions"]
+    decided = f"{d['kept_local']:.0f}/{d['offloaded_faster']:.0f}/{d['offloaded_saturated']:.0f}"
+    return [f"{phase:>13}", f"{variant:>7}", pair("served_rate", ".3f", 7),
+            pair("ttft_p50_s", ".2f", 6), pair("ttft_p90_s", ".2f", 6),
+            pair("offloaded", ".0%", 5), f"{_f(lv['egress_utilisation']):>5}",
+            f"{lv['threshold_end']:6.0f}", f"{lv['t_changes']:5d}", f"{decided:>13}",
+            f"{lv['traded_s_per_offload']:6.1f}", f"{_f(lv['queue_wait_mean_s']):>6}"]  # fmt: skip
+
+
+def report(out: dict[str, Any], scenario: Scenario) -> None:
+    print("\nLIVE (this machine's 2 shared cores; compare within this run) and SIMULATED "
+          "(the twin on the measured profile)")  # fmt: skip
+    head = (f"{'phase':>13} {'variant':>7} {'served/s':>15} {'TTFT p50':>13} "
+            f"{'TTFT p90':>13} {'offload':>11} {'util':>5} {'t end':>6} {'moves':>5} "
+            f"{'kept/fast/sat':>13} {'traded':>6} {'q wait':>6}")  # fmt: skip
+    print(head + "\n" + " " * 22 + "live / sim  (each pair)")
+    for i, phase in enumerate(scenario.phases):
+        for variant, got in out["variants"].items():
+            lv, sm = got["live"][i], got["simulated"][i]
+            print(" ".join(_row(phase.name, variant, lv, sm)))
+    if out["goals"]:
+        print("\nlive goals, dual against the live oracle (served >= 0.95x, P90 TTFT <= 1.5x, "
+              "t at most once per 5 min once settled, settled within 3 periods)")  # fmt: skip
+        for g in out["goals"]:
+            print(f"{g['phase']:>13}: served {_f(g['served_vs_oracle'])}x "
+                  f"{'ok' if g['served_ok'] else 'MISSED'}, P90 {_f(g['p90_vs_oracle'])}x "
+                  f"{'ok' if g['p90_ok'] else 'MISSED'}, t moved {g['t_moves_settled']} times "
+                  f"in the {g['settled_window_s']:.0f} s after 3 periods "
+                  f"{'ok' if g['steady_ok'] else 'MISSED'}, last set-point "
+                  f"change or conversion {g['settle_s']:.0f} s in "
+                  f"{'ok' if g['settled_ok'] else 'MISSED'}")  # fmt: skip
+    print("\ntwin: simulated / live per phase (served rate within 15%, TTFT P90 within 30%?)")
+    for variant, got in out["variants"].items():
+        cells = []
+        for lv, sm in zip(got["live"], got["simulated"], strict=True):
+            s, p = (
+                _ratio(sm["served_rate"], lv["served_rate"]),
+                _ratio(sm["ttft_p90_s"], lv["ttft_p90_s"]),
+            )
+            cells.append(f"{lv['phase']} {_f(s)}/{_f(p)}")
+        print(f"{variant:>7}: " + "; ".join(cells))
+
+
+def plot(out: dict[str, Any], path: Path) -> None:
+    """`t` over time per variant (live), phase boundaries marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4))
+    for variant, got in out["variants"].items():
+        points = [pt for row in got["live"] for pt in row["t_over_time"]]
+        if points:
+            xs, ys = np.array(points).T
+            ax.step(xs, ys, where="post", label=variant)
+    for p in out["scenario"][1:]:
+        ax.axvline(p["start_s"], color="grey", lw=0.5)
+    ax.set_xlabel("s since the schedule's start")
+    ax.set_ylabel("t (tokens)")
+    ax.set_title("scheduling_live: t per variant (LIVE)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--phase-s", type=float, default=180.0)
+    parser.add_argument("--period-s", type=float, default=20.0,
+                        help="the long-term loop's period (three of them to settle)")  # fmt: skip
+    parser.add_argument("--variants", type=_variants, default=VARIANTS)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, metavar="OUT")
+    parser.add_argument("--plot", type=Path, metavar="OUT.png")
+    args = parser.parse_args()
+    result = run(args)
+    if args.json:
+        args.json.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+    if args.plot:
+        plot(result, args.plot)
+
+
+def _variants(text: str) -> tuple[Variant, ...]:
+    got = tuple(v.strip() for v in text.split(",") if v.strip())
+    bad = [v for v in got if v not in VARIANTS]
+    if bad or not got:
+        raise argparse.ArgumentTypeError(f"choose from {', '.join(VARIANTS)}: {text!r}")
+    return got  # type: ignore[return-value]
+
+
+if __name__ == "__main__":
+    main()
