@@ -120,19 +120,28 @@ class TrimObservation:
 @dataclass(frozen=True)
 class TrimAverages:
     """Exponentially weighted sums of the observations since `t` last moved (`since`), each
-    decaying with time constant `smoothing_s`; a mean is its sum over `weight`."""
+    decaying with time constant `smoothing_s`; a mean is its sum over its weight. The
+    utilisation has a weight of its own: a tick without link telemetry adds nothing to it."""
 
     since: float
     at: float
     """The last observation folded in."""
     weight: float = 0.0
-    utilisation: float | None = 0.0
-    """None once an observation had no link telemetry."""
     prfaas_backlog: float = 0.0
     pd_backlog: float = 0.0
+    utilisation: float = 0.0
+    utilisation_weight: float = 0.0
 
-    def mean(self, total: float) -> float:
-        return total / self.weight if self.weight > 0 else 0.0
+    def queues(self) -> tuple[float, float]:
+        """The mean PrfaaS and PD prefill backlogs."""
+        if self.weight <= 0:
+            return 0.0, 0.0
+        return self.prfaas_backlog / self.weight, self.pd_backlog / self.weight
+
+    def mean_utilisation(self) -> float | None:
+        """None when no tick of this `t` had link telemetry."""
+        w = self.utilisation_weight
+        return self.utilisation / w if w > 0 else None
 
 
 @dataclass(frozen=True)
@@ -194,8 +203,7 @@ def trim(config: TrimConfig, state: TrimState, obs: TrimObservation) -> TrimDeci
     state = replace(state, averages=seen)
     if obs.now - seen.since < config.smoothing_s:
         return TrimDecision(state, False, f"hold: measuring what t {state.threshold:.0f} does")
-    pf, pd = seen.mean(seen.prfaas_backlog), seen.mean(seen.pd_backlog)
-    util = None if seen.utilisation is None else seen.mean(seen.utilisation)
+    (pf, pd), util = seen.queues(), seen.mean_utilisation()
     queue_hot = pf > config.queue_ratio * pd + config.queue_gap_s
     pd_hot = pd > config.queue_ratio * pf + config.queue_gap_s
     high = state.high_water(config)
@@ -242,14 +250,15 @@ def _averaged(config: TrimConfig, seen: TrimAverages | None, obs: TrimObservatio
         seen = TrimAverages(since=obs.now, at=obs.now)
     dt = max(obs.now - seen.at, 0.0)
     decay = math.exp(-dt / config.smoothing_s) if config.smoothing_s > 0 else 0.0
-    util, old_util = obs.egress_utilisation, seen.utilisation
+    util = obs.egress_utilisation
     return TrimAverages(
         since=seen.since,
         at=obs.now,
         weight=seen.weight * decay + 1.0,
-        utilisation=None if util is None or old_util is None else old_util * decay + util,
         prfaas_backlog=seen.prfaas_backlog * decay + obs.prfaas_backlog_s,
         pd_backlog=seen.pd_backlog * decay + obs.pd_backlog_s,
+        utilisation=seen.utilisation * decay + (0.0 if util is None else util),
+        utilisation_weight=seen.utilisation_weight * decay + (0.0 if util is None else 1.0),
     )
 
 

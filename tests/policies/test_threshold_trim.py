@@ -181,6 +181,18 @@ def test_one_transfer_at_a_time_is_not_congestion() -> None:
     assert _run(TrimState(10_000, 10_000), obs[:2])[-1][0] == 12_500
 
 
+def test_ticks_without_link_telemetry_leave_the_averaged_utilisation_alone() -> None:
+    """Every other tick has no link telemetry: the link's average is over the ticks that
+    had some (95%, congested), so t rises once the averages span 20 s; with no telemetry
+    at all the link is unknown, and t falls toward the set-point as on a quiet link."""
+    obs = [_obs(float(i), 0.95 if i % 2 else None) for i in range(25)]
+    steps = _run(TrimState(10_000, 10_000), obs, AVERAGED)
+    assert steps[19][0] == 10_000 and steps[19][1] == "hold: measuring what t 10000 does"
+    assert steps[21] == (12_500, "raise: egress 0.95 > 0.90")
+    blind = _run(TrimState(11_000, 10_000), [_obs(float(i), None) for i in range(25)], AVERAGED)
+    assert blind[22] == (10_488, "lower: egress unknown < 0.6")
+
+
 def test_one_long_prompt_at_a_time_is_not_a_congested_pd_prefill() -> None:
     """The PD prefill's queue jumps to 6 s with each long prompt and drains (one in three
     ticks busy): on averages (about 2 s) t holds; read raw, the first jump lowers it."""
