@@ -58,6 +58,7 @@ import numpy as np
 import orjson
 
 from prfaas.common.secret import ENV_SECRET, DeploymentSecret
+from prfaas.gateway.link import EgressSample, fetch_sample
 from prfaas.gateway.scheduling.config import SchedulerConfig
 from prfaas.loadgen.apis import create_api
 from prfaas.loadgen.arrivals import TraceArrivals
@@ -194,10 +195,18 @@ class Controller:
         self._last: dict[str, Any] | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
-    def started(self) -> None:
-        """Schedule time 0 (the driver's `on_start`)."""
+    def started(self, run: asyncio.Task[Any]) -> None:
+        """Schedule time 0 (the driver's `on_start`); `run` (the driver) is cancelled if
+        the controller fails, so that a broken run ends at once."""
         self._t0 = self._loop.time()
         self._tasks = [asyncio.create_task(self._phases()), asyncio.create_task(self._sample())]
+
+        def failed(task: asyncio.Task[None]) -> None:
+            if not task.cancelled() and task.exception() is not None:
+                run.cancel()
+
+        for task in self._tasks:
+            task.add_done_callback(failed)
 
     def now(self) -> float:
         assert self._t0 is not None
@@ -247,26 +256,38 @@ class Controller:
         return out
 
     async def _sample(self) -> None:
+        before: EgressSample | None = None
         while True:
-            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                self._record(await self._state())
+            try:
+                state = await self._state()
+                link = await fetch_sample(self._http, self._d.prfaas_url, self._d.engine_auth)
+            except (aiohttp.ClientError, TimeoutError):  # a busy moment: the next sample
+                await asyncio.sleep(SAMPLE_S)
+                continue
+            self._record(state, before, link)
+            before = link
             await asyncio.sleep(SAMPLE_S)
 
-    def _record(self, state: dict[str, Any]) -> None:
+    def _record(self, state: dict[str, Any], before: EgressSample | None,
+                link: EgressSample) -> None:  # fmt: skip
+        """One sample: the schedule from `/admin/state`, the link from the PrfaaS prefill's
+        own transport counters (the same for every variant, schedulers or not)."""
         at = self.now()
-        short = state["scheduler"].get("short_term", {})
-        util, cap = short.get("egress_utilisation"), short.get("capacity_bytes_per_s")
+        cap = link.capacity_bytes_per_s or 0.0
+        util = None
+        if before is not None and link.at > before.at and cap > 0:
+            util = (link.bytes_total - before.bytes_total) / (link.at - before.at) / cap
         pd = state["clusters"]["pd"]
         roles = ",".join(f"{s['id']}={s['role']}" for s in pd)
         self.timeline.append(Sample(
             at=at, threshold=float(state["threshold"]), regime=state["regime"],
             n_prefill=sum(s["role"] == "prefill" for s in pd),
             n_decode=sum(s["role"] == "decode" for s in pd), n_draining=0,
-            egress_gbps=(util or 0.0) * (cap or 0.0) * 8 / 1e9,
-            link_gbps=(cap or 0.0) * 8 / 1e9,
+            egress_gbps=(util or 0.0) * cap * 8 / 1e9, link_gbps=cap * 8 / 1e9,
         ))  # fmt: skip
         self.utilisation.append((at, util))
-        now = {"threshold": state["threshold"], "set_point": state["scheduler"]["set_point"],
+        scheduler = state.get("scheduler") or {}
+        now = {"threshold": state["threshold"], "set_point": scheduler.get("set_point"),
                "regime": state["regime"], "role": roles}  # fmt: skip
         if self._last is not None:
             for kind, value in now.items():
@@ -288,11 +309,12 @@ async def drive(d: Deployment, scenario: Scenario, variant: Variant, seed: int) 
 
         def on_start() -> None:
             client.mark_origin()
-            control.started()
+            control.started(driving)
 
         wall = time.perf_counter()
+        driving = asyncio.create_task(Driver(spec, client, NoProgress(), on_start).run())
         try:
-            records = await Driver(spec, client, NoProgress(), on_start).run()
+            records = await driving
         finally:
             await control.stop()
     run = VariantRun(variant, tuple(records), tuple(control.timeline), tuple(control.events),
