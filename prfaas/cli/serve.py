@@ -134,6 +134,9 @@ def _configured(args: argparse.Namespace) -> Coroutine[Any, Any, int]:
     from prfaas.policies.registry import create_policy
     from prfaas.serve.summary import print_ready
 
+    if args.profile_out is not None:
+        raise ValueError("--profile-out: only the embedded default (no --config) measures a "
+                         "profile at start-up")  # fmt: skip
     config = load_deployment(args.config)
     gateway = dataclasses.replace(config.gateway, **_overrides(args))  # type: ignore[arg-type]
     config = dataclasses.replace(config, gateway=gateway, scheduler=_scheduler(args, config))

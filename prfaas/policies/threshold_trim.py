@@ -82,7 +82,7 @@ class TrimConfig:
     did: each move of `t` starts the averages again, and the next move waits until they span
     this long. Under a steady load one offload's KV runs the link full for its whole
     transfer, and one long prompt moves a pool's backlog by its whole prefill time: noise,
-    not a change of load; read raw, they moved `t` back and forth between the rules."""
+    not a change of load."""
 
     def __post_init__(self) -> None:
         check(0 < self.high_water <= 1.5, "high_water", self.high_water, "must be in (0, 1.5]")

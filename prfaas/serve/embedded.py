@@ -97,6 +97,9 @@ class EmbeddedOptions:
             raise ValueError(f"link_mbps must be > 0, got {self.link_mbps}")
         if not 0 <= self.link_delay_ms <= 10_000:
             raise ValueError(f"link_delay_ms must be in [0, 10000], got {self.link_delay_ms}")
+        if self.profile_out is not None and self.threshold_override is not None:
+            raise ValueError("--profile-out: --threshold skips the start-up profiling, so "
+                             "there is no profile to write")  # fmt: skip
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, overrides: Mapping[str, Any]) -> EmbeddedOptions:

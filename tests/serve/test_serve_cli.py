@@ -105,3 +105,18 @@ def test_bad_config_exits_2_naming_the_key(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 2 and "prfaas serve: error" in done.stderr
+
+
+def test_profile_out_without_a_profile_to_write_exits_2(tmp_path: Path) -> None:
+    """Only the embedded default measures a profile, and `--threshold` skips that: asking
+    for the file then is an error, not a flag silently ignored."""
+    path = _config(tmp_path / "ok.toml", [1, 2, 3])
+    out = str(tmp_path / "profile.toml")
+    for extra in (["--config", str(path)], ["--threshold", "2048"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "prfaas.cli.main", "serve", *extra, "--profile-out", out],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        assert "prfaas serve: error: --profile-out: " in done.stderr
+    assert not Path(out).exists()
