@@ -32,10 +32,8 @@ import asyncio
 import math
 import os
 import random
-import re
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -44,9 +42,9 @@ from typing import Any
 import aiohttp
 import orjson
 
+from prfaas.testing.serve_process import start_serve, stop_serve
+
 MODEL = "qwen3-next-tiny"
-LISTENING = re.compile(r"PrfaaS gateway listening on (http://\S+)")
-READY = re.compile(r"Ctrl-C\) stops|Ctrl-C stops")
 POLICIES = ("prfaas", "homogeneous")
 MAX_PROMPT_TOKENS = 8000
 """The embedded model's context (8,192 tokens) less room for the answer."""
@@ -62,27 +60,7 @@ def words(n_tokens: int, rng: random.Random) -> str:
 
 def serve(policy: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
     """`prfaas serve` (embedded default) under `policy`; its URL once it is ready."""
-    out = log.open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "prfaas.cli.main", "serve", "--port", "0",
-                             "--policy", policy], stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        text = log.read_text(errors="replace")
-        if READY.search(text) and (found := LISTENING.search(text)):
-            return proc, found.group(1)
-        if proc.poll() is not None:
-            raise RuntimeError(f"prfaas serve exited:\n{text[-3000:]}")
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("prfaas serve was not ready within 300 s")
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    return start_serve(["--port", "0", "--policy", policy], log)
 
 
 async def ttft(session: aiohttp.ClientSession, url: str, prompt: str) -> tuple[float, str]:
@@ -211,7 +189,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             try:
                 row[policy] = asyncio.run(measure(url, prompts, args))
             finally:
-                stop(proc)
+                stop_serve(proc)
         per_round.append(row)
     return report(per_round, args.tokens)
 

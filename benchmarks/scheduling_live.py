@@ -45,7 +45,6 @@ import re
 import secrets
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -74,14 +73,13 @@ from prfaas.sim.scenario_measure import SLO, phase_metrics
 from prfaas.sim.scenario_run import ControlEvent, Sample, Variant, VariantRun, run_variant
 from prfaas.sim.scenario_workload import ScenarioWorkload
 from prfaas.sim.scenarios import Conditions, Phase, Scenario, conditioned, oracle_lambda
+from prfaas.testing.serve_process import start_serve, stop_serve
 
 LOAD = 0.9
 VARIANTS: tuple[Variant, ...] = ("static", "dual", "oracle")
 MODEL = "qwen3-next-tiny"
 VOCAB = 260  # the embedded model's byte-level vocabulary
 CONTEXT = 8192
-READY = re.compile(r"Ctrl-C\) stops|Ctrl-C stops")
-LISTENING = re.compile(r"PrfaaS gateway listening on (http://\S+)")
 SAMPLE_S = 1.0
 DECISIONS = re.compile(r'^prfaas_offload_decisions_total\{decision="(\w+)"\} (\S+)$', re.M)
 TRADED = re.compile(r"^prfaas_offload_ttft_traded_seconds_sum (\S+)$", re.M)
@@ -132,36 +130,15 @@ def start(variant: str, logs: Path, period_s: float) -> Deployment:
     secret, admin_key = DeploymentSecret.generate(), secrets.token_hex(16)
     env = {**os.environ, ENV_SECRET: secret.hex()}
     log, profile = logs / f"{variant}.log", logs / f"{variant}-profile.toml"
-    out = log.open("wb")
-    cmd = [sys.executable, "-m", "prfaas.cli.main", "serve", "--port", "0",
-           "--scheduler-period", f"{period_s:g}", "--profile-out", str(profile),
-           "--admin-key", admin_key]  # fmt: skip
+    args = ["--port", "0", "--scheduler-period", f"{period_s:g}", "--profile-out", str(profile),
+            "--admin-key", admin_key]  # fmt: skip
     if variant != "dual":  # as in the simulator: no schedulers, so every prompt past t offloads
-        cmd.append("--no-scheduler")
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        text = log.read_text(errors="replace")
-        if READY.search(text) and (found := LISTENING.search(text)):
-            url = found.group(1)
-            admin = {"Authorization": f"Bearer {admin_key}"}
-            state = _get_json(f"{url}/admin/state", admin)
-            prfaas = state["clusters"]["prfaas"][0]["url"]
-            auth = {"Authorization": f"Bearer {secret.control_token()}"}
-            return Deployment(proc, url, prfaas, load_profile(profile), auth, admin)
-        if proc.poll() is not None:
-            raise RuntimeError(f"prfaas serve exited:\n{text[-3000:]}")
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("prfaas serve was not ready within 300 s")
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+        args.append("--no-scheduler")
+    proc, url = start_serve(args, log, env)
+    admin = {"Authorization": f"Bearer {admin_key}"}
+    prfaas = _get_json(f"{url}/admin/state", admin)["clusters"]["prfaas"][0]["url"]
+    auth = {"Authorization": f"Bearer {secret.control_token()}"}
+    return Deployment(proc, url, prfaas, load_profile(profile), auth, admin)
 
 
 def _get_json(url: str, headers: dict[str, str]) -> Any:
@@ -323,20 +300,15 @@ async def drive(d: Deployment, scenario: Scenario, variant: Variant, seed: int) 
 
 
 def phase_row(live: LiveRun, phase: Phase, i: int) -> dict[str, Any]:
-    """One phase of a live run: the simulator's per-phase numbers plus what only live has."""
-    m = phase_metrics(live.run, phase, SLO())
+    """One phase of a live run: what the twin reports too, plus what only live has."""
     a, b = phase.start_s, phase.end_s
-    arrived = [r for r in live.run.records if a <= r.scheduled_s < b and r.ok]
-    ttft = [r.ttft_s for r in arrived if r.ttft_s is not None]
     utils = [u for at, u in live.utilisation if a <= at < b and u is not None]
     before, after = live.counters[i], live.counters[min(i + 1, len(live.counters) - 1)]
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     waits = delta.get("queue_wait_count", 0.0)
     regimes = sorted({s.regime for s in live.run.timeline if a <= s.at < b})
     return {
-        **m.to_json(),
-        "ttft_p50_s": statistics.median(ttft) if ttft else None,
-        "offloaded": _share(arrived, "prfaas"),
+        **run_row(live.run, phase),
         "egress_utilisation": statistics.mean(utils) if utils else None,
         "regimes": regimes,
         "decisions": {k: delta.get(k, 0.0)
@@ -353,7 +325,9 @@ def _share(records: list[RequestRecord], route: str) -> float | None:
     return sum(r.route == route for r in records) / len(records) if records else None
 
 
-def sim_row(run: VariantRun, phase: Phase) -> dict[str, Any]:
+def run_row(run: VariantRun, phase: Phase) -> dict[str, Any]:
+    """A phase of a run, live or simulated: the simulator's per-phase numbers, TTFT p50 and
+    the offloaded share."""
     m = phase_metrics(run, phase, SLO())
     a, b = phase.start_s, phase.end_s
     arrived = [r for r in run.records if a <= r.scheduled_s < b and r.ok]
@@ -386,7 +360,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"{variant}: {scenario.duration_s:.0f} s of load ...", flush=True)
             live = asyncio.run(drive(d, scenario, variant, args.seed))
         finally:
-            stop(d.proc)
+            stop_serve(d.proc)
         phases = [phase_row(live, p, i) for i, p in enumerate(scenario.phases)]
         out["variants"][variant] = {"live": phases, "moves": [
             (round(e.at, 1), e.kind, e.value) for e in live.run.events]}  # fmt: skip
@@ -394,7 +368,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     config = replace(default_scheduler(), period_s=args.period_s)
     for variant in args.variants:
         sim = twin(profile, scenario, variant, config, args.seed)
-        out["variants"][variant]["simulated"] = [sim_row(sim, p) for p in scenario.phases]
+        out["variants"][variant]["simulated"] = [run_row(sim, p) for p in scenario.phases]
     out["goals"] = goals(out, scenario, args.period_s)
     report(out, scenario)
     return out
