@@ -150,7 +150,9 @@ class GatewayConfig:
     """How long a request to be re-dispatched waits for an instance when none is left (a
     lone decode restarting); new requests are refused at once (503) meanwhile."""
     retry_after_s: int = 1
-    kv_index_max_blocks: int = 4_000_000
+    kv_index_max_mb: float = 1024.0
+    """The global KV index's memory budget (about 50 bytes per cached (instance, block);
+    past it the least recently stored or used blocks are forgotten)."""
     kv_sync_timeout_s: float = 5.0
     """At start-up, how long the gateway waits for the engines' snapshots of what they cache
     (`kv_events_replay`) before it listens; also bounds each replay request."""
@@ -162,8 +164,9 @@ class GatewayConfig:
         check(bool(self.policy), "policy", self.policy, "must not be empty")
         check(self.threshold >= 0, "threshold", self.threshold, "must be >= 0")
         check(self.regime in _REGIMES, "regime", self.regime, f"must be one of {_REGIMES}")
-        for name in ("max_running", "max_body_bytes", "kv_index_max_blocks"):
+        for name in ("max_running", "max_body_bytes"):
             check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        check(self.kv_index_max_mb > 0, "kv_index_max_mb", self.kv_index_max_mb, "must be > 0")
         check(self.max_queued >= 0, "max_queued", self.max_queued, "must be >= 0")
         timeout = self.queue_timeout_s
         check(0 < timeout <= 3600, "queue_timeout_s", timeout, "must be in (0, 3600]")

@@ -48,9 +48,11 @@ def _counting(hashes: Iterator[int], seen: list[int]) -> Iterator[int]:
         yield h
 
 
-def test_lazy_hashes_stop_at_the_first_uncached_block() -> None:
-    """`iter_block_hashes` equals `hash_blocks`; a lookup reads hashes only up to the first
-    block no instance holds, and none at all from an empty index."""
+def test_lazy_hashes_stop_soon_after_the_first_uncached_block() -> None:
+    """`iter_block_hashes` equals `hash_blocks`; a lookup reads hashes in chunks (it looks
+    them up as arrays): none from an empty index, one where the first block is cold, and
+    otherwise at most a chunk (64 blocks, or a quarter more) past the first block no
+    instance holds."""
     tokens = list(range(40))
     assert list(iter_block_hashes(tokens, BS)) == hash_blocks(tokens, BS)
     index = KVIndexManager(block_size=BS)
@@ -63,7 +65,19 @@ def test_lazy_hashes_stop_at_the_first_uncached_block() -> None:
         "a": 8,
         "b": 12,
     }
-    assert seen == hash_blocks(tokens, BS)[:4]  # blocks 0-2 matched, block 3 missed
+    assert seen == hash_blocks(tokens, BS)  # 1 then 63 asked: all 10 read
+    seen.clear()
+    assert index.longest_prefix(_counting(iter_block_hashes([7, *tokens], BS), seen)) == {
+        "a": 0,
+        "b": 0,
+    }
+    assert len(seen) == 1
+    long = list(range(BS * 1000))
+    index.apply("c", [_stored(long[: BS * 500], list(range(1000, 1500)))])
+    seen.clear()
+    assert index.longest_prefix(_counting(iter_block_hashes(long, BS), seen))["c"] == BS * 500
+    assert seen == hash_blocks(long, BS)[: len(seen)]
+    assert 501 <= len(seen) <= 500 * 5 // 4 + 64
 
 
 def test_removed_and_cleared() -> None:
@@ -88,13 +102,23 @@ def test_rejects_mismatched_block_size_and_unknown_parent() -> None:
     assert index.rejected_events == 2 and len(index) == 0
 
 
-def test_memory_bound_forgets_oldest() -> None:
-    """Past max_blocks the oldest entries go; the index never over-reports."""
-    index = KVIndexManager(block_size=BS, max_blocks=3)
-    tokens = list(range(20))
-    index.apply("a", [_stored(tokens, [1, 2, 3, 4, 5])])
-    assert len(index) == 3
-    assert index.longest_prefix(hash_blocks(tokens, BS)) == {"a": 0}
+def test_memory_bound_forgets_least_recently_used() -> None:
+    """At the byte budget (here one bucket: 16 blocks) a new block evicts the least recently
+    stored or used; a chain stored at once goes from its end, and a block a lookup matched
+    outlives one stored after it. The index never over-reports."""
+    index = KVIndexManager(block_size=BS, max_index_mb=1e-6)
+    tokens = list(range(4 * 20))
+    index.apply("a", [_stored(tokens[:48], list(range(1, 13)))])  # 12 blocks
+    assert index.longest_prefix(hash_blocks(tokens, BS)) == {"a": 48}  # all 12 used now
+    index.apply("a", [_stored(tokens[48:], list(range(13, 21)), parent=12)])  # 8 more
+    assert len(index) == 16 and index.evicted_blocks == 4
+    # the 8 new blocks, stored after the lookup, stay; 4 of the chain's end are gone
+    assert index.longest_prefix(hash_blocks(tokens, BS)) == {"a": 32}
+    other = list(range(1000, 1000 + 4 * 16))
+    index.apply("b", [_stored(other, list(range(100, 116)))])
+    assert len(index) == 16
+    assert index.longest_prefix(hash_blocks(tokens, BS)) == {"a": 0, "b": 0}
+    assert index.longest_prefix(hash_blocks(other, BS)) == {"a": 0, "b": 64}
 
 
 def test_lookup_with_many_blocks() -> None:

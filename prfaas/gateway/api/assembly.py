@@ -164,7 +164,12 @@ class Gateway:
                 for cluster in ("prfaas", "pd")
             },
             "queue": {"running": admission.running, "waiting": admission.waiting},
-            "kv_index": {"entries": len(self.index), "rejected": self.index.rejected_events},
+            "kv_index": {
+                "entries": len(self.index),
+                "bytes": self.index.nbytes,
+                "evicted_blocks": self.index.evicted_blocks,
+                "rejected": self.index.rejected_events,
+            },
             "link": self.link,
             "scheduler": None if self.scheduler is None else self.scheduler.to_json(),
             "coordination": None if self.coordinator is None else self.coordinator.to_json(),
@@ -206,6 +211,14 @@ class Gateway:
             ),
             GaugeMetricFamily(
                 "prfaas_kv_index_entries", "(instance, block) entries.", len(self.index)
+            ),
+            GaugeMetricFamily(
+                "prfaas_kv_index_bytes", "Bytes the KV index's tables hold.", self.index.nbytes
+            ),
+            CounterMetricFamily(
+                "prfaas_kv_index_evicted_blocks",
+                "Blocks forgotten at the index's byte budget (kv_index_max_mb).",
+                self.index.evicted_blocks,
             ),
             _prefix_pulls(self.router.prefix_pulls),
         ]
@@ -321,7 +334,7 @@ def build_gateway(
     instances = InstanceManager()
     for cfg in config.instances:
         instances.add(_instance(cfg, config.model, session, g, token))
-    index = KVIndexManager(block_size=m.block_size, max_blocks=g.kv_index_max_blocks)
+    index = KVIndexManager(block_size=m.block_size, max_index_mb=g.kv_index_max_mb)
     metrics = GatewayMetrics()
     tokenizer = load_tokenizer(m.tokenizer)
     router = Router(

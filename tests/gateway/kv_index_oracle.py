@@ -1,4 +1,5 @@
-"""The global KV index: which instance caches which prefix blocks, fed by engines' KV events.
+"""The previous global KV index (dicts and sets, 550-750 bytes per entry), kept only as the
+test oracle of `prfaas.gateway.kv_index`: simple enough to be right by reading.
 
 Engines publish `BlockStored` with their own block hashes plus the token ids; the index
 re-hashes the tokens with PrfaaS's chained xxh3-64 (`prfaas.common.hashing`) so lookups never
@@ -43,7 +44,7 @@ class _InstanceBlocks:
     the engine has reported no states, so every cached block is reusable)."""
 
 
-class KVIndexManager:
+class OracleKVIndex:
     """Per-instance prefix-block index with longest-prefix lookups across instances."""
 
     def __init__(self, *, block_size: int, max_blocks: int = 4_000_000) -> None:

@@ -1,0 +1,92 @@
+"""Interned sets of instances: which instances hold a block, as a 4-byte id per block.
+
+A fleet's blocks fall into few distinct holder sets (a conversation's blocks sit on one
+instance; a shared system prompt on many, the same many), so a block row stores the id of
+its set and each set is stored once: as a Python int bitset (instance i is bit i) for
+adding and removing members, and as a row of `bits` (uint64 words) so that a lookup turns
+a batch of ids into bitsets with one gather. Ids are reference-counted by the rows that
+hold them and reused once unreferenced; id 0 is the empty set.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+EMPTY = 0
+_WORD = (1 << 64) - 1
+
+
+class HolderSets:
+    """Set ids <-> instance bitsets, with per-id reference counts."""
+
+    def __init__(self) -> None:
+        self._members: list[int] = [0]  # id -> bitset
+        self._ids: dict[int, int] = {0: EMPTY}  # bitset -> id
+        self._free: list[int] = []
+        self.refs = np.zeros(1, dtype=np.int64)
+        self.bits: npt.NDArray[np.uint64] = np.zeros((1, 1), dtype=np.uint64)
+
+    @property
+    def nbytes(self) -> int:
+        return self.bits.nbytes + self.refs.nbytes
+
+    def members(self, set_id: int) -> int:
+        return self._members[set_id]
+
+    def changed(self, set_ids: npt.NDArray[Any], instance: int, add: bool) -> npt.NDArray[Any]:
+        """The id of each set with `instance` added (or removed); reference counts move
+        from the old ids to the new ones."""
+        distinct, inverse = np.unique(set_ids, return_inverse=True)
+        moved = np.array([self._changed(int(s), instance, add) for s in distinct], dtype=np.uint32)
+        new_ids = moved[inverse]
+        self.retain(new_ids, +1)
+        self.retain(set_ids, -1)
+        return new_ids
+
+    def _changed(self, set_id: int, instance: int, add: bool) -> int:
+        bit = 1 << instance
+        members = self._members[set_id]
+        return self._intern(members | bit if add else members & ~bit)
+
+    def _intern(self, members: int) -> int:
+        set_id = self._ids.get(members)
+        if set_id is not None:
+            return set_id
+        if self._free:
+            set_id = self._free.pop()
+        else:
+            set_id = len(self._members)
+            self._members.append(0)
+        words = max(self.bits.shape[1], (members.bit_length() + 63) // 64)
+        if set_id >= len(self.bits) or words > self.bits.shape[1]:
+            self._reserve(max(len(self.bits), 2 * set_id + 2), words)
+        self._members[set_id] = members
+        self._ids[members] = set_id
+        self.bits[set_id] = [(members >> (64 * w)) & _WORD for w in range(words)]
+        return set_id
+
+    def _reserve(self, sets: int, words: int) -> None:
+        bits = np.zeros((sets, words), dtype=np.uint64)
+        bits[: len(self.bits), : self.bits.shape[1]] = self.bits
+        refs = np.zeros(sets, dtype=np.int64)
+        refs[: len(self.refs)] = self.refs
+        self.bits, self.refs = bits, refs
+
+    def retain(self, set_ids: npt.NDArray[Any], count: int) -> None:
+        """Add `count` references to each id (once per occurrence); ids left unreferenced
+        are freed for reuse."""
+        np.add.at(self.refs, set_ids, count)
+        if count < 0:
+            for set_id in np.unique(set_ids[self.refs[set_ids] == 0]).tolist():
+                if set_id != EMPTY:
+                    self._forget(set_id)
+
+    def _forget(self, set_id: int) -> None:
+        members = self._members[set_id]
+        del self._ids[members]
+        self._members[set_id] = 0
+        self.bits[set_id] = 0
+        self._free.append(set_id)
