@@ -103,15 +103,15 @@ def test_rejects_mismatched_block_size_and_unknown_parent() -> None:
 
 
 def test_memory_bound_forgets_least_recently_used() -> None:
-    """At the byte budget (here one bucket: 16 blocks) a new block evicts the least recently
-    stored or used; a chain stored at once goes from its end, and a block a lookup matched
-    outlives one stored after it. The index never over-reports."""
+    """At the byte budget (here one bucket of 16 per table) a new block evicts the least
+    recently stored or used; a chain stored at once goes from its end, and a block a lookup
+    matched outlives one stored after it. The index never over-reports."""
     index = KVIndexManager(block_size=BS, max_index_mb=1e-6)
     tokens = list(range(4 * 20))
     index.apply("a", [_stored(tokens[:48], list(range(1, 13)))])  # 12 blocks
     assert index.longest_prefix(hash_blocks(tokens, BS)) == {"a": 48}  # all 12 used now
     index.apply("a", [_stored(tokens[48:], list(range(13, 21)), parent=12)])  # 8 more
-    assert len(index) == 16 and index.evicted_blocks == 4
+    assert len(index) == 16 and index.evicted_entries == 4
     # the 8 new blocks, stored after the lookup, stay; 4 of the chain's end are gone
     assert index.longest_prefix(hash_blocks(tokens, BS)) == {"a": 32}
     other = list(range(1000, 1000 + 4 * 16))

@@ -167,7 +167,7 @@ class Gateway:
             "kv_index": {
                 "entries": len(self.index),
                 "bytes": self.index.nbytes,
-                "evicted_blocks": self.index.evicted_blocks,
+                "evicted_entries": self.index.evicted_entries,
                 "rejected": self.index.rejected_events,
             },
             "link": self.link,
@@ -216,9 +216,9 @@ class Gateway:
                 "prfaas_kv_index_bytes", "Bytes the KV index's tables hold.", self.index.nbytes
             ),
             CounterMetricFamily(
-                "prfaas_kv_index_evicted_blocks",
-                "Blocks forgotten at the index's byte budget (kv_index_max_mb).",
-                self.index.evicted_blocks,
+                "prfaas_kv_index_evicted_entries",
+                "(instance, block) entries forgotten at the byte budget (kv_index_max_mb).",
+                self.index.evicted_entries,
             ),
             _prefix_pulls(self.router.prefix_pulls),
         ]

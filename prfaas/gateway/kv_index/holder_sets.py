@@ -36,20 +36,33 @@ class HolderSets:
     def members(self, set_id: int) -> int:
         return self._members[set_id]
 
-    def changed(self, set_ids: npt.NDArray[Any], instance: int, add: bool) -> npt.NDArray[Any]:
-        """The id of each set with `instance` added (or removed); reference counts move
-        from the old ids to the new ones."""
-        distinct, inverse = np.unique(set_ids, return_inverse=True)
-        moved = np.array([self._changed(int(s), instance, add) for s in distinct], dtype=np.uint32)
-        new_ids = moved[inverse]
-        self.retain(new_ids, +1)
-        self.retain(set_ids, -1)
-        return new_ids
+    def size(self, set_id: int) -> int:
+        """How many instances the set holds."""
+        return self._members[set_id].bit_count()
 
-    def _changed(self, set_id: int, instance: int, add: bool) -> int:
-        bit = 1 << instance
-        members = self._members[set_id]
-        return self._intern(members | bit if add else members & ~bit)
+    def update(
+        self, set_ids: npt.NDArray[Any], masks: npt.NDArray[Any], add: bool
+    ) -> tuple[npt.NDArray[Any], int]:
+        """The id of each set with its row of `masks` (uint64 words, instance i is bit i)
+        added to it (or removed from it), and how many memberships that made (or undid);
+        reference counts move from the old ids to the new ones. One set operation per
+        distinct (set, mask) pair: a batch's blocks share a few."""
+        rows = np.column_stack([set_ids.astype(np.uint64), masks])
+        distinct, inverse = np.unique(rows, axis=0, return_inverse=True)
+        new_ids: list[int] = []
+        deltas: list[int] = []
+        for row in distinct.tolist():
+            members = self._members[row[0]]
+            mask = sum(word << (64 * w) for w, word in enumerate(row[1:]))
+            changed = members | mask if add else members & ~mask
+            new_ids.append(self._intern(changed))
+            deltas.append(changed.bit_count() - members.bit_count())
+        inverse = inverse.reshape(-1)
+        result = np.array(new_ids, dtype=np.uint32)[inverse]
+        delta = int(np.array(deltas, dtype=np.int64)[inverse].sum())
+        self.retain(result, +1)
+        self.retain(set_ids, -1)
+        return result, delta
 
     def _intern(self, members: int) -> int:
         set_id = self._ids.get(members)

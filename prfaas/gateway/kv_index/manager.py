@@ -2,17 +2,23 @@
 
 Engines publish `BlockStored` with their own block hashes plus the token ids; the index
 re-hashes the tokens with PrfaaS's chained xxh3-64 (`prfaas.common.hashing`) so lookups never
-depend on an engine's hash function. Two kinds of table hold it (`table.HashTable`, numpy):
+depend on an engine's hash function. Two numpy hash tables (`table.HashTable`) hold it:
 
-* one block table, our hash -> (holder-set id, last stored or used): what a lookup reads;
-* per instance, a translation table, engine hash -> our hash: what resolves an event's
-  parent, a removal or a kept state.
+* blocks: our hash -> (holder-set id, last stored or used), what a lookup reads;
+* translations: (instance, engine hash) -> our hash, what resolves an event's parent, a
+  removal or a kept state (the key is the engine hash xor a per-instance salt; the row keeps
+  the instance, so a clear finds its rows).
 
-Memory is bounded in bytes (`max_index_mb`): the block table stops growing at its share of
-the budget, then a block that finds its two buckets full evicts the least recently stored or
-used block there. A translation whose block was evicted is harmless (it still translates
-correctly) and is purged before its table grows, so translations stay as many as the
-(instance, block) entries. The index may then under-report a cache, never over-report it.
+Events are buffered and applied in batches (`_FLUSH_BLOCKS` blocks, or at the next read):
+array operations cost about the same for one block as for hundreds, and engines send a few
+at a time. A flush takes every instance's events in order, its stores of all instances as
+one batch, its removals as one, then the next of each instance's runs.
+
+Memory is bounded in bytes (`max_index_mb`, half to each table): at its cap a table whose
+two buckets for a new key are full evicts there, the block least recently stored or used
+(set-associative, as CPU caches do; no global pass). A translation whose block was evicted
+still translates correctly; a sweep of a few thousand rows per flush drops such rows. The
+index may under-report a cache then, never over-report it.
 
 Hybrid engines (linear attention beside full attention) reuse a prefix only up to a block
 at whose end they kept the linear states. An instance that has sent `StatesStored` is such
@@ -25,14 +31,13 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from prfaas.common.hashing import hash_blocks
 from prfaas.gateway.kv_index.holder_sets import EMPTY, HolderSets
-from prfaas.gateway.kv_index.table import U64, WAYS, HashTable, as_keys
+from prfaas.gateway.kv_index.table import I64, U64, WAYS, HashTable, as_keys
 from prfaas.protocol.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -45,25 +50,17 @@ from prfaas.protocol.kv_events import (
 logger = logging.getLogger(__name__)
 
 _BLOCK_COLUMNS = {"holders": np.uint32, "used": np.uint64}
-_TRANSLATION_COLUMNS = {"ours": np.uint64}
-# Bytes of one block slot plus one translation slot: the block table may take as many
-# slots as the budget holds such pairs (translations number about the blocks held).
-_SLOT_PAIR_BYTES = (8 + 4 + 8) + (8 + 8)
+_TRANSLATION_COLUMNS = {"ours": np.uint64, "instance": np.uint16}
+_BLOCK_SLOT_BYTES = 8 + 2 + 4 + 8  # key, tag, holders, used
+_TRANSLATION_SLOT_BYTES = 8 + 2 + 8 + 2  # key, tag, ours, instance
 # Buffered blocks past which `apply` applies at once (a read applies what is buffered): at
 # a few microseconds a block, a flush holds the loop about a millisecond.
 _FLUSH_BLOCKS = 256
+# Translation rows checked per flush for an evicted block while any may be left.
+_SWEEP_SLOTS = 4096
 # Lazily hashed lookups read their hashes in chunks of at most this many.
 _MAX_CHUNK = 4096
-
-
-@dataclass
-class _Instance:
-    bit: int  # its member number in holder sets
-    ours: HashTable = field(default_factory=lambda: HashTable(_TRANSLATION_COLUMNS))
-    states: HashTable | None = None
-    """Our hashes of the blocks after which a hybrid engine kept its linear states (None:
-    the engine has reported no states, so every cached block is reusable)."""
-    dangling: int = 0  # translations whose block was evicted since the last purge
+_MAX_INSTANCES = 1 << 16  # the translation row's instance number is 16 bits
 
 
 class KVIndexManager:
@@ -76,19 +73,32 @@ class KVIndexManager:
             )
         self.block_size = block_size
         self.max_index_mb = max_index_mb
-        max_buckets = max(1, int(max_index_mb * 2**20 / (WAYS * _SLOT_PAIR_BYTES)))
-        self._blocks = HashTable(_BLOCK_COLUMNS, max_buckets=max_buckets)
-        self._columns()
+        half = max_index_mb * 2**20 / 2
+        self._blocks = HashTable(
+            _BLOCK_COLUMNS, max_buckets=max(1, int(half / (WAYS * _BLOCK_SLOT_BYTES)))
+        )
+        self._translations = HashTable(
+            _TRANSLATION_COLUMNS,
+            max_buckets=max(1, int(half / (WAYS * _TRANSLATION_SLOT_BYTES))),
+        )
         self._sets = HolderSets()
         self._bits: dict[str, int] = {}  # instance id -> member number, for the index's life
         self._names: list[str] = []  # member number -> instance id
-        self._instances: dict[str, _Instance] = {}
-        self._clock = 0  # ticks: one per block stored, one per lookup
-        self._entries = 0
-        self._rejected = 0
-        self.evicted_blocks = 0
+        self._known: set[str] = set()  # instances with something indexed (or reported)
+        self._states: dict[str, HashTable] = {}
+        """Per hybrid instance, our hashes of the blocks after which it kept its linear
+        states (absent: the engine has reported no states, every cached block reusable)."""
         self._pending: dict[str, list[KVEvent]] = {}  # events not applied yet, per instance
         self._pending_blocks = 0
+        self._clock = 0  # ticks: one per block stored or looked up
+        self._entries = 0
+        self._dangling = 0  # translation rows whose block lost them (evictions)
+        self._sweep_at = 0
+        self._rejected = 0
+        self.evicted_entries = 0
+        """(instance, block) entries forgotten at the byte budget."""
+
+    # -- reads ----------------------------------------------------------------------------
 
     def __len__(self) -> int:
         """Number of (instance, block) entries held."""
@@ -105,280 +115,34 @@ class KVIndexManager:
     def nbytes(self) -> int:
         """Bytes held by the index's arrays."""
         self._flush()
-        tables = [self._blocks.nbytes, self._sets.nbytes]
-        for instance in self._instances.values():
-            tables.append(instance.ours.nbytes)
-            if instance.states is not None:
-                tables.append(instance.states.nbytes)
-        return sum(tables)
+        states = sum(table.nbytes for table in self._states.values())
+        return self._blocks.nbytes + self._translations.nbytes + self._sets.nbytes + states
 
     def instances(self) -> list[str]:
         self._flush()
-        return list(self._instances)
-
-    def apply(self, instance_id: str, events: Iterable[KVEvent]) -> None:
-        """Take one engine's events, in order; states stored are taken after the batch's
-        blocks (vLLM sends a step's Mamba groups before its attention). They wait in a
-        buffer until `_FLUSH_BLOCKS` blocks are waiting or the index is read, then go in
-        together: the array operations cost about the same for one block as for hundreds,
-        and engines send a few at a time."""
-        pending = self._pending.setdefault(instance_id, [])
-        states: list[KVEvent] = []
-        for event in events:
-            if isinstance(event, StatesStored):
-                states.append(event)
-                continue
-            pending.append(event)
-            if isinstance(event, BlockStored):
-                self._pending_blocks += len(event.block_hashes)
-        pending.extend(states)
-        if self._pending_blocks >= _FLUSH_BLOCKS:
-            self._flush()
-
-    def _flush(self) -> None:
-        """Apply the buffered events, one instance at a time."""
-        pending, self._pending, self._pending_blocks = self._pending, {}, 0
-        for instance_id, events in pending.items():
-            self._apply_now(instance_id, events)
-
-    def _apply_now(self, instance_id: str, events: Sequence[KVEvent]) -> None:
-        """Apply an instance's events in order, each run of consecutive `BlockStored` as
-        one batch."""
-        run: list[BlockStored] = []
-        for event in events:
-            if isinstance(event, BlockStored):
-                run.append(event)
-                continue
-            if run:
-                self._stored(instance_id, run)
-                run = []
-            if isinstance(event, BlockRemoved):
-                self._removed(instance_id, event.block_hashes)
-            elif isinstance(event, AllBlocksCleared):
-                self._forget(instance_id)
-            elif isinstance(event, StatesStored):
-                self._states_stored(instance_id, event.block_hashes)
-            elif isinstance(event, StatesRemoved):
-                self._states_removed(instance_id, event.block_hashes)
-        if run:
-            self._stored(instance_id, run)
-
-    def clear_instance(self, instance_id: str) -> None:
-        """Forget everything an instance caches (restart, flush, or a lost event stream).
-        What is buffered is applied first, so the rejected-event count stays exact."""
-        self._flush()
-        self._forget(instance_id)
-
-    def _forget(self, instance_id: str) -> None:
-        instance = self._instances.pop(instance_id, None)
-        if instance is not None:
-            _, rows = instance.ours.items()
-            self._release(instance.bit, rows["ours"])
-
-    def _instance(self, instance_id: str) -> _Instance:
-        instance = self._instances.get(instance_id)
-        if instance is None:
-            bit = self._bits.get(instance_id)
-            if bit is None:
-                bit = self._bits[instance_id] = len(self._names)
-                self._names.append(instance_id)
-            instance = self._instances[instance_id] = _Instance(bit)
-        return instance
-
-    # -- stores ---------------------------------------------------------------------------
-
-    def _stored(self, instance_id: str, events: Sequence[BlockStored]) -> None:
-        """Re-hash a run of stores (each chained to its parent: one stored before the run,
-        or earlier in it) and add them in one batch."""
-        valid = [e for e in events if self._fits(instance_id, e)]
-        if not valid:
-            return
-        instance = self._instance(instance_id)
-        parents = [e.parent_block_hash for e in valid if e.parent_block_hash is not None]
-        known = self._translate(instance, parents)
-        engine: list[int] = []
-        ours: list[int] = []
-        chained: dict[int, int] = {}
-        for event in valid:
-            parent: int | None = None
-            if event.parent_block_hash is not None:
-                parent = chained.get(event.parent_block_hash)
-                if parent is None:
-                    parent = known.get(event.parent_block_hash)
-                if parent is None:  # unknown (evicted from the index or a missed event)
-                    self._rejected += 1
-                    continue
-            hashes = hash_blocks(event.token_ids, self.block_size, parent=parent)
-            engine.extend(event.block_hashes)
-            ours.extend(hashes)
-            chained.update(zip(event.block_hashes, hashes, strict=True))
-        if engine:
-            self._add(instance, _engine_keys(engine), as_keys(ours))
-
-    def _fits(self, instance_id: str, event: BlockStored) -> bool:
-        n = len(event.block_hashes)
-        if event.block_size == self.block_size and len(event.token_ids) == n * self.block_size:
-            return True
-        self._rejected += 1
-        logger.warning(
-            "%s: BlockStored with block_size %d / %d tokens for %d blocks does "
-            "not match the index's block size %d; ignored",
-            instance_id,
-            event.block_size,
-            len(event.token_ids),
-            n,
-            self.block_size,
-        )
-        return False
-
-    def _translate(self, instance: _Instance, engine_hashes: Sequence[int]) -> dict[int, int]:
-        """Our hash of each engine hash the instance's table holds."""
-        if not engine_hashes:
-            return {}
-        slots = instance.ours.find(_engine_keys(engine_hashes))
-        ours = instance.ours.column("ours")[slots[slots >= 0]].tolist()
-        known = itertools.compress(engine_hashes, (slots >= 0).tolist())
-        return dict(zip(known, ours, strict=True))
-
-    def _add(self, instance: _Instance, engine: U64, ours: U64) -> None:
-        """Translate new engine hashes, then mark the blocks held. A known engine hash
-        keeps the block it translated to (its removal will name that one)."""
-        distinct, first = np.unique(engine, return_index=True)
-        slots = instance.ours.find(distinct)
-        known = slots >= 0
-        held = ours.copy()
-        held[first[known]] = instance.ours.column("ours")[slots[known]]
-        new = ~known
-        instance.ours.insert(distinct[new], {"ours": ours[first[new]]})
-        self._hold(instance.bit, held)
-        if instance.dangling > max(256, instance.ours.size // 4):
-            self._purge(instance)
-
-    def _hold(self, bit: int, ours: U64) -> None:
-        """Mark `ours` held by member `bit`, stored now: the chain's first block counts as
-        the latest, so a full bucket evicts chains from their ends, as engines do."""
-        distinct, first = np.unique(ours, return_index=True)
-        used = np.uint64(self._clock) + (len(ours) - first).astype(np.uint64)
-        self._clock += len(ours) + 1
-        slots = self._blocks.find(distinct)
-        found = slots >= 0
-        at = slots[found]
-        before = self._holders[at]
-        after = self._sets.changed(before, bit, add=True)
-        self._entries += int((after != before).sum())
-        self._holders[at] = after
-        self._used[at] = used[found]
-        fresh = distinct[~found]
-        if len(fresh):
-            single = self._sets.changed(np.full(len(fresh), EMPTY, np.uint32), bit, add=True)
-            self._entries += len(fresh)
-            self._insert_blocks(fresh, single, used[~found])
-
-    def _insert_blocks(self, keys: U64, holders: np.ndarray, used: np.ndarray) -> None:
-        left, rows = self._blocks.insert(keys, {"holders": holders, "used": used})
-        self._columns()
-        while len(left):  # at the budget: evict the least recently used in their buckets
-            self._evict(np.unique(self._blocks.victims(left, "used")))
-            left, rows = self._blocks.insert(left, rows)
-            self._columns()
-
-    def _columns(self) -> None:
-        """Views of the block table's columns (again: an insert may have reallocated it)."""
-        self._holders = self._blocks.column("holders")
-        self._used = self._blocks.column("used")
-
-    def _evict(self, slots: np.ndarray) -> None:
-        set_ids = self._holders[slots]
-        distinct, counts = np.unique(set_ids, return_counts=True)
-        for set_id, count in zip(distinct.tolist(), counts.tolist(), strict=True):
-            for bit in _members(self._sets.members(set_id)):
-                self._entries -= count
-                instance = self._instances.get(self._names[bit])
-                if instance is not None:
-                    instance.dangling += count
-        self._sets.retain(set_ids, -1)
-        self._blocks.delete(slots)
-        self.evicted_blocks += len(slots)
-
-    def _purge(self, instance: _Instance) -> None:
-        """Drop the instance's translations whose block no longer lists it."""
-        engine, rows = instance.ours.items()
-        slots = self._blocks.find(rows["ours"])
-        found = slots >= 0
-        listed = np.zeros(len(engine), dtype=bool)
-        word, shift = divmod(instance.bit, 64)
-        holder_bits = self._sets.bits[self._holders[slots[found]], word]
-        listed[found] = (holder_bits >> np.uint64(shift)) & np.uint64(1) == 1
-        instance.ours.delete(instance.ours.find(engine[~listed]))
-        if instance.states is not None:
-            gone = instance.states.find(rows["ours"][~listed])
-            instance.states.delete(gone[gone >= 0])
-        instance.dangling = 0
-
-    # -- removals and states --------------------------------------------------------------
-
-    def _removed(self, instance_id: str, engine_hashes: Sequence[int]) -> None:
-        instance = self._instances.get(instance_id)
-        if instance is None or not engine_hashes:
-            return
-        slots = instance.ours.find(np.unique(_engine_keys(engine_hashes)))
-        slots = slots[slots >= 0]
-        ours = instance.ours.column("ours")[slots].copy()
-        instance.ours.delete(slots)
-        if instance.states is not None:
-            kept = instance.states.find(ours)
-            instance.states.delete(kept[kept >= 0])
-        self._release(instance.bit, ours)
-
-    def _release(self, bit: int, ours: U64) -> None:
-        """Member `bit` no longer holds `ours`; blocks nobody holds go."""
-        slots = self._blocks.find(np.unique(ours))
-        at = slots[slots >= 0]
-        before = self._holders[at]
-        after = self._sets.changed(before, bit, add=False)
-        self._entries -= int((after != before).sum())
-        self._holders[at] = after
-        orphans = at[after == EMPTY]
-        self._sets.retain(after[after == EMPTY], -1)
-        self._blocks.delete(orphans)
-
-    def _states_stored(self, instance_id: str, engine_hashes: Sequence[int]) -> None:
-        instance = self._instance(instance_id)
-        if instance.states is None:
-            instance.states = HashTable({})
-        ours = np.unique(as_keys(list(self._translate(instance, engine_hashes).values())))
-        fresh = ours[instance.states.find(ours) < 0]  # else its block is not indexed
-        instance.states.insert(fresh, {})
-
-    def _states_removed(self, instance_id: str, engine_hashes: Sequence[int]) -> None:
-        instance = self._instances.get(instance_id)
-        if instance is None or instance.states is None:
-            return
-        ours = as_keys(list(self._translate(instance, engine_hashes).values()))
-        kept = instance.states.find(np.unique(ours))
-        instance.states.delete(kept[kept >= 0])
-
-    # -- lookups --------------------------------------------------------------------------
+        return [name for name in self._names if name in self._known]
 
     def longest_prefix(self, block_hashes: Iterable[int]) -> dict[str, int]:
         """Cached prefix length in tokens per instance for a request's chained block hashes
         (every known instance appears, 0 where nothing matches). Stops reading
-        `block_hashes` once no instance matches (pass `iter_block_hashes` to hash lazily).
-        Marks the blocks it matched as used (what the budget keeps longest)."""
+        `block_hashes` soon after no instance matches (pass `iter_block_hashes` to hash
+        lazily). Marks the blocks it matched as used (what the budget keeps longest)."""
         self._flush()
-        if not self._instances:
+        if not self._known:
             return {}
-        result = dict.fromkeys(self._instances, 0)
+        names = self.instances()
+        result = dict.fromkeys(names, 0)
         words = self._sets.bits.shape[1]
-        alive = _words(sum(1 << i.bit for i in self._instances.values()), words)
+        alive = _words(sum(1 << self._bits[name] for name in names), words)
+        holders_column = self._blocks.column("holders")
         read: list[U64] = []
-        used: list[np.ndarray] = []  # slots of the blocks some instance matched
+        used: list[I64] = []  # slots of the blocks some instance matched
         matched = 0  # blocks read before the current chunk
         for chunk in _chunks(block_hashes):
             keys = as_keys(chunk)
             read.append(keys)
             slots = self._blocks.find(keys)
-            holders = np.where(slots >= 0, np.take(self._holders, slots), EMPTY)
+            holders = np.where(slots >= 0, np.take(holders_column, slots), EMPTY)
             bits = np.take(self._sets.bits, holders, axis=0) & alive
             held = np.bitwise_and.accumulate(bits, axis=0)
             before = np.vstack([alive, held[:-1]])
@@ -396,19 +160,388 @@ class KVIndexManager:
         self._cut_to_kept_states(result, read)
         return result
 
-    def _touch(self, slots: np.ndarray) -> None:
-        """Mark a chain's blocks used now, its first block the latest (as `_hold` does)."""
-        self._used[slots] = np.uint64(self._clock) + np.arange(len(slots), 0, -1, dtype=np.uint64)
+    def _touch(self, slots: I64) -> None:
+        """Mark a chain's blocks used now, its first block the latest (a full bucket then
+        evicts chains from their ends, as engines do)."""
+        ticks = np.arange(len(slots), 0, -1, dtype=np.uint64)
+        self._blocks.column("used")[slots] = np.uint64(self._clock) + ticks
         self._clock += len(slots) + 1
 
     def _cut_to_kept_states(self, result: dict[str, int], read: list[U64]) -> None:
         for name, tokens in result.items():
-            states = self._instances[name].states
+            states = self._states.get(name)
             if states is None or tokens == 0:
                 continue
             seen = np.concatenate(read)[: tokens // self.block_size]
             kept = np.flatnonzero(states.find(seen) >= 0)
             result[name] = (int(kept[-1]) + 1) * self.block_size if len(kept) else 0
+
+    # -- events ---------------------------------------------------------------------------
+
+    def apply(self, instance_id: str, events: Iterable[KVEvent]) -> None:
+        """Take one engine's events, in order (applied at the next flush, see the module
+        docstring); states stored are taken after the batch's blocks (vLLM sends a step's
+        Mamba groups before its attention)."""
+        pending = self._pending.setdefault(instance_id, [])
+        states: list[KVEvent] = []
+        for event in events:
+            if isinstance(event, StatesStored):
+                states.append(event)
+                continue
+            pending.append(event)
+            if isinstance(event, BlockStored):
+                self._pending_blocks += len(event.block_hashes)
+        pending.extend(states)
+        if self._pending_blocks >= _FLUSH_BLOCKS:
+            self._flush()
+
+    def clear_instance(self, instance_id: str) -> None:
+        """Forget everything an instance caches (restart, flush, or a lost event stream).
+        What is buffered is applied first, so the rejected-event count stays exact."""
+        self._flush()
+        self._forget(instance_id)
+
+    def _flush(self) -> None:
+        """Apply the buffered events: round by round, each instance's next run of stores,
+        of removals, or one other event; a round's stores go in as one batch, and its
+        removals (instances are independent of each other, so only each one's own order
+        matters)."""
+        if not self._pending:
+            return
+        runs = {i: _runs(events) for i, events in self._pending.items()}
+        self._pending, self._pending_blocks = {}, 0
+        while runs:
+            stores: list[tuple[str, list[KVEvent]]] = []
+            removals: list[tuple[str, list[KVEvent]]] = []
+            others: list[tuple[str, KVEvent]] = []
+            for instance_id in list(runs):
+                run = next(runs[instance_id], None)
+                if run is None:
+                    del runs[instance_id]
+                elif isinstance(run[0], BlockStored):
+                    stores.append((instance_id, run))
+                elif isinstance(run[0], BlockRemoved):
+                    removals.append((instance_id, run))
+                else:
+                    others.append((instance_id, run[0]))
+            self._stored(stores)
+            self._removed(removals)
+            for instance_id, event in others:
+                self._other(instance_id, event)
+        if self._dangling:
+            self._sweep()
+
+    def _other(self, instance_id: str, event: KVEvent) -> None:
+        if isinstance(event, AllBlocksCleared):
+            self._forget(instance_id)
+        elif isinstance(event, StatesStored):
+            self._states_stored(instance_id, event.block_hashes)
+        elif isinstance(event, StatesRemoved):
+            self._states_removed(instance_id, event.block_hashes)
+
+    def _bit(self, instance_id: str) -> int:
+        """The instance's member number, made on first sight."""
+        bit = self._bits.get(instance_id)
+        if bit is None:
+            if len(self._names) >= _MAX_INSTANCES:
+                raise ValueError(f"the KV index holds at most {_MAX_INSTANCES} instances")
+            bit = self._bits[instance_id] = len(self._names)
+            self._names.append(instance_id)
+        return bit
+
+    def _translation_keys(self, bits: np.ndarray, engine_hashes: Sequence[int]) -> U64:
+        return as_keys(_engine_keys(engine_hashes) ^ _salt(bits))
+
+    # -- stores ---------------------------------------------------------------------------
+
+    def _stored(self, runs: list[tuple[str, list[KVEvent]]]) -> None:
+        """Re-hash the runs' blocks (each event chained to its parent: one indexed before,
+        or earlier in its run) and add them in one batch."""
+        valid: list[tuple[int, BlockStored]] = []
+        for instance_id, run in runs:
+            bit = self._bit(instance_id)
+            for event in run:
+                assert isinstance(event, BlockStored)
+                if self._fits(instance_id, event):
+                    self._known.add(instance_id)
+                    valid.append((bit, event))
+        if not valid:
+            return
+        with_parent = [
+            (b, e.parent_block_hash) for b, e in valid if e.parent_block_hash is not None
+        ]
+        known = self._translate([b for b, _ in with_parent], [p for _, p in with_parent])
+        bits: list[int] = []
+        engine: list[int] = []
+        ours: list[int] = []
+        chained: dict[tuple[int, int], int] = {}
+        for bit, event in valid:
+            parent: int | None = None
+            if event.parent_block_hash is not None:
+                key = (bit, event.parent_block_hash)
+                parent = chained.get(key)
+                if parent is None:
+                    parent = known.get(key)
+                if parent is None:  # unknown (evicted from the index or a missed event)
+                    self._rejected += 1
+                    continue
+            hashes = hash_blocks(event.token_ids, self.block_size, parent=parent)
+            bits.extend(itertools.repeat(bit, len(hashes)))
+            engine.extend(event.block_hashes)
+            ours.extend(hashes)
+            chained.update(zip([(bit, h) for h in event.block_hashes], hashes, strict=True))
+        if engine:
+            self._add(np.array(bits, dtype=np.int64), engine, as_keys(ours))
+
+    def _fits(self, instance_id: str, event: BlockStored) -> bool:
+        n = len(event.block_hashes)
+        if event.block_size == self.block_size and len(event.token_ids) == n * self.block_size:
+            return True
+        self._rejected += 1
+        logger.warning(
+            "%s: BlockStored with block_size %d / %d tokens for %d blocks does "
+            "not match the index's block size %d; ignored",
+            instance_id,
+            event.block_size,
+            len(event.token_ids),
+            n,
+            self.block_size,
+        )
+        return False
+
+    def _find_translations(self, bits: np.ndarray, engine_hashes: Sequence[int]) -> I64:
+        """Slots of the (instance, engine hash) rows, -1 where absent."""
+        slots = self._translations.find(self._translation_keys(bits, engine_hashes))
+        instance = self._translations.column("instance")
+        wrong = (slots >= 0) & (np.take(instance, slots) != bits)  # a salted-key collision
+        return np.where(wrong, -1, slots)
+
+    def _translate(self, bits: list[int], engine_hashes: list[int]) -> dict[tuple[int, int], int]:
+        """Our hash of each (instance, engine hash) the translations hold."""
+        if not engine_hashes:
+            return {}
+        slots = self._find_translations(np.array(bits, dtype=np.int64), engine_hashes)
+        found = (slots >= 0).tolist()
+        ours = self._translations.column("ours")[slots[slots >= 0]].tolist()
+        pairs = itertools.compress(zip(bits, engine_hashes, strict=True), found)
+        return dict(zip(pairs, ours, strict=True))
+
+    def _add(self, bits: I64, engine: Sequence[int], ours: U64) -> None:
+        """Translate new (instance, engine hash) pairs, then mark the blocks held. A known
+        pair keeps the block it translated to (its removal will name that one)."""
+        keys = self._translation_keys(bits, engine)
+        distinct, first = np.unique(keys, return_index=True)
+        slots = self._find_translations(bits[first], [engine[i] for i in first.tolist()])
+        known = slots >= 0
+        held = ours.copy()
+        held[first[known]] = self._translations.column("ours")[slots[known]]
+        self._hold(held, bits)
+        # after the blocks: evicting a translation takes its holder off its block, which
+        # must not be one this batch marks held again after
+        new = first[~known]
+        values = {"ours": ours[new], "instance": bits[new]}
+        self._insert(self._translations, distinct[~known], values, self._evict_translations)
+
+    def _hold(self, ours: U64, bits: I64) -> None:
+        """Mark each block of `ours` held by the instance at the same place in `bits`,
+        stored now: a chain's first block counts as the latest (see `_touch`)."""
+        distinct, _, masks, last = _grouped(ours, bits, self._sets.bits.shape[1])
+        used = np.uint64(self._clock) + (len(ours) - last).astype(np.uint64)
+        self._clock += len(ours) + 1
+        slots = self._blocks.find(distinct)
+        found = slots >= 0
+        holders = self._blocks.column("holders")
+        before = np.where(found, np.take(holders, slots), EMPTY).astype(np.uint32)
+        after, delta = self._sets.update(before, masks, add=True)
+        self._entries += delta
+        at = slots[found]
+        holders[at] = after[found]
+        self._blocks.column("used")[at] = used[found]
+        if not found.all():
+            values = {"holders": after[~found], "used": used[~found]}
+            self._insert(self._blocks, distinct[~found], values, self._evict_blocks)
+
+    def _insert(
+        self,
+        table: HashTable,
+        keys: U64,
+        values: dict[str, np.ndarray],
+        evict: Callable[[U64], None],
+    ) -> None:
+        """Insert; at the table's cap, evict in the full buckets and insert again."""
+        left, rows = table.insert(keys, values)
+        while len(left):
+            evict(left)
+            left, rows = table.insert(left, rows)
+
+    def _evict_blocks(self, keys: U64) -> None:
+        """Room for `keys`: the least recently used block of each one's buckets goes."""
+        slots = np.unique(self._blocks.victims(keys, "used"))
+        set_ids = self._blocks.column("holders")[slots]
+        gone = sum(self._sets.size(int(s)) for s in set_ids.tolist())
+        self._entries -= gone
+        self._dangling += gone
+        self.evicted_entries += gone
+        self._sets.retain(set_ids, -1)
+        self._blocks.delete(slots)
+
+    def _evict_translations(self, keys: U64) -> None:
+        """Room for `keys`: in each one's buckets, the translation whose block was least
+        recently used goes (one whose block was evicted first), its block losing that
+        holder and its kept state."""
+        candidates = self._translations.candidates(keys)
+        blocks = self._blocks.find(self._translations.column("ours")[candidates.reshape(-1)])
+        used = np.where(blocks >= 0, np.take(self._blocks.column("used"), blocks), 0)
+        slots = np.unique(HashTable.pick_smallest(candidates, _by_slot(candidates, used)))
+        ours = self._translations.column("ours")[slots].copy()
+        bits = self._translations.column("instance")[slots].astype(np.int64)
+        self._translations.delete(slots)
+        self._drop_states(ours, bits)
+        before = self._entries
+        self._release(ours, bits)
+        self.evicted_entries += before - self._entries
+
+    # -- removals, clears, states -----------------------------------------------------------
+
+    def _removed(self, runs: list[tuple[str, list[KVEvent]]]) -> None:
+        bits: list[int] = []
+        engine: list[int] = []
+        for instance_id, run in runs:
+            if instance_id not in self._known:
+                continue
+            bit = self._bits[instance_id]
+            for event in run:
+                assert isinstance(event, BlockRemoved)
+                engine.extend(event.block_hashes)
+                bits.extend(itertools.repeat(bit, len(event.block_hashes)))
+        if not engine:
+            return
+        slots = np.unique(self._find_translations(np.array(bits, dtype=np.int64), engine))
+        slots = slots[slots >= 0]
+        ours = self._translations.column("ours")[slots].copy()
+        owners = self._translations.column("instance")[slots].astype(np.int64)
+        self._translations.delete(slots)
+        self._drop_states(ours, owners)
+        self._release(ours, owners)
+
+    def _release(self, ours: U64, bits: I64) -> None:
+        """Each instance in `bits` no longer holds the block at the same place in `ours`;
+        blocks nobody holds go."""
+        if not len(ours):
+            return
+        distinct, _, masks, _ = _grouped(ours, bits, self._sets.bits.shape[1])
+        slots = self._blocks.find(distinct)
+        found = slots >= 0
+        at = slots[found]
+        holders = self._blocks.column("holders")
+        after, delta = self._sets.update(holders[at], masks[found], add=False)
+        self._entries += delta
+        holders[at] = after
+        orphans = after == EMPTY
+        self._sets.retain(after[orphans], -1)
+        self._blocks.delete(at[orphans])
+
+    def _drop_states(self, ours: U64, bits: I64) -> None:
+        """The removed blocks' kept states go with them."""
+        for bit in np.unique(bits).tolist():
+            states = self._states.get(self._names[bit])
+            if states is not None:
+                kept = states.find(np.unique(ours[bits == bit]))
+                states.delete(kept[kept >= 0])
+
+    def _forget(self, instance_id: str) -> None:
+        if instance_id not in self._known:
+            return
+        self._known.discard(instance_id)
+        self._states.pop(instance_id, None)
+        bit = self._bits[instance_id]
+        table = self._translations
+        mine = np.flatnonzero((table.column("instance") == bit) & (table.keys.reshape(-1) != 0))
+        ours = table.column("ours")[mine].copy()
+        table.delete(mine)
+        self._release(ours, np.full(len(mine), bit, dtype=np.int64))
+
+    def _states_stored(self, instance_id: str, engine_hashes: Sequence[int]) -> None:
+        bit = self._bit(instance_id)
+        self._known.add(instance_id)
+        states = self._states.setdefault(instance_id, HashTable({}))
+        ours = self._translate([bit] * len(engine_hashes), list(engine_hashes)).values()
+        distinct = np.unique(as_keys(list(ours)))  # a block not indexed keeps nothing
+        states.insert(distinct[states.find(distinct) < 0], {})
+
+    def _states_removed(self, instance_id: str, engine_hashes: Sequence[int]) -> None:
+        states = self._states.get(instance_id)
+        if states is None:
+            return
+        bit = self._bits[instance_id]
+        ours = self._translate([bit] * len(engine_hashes), list(engine_hashes)).values()
+        kept = states.find(np.unique(as_keys(list(ours))))
+        states.delete(kept[kept >= 0])
+
+    def _sweep(self) -> None:
+        """Check the next `_SWEEP_SLOTS` translation rows; drop those whose block no
+        longer lists their instance (evicted), with their kept states."""
+        table = self._translations
+        total = table.buckets * WAYS
+        start = self._sweep_at if self._sweep_at < total else 0
+        end = min(total, start + _SWEEP_SLOTS)
+        self._sweep_at = end
+        window = np.arange(start, end)
+        window = window[table.keys.reshape(-1)[window] != 0]
+        ours = table.column("ours")[window]
+        bits = table.column("instance")[window].astype(np.int64)
+        slots = self._blocks.find(ours)
+        holders = np.where(slots >= 0, np.take(self._blocks.column("holders"), slots), EMPTY)
+        words = np.take(self._sets.bits, holders, axis=0)
+        listed = (words[np.arange(len(bits)), bits // 64] >> (bits % 64).astype(np.uint64)) & 1
+        stale = listed == 0
+        if stale.any():
+            self._drop_states(ours[stale], bits[stale])
+            table.delete(window[stale])
+            self._dangling = max(0, self._dangling - int(stale.sum()))
+        if end == total and not stale.any():
+            self._dangling = 0  # a whole pass found none left
+
+
+def _by_slot(candidates: I64, values: np.ndarray) -> np.ndarray:
+    """`values` (one per element of `candidates`, row-major) as an array indexed by slot."""
+    by_slot = np.zeros(int(candidates.max()) + 1, dtype=values.dtype)
+    by_slot[candidates.reshape(-1)] = values
+    return by_slot
+
+
+def _runs(events: list[KVEvent]) -> Iterator[list[KVEvent]]:
+    """Consecutive stores as one run, consecutive removals as one, anything else alone."""
+    for kind, group in itertools.groupby(events, key=type):
+        if kind is BlockStored or kind is BlockRemoved:
+            yield list(group)
+        else:
+            for event in group:
+                yield [event]
+
+
+def _grouped(ours: U64, bits: I64, words: int) -> tuple[U64, I64, U64, I64]:
+    """The distinct blocks of `ours`, where each first appears, the instances named beside
+    each (one row of uint64 words each) and each one's last position in `ours`."""
+    order = np.argsort(ours, kind="stable")
+    ordered = ours[order]
+    starts = np.flatnonzero(np.concatenate([[True], ordered[1:] != ordered[:-1]]))
+    members = np.zeros((len(ours), max(words, int(bits.max()) // 64 + 1)), dtype=np.uint64)
+    members[np.arange(len(ours)), bits[order] // 64] = np.uint64(1) << (bits[order] % 64).astype(
+        np.uint64
+    )
+    masks = np.bitwise_or.reduceat(members, starts, axis=0)
+    last = np.maximum.reduceat(order, starts)
+    return ordered[starts], order[starts], masks, last
+
+
+def _salt(bits: np.ndarray) -> U64:
+    """A per-instance 64-bit salt (splitmix64 of the member number)."""
+    x = bits.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    salted: U64 = x ^ (x >> np.uint64(31))
+    return salted
 
 
 def _chunks(hashes: Iterable[int]) -> Iterator[Sequence[int] | np.ndarray]:
@@ -430,11 +563,11 @@ def _chunks(hashes: Iterable[int]) -> Iterator[Sequence[int] | np.ndarray]:
 
 
 def _engine_keys(hashes: Sequence[int]) -> U64:
-    """Engine hashes as table keys: any int, taken modulo 2**64 (SGLang's may be signed)."""
+    """Engine hashes as uint64: any int, taken modulo 2**64 (SGLang's may be signed)."""
     try:
-        return as_keys(np.asarray(hashes, dtype=np.uint64))
+        return np.asarray(hashes, dtype=np.uint64)
     except OverflowError:
-        return as_keys(np.array([h & ((1 << 64) - 1) for h in hashes], dtype=np.uint64))
+        return np.array([h & ((1 << 64) - 1) for h in hashes], dtype=np.uint64)
 
 
 def _words(bits: int, words: int) -> U64:

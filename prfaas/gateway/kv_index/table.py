@@ -174,14 +174,25 @@ class HashTable:
             {n: np.concatenate([held_rows[n], rows[n]]) for n in rows},
         )
 
+    def candidates(self, keys: U64) -> I64:
+        """The slots of each key's two buckets, one row of 2 x WAYS per key."""
+        first, second, _ = self._choices(keys)
+        ways = np.arange(WAYS)
+        slots: I64 = np.concatenate(
+            [first[:, None] * WAYS + ways, second[:, None] * WAYS + ways], axis=1
+        )
+        return slots
+
     def victims(self, keys: U64, column: str) -> I64:
         """For each key, the slot holding the smallest `column` value among its two
         buckets (the one to evict so that the key fits)."""
-        first, second, _ = self._choices(keys)
-        buckets = np.stack([first, second], axis=1)  # (n, 2)
-        values = self.columns[column][buckets].reshape(len(keys), 2 * WAYS)
-        pick = values.argmin(axis=1)
-        slots: I64 = buckets[np.arange(len(keys)), pick // WAYS] * WAYS + pick % WAYS
+        return self.pick_smallest(self.candidates(keys), self.columns[column].reshape(-1))
+
+    @staticmethod
+    def pick_smallest(candidates: I64, values: np.ndarray) -> I64:
+        """Per row of `candidates`, the slot whose value (`values[slot]`) is smallest."""
+        pick = np.take(values, candidates).argmin(axis=1)
+        slots: I64 = candidates[np.arange(len(candidates)), pick]
         return slots
 
     def delete(self, slots: I64) -> None:

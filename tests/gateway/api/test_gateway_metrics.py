@@ -37,7 +37,7 @@ GATEWAY_FAMILIES = {
     "prfaas_bandwidth_regime": "gauge",
     "prfaas_kv_index_entries": "gauge",
     "prfaas_kv_index_bytes": "gauge",
-    "prfaas_kv_index_evicted_blocks": "counter",
+    "prfaas_kv_index_evicted_entries": "counter",
     "prfaas_request_retries": "counter",
     "prfaas_request_migrations": "counter",
     "prfaas_instance_ejections": "counter",
