@@ -16,6 +16,8 @@ import numpy as np
 import numpy.typing as npt
 
 EMPTY = 0
+MULTIPLE = 1 << 16
+"""`update`'s change numbers from here up name several instances (below: one instance)."""
 _WORD = (1 << 64) - 1
 
 
@@ -41,19 +43,21 @@ class HolderSets:
         return self._members[set_id].bit_count()
 
     def update(
-        self, set_ids: npt.NDArray[Any], masks: npt.NDArray[Any], add: bool
+        self, set_ids: npt.NDArray[Any], changes: npt.NDArray[Any], masks: dict[int, int], add: bool
     ) -> tuple[npt.NDArray[Any], int]:
-        """The id of each set with its row of `masks` (uint64 words, instance i is bit i)
-        added to it (or removed from it), and how many memberships that made (or undid);
-        reference counts move from the old ids to the new ones. One set operation per
-        distinct (set, mask) pair: a batch's blocks share a few."""
-        rows = np.column_stack([set_ids.astype(np.uint64), masks])
-        distinct, inverse = np.unique(rows, axis=0, return_inverse=True)
+        """The id of each set with a change made: instance `c` added (or removed) where the
+        row's `changes` is c < `MULTIPLE`, else the members `masks[c]` (instance i is bit i).
+        Returns the new ids and how many memberships that made (or undid); reference counts
+        move from the old ids to the new ones. One set operation per distinct (set,
+        change) pair: a batch's blocks share a few."""
+        pairs = (set_ids.astype(np.uint64) << np.uint64(32)) | changes.astype(np.uint64)
+        distinct, inverse = np.unique(pairs, return_inverse=True)
         new_ids: list[int] = []
         deltas: list[int] = []
-        for row in distinct.tolist():
-            members = self._members[row[0]]
-            mask = sum(word << (64 * w) for w, word in enumerate(row[1:]))
+        for pair in distinct.tolist():
+            members = self._members[pair >> 32]
+            change = pair & 0xFFFFFFFF
+            mask = masks[change] if change >= MULTIPLE else 1 << change
             changed = members | mask if add else members & ~mask
             new_ids.append(self._intern(changed))
             deltas.append(changed.bit_count() - members.bit_count())

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from prfaas.common.hashing import hash_blocks
-from prfaas.gateway.kv_index.holder_sets import EMPTY, HolderSets
+from prfaas.gateway.kv_index.holder_sets import EMPTY, MULTIPLE, HolderSets
 from prfaas.gateway.kv_index.table import I64, U64, WAYS, HashTable, as_keys
 from prfaas.protocol.kv_events import (
     AllBlocksCleared,
@@ -75,7 +75,9 @@ class KVIndexManager:
         self.max_index_mb = max_index_mb
         half = max_index_mb * 2**20 / 2
         self._blocks = HashTable(
-            _BLOCK_COLUMNS, max_buckets=max(1, int(half / (WAYS * _BLOCK_SLOT_BYTES)))
+            _BLOCK_COLUMNS,
+            max_buckets=max(1, int(half / (WAYS * _BLOCK_SLOT_BYTES))),
+            uniform=True,
         )
         self._translations = HashTable(
             _TRANSLATION_COLUMNS,
@@ -311,7 +313,11 @@ class KVIndexManager:
 
     def _find_translations(self, bits: np.ndarray, engine_hashes: Sequence[int]) -> I64:
         """Slots of the (instance, engine hash) rows, -1 where absent."""
-        slots = self._translations.find(self._translation_keys(bits, engine_hashes))
+        return self._find_keys(self._translation_keys(bits, engine_hashes), bits)
+
+    def _find_keys(self, keys: U64, bits: np.ndarray) -> I64:
+        """`_find_translations` from the salted keys."""
+        slots = self._translations.find(keys)
         instance = self._translations.column("instance")
         wrong = (slots >= 0) & (np.take(instance, slots) != bits)  # a salted-key collision
         return np.where(wrong, -1, slots)
@@ -331,7 +337,7 @@ class KVIndexManager:
         pair keeps the block it translated to (its removal will name that one)."""
         keys = self._translation_keys(bits, engine)
         distinct, first = np.unique(keys, return_index=True)
-        slots = self._find_translations(bits[first], [engine[i] for i in first.tolist()])
+        slots = self._find_keys(distinct, bits[first])
         known = slots >= 0
         held = ours.copy()
         held[first[known]] = self._translations.column("ours")[slots[known]]
@@ -345,14 +351,14 @@ class KVIndexManager:
     def _hold(self, ours: U64, bits: I64) -> None:
         """Mark each block of `ours` held by the instance at the same place in `bits`,
         stored now: a chain's first block counts as the latest (see `_touch`)."""
-        distinct, _, masks, last = _grouped(ours, bits, self._sets.bits.shape[1])
+        distinct, changes, masks, last = _grouped(ours, bits)
         used = np.uint64(self._clock) + (len(ours) - last).astype(np.uint64)
         self._clock += len(ours) + 1
         slots = self._blocks.find(distinct)
         found = slots >= 0
         holders = self._blocks.column("holders")
         before = np.where(found, np.take(holders, slots), EMPTY).astype(np.uint32)
-        after, delta = self._sets.update(before, masks, add=True)
+        after, delta = self._sets.update(before, changes, masks, add=True)
         self._entries += delta
         at = slots[found]
         holders[at] = after[found]
@@ -429,12 +435,12 @@ class KVIndexManager:
         blocks nobody holds go."""
         if not len(ours):
             return
-        distinct, _, masks, _ = _grouped(ours, bits, self._sets.bits.shape[1])
+        distinct, changes, masks, _ = _grouped(ours, bits)
         slots = self._blocks.find(distinct)
         found = slots >= 0
         at = slots[found]
         holders = self._blocks.column("holders")
-        after, delta = self._sets.update(holders[at], masks[found], add=False)
+        after, delta = self._sets.update(holders[at], changes[found], masks, add=False)
         self._entries += delta
         holders[at] = after
         orphans = after == EMPTY
@@ -464,7 +470,7 @@ class KVIndexManager:
     def _states_stored(self, instance_id: str, engine_hashes: Sequence[int]) -> None:
         bit = self._bit(instance_id)
         self._known.add(instance_id)
-        states = self._states.setdefault(instance_id, HashTable({}))
+        states = self._states.setdefault(instance_id, HashTable({}, uniform=True))
         ours = self._translate([bit] * len(engine_hashes), list(engine_hashes)).values()
         distinct = np.unique(as_keys(list(ours)))  # a block not indexed keeps nothing
         states.insert(distinct[states.find(distinct) < 0], {})
@@ -520,19 +526,25 @@ def _runs(events: list[KVEvent]) -> Iterator[list[KVEvent]]:
                 yield [event]
 
 
-def _grouped(ours: U64, bits: I64, words: int) -> tuple[U64, I64, U64, I64]:
-    """The distinct blocks of `ours`, where each first appears, the instances named beside
-    each (one row of uint64 words each) and each one's last position in `ours`."""
+def _grouped(ours: U64, bits: I64) -> tuple[U64, I64, dict[int, int], I64]:
+    """The distinct blocks of `ours`; for each, the instances named beside it in `bits`
+    as a `HolderSets.update` change (the instance, or `MULTIPLE` + k with the members in the
+    dict), and its last position in `ours`."""
     order = np.argsort(ours, kind="stable")
     ordered = ours[order]
     starts = np.flatnonzero(np.concatenate([[True], ordered[1:] != ordered[:-1]]))
-    members = np.zeros((len(ours), max(words, int(bits.max()) // 64 + 1)), dtype=np.uint64)
-    members[np.arange(len(ours)), bits[order] // 64] = np.uint64(1) << (bits[order] % 64).astype(
-        np.uint64
-    )
-    masks = np.bitwise_or.reduceat(members, starts, axis=0)
+    named = bits[order]
+    changes = np.minimum.reduceat(named, starts)
+    masks: dict[int, int] = {}
+    several = np.flatnonzero(changes != np.maximum.reduceat(named, starts))
+    if len(several):
+        ends = np.append(starts[1:], len(ours))
+        for k, group in enumerate(several.tolist()):
+            members = named[starts[group] : ends[group]].tolist()
+            masks[MULTIPLE + k] = sum(1 << bit for bit in set(members))
+            changes[group] = MULTIPLE + k
     last = np.maximum.reduceat(order, starts)
-    return ordered[starts], order[starts], masks, last
+    return ordered[starts], changes, masks, last
 
 
 def _salt(bits: np.ndarray) -> U64:

@@ -41,7 +41,7 @@ def as_keys(values: npt.ArrayLike) -> U64:
 
 
 def _mix(keys: U64) -> U64:
-    """splitmix64's finaliser: engine hashes may be small or sequential integers."""
+    """splitmix64's finaliser, to spread keys that are not uniform hashes."""
     x = keys ^ (keys >> np.uint64(30))
     x = x * np.uint64(0xBF58476D1CE4E5B9)
     x = x ^ (x >> np.uint64(27))
@@ -54,10 +54,17 @@ class HashTable:
     """uint64 keys -> one row of `columns`; every operation takes and returns arrays."""
 
     def __init__(
-        self, columns: Mapping[str, npt.DTypeLike], buckets: int = 1, max_buckets: int = 0
+        self,
+        columns: Mapping[str, npt.DTypeLike],
+        buckets: int = 1,
+        max_buckets: int = 0,
+        uniform: bool = False,
     ) -> None:
         """`max_buckets` caps growth (0: none); a full bucket pair at the cap is the
-        caller's to empty (see `insert`)."""
+        caller's to empty (see `insert`). `uniform`: the keys are hashes already (our
+        xxh3), used as they are; else they are mixed first (engine hashes may be small or
+        sequential integers)."""
+        self._uniform = uniform
         self._dtypes = {name: np.dtype(dtype) for name, dtype in columns.items()}
         self.max_buckets = max_buckets
         self.size = 0
@@ -67,12 +74,13 @@ class HashTable:
         self.buckets = buckets
         self.keys: U64 = np.zeros((buckets, WAYS), dtype=np.uint64)
         self.tags = np.zeros((buckets, WAYS), dtype=np.uint16)
-        self.fill = np.zeros(buckets, dtype=np.int64)
+        self.fill = np.zeros(buckets, dtype=np.int8)
+        self._marks = np.zeros(buckets, dtype=np.int32)  # scratch: duplicate buckets in a batch
         self.columns = {n: np.zeros((buckets, WAYS), dtype=d) for n, d in self._dtypes.items()}
 
     @property
     def nbytes(self) -> int:
-        fixed = self.keys.nbytes + self.tags.nbytes + self.fill.nbytes
+        fixed = self.keys.nbytes + self.tags.nbytes + self.fill.nbytes + self._marks.nbytes
         return fixed + sum(c.nbytes for c in self.columns.values())
 
     def column(self, name: str) -> npt.NDArray[np.generic]:
@@ -81,7 +89,7 @@ class HashTable:
 
     def _choices(self, keys: U64) -> tuple[I64, I64, npt.NDArray[np.uint16]]:
         """Each key's two buckets and its tag (16 bits of its mixed hash)."""
-        mixed = _mix(keys)
+        mixed = keys if self._uniform else _mix(keys)
         n = np.uint64(self.buckets)
         first = ((mixed & np.uint64(0xFFFFFFFF)) * n) >> np.uint64(32)
         second = ((mixed >> np.uint64(32)) * n) >> np.uint64(32)
@@ -89,28 +97,25 @@ class HashTable:
         return first.astype(np.int64), second.astype(np.int64), tags
 
     def find(self, keys: U64) -> I64:
-        """The slot of each key (`as_keys` applied), -1 where absent."""
+        """The slot of each key (`as_keys` applied), -1 where absent. Both buckets' tags at
+        once (2 bytes a slot to compare, not 8), then the key where a tag matched; a key
+        whose first matching tag was another key's is looked up by key. (`np.take` gathers
+        rows several times faster than fancy indexing.)"""
         first, second, tags = self._choices(keys)
-        slots = self._find_in(first, keys, tags)
-        missing = slots < 0
-        if missing.any():
-            slots[missing] = self._find_in(second[missing], keys[missing], tags[missing])
-        return slots
-
-    def _find_in(self, buckets: I64, keys: U64, tags: npt.NDArray[np.uint16]) -> I64:
-        """Tags first (2 bytes a slot to compare, not 8), then the key where a tag matched;
-        a key whose first matching tag was another key's is looked up by key. (`np.take`
-        gathers rows several times faster than fancy indexing.)"""
-        way = (np.take(self.tags, buckets, axis=0) == tags[:, None]).argmax(axis=1)
-        slots = buckets * WAYS + way
+        buckets = np.stack([first, second], axis=1)  # (n, 2)
+        equal = np.take(self.tags, buckets, axis=0) == tags[:, None, None]  # (n, 2, WAYS)
+        pick = equal.reshape(len(keys), 2 * WAYS).argmax(axis=1)
+        slots = np.where(pick < WAYS, first, second) * WAYS + pick % WAYS
         hit = np.take(self.keys.reshape(-1), slots) == keys
         wrong = np.flatnonzero(~hit & (np.take(self.tags.reshape(-1), slots) == tags))
         if len(wrong):
-            by_key = np.take(self.keys, buckets[wrong], axis=0) == keys[wrong, None]
-            way = by_key.argmax(axis=1)
-            slots[wrong] = buckets[wrong] * WAYS + way
-            hit[wrong] = np.take(self.keys.reshape(-1), slots[wrong]) == keys[wrong]
-        return np.where(hit, slots, -1)
+            rows = np.take(self.keys, buckets[wrong], axis=0).reshape(len(wrong), 2 * WAYS)
+            by_key = rows == keys[wrong, None]
+            pick = by_key.argmax(axis=1)
+            slots[wrong] = np.where(pick < WAYS, first[wrong], second[wrong]) * WAYS + pick % WAYS
+            hit[wrong] = by_key[np.arange(len(wrong)), pick]
+        found: I64 = np.where(hit, slots, -1)
+        return found
 
     def insert(
         self, keys: U64, values: Mapping[str, npt.ArrayLike]
@@ -147,6 +152,18 @@ class HashTable:
         rows: Mapping[str, npt.NDArray[np.generic]],
     ) -> npt.NDArray[np.bool_]:
         """Put each key in its given bucket where room is left; returns which went in."""
+        first = np.arange(len(buckets))
+        self._marks[buckets] = first
+        if (self._marks[buckets] == first).all():  # one key per bucket: no ranks needed
+            fits = self.fill[buckets] < WAYS
+            slots = buckets[fits] * WAYS + self.fill[buckets[fits]]
+            self.keys.reshape(-1)[slots] = keys[fits]
+            self.tags.reshape(-1)[slots] = tags[fits]
+            for name, value in rows.items():
+                self.columns[name].reshape(-1)[slots] = value[fits]
+            self.fill[buckets[fits]] += 1
+            self.size += len(slots)
+            return fits
         way = self.fill[buckets] + _rank_within(buckets)
         fits = way < WAYS
         slots = buckets[fits] * WAYS + way[fits]
