@@ -95,7 +95,7 @@ class HolderSets:
     def retain(self, set_ids: npt.NDArray[Any], count: int) -> None:
         """Add `count` references to each id (once per occurrence); ids left unreferenced
         are freed for reuse."""
-        np.add.at(self.refs, set_ids, count)
+        self.refs += count * np.bincount(set_ids, minlength=len(self.refs))
         if count < 0:
             for set_id in np.unique(set_ids[self.refs[set_ids] == 0]).tolist():
                 if set_id != EMPTY:

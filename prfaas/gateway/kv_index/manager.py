@@ -49,9 +49,9 @@ from prfaas.protocol.kv_events import (
 
 logger = logging.getLogger(__name__)
 
-_BLOCK_COLUMNS = {"holders": np.uint32, "used": np.uint64}
+_BLOCK_COLUMNS = {"holders": np.uint32, "used": np.uint32}
 _TRANSLATION_COLUMNS = {"ours": np.uint64, "instance": np.uint16}
-_BLOCK_SLOT_BYTES = 8 + 2 + 4 + 8  # key, tag, holders, used
+_BLOCK_SLOT_BYTES = 8 + 2 + 4 + 4  # key, tag, holders, used
 _TRANSLATION_SLOT_BYTES = 8 + 2 + 8 + 2  # key, tag, ours, instance
 # Buffered blocks past which `apply` applies at once (a read applies what is buffered): at
 # a few microseconds a block, a flush holds the loop about a millisecond.
@@ -92,7 +92,7 @@ class KVIndexManager:
         states (absent: the engine has reported no states, every cached block reusable)."""
         self._pending: dict[str, list[KVEvent]] = {}  # events not applied yet, per instance
         self._pending_blocks = 0
-        self._clock = 0  # ticks: one per block stored or looked up
+        self._clock = 0  # use-time ticks: one per block stored or looked up
         self._entries = 0
         self._dangling = 0  # translation rows whose block lost them (evictions)
         self._sweep_at = 0
@@ -165,9 +165,19 @@ class KVIndexManager:
     def _touch(self, slots: I64) -> None:
         """Mark a chain's blocks used now, its first block the latest (a full bucket then
         evicts chains from their ends, as engines do)."""
-        ticks = np.arange(len(slots), 0, -1, dtype=np.uint64)
-        self._blocks.column("used")[slots] = np.uint64(self._clock) + ticks
-        self._clock += len(slots) + 1
+        base = self._tick(len(slots))
+        self._blocks.column("used")[slots] = base + np.arange(len(slots), 0, -1, dtype=np.uint32)
+
+    def _tick(self, n: int) -> np.uint32:
+        """Reserve `n` ticks of the use clock (32 bits, halved with every use time when
+        it nears the top: order is what eviction reads); returns the one before them."""
+        if self._clock + n + 1 >= 2**32:
+            used = self._blocks.column("used")
+            np.right_shift(used, np.uint32(1), out=used)
+            self._clock //= 2
+        base = np.uint32(self._clock)
+        self._clock += n + 1
+        return base
 
     def _cut_to_kept_states(self, result: dict[str, int], read: list[U64]) -> None:
         for name, tokens in result.items():
@@ -352,8 +362,7 @@ class KVIndexManager:
         """Mark each block of `ours` held by the instance at the same place in `bits`,
         stored now: a chain's first block counts as the latest (see `_touch`)."""
         distinct, changes, masks, last = _grouped(ours, bits)
-        used = np.uint64(self._clock) + (len(ours) - last).astype(np.uint64)
-        self._clock += len(ours) + 1
+        used = self._tick(len(ours)) + (len(ours) - last).astype(np.uint32)
         slots = self._blocks.find(distinct)
         found = slots >= 0
         holders = self._blocks.column("holders")
