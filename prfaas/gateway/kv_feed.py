@@ -17,11 +17,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
-from prfaas.gateway.kv_index import KVIndexManager
-from prfaas.protocol.kv_events import KVEventSubscriber, ReceivedBatch, decode_frames
+import msgspec
+
+from prfaas.gateway.kv_index import FLUSH_BLOCKS, KVIndexManager
+from prfaas.protocol.kv_events import (
+    BlockStored,
+    KVEvent,
+    KVEventSubscriber,
+    ReceivedBatch,
+    decode_frames,
+)
 from prfaas.protocol.kv_events.vllm_events import VLLMEventDecoder
 
 logger = logging.getLogger(__name__)
@@ -110,13 +119,24 @@ class KVEventFeed:
     ) -> None:
         try:
             for received in await subscriber.sync():
-                self.apply(instance_id, received)
+                await self._apply_in_slices(instance_id, received)
             synced.set()
             while True:
-                self.apply(instance_id, await subscriber.recv())
+                await self._apply_in_slices(instance_id, await subscriber.recv())
         finally:
             synced.set()
             subscriber.close()
+
+    async def _apply_in_slices(self, instance_id: str, received: ReceivedBatch) -> None:
+        """`apply`, a long batch (a snapshot's: hundreds of chains) in slices of about the
+        index's flush size, the loop free between them: a routing decision waits for one
+        slice, not for the batch."""
+        pieces = _slices(received.batch.events, FLUSH_BLOCKS)
+        first = msgspec.structs.replace(received.batch, events=pieces[0] if pieces else ())
+        self.apply(instance_id, dataclasses.replace(received, batch=first))
+        for piece in pieces[1:]:
+            await asyncio.sleep(0)
+            self._index.apply(instance_id, piece)
 
     def apply(self, instance_id: str, received: ReceivedBatch) -> None:
         """Apply one received batch, resynchronising first after a gap or a restart; a
@@ -144,3 +164,18 @@ class KVEventFeed:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks.clear()
+
+
+def _slices(events: Sequence[KVEvent], blocks: int) -> list[tuple[KVEvent, ...]]:
+    """`events` cut, in order, into runs of about `blocks` stored blocks each."""
+    pieces: list[tuple[KVEvent, ...]] = []
+    start = held = 0
+    for i, event in enumerate(events):
+        if isinstance(event, BlockStored):
+            held += len(event.block_hashes)
+        if held >= blocks:
+            pieces.append(tuple(events[start : i + 1]))
+            start, held = i + 1, 0
+    if start < len(events):
+        pieces.append(tuple(events[start:]))
+    return pieces

@@ -1,7 +1,7 @@
 """KV-event glue over real ZMQ sockets: events reach the index; a sequence gap, a publisher
 restart or an instance going down drops that instance's entries (never over-report); a
 feed that joins running engines, or follows a restarted one, first loads what they cache
-(their snapshots), and waiting for that is bounded."""
+(their snapshots), and waiting for that is bounded; long batches go in in slices."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import asyncio
 import zmq
 
 from prfaas.common.hashing import hash_blocks
-from prfaas.gateway.kv_feed import KVEventFeed
+from prfaas.gateway.kv_feed import KVEventFeed, _slices
 from prfaas.gateway.kv_index import KVIndexManager
 from prfaas.protocol.kv_events import (
     AllBlocksCleared,
+    BlockRemoved,
     BlockStored,
     KVEventBatch,
     KVEventPublisher,
@@ -151,3 +152,19 @@ async def test_waiting_for_a_silent_engine_is_bounded() -> None:
     finally:
         silent.close()
         ctx.term()
+
+
+def test_a_long_batch_is_applied_in_slices_of_about_the_flush_size() -> None:
+    """A snapshot's batch of many chains is cut, in order, into runs of about `blocks`
+    stored blocks (the feed yields to the loop between them); other events ride along."""
+    events = [BlockStored((i, i + 1000), None, (1, 2, 3, 4), 2) for i in range(10)]
+    events.insert(3, BlockRemoved((7,)))
+    pieces = _slices(events, 6)
+    assert [e for piece in pieces for e in piece] == events
+    assert [sum(len(e.block_hashes) for e in p if isinstance(e, BlockStored)) for p in pieces] == [
+        6,
+        6,
+        6,
+        2,
+    ]
+    assert _slices([], 6) == []

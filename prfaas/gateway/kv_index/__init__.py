@@ -3,6 +3,6 @@ hash tables (`table`) whose block rows name their holders by interned set (`hold
 
 from __future__ import annotations
 
-from prfaas.gateway.kv_index.manager import KVIndexManager
+from prfaas.gateway.kv_index.manager import FLUSH_BLOCKS, KVIndexManager
 
-__all__ = ["KVIndexManager"]
+__all__ = ["FLUSH_BLOCKS", "KVIndexManager"]

@@ -9,7 +9,7 @@ depend on an engine's hash function. Two numpy hash tables (`table.HashTable`) h
   removal or a kept state (the key is the engine hash xor a per-instance salt; the row keeps
   the instance, so a clear finds its rows).
 
-Events are buffered and applied in batches (`_FLUSH_BLOCKS` blocks, or at the next read):
+Events are buffered and applied in batches (`FLUSH_BLOCKS` blocks, or at the next read):
 array operations cost about the same for one block as for hundreds, and engines send a few
 at a time. A flush takes every instance's events in order, its stores of all instances as
 one batch, its removals as one, then the next of each instance's runs.
@@ -55,7 +55,7 @@ _BLOCK_SLOT_BYTES = 8 + 2 + 4 + 4  # key, tag, holders, used
 _TRANSLATION_SLOT_BYTES = 8 + 2 + 8 + 2  # key, tag, ours, instance
 # Buffered blocks past which `apply` applies at once (a read applies what is buffered): at
 # a few microseconds a block, a flush holds the loop about a millisecond.
-_FLUSH_BLOCKS = 256
+FLUSH_BLOCKS = 256
 # Translation rows checked per flush for an evicted block while any may be left.
 _SWEEP_SLOTS = 4096
 # Lazily hashed lookups read their hashes in chunks of at most this many.
@@ -204,7 +204,7 @@ class KVIndexManager:
             if isinstance(event, BlockStored):
                 self._pending_blocks += len(event.block_hashes)
         pending.extend(states)
-        if self._pending_blocks >= _FLUSH_BLOCKS:
+        if self._pending_blocks >= FLUSH_BLOCKS:
             self._flush()
 
     def clear_instance(self, instance_id: str) -> None:
