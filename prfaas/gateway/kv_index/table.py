@@ -28,6 +28,7 @@ import numpy.typing as npt
 
 WAYS = 16
 GROWTH = 1.25
+_REHASH_CHUNK = 1 << 14  # keys placed at a time when rehashing
 _EMPTY = np.uint64(0)
 _ZERO_STAND_IN = np.uint64(0x9E3779B97F4A7C15)  # key 0 marks an empty slot; 0 is stored as this
 
@@ -227,13 +228,19 @@ class HashTable:
             wanted = min(wanted, self.max_buckets)
         self._allocate(wanted)
         self.size = 0
-        left = self._place(
-            np.concatenate([held, keys]),
-            {n: np.concatenate([held_rows[n], rows[n]]) for n in rows},
-        )
+        everything = np.concatenate([held, keys])
+        values = {n: np.concatenate([held_rows[n], rows[n]]) for n in rows}
         del held, held_rows
+        left: list[tuple[U64, dict[str, npt.NDArray[np.generic]]]] = []
+        for start in range(0, len(everything), _REHASH_CHUNK):  # so fills inform choices
+            part = slice(start, start + _REHASH_CHUNK)
+            left.append(self._place(everything[part], {n: v[part] for n, v in values.items()}))
+        del everything, values
         _trim_heap()
-        return left
+        return (
+            np.concatenate([k for k, _ in left]),
+            {n: np.concatenate([r[n] for _, r in left]) for n in rows},
+        )
 
     def candidates(self, keys: U64) -> I64:
         """The slots of each key's two buckets, one row of 2 x WAYS per key."""
