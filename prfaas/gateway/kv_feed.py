@@ -29,6 +29,7 @@ from prfaas.protocol.kv_events import (
     KVEvent,
     KVEventSubscriber,
     ReceivedBatch,
+    StatesStored,
     decode_frames,
 )
 from prfaas.protocol.kv_events.vllm_events import VLLMEventDecoder
@@ -59,6 +60,7 @@ class KVEventFeed:
         self._sync_timeout_s = sync_timeout_s
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._synced: dict[str, asyncio.Event] = {}
+        self._generation: dict[str, int] = {}  # resyncs per instance: a slice's staleness
         self.batches = 0
 
     def start(self) -> None:
@@ -130,12 +132,24 @@ class KVEventFeed:
     async def _apply_in_slices(self, instance_id: str, received: ReceivedBatch) -> None:
         """`apply`, a long batch (a snapshot's: hundreds of chains) in slices of about the
         index's flush size, the loop free between them: a routing decision waits for one
-        slice, not for the batch."""
+        slice, not for the batch. The batch's kept states go in last, as one batch's do;
+        until then an empty `StatesStored` marks the instance hybrid with nothing kept (it
+        under-reports meanwhile, never over-reports). A resync between slices drops the
+        rest."""
         pieces = _slices(received.batch.events, FLUSH_BLOCKS)
+        states = tuple(e for e in received.batch.events if isinstance(e, StatesStored))
+        if len(pieces) > 1 and states:
+            rest = [e for e in received.batch.events if not isinstance(e, StatesStored)]
+            pieces = _slices(rest, FLUSH_BLOCKS)
+            pieces[0] = (StatesStored(()), *pieces[0])
+            pieces[-1] = (*pieces[-1], *states)
         first = msgspec.structs.replace(received.batch, events=pieces[0] if pieces else ())
         self.apply(instance_id, dataclasses.replace(received, batch=first))
+        generation = self._generation.get(instance_id, 0)
         for piece in pieces[1:]:
             await asyncio.sleep(0)
+            if self._generation.get(instance_id, 0) != generation:
+                return
             self._index.apply(instance_id, piece)
 
     def apply(self, instance_id: str, received: ReceivedBatch) -> None:
@@ -152,6 +166,7 @@ class KVEventFeed:
 
     def resync(self, instance_id: str, reason: str) -> None:
         """Drop an instance's entries (also used when its engine reports a restart)."""
+        self._generation[instance_id] = self._generation.get(instance_id, 0) + 1
         self._index.clear_instance(instance_id)
         if self._on_resync is not None:
             self._on_resync(instance_id, reason)

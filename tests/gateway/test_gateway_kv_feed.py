@@ -16,9 +16,11 @@ from prfaas.protocol.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    KVEvent,
     KVEventBatch,
     KVEventPublisher,
     ReceivedBatch,
+    StatesStored,
 )
 
 BS = 4
@@ -157,7 +159,7 @@ async def test_waiting_for_a_silent_engine_is_bounded() -> None:
 def test_a_long_batch_is_applied_in_slices_of_about_the_flush_size() -> None:
     """A snapshot's batch of many chains is cut, in order, into runs of about `blocks`
     stored blocks (the feed yields to the loop between them); other events ride along."""
-    events = [BlockStored((i, i + 1000), None, (1, 2, 3, 4), 2) for i in range(10)]
+    events: list[KVEvent] = [BlockStored((i, i + 1000), None, (1, 2, 3, 4), 2) for i in range(10)]
     events.insert(3, BlockRemoved((7,)))
     pieces = _slices(events, 6)
     assert [e for piece in pieces for e in piece] == events
@@ -168,3 +170,31 @@ def test_a_long_batch_is_applied_in_slices_of_about_the_flush_size() -> None:
         2,
     ]
     assert _slices([], 6) == []
+
+
+async def test_a_hybrid_snapshot_in_slices_never_over_reports_between_them() -> None:
+    """A hybrid engine's snapshot (chains first, kept states last) applied in slices: a
+    lookup between slices reports nothing past a kept state, and after the last slice the
+    cut is the one the states give."""
+    index = KVIndexManager(block_size=BS)
+    feed = KVEventFeed(index, {})
+    tokens = list(range(BS * 600))
+    chain = [
+        BlockStored(
+            tuple(range(i, i + 60)), i - 1 if i else None, tuple(tokens[BS * i : BS * (i + 60)]), BS
+        )
+        for i in range(0, 600, 60)
+    ]
+    events: tuple[KVEvent, ...] = (*chain, StatesStored((9,)))  # kept after the tenth block
+    received = ReceivedBatch(
+        "", 0, KVEventBatch(0.0, events), missed=0, restarted=False, snapshot=True
+    )
+    task = asyncio.create_task(feed._apply_in_slices("h", received))
+    prompt = hash_blocks(tokens, BS)
+    seen = []
+    while not task.done():
+        seen.append(index.longest_prefix(prompt).get("h", 0))
+        await asyncio.sleep(0)
+    await task
+    assert all(tokens_ in (0, BS * 10) for tokens_ in seen), seen
+    assert index.longest_prefix(prompt) == {"h": BS * 10}

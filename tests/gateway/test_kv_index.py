@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
+
 from prfaas.common.hashing import hash_blocks, iter_block_hashes
 from prfaas.gateway.kv_index import KVIndexManager
+from prfaas.gateway.kv_index.manager import _salt
 from prfaas.protocol.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -154,3 +157,35 @@ def test_a_hybrid_instance_matches_only_up_to_its_last_kept_state() -> None:
     index.apply("hybrid", [_stored(tokens[4:8], [2], parent=1), StatesStored((2,))])
     assert index.longest_prefix(prompt) == {"plain": 16, "hybrid": 8}
     assert index.longest_prefix(hash_blocks(tokens[:4], BS)) == {"plain": 4, "hybrid": 0}
+
+
+def test_an_engine_hash_stored_twice_in_one_batch_names_one_block() -> None:
+    """An engine whose hash covers only a page's own tokens may report one hash for two
+    different blocks: the first one stored is the block it names (as the oracle keeps it),
+    and its removal and a clear leave nothing behind."""
+    index = KVIndexManager(block_size=BS)
+    index.apply("a", [_stored([1, 2, 3, 4], [7]), _stored([5, 6, 7, 8], [7])])
+    assert index.longest_prefix(hash_blocks([1, 2, 3, 4], BS)) == {"a": 4}
+    assert index.longest_prefix(hash_blocks([5, 6, 7, 8], BS)) == {"a": 0}
+    index.apply("a", [BlockRemoved((7,))])
+    assert len(index) == 0
+    index.apply("a", [_stored([5, 6, 7, 8], [9]), AllBlocksCleared()])
+    assert len(index) == 0 and index.longest_prefix(hash_blocks([5, 6, 7, 8], BS)) == {}
+
+
+def test_a_salted_key_collision_drops_the_second_pair() -> None:
+    """Translations are keyed by engine hash xor a per-instance salt: a second instance's
+    hash chosen to collide with the first's key is refused (counted), never half-held,
+    whether the two arrive in one flush or the first is in the table already."""
+    index = KVIndexManager(block_size=BS)
+    index.apply("a", [_stored([1, 2, 3, 4], [1234])])
+    index.apply("b", [_stored([9, 9, 9, 9], [5])])  # b gets its member number
+    salts = _salt(np.array([0, 1]))
+    colliding = int(np.uint64(1234) ^ salts[0] ^ salts[1])
+    index.apply("b", [_stored([1, 2, 3, 4], [colliding])])  # in a's batch (one flush)
+    assert index.rejected_events == 1
+    assert index.longest_prefix(hash_blocks([1, 2, 3, 4], BS)) == {"a": 4, "b": 0}
+    index.apply("b", [_stored([1, 2, 3, 4], [colliding])])  # against a's row
+    assert index.rejected_events == 2
+    index.apply("b", [BlockRemoved((colliding,))])
+    assert index.longest_prefix(hash_blocks([1, 2, 3, 4], BS)) == {"a": 4, "b": 0}

@@ -194,6 +194,13 @@ class KVIndexManager:
         """Take one engine's events, in order (applied at the next flush, see the module
         docstring); states stored are taken after the batch's blocks (vLLM sends a step's
         Mamba groups before its attention)."""
+        if instance_id not in self._bits and len(self._names) >= _MAX_INSTANCES:
+            self._rejected += 1
+            logger.warning(
+                "%s: the KV index holds %d instances at most", instance_id, _MAX_INSTANCES
+            )
+            return
+        self._bit(instance_id)
         pending = self._pending.setdefault(instance_id, [])
         states: list[KVEvent] = []
         for event in events:
@@ -254,9 +261,7 @@ class KVIndexManager:
     def _bit(self, instance_id: str) -> int:
         """The instance's member number, made on first sight."""
         bit = self._bits.get(instance_id)
-        if bit is None:
-            if len(self._names) >= _MAX_INSTANCES:
-                raise ValueError(f"the KV index holds at most {_MAX_INSTANCES} instances")
+        if bit is None:  # `apply` keeps the count under _MAX_INSTANCES
             bit = self._bits[instance_id] = len(self._names)
             self._names.append(instance_id)
         return bit
@@ -291,9 +296,9 @@ class KVIndexManager:
             parent: int | None = None
             if event.parent_block_hash is not None:
                 key = (bit, event.parent_block_hash)
-                parent = chained.get(key)
+                parent = known.get(key)  # a hash's first translation holds, as in `_add`
                 if parent is None:
-                    parent = known.get(key)
+                    parent = chained.get(key)
                 if parent is None:  # unknown (evicted from the index or a missed event)
                     self._rejected += 1
                     continue
@@ -301,7 +306,8 @@ class KVIndexManager:
             bits.extend(itertools.repeat(bit, len(hashes)))
             engine.extend(event.block_hashes)
             ours.extend(hashes)
-            chained.update(zip([(bit, h) for h in event.block_hashes], hashes, strict=True))
+            for engine_hash, our_hash in zip(event.block_hashes, hashes, strict=True):
+                chained.setdefault((bit, engine_hash), our_hash)
         if engine:
             self._add(np.array(bits, dtype=np.int64), engine, as_keys(ours))
 
@@ -343,24 +349,35 @@ class KVIndexManager:
         return dict(zip(pairs, ours, strict=True))
 
     def _add(self, bits: I64, engine: Sequence[int], ours: U64) -> None:
-        """Translate new (instance, engine hash) pairs, then mark the blocks held. A known
-        pair keeps the block it translated to (its removal will name that one)."""
+        """Translate new (instance, engine hash) pairs, then mark the blocks held. A pair
+        names one block: the one it translated to if known (its removal will name that
+        one), else its first occurrence's; a pair whose salted key another instance's
+        row holds (a 2**-64 chance) is dropped, as the table cannot hold both."""
         keys = self._translation_keys(bits, engine)
-        distinct, first = np.unique(keys, return_index=True)
-        slots = self._find_keys(distinct, bits[first])
-        known = slots >= 0
-        held = ours.copy()
-        held[first[known]] = self._translations.column("ours")[slots[known]]
-        self._hold(held, bits)
+        distinct, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+        slots = self._translations.find(distinct)
+        owner = np.take(self._translations.column("instance"), slots)
+        known = (slots >= 0) & (owner == bits[first])
+        collided = (slots >= 0) & ~known
+        per_key = ours[first]
+        per_key[known] = self._translations.column("ours")[slots[known]]
+        # a pair colliding with a row, or with another instance's pair in this batch
+        keep = ~collided[inverse] & (bits == bits[first][inverse])
+        if not keep.all():
+            self._rejected += int((~keep).sum())
+            logger.warning("%d engine hashes collided with another instance's", (~keep).sum())
+        self._hold(per_key[inverse][keep], bits[keep])
         # after the blocks: evicting a translation takes its holder off its block, which
         # must not be one this batch marks held again after
-        new = first[~known]
-        values = {"ours": ours[new], "instance": bits[new]}
-        self._insert(self._translations, distinct[~known], values, self._evict_translations)
+        new = ~known & ~collided
+        values = {"ours": per_key[new], "instance": bits[first[new]]}
+        self._insert(self._translations, distinct[new], values, self._evict_translations)
 
     def _hold(self, ours: U64, bits: I64) -> None:
         """Mark each block of `ours` held by the instance at the same place in `bits`,
         stored now: a chain's first block counts as the latest (see `_touch`)."""
+        if not len(ours):
+            return
         distinct, changes, masks, last = _grouped(ours, bits)
         used = self._tick(len(ours)) + (len(ours) - last).astype(np.uint32)
         slots = self._blocks.find(distinct)
@@ -383,7 +400,9 @@ class KVIndexManager:
         values: dict[str, np.ndarray],
         evict: Callable[[U64], None],
     ) -> None:
-        """Insert; at the table's cap, evict in the full buckets and insert again."""
+        """Insert; at the table's cap, evict in the full buckets and insert again (what
+        comes back may include keys the table held: a rehash into its last size can
+        overflow a bucket pair)."""
         left, rows = table.insert(keys, values)
         while len(left):
             evict(left)
@@ -407,7 +426,8 @@ class KVIndexManager:
         candidates = self._translations.candidates(keys)
         blocks = self._blocks.find(self._translations.column("ours")[candidates.reshape(-1)])
         used = np.where(blocks >= 0, np.take(self._blocks.column("used"), blocks), 0)
-        slots = np.unique(HashTable.pick_smallest(candidates, _by_slot(candidates, used)))
+        oldest = used.reshape(candidates.shape).argmin(axis=1)
+        slots = np.unique(candidates[np.arange(len(candidates)), oldest])
         ours = self._translations.column("ours")[slots].copy()
         bits = self._translations.column("instance")[slots].astype(np.int64)
         self._translations.delete(slots)
@@ -516,13 +536,6 @@ class KVIndexManager:
             self._dangling = max(0, self._dangling - int(stale.sum()))
         if end == total and not stale.any():
             self._dangling = 0  # a whole pass found none left
-
-
-def _by_slot(candidates: I64, values: np.ndarray) -> np.ndarray:
-    """`values` (one per element of `candidates`, row-major) as an array indexed by slot."""
-    by_slot = np.zeros(int(candidates.max()) + 1, dtype=values.dtype)
-    by_slot[candidates.reshape(-1)] = values
-    return by_slot
 
 
 def _runs(events: list[KVEvent]) -> Iterator[list[KVEvent]]:

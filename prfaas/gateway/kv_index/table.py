@@ -91,12 +91,14 @@ class HashTable:
         return self.columns[name].reshape(-1)
 
     def _choices(self, keys: U64) -> tuple[I64, I64, npt.NDArray[np.uint16]]:
-        """Each key's two buckets and its tag (16 bits of its mixed hash)."""
+        """Each key's two buckets and its tag (16 more bits of its mixed hash)."""
         mixed = keys if self._uniform else _mix(keys)
         n = np.uint64(self.buckets)
         first = ((mixed & np.uint64(0xFFFFFFFF)) * n) >> np.uint64(32)
         second = ((mixed >> np.uint64(32)) * n) >> np.uint64(32)
-        tags = (mixed >> np.uint64(48)).astype(np.uint16)
+        # the tag from a product, not from bits the bucket choices read: keys that share a
+        # bucket must not share their tag too
+        tags = ((mixed * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(48)).astype(np.uint16)
         return first.astype(np.int64), second.astype(np.int64), tags
 
     def find(self, keys: U64) -> I64:
@@ -128,6 +130,7 @@ class HashTable:
         and they may include keys that were in the table (a rehash into the last size can
         overflow a bucket pair). Empty a slot in one of their two buckets (`victims`) and
         insert them again."""
+        assert values.keys() == self._dtypes.keys(), "a value for every column"
         rows = {n: np.asarray(v, dtype=self._dtypes[n]) for n, v in values.items()}
         keys, rows = self._place(keys, rows)
         while len(keys) and (self.max_buckets == 0 or self.buckets < self.max_buckets):
@@ -254,12 +257,8 @@ class HashTable:
     def victims(self, keys: U64, column: str) -> I64:
         """For each key, the slot holding the smallest `column` value among its two
         buckets (the one to evict so that the key fits)."""
-        return self.pick_smallest(self.candidates(keys), self.columns[column].reshape(-1))
-
-    @staticmethod
-    def pick_smallest(candidates: I64, values: np.ndarray) -> I64:
-        """Per row of `candidates`, the slot whose value (`values[slot]`) is smallest."""
-        pick = np.take(values, candidates).argmin(axis=1)
+        candidates = self.candidates(keys)
+        pick = np.take(self.columns[column].reshape(-1), candidates).argmin(axis=1)
         slots: I64 = candidates[np.arange(len(candidates)), pick]
         return slots
 
