@@ -390,15 +390,8 @@ def run_ours(w: Workload, reps: int, snapshot: bool) -> dict[str, Any]:
     result: dict[str, Any] = {
         "index_api": api,
         "index_module": sys.modules[KVIndexManager.__module__].__file__,
-        "entries": w.entries,
         "entries_held": held,
-        "batches": batches,
-        "wire_mib": wire_bytes / 2**20,
-        "generate_s": gen_s,
-        "rss_before_kib": before.get("RssAnon"),
-        "rss_after_kib": after.get("RssAnon"),
-        "bytes_per_entry": _per_entry(before, after, w.entries),
-        "peak_rss_mib": after["VmHWM"] / 1024 if "VmHWM" in after else None,
+        **_memory_fields(w.entries, batches, wire_bytes, gen_s, before, after),
         "ingest": {
             "apply_entries_per_s": w.entries / apply_s,
             "wire_entries_per_s": w.entries / (apply_s + decode_s),
@@ -414,6 +407,27 @@ def run_ours(w: Workload, reps: int, snapshot: bool) -> dict[str, Any]:
     if snapshot:
         result["snapshot_catchup"] = _ours_snapshot(payloads, ids, new_index, hashes, lookup)
     return result
+
+
+def _memory_fields(
+    entries: int,
+    batches: int,
+    wire_bytes: int,
+    gen_s: float,
+    before: dict[str, int],
+    after: dict[str, int],
+) -> dict[str, Any]:
+    """The workload's size and the RSS readings around the ingest, as both sides report."""
+    return {
+        "entries": entries,
+        "batches": batches,
+        "wire_mib": wire_bytes / 2**20,
+        "generate_s": gen_s,
+        "rss_before_kib": before.get("RssAnon"),
+        "rss_after_kib": after.get("RssAnon"),
+        "bytes_per_entry": _per_entry(before, after, entries),
+        "peak_rss_mib": after["VmHWM"] / 1024 if "VmHWM" in after else None,
+    }
 
 
 def _per_entry(before: dict[str, int], after: dict[str, int], entries: int) -> float | None:
@@ -547,14 +561,7 @@ def run_dynamo(w: Workload, reps: int) -> dict[str, Any]:
     answers = {name: cached(tokens) for name, tokens in checks.items()}
     return {
         "package": f"ai-dynamo-runtime=={version('ai-dynamo-runtime')}",
-        "entries": w.entries,
-        "batches": batches,
-        "wire_mib": wire_bytes / 2**20,
-        "generate_s": gen_s,
-        "rss_before_kib": before.get("RssAnon"),
-        "rss_after_kib": after.get("RssAnon"),
-        "bytes_per_entry": _per_entry(before, after, w.entries),
-        "peak_rss_mib": after["VmHWM"] / 1024 if "VmHWM" in after else None,
+        **_memory_fields(w.entries, batches, wire_bytes, gen_s, before, after),
         "ingest": {
             "apply_entries_per_s": w.entries / apply_s,
             "wire_entries_per_s": w.entries / apply_s,

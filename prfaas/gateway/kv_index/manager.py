@@ -180,11 +180,14 @@ class KVIndexManager:
         return base
 
     def _cut_to_kept_states(self, result: dict[str, int], read: list[U64]) -> None:
+        seen_all: U64 | None = None
         for name, tokens in result.items():
             states = self._states.get(name)
             if states is None or tokens == 0:
                 continue
-            seen = np.concatenate(read)[: tokens // self.block_size]
+            if seen_all is None:
+                seen_all = np.concatenate(read)
+            seen = seen_all[: tokens // self.block_size]
             kept = np.flatnonzero(states.find(seen) >= 0)
             result[name] = (int(kept[-1]) + 1) * self.block_size if len(kept) else 0
 
@@ -329,14 +332,11 @@ class KVIndexManager:
 
     def _find_translations(self, bits: np.ndarray, engine_hashes: Sequence[int]) -> I64:
         """Slots of the (instance, engine hash) rows, -1 where absent."""
-        return self._find_keys(self._translation_keys(bits, engine_hashes), bits)
-
-    def _find_keys(self, keys: U64, bits: np.ndarray) -> I64:
-        """`_find_translations` from the salted keys."""
-        slots = self._translations.find(keys)
+        slots = self._translations.find(self._translation_keys(bits, engine_hashes))
         instance = self._translations.column("instance")
         wrong = (slots >= 0) & (np.take(instance, slots) != bits)  # a salted-key collision
-        return np.where(wrong, -1, slots)
+        found: I64 = np.where(wrong, -1, slots)
+        return found
 
     def _translate(self, bits: list[int], engine_hashes: list[int]) -> dict[tuple[int, int], int]:
         """Our hash of each (instance, engine hash) the translations hold."""
