@@ -2,7 +2,7 @@
 
 Engines publish `BlockStored` with their own block hashes plus the token ids; the index
 re-hashes the tokens with PrfaaS's chained xxh3-64 (`prfaas.common.hashing`) so lookups never
-depend on an engine's hash function. Two numpy hash tables (`table.HashTable`) hold it:
+depend on an engine's hash function. Two numpy hash tables (`growing.GrowingTable`) hold it:
 
 * blocks: our hash -> (holder-set id, last stored or used), what a lookup reads;
 * translations: (instance, engine hash) -> our hash, what resolves an event's parent, a
@@ -36,8 +36,9 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from prfaas.common.hashing import hash_blocks
+from prfaas.gateway.kv_index.growing import GrowingTable
 from prfaas.gateway.kv_index.holder_sets import EMPTY, MULTIPLE, HolderSets
-from prfaas.gateway.kv_index.table import I64, U64, WAYS, HashTable, as_keys
+from prfaas.gateway.kv_index.table import I64, U64, WAYS, as_keys
 from prfaas.protocol.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -74,12 +75,12 @@ class KVIndexManager:
         self.block_size = block_size
         self.max_index_mb = max_index_mb
         half = max_index_mb * 2**20 / 2
-        self._blocks = HashTable(
+        self._blocks = GrowingTable(
             _BLOCK_COLUMNS,
             max_buckets=max(1, int(half / (WAYS * _BLOCK_SLOT_BYTES))),
             uniform=True,
         )
-        self._translations = HashTable(
+        self._translations = GrowingTable(
             _TRANSLATION_COLUMNS,
             max_buckets=max(1, int(half / (WAYS * _TRANSLATION_SLOT_BYTES))),
         )
@@ -87,7 +88,7 @@ class KVIndexManager:
         self._bits: dict[str, int] = {}  # instance id -> member number, for the index's life
         self._names: list[str] = []  # member number -> instance id
         self._known: set[str] = set()  # instances with something indexed (or reported)
-        self._states: dict[str, HashTable] = {}
+        self._states: dict[str, GrowingTable] = {}
         """Per hybrid instance, our hashes of the blocks after which it kept its linear
         states (absent: the engine has reported no states, every cached block reusable)."""
         self._pending: dict[str, list[KVEvent]] = {}  # events not applied yet, per instance
@@ -136,7 +137,6 @@ class KVIndexManager:
         result = dict.fromkeys(names, 0)
         words = self._sets.bits.shape[1]
         alive = _words(sum(1 << self._bits[name] for name in names), words)
-        holders_column = self._blocks.column("holders")
         read: list[U64] = []
         used: list[I64] = []  # slots of the blocks some instance matched
         matched = 0  # blocks read before the current chunk
@@ -144,7 +144,7 @@ class KVIndexManager:
             keys = as_keys(chunk)
             read.append(keys)
             slots = self._blocks.find(keys)
-            holders = np.where(slots >= 0, np.take(holders_column, slots), EMPTY)
+            holders = np.where(slots >= 0, self._blocks.get("holders", slots), EMPTY)
             bits = np.take(self._sets.bits, holders, axis=0) & alive
             held = np.bitwise_and.accumulate(bits, axis=0)
             before = np.vstack([alive, held[:-1]])
@@ -166,14 +166,15 @@ class KVIndexManager:
         """Mark a chain's blocks used now, its first block the latest (a full bucket then
         evicts chains from their ends, as engines do)."""
         base = self._tick(len(slots))
-        self._blocks.column("used")[slots] = base + np.arange(len(slots), 0, -1, dtype=np.uint32)
+        self._blocks.set("used", slots, base + np.arange(len(slots), 0, -1, dtype=np.uint32))
 
     def _tick(self, n: int) -> np.uint32:
         """Reserve `n` ticks of the use clock (32 bits, halved with every use time when
         it nears the top: order is what eviction reads); returns the one before them."""
         if self._clock + n + 1 >= 2**32:
-            used = self._blocks.column("used")
-            np.right_shift(used, np.uint32(1), out=used)
+            for table in self._blocks.tables:
+                used = table.column("used")
+                np.right_shift(used, np.uint32(1), out=used)
             self._clock //= 2
         base = np.uint32(self._clock)
         self._clock += n + 1
@@ -333,8 +334,7 @@ class KVIndexManager:
     def _find_translations(self, bits: np.ndarray, engine_hashes: Sequence[int]) -> I64:
         """Slots of the (instance, engine hash) rows, -1 where absent."""
         slots = self._translations.find(self._translation_keys(bits, engine_hashes))
-        instance = self._translations.column("instance")
-        wrong = (slots >= 0) & (np.take(instance, slots) != bits)  # a salted-key collision
+        wrong = (slots >= 0) & (self._translations.get("instance", slots) != bits)  # collision
         found: I64 = np.where(wrong, -1, slots)
         return found
 
@@ -344,7 +344,7 @@ class KVIndexManager:
             return {}
         slots = self._find_translations(np.array(bits, dtype=np.int64), engine_hashes)
         found = (slots >= 0).tolist()
-        ours = self._translations.column("ours")[slots[slots >= 0]].tolist()
+        ours = self._translations.get("ours", slots[slots >= 0]).tolist()
         pairs = itertools.compress(zip(bits, engine_hashes, strict=True), found)
         return dict(zip(pairs, ours, strict=True))
 
@@ -356,11 +356,11 @@ class KVIndexManager:
         keys = self._translation_keys(bits, engine)
         distinct, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
         slots = self._translations.find(distinct)
-        owner = np.take(self._translations.column("instance"), slots)
+        owner = self._translations.get("instance", slots)
         known = (slots >= 0) & (owner == bits[first])
         collided = (slots >= 0) & ~known
         per_key = ours[first]
-        per_key[known] = self._translations.column("ours")[slots[known]]
+        per_key[known] = self._translations.get("ours", slots[known])
         # a pair colliding with a row, or with another instance's pair in this batch
         keep = ~collided[inverse] & (bits == bits[first][inverse])
         if not keep.all():
@@ -382,20 +382,19 @@ class KVIndexManager:
         used = self._tick(len(ours)) + (len(ours) - last).astype(np.uint32)
         slots = self._blocks.find(distinct)
         found = slots >= 0
-        holders = self._blocks.column("holders")
-        before = np.where(found, np.take(holders, slots), EMPTY).astype(np.uint32)
+        before = np.where(found, self._blocks.get("holders", slots), EMPTY).astype(np.uint32)
         after, delta = self._sets.update(before, changes, masks, add=True)
         self._entries += delta
         at = slots[found]
-        holders[at] = after[found]
-        self._blocks.column("used")[at] = used[found]
+        self._blocks.set("holders", at, after[found])
+        self._blocks.set("used", at, used[found])
         if not found.all():
             values = {"holders": after[~found], "used": used[~found]}
             self._insert(self._blocks, distinct[~found], values, self._evict_blocks)
 
     def _insert(
         self,
-        table: HashTable,
+        table: GrowingTable,
         keys: U64,
         values: dict[str, np.ndarray],
         evict: Callable[[U64], None],
@@ -411,7 +410,7 @@ class KVIndexManager:
     def _evict_blocks(self, keys: U64) -> None:
         """Room for `keys`: the least recently used block of each one's buckets goes."""
         slots = np.unique(self._blocks.victims(keys, "used"))
-        set_ids = self._blocks.column("holders")[slots]
+        set_ids = self._blocks.get("holders", slots)
         gone = sum(self._sets.size(int(s)) for s in set_ids.tolist())
         self._entries -= gone
         self._dangling += gone
@@ -424,12 +423,12 @@ class KVIndexManager:
         recently used goes (one whose block was evicted first), its block losing that
         holder and its kept state."""
         candidates = self._translations.candidates(keys)
-        blocks = self._blocks.find(self._translations.column("ours")[candidates.reshape(-1)])
-        used = np.where(blocks >= 0, np.take(self._blocks.column("used"), blocks), 0)
+        blocks = self._blocks.find(self._translations.get("ours", candidates.reshape(-1)))
+        used = np.where(blocks >= 0, self._blocks.get("used", blocks), 0)
         oldest = used.reshape(candidates.shape).argmin(axis=1)
         slots = np.unique(candidates[np.arange(len(candidates)), oldest])
-        ours = self._translations.column("ours")[slots].copy()
-        bits = self._translations.column("instance")[slots].astype(np.int64)
+        ours = self._translations.get("ours", slots)
+        bits = self._translations.get("instance", slots).astype(np.int64)
         self._translations.delete(slots)
         self._drop_states(ours, bits)
         before = self._entries
@@ -453,8 +452,8 @@ class KVIndexManager:
             return
         slots = np.unique(self._find_translations(np.array(bits, dtype=np.int64), engine))
         slots = slots[slots >= 0]
-        ours = self._translations.column("ours")[slots].copy()
-        owners = self._translations.column("instance")[slots].astype(np.int64)
+        ours = self._translations.get("ours", slots)
+        owners = self._translations.get("instance", slots).astype(np.int64)
         self._translations.delete(slots)
         self._drop_states(ours, owners)
         self._release(ours, owners)
@@ -468,10 +467,10 @@ class KVIndexManager:
         slots = self._blocks.find(distinct)
         found = slots >= 0
         at = slots[found]
-        holders = self._blocks.column("holders")
-        after, delta = self._sets.update(holders[at], changes[found], masks, add=False)
+        before = self._blocks.get("holders", at)
+        after, delta = self._sets.update(before, changes[found], masks, add=False)
         self._entries += delta
-        holders[at] = after
+        self._blocks.set("holders", at, after)
         orphans = after == EMPTY
         self._sets.retain(after[orphans], -1)
         self._blocks.delete(at[orphans])
@@ -491,15 +490,15 @@ class KVIndexManager:
         self._states.pop(instance_id, None)
         bit = self._bits[instance_id]
         table = self._translations
-        mine = np.flatnonzero((table.column("instance") == bit) & (table.keys.reshape(-1) != 0))
-        ours = table.column("ours")[mine].copy()
+        mine = table.select("instance", bit)
+        ours = table.get("ours", mine)
         table.delete(mine)
         self._release(ours, np.full(len(mine), bit, dtype=np.int64))
 
     def _states_stored(self, instance_id: str, engine_hashes: Sequence[int]) -> None:
         bit = self._bit(instance_id)
         self._known.add(instance_id)
-        states = self._states.setdefault(instance_id, HashTable({}, uniform=True))
+        states = self._states.setdefault(instance_id, GrowingTable({}, uniform=True))
         ours = self._translate([bit] * len(engine_hashes), list(engine_hashes)).values()
         distinct = np.unique(as_keys(list(ours)))  # a block not indexed keeps nothing
         states.insert(distinct[states.find(distinct) < 0], {})
@@ -517,16 +516,16 @@ class KVIndexManager:
         """Check the next `_SWEEP_SLOTS` translation rows; drop those whose block no
         longer lists their instance (evicted), with their kept states."""
         table = self._translations
-        total = table.buckets * WAYS
+        total = table.slots
         start = self._sweep_at if self._sweep_at < total else 0
         end = min(total, start + _SWEEP_SLOTS)
         self._sweep_at = end
         window = np.arange(start, end)
-        window = window[table.keys.reshape(-1)[window] != 0]
-        ours = table.column("ours")[window]
-        bits = table.column("instance")[window].astype(np.int64)
+        window = window[table.taken(window)]
+        ours = table.get("ours", window)
+        bits = table.get("instance", window).astype(np.int64)
         slots = self._blocks.find(ours)
-        holders = np.where(slots >= 0, np.take(self._blocks.column("holders"), slots), EMPTY)
+        holders = np.where(slots >= 0, self._blocks.get("holders", slots), EMPTY)
         words = np.take(self._sets.bits, holders, axis=0)
         listed = (words[np.arange(len(bits)), bits // 64] >> (bits % 64).astype(np.uint64)) & 1
         stale = listed == 0

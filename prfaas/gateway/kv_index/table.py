@@ -9,26 +9,27 @@ operations whatever the load (two row gathers and compares), which is what makes
 the first bucket pair overflows, and moving one key of a full pair to its other bucket (one
 step of cuckoo hashing) to ~95%, which is what keeps the bytes per entry low.
 
-A full bucket pair either grows the table (rehashing every key, vectorised) or, when the
-owner caps the table's slots, reports the keys it could not place so that the owner frees
-room in those very buckets (`victims`) and retries: set-associative eviction, as in CPU
-caches, with no global pass.
+The table's size is fixed: `insert` reports the keys that found no room, and the owner
+either grows (`growing.GrowingTable` moves the keys into a larger table a few buckets at a
+time) or, at its cap, frees room in those very buckets (`victims`) and retries:
+set-associative eviction, as in CPU caches, with no global pass.
 
 Slot numbers are valid until the next insert or delete (deletes repack buckets).
 """
 
 from __future__ import annotations
 
-import ctypes
+import mmap
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import numpy.ma  # (np.unique imports it on first use: 20 ms inside the first flush)
 import numpy.typing as npt
 
 WAYS = 16
-GROWTH = 1.25
-_REHASH_CHUNK = 1 << 14  # keys placed at a time when rehashing
+_PAGE = 4096
+_MAPPED_BYTES = 1 << 20  # arrays this large get their own memory mapping
 _EMPTY = np.uint64(0)
 _ZERO_STAND_IN = np.uint64(0x9E3779B97F4A7C15)  # key 0 marks an empty slot; 0 is stored as this
 
@@ -54,37 +55,60 @@ def _mix(keys: U64) -> U64:
 
 
 class HashTable:
-    """uint64 keys -> one row of `columns`; every operation takes and returns arrays."""
+    """uint64 keys -> one row of `columns`, in a fixed number of buckets; every operation
+    takes and returns arrays."""
 
     def __init__(
         self,
         columns: Mapping[str, npt.DTypeLike],
         buckets: int = 1,
-        max_buckets: int = 0,
         uniform: bool = False,
+        seed: int = 0,
     ) -> None:
-        """`max_buckets` caps growth (0: none); a full bucket pair at the cap is the
-        caller's to empty (see `insert`). `uniform`: the keys are hashes already (our
-        xxh3), used as they are; else they are mixed first (engine hashes may be small or
-        sequential integers)."""
-        self._uniform = uniform
-        self._dtypes = {name: np.dtype(dtype) for name, dtype in columns.items()}
-        self.max_buckets = max_buckets
+        """`uniform`: the keys are hashes already (our xxh3), used as they are; else they
+        are mixed first (engine hashes may be small or sequential integers). `seed` picks
+        the bucket choices: a table that keys move into from another must choose
+        independently of it (with the same choices scaled, a run of full buckets moved in
+        stays a run of full buckets)."""
+        self.uniform = uniform
+        self.seed = seed
+        self._scramble = np.uint64((0x9E3779B97F4A7C15 * (2 * seed + 1)) % 2**64 | 1)
+        self.dtypes = {name: np.dtype(dtype) for name, dtype in columns.items()}
         self.size = 0
-        self._allocate(max(1, buckets))
-
-    def _allocate(self, buckets: int) -> None:
+        buckets = max(1, buckets)
         self.buckets = buckets
-        self.keys: U64 = np.zeros((buckets, WAYS), dtype=np.uint64)
-        self.tags = np.zeros((buckets, WAYS), dtype=np.uint16)
-        self.fill = np.zeros(buckets, dtype=np.int8)
-        self._marks = np.zeros(buckets, dtype=np.int32)  # scratch: duplicate buckets in a batch
-        self.columns = {n: np.zeros((buckets, WAYS), dtype=d) for n, d in self._dtypes.items()}
+        self.keys: U64 = _zeros((buckets, WAYS), np.uint64)
+        self.tags = _zeros((buckets, WAYS), np.uint16)
+        self.fill = _zeros((buckets,), np.int8)
+        self._marks = _zeros((buckets,), np.int32)  # scratch: duplicate buckets in a batch
+        self.columns = {n: _zeros((buckets, WAYS), d) for n, d in self.dtypes.items()}
 
     @property
     def nbytes(self) -> int:
-        fixed = self.keys.nbytes + self.tags.nbytes + self.fill.nbytes + self._marks.nbytes
-        return fixed + sum(c.nbytes for c in self.columns.values())
+        return sum(array.nbytes for array in self._arrays())
+
+    def _arrays(self) -> list[npt.NDArray[Any]]:
+        return [self.keys, self.tags, self.fill, self._marks, *self.columns.values()]
+
+    def touch(self, position: int, nbytes: int) -> int:
+        """Fault in the memory pages of bytes `position` to `position + nbytes` of the
+        table's arrays (taken end to end) by rewriting one byte per page with itself;
+        returns where the next call starts (`nbytes` of the table when all are in). A new
+        table's zeroed pages are mapped on first write, and writes scattered by hashing
+        fault nearly one page each (about 3 us a page here: milliseconds for the first
+        thousand inserts into a large table)."""
+        end = position + nbytes
+        offset = 0
+        for array in self._arrays():
+            raw = array.reshape(-1).view(np.uint8)
+            low, high = max(position, offset), min(end, offset + len(raw))
+            if low < high:
+                pages = raw[low - offset : high - offset : _PAGE]
+                np.bitwise_or(pages, 0, out=pages)
+                last = raw[high - offset - 1 : high - offset]
+                np.bitwise_or(last, 0, out=last)
+            offset += len(raw)
+        return min(end, offset)
 
     def column(self, name: str) -> npt.NDArray[np.generic]:
         """A column as a flat array indexed by slot (a view: writes go to the table)."""
@@ -92,7 +116,7 @@ class HashTable:
 
     def _choices(self, keys: U64) -> tuple[I64, I64, npt.NDArray[np.uint16]]:
         """Each key's two buckets and its tag (16 more bits of its mixed hash)."""
-        mixed = keys if self._uniform else _mix(keys)
+        mixed = (keys if self.uniform else _mix(keys)) * self._scramble
         n = np.uint64(self.buckets)
         first = ((mixed & np.uint64(0xFFFFFFFF)) * n) >> np.uint64(32)
         second = ((mixed >> np.uint64(32)) * n) >> np.uint64(32)
@@ -126,16 +150,11 @@ class HashTable:
         self, keys: U64, values: Mapping[str, npt.ArrayLike]
     ) -> tuple[U64, dict[str, npt.NDArray[np.generic]]]:
         """Add `keys` (distinct, absent, `as_keys` applied) with their column values.
-        Returns the keys, with their values, that found no room: only at `max_buckets`,
-        and they may include keys that were in the table (a rehash into the last size can
-        overflow a bucket pair). Empty a slot in one of their two buckets (`victims`) and
-        insert them again."""
-        assert values.keys() == self._dtypes.keys(), "a value for every column"
-        rows = {n: np.asarray(v, dtype=self._dtypes[n]) for n, v in values.items()}
-        keys, rows = self._place(keys, rows)
-        while len(keys) and (self.max_buckets == 0 or self.buckets < self.max_buckets):
-            keys, rows = self._grow(keys, rows)
-        return keys, rows
+        Returns the keys, with their values, that found no room (both buckets full, and
+        no resident of theirs could move to its other bucket)."""
+        assert values.keys() == self.dtypes.keys(), "a value for every column"
+        rows = {n: np.asarray(v, dtype=self.dtypes[n]) for n, v in values.items()}
+        return self._place(keys, rows)
 
     def _place(
         self, keys: U64, rows: dict[str, npt.NDArray[np.generic]]
@@ -220,31 +239,6 @@ class HashTable:
         self.size += len(slots)
         return fits
 
-    def _grow(
-        self, keys: U64, rows: dict[str, npt.NDArray[np.generic]]
-    ) -> tuple[U64, dict[str, npt.NDArray[np.generic]]]:
-        """Rehash into ~GROWTH times the buckets (capped) with `keys` added; returns the
-        keys that still found no room."""
-        held, held_rows = self.items()
-        wanted = max(int(self.buckets * GROWTH) + 1, (self.size + len(keys)) // WAYS + 1)
-        if self.max_buckets:
-            wanted = min(wanted, self.max_buckets)
-        self._allocate(wanted)
-        self.size = 0
-        everything = np.concatenate([held, keys])
-        values = {n: np.concatenate([held_rows[n], rows[n]]) for n in rows}
-        del held, held_rows
-        left: list[tuple[U64, dict[str, npt.NDArray[np.generic]]]] = []
-        for start in range(0, len(everything), _REHASH_CHUNK):  # so fills inform choices
-            part = slice(start, start + _REHASH_CHUNK)
-            left.append(self._place(everything[part], {n: v[part] for n, v in values.items()}))
-        del everything, values
-        _trim_heap()
-        return (
-            np.concatenate([k for k, _ in left]),
-            {n: np.concatenate([r[n] for _, r in left]) for n in rows},
-        )
-
     def candidates(self, keys: U64) -> I64:
         """The slots of each key's two buckets, one row of 2 x WAYS per key."""
         first, second, _ = self._choices(keys)
@@ -277,31 +271,55 @@ class HashTable:
             values[buckets] = np.take_along_axis(values[buckets], order, axis=1)
         self.fill[buckets] = (keys != _EMPTY).sum(axis=1)
 
-    def items(self) -> tuple[U64, dict[str, npt.NDArray[np.generic]]]:
-        """Every key with its column values (copies), in slot order."""
-        used = self.keys.reshape(-1) != _EMPTY
-        return self.keys.reshape(-1)[used], {
-            n: c.reshape(-1)[used] for n, c in self.columns.items()
-        }
+    def pop_buckets(self, start: int, stop: int) -> tuple[U64, dict[str, npt.NDArray[np.generic]]]:
+        """Empty buckets `start` to `stop` (excluded), returning their memory to the system
+        where it can (a table emptied this way frees its pages as it goes, not all at its
+        end: unmapping a few hundred MB at once took milliseconds); returns their keys with
+        their column values (copies)."""
+        rows = slice(start, stop)
+        taken = self.keys[rows] != _EMPTY
+        keys = self.keys[rows][taken]
+        values = {n: c[rows][taken] for n, c in self.columns.items()}
+        for array in self._arrays():
+            _clear(array, start, stop)
+        self.size -= len(keys)
+        return keys, values
+
+    def taken(self, slots: I64) -> npt.NDArray[np.bool_]:
+        """Whether each slot holds a key."""
+        taken: npt.NDArray[np.bool_] = np.take(self.keys.reshape(-1), slots) != _EMPTY
+        return taken
 
 
-def _trim_heap() -> None:
-    """Give freed heap memory back to the system (glibc's `malloc_trim`; elsewhere
-    nothing). A rehash's copies are freed into the heap, which otherwise keeps them:
-    measured, a quarter more resident memory than the tables hold."""
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
+def _zeros(shape: tuple[int, ...], dtype: npt.DTypeLike) -> npt.NDArray[Any]:
+    """A zeroed array; a large one over its own anonymous memory mapping. numpy asks the
+    kernel for transparent huge pages on its large arrays (`madvise`), and where the kernel
+    then tries to compact memory on every fault and fails (this machine: no huge page ever
+    granted), a first write to a page cost 10-80 us instead of about 3 us."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    if nbytes < _MAPPED_BYTES:
+        return np.zeros(shape, dtype=dtype)
+    return np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=dtype).reshape(shape)
 
 
-def _load_libc() -> ctypes.CDLL | None:
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return None
-    return libc if hasattr(libc, "malloc_trim") else None
-
-
-_LIBC = _load_libc()
+def _clear(array: npt.NDArray[Any], start: int, stop: int) -> None:
+    """Zero rows `start` to `stop` (excluded) of `array`; the whole pages among them of an
+    array over its own mapping are given back instead (they read as zeros)."""
+    row_bytes = array.nbytes // max(1, len(array))
+    low, high = start * row_bytes, stop * row_bytes
+    mapping = array.base
+    while isinstance(mapping, np.ndarray):
+        mapping = mapping.base
+    if isinstance(mapping, memoryview):
+        mapping = mapping.obj
+    first, last = -(-low // _PAGE) * _PAGE, high // _PAGE * _PAGE
+    if isinstance(mapping, mmap.mmap) and last > first:
+        raw = array.reshape(-1).view(np.uint8)
+        raw[low:first] = 0
+        raw[last:high] = 0
+        mapping.madvise(mmap.MADV_DONTNEED, first, last - first)
+    else:
+        array[start:stop] = 0
 
 
 def _rank_within(groups: I64) -> I64:

@@ -1,0 +1,124 @@
+"""The KV index's growing hash table against a dict: random inserts, deletes and column
+writes while the table grows (preparing the next table, then moving its keys a few buckets
+per insert) find every key with its values; a growth does not move the whole table in one
+call; at its cap the table hands back what found no room instead of growing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from prfaas.gateway.kv_index.growing import GrowingTable
+from prfaas.gateway.kv_index.table import WAYS, as_keys
+
+COLUMNS = {"value": np.uint32, "owner": np.uint16}
+
+
+def _check(table: GrowingTable, model: dict[int, tuple[int, int]]) -> None:
+    keys = as_keys(list(model))
+    slots = table.find(keys)
+    assert (slots >= 0).all()
+    assert len(np.unique(slots)) == len(slots)
+    assert table.get("value", slots).tolist() == [v for v, _ in model.values()]
+    assert table.get("owner", slots).tolist() == [o for _, o in model.values()]
+    assert table.taken(slots).all()
+    assert table.size == len(model)
+
+
+def _some(rng: np.random.Generator, model: dict[int, tuple[int, int]], n: int) -> np.ndarray:
+    """Up to `n` distinct keys of the model, sorted."""
+    keys = list(model)
+    picked = rng.choice(len(keys), size=min(n, len(keys)), replace=False)
+    return np.unique(as_keys([keys[i] for i in picked.tolist()]))
+
+
+@pytest.mark.parametrize("uniform", [True, False])
+def test_random_operations_match_a_dict_while_the_table_grows(uniform: bool) -> None:
+    rng = np.random.default_rng(7)
+    table = GrowingTable(COLUMNS, uniform=uniform)
+    model: dict[int, tuple[int, int]] = {}
+    saw_moving = saw_preparing = False
+    for step in range(400):
+        # engine-like keys when not uniform: small sequential ints, and 0 (stored as a stand-in)
+        if uniform:
+            fresh = rng.integers(0, 2**64, size=int(rng.integers(1, 300)), dtype=np.uint64)
+        else:
+            fresh = np.arange(step * 300, step * 300 + int(rng.integers(1, 300)), dtype=np.uint64)
+        keys = np.unique(as_keys(fresh))
+        keys = keys[table.find(keys) < 0]
+        values = rng.integers(0, 2**32, size=len(keys), dtype=np.uint32)
+        owners = rng.integers(0, 2**16, size=len(keys), dtype=np.uint16)
+        left, _ = table.insert(keys, {"value": values, "owner": owners})
+        assert len(left) == 0  # no cap: it grows
+        rows = zip(values.tolist(), owners.tolist(), strict=True)
+        model.update(zip(keys.tolist(), rows, strict=True))
+        saw_moving |= table.moving
+        saw_preparing |= table.growing and not table.moving
+        if step % 3 == 0 and model:  # delete some
+            gone_keys = _some(rng, model, int(rng.integers(1, 100)))
+            table.delete(table.find(gone_keys))
+            for key in gone_keys.tolist():
+                del model[key]
+        if step % 5 == 0 and model:  # rewrite some values
+            chosen = _some(rng, model, 50)
+            new = rng.integers(0, 2**32, size=len(chosen), dtype=np.uint32)
+            table.set("value", table.find(chosen), new)
+            for key, value in zip(chosen.tolist(), new.tolist(), strict=True):
+                model[key] = (value, model[key][1])
+        absent = as_keys(rng.integers(0, 2**64, size=50, dtype=np.uint64))
+        assert (table.find(absent[~np.isin(absent, as_keys(list(model)))]) < 0).all()
+        if step % 20 == 0:
+            _check(table, model)
+    _check(table, model)
+    assert saw_moving and saw_preparing and table.growths > 5
+    owner = next(iter(model.values()))[1]
+    expected = sorted(k for k, (_, o) in model.items() if o == owner)
+    selected = table.select("owner", owner)
+    assert sorted(table.get("value", selected).tolist()) == sorted(model[k][0] for k in expected)
+
+
+def test_a_growth_moves_the_keys_over_later_inserts_not_at_once() -> None:
+    rng = np.random.default_rng(1)
+    table = GrowingTable({"value": np.uint32}, uniform=True)
+    held = 0
+    while not table.moving or table.tables[1].size < 50_000:
+        keys = as_keys(rng.integers(0, 2**64, size=2_000, dtype=np.uint64))
+        keys = np.unique(keys[table.find(keys) < 0])
+        table.insert(keys, {"value": np.zeros(len(keys), np.uint32)})
+        held += len(keys)
+        assert held < 2_000_000
+    old = table.tables[1]
+    before = old.size
+    keys = as_keys(rng.integers(0, 2**64, size=100, dtype=np.uint64))
+    table.insert(keys, {"value": np.zeros(len(keys), np.uint32)})
+    # one insert of 100 keys moves a few dozen buckets, not the old table's thousands
+    assert 0 < before - old.size <= (32 + 50) * WAYS
+    inserts = 0
+    while table.moving:
+        keys = as_keys(rng.integers(0, 2**64, size=100, dtype=np.uint64))
+        table.insert(keys, {"value": np.zeros(len(keys), np.uint32)})
+        inserts += 1
+    assert inserts > 10
+    assert table.size == held + 100 * (inserts + 1)
+
+
+def test_at_its_cap_the_table_hands_back_what_found_no_room() -> None:
+    rng = np.random.default_rng(2)
+    table = GrowingTable({"value": np.uint32}, max_buckets=8, uniform=True)
+    keys = as_keys(rng.integers(0, 2**64, size=400, dtype=np.uint64))
+    left, rows = table.insert(keys, {"value": np.arange(400, dtype=np.uint32)})
+    while table.moving:  # finish any move, so that only the capped table is left
+        more, more_rows = table.insert(np.empty(0, np.uint64), {"value": np.empty(0, np.uint32)})
+        left, rows = (
+            np.concatenate([left, more]),
+            {"value": np.concatenate([rows["value"], more_rows["value"]])},
+        )
+    assert table.tables[0].buckets == 8
+    assert len(left) > 0 and table.size + len(left) == 400
+    assert (table.find(left) < 0).all()
+    # what came back kept its values; what stayed is found with its own
+    stayed = table.find(keys)
+    assert table.get("value", stayed[stayed >= 0]).tolist() == np.flatnonzero(stayed >= 0).tolist()
+    assert sorted(rows["value"].tolist()) == np.flatnonzero(stayed < 0).tolist()
+    victims = table.victims(left[:5], "value")
+    assert len(victims) == 5 and table.taken(victims).all()
