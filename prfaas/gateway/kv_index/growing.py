@@ -101,7 +101,7 @@ class GrowingTable:
     def find(self, keys: U64) -> I64:
         """The slot of each key (`as_keys` applied), -1 where absent."""
         slots = self._table.find(keys)
-        if self._other is not None:
+        if self._other is not None and self._other.size:  # a next table often holds none
             missing = np.flatnonzero(slots < 0)
             if len(missing):
                 other = self._other.find(keys[missing])

@@ -20,7 +20,7 @@ Slot numbers are valid until the next insert or delete (deletes repack buckets).
 from __future__ import annotations
 
 import mmap
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -38,9 +38,14 @@ U64 = npt.NDArray[Any]  # uint64
 I64 = npt.NDArray[Any]  # int64
 
 
-def as_keys(values: npt.ArrayLike) -> U64:
-    """`values` as table keys (uint64, 0 replaced by its stand-in)."""
-    keys = np.asarray(values, dtype=np.uint64)
+def as_keys(values: Sequence[int] | npt.NDArray[Any]) -> U64:
+    """`values` (in [0, 2**64)) as table keys (uint64, 0 replaced by its stand-in). A list
+    of Python ints goes through `np.fromiter`: a third faster than `np.asarray` for hashes
+    past 2**63, which is half of them."""
+    if isinstance(values, np.ndarray):
+        keys = values.astype(np.uint64, copy=False)
+    else:
+        keys = np.fromiter(values, dtype=np.uint64, count=len(values))
     return np.where(keys == _EMPTY, _ZERO_STAND_IN, keys)
 
 
