@@ -136,11 +136,11 @@ class KVEventFeed:
         until then an empty `StatesStored` marks the instance hybrid with nothing kept (it
         under-reports meanwhile, never over-reports). A resync between slices drops the
         rest."""
-        pieces = _slices(received.batch.events, FLUSH_BLOCKS)
+        pieces = event_slices(received.batch.events, FLUSH_BLOCKS)
         states = tuple(e for e in received.batch.events if isinstance(e, StatesStored))
         if len(pieces) > 1 and states:
             rest = [e for e in received.batch.events if not isinstance(e, StatesStored)]
-            pieces = _slices(rest, FLUSH_BLOCKS)
+            pieces = event_slices(rest, FLUSH_BLOCKS)
             pieces[0] = (StatesStored(()), *pieces[0])
             pieces[-1] = (*pieces[-1], *states)
         first = msgspec.structs.replace(received.batch, events=pieces[0] if pieces else ())
@@ -181,7 +181,7 @@ class KVEventFeed:
         self._tasks.clear()
 
 
-def _slices(events: Sequence[KVEvent], blocks: int) -> list[tuple[KVEvent, ...]]:
+def event_slices(events: Sequence[KVEvent], blocks: int) -> list[tuple[KVEvent, ...]]:
     """`events` cut, in order, into runs of about `blocks` stored blocks each."""
     pieces: list[tuple[KVEvent, ...]] = []
     start = held = 0

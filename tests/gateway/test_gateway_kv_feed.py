@@ -10,7 +10,7 @@ import asyncio
 import zmq
 
 from prfaas.common.hashing import hash_blocks
-from prfaas.gateway.kv_feed import KVEventFeed, _slices
+from prfaas.gateway.kv_feed import KVEventFeed, event_slices
 from prfaas.gateway.kv_index import KVIndexManager
 from prfaas.protocol.kv_events import (
     AllBlocksCleared,
@@ -161,7 +161,7 @@ def test_a_long_batch_is_applied_in_slices_of_about_the_flush_size() -> None:
     stored blocks (the feed yields to the loop between them); other events ride along."""
     events: list[KVEvent] = [BlockStored((i, i + 1000), None, (1, 2, 3, 4), 2) for i in range(10)]
     events.insert(3, BlockRemoved((7,)))
-    pieces = _slices(events, 6)
+    pieces = event_slices(events, 6)
     assert [e for piece in pieces for e in piece] == events
     assert [sum(len(e.block_hashes) for e in p if isinstance(e, BlockStored)) for p in pieces] == [
         6,
@@ -169,7 +169,7 @@ def test_a_long_batch_is_applied_in_slices_of_about_the_flush_size() -> None:
         6,
         2,
     ]
-    assert _slices([], 6) == []
+    assert event_slices([], 6) == []
 
 
 async def test_a_hybrid_snapshot_in_slices_never_over_reports_between_them() -> None:

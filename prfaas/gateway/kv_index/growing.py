@@ -6,8 +6,9 @@ into one `GROWTH` times larger in two phases, each spread over the inserts that 
 that no call does more than a bounded step:
 
 1. *Preparing*: the larger table is allocated and its memory faulted in a slice per insert
-   (`_TOUCH_BYTES`), while inserts still go to the full table and only what it has no room
-   for goes to the new one. Writes scattered by hashing would otherwise fault nearly a
+   (`_TOUCH_BYTES`, or more for a large insert: all of it before the full table takes 3%
+   more), while inserts still go to the full table and only what it has no room for goes
+   to the new one. Writes scattered by hashing would otherwise fault nearly a
    page each in a fresh table: the first thousand inserts into a large table would pay
    milliseconds of page faults.
 2. *Moving*: inserts go to the new table, and each one first moves `_STEP_BUCKETS` of the
@@ -64,6 +65,7 @@ class GrowingTable:
         self._other: HashTable | None = None  # the next table (preparing), the old (moving)
         self._moving = False
         self._touched = 0  # preparing: bytes of the next table faulted in
+        self._touch_per_key = 0.0  # preparing: bytes faulted in per key inserted
         self._moved = 0  # moving: old buckets moved
         self.growths = 0
 
@@ -119,12 +121,17 @@ class GrowingTable:
 
     def set(self, name: str, slots: I64, values: npt.ArrayLike) -> None:
         """Write column `name` at `slots` (distinct, taken)."""
+        if self._other is None:
+            self._table.column(name)[slots] = values
+            return
         values = np.broadcast_to(np.asarray(values, dtype=self._table.dtypes[name]), slots.shape)
         for table, offset, part in self._split(slots):
             table.column(name)[slots[part] - offset] = values[part]
 
     def taken(self, slots: I64) -> npt.NDArray[np.bool_]:
         """Whether each slot holds a key."""
+        if self._other is None:
+            return self._table.taken(slots)
         taken = np.zeros(len(slots), dtype=bool)
         for table, offset, part in self._split(slots):
             taken[part] = table.taken(slots[part] - offset)
@@ -145,7 +152,7 @@ class GrowingTable:
         `max_buckets` (see the module docstring)."""
         rows = {n: np.asarray(v, dtype=self._table.dtypes[n]) for n, v in values.items()}
         if self._other is not None and not self._moving:
-            self._touch_next()
+            self._touch_next(len(keys))
         elif self._other is None and self._full(len(keys)):
             self._prepare(len(keys))
         moved_left = self._move(_STEP_BUCKETS + len(keys) // 2)
@@ -154,6 +161,9 @@ class GrowingTable:
 
     def delete(self, slots: I64) -> None:
         """Empty `slots` (distinct, taken)."""
+        if self._other is None:
+            self._table.delete(slots)
+            return
         for table, offset, part in self._split(slots):
             table.delete(slots[part] - offset)
 
@@ -167,10 +177,8 @@ class GrowingTable:
         return self._table.victims(keys, column)
 
     def _split(self, slots: I64) -> Iterator[tuple[HashTable, int, npt.NDArray[np.bool_]]]:
-        """Each table with its slot offset and which of `slots` are its."""
-        if self._other is None:
-            yield self._table, 0, np.ones(len(slots), dtype=bool)
-            return
+        """Each table with its slot offset and which of `slots` are its (while growing)."""
+        assert self._other is not None
         other = slots >= self.boundary
         yield self._table, 0, ~other
         yield self._other, self.boundary, other
@@ -214,13 +222,17 @@ class GrowingTable:
             table.dtypes, buckets=wanted, uniform=table.uniform, seed=table.seed + 1
         )
         self._touched = 0
+        # all of it faulted in by the time the current table holds 3% more of its slots
+        self._touch_per_key = self._other.nbytes / (0.03 * table.buckets * WAYS)
         self.growths += 1
-        self._touch_next()
+        self._touch_next(adding)
 
-    def _touch_next(self) -> None:
-        """Fault in the next slice of the next table; once all is in, start moving."""
+    def _touch_next(self, adding: int) -> None:
+        """Fault in the next slice of the next table (`_TOUCH_BYTES`, or more as `adding`
+        keys come in); once all is in, start moving."""
         assert self._other is not None
-        self._touched = self._other.touch(self._touched, _TOUCH_BYTES)
+        nbytes = max(_TOUCH_BYTES, int(adding * self._touch_per_key))
+        self._touched = self._other.touch(self._touched, nbytes)
         if self._touched >= self._other.nbytes:
             self._start_moving()
 

@@ -121,6 +121,11 @@ class KVIndexManager:
         states = sum(table.nbytes for table in self._states.values())
         return self._blocks.nbytes + self._translations.nbytes + self._sets.nbytes + states
 
+    @property
+    def growing(self) -> bool:
+        """Whether a table is growing (holding a second table while it moves its keys)."""
+        return self._blocks.growing or self._translations.growing
+
     def instances(self) -> list[str]:
         self._flush()
         return [name for name in self._names if name in self._known]
