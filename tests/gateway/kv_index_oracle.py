@@ -55,6 +55,7 @@ class OracleKVIndex:
         self.block_size = block_size
         self.max_blocks = max_blocks
         self._instances: dict[str, _InstanceBlocks] = {}
+        self._hybrid: set[str] = set()  # instances that have reported kept states
         self._holders: dict[int, set[str]] = {}  # our hash -> instances holding it
         self._fifo: OrderedDict[tuple[str, int], None] = OrderedDict()  # (instance, engine hash)
         self.rejected_events = 0
@@ -84,8 +85,18 @@ class OracleKVIndex:
         for stored in states:
             self._states_stored(instance_id, stored.block_hashes)
 
+    def _blocks_of(self, instance_id: str) -> _InstanceBlocks:
+        """The instance's blocks, made on first sight: a hybrid engine's (one that has ever
+        reported kept states, a clear or restart since included) keeping none yet."""
+        blocks = self._instances.get(instance_id)
+        if blocks is None:
+            states: set[int] | None = set() if instance_id in self._hybrid else None
+            blocks = self._instances[instance_id] = _InstanceBlocks(states=states)
+        return blocks
+
     def _states_stored(self, instance_id: str, engine_hashes: Sequence[int]) -> None:
-        blocks = self._instances.setdefault(instance_id, _InstanceBlocks())
+        self._hybrid.add(instance_id)
+        blocks = self._blocks_of(instance_id)
         if blocks.states is None:
             blocks.states = set()
         for engine_hash in engine_hashes:
@@ -122,7 +133,7 @@ class OracleKVIndex:
                 self.block_size,
             )
             return
-        blocks = self._instances.setdefault(instance_id, _InstanceBlocks())
+        blocks = self._blocks_of(instance_id)
         parent: int | None = None
         if event.parent_block_hash is not None:
             parent = blocks.ours.get(event.parent_block_hash)

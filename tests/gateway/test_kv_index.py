@@ -159,6 +159,24 @@ def test_a_hybrid_instance_matches_only_up_to_its_last_kept_state() -> None:
     assert index.longest_prefix(hash_blocks(tokens[:4], BS)) == {"plain": 4, "hybrid": 0}
 
 
+def test_a_hybrid_instance_cleared_keeps_no_states_until_it_reports_some() -> None:
+    """A clear (the engine's `AllBlocksCleared`, or a restart the feed saw) forgets what a
+    hybrid instance cached but not that it is hybrid: the blocks it stores next, before it
+    reports where it kept states, match nothing (counting them whole would over-report)."""
+    index = KVIndexManager(block_size=BS)
+    tokens = list(range(8))
+    prompt = hash_blocks([*tokens, 7, 7, 7, 7], BS)
+    index.apply("hybrid", [_stored(tokens, [1, 2]), StatesStored((2,))])
+    assert index.longest_prefix(prompt) == {"hybrid": 8}
+    index.apply("hybrid", [AllBlocksCleared(), _stored(tokens, [1, 2])])
+    assert index.longest_prefix(prompt) == {"hybrid": 0}
+    index.clear_instance("hybrid")
+    index.apply("hybrid", [_stored(tokens, [1, 2])])
+    assert index.longest_prefix(prompt) == {"hybrid": 0}
+    index.apply("hybrid", [StatesStored((1,))])
+    assert index.longest_prefix(prompt) == {"hybrid": 4}
+
+
 def test_an_engine_hash_stored_twice_in_one_batch_names_one_block() -> None:
     """An engine whose hash covers only a page's own tokens may report one hash for two
     different blocks: the first one stored is the block it names (as the oracle keeps it),

@@ -22,7 +22,8 @@ index may under-report a cache then, never over-report it.
 
 Hybrid engines (linear attention beside full attention) reuse a prefix only up to a block
 at whose end they kept the linear states. An instance that has sent `StatesStored` is such
-an engine: its match is cut back to the last block it kept states for (none: 0). vLLM keeps
+an engine (a clear or restart since included): its match is cut back to the last block it
+kept states for (none: 0). vLLM keeps
 none where a prefix was first computed, so without this the index counted that prefix one
 request early (`benchmarks/vllm_prefix_reuse.py`).
 """
@@ -492,7 +493,8 @@ class KVIndexManager:
         if instance_id not in self._known:
             return
         self._known.discard(instance_id)
-        self._states.pop(instance_id, None)
+        if instance_id in self._states:  # a hybrid engine stays one: it keeps no states yet
+            self._states[instance_id] = GrowingTable({}, uniform=True)
         bit = self._bits[instance_id]
         table = self._translations
         mine = table.select("instance", bit)
