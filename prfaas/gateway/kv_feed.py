@@ -36,6 +36,9 @@ from prfaas.protocol.kv_events.vllm_events import VLLMEventDecoder
 
 logger = logging.getLogger(__name__)
 
+GROWTH_STEP_S = 0.02
+"""How often the feed steps a growth of the index's tables along (see `start`)."""
+
 
 class KVEventFeed:
     """Owns the subscriber tasks; `start` once, `stop` cancels and awaits them."""
@@ -59,6 +62,7 @@ class KVEventFeed:
         self._on_resync = on_resync
         self._sync_timeout_s = sync_timeout_s
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._growth: asyncio.Task[None] | None = None
         self._synced: dict[str, asyncio.Event] = {}
         self._generation: dict[str, int] = {}  # resyncs per instance: a slice's staleness
         self.batches = 0
@@ -66,6 +70,15 @@ class KVEventFeed:
     def start(self) -> None:
         for instance_id, endpoint in self._endpoints.items():
             self._subscribe(instance_id, endpoint)
+        self._growth = asyncio.get_running_loop().create_task(self._advance_growth())
+
+    async def _advance_growth(self) -> None:
+        """Step the index's table growths along every `GROWTH_STEP_S`, so that one ends
+        while few events arrive (`KVIndexManager.advance_growth`: under a millisecond a
+        step)."""
+        while True:
+            await asyncio.sleep(GROWTH_STEP_S)
+            self._index.advance_growth()
 
     async def synced(self, timeout_s: float) -> list[str]:
         """Wait until every subscription has caught up (or given up: no answer, no replay
@@ -173,6 +186,9 @@ class KVEventFeed:
 
     async def stop(self) -> None:
         tasks = list(self._tasks.values())
+        if self._growth is not None:
+            tasks.append(self._growth)
+            self._growth = None
         for task in tasks:
             task.cancel()
         for task in tasks:

@@ -207,3 +207,38 @@ def test_a_salted_key_collision_drops_the_second_pair() -> None:
     assert index.rejected_events == 2
     index.apply("b", [BlockRemoved((colliding,))])
     assert index.longest_prefix(hash_blocks([1, 2, 3, 4], BS)) == {"a": 4, "b": 0}
+
+
+def _grow_until_growing(index: KVIndexManager, instance: str) -> list[int]:
+    """Store chains of 64 blocks until a table of the index holding 20K blocks or more is
+    growing (a smaller one's growth may end in a step); returns the tokens."""
+    tokens: list[int] = []
+    parent: int | None = None
+    while not (index.growing and len(index) >= 20_000):
+        start = len(tokens) // BS
+        new = list(range(len(tokens), len(tokens) + 64 * BS))
+        hashes = list(range(start + 1, start + 65))
+        index.apply(instance, [_stored(new, hashes, parent)])
+        len(index)  # applies it
+        tokens += new
+        parent = hashes[-1]
+        assert len(tokens) < 10**7
+    return tokens
+
+
+def test_a_growth_ends_without_inserts_when_advanced() -> None:
+    """An index that stops receiving events in the middle of a table's growth (two tables
+    held, lookups searching both) ends it through `advance_growth`, a bounded step at a
+    time, and answers the same throughout."""
+    index = KVIndexManager(block_size=BS)
+    tokens = _grow_until_growing(index, "a")
+    prompt = hash_blocks([*tokens, 9, 9, 9, 9], BS)
+    assert index.longest_prefix(prompt) == {"a": len(tokens)}
+    steps = 0
+    while index.advance_growth():
+        steps += 1
+        if steps % 50 == 0:
+            assert index.longest_prefix(prompt) == {"a": len(tokens)}
+    assert steps > 1  # a step is bounded: not the whole growth at once
+    assert not index.growing
+    assert index.longest_prefix(prompt) == {"a": len(tokens)}

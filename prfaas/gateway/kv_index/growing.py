@@ -159,6 +159,13 @@ class GrowingTable:
         keys, rows = _joined(moved_left, self._table.insert(keys, rows))
         return self._overflow(keys, rows)
 
+    def advance(self) -> tuple[U64, Rows]:
+        """One step of a growth under way with no key inserted, as an insert does (a slice
+        of the next table faulted in, or `_STEP_BUCKETS` buckets moved): inserts end a
+        growth, and an index that gets few calls this now and then so that one ends anyway.
+        Returns what found no room (only at `max_buckets`)."""
+        return self.insert(*_nothing(self._table))
+
     def delete(self, slots: I64) -> None:
         """Empty `slots` (distinct, taken)."""
         if self._other is None:

@@ -405,13 +405,34 @@ class KVIndexManager:
         values: dict[str, np.ndarray],
         evict: Callable[[U64], None],
     ) -> None:
-        """Insert; at the table's cap, evict in the full buckets and insert again (what
-        comes back may include keys the table held: a rehash into its last size can
-        overflow a bucket pair)."""
-        left, rows = table.insert(keys, values)
-        while len(left):
-            evict(left)
-            left, rows = table.insert(left, rows)
+        """Insert; at the table's cap, evict in the full buckets and insert again."""
+        self._evict_for(table, table.insert(keys, values), evict)
+
+    @staticmethod
+    def _evict_for(
+        table: GrowingTable, left: tuple[U64, dict[str, np.ndarray]], evict: Callable[[U64], None]
+    ) -> None:
+        """Room for what an insert handed back (only at the table's cap; it may include
+        keys the table held, moved into its last size and not fitting there): evict in
+        their full buckets and insert them again, until all are in."""
+        keys, rows = left
+        while len(keys):
+            evict(keys)
+            keys, rows = table.insert(keys, rows)
+
+    def advance_growth(self) -> bool:
+        """One bounded step of each table growth under way (a few dozen buckets moved, or
+        a slice of the next table's memory faulted in; `growing.GrowingTable`). Inserts
+        advance a growth; the feed calls this every few tens of milliseconds so that one
+        also ends on an index that gets few events (until then a lookup searches two
+        tables). Returns whether a growth is still under way."""
+        for table, evict in (
+            (self._blocks, self._evict_blocks),
+            (self._translations, self._evict_translations),
+        ):
+            if table.growing:
+                self._evict_for(table, table.advance(), evict)
+        return self.growing
 
     def _evict_blocks(self, keys: U64) -> None:
         """Room for `keys`: the least recently used block of each one's buckets goes."""
