@@ -78,7 +78,10 @@ class KVEventFeed:
         step)."""
         while True:
             await asyncio.sleep(GROWTH_STEP_S)
-            self._index.advance_growth()
+            try:
+                self._index.advance_growth()
+            except Exception:  # a bug: say so, and keep the feed (and its shutdown) going
+                logger.exception("stepping the KV index's growth failed")
 
     async def synced(self, timeout_s: float) -> list[str]:
         """Wait until every subscription has caught up (or given up: no answer, no replay

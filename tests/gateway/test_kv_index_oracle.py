@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prfaas.common.hashing import hash_blocks
-from prfaas.gateway.kv_index import KVIndexManager
+from prfaas.gateway.kv_index import KVIndexManager, growing
 from prfaas.protocol.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -106,3 +107,29 @@ def test_same_answers_as_the_oracle_when_nothing_is_evicted(seed: int) -> None:
 def test_never_more_than_the_oracle_under_a_small_budget(seed: int) -> None:
     """Two buckets of 16 blocks: most of what the engines cache is forgotten."""
     _compare(seed, steps=120, budget_mb=2 * 16 * 36 / 2**20, equal=False)
+
+
+def _slow_growth(patch: pytest.MonkeyPatch) -> None:
+    """Tables that grow over many inserts (a page or so faulted in, one bucket moved, per
+    insert), so that events, lookups and evictions meet tables mid-growth."""
+    patch.setattr(growing, "_TOUCH_BYTES", 64)
+    patch.setattr(growing, "_TOUCH_WITHIN", 0.5)
+    patch.setattr(growing, "_STEP_BUCKETS", 1)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_same_answers_as_the_oracle_while_tables_grow_slowly(seed: int) -> None:
+    with pytest.MonkeyPatch.context() as patch:
+        _slow_growth(patch)
+        _compare(seed, steps=120, budget_mb=64, equal=True)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_never_more_than_the_oracle_while_tables_grow_slowly_to_a_small_budget(
+    seed: int,
+) -> None:
+    with pytest.MonkeyPatch.context() as patch:
+        _slow_growth(patch)
+        _compare(seed, steps=120, budget_mb=8 * 16 * 36 / 2**20, equal=False)

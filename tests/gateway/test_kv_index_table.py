@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from prfaas.gateway.kv_index import growing
 from prfaas.gateway.kv_index.growing import GrowingTable
 from prfaas.gateway.kv_index.table import WAYS, as_keys
 
@@ -32,12 +33,25 @@ def _some(rng: np.random.Generator, model: dict[int, tuple[int, int]], n: int) -
     return np.unique(as_keys([keys[i] for i in picked.tolist()]))
 
 
+def _slow_growth(patch: pytest.MonkeyPatch) -> None:
+    """Growths over many inserts: a page or so faulted in, one bucket moved, per insert
+    (so that keys overflow into a next table being prepared, and moves meet deletes)."""
+    patch.setattr(growing, "_TOUCH_BYTES", 64)
+    patch.setattr(growing, "_TOUCH_WITHIN", 0.5)
+    patch.setattr(growing, "_STEP_BUCKETS", 1)
+
+
+@pytest.mark.parametrize("slow", [False, True])
 @pytest.mark.parametrize("uniform", [True, False])
-def test_random_operations_match_a_dict_while_the_table_grows(uniform: bool) -> None:
+def test_random_operations_match_a_dict_while_the_table_grows(
+    uniform: bool, slow: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if slow:
+        _slow_growth(monkeypatch)
     rng = np.random.default_rng(7)
     table = GrowingTable(COLUMNS, uniform=uniform)
     model: dict[int, tuple[int, int]] = {}
-    saw_moving = saw_preparing = False
+    saw_moving = saw_preparing = saw_overflow_into_next = False
     for step in range(400):
         # engine-like keys when not uniform: small sequential ints, and 0 (stored as a stand-in)
         if uniform:
@@ -54,6 +68,7 @@ def test_random_operations_match_a_dict_while_the_table_grows(uniform: bool) -> 
         model.update(zip(keys.tolist(), rows, strict=True))
         saw_moving |= table.moving
         saw_preparing |= table.growing and not table.moving
+        saw_overflow_into_next |= table.growing and not table.moving and table.tables[1].size > 0
         if step % 3 == 0 and model:  # delete some
             gone_keys = _some(rng, model, int(rng.integers(1, 100)))
             table.delete(table.find(gone_keys))
@@ -71,6 +86,7 @@ def test_random_operations_match_a_dict_while_the_table_grows(uniform: bool) -> 
             _check(table, model)
     _check(table, model)
     assert saw_moving and saw_preparing and table.growths > 5
+    assert saw_overflow_into_next or not slow
     owner = next(iter(model.values()))[1]
     expected = sorted(k for k, (_, o) in model.items() if o == owner)
     selected = table.select("owner", owner)
@@ -122,3 +138,33 @@ def test_at_its_cap_the_table_hands_back_what_found_no_room() -> None:
     assert sorted(rows["value"].tolist()) == np.flatnonzero(stayed < 0).tolist()
     victims = table.victims(left[:5], "value")
     assert len(victims) == 5 and table.taken(victims).all()
+
+
+def test_at_its_cap_a_slow_growth_hands_back_keys_it_held(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keys moved into the capped table that do not fit there come back from `insert` with
+    their values (the owner evicts and inserts them again); none is lost or kept twice."""
+    _slow_growth(monkeypatch)
+    rng = np.random.default_rng(3)
+    table = GrowingTable({"value": np.uint32}, max_buckets=64, uniform=True)
+    inserted: dict[int, int] = {}
+    out: dict[int, int] = {}  # handed back, not in the table
+    held_came_back = False
+    for step in range(200):
+        keys = np.unique(as_keys(rng.integers(0, 2**64, size=40, dtype=np.uint64)))
+        values = np.arange(step * 40, step * 40 + len(keys), dtype=np.uint32)
+        held = {k for k in inserted if k not in out}
+        left, rows = table.insert(keys, {"value": values})
+        inserted.update(zip(keys.tolist(), values.tolist(), strict=True))
+        back = dict(zip(left.tolist(), rows["value"].tolist(), strict=True))
+        held_came_back |= bool(held & back.keys())
+        out.update(back)
+        assert all(inserted[k] == v for k, v in back.items())
+        if table.moving or len(back) == 0:
+            continue
+        assert table.size + len(out) == len(inserted)
+    assert held_came_back
+    kept = np.array([k for k in inserted if k not in out], dtype=np.uint64)
+    slots = table.find(kept)
+    assert (slots >= 0).all() and table.size == len(kept)
+    assert table.get("value", slots).tolist() == [inserted[k] for k in kept.tolist()]
+    assert (table.find(np.array(list(out), dtype=np.uint64)) < 0).all()

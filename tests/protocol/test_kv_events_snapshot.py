@@ -80,9 +80,9 @@ def test_a_snapshot_rebuilds_what_the_events_built(seed: int) -> None:
 
 def test_kept_states_travel_in_the_snapshot() -> None:
     """A hybrid engine's states: kept, removed, dropped with their block, forgotten by a
-    flush (and the engine reads as non-hybrid until it sends states again); the snapshot
-    gives an index the same reusable prefixes the live stream gave, an empty
-    `StatesStored` standing for "hybrid, nothing reusable"."""
+    flush (the engine still hybrid: what it stores next is not reusable until it reports
+    states); the snapshot gives an index the same reusable prefixes the live stream gave,
+    an empty `StatesStored` standing for "hybrid, nothing reusable"."""
     tokens = list(range(12))
     chain = BlockStored((1, 2, 3), None, tuple(tokens), BS)
     other = BlockStored((7,), None, (40, 41, 42, 43), BS)
@@ -92,7 +92,8 @@ def test_kept_states_travel_in_the_snapshot() -> None:
         ([StatesStored((2,))], 8),  # hybrid now: reusable up to the block with states
         ([StatesStored((3,)), StatesRemoved((2,))], 12),
         ([BlockRemoved((3,))], 0),  # its states left with it; block 2 has none
-        ([AllBlocksCleared(), BlockStored((1,), None, tuple(tokens[:4]), BS)], 4),
+        ([AllBlocksCleared(), BlockStored((1,), None, tuple(tokens[:4]), BS)], 0),
+        ([StatesStored((1,))], 4),
     ]
     live = KVIndexManager(block_size=BS)
     mirror = CacheMirror()
@@ -102,8 +103,8 @@ def test_kept_states_travel_in_the_snapshot() -> None:
         loaded = KVIndexManager(block_size=BS)
         loaded.apply("e", mirror.snapshot())
         assert live.longest_prefix(prompt) == loaded.longest_prefix(prompt) == {"e": reusable}
-    mirror.apply([StatesStored(())])
-    assert mirror.snapshot()[-1] == StatesStored(())
+    mirror.apply([StatesRemoved((1,))])
+    assert mirror.snapshot()[-1] == StatesStored(())  # hybrid, nothing kept
 
 
 def _stored(first: int, n: int) -> BlockStored:

@@ -47,7 +47,8 @@ from prfaas.gateway.kv_index.table import I64, U64, WAYS, HashTable
 GROWTH = 1.5  # fewer growths than 1.25: each key moves about twice, not four times
 _MAX_LOAD = 0.9  # a growth starts past this load (fuller, most inserts need a cuckoo step)
 _STEP_BUCKETS = 32  # old buckets moved per insert call, besides half a bucket per key
-_TOUCH_BYTES = 1 << 18  # bytes of the next table faulted in per insert call
+_TOUCH_BYTES = 1 << 18  # bytes of the next table faulted in per insert call, at least
+_TOUCH_WITHIN = 0.03  # all of it in by the time the full table takes this share more keys
 _PLACE_CHUNK = 1 << 14  # keys placed at a time when moving everything at once
 
 Rows = dict[str, npt.NDArray[np.generic]]
@@ -175,12 +176,15 @@ class GrowingTable:
             table.delete(slots[part] - offset)
 
     def candidates(self, keys: U64) -> I64:
-        """The slots of each key's two buckets in the table inserts go to (a row each)."""
+        """The slots of each key's two buckets (a row each). For keys `insert` handed
+        back, so no growth is under way."""
+        assert self._other is None, "keys are handed back only at the cap, not growing"
         return self._table.candidates(keys)
 
     def victims(self, keys: U64, column: str) -> I64:
-        """For each key, the slot with the smallest `column` among its two buckets in the
-        table inserts go to (the one to evict so that the key fits)."""
+        """For each key, the slot with the smallest `column` among its two buckets (the
+        one to evict so that the key fits). For keys `insert` handed back."""
+        assert self._other is None, "keys are handed back only at the cap, not growing"
         return self._table.victims(keys, column)
 
     def _split(self, slots: I64) -> Iterator[tuple[HashTable, int, npt.NDArray[np.bool_]]]:
@@ -222,15 +226,15 @@ class GrowingTable:
         """Allocate the next table (GROWTH times larger, or enough for `adding` more keys;
         capped) and fault in its first slice."""
         table = self._table
-        wanted = max(int(table.buckets * GROWTH) + 1, (self.size + adding) // WAYS + 1)
+        needed = int((self.size + adding) / (_MAX_LOAD * WAYS)) + 1
+        wanted = max(int(table.buckets * GROWTH) + 1, needed)
         if self.max_buckets:
             wanted = min(wanted, self.max_buckets)
         self._other = HashTable(
             table.dtypes, buckets=wanted, uniform=table.uniform, seed=table.seed + 1
         )
         self._touched = 0
-        # all of it faulted in by the time the current table holds 3% more of its slots
-        self._touch_per_key = self._other.nbytes / (0.03 * table.buckets * WAYS)
+        self._touch_per_key = self._other.nbytes / (_TOUCH_WITHIN * table.buckets * WAYS)
         self.growths += 1
         self._touch_next(adding)
 

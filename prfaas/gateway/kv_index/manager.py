@@ -98,6 +98,7 @@ class KVIndexManager:
         self._entries = 0
         self._dangling = 0  # translation rows whose block lost them (evictions)
         self._sweep_at = 0
+        self._sweep_clean = False  # this sweep pass found nothing stale so far
         self._rejected = 0
         self.evicted_entries = 0
         """(instance, block) entries forgotten at the byte budget."""
@@ -124,7 +125,8 @@ class KVIndexManager:
 
     @property
     def growing(self) -> bool:
-        """Whether a table is growing (holding a second table while it moves its keys)."""
+        """Whether a main table is growing (holding a second table while it moves its
+        keys)."""
         return self._blocks.growing or self._translations.growing
 
     def instances(self) -> list[str]:
@@ -432,7 +434,10 @@ class KVIndexManager:
         ):
             if table.growing:
                 self._evict_for(table, table.advance(), evict)
-        return self.growing
+        for states in self._states.values():  # uncapped: nothing comes back
+            if states.growing:
+                states.advance()
+        return self.growing or any(states.growing for states in self._states.values())
 
     def _evict_blocks(self, keys: U64) -> None:
         """Room for `keys`: the least recently used block of each one's buckets goes."""
@@ -548,6 +553,10 @@ class KVIndexManager:
         start = self._sweep_at if self._sweep_at < total else 0
         end = min(total, start + _SWEEP_SLOTS)
         self._sweep_at = end
+        if start == 0:
+            self._sweep_clean = True
+        # a growth moves rows between slots, past the cursor or behind it: no clean pass
+        self._sweep_clean &= not table.growing
         window = np.arange(start, end)
         window = window[table.taken(window)]
         ours = table.get("ours", window)
@@ -558,11 +567,12 @@ class KVIndexManager:
         listed = (words[np.arange(len(bits)), bits // 64] >> (bits % 64).astype(np.uint64)) & 1
         stale = listed == 0
         if stale.any():
+            self._sweep_clean = False
             self._drop_states(ours[stale], bits[stale])
             table.delete(window[stale])
             self._dangling = max(0, self._dangling - int(stale.sum()))
-        if end == total and not stale.any():
-            self._dangling = 0  # a whole pass found none left
+        if end == total and self._sweep_clean:
+            self._dangling = 0  # a whole pass, the table not growing, found none left
 
 
 def _runs(events: list[KVEvent]) -> Iterator[list[KVEvent]]:

@@ -20,6 +20,7 @@ Slot numbers are valid until the next insert or delete (deletes repack buckets).
 from __future__ import annotations
 
 import mmap
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,8 +29,11 @@ import numpy.ma  # (np.unique imports it on first use: 20 ms inside the first fl
 import numpy.typing as npt
 
 WAYS = 16
-_PAGE = 4096
+_PAGE = mmap.PAGESIZE
 _MAPPED_BYTES = 1 << 20  # arrays this large get their own memory mapping
+# Linux's MADV_DONTNEED gives a private anonymous page back and reads it as zeros after;
+# elsewhere the advice may keep the contents, so rows are zeroed by writing instead.
+_RELEASES_AS_ZEROS = sys.platform == "linux" and hasattr(mmap, "MADV_DONTNEED")
 _EMPTY = np.uint64(0)
 _ZERO_STAND_IN = np.uint64(0x9E3779B97F4A7C15)  # key 0 marks an empty slot; 0 is stored as this
 
@@ -318,11 +322,15 @@ def _clear(array: npt.NDArray[Any], start: int, stop: int) -> None:
     if isinstance(mapping, memoryview):
         mapping = mapping.obj
     first, last = -(-low // _PAGE) * _PAGE, high // _PAGE * _PAGE
-    if isinstance(mapping, mmap.mmap) and last > first:
+    if _RELEASES_AS_ZEROS and isinstance(mapping, mmap.mmap) and last > first:
+        try:
+            mapping.madvise(mmap.MADV_DONTNEED, first, last - first)
+        except OSError:  # refused: zero the rows instead
+            array[start:stop] = 0
+            return
         raw = array.reshape(-1).view(np.uint8)
         raw[low:first] = 0
         raw[last:high] = 0
-        mapping.madvise(mmap.MADV_DONTNEED, first, last - first)
     else:
         array[start:stop] = 0
 

@@ -5,9 +5,10 @@ A pure data structure: events in, events out. It keeps per cached block its pare
 token ids (a subscriber re-hashes tokens with its own function), and the blocks after which
 a hybrid engine kept linear states, with the same meaning a subscriber's index gives them
 (`prfaas.gateway.kv_index`): a block removed takes its states with it, `AllBlocksCleared`
-forgets everything (states included, so the engine reads as non-hybrid until its next
-`StatesStored`), and an engine that ever sent `StatesStored` stays hybrid even with no
-states kept (an empty `StatesStored` in the snapshot says so).
+forgets every block and state, and an engine that ever sent `StatesStored` stays hybrid
+even with no states kept, a clear since included (an empty `StatesStored` in the snapshot
+says so: the blocks a hybrid engine stores after a clear, before it reports states kept,
+are not reusable, and counting them whole over-reported).
 """
 
 from __future__ import annotations
@@ -59,7 +60,6 @@ class CacheMirror:
             elif isinstance(event, AllBlocksCleared):
                 self._blocks.clear()
                 self._states.clear()
-                self._hybrid = False
             elif isinstance(event, StatesStored):
                 self._hybrid = True
                 self._states.update(h for h in event.block_hashes if h in self._blocks)
