@@ -531,7 +531,9 @@ class KVIndexManager:
     def _states_stored(self, instance_id: str, engine_hashes: Sequence[int]) -> None:
         bit = self._bit(instance_id)
         self._known.add(instance_id)
-        states = self._states.setdefault(instance_id, GrowingTable({}, uniform=True))
+        states = self._states.get(instance_id)
+        if states is None:  # not setdefault: that would build a table on every event
+            states = self._states[instance_id] = GrowingTable({}, uniform=True)
         ours = self._translate([bit] * len(engine_hashes), list(engine_hashes)).values()
         distinct = np.unique(as_keys(list(ours)))  # a block not indexed keeps nothing
         states.insert(distinct[states.find(distinct) < 0], {})
