@@ -94,6 +94,13 @@ class LongTermConfig:
         return replace(self.estimate, rate_window_s=window)
 
 
+MIN_DECODING = 4.0
+"""Requests decoding at once, on average, below which the answer-length step test is not run.
+From about 4, a count reads 1.5 times off its mean five ticks in a row by chance about once
+in 800 ticks (Poisson, ticks taken as independent); at 0.2 (a light load of short answers)
+it read 0 most ticks, which implied answers of no tokens."""
+
+
 class Wake(enum.Enum):
     """What started a period."""
 
@@ -249,6 +256,13 @@ def clamped(profile: DeploymentProfile, incremental: Iterable[int]) -> list[int]
     return [min(max(n, lo), hi) for n in incremental]
 
 
+def little_inverse(profile: DeploymentProfile, output: float, rate: float) -> float | None:
+    """Requests decoding at once that answers of `output` tokens at `rate` arrivals per
+    second make (Little's law; None without a decode step)."""
+    step = profile.pd.hardware.decode_step_seconds
+    return None if step is None else output * rate * step
+
+
 def little(profile: DeploymentProfile, decoding: float, rate: float) -> float | None:
     """Answer length (tokens) that `decoding` requests in flight imply at `rate` arrivals per
     second, by Little's law at the decode stage (None without a decode step or a rate)."""
@@ -317,7 +331,11 @@ def _answers_stepped(
     now: Now,
 ) -> tuple[LongTermMemory, bool]:
     """Whether the requests decoding now have implied answers at least `output_step` times
-    longer, or shorter, than the estimate's for `step_ticks` ticks in a row.
+    longer, or shorter, than the estimate's for `step_ticks` ticks in a row. Not tested
+    where the estimate makes fewer than `MIN_DECODING` requests decode at once: one tick's
+    count of a few then says little (a light load decoding 0.2 on average reads 0 most
+    ticks, which implied answers of no tokens, woke a period every few seconds and set
+    the estimate's answers to 0).
 
     Little's law on the estimate's arrival rate and on this period's first tokens (it waits
     for `min_samples` of them), whichever makes the step smaller: the estimate lags a burst,
@@ -329,6 +347,9 @@ def _answers_stepped(
     enough = config.estimate.min_samples
     if estimate is None or output is None or memory.answers_seen < enough:
         return memory, False
+    expected = little_inverse(profile, output, estimate.rate)
+    if expected is None or expected < MIN_DECODING:
+        return replace(memory, answer_ticks=0), False
     if samples.decode_starts < enough:
         return replace(memory, answer_ticks=0), False
     duration = max(now.at - samples.started, 1e-9)
@@ -465,7 +486,7 @@ def _unblended(
     stepped_output = None  # the answers decoding now, at the long-run arrival rate
     if wake.answers and memory.estimate is not None:
         stepped_output = little(profile, now.decoding, memory.estimate.rate)
-    if stepped_output is not None:
+    if stepped_output is not None and stepped_output >= 1:
         estimate = replace(estimate, output_sum=stepped_output, output_n=1.0)
     elif memory.answers_since is not None and observation.finished > 0:
         estimate = replace(

@@ -28,6 +28,18 @@ After a multiplicative step the next waits `holdoff_ticks`, so the link's queued
 drain and its utilisation shows what the new `t` does before `t` moves again (a saturated
 link reads 100% until then, and stepping on every tick would overshoot).
 
+Two more holds, for overload, where both pools queue:
+- **a side draining holds its step:** a raise waits while the PrfaaS queue is shorter than
+  when `t` last moved, a lowering for the PD queue while that one is: a queue of a minute
+  of KV on a slow link drains for a minute after the raise that answers it, and raising
+  again on its length alone overshot (to the band's top, then down to its floor);
+- **a saturated PD prefill caps raises at the set-point:** while the PD prefill pool has been
+  busy half the time or more (`pd_busy_share`, the offload rule's test of saturation,
+  `ttft_forecast`), the throughput-optimal set-point governs, as it does each offload:
+  raising `t` then moves long prompts onto a pool that is already the bottleneck, and every
+  short prompt behind them waits their compute (the burst phase of
+  `benchmarks/scheduling_live.py` showed TTFT P90 1.9 times the oracle's that way).
+
 No oscillation under steady load: after a raise, the `t` at which the link was congested is
 remembered, and lowering back toward the set-point on a quiet link stops one step above it
 until that memory expires (`memory_s`), the link capacity grows, or the set-point moves.
@@ -43,6 +55,7 @@ import math
 from dataclasses import dataclass, replace
 
 from prfaas.common.toml_tables import check
+from prfaas.policies.ttft_forecast import SATURATED_BUSY_SHARE
 
 CAPACITY_CHANGE = 0.1  # a relative change of link capacity this large forgets the memory
 
@@ -115,6 +128,8 @@ class TrimObservation:
     pd_backlog_s: float
     """Predicted queue of the PD prefill pool (its least-backlogged instance)."""
     capacity_bytes_per_s: float | None = None
+    pd_busy_share: float = 0.0
+    """The share of the recent past in which the PD prefill pool had no idle instance."""
 
 
 @dataclass(frozen=True)
@@ -163,6 +178,10 @@ class TrimState:
     """What the long-term plan expects the link to run at (None: unknown)."""
     averages: TrimAverages | None = None
     """What the current `t` did so far (None: no tick seen since it was set)."""
+    backlogs_at_move: tuple[float, float] | None = None
+    """The PrfaaS and PD prefill backlogs when `t` last moved, or at the first tick after the
+    set-point was set (None until then): a side whose queue has shrunk since is draining
+    what the move sent it."""
 
     def with_set_point(self, set_point: float, planned: float | None = None) -> TrimState:
         """The long-term loop re-solved `t`: jump to it, forget the congestion memory, and
@@ -198,6 +217,16 @@ def band(config: TrimConfig, set_point: float) -> tuple[float, float]:
 
 def trim(config: TrimConfig, state: TrimState, obs: TrimObservation) -> TrimDecision:
     """One tick of the trimmer (see the module docstring)."""
+    if state.backlogs_at_move is None:
+        state = replace(state, backlogs_at_move=(obs.prfaas_backlog_s, obs.pd_backlog_s))
+    decision = _trim(config, state, obs)
+    if not decision.changed:
+        return decision
+    moved = replace(decision.state, backlogs_at_move=(obs.prfaas_backlog_s, obs.pd_backlog_s))
+    return replace(decision, state=moved)
+
+
+def _trim(config: TrimConfig, state: TrimState, obs: TrimObservation) -> TrimDecision:
     state = replace(_forget_if_stale(state, obs), since_step=state.since_step + 1)
     seen = _averaged(config, state.averages, obs)
     state = replace(state, averages=seen)
@@ -208,6 +237,12 @@ def trim(config: TrimConfig, state: TrimState, obs: TrimObservation) -> TrimDeci
     pd_hot = pd > config.queue_ratio * pf + config.queue_gap_s
     high = state.high_water(config)
     link_hot = util is not None and util > high and pf > pd
+    now_pf, now_pd = obs.prfaas_backlog_s, obs.pd_backlog_s
+    at_move = state.backlogs_at_move
+    if (link_hot or queue_hot) and at_move is not None and now_pf < at_move[0]:
+        return TrimDecision(replace(state, hot_ticks=0, quiet_ticks=0), False,
+                            f"hold: PrfaaS queue draining ({now_pf:.1f}s, {at_move[0]:.1f}s "
+                            "at the last move)")  # fmt: skip
     if link_hot or queue_hot:
         why = (
             f"egress {util:.2f} > {high:.2f}"
@@ -229,6 +264,9 @@ def trim(config: TrimConfig, state: TrimState, obs: TrimObservation) -> TrimDeci
         if state.since_step < config.holdoff_ticks:
             left = config.holdoff_ticks - state.since_step
             return TrimDecision(state, False, f"hold: {why}, {left} ticks after the last step")
+        if at_move is not None and now_pd < at_move[1]:
+            return TrimDecision(state, False, f"hold: {why}, draining ({at_move[1]:.1f}s at "
+                                "the last move)")  # fmt: skip
         lowered = _lower(config, state, lo, why, step=t * (1 - 1 / config.raise_factor),
                          remembered=False)  # fmt: skip
         if not lowered.changed:
@@ -275,6 +313,9 @@ def _forget_if_stale(state: TrimState, obs: TrimObservation) -> TrimState:
 def _raise(config: TrimConfig, state: TrimState, obs: TrimObservation, why: str) -> TrimDecision:
     state = replace(state, hot_ticks=state.hot_ticks + 1)
     _, hi = band(config, state.set_point)
+    top = "the band's top"
+    if obs.pd_busy_share >= SATURATED_BUSY_SHARE and state.set_point < hi:
+        hi, top = state.set_point, f"the set-point (PD prefill busy {obs.pd_busy_share:.0%})"
     t = state.threshold
     if state.hot_ticks < config.confirm_ticks:
         return TrimDecision(state, False, f"hold: {why} (tick {state.hot_ticks})")
@@ -282,7 +323,7 @@ def _raise(config: TrimConfig, state: TrimState, obs: TrimObservation, why: str)
         left = config.holdoff_ticks - state.since_step
         return TrimDecision(state, False, f"hold: {why}, {left} ticks after the last step")
     if t >= hi:
-        return TrimDecision(state, False, f"hold: {why}, t at the band's top {hi:.0f}")
+        return TrimDecision(state, False, f"hold: {why}, t at {top} {hi:.0f}")
     remembered = replace(
         state,
         hot_ticks=0,

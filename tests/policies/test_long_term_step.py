@@ -110,6 +110,29 @@ def test_a_step_of_length_counts_ticks_and_leaves_the_input_alone(
     assert LongTermMemory().cusum == LengthCusum()
 
 
+def test_the_answer_step_test_needs_enough_requests_decoding_to_read(
+    profile: DeploymentProfile,
+) -> None:
+    """Answers of 1,024 tokens at 2 req/s decode 51 requests at once (25 ms a step): none
+    decoding for five ticks is a step down. At 0.05 req/s, 1.3 decode on average and a
+    tick reading none says nothing: no step, however long it lasts (it read as answers of
+    no tokens, and woke a period every five ticks)."""
+    samples = PeriodSample(0.0, (), (1024,) * 30, (1.0,) * 30, 30, 0.0, 100 * GBIT)
+
+    def stepped(rate: float) -> list[bool]:
+        memory = replace(LongTermMemory(), estimate=replace(_estimate(), rate=rate),
+                         answers_seen=100)  # fmt: skip
+        seen = []
+        for tick in range(6):
+            watched = watch(CONFIG, profile, memory, samples, _now(10.0 + tick))
+            memory = watched.memory
+            seen.append(watched.workload_stepped)
+        return seen
+
+    assert stepped(2.0) == [False] * 4 + [True] * 2
+    assert stepped(0.05) == [False] * 6
+
+
 def test_a_timer_period_keeps_its_estimate_and_a_first_look_keeps_nothing(
     profile: DeploymentProfile,
 ) -> None:

@@ -92,6 +92,38 @@ def test_a_prfaas_queue_surge_raises() -> None:
     assert not trim(CFG, TrimState(10_000, 10_000, hot_ticks=1), _obs(0, 0.2, 4.5, 1.0)).changed
 
 
+def test_a_saturated_pd_prefill_caps_raises_at_the_set_point() -> None:
+    """PrfaaS queue surging, the PD prefill busy 70% of the time: the set-point governs, so
+    t below it rises only to it and t at it holds; busy 40%, the band's top is the limit."""
+
+    def surge(share: float) -> TrimObservation:
+        return replace(_obs(0, 0.2, pf=20.0, pd=1.0), pd_busy_share=share)
+
+    d = trim(CFG, TrimState(9_000, 10_000, hot_ticks=1), surge(0.7))
+    assert d.state.threshold == 10_000
+    d = trim(CFG, TrimState(10_000, 10_000, hot_ticks=1), surge(0.7))
+    assert not d.changed
+    assert d.reason == ("hold: PrfaaS queue 20.0s > 1.5 x PD 1.0s + 3s, t at the set-point "
+                        "(PD prefill busy 70%) 10000")  # fmt: skip
+    assert trim(CFG, TrimState(10_000, 10_000, hot_ticks=1), surge(0.4)).state.threshold == 12_500
+
+
+def test_a_draining_queue_holds_the_step_that_would_answer_it_again() -> None:
+    """PrfaaS queued 30 s when t last moved and 20 s now: still congested, but draining
+    what the last raise left, so no second raise; growing again (35 s), it raises. The PD
+    side alike for a lowering."""
+    moved = TrimState(12_500, 10_000, hot_ticks=1, since_step=50, backlogs_at_move=(30.0, 1.0))
+    d = trim(CFG, moved, _obs(0, 0.2, pf=20.0, pd=1.0))
+    assert not d.changed
+    assert d.reason == "hold: PrfaaS queue draining (20.0s, 30.0s at the last move)"
+    d = trim(CFG, moved, _obs(0, 0.2, pf=35.0, pd=1.0))
+    assert d.state.threshold == 15_625 and d.state.backlogs_at_move == (35.0, 1.0)
+    low = TrimState(8_000, 10_000, quiet_ticks=2, since_step=50, backlogs_at_move=(0.0, 30.0))
+    d = trim(CFG, low, _obs(0, 0.1, pf=0.0, pd=20.0))
+    assert not d.changed and d.reason.endswith("draining (30.0s at the last move)")
+    assert trim(CFG, low, _obs(0, 0.1, pf=0.0, pd=31.0)).state.threshold == 6_400
+
+
 def test_quiet_link_lowers_additively_back_to_the_set_point() -> None:
     """Every third quiet tick takes 512 tokens off, down to the set-point, never below."""
     ts = [t for t, _ in _run(TrimState(11_200, 10_000), [_obs(i, 0.3) for i in range(12)])]

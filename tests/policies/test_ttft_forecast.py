@@ -153,6 +153,24 @@ def test_a_saturated_local_pool_lets_the_threshold_govern() -> None:
                              ">= its compute 4.00s: the threshold governs")  # fmt: skip
 
 
+def test_a_pool_busy_most_of_the_time_lets_the_threshold_govern_on_a_short_wait() -> None:
+    """A 1 s local queue is shorter than the 4 s compute, so the TTFT rule alone would keep
+    the prompt local; with the pool busy 60% of the recent past it is saturated and the
+    prompt goes over the link. Busy 40%, or no queue at all (idle now, however busy
+    lately), and TTFT decides again."""
+    slow = LinkState(1 * GBIT)
+
+    def busy(share: float, backlog: float) -> LoadForecast:
+        return LoadForecast(COSTS, {"pd-p0": backlog}, slow, local_busy_share=share)
+
+    d = PrfaasPolicy().decide(_snap(20_000, busy(0.6, 1.0)))
+    assert d.route == "prfaas"
+    assert d.reason.endswith("predicted TTFT prfaas 18.00s >= local 5.00s; local queue 1.00s, "
+                             "pool busy 60% of the time: the threshold governs")  # fmt: skip
+    assert PrfaasPolicy().decide(_snap(20_000, busy(0.4, 1.0))).route == "pd"
+    assert PrfaasPolicy().decide(_snap(20_000, busy(0.9, 0.0))).route == "pd"
+
+
 def test_a_pull_that_costs_more_than_recomputing_is_not_made() -> None:
     """The issue's case: PrfaaS caches 6,000 tokens of a 6,100-token prompt, PD nothing, t =
     4,000. Abundant: 100 uncached <= t, so PD computes it, pulling the 6,000-token prefix:

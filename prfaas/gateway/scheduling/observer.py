@@ -27,6 +27,8 @@ from prfaas.policies.ttft_forecast import LinkState, LoadForecast, PrefillCosts
 from prfaas.protocol.replica_report import ReplicaReport
 
 RECENT_LENGTHS = 100  # incremental lengths kept across periods for the step test
+BUSY_SMOOTHING_S = 20.0
+"""Time constant of the PD prefill pool's busy share (`SchedulingObserver.local_busy_share`)."""
 
 
 @dataclass
@@ -103,6 +105,10 @@ class SchedulingObserver:
         """Incremental lengths routed in all (which of `recent_lengths` are new)."""
         self._outbox: _Outbox | None = None  # kept once `report` was called
         self._remote: dict[str, _RemoteLoad] = {}
+        self.local_busy_share = 0.0
+        """The share of about the last `BUSY_SMOOTHING_S` in which the PD prefill pool had no
+        idle instance, as the short-term loop sampled it (`local_pool_sampled`)."""
+        self._busy_sampled_at: float | None = None
 
     def now(self) -> float:
         return self._clock()
@@ -111,7 +117,7 @@ class SchedulingObserver:
         if self.costs is None:
             return None
         return LoadForecast(self.costs, self.backlogs(self._clock()), self.link,
-                            self.conditional)  # fmt: skip
+                            self.conditional, self.local_busy_share)  # fmt: skip
 
     def backlogs(self, now: float) -> dict[str, float]:
         """Predicted backlog per instance: this gateway's bookings plus the other replicas'."""
@@ -168,6 +174,16 @@ class SchedulingObserver:
         if link is not None:
             self._samples.capacities.append(link.capacity_bytes_per_s)
         self._samples.decoding.append(self.decoding_now)
+
+    def local_pool_sampled(self, backlog_s: float) -> None:
+        """The short-term loop read the PD prefill pool's least backlog (`pool_backlog`):
+        fold whether the pool was busy into `local_busy_share`."""
+        now = self._clock()
+        last, self._busy_sampled_at = self._busy_sampled_at, now
+        if last is not None:
+            self.local_busy_share = decayed_share(
+                self.local_busy_share, backlog_s > 0, now - last, BUSY_SMOOTHING_S
+            )
 
     def pool_backlog(self, instance_ids: Iterable[str]) -> float:
         """The least predicted backlog in a pool (0 for an empty pool: nothing to wait on)."""
@@ -232,3 +248,10 @@ class SchedulingObserver:
         """The samples since the last call; a new period starts now."""
         samples, self._samples = self._samples, PeriodSamples(self._clock())
         return samples
+
+
+def decayed_share(share: float, now_true: bool, dt: float, tau: float) -> float:
+    """An exponential average of a yes/no reading taken every `dt` seconds: the share of
+    about the last `tau` seconds in which it read yes."""
+    keep = math.exp(-max(dt, 0.0) / tau)
+    return share * keep + (1.0 - keep) * float(now_true)

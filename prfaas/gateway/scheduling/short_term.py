@@ -74,18 +74,22 @@ class ShortTermLoop:
         link = self.read_link()
         self._observer.measured(link)
         util = _utilisation(link)
+        pd_backlog = self._observer.pool_backlog(prefill_pool(self._instances, "pd"))
+        self._observer.local_pool_sampled(pd_backlog)
         obs = TrimObservation(
             now=self._observer.now(),
             egress_utilisation=util,
             prfaas_backlog_s=self._observer.pool_backlog(prefill_pool(self._instances, "prfaas")),
-            pd_backlog_s=self._observer.pool_backlog(prefill_pool(self._instances, "pd")),
+            pd_backlog_s=pd_backlog,
             capacity_bytes_per_s=None if link is None else link.capacity_bytes_per_s,
+            pd_busy_share=self._observer.local_busy_share,
         )
         reading = self._reading(link, util)
         inputs = {
             "egress_utilisation": util,
             "prfaas_backlog_s": obs.prfaas_backlog_s,
             "pd_backlog_s": obs.pd_backlog_s,
+            "pd_busy_share": obs.pd_busy_share,
             "capacity_bytes_per_s": obs.capacity_bytes_per_s,
             "spare_bytes_per_s": reading.spare_bytes_per_s,
             "kv_rate_bytes_per_s": reading.kv_rate_bytes_per_s,

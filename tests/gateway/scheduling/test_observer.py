@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
+import pytest
+
 from prfaas.gateway.router import RouteEvent
-from prfaas.gateway.scheduling.observer import SchedulingObserver
+from prfaas.gateway.scheduling.observer import BUSY_SMOOTHING_S, SchedulingObserver
 from prfaas.policies.routing import RouteDecision
+from prfaas.policies.tables import PiecewiseLinear
+from prfaas.policies.ttft_forecast import PrefillCosts
 
 
 class Clock:
@@ -52,3 +58,25 @@ def test_a_failed_request_leaves_no_answer_and_no_arrival() -> None:
     samples = observer.take_samples()
     assert samples.outputs == [50]
     assert samples.arrivals == [20.0]
+
+
+def test_the_pd_pool_busy_share_follows_the_ticks_and_reaches_the_forecast() -> None:
+    """Ticks a second apart: the first only starts the clock; then a minute of a busy pool
+    brings the share to 1 - e^-3 (time constant 20 s), and 20 s idle take it down by e^-1.
+    The forecast each request is routed on carries it."""
+    clock = Clock()
+    line = PiecewiseLinear((0.0, 1000.0), (0.0, 1.0))
+    observer = SchedulingObserver(PrefillCosts(line, line, line), clock=clock)
+    observer.local_pool_sampled(5.0)
+    assert observer.local_busy_share == 0.0
+    for _ in range(60):
+        clock.now += 1.0
+        observer.local_pool_sampled(2.0)
+    busy = 1 - math.exp(-60 / BUSY_SMOOTHING_S)
+    assert observer.local_busy_share == pytest.approx(busy)
+    for _ in range(20):
+        clock.now += 1.0
+        observer.local_pool_sampled(0.0)
+    assert observer.local_busy_share == pytest.approx(busy * math.exp(-1))
+    forecast = observer.forecast()
+    assert forecast is not None and forecast.local_busy_share == observer.local_busy_share
