@@ -69,12 +69,17 @@ class StepConfig:
     length-shift scenario moves the sample mean."""
     step_ticks: int = 5
     """A step of answer or incremental length must be seen for this many ticks in a row."""
+    min_decoding: float = 4.0
+    """Requests decoding at once, by Little's law on the estimate, below which the
+    answer-length test is not run: a count of a few, read once a tick, is too noisy to
+    show a step (a light load decoding 0.2 on average reads 0 on most ticks)."""
 
     def __post_init__(self) -> None:
         check(self.capacity_step > 0, "capacity_step", self.capacity_step, "must be > 0")
         check(self.output_step > 1, "output_step", self.output_step, "must be > 1")
         check(self.length_step > 0, "length_step", self.length_step, "must be > 0")
         check(self.step_ticks >= 1, "step_ticks", self.step_ticks, "must be >= 1")
+        check(self.min_decoding >= 0, "min_decoding", self.min_decoding, "must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -92,13 +97,6 @@ class LongTermConfig:
         in tests, still learn the rate)."""
         window = min(self.estimate.rate_window_s, self.period_s / 2)
         return replace(self.estimate, rate_window_s=window)
-
-
-MIN_DECODING = 4.0
-"""Requests decoding at once, on average, below which the answer-length step test is not run.
-From about 4, a count reads 1.5 times off its mean five ticks in a row by chance about once
-in 800 ticks (Poisson, ticks taken as independent); at 0.2 (a light load of short answers)
-it read 0 most ticks, which implied answers of no tokens."""
 
 
 class Wake(enum.Enum):
@@ -331,11 +329,8 @@ def _answers_stepped(
     now: Now,
 ) -> tuple[LongTermMemory, bool]:
     """Whether the requests decoding now have implied answers at least `output_step` times
-    longer, or shorter, than the estimate's for `step_ticks` ticks in a row. Not tested
-    where the estimate makes fewer than `MIN_DECODING` requests decode at once: one tick's
-    count of a few then says little (a light load decoding 0.2 on average reads 0 most
-    ticks, which implied answers of no tokens, woke a period every few seconds and set
-    the estimate's answers to 0).
+    longer, or shorter, than the estimate's for `step_ticks` ticks in a row; not tested
+    where the estimate makes fewer than `min_decoding` requests decode at once.
 
     Little's law on the estimate's arrival rate and on this period's first tokens (it waits
     for `min_samples` of them), whichever makes the step smaller: the estimate lags a burst,
@@ -348,7 +343,7 @@ def _answers_stepped(
     if estimate is None or output is None or memory.answers_seen < enough:
         return memory, False
     expected = little_inverse(profile, output, estimate.rate)
-    if expected is None or expected < MIN_DECODING:
+    if expected is None or expected < config.steps.min_decoding:
         return replace(memory, answer_ticks=0), False
     if samples.decode_starts < enough:
         return replace(memory, answer_ticks=0), False

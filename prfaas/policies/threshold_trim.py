@@ -28,17 +28,18 @@ After a multiplicative step the next waits `holdoff_ticks`, so the link's queued
 drain and its utilisation shows what the new `t` does before `t` moves again (a saturated
 link reads 100% until then, and stepping on every tick would overshoot).
 
-Two more holds, for overload, where both pools queue:
-- **a side draining holds its step:** a raise waits while the PrfaaS queue is shorter than
-  when `t` last moved, a lowering for the PD queue while that one is: a queue of a minute
-  of KV on a slow link drains for a minute after the raise that answers it, and raising
-  again on its length alone overshot (to the band's top, then down to its floor);
-- **a saturated PD prefill caps raises at the set-point:** while the PD prefill pool has been
-  busy half the time or more (`pd_busy_share`, the offload rule's test of saturation,
-  `ttft_forecast`), the throughput-optimal set-point governs, as it does each offload:
-  raising `t` then moves long prompts onto a pool that is already the bottleneck, and every
-  short prompt behind them waits their compute (the burst phase of
-  `benchmarks/scheduling_live.py` showed TTFT P90 1.9 times the oracle's that way).
+Two more rules, for overload, where both pools queue (`prfaas/sim/SCHEDULING.md` tells
+what the live runs showed without them):
+- **a queue still draining holds the step that answered it:** after a raise, the next raise
+  waits while the PrfaaS queue is shorter than at the raise, at most as many seconds as
+  that queue held (by then what was queued at the raise has drained); a lowering for the
+  PD queue likewise. On a slow link a queue of KV drains for as long as it is, and
+  stepping again on its length alone overshoots;
+- **a saturated PD prefill caps raises at the set-point:** while the PD prefill pool is busy
+  `SATURATED_BUSY_SHARE` of the time or more (`pd_busy_share`, the offload rule's test of
+  saturation in `ttft_forecast`), the throughput-optimal set-point governs the trimmer as
+  it governs each offload: raising `t` would move long prompts onto the pool that is
+  already the bottleneck, and every short prompt behind them would wait their compute.
 
 No oscillation under steady load: after a raise, the `t` at which the link was congested is
 remembered, and lowering back toward the set-point on a quiet link stops one step above it
@@ -160,6 +161,21 @@ class TrimAverages:
 
 
 @dataclass(frozen=True)
+class LastStep:
+    """A multiplicative step: a raise for a congested PrfaaS side, or a lowering for a
+    congested PD prefill; when, and the (averaged) queue of the side it answered."""
+
+    raised: bool
+    at: float
+    queue_s: float
+
+    def draining(self, now: float, queue_s: float) -> bool:
+        """Whether that side's queue, `queue_s` now, is still draining what it held at the
+        step: shorter than then, and not yet as many seconds later as it held."""
+        return queue_s < self.queue_s and now - self.at < self.queue_s
+
+
+@dataclass(frozen=True)
 class TrimState:
     """The trimmer's memory between ticks."""
 
@@ -178,10 +194,8 @@ class TrimState:
     """What the long-term plan expects the link to run at (None: unknown)."""
     averages: TrimAverages | None = None
     """What the current `t` did so far (None: no tick seen since it was set)."""
-    backlogs_at_move: tuple[float, float] | None = None
-    """The PrfaaS and PD prefill backlogs when `t` last moved, or at the first tick after the
-    set-point was set (None until then): a side whose queue has shrunk since is draining
-    what the move sent it."""
+    last_step: LastStep | None = None
+    """The last multiplicative step since the set-point was set (None: none)."""
 
     def with_set_point(self, set_point: float, planned: float | None = None) -> TrimState:
         """The long-term loop re-solved `t`: jump to it, forget the congestion memory, and
@@ -217,16 +231,6 @@ def band(config: TrimConfig, set_point: float) -> tuple[float, float]:
 
 def trim(config: TrimConfig, state: TrimState, obs: TrimObservation) -> TrimDecision:
     """One tick of the trimmer (see the module docstring)."""
-    if state.backlogs_at_move is None:
-        state = replace(state, backlogs_at_move=(obs.prfaas_backlog_s, obs.pd_backlog_s))
-    decision = _trim(config, state, obs)
-    if not decision.changed:
-        return decision
-    moved = replace(decision.state, backlogs_at_move=(obs.prfaas_backlog_s, obs.pd_backlog_s))
-    return replace(decision, state=moved)
-
-
-def _trim(config: TrimConfig, state: TrimState, obs: TrimObservation) -> TrimDecision:
     state = replace(_forget_if_stale(state, obs), since_step=state.since_step + 1)
     seen = _averaged(config, state.averages, obs)
     state = replace(state, averages=seen)
@@ -237,12 +241,7 @@ def _trim(config: TrimConfig, state: TrimState, obs: TrimObservation) -> TrimDec
     pd_hot = pd > config.queue_ratio * pf + config.queue_gap_s
     high = state.high_water(config)
     link_hot = util is not None and util > high and pf > pd
-    now_pf, now_pd = obs.prfaas_backlog_s, obs.pd_backlog_s
-    at_move = state.backlogs_at_move
-    if (link_hot or queue_hot) and at_move is not None and now_pf < at_move[0]:
-        return TrimDecision(replace(state, hot_ticks=0, quiet_ticks=0), False,
-                            f"hold: PrfaaS queue draining ({now_pf:.1f}s, {at_move[0]:.1f}s "
-                            "at the last move)")  # fmt: skip
+    step = state.last_step
     if link_hot or queue_hot:
         why = (
             f"egress {util:.2f} > {high:.2f}"
@@ -250,7 +249,11 @@ def _trim(config: TrimConfig, state: TrimState, obs: TrimObservation) -> TrimDec
             else f"PrfaaS queue {pf:.1f}s > {config.queue_ratio:g} x PD {pd:.1f}s"
             f" + {config.queue_gap_s:g}s"
         )
-        return _raise(config, replace(state, quiet_ticks=0), obs, why)
+        if step is not None and step.raised and step.draining(obs.now, pf):
+            return TrimDecision(replace(state, quiet_ticks=0), False,
+                                f"hold: {why}, draining ({step.queue_s:.1f}s at the last "
+                                "raise)")  # fmt: skip
+        return _raise(config, replace(state, quiet_ticks=0), obs, why, pf)
     state = replace(state, hot_ticks=0, quiet_ticks=state.quiet_ticks + 1)
     if state.quiet_ticks < config.clear_ticks:
         return TrimDecision(state, False, "hold: waiting for quiet ticks")
@@ -264,14 +267,15 @@ def _trim(config: TrimConfig, state: TrimState, obs: TrimObservation) -> TrimDec
         if state.since_step < config.holdoff_ticks:
             left = config.holdoff_ticks - state.since_step
             return TrimDecision(state, False, f"hold: {why}, {left} ticks after the last step")
-        if at_move is not None and now_pd < at_move[1]:
-            return TrimDecision(state, False, f"hold: {why}, draining ({at_move[1]:.1f}s at "
-                                "the last move)")  # fmt: skip
+        if step is not None and not step.raised and step.draining(obs.now, pd):
+            return TrimDecision(state, False, f"hold: {why}, draining ({step.queue_s:.1f}s at "
+                                "the last lowering)")  # fmt: skip
         lowered = _lower(config, state, lo, why, step=t * (1 - 1 / config.raise_factor),
                          remembered=False)  # fmt: skip
         if not lowered.changed:
             return lowered
-        return replace(lowered, state=replace(lowered.state, since_step=0))
+        stepped = replace(lowered.state, since_step=0, last_step=LastStep(False, obs.now, pd))
+        return replace(lowered, state=stepped)
     if t > sp and (util is None or util < config.low_water):
         util_text = "unknown" if util is None else f"{util:.2f}"
         return _lower(config, state, sp, f"egress {util_text} < {config.low_water:g}")
@@ -310,12 +314,17 @@ def _forget_if_stale(state: TrimState, obs: TrimObservation) -> TrimState:
     return replace(state, capacity=cap if cap is not None else old)
 
 
-def _raise(config: TrimConfig, state: TrimState, obs: TrimObservation, why: str) -> TrimDecision:
+def _raise(
+    config: TrimConfig, state: TrimState, obs: TrimObservation, why: str, queue_s: float
+) -> TrimDecision:
+    """A raise for a congested PrfaaS side, whose (averaged) queue is `queue_s`."""
     state = replace(state, hot_ticks=state.hot_ticks + 1)
     _, hi = band(config, state.set_point)
-    top = "the band's top"
+    top = f"t at the band's top {hi:.0f}"
     if obs.pd_busy_share >= SATURATED_BUSY_SHARE and state.set_point < hi:
-        hi, top = state.set_point, f"the set-point (PD prefill busy {obs.pd_busy_share:.0%})"
+        hi = state.set_point
+        top = (f"t {state.threshold:.0f} not below the set-point {hi:.0f} while the PD "
+               f"prefill is busy {obs.pd_busy_share:.0%} of the time")  # fmt: skip
     t = state.threshold
     if state.hot_ticks < config.confirm_ticks:
         return TrimDecision(state, False, f"hold: {why} (tick {state.hot_ticks})")
@@ -323,13 +332,14 @@ def _raise(config: TrimConfig, state: TrimState, obs: TrimObservation, why: str)
         left = config.holdoff_ticks - state.since_step
         return TrimDecision(state, False, f"hold: {why}, {left} ticks after the last step")
     if t >= hi:
-        return TrimDecision(state, False, f"hold: {why}, t at {top} {hi:.0f}")
+        return TrimDecision(state, False, f"hold: {why}, {top}")
     remembered = replace(
         state,
         hot_ticks=0,
         since_step=0,
         congested_at=t,
         remember_until=obs.now + config.memory_s,
+        last_step=LastStep(True, obs.now, queue_s),
     )
     return _moved(remembered, min(t * config.raise_factor, hi), f"raise: {why}")
 

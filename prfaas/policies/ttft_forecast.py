@@ -21,13 +21,12 @@ saturated, the throughput-optimal threshold governs, as in the paper, and the of
 ahead even when that request's own TTFT is predicted worse (`TTFTPrediction.offload`, which
 says so). Saturated: the request would wait there at least as long as it computes, or it
 would wait at all while the pool has been busy (every instance with work booked) at least
-half of the recent past (`LoadForecast.local_busy_share`, about the last 20 s). The second
+`SATURATED_BUSY_SHARE` of the recent past (`LoadForecast.local_busy_share`). The second
 test reads the load, not one instant's queue: under a sustained load the local queue is
 often short for a moment, and a long prompt kept local then delays every request that
-arrives behind it during its compute (the burst and longer-prompt phases of
-`benchmarks/scheduling_live.py` showed it: the TTFT P90 of the many short prompts, not the
-few long ones, decides). Half: where a pool that is busy half the time makes its waits as
-long as its computes on average (one server, random arrivals).
+arrives behind it during its compute. At half, the two tests roughly agree on average (one
+server with random arrivals and service times, busy half the time, waits on average as
+long as it serves); `prfaas/sim/SCHEDULING.md` tells what the live runs showed.
 
 A prefix pull (`predict_pull`) moves `S_kv(prefix)` over the spare link to save computing
 those tokens where the request runs; it pays only when the transfer is the shorter.
@@ -46,7 +45,7 @@ import msgspec
 from prfaas.policies.tables import PiecewiseLinear
 
 SATURATED_BUSY_SHARE = 0.5
-"""A PD prefill pool busy this share of the time counts as saturated (see above)."""
+"""A PD prefill pool busy this share of the recent past counts as saturated (see above)."""
 
 
 @dataclass(frozen=True)
@@ -115,6 +114,7 @@ class TTFTPrediction:
     local_wait_s: float = 0.0
     local_compute_s: float = 0.0
     local_busy_share: float = 0.0
+    """The share of the recent past in which the PD prefill pool was busy (the forecast's)."""
 
     @property
     def faster(self) -> bool:

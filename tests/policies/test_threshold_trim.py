@@ -11,6 +11,7 @@ import pytest
 
 from prfaas.common.toml_tables import FieldError
 from prfaas.policies.threshold_trim import (
+    LastStep,
     TrimAverages,
     TrimConfig,
     TrimObservation,
@@ -103,25 +104,40 @@ def test_a_saturated_pd_prefill_caps_raises_at_the_set_point() -> None:
     assert d.state.threshold == 10_000
     d = trim(CFG, TrimState(10_000, 10_000, hot_ticks=1), surge(0.7))
     assert not d.changed
-    assert d.reason == ("hold: PrfaaS queue 20.0s > 1.5 x PD 1.0s + 3s, t at the set-point "
-                        "(PD prefill busy 70%) 10000")  # fmt: skip
+    assert d.reason == ("hold: PrfaaS queue 20.0s > 1.5 x PD 1.0s + 3s, t 10000 not below the "
+                        "set-point 10000 while the PD prefill is busy 70% of the time")  # fmt: skip
     assert trim(CFG, TrimState(10_000, 10_000, hot_ticks=1), surge(0.4)).state.threshold == 12_500
 
 
-def test_a_draining_queue_holds_the_step_that_would_answer_it_again() -> None:
-    """PrfaaS queued 30 s when t last moved and 20 s now: still congested, but draining
-    what the last raise left, so no second raise; growing again (35 s), it raises. The PD
-    side alike for a lowering."""
-    moved = TrimState(12_500, 10_000, hot_ticks=1, since_step=50, backlogs_at_move=(30.0, 1.0))
-    d = trim(CFG, moved, _obs(0, 0.2, pf=20.0, pd=1.0))
-    assert not d.changed
-    assert d.reason == "hold: PrfaaS queue draining (20.0s, 30.0s at the last move)"
-    d = trim(CFG, moved, _obs(0, 0.2, pf=35.0, pd=1.0))
-    assert d.state.threshold == 15_625 and d.state.backlogs_at_move == (35.0, 1.0)
-    low = TrimState(8_000, 10_000, quiet_ticks=2, since_step=50, backlogs_at_move=(0.0, 30.0))
-    d = trim(CFG, low, _obs(0, 0.1, pf=0.0, pd=20.0))
-    assert not d.changed and d.reason.endswith("draining (30.0s at the last move)")
-    assert trim(CFG, low, _obs(0, 0.1, pf=0.0, pd=31.0)).state.threshold == 6_400
+def test_a_raise_holds_the_next_while_the_queue_it_answered_drains() -> None:
+    """Ticks a second apart, PrfaaS congested throughout: a raise at tick 1 with 30 s queued;
+    10 ticks later (the hold-off) the queue reads 20 s, still congested but draining what
+    was queued at the raise, so no second raise until 30 s after it (the bound: by then
+    that queue has drained); a queue that grows again past 30 s raises at once."""
+    queue = [30.0, 30.0] + [20.0] * 40
+    steps = _run(TrimState(10_000, 10_000), [_obs(i, 0.2, pf=q, pd=0.0) for i, q in
+                                             enumerate(queue)])  # fmt: skip
+    assert steps[1][0] == 12_500
+    assert steps[20][1] == ("hold: PrfaaS queue 20.0s > 1.5 x PD 0.0s + 3s, draining (30.0s "
+                            "at the last raise)")  # fmt: skip
+    assert [t for t, _ in steps[:31]] == [10_000] + [12_500] * 30
+    assert steps[32][0] == 15_625  # 31 s after the raise: two congested ticks past the bound
+    regrown = [30.0, 30.0] + [20.0] * 10 + [35.0] * 2
+    steps = _run(TrimState(10_000, 10_000), [_obs(i, 0.2, pf=q, pd=0.0) for i, q in
+                                             enumerate(regrown)])  # fmt: skip
+    assert steps[-1][0] == 15_625
+
+
+def test_a_lowering_holds_the_next_while_the_pd_queue_drains_but_not_a_raise() -> None:
+    """The PD side alike; and the hold is for the step in the same direction only: after a
+    lowering, a congested PrfaaS side raises at once."""
+    lowered = TrimState(8_000, 10_000, quiet_ticks=2, since_step=50,
+                        last_step=LastStep(False, 0.0, 30.0))  # fmt: skip
+    d = trim(CFG, lowered, _obs(5, 0.1, pf=0.0, pd=20.0))
+    assert not d.changed and d.reason.endswith("draining (30.0s at the last lowering)")
+    assert trim(CFG, lowered, _obs(31, 0.1, pf=0.0, pd=20.0)).state.threshold == 6_400
+    d = trim(CFG, replace(lowered, hot_ticks=1), _obs(5, 0.2, pf=20.0, pd=1.0))
+    assert d.state.threshold == 10_000 and d.state.last_step == LastStep(True, 5, 20.0)
 
 
 def test_quiet_link_lowers_additively_back_to_the_set_point() -> None:

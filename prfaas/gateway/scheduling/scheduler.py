@@ -126,12 +126,12 @@ class Scheduler:
         gateway leads), and the long-term loop's deferred move and its early wake on a step
         of the link, the output length or the incremental length."""
         if not self.leading:
-            self.observer.measured(self.short.read_link())
+            self.short.measure()
             return
         if self.config.short_term:
             self.short.tick()
         else:
-            self.observer.measured(self.short.read_link())
+            self.short.measure()
         if self.config.long_term:
             self.long.make_deferred()
         workload = self.config.long_term and self.long.workload_stepped()  # counts every tick

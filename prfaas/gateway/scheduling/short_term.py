@@ -69,13 +69,20 @@ class ShortTermLoop:
         """The plan's expected link utilisation at the current set-point (every period)."""
         self.trim = replace(self.trim, planned_utilisation=utilisation)
 
-    def tick(self) -> None:
-        """Measure, decide, and apply what changed."""
+    def measure(self) -> tuple[LinkState | None, float]:
+        """What every tick measures, deciding or not (a follower's requests are routed on
+        it too): the link, and whether the PD prefill pool is busy. Returns the link and
+        the PD prefill pool's least predicted backlog."""
         link = self.read_link()
         self._observer.measured(link)
-        util = _utilisation(link)
         pd_backlog = self._observer.pool_backlog(prefill_pool(self._instances, "pd"))
         self._observer.local_pool_sampled(pd_backlog)
+        return link, pd_backlog
+
+    def tick(self) -> None:
+        """Measure, decide, and apply what changed."""
+        link, pd_backlog = self.measure()
+        util = _utilisation(link)
         obs = TrimObservation(
             now=self._observer.now(),
             egress_utilisation=util,

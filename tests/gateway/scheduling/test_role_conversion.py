@@ -506,3 +506,30 @@ def test_steady_log_normal_lengths_do_not_wake_the_long_term_loop(
     periods = _periods_at(seen)
     assert [round(at / 60.0) for at in periods] == list(range(1, 11)), periods
     assert all(abs(at - 60.0 * round(at / 60.0)) <= 1.0 for at in periods), periods
+
+
+def test_a_follower_measures_the_pd_pool_busy_share_its_requests_are_routed_on(
+    profile: DeploymentProfile,
+) -> None:
+    """Only the leader trims, but every replica routes: a follower's ticks fold the PD
+    prefill pool's busy time into the share its forecasts carry (40 s of a pool with work
+    booked, time constant 20 s: 1 - e^-2 = 0.86)."""
+
+    async def main() -> float:
+        cluster = SimCluster(profile, _deployment(profile, 1, 1), SimOptions())
+        scheduler = Scheduler(SchedulerConfig(period_s=20.0), profile, cluster.router,
+                              cluster.instances)  # fmt: skip
+        scheduler.follow("another-gateway")
+        prefill = next(s for s in cluster.instances if s.cluster == "pd" and s.role == "prefill")
+        loop = asyncio.get_running_loop()
+        scheduler.observer.ledger.admit(prefill.instance_id, "booked", 1000.0, loop.time())
+        scheduler.start()
+        try:
+            await asyncio.sleep(40.0)
+        finally:
+            await scheduler.stop()
+        forecast = scheduler.observer.forecast()
+        assert forecast is not None
+        return forecast.local_busy_share
+
+    assert run_virtual(main()) == pytest.approx(1 - math.exp(-2), abs=0.05)
