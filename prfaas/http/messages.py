@@ -132,6 +132,28 @@ COALESCE_BYTES = 64 * 1024
 once, so that a client reading slower than we write holds the writer back)."""
 
 
+class StreamWriter(Protocol):
+    """Where a streamed body's pieces go (`ResponseStream`, or a stand-in that keeps them)."""
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def end(self) -> None: ...
+
+
+class StreamTarget(Protocol):
+    """What a handler starts a streamed body on (`Exchange`, or a stand-in that keeps it:
+    a streamed background response's event log)."""
+
+    def start_stream(
+        self,
+        status: int,
+        headers: Mapping[str, str],
+        content_type: str | None = None,
+        *,
+        cut_tail: bytes = b"",
+    ) -> StreamWriter: ...
+
+
 class ResponseStream:
     """A response body sent piece by piece (chunked, or until close for HTTP/1.0). The pieces
     written in one turn of the event loop (a relay handing on the several events one read

@@ -1,10 +1,10 @@
 """Agents against the embedded default (`prfaas serve`: three reference engines, a PrfaaS
 prefill and a PD prefill/decode pair), which serves Anthropic Messages and OpenAI Responses
 itself: the official `anthropic` and `openai` clients (create, stream, tool-use round trips,
-count_tokens, `previous_response_id`), a 10-turn agent loop per API whose every turn from the
-second on routes only what it added (within one block: the prefix hits), and the battery of
-shapes, whole and streamed, each working with its effect shown in the answer, or refused with
-a 4xx in the API's own error body."""
+count_tokens, `previous_response_id`, a streamed background response read again), a 10-turn
+agent loop per API whose every turn from the second on routes only what it added (within one
+block: the prefix hits), and the battery of shapes, whole and streamed, each working with its
+effect shown in the answer, or refused with a 4xx in the API's own error body."""
 
 from __future__ import annotations
 
@@ -99,6 +99,12 @@ def test_openai_sdk_function_call_round_trip_with_previous_response_id(url: str)
     assert whole.usage is not None and first.usage is not None
     assert whole.usage.input_tokens > first.usage.input_tokens  # the whole conversation
     assert client.responses.retrieve(whole.id).output_text == whole.output_text
+    background = list(client.responses.create(**follow, background=True, stream=True))
+    response_id = background[0].response.id
+    assert background[-1].type == "response.completed"
+    assert background[-1].response.output_text == whole.output_text
+    again = list(client.responses.retrieve(response_id, stream=True, starting_after=2))
+    assert [e.model_dump() for e in again] == [e.model_dump() for e in background[3:]]
 
 
 def _loop_poster(url: str, path: str) -> Any:

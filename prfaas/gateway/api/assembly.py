@@ -33,7 +33,7 @@ from prfaas.gateway.instances import InstanceManager, InstanceState
 from prfaas.gateway.kv_feed import KVEventFeed
 from prfaas.gateway.kv_index import KVIndexManager
 from prfaas.gateway.link import EgressMonitor
-from prfaas.gateway.responses.service import ResponsesService, create_store
+from prfaas.gateway.responses.service import ResponsesService, create_event_log, create_store
 from prfaas.gateway.router import RetryPolicy, Router, RoutingState
 from prfaas.gateway.scheduling.decisions import SchedulerCounters
 from prfaas.gateway.scheduling.scheduler import Scheduler
@@ -346,6 +346,7 @@ def build_gateway(
         retry=RetryPolicy(g.max_retries, g.max_migrations, g.retry_wait_s),
         detokenize=tokenizer.decode,
     )
+    store = create_store(config.responses)
     service = CompletionService(
         router=router,
         tokenizer=tokenizer,
@@ -356,9 +357,10 @@ def build_gateway(
         metrics=metrics,
         api_keys=frozenset(g.api_keys),
         responses=ResponsesService(
-            create_store(config.responses),
+            store,
             metrics.response_store_errors.inc,
             cancel_poll_s=config.responses.cancel_poll_s,
+            events=create_event_log(config.responses, store),
         ),
         retry_after_s=g.retry_after_s,
         mode=openai_mode(config),

@@ -24,7 +24,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -36,10 +36,10 @@ from prfaas.engine_clients.base import EngineError
 from prfaas.gateway.admission import AdmissionManager, QueueFull, QueueTimeout
 from prfaas.gateway.api.activity import ActivityRecorder, FinishedRequest
 from prfaas.gateway.api.metrics import GatewayMetrics
-from prfaas.gateway.responses.service import ResponsesService
+from prfaas.gateway.responses.service import EventSink, ResponsesService
 from prfaas.gateway.responses.turn import ResponseTurn
 from prfaas.gateway.router import Dispatch, Router
-from prfaas.http.messages import Exchange, HttpRequest, HttpResponse
+from prfaas.http.messages import Exchange, HttpRequest, HttpResponse, StreamTarget
 from prfaas.policies.routing import NoInstanceAvailable, RouteDecision
 from prfaas.protocol import anthropic_messages, openai_responses, sse
 from prfaas.protocol.errors import APIError
@@ -172,11 +172,14 @@ class CompletionService:
             assert self.responses is not None
             run = partial(self._background, call, _Timing(api, self.clock()))
             queued = await self.responses.start_background(turn, call.model, run)
-            return HttpResponse(200, orjson.dumps(queued))
+            if not call.stream:
+                return HttpResponse(200, orjson.dumps(queued))
+            await relay_events(exchange, await self.responses.events(queued["id"], None))
+            return None
         return await self._admitted(exchange, call, timing, turn)
 
     async def _admitted(
-        self, exchange: Exchange | None, call: CompletionCall, timing: _Timing,
+        self, exchange: StreamTarget | None, call: CompletionCall, timing: _Timing,
         turn: ResponseTurn | None,
     ) -> HttpResponse | None:  # fmt: skip
         """Serve `call` once admission gives it a slot (a 429 when the queue is full, a 408
@@ -200,15 +203,19 @@ class CompletionService:
                            code="queue_timeout",
                            headers={"Retry-After": str(self.retry_after_s)}) from None  # fmt: skip
 
-    async def _background(self, call: CompletionCall, timing: _Timing) -> bytes:
-        """A background response's whole answer (its metrics booked like a request's).
+    async def _background(
+        self, call: CompletionCall, timing: _Timing, turn: ResponseTurn, sink: EventSink | None
+    ) -> bytes | None:
+        """A background response's whole answer, or (`sink`: streamed) None once its events
+        went to `sink` through `turn` (its metrics booked like a request's).
 
         Raises:
             APIError: it failed (the engine's refusal too, with its words).
         """
         try:
-            answer = await self._admitted(None, call, timing, None)
-            assert answer is not None, "a whole answer"
+            answer = await self._admitted(sink, call, timing, None if sink is None else turn)
+            if answer is None:
+                return None  # streamed
             if answer.status != 200:
                 raise APIError(answer.status, _refusal_message(answer.body), code="engine_refused")
             return answer.body
@@ -229,7 +236,7 @@ class CompletionService:
         return parse_call(body, api, self.limits, self.tokenizer, self.mode)
 
     async def _serve(
-        self, exchange: Exchange | None, call: CompletionCall, timing: _Timing,
+        self, exchange: StreamTarget | None, call: CompletionCall, timing: _Timing,
         turn: ResponseTurn | None,
     ) -> HttpResponse | None:  # fmt: skip
         rid = f"{RID_PREFIXES[call.api]}-{secrets.token_hex(16)}"
@@ -278,8 +285,9 @@ class CompletionService:
         return HttpResponse(200, orjson.dumps(acc.final()), headers=headers)
 
     async def _sse(
-        self, exchange: Exchange, acc: Accumulator, routed: Dispatch, turn: ResponseTurn | None
-    ) -> None:
+        self, exchange: StreamTarget, acc: Accumulator, routed: Dispatch,
+        turn: ResponseTurn | None,
+    ) -> None:  # fmt: skip
         api = acc.call.api
         headers = {**SSE_HEADERS, **route_headers(routed.decision)}
         resp = exchange.start_stream(200, headers, "text/event-stream",
@@ -305,6 +313,16 @@ class CompletionService:
                 await resp.write(_sse(acc.usage_chunk()))
             await resp.write(sse.end(api))
         await resp.end()
+
+
+async def relay_events(exchange: Exchange, frames: AsyncIterator[bytes]) -> None:
+    """Stream a Responses event log's frames to the client (a streamed background
+    response's, read with `ResponsesService.events`)."""
+    resp = exchange.start_stream(200, SSE_HEADERS, "text/event-stream",
+                                 cut_tail=sse.error_event("responses", STOPPED))  # fmt: skip
+    async for frame in frames:
+        await resp.write(frame)
+    await resp.end()
 
 
 def _refusal_message(body: bytes) -> str:

@@ -25,7 +25,8 @@ ROUTE_INFO: dict[str, RouteInfo] = {
         True,
     ),
     "/v1/responses/{response_id}": (
-        "A stored response (GET) or its deletion (DELETE)",
+        "A stored response (GET; `stream=true`: a streamed background response's events "
+        "again, those after `starting_after`) or its deletion (DELETE)",
         False,
         False,
     ),
@@ -91,6 +92,12 @@ def _operation(path: str, method: str, summary: str, body: bool, stream: bool) -
     if "{response_id}" in path:
         operation["parameters"] = [{"name": "response_id", "in": "path", "required": True,
                                     "schema": {"type": "string"}}]  # fmt: skip
+    if path == "/v1/responses/{response_id}" and method == "GET":
+        media["text/event-stream"] = {"schema": {"type": "string"}}
+        operation["parameters"] += [
+            {"name": "stream", "in": "query", "schema": {"type": "boolean"}},
+            {"name": "starting_after", "in": "query", "schema": {"type": "integer", "minimum": 0}},
+        ]
     if body and method == "POST":
         operation["requestBody"] = {
             "required": True, "content": {"application/json": {"schema": {"type": "object"}}},

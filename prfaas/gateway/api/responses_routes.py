@@ -1,18 +1,25 @@
 """The stored-response routes of the Responses API: `GET` and `DELETE /v1/responses/{id}`,
 `POST /v1/responses/{id}/cancel`, answered from the gateway's response store (engines never
-store responses: the gateway hands them stateless bodies)."""
+store responses: the gateway hands them stateless bodies). `GET` with `stream=true` streams a
+streamed background response's events again, those after `starting_after` (a sequence
+number) when given, as vLLM's server does."""
 
 from __future__ import annotations
+
+from urllib.parse import parse_qs
 
 import orjson
 
 from prfaas.gateway.api.assembly import Gateway
+from prfaas.gateway.api.completions import relay_events
 from prfaas.gateway.responses.service import ResponsesService
 from prfaas.http.messages import Exchange, HttpRequest, HttpResponse
-from prfaas.protocol.errors import APIError
+from prfaas.protocol.errors import APIError, invalid
 
 PREFIX = "/v1/responses/"
 MAX_ID_CHARS = 256
+_BOOLEANS = {"true": True, "1": True, "yes": True, "on": True,
+             "false": False, "0": False, "no": False, "off": False}  # fmt: skip
 
 
 def response_path(path: str) -> tuple[str, str] | None:
@@ -35,8 +42,31 @@ def _service(gw: Gateway, request: HttpRequest) -> tuple[ResponsesService, str]:
     return responses, found[0]
 
 
-async def retrieve(gw: Gateway, request: HttpRequest, exchange: Exchange) -> HttpResponse:
+def stream_query(query: str) -> tuple[bool, int | None]:
+    """`stream` and `starting_after` of a retrieve's query string.
+
+    Raises:
+        APIError: 400 naming the parameter that is not a boolean or a sequence number.
+    """
+    params = parse_qs(query, keep_blank_values=True)
+    stream = _BOOLEANS.get(params.get("stream", ["false"])[-1].lower())
+    if stream is None:
+        raise invalid("'stream' must be a boolean", "stream")
+    after = params.get("starting_after", [None])[-1]
+    if after is None:
+        return stream, None
+    if not after.isdigit() or len(after) > 18:
+        raise invalid("'starting_after' must be a sequence number (an integer >= 0)",
+                      "starting_after")  # fmt: skip
+    return stream, int(after)
+
+
+async def retrieve(gw: Gateway, request: HttpRequest, exchange: Exchange) -> HttpResponse | None:
     responses, response_id = _service(gw, request)
+    stream, starting_after = stream_query(request.query)
+    if stream:
+        await relay_events(exchange, await responses.events(response_id, starting_after))
+        return None
     return HttpResponse(200, orjson.dumps(await responses.retrieve(response_id)))
 
 

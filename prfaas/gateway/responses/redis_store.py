@@ -30,6 +30,11 @@ class RedisResponseStore(ResponseStore):
         )
         self._ttl_ms = max(1, round(ttl_s * 1000))
 
+    @property
+    def redis(self) -> Redis:
+        """The store's client (the event log of background streams shares it)."""
+        return self._redis
+
     async def get(self, response_id: str) -> StoredResponse | None:
         try:
             raw = await self._redis.get(KEY_PREFIX + response_id)

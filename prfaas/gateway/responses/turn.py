@@ -49,6 +49,12 @@ class ResponseTurn:
         self.response: dict[str, Any] | None = None
         """The final response object, once it went by."""
 
+    def for_background(self, response_id: str) -> ResponseTurn:
+        """This turn run in the background as `response_id`: the response objects its events
+        carry, and the one stored at its end, have that id and `background: true`."""
+        return ResponseTurn(self.client, self.engine, self.store, self._on_store_error,
+                            {"id": response_id, "background": True})  # fmt: skip
+
     async def whole(self, raw: bytes) -> bytes:
         """A whole answer (the response object) as the client's (as written when the
         client's view is the engine's), stored (`keep`)."""

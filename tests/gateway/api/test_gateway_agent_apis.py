@@ -227,6 +227,112 @@ async def test_background_responses_complete_or_are_cancelled(
             await runner.cleanup()
 
 
+async def _slow_engines(runners: list[Any]) -> dict[str, str]:
+    """Null engines that send a token every 20 ms (their runners appended to `runners`)."""
+    from aiohttp_helpers import start_app
+
+    urls = {}
+    for name in ("prfaas-p0", "pd-p0", "pd-d0"):
+        null = NullServer(NullConfig(block_size=16, model="tiny", token_delay_s=0.02))
+        runner, urls[name] = await start_app(null.app())
+        runners.append(runner)
+    return urls
+
+
+async def _completed(client: openai.AsyncOpenAI, response_id: str) -> Any:
+    for _ in range(200):
+        got = await client.responses.retrieve(response_id)
+        if got.status not in ("queued", "in_progress"):
+            return got
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{response_id} still running")
+
+
+def _text(events: list[Any]) -> str:
+    return "".join(e.delta for e in events if e.type == "response.output_text.delta")
+
+
+async def test_a_streamed_background_response_is_read_again_from_where_it_left_off(
+    gateway_factory: GatewayFactory,
+) -> None:
+    """`background` with `stream`: the client reads a few events and goes away, the response
+    still completes, and `GET ?stream=true&starting_after=N` gives the events after N (to
+    the end), the whole stream without it; a response whose events are not kept is a 400,
+    an unknown one a 404, a bad `starting_after` a 400."""
+    runners: list[Any] = []
+    try:
+        url, _ = await gateway_factory(deployment(await _slow_engines(runners)))
+        client = _openai(url)
+        stream = await client.responses.create(model="tiny", input="hi", max_output_tokens=6,
+                                               background=True, stream=True)  # fmt: skip
+        seen = []
+        async for event in stream:
+            seen.append(event)
+            if len(seen) == 4:
+                break
+        await stream.close()  # the client goes away: the response runs on
+        response_id = seen[0].response.id
+        assert seen[0].response.background and seen[0].type == "response.created"
+        done = await _completed(client, response_id)
+        assert done.status == "incomplete" and done.output_text == " t0 t1 t2 t3 t4 t5"
+        after = seen[-1].sequence_number
+        rest = [e async for e in await client.responses.retrieve(
+            response_id, stream=True, starting_after=after)]  # fmt: skip
+        assert rest[0].sequence_number == after + 1
+        assert rest[-1].type == "response.completed" and rest[-1].response.id == response_id
+        assert rest[-1].response.background and _text(seen + rest) == done.output_text
+        whole = [e async for e in await client.responses.retrieve(response_id, stream=True)]
+        assert [e.sequence_number for e in whole] == list(range(len(whole)))
+        assert [e.type for e in whole] == [e.type for e in seen + rest]
+        foreground = await client.responses.create(model="tiny", input="hi", max_output_tokens=1)
+        async with aiohttp.ClientSession() as session:
+            for path, status, param in (
+                (f"/v1/responses/{foreground.id}?stream=true", 400, "stream"),
+                ("/v1/responses/resp_unknown?stream=true", 404, "response_id"),
+                (f"/v1/responses/{response_id}?stream=true&starting_after=-1", 400,
+                 "starting_after"),
+                (f"/v1/responses/{response_id}?stream=maybe", 400, "stream"),
+            ):  # fmt: skip
+                async with session.get(url + path) as r:
+                    assert r.status == status, path
+                    assert (await r.json())["error"]["param"] == param, path
+            # stream=false (or absent) is the stored object, whatever starting_after says
+            async with session.get(url + f"/v1/responses/{response_id}?stream=false&"
+                                   "starting_after=3") as r:  # fmt: skip
+                assert r.status == 200 and (await r.json())["status"] == "incomplete"
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
+async def test_a_cancelled_streamed_background_response_ends_its_stream_with_an_error(
+    gateway_factory: GatewayFactory,
+) -> None:
+    """A streamed background response cancelled while its client reads: the stream ends
+    with the `error` event (not `response.completed`), the stored status is cancelled, and
+    a reader that comes later gets the same events."""
+    runners: list[Any] = []
+    try:
+        url, _ = await gateway_factory(deployment(await _slow_engines(runners)))
+        client = _openai(url)
+        stream = await client.responses.create(model="tiny", input="hi", max_output_tokens=500,
+                                               background=True, stream=True)  # fmt: skip
+        seen = []
+        async for event in stream:
+            seen.append(event)
+            if len(seen) == 5:
+                await client.responses.cancel(seen[0].response.id)
+        assert seen[-1].type == "error" and seen[-1].code == "response_cancelled"
+        assert seen[-1].sequence_number == len(seen) - 1
+        response_id = seen[0].response.id
+        assert (await client.responses.retrieve(response_id)).status == "cancelled"
+        again = [e async for e in await client.responses.retrieve(response_id, stream=True)]
+        assert [e.type for e in again] == [e.type for e in seen]
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
 def _redis_deployment(urls: dict[str, str], store: str) -> DeploymentConfig:
     return replace(deployment(urls), responses=ResponsesConfig(store=store))
 
@@ -284,6 +390,37 @@ async def test_a_cancel_through_another_replica_stops_the_engine_work(
             await asyncio.sleep(0.05)
         assert slow.id not in service._running  # stopped within about one poll, not 10 s
         assert (await _openai(a).responses.retrieve(slow.id)).status == "cancelled"
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
+async def test_a_streamed_background_response_is_read_again_through_another_replica(
+    gateway_factory: GatewayFactory, redis: RedisServer
+) -> None:
+    """With a shared Redis store, the events of a streamed background response running on
+    replica A are read from replica B, from where the client left off, as they come."""
+    runners: list[Any] = []
+    try:
+        config = _redis_deployment(await _slow_engines(runners), redis.url)
+        a, _ = await gateway_factory(config)
+        b, _ = await gateway_factory(config)
+        stream = await _openai(a).responses.create(
+            model="tiny", input="hi", max_output_tokens=30, background=True, stream=True
+        )
+        seen = []
+        async for event in stream:
+            seen.append(event)
+            if len(seen) == 3:
+                break
+        await stream.close()
+        response_id = seen[0].response.id
+        rest = [e async for e in await _openai(b).responses.retrieve(
+            response_id, stream=True, starting_after=seen[-1].sequence_number)]  # fmt: skip
+        assert [e.sequence_number for e in seen + rest] == list(range(len(seen) + len(rest)))
+        assert rest[-1].type == "response.completed" and rest[-1].response.id == response_id
+        assert _text(seen + rest) == (await _completed(_openai(b), response_id)).output_text
+        assert len(_text(seen + rest).split()) == 30
     finally:
         for runner in runners:
             await runner.cleanup()

@@ -281,6 +281,25 @@ def test_previous_response_id_answers_as_vllms_stateful_server(servers: Servers)
     assert texts[0] == texts[1]
 
 
+def test_a_streamed_background_response_resumes_as_on_vllms_own_server(servers: Servers) -> None:
+    """`background` with `stream` (vLLM keeps the events in its own store, the gateway in its
+    event log): the same event sequence and greedy text, and `GET ?stream=true&
+    starting_after=N` resumes after the same event to the same end."""
+    seen = []
+    for url in (servers.vllm, servers.prfaas):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        events = list(client.responses.create(model="tiny", input="Tell me about Paris.",
+                                              max_output_tokens=10, temperature=0,
+                                              background=True, stream=True))  # fmt: skip
+        response_id = events[0].response.id
+        again = list(client.responses.retrieve(response_id, stream=True, starting_after=3))
+        text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert events[-1].response.id == response_id and events[-1].response.background
+        assert [e.model_dump() for e in again] == [e.model_dump() for e in events[4:]]
+        seen.append(([e.type for e in events], text))
+    assert seen[0] == seen[1]
+
+
 def test_function_calls_with_previous_response_id_through_prfaas(servers: Servers) -> None:
     """The gateway's stored conversation keeps the function call before its output (vLLM's
     own store drops an answer's calls from the history: its prompt is shorter)."""
