@@ -480,11 +480,10 @@ def _ours_snapshot(
     wire bytes into a fresh index, instance by instance, each batch applied in the slices
     the gateway's feed cuts it into (the loop is free between slices: a slice is what holds
     it). Frees `payloads` as it goes."""
-    from prfaas.gateway.kv_feed import event_slices
     from prfaas.gateway.kv_index import FLUSH_BLOCKS
-    from prfaas.protocol.kv_events import KVEventBatch, decode_batch, encode_batch
+    from prfaas.protocol.kv_events import KVEventBatch, decode_batch, encode_batch, event_slices
     from prfaas.protocol.kv_events.cache_mirror import CacheMirror
-    from prfaas.protocol.kv_events.publisher import SNAPSHOT_EVENTS_PER_BATCH
+    from prfaas.protocol.kv_events.publisher import SNAPSHOT_BLOCKS_PER_BATCH
 
     gc.collect()
     start = time.perf_counter()
@@ -496,11 +495,10 @@ def _ours_snapshot(
         payloads[i] = []
         events = mirror.snapshot()
         del mirror
-        step = SNAPSHOT_EVENTS_PER_BATCH
         snapshots.append(
             [
-                encode_batch(KVEventBatch(0.0, tuple(events[k : k + step])))
-                for k in range(0, len(events), step)
+                encode_batch(KVEventBatch(0.0, piece))
+                for piece in event_slices(events, SNAPSHOT_BLOCKS_PER_BATCH)
             ]
         )
         del events
@@ -537,7 +535,7 @@ def _ours_snapshot(
         "entries": len(index),
         "batches": n,
         "blocks_per_event_max": 64,
-        "events_per_batch_max": SNAPSHOT_EVENTS_PER_BATCH,
+        "blocks_per_batch": SNAPSHOT_BLOCKS_PER_BATCH,
         "wire_mib": sum(len(b) for s in snapshots for b in s) / 2**20,
         "batch_decode_apply": _durations_summary(batch_times, total_s),
         "slice_apply": _durations_summary(slice_times, math.fsum(slice_times)),

@@ -19,18 +19,17 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 
 import msgspec
 
 from prfaas.gateway.kv_index import FLUSH_BLOCKS, KVIndexManager
 from prfaas.protocol.kv_events import (
-    BlockStored,
-    KVEvent,
     KVEventSubscriber,
     ReceivedBatch,
     StatesStored,
     decode_frames,
+    event_slices,
 )
 from prfaas.protocol.kv_events.vllm_events import VLLMEventDecoder
 
@@ -198,18 +197,3 @@ class KVEventFeed:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks.clear()
-
-
-def event_slices(events: Sequence[KVEvent], blocks: int) -> list[tuple[KVEvent, ...]]:
-    """`events` cut, in order, into runs of about `blocks` stored blocks each."""
-    pieces: list[tuple[KVEvent, ...]] = []
-    start = held = 0
-    for i, event in enumerate(events):
-        if isinstance(event, BlockStored):
-            held += len(event.block_hashes)
-        if held >= blocks:
-            pieces.append(tuple(events[start : i + 1]))
-            start, held = i + 1, 0
-    if start < len(events):
-        pieces.append(tuple(events[start:]))
-    return pieces

@@ -10,7 +10,7 @@ import asyncio
 import zmq
 
 from prfaas.common.hashing import hash_blocks
-from prfaas.gateway.kv_feed import GROWTH_STEP_S, KVEventFeed, event_slices
+from prfaas.gateway.kv_feed import GROWTH_STEP_S, KVEventFeed
 from prfaas.gateway.kv_index import KVIndexManager
 from prfaas.protocol.kv_events import (
     AllBlocksCleared,
@@ -21,6 +21,7 @@ from prfaas.protocol.kv_events import (
     KVEventPublisher,
     ReceivedBatch,
     StatesStored,
+    event_slices,
 )
 
 BS = 4

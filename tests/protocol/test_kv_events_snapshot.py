@@ -157,6 +157,45 @@ async def test_a_late_subscriber_loads_the_snapshot_then_follows_live(
         sub.close()
 
 
+async def test_a_large_snapshot_travels_in_batches_of_a_few_hundred_blocks(
+    publisher: KVEventPublisher,
+) -> None:
+    """A snapshot of 40 chains of 64 blocks goes out in wire batches of about
+    `SNAPSHOT_BLOCKS_PER_BATCH` blocks (chains whole), each decoded on its own by the
+    subscriber (the loop free between them), which returns them as one snapshot batch."""
+    import zmq
+    import zmq.asyncio
+
+    from prfaas.protocol.kv_events import END_SEQ, SNAPSHOT_SEQ, decode_batch
+    from prfaas.protocol.kv_events.publisher import SNAPSHOT_BLOCKS_PER_BATCH
+
+    for i in range(40):
+        publisher.publish([_stored(1000 * i, 64)])
+    assert publisher.replay_endpoint is not None
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        sock.connect(publisher.replay_endpoint)
+        await sock.send_multipart([b"", SNAPSHOT_SEQ])
+        sizes = []
+        async with asyncio.timeout(10):
+            while (frames := await sock.recv_multipart())[1] != END_SEQ:
+                if frames[1] != SNAPSHOT_SEQ:
+                    events = decode_batch(frames[2]).events
+                    sizes.append(sum(len(e.block_hashes) for e in events))
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+    assert sum(sizes) == 40 * 64 and len(sizes) == 40 * 64 // SNAPSHOT_BLOCKS_PER_BATCH
+    assert max(sizes) < SNAPSHOT_BLOCKS_PER_BATCH + 64
+    sub = KVEventSubscriber(publisher.endpoint, replay_endpoint=publisher.replay_endpoint)
+    try:
+        (loaded,) = await sub.sync()
+        assert loaded.snapshot and len(loaded.batch.events) == 40
+    finally:
+        sub.close()
+
+
 async def test_batches_queued_before_the_snapshot_are_skipped(
     publisher: KVEventPublisher,
 ) -> None:

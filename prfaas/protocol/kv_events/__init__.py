@@ -58,6 +58,7 @@ from prfaas.protocol.kv_events.events import (
     decode_frames,
     encode_batch,
     encode_frames,
+    event_slices,
 )
 from prfaas.protocol.kv_events.publisher import END_SEQ, SNAPSHOT_SEQ, KVEventPublisher
 from prfaas.protocol.kv_events.subscriber import KVEventSubscriber, ReceivedBatch
@@ -81,4 +82,5 @@ __all__ = [
     "decode_frames",
     "encode_batch",
     "encode_frames",
+    "event_slices",
 ]

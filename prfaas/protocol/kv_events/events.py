@@ -121,3 +121,18 @@ def decode_frames(frames: Sequence[bytes]) -> tuple[str, int, KVEventBatch]:
     except UnicodeDecodeError as exc:
         raise KVEventDecodeError(f"topic is not UTF-8: {topic!r:.80}") from exc
     return name, int.from_bytes(seq, "big"), decode_batch(payload)
+
+
+def event_slices(events: Sequence[KVEvent], blocks: int) -> list[tuple[KVEvent, ...]]:
+    """`events` cut, in order, into runs of about `blocks` stored blocks each."""
+    pieces: list[tuple[KVEvent, ...]] = []
+    start = held = 0
+    for i, event in enumerate(events):
+        if isinstance(event, BlockStored):
+            held += len(event.block_hashes)
+        if held >= blocks:
+            pieces.append(tuple(events[start : i + 1]))
+            start, held = i + 1, 0
+    if start < len(events):
+        pieces.append(tuple(events[start:]))
+    return pieces

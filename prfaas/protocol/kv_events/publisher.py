@@ -19,6 +19,7 @@ from prfaas.protocol.kv_events.events import (
     KVEventBatch,
     encode_batch,
     encode_frames,
+    event_slices,
 )
 
 logger = logging.getLogger(__name__)
@@ -27,7 +28,10 @@ END_SEQ = (-1).to_bytes(SEQ_BYTES, "big", signed=True)  # SGLang's end-of-replay
 SNAPSHOT_SEQ = (-2).to_bytes(SEQ_BYTES, "big", signed=True)
 """A replay request from this "sequence number" asks for a snapshot (PrfaaS extension); an
 SGLang or vLLM publisher reads it as 2**64 - 2 and answers with END_SEQ alone."""
-SNAPSHOT_EVENTS_PER_BATCH = 256
+SNAPSHOT_BLOCKS_PER_BATCH = 256
+"""A snapshot goes out in batches of about this many blocks (its chains whole): a subscriber
+decodes one in about a millisecond and yields to its event loop between them (one batch of
+256 chains, 16K blocks, held a gateway's loop about 50 ms)."""
 
 
 class _ReplayServer:
@@ -101,9 +105,8 @@ class _ReplayServer:
             events, seq = self._mirror.snapshot(), self._next_seq
         at = seq.to_bytes(SEQ_BYTES, "big")
         self._sock.send_multipart([identity, b"", SNAPSHOT_SEQ, at])
-        step = SNAPSHOT_EVENTS_PER_BATCH
-        for i in range(0, len(events), step):
-            payload = encode_batch(KVEventBatch(time.time(), tuple(events[i : i + step])))
+        for piece in event_slices(events, SNAPSHOT_BLOCKS_PER_BATCH):
+            payload = encode_batch(KVEventBatch(time.time(), piece))
             self._sock.send_multipart([identity, b"", at, payload])
 
 

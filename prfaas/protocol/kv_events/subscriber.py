@@ -203,6 +203,7 @@ class KVEventSubscriber:
                 part = decode_batch(payload)
                 events.extend(part.events)
                 ts = part.ts
+                await asyncio.sleep(0)  # a batch's decoding holds the loop, not the snapshot's
         except (TimeoutError, KVEventDecodeError, zmq.ZMQError) as exc:
             logger.warning("KV event snapshot incomplete: %r", exc)
             return None
