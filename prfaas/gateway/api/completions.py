@@ -25,7 +25,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -79,6 +79,8 @@ class _Timing:
     incremental_tokens: int = 0
     stream: bool = False
     output_tokens: int = 0
+    booked: bool = False
+    """Already booked (a streamed background response's creation, before its relay)."""
 
 
 @dataclass
@@ -131,7 +133,8 @@ class CompletionService:
             return None
         finally:
             # Booked once the current step has written the answer: off the critical path.
-            asyncio.get_running_loop().call_soon(self._account, timing)
+            if not timing.booked:
+                asyncio.get_running_loop().call_soon(self._account, timing)
 
     def _account(self, timing: _Timing) -> None:
         metrics, route, now = self.metrics, timing.route, self.clock()
@@ -174,7 +177,10 @@ class CompletionService:
             queued = await self.responses.start_background(turn, call.model, run)
             if not call.stream:
                 return HttpResponse(200, orjson.dumps(queued))
-            await relay_events(exchange, await self.responses.events(queued["id"], None))
+            # booked as answered now: the relay that follows is a reader of the response
+            asyncio.get_running_loop().call_soon(self._account, replace(timing))
+            timing.booked = True
+            await relay_events(exchange, self.responses.follow(queued["id"], 0))
             return None
         return await self._admitted(exchange, call, timing, turn)
 

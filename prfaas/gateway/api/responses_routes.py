@@ -55,7 +55,7 @@ def stream_query(query: str) -> tuple[bool, int | None]:
     after = params.get("starting_after", [None])[-1]
     if after is None:
         return stream, None
-    if not after.isdigit() or len(after) > 18:
+    if not (after.isascii() and after.isdigit()) or len(after) > 18:
         raise invalid("'starting_after' must be a sequence number (an integer >= 0)",
                       "starting_after")  # fmt: skip
     return stream, int(after)

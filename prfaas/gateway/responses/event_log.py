@@ -35,6 +35,10 @@ POLL_S = 0.05
 """Redis: how often a reader on another replica than the writer's looks for new events."""
 
 
+class LogForgotten(LookupError):
+    """A log being read was forgotten before its end (expired, or past a bound)."""
+
+
 class EventLog(ABC):
     """Logs of SSE frames by response id. Every method may raise `StoreUnavailable`."""
 
@@ -61,11 +65,15 @@ class EventLog(ABC):
         reads again then; it may find nothing new)."""
 
     async def follow(self, response_id: str, start: int) -> AsyncIterator[bytes]:
-        """The frames from place `start` on as they come, until the log ends (or is gone)."""
+        """The frames from place `start` on as they come, until the log ends.
+
+        Raises:
+            LogForgotten: the log is not kept (or no longer).
+        """
         while True:
             found = await self.read(response_id, start)
             if found is None:
-                return
+                raise LogForgotten(response_id)
             frames, ended = found
             for frame in frames:
                 yield frame
@@ -93,33 +101,33 @@ class _Log:
 
 @dataclass
 class MemoryEventLog(EventLog):
-    """Logs in this gateway's memory: ended logs are forgotten `ttl_s` seconds after they
-    ended, and sooner, oldest ended first, while the logs' frames pass `max_bytes`. Running
-    logs are never forgotten (each grows only as fast as its answer)."""
+    """Logs in this gateway's memory: an ended log is forgotten `ttl_s` seconds after it
+    ended, and sooner, oldest ended first, while the ended logs' frames pass `max_bytes`.
+    Running logs are never forgotten (each grows only as fast as its answer), and a reader
+    already following a log reads it to its end even if it is forgotten meanwhile."""
 
     max_bytes: int
     ttl_s: float
     clock: Callable[[], float] = time.monotonic
     _logs: dict[str, _Log] = field(default_factory=dict)
     _ended: OrderedDict[str, None] = field(default_factory=OrderedDict)  # oldest end first
-    _bytes: int = 0
+    _ended_bytes: int = 0
 
     @property
     def bytes_kept(self) -> int:
-        return self._bytes
+        """Bytes of frames in the logs kept (running and ended)."""
+        return sum(log.nbytes for log in self._logs.values())
 
     async def open(self, response_id: str) -> None:
         self._logs[response_id] = _Log()
 
     async def append(self, response_id: str, frame: bytes) -> None:
         log = self._logs.get(response_id)
-        if log is None:
-            return  # forgotten: it had ended
+        if log is None or log.expires < math.inf:
+            return  # forgotten or ended: nothing more goes in
         log.frames.append(frame)
         log.nbytes += len(frame)
-        self._bytes += len(frame)
         log.notify()
-        self._evict()
 
     async def end(self, response_id: str) -> None:
         log = self._logs.get(response_id)
@@ -127,6 +135,7 @@ class MemoryEventLog(EventLog):
             return
         log.expires = self.clock() + self.ttl_s
         self._ended[response_id] = None
+        self._ended_bytes += log.nbytes
         log.notify()
         self._evict()
 
@@ -142,28 +151,40 @@ class MemoryEventLog(EventLog):
         if log is not None and len(log.frames) <= seen and log.expires == math.inf:
             await log.changed.wait()
 
+    async def follow(self, response_id: str, start: int) -> AsyncIterator[bytes]:
+        self._evict()
+        log = self._logs.get(response_id)
+        if log is None:
+            raise LogForgotten(response_id)
+        while True:  # on the log itself: forgetting it later does not cut this reader off
+            while start < len(log.frames):
+                yield log.frames[start]
+                start += 1
+            if log.expires < math.inf:
+                return
+            await log.changed.wait()
+
     def _evict(self) -> None:
-        """The oldest ended logs while they have expired or the frames pass the bound."""
+        """The oldest ended logs while they have expired or pass the bound."""
         now = self.clock()
         while self._ended:
             oldest = next(iter(self._ended))
             log = self._logs[oldest]
-            if log.expires > now and self._bytes <= self.max_bytes:
+            if log.expires > now and self._ended_bytes <= self.max_bytes:
                 return
             del self._ended[oldest], self._logs[oldest]
-            self._bytes -= log.nbytes
+            self._ended_bytes -= log.nbytes
 
 
 class RedisEventLog(EventLog):
     """Logs in Redis (`prfaas:events:ID`, a list: `START`, the frames, `END` once ended),
     kept `ttl_s` seconds after their last change. A reader on the writer's replica wakes
-    as a frame is added here (any log's: it reads again and may find nothing new); one on
-    another replica looks every `POLL_S` seconds."""
+    as a frame is added to its log; one on another replica looks every `POLL_S` seconds."""
 
     def __init__(self, redis: Redis, ttl_s: float) -> None:
         self._redis = redis
         self._ttl_ms = max(1, round(ttl_s * 1000))
-        self._pushed = asyncio.Event()  # set (and made anew) whenever a frame is added here
+        self._pushed: dict[str, tuple[asyncio.Event, int]] = {}  # by log: readers' wake-up, count
 
     async def open(self, response_id: str) -> None:
         await self._push(response_id, START)
@@ -183,24 +204,37 @@ class RedisEventLog(EventLog):
                 await pipe.execute()
         except (RedisError, OSError) as exc:
             raise StoreUnavailable(str(exc)) from exc
-        self._pushed.set()
-        self._pushed = asyncio.Event()
+        waiting = self._pushed.pop(response_id, None)
+        if waiting is not None:
+            waiting[0].set()
 
     async def read(self, response_id: str, start: int) -> tuple[list[bytes], bool] | None:
         key = KEY_PREFIX + response_id
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.lrange(key, start + 1, -1)
-                pipe.exists(key)
-                frames, exists = await pipe.execute()
+                pipe.lindex(key, -1)
+                frames, last = await pipe.execute()
         except (RedisError, OSError) as exc:
             raise StoreUnavailable(str(exc)) from exc
-        if not exists:
-            return None
+        if last is None:
+            return None  # no such list
         frames = [f.encode() if isinstance(f, str) else f for f in frames]
-        ended = bool(frames) and frames[-1] == END
-        return (frames[:-1] if ended else frames), ended
+        ended = last in (END, "")
+        if ended and frames and frames[-1] == END:
+            frames.pop()
+        return frames, ended
 
     async def wait(self, response_id: str, seen: int) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._pushed.wait(), POLL_S)
+        event, readers = self._pushed.get(response_id, (asyncio.Event(), 0))
+        self._pushed[response_id] = (event, readers + 1)
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), POLL_S)
+        finally:
+            current = self._pushed.get(response_id)
+            if current is not None and current[0] is event:
+                if current[1] <= 1:
+                    del self._pushed[response_id]
+                else:
+                    self._pushed[response_id] = (event, current[1] - 1)

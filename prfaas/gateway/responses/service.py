@@ -32,7 +32,7 @@ import orjson
 
 from prfaas.gateway.responses.config import ResponsesConfig
 from prfaas.gateway.responses.conversation import StoredResponse, engine_body, stored
-from prfaas.gateway.responses.event_log import EventLog, MemoryEventLog
+from prfaas.gateway.responses.event_log import EventLog, LogForgotten, MemoryEventLog
 from prfaas.gateway.responses.store import MemoryResponseStore, ResponseStore, StoreUnavailable
 from prfaas.gateway.responses.turn import ResponseTurn
 from prfaas.protocol import sse
@@ -47,6 +47,13 @@ STOPPED = APIError(503, "the gateway stopped before the response was complete; c
                    "again", code="shutting_down")  # fmt: skip
 CANCELLED = APIError(400, "the response was cancelled", code="response_cancelled")
 ENGINE_FAILED = APIError(502, "the request failed on an engine", code="engine_error")
+FORGOTTEN = APIError(
+    410,
+    "the response's events were forgotten before they were read "
+    "(the event log's bound); retrieve the response whole",
+    code="events_forgotten",
+)
+INTERNAL = APIError(500, "the gateway failed while running the response", code="internal_error")
 
 MB = 2**20
 
@@ -113,7 +120,7 @@ class EventSink:
         if not data:
             return
         await self.log.append(self.response_id, data)
-        self.events += 1
+        self.events += 1  # (a cancel during the append: `_end_stream` reads where it is)
         name = data[7 : data.find(b"\n")] if data.startswith(b"event: ") else b""
         self.ended_by_event = name == b"error" or name.decode() in FINAL_RESPONSE_EVENTS
 
@@ -200,14 +207,18 @@ class ResponsesService:
             raise invalid(f"the events of response {response_id} are not kept: only a "
                           "background response created with `stream` is streamed again",
                           "stream")  # fmt: skip
-        return self._follow(response_id, start)
+        return self.follow(response_id, start)
 
-    async def _follow(self, response_id: str, start: int) -> AsyncIterator[bytes]:
+    async def follow(self, response_id: str, start: int) -> AsyncIterator[bytes]:
+        """A streamed background response's events from place `start` on, as they come, to
+        the end of its stream; the `error` event where the log cannot be read to its end."""
         try:
             async for frame in self.event_log.follow(response_id, start):
                 yield frame
         except StoreUnavailable as exc:
             yield sse.error_event("responses", unavailable(exc))
+        except LogForgotten:
+            yield sse.error_event("responses", FORGOTTEN)
 
     async def delete(self, response_id: str) -> dict[str, Any]:
         """`DELETE /v1/responses/{id}`: OpenAI's deletion object. Raises APIError(404|503)."""
@@ -238,7 +249,7 @@ class ResponsesService:
         engine's body and returns its whole answer, which is stored when it ends (streamed:
         writes its events to this service's `event_log`, the final one stored as it goes by).
         Returns the queued object (the client's answer now; a streamed one's client reads
-        `events(id, None)`).
+        `follow(id, 0)`).
 
         Raises:
             APIError: 503 when the store cannot keep the queued response.
@@ -249,11 +260,14 @@ class ResponsesService:
         queued.update(background=True, previous_response_id=turn.client.get("previous_response_id"))
         sink = None
         try:
-            await self.store.put(response_id, stored(turn.engine, queued))
             if turn.client.get("stream") is True:
                 sink = EventSink(self.event_log, response_id)
                 await self.event_log.open(response_id)
+            await self.store.put(response_id, stored(turn.engine, queued))
         except StoreUnavailable as exc:
+            if sink is not None:  # opened, and no one will read it: ended
+                with contextlib.suppress(StoreUnavailable):
+                    await self.event_log.end(response_id)
             raise unavailable(exc) from None
         task = asyncio.get_running_loop().create_task(
             self._run(response_id, turn.for_background(response_id), run, sink)
@@ -265,24 +279,31 @@ class ResponsesService:
     async def _run(
         self, response_id: str, turn: ResponseTurn, run: Run, sink: EventSink | None
     ) -> None:
+        why = ENGINE_FAILED  # how a streamed run that ends without its final event ended
         try:
             await self._mark(response_id, "in_progress")
             raw = await self._watched(response_id, partial(run, turn, sink))
         except _CancelledElsewhere:
-            await self._end_stream(sink, CANCELLED)  # its status says so
+            why = CANCELLED  # its stored status says so
             return
         except asyncio.CancelledError:
+            why = STOPPED if self._stopping else CANCELLED
             await self._settle(response_id, "failed" if self._stopping else "cancelled")
-            await self._end_stream(sink, STOPPED if self._stopping else CANCELLED)
             raise
         except APIError as exc:
+            why = exc
             await self._settle(response_id, "failed", _error(exc))
-            await self._end_stream(sink, exc)
             return
+        except Exception:  # a store that failed mid-stream, or a bug: recorded, never hung
+            logger.exception("background response %s failed", response_id)
+            why = INTERNAL
+            await self._settle(response_id, "failed", _error(INTERNAL))
+            return
+        finally:
+            await self._end_stream(sink, why)
         if sink is not None:  # streamed: the final event stored the answer
             if turn.response is None:
                 await self._settle(response_id, "failed", _error(ENGINE_FAILED))
-            await self._end_stream(sink, ENGINE_FAILED)
             return
         assert raw is not None, "a whole answer"
         response = {**orjson.loads(raw), "id": response_id, "background": True,
@@ -294,12 +315,17 @@ class ResponsesService:
 
     async def _end_stream(self, sink: EventSink | None, why: APIError) -> None:
         """End a streamed background response's log: with `why`'s error event unless its
-        last event already ended the stream (never raises)."""
+        last event already ended the stream (never raises). The error's `sequence_number`
+        is its place in the log as read back (an append cut short by a cancel may or may
+        not have landed)."""
         if sink is None:
             return
         try:
             if not sink.ended_by_event:
-                await sink.write(sse.error_event("responses", why, sink.events))
+                found = await self.event_log.read(sink.response_id, sink.events)
+                sequence = sink.events + (len(found[0]) if found else 0)
+                error = sse.error_event("responses", why, sequence)
+                await self.event_log.append(sink.response_id, error)
             await self.event_log.end(sink.response_id)
         except StoreUnavailable as exc:
             logger.warning("the events of response %s were not ended: %s", sink.response_id,

@@ -102,6 +102,10 @@ class ResponseTurn:
                                                  response)  # fmt: skip
             return
         try:
+            if self._overrides and not at_once:  # a streamed background response's end
+                current = await self.store.get(response_id)
+                if current is not None and current.response.get("status") == "cancelled":
+                    return  # cancelled through another replica meanwhile: that stands
             await self.store.put(response_id, stored(self.engine, response))
         except StoreUnavailable as exc:
             logger.warning("response %s was answered but not stored: %s", response_id, exc)
