@@ -4,6 +4,7 @@ plus the profile's two baselines (homogeneous PD, naive heterogeneous), all with
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -158,6 +159,48 @@ def best_for_split(grid: PlanGrid, n_p: int) -> SplitOptimum:
         float(prefill[j]),
         float(grid.decode_bound[k]),
     )
+
+
+def robust_threshold(grid: PlanGrid, others: Sequence[PlanGrid], n_p: int) -> float:
+    """The threshold for split `n_p` whose lowest Lambda_max over `grid` and `others` (the
+    same deployment planned on other estimates of the workload, e.g. a standard error off)
+    is highest: max-min over the estimates, ties broken as `best_for_split` breaks them.
+
+    Why: Lambda_max(t) is lopsided where the link binds. Below the optimum every step of t
+    sends more KV over the link and the rate falls steeply; above it the PD prefill takes
+    a little more and the rate falls gently. A set-point planned on a noisy estimate that
+    lands a little low loses much more than one that lands a little high, so this one errs
+    toward the gentle side by as much as the estimate's noise says.
+
+    Raises:
+        ValueError: `n_p` is not a split every grid searched.
+    """
+    worst = worst_lambda(grid, others, n_p)
+    k = int(np.flatnonzero(grid.n_p == n_p)[0])
+    (j,) = _best(worst, np.fmin(grid.prfaas_bound, grid.pd_prefill_bound[k]))
+    return float(grid.thresholds[j])
+
+
+def worst_lambda(grid: PlanGrid, others: Sequence[PlanGrid], n_p: int) -> Array:
+    """Split `n_p`'s lowest Lambda_max over `grid` and `others` at each of `grid`'s
+    thresholds (the others' read between their own thresholds).
+
+    Raises:
+        ValueError: `n_p` is not a split every grid searched.
+    """
+    t = grid.thresholds
+    worst = _row(grid, n_p).copy()
+    for other in others:
+        worst = np.fmin(worst, np.interp(t, other.thresholds, _row(other, n_p)))
+    return worst
+
+
+def _row(grid: PlanGrid, n_p: int) -> Array:
+    rows = np.flatnonzero(grid.n_p == n_p)
+    if rows.size == 0:
+        raise ValueError(f"N_p = {n_p} is outside the searched splits {grid.n_p.tolist()}")
+    row: Array = grid.lambda_max[int(rows[0])]
+    return row
 
 
 def plan(

@@ -4,14 +4,17 @@ convert one PD-cluster instance between prefill and decode when the stages drift
 Each period the planner is re-run on the current estimate (incremental lengths, output
 length, bandwidth) with the instances that exist now. The set-point `t` becomes the best
 threshold for the *current* split once that has lain beyond a dead band, on the same side,
-for `confirm_periods` periods (so sampling noise does not churn it), and does so with the
-estimated mean length `noise_se` standard errors off either way too (on a plateau of
-Lambda_max the best threshold follows noise far); a conversion brings the best threshold
-of its new split with it. The stages have drifted apart when the prefill
-side's arrival-rate limit and the decode stage's (Eq. 8, which at Eq. 7's balance is
-Theta_prfaas + Theta_pd_p = Theta_pd_d) differ by more than `drift_tolerance`; the wanted
-move is one instance toward the starved side, and it is made only if it raises Lambda_max
-by `min_gain`.
+for `confirm_periods` periods (so sampling noise does not churn it). "Best" is robust to
+the estimate's noise: the threshold whose Lambda_max is highest in the worst of the
+estimate and the estimate with its mean length `noise_se` standard errors off either way
+(`planner.robust_threshold`; where the link binds, Lambda_max falls steeply below the
+optimum and gently above it, and a set-point planned on noise must err to the gentle
+side; a period acting on a measured step takes the point optimum). A conversion brings the
+robust threshold of its new split with it. The stages have
+drifted apart when the prefill side's arrival-rate limit and the decode stage's (Eq. 8,
+which at Eq. 7's balance is Theta_prfaas + Theta_pd_p = Theta_pd_d) differ by more than
+`drift_tolerance`; the wanted move is one instance toward the starved side, and it is made
+only if it raises Lambda_max by `min_gain`.
 
 Guard rails (Kubernetes HPA stabilisation, Knative, Dynamo's planner):
 - at most one conversion per period, and none while one is draining;
@@ -37,7 +40,6 @@ calls the engine's role API. Why each default is what it is: `prfaas/sim/SCHEDUL
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -45,7 +47,13 @@ import numpy as np
 
 from prfaas.common.toml_tables import check
 from prfaas.policies import throughput as tp
-from prfaas.policies.planner import PlanGrid, SplitOptimum, best_for_split, plan
+from prfaas.policies.planner import (
+    PlanGrid,
+    SplitOptimum,
+    best_for_split,
+    plan,
+    robust_threshold,
+)
 from prfaas.policies.profile import DeploymentProfile, WorkloadProfile
 from prfaas.policies.throughput import bytes_per_s_to_gbps
 from prfaas.policies.workload_estimate import WorkloadEstimate
@@ -84,11 +92,13 @@ class RebalanceConfig:
     confirmation (sampling noise does not move t by a factor; a plan made for another
     workload does)."""
     noise_se: float = 1.0
-    """A move must still gain `min_gain` (or `busy_min_gain`), and a re-solved t still lie
-    beyond the dead band on the same side, with the estimated mean length this many
-    standard errors off either way (0: no such test): near a knife edge one standard error
-    of a period's blend moves the gain by more than `min_gain`. A period acting on a
-    measured step of the workload is exempt (`Evidence.lengths_measured`)."""
+    """A move must still gain `min_gain` (or `busy_min_gain`) with the estimated mean
+    length this many standard errors off either way, and the set-point is the threshold
+    best in the worst of the three estimates (0: neither; the point optimum is the
+    set-point): near a knife edge one standard error of a period's blend moves the gain by
+    more than `min_gain`, and the optimum by enough to land on the steep side of a
+    link-bound Lambda_max. A period acting on a measured step of the workload is exempt
+    (`Evidence.lengths_measured`)."""
     t_step: int = 64
     exact: bool = True
     """Cost each class by E[T(L)] (True) or the paper's T(E[L])."""
@@ -205,6 +215,9 @@ class RebalanceFigures:
     t_best_noise: tuple[float, ...] | None = None
     """The best threshold with the mean length a standard error lower and higher (when the
     set-point's noise rail ran)."""
+    t_robust: float | None = None
+    """The threshold whose worst Lambda_max over the estimate and those two is highest:
+    what the set-point follows when the noise rail runs (`planner.robust_threshold`)."""
     next: NextSplit | None = None
     """The split after the wanted move (when a move was wanted)."""
     robust_gain: float | None = None
@@ -232,6 +245,8 @@ class RebalanceFigures:
         }
         if self.t_best_noise is not None:
             out["t_best_noise"] = list(self.t_best_noise)
+        if self.t_robust is not None:
+            out["t_robust"] = self.t_robust
         if self.next is not None:
             nxt = self.next
             out["next"] = {"n_p": nxt.n_p, "t_best": nxt.t_best, "lambda_max": nxt.lambda_max}
@@ -302,15 +317,23 @@ def rebalance(
                                  set_point)  # fmt: skip
     current = best_for_split(grid, n_p)
     noise = _Noise(config, profile, estimate, pools, measured=evidence.lengths_measured)
+    # the set-point follows the threshold that is best in the worst of the estimate and
+    # its noise (None: a shifted estimate cannot be planned)
+    solved = noise.robust(grid, n_p) if noise.on else current.threshold_tokens
     new_set_point, state = _set_point(
-        config, state, set_point, current.threshold_tokens, evidence.link_step, noise.set_points
+        config,
+        state,
+        set_point,
+        solved,
+        current.threshold_tokens,
+        evidence.link_step,
     )
     rate = min(estimate.rate, current.lambda_max)
     util = planned_utilisation(replanned, new_set_point, rate, exact=config.exact)
     period = _Period(config, state, new_set_point, RebalanceFigures.of(current, estimate), util)
     noisy = noise.set_points() if noise.planned else None
     if noisy is not None:  # the set-point's noise rail ran: what it saw
-        period.figures = replace(period.figures, t_best_noise=tuple(noisy))
+        period.figures = replace(period.figures, t_best_noise=tuple(noisy), t_robust=solved)
     direction, why = _drift(config, current)
     first_look = evidence.first_look
     if direction == 0 or first_look:
@@ -356,10 +379,12 @@ def rebalance(
     if refusal is not None:
         return period.out("refused", f"{move}; refused: {refusal}")
     chosen = min(losing, key=lambda m: (m.load, m.instance_id))
+    robust_next = noise.robust(grid, nxt.n_p) if noise.on else None
+    nxt_set_point = nxt.threshold_tokens if robust_next is None else robust_next
     after = planned_utilisation(
-        replanned, nxt.threshold_tokens, min(estimate.rate, nxt.lambda_max), exact=config.exact
+        replanned, nxt_set_point, min(estimate.rate, nxt.lambda_max), exact=config.exact
     )
-    conversion = Conversion(chosen.instance_id, lost, gained, nxt.threshold_tokens, after)
+    conversion = Conversion(chosen.instance_id, lost, gained, nxt_set_point, after)
     wait = _wait(period.state, now)
     if wait is not None:
         return period.out("refused", f"{move}; refused: {wait}; deferred", deferred=conversion)
@@ -386,7 +411,7 @@ class _Noise:
         measured: bool,
     ) -> None:
         self._config, self._profile, self._estimate, self._pools = config, profile, estimate, pools
-        self._on = config.noise_se > 0 and not measured
+        self.on = config.noise_se > 0 and not measured
         self._grids: list[PlanGrid] | None = None
 
     def _planned(self) -> list[PlanGrid] | None:
@@ -414,7 +439,7 @@ class _Noise:
     def gain(self, direction: int) -> float | None:
         """The move's gain (each split at its best threshold), whichever side gains less
         (-inf when a shifted estimate cannot be planned)."""
-        if not self._on:
+        if not self.on:
             return None
         grids = self._planned()
         if grids is None:
@@ -422,10 +447,24 @@ class _Noise:
         n_p = len(self._pools.prefill)
         return min(_gain(best_for_split(g, n_p), best_for_split(g, n_p + direction)) for g in grids)
 
+    def robust(self, grid: PlanGrid, n_p: int) -> float | None:
+        """Split `n_p`'s threshold whose Lambda_max is highest in the worst of the estimate
+        (`grid`) and its two shifts (`planner.robust_threshold`); None when the rail is off
+        or a shifted estimate cannot be planned."""
+        if not self.on:
+            return None
+        grids = self._planned()
+        if grids is None:
+            return None
+        try:
+            return robust_threshold(grid, grids, n_p)
+        except ValueError:
+            return None
+
     def set_points(self) -> list[float] | None:
         """The best threshold of the split now on each side (an empty list when a shifted
         estimate cannot be planned)."""
-        if not self._on:
+        if not self.on:
             return None
         grids = self._planned()
         n_p = len(self._pools.prefill)
@@ -471,31 +510,26 @@ def _set_point(
     config: RebalanceConfig,
     state: RebalanceState,
     current: float,
-    solved: float,
+    solved: float | None,
+    point: float,
     stepped: bool = False,
-    noisy: Callable[[], list[float] | None] = lambda: None,
 ) -> tuple[float, RebalanceState]:
-    """The re-solved t replaces the set-point once it has lain beyond the dead band, on the
-    same side, for `confirm_periods` periods in a row (sampling noise does not churn it), or
-    at once after a link step or when it is `urgent_set_point` times off. `noisy` gives the
-    re-solved t with the mean length a standard error off each way (None: no such test);
-    each must lie beyond the band on the same side too, or the period counts as inside it
-    (on a plateau of Lambda_max the best t moves far on a little noise)."""
-    band = config.set_point_deadband * current
-
-    def beyond(t: float) -> int:
-        return 0 if current > 0 and abs(t - current) <= band else (1 if t > current else -1)
-
-    side = beyond(solved)
-    far = current <= 0 or max(solved / current, current / max(solved, 1e-9)) >= (
+    """The re-solved t (`solved`, robust to the estimate's noise) replaces the set-point
+    once it has lain beyond the dead band, on the same side, for `confirm_periods` periods
+    in a row (sampling noise does not churn it), or at once after a link step or when the
+    point optimum `point` is `urgent_set_point` times off (noise does not move the optimum
+    by a factor; a plan made for another workload does). `solved` None (the noise could not
+    be planned: too few samples) counts as inside the band unless it applies at once; the
+    point optimum then applies."""
+    far = current <= 0 or max(point / current, current / max(point, 1e-9)) >= (
         config.urgent_set_point
     )
-    if side != 0 and not stepped and not far:
-        alternatives = noisy()
-        if alternatives is not None and (
-            not alternatives or any(beyond(t) != side for t in alternatives)
-        ):
-            side = 0  # within the estimate's noise (or not plannable): as if inside the band
+    if solved is None:
+        if not (stepped or far):
+            return current, replace(state, set_point_side=0, set_point_streak=0)
+        solved = point
+    band = config.set_point_deadband * current
+    side = 0 if current > 0 and abs(solved - current) <= band else (1 if solved > current else -1)
     if side == 0:
         return current, replace(state, set_point_side=0, set_point_streak=0)
     streak = state.set_point_streak + 1 if state.set_point_side == side else 1

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from prfaas.policies import throughput as tp
-from prfaas.policies.planner import PlanReport, plan
+from prfaas.policies.planner import PlanGrid, PlanReport, best_for_split, plan, robust_threshold
 from prfaas.policies.profile import DeploymentProfile, load_profile
 
 
@@ -138,3 +138,25 @@ def test_json_shape(report: PlanReport) -> None:
     assert doc["prfaas_pd"]["ratio_vs_naive"] == pytest.approx(
         doc["prfaas_pd"]["lambda_max"] / doc["naive_heterogeneous"]["lambda_max"]
     )
+
+
+def test_robust_threshold_errs_toward_the_gentle_side() -> None:
+    """On a lopsided Lambda_max (steep below the optimum, gentle above, as where the link
+    binds), the threshold best in the worst of three estimates lies above the point
+    optimum of each; with no other estimate it is the point optimum."""
+    t = np.arange(1000.0, 9000.0, 100.0)
+
+    def grid(peak: float) -> PlanGrid:
+        lam = np.where(t <= peak, 2.0 - 0.002 * (peak - t), 2.0 - 0.0002 * (t - peak))
+        return PlanGrid(t, np.array([1.0]), lam[None, :], np.full_like(t, np.inf),
+                        np.full((1, len(t)), 3.0), np.array([5.0]))  # fmt: skip
+
+    centre, low, high = grid(4800.0), grid(4300.0), grid(5300.0)
+    assert best_for_split(centre, 1).threshold_tokens == 4800.0
+    assert robust_threshold(centre, [], 1) == 4800.0
+    robust = robust_threshold(centre, [low, high], 1)
+    assert 5200.0 <= robust <= 5300.0  # where the high and low estimates cross (5,209)
+    worst = np.fmin.reduce([g.lambda_max[0] for g in (centre, low, high)])
+    assert worst[t == robust][0] == worst.max() > worst[t == 4800.0][0] + 0.5
+    with pytest.raises(ValueError, match="outside the searched splits"):
+        robust_threshold(centre, [low], 2)

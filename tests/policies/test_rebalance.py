@@ -82,10 +82,17 @@ def test_the_planned_workload_holds_at_the_planned_set_point(profile: Deployment
     assert d.reason.startswith("drift: prefill side 3.14 vs decode 3.91 req/s; hold: converting")
     assert d.figures is not None and d.figures.n_p == 3
     d = rebalance(CFG, d.state, profile, est, _pools(), now=60, set_point=10_000)
-    assert d.set_point == t_star and d.state.set_point_streak == 0
-    expected = planned_utilisation(replan_profile(profile, est, 4, 8), t_star, 2.7, exact=True)
+    assert d.figures is not None and d.set_point == d.figures.t_robust
+    # robust to the estimate's noise: a little above t*, on the gentle side of Lambda_max
+    assert t_star < d.set_point <= 1.05 * t_star and d.state.set_point_streak == 0
+    expected = planned_utilisation(replan_profile(profile, est, 4, 8), d.set_point, 2.7,
+                                   exact=True)  # fmt: skip
     assert d.planned_utilisation == expected
     assert expected is not None and 0.1 < expected < 0.15  # ~13 Gbps of 100 (the paper's)
+    point = replace(CFG, noise_se=0.0)  # no noise rail: the point optimum
+    d = rebalance(point, RebalanceState(set_point_side=1, set_point_streak=1), profile, est,
+                  _pools(), now=60, set_point=10_000)  # fmt: skip
+    assert d.set_point == t_star
 
 
 def test_bandwidth_drop_converts_a_decode_after_confirmation(profile: DeploymentProfile) -> None:
@@ -101,10 +108,12 @@ def test_bandwidth_drop_converts_a_decode_after_confirmation(profile: Deployment
     d2 = rebalance(CFG, d1.state, profile, est, pools, now=120, set_point=d1.set_point)
     assert d2.outcome == "convert"
     assert d2.conversion is not None
-    assert d2.conversion == Conversion("pd-d1", "decode", "prefill", t_star,
+    moved = d2.conversion.set_point  # the new split's robust threshold
+    assert d2.conversion == Conversion("pd-d1", "decode", "prefill", moved,
                                        d2.conversion.planned_utilisation)  # fmt: skip
-    # a link-bound plan: it expects the 10 Gbit/s link nearly full
-    assert d2.conversion.planned_utilisation == pytest.approx(0.89, abs=0.02)
+    assert t_star < moved <= 1.05 * t_star
+    # a link-bound plan: it expects the 10 Gbit/s link nearly full (a little less than at t*)
+    assert d2.conversion.planned_utilisation == pytest.approx(0.85, abs=0.03)
 
 
 def test_decode_heavy_converts_a_prefill(profile: DeploymentProfile) -> None:
@@ -345,6 +354,22 @@ def test_a_set_point_off_by_less_than_the_estimates_noise_stays(
     measured = decide(200, lengths_measured=True)
     assert measured.state.set_point_streak == 1
     assert measured.figures is not None and measured.figures.t_best_noise is None
+
+
+def test_a_set_point_a_factor_off_moves_at_once_to_the_robust_threshold(
+    profile: DeploymentProfile,
+) -> None:
+    """The point optimum 3x below the set-point is a plan made for another workload: the
+    set-point moves in this very period, to the robust threshold (above t*, on 40 lengths
+    further above than on 200), though that one alone is less than 2x off."""
+    t_star, _ = _optimum(profile, _estimate())
+    moved = []
+    for n in (200, 40):
+        d = rebalance(CFG, RebalanceState(), profile, _estimate(n=n), _pools(), now=0,
+                      set_point=3 * t_star)  # fmt: skip
+        assert d.figures is not None and d.set_point == d.figures.t_robust
+        moved.append(d.set_point)
+    assert t_star < moved[0] < moved[1] < 1.5 * t_star
 
 
 def test_replan_profile_uses_the_estimate(profile: DeploymentProfile) -> None:
