@@ -10,11 +10,11 @@ estimate and the estimate with its mean length `noise_se` standard errors off ei
 (`planner.robust_threshold`; where the link binds, Lambda_max falls steeply below the
 optimum and gently above it, and a set-point planned on noise must err to the gentle
 side; a period acting on a measured step takes the point optimum). A conversion brings the
-robust threshold of its new split with it. The stages have
-drifted apart when the prefill side's arrival-rate limit and the decode stage's (Eq. 8,
-which at Eq. 7's balance is Theta_prfaas + Theta_pd_p = Theta_pd_d) differ by more than
-`drift_tolerance`; the wanted move is one instance toward the starved side, and it is made
-only if it raises Lambda_max by `min_gain`.
+robust threshold of its new split with it. The stages have drifted apart when the prefill
+side's arrival-rate limit and the decode stage's (Eq. 8, which at Eq. 7's balance is
+Theta_prfaas + Theta_pd_p = Theta_pd_d) differ by more than `drift_tolerance`; the wanted
+move is one instance toward the starved side, and it is made only if it raises Lambda_max
+by `min_gain`.
 
 Guard rails (Kubernetes HPA stabilisation, Knative, Dynamo's planner):
 - at most one conversion per period, and none while one is draining;
