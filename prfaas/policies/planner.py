@@ -146,10 +146,7 @@ def best_for_split(grid: PlanGrid, n_p: int) -> SplitOptimum:
     Raises:
         ValueError: `n_p` is not a split the grid searched.
     """
-    rows = np.flatnonzero(grid.n_p == n_p)
-    if rows.size == 0:
-        raise ValueError(f"N_p = {n_p} is outside the searched splits {grid.n_p.tolist()}")
-    k = int(rows[0])
+    k = _split_row(grid, n_p)
     prefill = np.fmin(grid.prfaas_bound, grid.pd_prefill_bound[k])
     (j,) = _best(grid.lambda_max[k], prefill)
     return SplitOptimum(
@@ -175,32 +172,21 @@ def robust_threshold(grid: PlanGrid, others: Sequence[PlanGrid], n_p: int) -> fl
     Raises:
         ValueError: `n_p` is not a split every grid searched.
     """
-    worst = worst_lambda(grid, others, n_p)
-    k = int(np.flatnonzero(grid.n_p == n_p)[0])
+    k = _split_row(grid, n_p)
+    worst = grid.lambda_max[k].copy()
+    for other in others:
+        row = other.lambda_max[_split_row(other, n_p)]
+        worst = np.fmin(worst, np.interp(grid.thresholds, other.thresholds, row))
     (j,) = _best(worst, np.fmin(grid.prfaas_bound, grid.pd_prefill_bound[k]))
     return float(grid.thresholds[j])
 
 
-def worst_lambda(grid: PlanGrid, others: Sequence[PlanGrid], n_p: int) -> Array:
-    """Split `n_p`'s lowest Lambda_max over `grid` and `others` at each of `grid`'s
-    thresholds (the others' read between their own thresholds).
-
-    Raises:
-        ValueError: `n_p` is not a split every grid searched.
-    """
-    t = grid.thresholds
-    worst = _row(grid, n_p).copy()
-    for other in others:
-        worst = np.fmin(worst, np.interp(t, other.thresholds, _row(other, n_p)))
-    return worst
-
-
-def _row(grid: PlanGrid, n_p: int) -> Array:
+def _split_row(grid: PlanGrid, n_p: int) -> int:
+    """The grid's row of split `n_p`. Raises ValueError when the grid did not search it."""
     rows = np.flatnonzero(grid.n_p == n_p)
     if rows.size == 0:
         raise ValueError(f"N_p = {n_p} is outside the searched splits {grid.n_p.tolist()}")
-    row: Array = grid.lambda_max[int(rows[0])]
-    return row
+    return int(rows[0])
 
 
 def plan(

@@ -60,27 +60,12 @@ class EventLog(ABC):
         ended; None where no log is kept (never started, expired or forgotten)."""
 
     @abstractmethod
-    async def wait(self, response_id: str, seen: int) -> None:
-        """Return once the log may hold more than `seen` frames or have ended (a reader
-        reads again then; it may find nothing new)."""
-
-    async def follow(self, response_id: str, start: int) -> AsyncIterator[bytes]:
+    def follow(self, response_id: str, start: int) -> AsyncIterator[bytes]:
         """The frames from place `start` on as they come, until the log ends.
 
         Raises:
             LogForgotten: the log is not kept (or no longer).
         """
-        while True:
-            found = await self.read(response_id, start)
-            if found is None:
-                raise LogForgotten(response_id)
-            frames, ended = found
-            for frame in frames:
-                yield frame
-            start += len(frames)
-            if ended:
-                return
-            await self.wait(response_id, start)
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections (the memory log has none)."""
@@ -145,11 +130,6 @@ class MemoryEventLog(EventLog):
         if log is None:
             return None
         return log.frames[start:], log.expires < math.inf
-
-    async def wait(self, response_id: str, seen: int) -> None:
-        log = self._logs.get(response_id)
-        if log is not None and len(log.frames) <= seen and log.expires == math.inf:
-            await log.changed.wait()
 
     async def follow(self, response_id: str, start: int) -> AsyncIterator[bytes]:
         self._evict()
@@ -225,7 +205,22 @@ class RedisEventLog(EventLog):
             frames.pop()
         return frames, ended
 
-    async def wait(self, response_id: str, seen: int) -> None:
+    async def follow(self, response_id: str, start: int) -> AsyncIterator[bytes]:
+        while True:
+            found = await self.read(response_id, start)
+            if found is None:
+                raise LogForgotten(response_id)
+            frames, ended = found
+            for frame in frames:
+                yield frame
+            start += len(frames)
+            if ended:
+                return
+            await self._wait(response_id)
+
+    async def _wait(self, response_id: str) -> None:
+        """Until a frame is added to the log here, or `POLL_S` passes (a reader reads
+        again then; it may find nothing new)."""
         event, readers = self._pushed.get(response_id, (asyncio.Event(), 0))
         self._pushed[response_id] = (event, readers + 1)
         try:
