@@ -14,10 +14,13 @@ scenario of phases, each long enough for the long-term loop to settle:
 Three ways, each on a fresh deployment, the very same requests at the very same instants
 (one seed), as the simulator defines them: `static` (the start-up `t`, no schedulers),
 `dual` (the dual-timescale schedulers), `oracle` (no schedulers; each phase's planner
-optimum for its true conditions set through `POST /admin/state` at the phase's start).
-Without schedulers the gateway has no load forecast, so static and oracle offload every
-prompt past `t`; the schedulers' TTFT-predicting condition keeps one local when local is
-faster (and the embedded deployment's single PD decode leaves no conversion to make).
+optimum for its true conditions set through `POST /admin/state` at the phase's start: `t`,
+and with `--pd-decodes 2` or more the PD split, converting instances by hand as the
+long-term loop would). Without schedulers the gateway has no load forecast, so static and
+oracle offload every prompt past `t`; the schedulers' TTFT-predicting condition keeps one
+local when local is faster. The embedded default's single PD decode leaves no conversion to
+make; `--pd-decodes 2` gives the PD cluster three instances (one prefill, two decodes), so
+the long-term loop can convert one (all engines still share this machine's cores).
 Per phase: served req/s, TTFT p50/p90, offload share, egress utilisation, `t` and its
 changes, regime, queue waits, the gateway's offload decisions (kept local, offloaded because
 faster, offloaded because the PD prefill was saturated) and the predicted TTFT the
@@ -31,7 +34,8 @@ simulated per phase. Live numbers come from this machine's shared cores (compare
 one run); simulated ones are labelled so.
 
 Usage: python benchmarks/scheduling_live.py [--phase-s 180] [--period-s 20]
-           [--variants static,dual,oracle] [--seed 0] [--json OUT] [--plot OUT.png]
+           [--variants static,dual,oracle] [--seed 0] [--pd-decodes 1] [--json OUT]
+           [--plot OUT.png]
 """
 
 from __future__ import annotations
@@ -106,11 +110,24 @@ def live_scenario(profile: DeploymentProfile, phase_s: float) -> Scenario:
     return Scenario("live", "steady, link / 4, burst, longer prompts, decode-heavy", phases)
 
 
-def oracle_threshold(profile: DeploymentProfile, c: Conditions) -> float:
-    """The planner's optimum `t` for a phase's true conditions (exact costing), within the
-    model's context (past it, every prompt is local anyway)."""
-    best = plan(conditioned(profile, c), exact=True).prfaas_pd.threshold_tokens
-    return CONTEXT if best is None or not math.isfinite(best) else min(best, CONTEXT)
+def oracle_plan(profile: DeploymentProfile, c: Conditions) -> tuple[float, int]:
+    """The planner's optimum for a phase's true conditions (exact costing): `t`, within the
+    model's context (past it, every prompt is local anyway), and the PD prefill count."""
+    best = plan(conditioned(profile, c), exact=True).prfaas_pd
+    t = best.threshold_tokens
+    return (CONTEXT if t is None or not math.isfinite(t) else min(t, CONTEXT)), best.n_p
+
+
+def oracle_roles(roles: dict[str, str], n_p: int) -> dict[str, str]:
+    """The conversions that give the PD cluster (`roles`: instance -> role) `n_p` prefills
+    (at least one of each role kept): the last decodes made prefills, or the last prefills
+    made decodes, by name."""
+    n_p = min(max(n_p, 1), len(roles) - 1)
+    prefill = sorted(i for i, r in roles.items() if r == "prefill")
+    decode = sorted(i for i, r in roles.items() if r == "decode")
+    if len(prefill) < n_p:
+        return dict.fromkeys(decode[len(prefill) - n_p :], "prefill")
+    return dict.fromkeys(prefill[n_p:], "decode")
 
 
 @dataclass
@@ -125,13 +142,14 @@ class Deployment:
     """The gateway's operator key (`/admin/state`)."""
 
 
-def start(variant: str, logs: Path, period_s: float) -> Deployment:
-    """`prfaas serve` (embedded default) with its measured profile written out."""
+def start(variant: str, logs: Path, period_s: float, pd_decodes: int) -> Deployment:
+    """`prfaas serve` (embedded default, `pd_decodes` PD decodes) with its measured profile
+    written out."""
     secret, admin_key = DeploymentSecret.generate(), secrets.token_hex(16)
     env = {**os.environ, ENV_SECRET: secret.hex()}
     log, profile = logs / f"{variant}.log", logs / f"{variant}-profile.toml"
     args = ["--port", "0", "--scheduler-period", f"{period_s:g}", "--profile-out", str(profile),
-            "--admin-key", admin_key]  # fmt: skip
+            "--admin-key", admin_key, "--pd-decodes", str(pd_decodes)]  # fmt: skip
     if variant != "dual":  # as in the simulator: no schedulers, so every prompt past t offloads
         args.append("--no-scheduler")
     proc, url = start_serve(args, log, env)
@@ -209,9 +227,11 @@ class Controller:
                 await self._post(f"{self._d.prfaas_url}/admin/egress", {"rate_mbps": mbps},
                                  self._d.engine_auth)  # fmt: skip
             if self._variant == "oracle":
-                t = oracle_threshold(self._d.profile, c)
-                await self._post(f"{self._d.url}/admin/state", {"threshold": t},
-                                 self._d.admin_auth)  # fmt: skip
+                t, n_p = oracle_plan(self._d.profile, c)
+                pd = (await self._state())["clusters"]["pd"]
+                moves = oracle_roles({s["id"]: s["role"] for s in pd}, n_p)
+                body = {"threshold": t, **({"roles": moves} if moves else {})}
+                await self._post(f"{self._d.url}/admin/state", body, self._d.admin_auth)
 
     async def _post(self, url: str, body: dict[str, Any], headers: dict[str, str]) -> None:
         async with self._http.post(url, json=body, headers=headers) as resp:
@@ -350,7 +370,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"variants": {}, "args": vars(args) | {"json": None, "plot": None}}
     for variant in args.variants:
         print(f"{variant}: starting the embedded deployment ...", flush=True)
-        d = start(variant, logs, args.period_s)
+        d = start(variant, logs, args.period_s, args.pd_decodes)
         try:
             if scenario is None:  # one scenario for every variant: the first one's profile
                 profile, scenario = d.profile, live_scenario(d.profile, args.phase_s)
@@ -496,6 +516,12 @@ def main() -> None:
                         help="the long-term loop's period (three of them to settle)")  # fmt: skip
     parser.add_argument("--variants", type=_variants, default=VARIANTS)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--pd-decodes",
+        type=int,
+        default=1,
+        help="PD decode instances (2+: the PD cluster has roles to convert)",
+    )
     parser.add_argument("--json", type=Path, metavar="OUT")
     parser.add_argument("--plot", type=Path, metavar="OUT.png")
     args = parser.parse_args()

@@ -59,6 +59,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--link-delay-ms", type=float, default=None, help="embedded: one-way delay (default 5)"
     )
     parser.add_argument(
+        "--pd-decodes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="embedded: decode instances in the PD cluster (default 1; with 2 or more the "
+        "long-term scheduler can convert one to prefill)",
+    )
+    parser.add_argument(
         "--no-scheduler",
         action="store_true",
         help="no dual-timescale scheduling (t moves only by POST /admin/state)",

@@ -1,17 +1,18 @@
 """The embedded default deployment of `prfaas serve` (no config file).
 
 Starts three reference engines as child processes (PrfaaS cluster: one prefill; PD cluster:
-one prefill, one decode). The cross-DC link is emulated by the PrfaaS prefill engine's own
-KV transport: its whole egress is paced to the link rate (a per-process token bucket: one
-cluster egress link shared by every decode peer) with an added one-way delay, so KV goes
-engine to engine and never through the gateway; `POST /admin/egress` on that engine changes
-the rate at run time. Profiles the engines (the link's bandwidth measured over that
-transport), runs the planner to choose `t`, runs the dual-timescale schedulers on the
-measured profile, polls the transport's telemetry for `/metrics` and `/admin/state`,
-restarts an engine that dies (`supervisor.Supervisor`), and serves until SIGINT/SIGTERM,
-when everything stops, children included. The engines and the gateway share a deployment
-secret (`$PRFAAS_SECRET` when set, else a fresh one) that the engines get in their
-environment.
+one prefill, one decode; `--pd-decodes N` gives the PD cluster N decodes, so that the
+long-term loop has an instance to convert). The cross-DC link is emulated by the PrfaaS
+prefill engine's own KV transport: its whole egress is paced to the link rate (a
+per-process token bucket: one cluster egress link shared by every decode peer) with an
+added one-way delay, so KV goes engine to engine and never through the gateway; `POST
+/admin/egress` on that engine changes the rate at run time. Profiles the engines (the
+link's bandwidth measured over that transport), runs the planner to choose `t`, runs the
+dual-timescale schedulers on the measured profile, polls the transport's telemetry for
+`/metrics` and `/admin/state`, restarts an engine that dies (`supervisor.Supervisor`), and
+serves until SIGINT/SIGTERM, when everything stops, children included. The engines and the
+gateway share a deployment secret (`$PRFAAS_SECRET` when set, else a fresh one) that the
+engines get in their environment.
 """
 
 from __future__ import annotations
@@ -29,12 +30,14 @@ import tomli_w
 
 from prfaas.common.ports import free_port
 from prfaas.common.secret import ENV_SECRET, DeploymentSecret
+from prfaas.engine_clients.base import Role
 from prfaas.engine_clients.sglang import SGLangClient
 from prfaas.gateway.api.assembly import Gateway, egress_setup
 from prfaas.gateway.deployment import DeploymentConfig, GatewayConfig, InstanceConfig, ModelConfig
 from prfaas.gateway.link import EgressSample, fetch_sample
 from prfaas.gateway.scheduling.config import SchedulerConfig
 from prfaas.policies.profile import DeploymentProfile
+from prfaas.policies.routing import Route
 from prfaas.policies.workload_estimate import EstimateConfig
 from prfaas.serve.processes import EngineProcess, EngineSpec, start_engine
 from prfaas.serve.profiling import (
@@ -58,6 +61,7 @@ T_RANGE = (256.0, 4096.0)
 schedulers then move it from `T_RANGE[0]` up as far as the planner says (a cap of 4096 held
 the set-point on the steep, link-bound side of Lambda_max when prompts grew: 0.98 req/s
 there against 1.61 at the optimum, 4,800, on the live scenario's longer-prompt phase)."""
+MAX_PD_DECODES = 4
 LINK_CHUNK_KIB = 64  # frame size = pacing burst: small, so a slow link is paced smoothly
 SCHEDULER_PERIOD_S = 30.0  # long-term period of the embedded deployment
 
@@ -94,8 +98,13 @@ class EmbeddedOptions:
     `--threshold` skips the profiling)."""
     profile_out: Path | None = None
     """Where to write the measured profile (TOML; None: nowhere)."""
+    pd_decodes: int = 1
+    """The PD cluster's decode instances (with two or more the long-term loop can convert
+    one to prefill; one is the least a cluster keeps)."""
 
     def __post_init__(self) -> None:
+        if not 1 <= self.pd_decodes <= MAX_PD_DECODES:
+            raise ValueError(f"pd_decodes must be in [1, {MAX_PD_DECODES}], got {self.pd_decodes}")
         if not self.link_mbps > 0:
             raise ValueError(f"link_mbps must be > 0, got {self.link_mbps}")
         if not 0 <= self.link_delay_ms <= 10_000:
@@ -120,6 +129,7 @@ class EmbeddedOptions:
             threshold_override=overrides.get("threshold"),
             scheduler=scheduler,
             profile_out=None if args.profile_out is None else Path(args.profile_out),
+            pd_decodes=args.pd_decodes,
         )
 
     def link_args(self) -> tuple[str, ...]:
@@ -127,6 +137,18 @@ class EmbeddedOptions:
         return ("--egress-rate-mbps", f"{self.link_mbps:g}",
                 "--egress-delay-ms", f"{self.link_delay_ms:g}",
                 "--transfer-chunk-kib", str(LINK_CHUNK_KIB))  # fmt: skip
+
+    def engines(self) -> list[tuple[str, Route, Role]]:
+        """(name, cluster, role) of each engine: the PrfaaS prefill (`prfaas-p0`, which paces
+        the link), the PD prefill (`pd-p0`), the PD decodes (`pd-d0`, ...)."""
+        decodes: list[tuple[str, Route, Role]] = [
+            (f"pd-d{i}", "pd", "decode") for i in range(self.pd_decodes)
+        ]
+        return [("prfaas-p0", "prfaas", "prefill"), ("pd-p0", "pd", "prefill"), *decodes]
+
+    @property
+    def pd_instances(self) -> int:
+        return 1 + self.pd_decodes
 
     def link_state(self) -> dict[str, Any]:
         """The emulated link's settings, for `/admin/state`."""
@@ -153,14 +175,14 @@ class Cluster:
 async def start_cluster(
     options: EmbeddedOptions, log_dir: Path, secret: DeploymentSecret | None = None
 ) -> Cluster:
-    """Start the three engines concurrently; the PrfaaS prefill paces its own egress."""
+    """Start the engines concurrently; the PrfaaS prefill paces its own egress."""
     secret = secret or DeploymentSecret.from_env() or DeploymentSecret.generate()
     env = {ENV_SECRET: secret.hex()}
     specs = [
         EngineSpec(name, role, options.model, options.page_size, options.threads, free_port(),
                    options.link_args() if name == "prfaas-p0" else (),
                    kv_replay_port=free_port())
-        for name, role in (("prfaas-p0", "prefill"), ("pd-p0", "prefill"), ("pd-d0", "decode"))
+        for name, _, role in options.engines()
     ]  # fmt: skip
     results = await asyncio.gather(
         *(start_engine(s, log_dir, env=env) for s in specs), return_exceptions=True
@@ -186,16 +208,10 @@ def deployment_for(
 ) -> DeploymentConfig:
     """The gateway's view: every engine at its own HTTP and bootstrap address."""
     e = cluster.engines
-    instances = (
-        InstanceConfig("prfaas-p0", "prfaas", "prefill", e["prfaas-p0"].url, "127.0.0.1",
-                       e["prfaas-p0"].bootstrap_port, e["prfaas-p0"].kv_events,
-                       kv_events_replay=e["prfaas-p0"].kv_events_replay),
-        InstanceConfig("pd-p0", "pd", "prefill", e["pd-p0"].url, "127.0.0.1",
-                       e["pd-p0"].bootstrap_port, e["pd-p0"].kv_events,
-                       kv_events_replay=e["pd-p0"].kv_events_replay),
-        InstanceConfig("pd-d0", "pd", "decode", e["pd-d0"].url, "127.0.0.1",
-                       e["pd-d0"].bootstrap_port, e["pd-d0"].kv_events,
-                       kv_events_replay=e["pd-d0"].kv_events_replay),
+    instances = tuple(
+        InstanceConfig(name, kind, role, e[name].url, "127.0.0.1", e[name].bootstrap_port,
+                       e[name].kv_events, kv_events_replay=e[name].kv_events_replay)
+        for name, kind, role in options.engines()
     )  # fmt: skip
     model = ModelConfig(name=options.model, block_size=options.page_size)
     gateway = replace(options.gateway, threshold=threshold)
@@ -221,19 +237,19 @@ async def profile_and_plan(
         measured = await measure(pd, pf, stats, ENGINE_MAX_BATCH)
         for c in client.values():
             await c.close()
-    planned, report = plan_threshold(measured, options.workload)
+    planned, report = plan_threshold(measured, options.workload, options.pd_instances)
     t = min(max(planned, T_RANGE[0]), T_RANGE[1])
     lines = _profile_lines(measured)
     if options.profile_out is not None:
-        document = tomli_w.dumps(profile_document(measured, options.workload))
-        options.profile_out.write_text(document)
+        document = profile_document(measured, options.workload, options.pd_instances)
+        options.profile_out.write_text(tomli_w.dumps(document))
         lines.append(f"             written to {options.profile_out}")
     note = "" if t == planned else f" (planner said {planned:.0f}; clamped to {T_RANGE})"
     lines.append(
         f"  planner    t = {t:.0f} tokens{note}; Lambda_max {report.prfaas_pd.lambda_max:.2f} "
         f"req/s, bottleneck {report.prfaas_pd.bottleneck}"
     )
-    return t, lines, measured_profile(measured, options.workload)
+    return t, lines, measured_profile(measured, options.workload, options.pd_instances)
 
 
 def _profile_lines(m: MeasuredProfile) -> list[str]:
@@ -252,7 +268,8 @@ def _profile_lines(m: MeasuredProfile) -> list[str]:
 async def serve_embedded(options: EmbeddedOptions, host: str, port: int) -> int:
     """Run the embedded deployment until a signal; returns an exit code."""
     log_dir = Path(tempfile.mkdtemp(prefix="prfaas-serve-"))
-    print(f"starting 3 reference engines ({options.model}); logs in {log_dir}", flush=True)
+    count = len(options.engines())
+    print(f"starting {count} reference engines ({options.model}); logs in {log_dir}", flush=True)
     secret = DeploymentSecret.from_env(path=options.gateway.secret_file)
     with signals_cancel_current_task():
         cluster = await start_cluster(options, log_dir, secret)

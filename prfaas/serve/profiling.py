@@ -170,8 +170,11 @@ def _increasing(values: tuple[float, ...]) -> list[float]:
     return out
 
 
-def profile_document(m: MeasuredProfile, workload: Workload) -> dict[str, Any]:
-    """The measured deployment as a planner profile (same schema as `prfaas plan`)."""
+def profile_document(
+    m: MeasuredProfile, workload: Workload, pd_instances: int = 2
+) -> dict[str, Any]:
+    """The measured deployment as a planner profile (same schema as `prfaas plan`), its PD
+    cluster `pd_instances` instances of the measured hardware."""
     return {
         "workload": {
             "input_distribution": "lognormal",
@@ -200,23 +203,28 @@ def profile_document(m: MeasuredProfile, workload: Workload) -> dict[str, Any]:
                 "instances": 1,
                 "egress_gbps": m.link_bytes_per_s * 8 / 1e9,
             },
-            "pd": {"hardware": "cpu", "instances": 2},
+            "pd": {"hardware": "cpu", "instances": pd_instances},
         },
     }
 
 
-def measured_profile(m: MeasuredProfile, workload: Workload) -> DeploymentProfile:
+def measured_profile(
+    m: MeasuredProfile, workload: Workload, pd_instances: int = 2
+) -> DeploymentProfile:
     """The measured deployment as a validated planner profile."""
-    return parse_profile(profile_document(m, workload), source="<start-up profile>")
+    document = profile_document(m, workload, pd_instances)
+    return parse_profile(document, source="<start-up profile>")
 
 
-def plan_threshold(m: MeasuredProfile, workload: Workload) -> tuple[float, PlanReport]:
+def plan_threshold(
+    m: MeasuredProfile, workload: Workload, pd_instances: int = 2
+) -> tuple[float, PlanReport]:
     """The planner's optimum threshold for the measured profile, and its report.
 
     Raises:
         ValueError: the profile is invalid or the planner finds no PrfaaS-PD optimum.
     """
-    report = plan(measured_profile(m, workload))
+    report = plan(measured_profile(m, workload, pd_instances))
     t = report.prfaas_pd.threshold_tokens
     if t is None or not math.isfinite(t):
         raise ValueError("the planner found no threshold for the measured profile")

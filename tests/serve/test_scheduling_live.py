@@ -152,3 +152,42 @@ async def test_prefill_heavy_load_converts_one_of_two_decodes(tmp_path: Path) ->
     assert sorted(r for r in final["scheduler"]["roles"].values()) == [
         "decode", "prefill", "prefill"
     ]  # fmt: skip
+
+
+async def test_embedded_with_two_decodes_converts_one_by_hand() -> None:
+    """`--pd-decodes 2` gives the embedded PD cluster a second decode. Without schedulers an
+    operator converts it by hand (`POST /admin/state` `roles`): a conversion that would
+    leave no decode is refused naming `roles`; a good one drains the instance, switches it
+    through the engine's role API, and it then serves prefills while every request
+    completes, under load the whole time."""
+    proc = spawn("serve", "--port", "0", "--pd-decodes", "2", "--no-scheduler",
+                 "--threshold", "4096", "--admin-key", "op")  # fmt: skip
+    admin = {"Authorization": "Bearer op"}
+    try:
+        url = started(proc)
+        pd_before = get(f"{url}/admin/state", admin)["clusters"]["pd"]
+        before = {i["id"]: i["role"] for i in pd_before}
+        async with aiohttp.ClientSession(headers=admin) as s:
+            both = {"roles": {"pd-d0": "prefill", "pd-d1": "prefill"}}
+            async with s.post(f"{url}/admin/state", json=both) as r:
+                refused = (r.status, (await r.json())["error"]["param"])
+            loading = asyncio.create_task(load(url, 6.0, 600, 2, 7))
+            await asyncio.sleep(1.0)  # requests in flight on the decode being converted
+            async with s.post(f"{url}/admin/state", json={"roles": {"pd-d1": "prefill"}}) as r:
+                converted = (r.status, await r.json())
+            statuses = await loading
+        pd = {i["id"]: i for i in converted[1]["clusters"]["pd"]}
+        info = get(f"{pd['pd-d1']['url']}/server_info", ENGINE_AUTH)
+        served_before = get(f"{pd['pd-d1']['url']}/stats", ENGINE_AUTH)["prompt_tokens_total"]
+        statuses += await load(url, 4.0, 600, 3, 99)
+        served_after = get(f"{pd['pd-d1']['url']}/stats", ENGINE_AUTH)["prompt_tokens_total"]
+    finally:
+        stop(proc)
+    assert before == {"pd-p0": "prefill", "pd-d0": "decode", "pd-d1": "decode"}
+    assert refused == (400, "roles")
+    assert converted[0] == 200 and {i: s["role"] for i, s in pd.items()} == {
+        "pd-p0": "prefill", "pd-d0": "decode", "pd-d1": "prefill"
+    }  # fmt: skip
+    assert info["disaggregation_mode"] == "prefill"
+    assert statuses and set(statuses) == {200}  # nothing lost to the conversion
+    assert served_after > served_before  # it prefills now

@@ -8,10 +8,11 @@ utility routes (`utility_routes.py`: `/tokenize`, `/detokenize`, `/version`, `/p
 `POST /v1/messages/count_tokens`), `GET /openapi.json` (what is served, `openapi.py`), `GET
 /health`, `GET /metrics` (Prometheus text), `GET /admin/state`, `POST /admin/state` (set
 `threshold` and/or `regime`: with schedulers running this pins them until `{"scheduler":
-"auto"}`), `GET /dashboard` (the live page and its script and style) and `GET
-/admin/dashboard` (the data it polls); `HEAD` wherever `GET` is. Unknown paths get a JSON
-404, known paths with another method a JSON 405 with `Allow`. Every error is a JSON body
-in the route's own dialect: Anthropic's under `/v1/messages`, OpenAI's elsewhere.
+"auto"}`; without schedulers `roles` converts PD instances by hand), `GET /dashboard` (the
+live page and its script and style) and `GET /admin/dashboard` (the data it polls); `HEAD`
+wherever `GET` is. Unknown paths get a JSON 404, known paths with another method a JSON 405
+with `Allow`. Every error is a JSON body in the route's own dialect: Anthropic's under
+`/v1/messages`, OpenAI's elsewhere.
 `GatewayApp` owns the one engine `ClientSession`, the `Gateway` and the server: `start`
 brings them up in that order, `stop` takes them down in reverse, so every background task
 stops with the app.
@@ -36,11 +37,14 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from prfaas.common.secret import DeploymentSecret, token_matches
+from prfaas.engine_clients.base import Role
 from prfaas.gateway.api import openapi, responses_routes
 from prfaas.gateway.api.assembly import Gateway, build_gateway
 from prfaas.gateway.api.dashboard import DASHBOARD_PAGES, since_query
 from prfaas.gateway.api.utility_routes import count_tokens, detokenize, ping, tokenize, version
 from prfaas.gateway.deployment import DeploymentConfig
+from prfaas.gateway.scheduling.config import SchedulerConfig
+from prfaas.gateway.scheduling.roles import RoleConverter, asked_conversions
 from prfaas.http.messages import Exchange, HttpRequest, HttpResponse
 from prfaas.http.server import HttpLimits, HttpServer
 from prfaas.policies.profile import DeploymentProfile
@@ -124,7 +128,7 @@ async def admin_state(gw: Gateway, request: HttpRequest, exchange: Exchange) -> 
     return _json({**gw.admin_state(), "time": time.time()})
 
 
-ADMIN_FIELDS = frozenset({"threshold", "regime", "scheduler"})
+ADMIN_FIELDS = frozenset({"threshold", "regime", "scheduler", "roles"})
 
 
 def _threshold(value: Any, limit: int) -> float:
@@ -138,16 +142,24 @@ def _threshold(value: Any, limit: int) -> float:
 
 async def set_admin_state(gw: Gateway, request: HttpRequest, exchange: Exchange) -> HttpResponse:
     """Move the threshold or regime by hand. With schedulers running, that pins them (the
-    loops stop moving them) until `{"scheduler": "auto"}` hands them back. Every value is
+    loops stop moving them) until `{"scheduler": "auto"}` hands them back. Without
+    schedulers, `roles` (`{instance: "prefill" | "decode"}`) converts PD instances as the
+    long-term loop would (drain, then the engine's role API), answering once they are done
+    (502 naming any that failed; each keeps the role its engine reports). Every value is
     checked before anything changes."""
     check_admin(gw, request, write=True)
     body = load_json(request.body)
     unknown = sorted(set(body) - ADMIN_FIELDS)
     if unknown or not body:
         raise invalid(
-            f"set 'threshold', 'regime' and/or 'scheduler'; unknown: {unknown}",
+            f"set 'threshold', 'regime', 'scheduler' and/or 'roles'; unknown: {unknown}",
             unknown[0] if unknown else None,
         )
+    if "roles" in body and gw.scheduler is not None:
+        raise APIError(409, "the long-term scheduler converts this gateway's roles; convert "
+                       "by hand only without it (--no-scheduler)", code="scheduler_owns_roles",
+                       param="roles")  # fmt: skip
+    moves = [] if "roles" not in body else _asked_moves(gw, body["roles"])
     threshold, regime = body.get("threshold"), body.get("regime")
     t = None if threshold is None else _threshold(threshold, gw.config.model.context_length)
     if regime is not None and regime not in ("bandwidth_scarce", "bandwidth_abundant"):
@@ -176,7 +188,40 @@ async def set_admin_state(gw: Gateway, request: HttpRequest, exchange: Exchange)
         if regime is not None:
             gw.activity.decision("regime", by_hand, state.regime, regime)
             state.regime = regime
+    if moves:
+        await _convert(gw, moves, by_hand)
     return _json(gw.admin_state())
+
+
+def _asked_moves(gw: Gateway, asked: object) -> list[tuple[str, Role]]:
+    pd = {s.instance_id: s.role for s in gw.instances if s.cluster == "pd"}
+    try:
+        moves = asked_conversions(pd, asked)
+    except ValueError as exc:
+        raise invalid(str(exc), "roles") from None
+    busy = sorted(i for i, _ in moves if gw.instances[i].draining)
+    if busy:
+        raise APIError(409, f"'roles': {', '.join(busy)} already draining (a conversion is "
+                       "under way)", code="conversion_under_way", param="roles")  # fmt: skip
+    return moves
+
+
+async def _convert(gw: Gateway, moves: list[tuple[str, Role]], reason: str) -> None:
+    """Convert PD instances by hand, all at once; each is a `role` decision.
+
+    Raises:
+        APIError: 502 naming the conversions that failed.
+    """
+    converter = RoleConverter(gw.instances, drain_timeout_s=SchedulerConfig.drain_timeout_s)
+    before = {i: gw.instances[i].role for i, _ in moves}
+    results = await asyncio.gather(*(converter.convert(i, role) for i, role in moves))
+    for r in results:
+        gw.activity.decision("role", f"{reason}: {r.instance_id} -> {r.to_role}",
+                             before[r.instance_id], gw.instances[r.instance_id].role)  # fmt: skip
+    failed = [f"{r.instance_id} -> {r.to_role}: {r.error}" for r in results if not r.ok]
+    if failed:
+        raise APIError(502, f"conversion failed: {'; '.join(failed)}",
+                       code="conversion_failed")  # fmt: skip
 
 
 async def dashboard_data(gw: Gateway, request: HttpRequest, exchange: Exchange) -> HttpResponse:

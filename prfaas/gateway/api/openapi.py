@@ -40,7 +40,7 @@ ROUTE_INFO: dict[str, RouteInfo] = {
     "/metrics": ("Prometheus exposition", False, False),
     "/openapi.json": ("This document", False, False),
     "/admin/state": (
-        "Clusters, threshold, regime, egress (POST: set them; operator key)",
+        "Clusters, threshold, regime, egress (POST: set them, or roles by hand; operator key)",
         True,
         False,
     ),

@@ -19,6 +19,7 @@ a newer leader refuses it (`fenced` in the result; `prfaas.engines.role_fence`).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from prfaas.engine_clients.base import EngineError, Role
@@ -88,3 +89,32 @@ class RoleConverter:
         if info.role != "decode" and info.bootstrap_port is not None:
             state.bootstrap_host = info.bootstrap_host or state.bootstrap_host
             state.bootstrap_port = info.bootstrap_port
+
+
+def asked_conversions(pd_roles: Mapping[str, Role], asked: object) -> list[tuple[str, Role]]:
+    """The conversions an operator's `{instance: role}` asks of the PD cluster (whose roles
+    are `pd_roles`), those already in their role left out. The PrfaaS cluster prefills only,
+    and the PD cluster keeps at least one prefill and one decode (as the long-term loop
+    does).
+
+    Raises:
+        ValueError: what is wrong, naming it.
+    """
+    if not isinstance(asked, dict) or not asked:
+        raise ValueError(f"'roles' must be an object of instance -> role, got {asked!r}")
+    moves: list[tuple[str, Role]] = []
+    after = dict(pd_roles)
+    for instance_id, role in asked.items():
+        if instance_id not in pd_roles:
+            raise ValueError(f"'roles': {instance_id!r} is not a PD-cluster instance "
+                             f"(those are {sorted(pd_roles)})")  # fmt: skip
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"'roles': {instance_id}'s role must be prefill|decode, got {role!r}")
+        target: Role = "prefill" if role == "prefill" else "decode"
+        if pd_roles[instance_id] != target:
+            moves.append((instance_id, target))
+        after[instance_id] = target
+    for role in ("prefill", "decode"):
+        if role not in after.values():
+            raise ValueError(f"'roles' would leave the PD cluster no {role} instance")
+    return moves

@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prfaas.engine_clients.base import EngineError
+from prfaas.engine_clients.base import EngineError, Role
 from prfaas.gateway.router import Router
 from prfaas.gateway.scheduling.config import SchedulerConfig
 from prfaas.gateway.scheduling.decisions import Decision
-from prfaas.gateway.scheduling.roles import RoleConverter
+from prfaas.gateway.scheduling.roles import RoleConverter, asked_conversions
 from prfaas.gateway.scheduling.scheduler import Scheduler
 from prfaas.policies.profile import DeploymentProfile, load_profile
 from prfaas.policies.rebalance import RebalanceConfig
@@ -533,3 +533,24 @@ def test_a_follower_measures_the_pd_pool_busy_share_its_requests_are_routed_on(
         return forecast.local_busy_share
 
     assert run_virtual(main()) == pytest.approx(1 - math.exp(-2), abs=0.05)
+
+
+def test_conversions_asked_by_hand_are_checked() -> None:
+    """An operator's `roles`: what changes, in PD instances only, keeping one of each role;
+    anything else is refused naming what is wrong."""
+    pd: dict[str, Role] = {"pd-p0": "prefill", "pd-d0": "decode", "pd-d1": "decode"}
+    assert asked_conversions(pd, {"pd-d1": "prefill", "pd-p0": "prefill"}) == [("pd-d1", "prefill")]
+    assert asked_conversions(pd, {"pd-p0": "decode", "pd-d0": "prefill"}) == [
+        ("pd-p0", "decode"),
+        ("pd-d0", "prefill"),
+    ]
+    for asked, words in (
+        ({"pd-d0": "prefill", "pd-d1": "prefill"}, "no decode"),
+        ({"pd-p0": "decode"}, "no prefill"),
+        ({"prfaas-p0": "decode"}, "not a PD-cluster instance"),
+        ({"pd-d0": "both"}, "must be prefill|decode"),
+        ({}, "must be an object"),
+        (["pd-d0"], "must be an object"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            asked_conversions(pd, asked)

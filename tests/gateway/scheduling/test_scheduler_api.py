@@ -50,6 +50,8 @@ async def test_admin_state_pin_release_and_metrics(
         await asyncio.sleep(0.3)  # several ticks: a pinned t does not move
         later = await (await s.get(f"{url}/admin/state")).json()
         bad = await s.post(f"{url}/admin/state", json={"scheduler": "manual"})
+        by_hand = await s.post(f"{url}/admin/state", json={"roles": {"pd-p0": "decode"}})
+        refused = (by_hand.status, (await by_hand.json())["error"]["code"])
         r = await s.post(f"{url}/admin/state", json={"scheduler": "auto"})
         released = (await r.json())["scheduler"]
         scrape = Scrape.parse(await (await s.get(f"{url}/metrics")).text())
@@ -57,6 +59,7 @@ async def test_admin_state_pin_release_and_metrics(
     assert pinned["recent"][-1]["loop"] == "operator" and pinned["recent"][-1]["kind"] == "pin"
     assert later["threshold"] == 500 and gateway.router.state.threshold == 500
     assert bad.status == 400 and not released["pinned"]
+    assert refused == (409, "scheduler_owns_roles")  # the long-term loop converts here
     assert scrape.value("prfaas_threshold_set_point_tokens") == 500
     assert scrape.value("prfaas_schedule_epoch") == epoch + 1
     assert scrape.value("prfaas_pd_instances", role="decode") == 1
