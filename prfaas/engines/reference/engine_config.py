@@ -43,8 +43,10 @@ class EngineConfig:
     max_prefill_tokens: int = 1024
     """Prompt tokens computed per engine step (rounded down to whole blocks): a long prompt
     is prefilled over several steps, interleaved with decode steps of running requests."""
-    handoff_timeout_s: float = 60.0
-    """How long a decode engine waits for a prefill engine's KV."""
+    handoff_timeout_s: float = 300.0
+    """How long a decode engine waits for a prefill engine's KV (SGLang's decode waits as
+    long by default). The wait includes the prefill's queue, which under overload runs
+    past a minute: a shorter wait lost those requests, each one after its prefill began."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -77,12 +77,13 @@ class SendHandle:
         do not modify them until `wait()` returns. `blocks` is the [start, end) block-index
         range a FULL_KV message covers. Layers arrive at the decode side in the order sent;
         each layer number at most once per room. Once the transfer has failed (see `done`,
-        `wait()`), further sends are dropped silently so a running forward pass is not
-        interrupted.
+        `wait()`) or been aborted (`abort`, from any thread: a request given up while its
+        forward pass runs), further sends are dropped silently so that the forward pass,
+        and every other request computed in it, is not interrupted.
 
         Raises:
             ValueError: bad kind or layer, duplicate layer, unsendable array, or after
-                finish/abort.
+                finish.
         """
         if kind not in LAYER_KINDS:
             raise ValueError(
@@ -96,21 +97,27 @@ class SendHandle:
                 raise ValueError(f"room {self.room}: layer {layer} was already sent")
             msg = self._claim()
             self._layers.add(layer)
-        self._post(_Message(Kind(kind), msg, layer, pieces))
+        if msg is not None:
+            self._post(_Message(Kind(kind), msg, layer, pieces))
 
     def send_aux(self, name: str, payload: bytes) -> None:
-        """Queue named bytes (first token, JSON metadata); ordered with the layers."""
+        """Queue named bytes (first token, JSON metadata); ordered with the layers (dropped
+        once aborted, as `send_layer`)."""
         if not isinstance(payload, bytes | bytearray | memoryview):
             raise ValueError(f"aux payload must be bytes, got {type(payload).__name__}")
         pieces = encode_named({"name": str(name)}, bytes(payload))
         with self._lock:
             msg = self._claim()
-        self._post(_Message(Kind.AUX, msg, NO_LAYER, pieces))
+        if msg is not None:
+            self._post(_Message(Kind.AUX, msg, NO_LAYER, pieces))
 
     def finish(self) -> None:
-        """No more messages; queue END. In non-pipelined mode this releases everything."""
+        """No more messages; queue END. In non-pipelined mode this releases everything.
+        Nothing once aborted."""
         with self._lock:
             msg = self._claim()
+            if msg is None:
+                return
             self._state = "finished"
         self._post(_Message(Kind.END, msg, NO_LAYER, encode_named({"messages": msg + 1})))
 
@@ -122,7 +129,14 @@ class SendHandle:
             self._state = "aborted"
         self._loop.call_soon_threadsafe(self.fail, f"aborted by prefill: {reason}")
 
-    def _claim(self) -> int:
+    def _claim(self) -> int | None:
+        """The next message's number; None once aborted (the message is dropped).
+
+        Raises:
+            ValueError: after `finish`.
+        """
+        if self._state == "aborted":
+            return None
         if self._state != "open":
             raise ValueError(f"room {self.room}: transfer already {self._state}")
         msg = self._next_msg

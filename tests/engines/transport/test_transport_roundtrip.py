@@ -10,7 +10,7 @@ import pytest
 from transport_helpers import assert_same, layer_kind, make_pair, random_arrays
 
 from prfaas.common.ports import free_port
-from prfaas.engines.transport import Kind, KVReceiver, KVSender, SenderConfig
+from prfaas.engines.transport import Kind, KVReceiver, KVSender, SenderConfig, TransferError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -246,6 +246,29 @@ async def test_api_misuse_is_a_clear_error() -> None:
         with pytest.raises(ValueError, match="timeout_s"):
             await pair.receiver.fetch("127.0.0.1", pair.port, 8, timeout_s=0)
         await transfer.complete()
+    finally:
+        await pair.receiver.close()
+        await pair.sender.close()
+
+
+async def test_sends_after_an_abort_are_dropped() -> None:
+    """A request given up while its forward pass runs (the engine aborts its room from the
+    event loop): the pass's later sends, its metadata and its finish are dropped, not
+    raised into the pass (where they failed every request computed in it), and the decode
+    side's fetch fails with the abort's reason."""
+    pair = await make_pair()
+    try:
+        handle = pair.sender.open(5)
+        transfer = await pair.receiver.fetch("127.0.0.1", pair.port, 5, timeout_s=10)
+        handle.send_layer(0, Kind.FULL_KV, {"k": np.zeros(4, np.float32)})
+        handle.abort("request aborted")
+        handle.send_layer(1, Kind.FULL_KV, {"k": np.zeros(4, np.float32)})
+        handle.send_aux("meta", b"{}")
+        handle.finish()
+        with pytest.raises(TransferError, match="aborted by prefill: request aborted"):
+            await asyncio.wait_for(transfer.complete(), 10)
+        with pytest.raises(ValueError, match="layer 1 was already sent"):
+            handle.send_layer(1, Kind.FULL_KV, {})  # misuse is still an error
     finally:
         await pair.receiver.close()
         await pair.sender.close()

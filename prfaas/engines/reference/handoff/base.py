@@ -115,7 +115,9 @@ class _Room:
     delivered: asyncio.Future[None]
     layers: list[ReceivedLayer] = field(default_factory=list)
     aux: dict[str, bytes] = field(default_factory=dict)
+    opened: bool = False
     closed: bool = False
+    aborted: bool = False
 
 
 class InProcessHub:
@@ -144,7 +146,9 @@ class InProcessHub:
 
 
 class InProcessOutbox:
-    """`Outbox` over an `InProcessHub` room; arrays are copied when sent."""
+    """`Outbox` over an `InProcessHub` room; arrays are copied when sent. Once aborted,
+    sends are dropped (a request given up while its forward pass runs), as over the
+    transport."""
 
     def __init__(self, room: _Room) -> None:
         self._room = room
@@ -160,8 +164,8 @@ class InProcessOutbox:
     ) -> None:
         copied = {name: np.array(a, copy=True) for name, a in arrays.items()}
         with self._lock:
-            self._check_open()
-            self._room.layers.append(ReceivedLayer(layer, kind, copied, blocks))
+            if self._check_open():
+                self._room.layers.append(ReceivedLayer(layer, kind, copied, blocks))
 
     def send_copy(
         self, layer: int, kind: str, copy: HostCopy, *, blocks: tuple[int, int] | None = None
@@ -170,27 +174,36 @@ class InProcessOutbox:
 
     def send_meta(self, meta: Mapping[str, Any]) -> None:
         with self._lock:
-            self._check_open()
-            self._room.aux[META] = orjson.dumps(dict(meta))
+            if self._check_open():
+                self._room.aux[META] = orjson.dumps(dict(meta))
 
     def finish(self) -> None:
         with self._lock:
-            self._check_open()
+            if not self._check_open():
+                return
             self._room.closed = True
             result = Received(tuple(self._room.layers), dict(self._room.aux))
         self._room.loop.call_soon_threadsafe(_settle, self._room.ready, result, None)
 
     def abort(self, reason: str) -> None:
         with self._lock:
-            self._room.closed = True
+            self._room.closed = self._room.aborted = True
         self._room.loop.call_soon_threadsafe(_fail, self._room, HandoffError(reason))
 
     async def wait(self) -> None:
         await self._room.delivered
 
-    def _check_open(self) -> None:
+    def _check_open(self) -> bool:
+        """Whether to send: False once aborted.
+
+        Raises:
+            ValueError: after `finish`.
+        """
+        if self._room.aborted:
+            return False
         if self._room.closed:
-            raise ValueError("hand-off already finished or aborted")
+            raise ValueError("hand-off already finished")
+        return True
 
 
 def _settle(fut: asyncio.Future[_T], result: _T, error: BaseException | None) -> None:
@@ -225,8 +238,9 @@ class InProcessSender:
 
     def open(self, room: int) -> InProcessOutbox:
         shared = self._hub.room(self._port, room)
-        if shared.layers or shared.closed:
+        if shared.opened:
             raise ValueError(f"room {room} is already open")
+        shared.opened = True
         return InProcessOutbox(shared)
 
     async def close(self) -> None:

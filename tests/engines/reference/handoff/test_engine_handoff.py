@@ -273,3 +273,29 @@ async def test_bfloat16_kv_travels_as_its_bits(engine_model_cache: Path) -> None
     runner.forward(cache, torch.tensor([prompt[:64]]))  # the first run's first piece
     keys = cache.keys[kv.layer][0].view(torch.uint16).numpy()  # (h, T, d)
     assert np.array_equal(kv.arrays["k"][..., :64, :], keys)
+
+
+async def test_an_aborted_in_process_hand_off_drops_later_sends() -> None:
+    """A request given up while its forward pass runs: the pass's later sends and its
+    finish are dropped (raised into the pass they failed every request computed in it),
+    and the decode side's fetch fails with the reason. Misuse after a finish still raises, and
+    an open room refuses a second sender even before its first layer."""
+    hub = InProcessHub()
+    sender = InProcessSender(hub)
+    await sender.start()
+    outbox = sender.open(7)
+    outbox.send_layer(0, FULL_KV, {"k": np.zeros(4, np.float32)})
+    outbox.abort("request aborted")
+    outbox.send_layer(1, FULL_KV, {"k": np.zeros(4, np.float32)})
+    outbox.send_meta({"first_token": 1})
+    outbox.finish()
+    with pytest.raises(HandoffError, match="request aborted"):
+        await InProcessReceiver(hub).fetch("h", sender.bootstrap_port, 7, timeout_s=5)
+    finished = InProcessSender(hub)
+    await finished.start()
+    done = finished.open(8)
+    done.finish()
+    with pytest.raises(ValueError, match="already finished"):
+        done.send_meta({})  # misuse is still an error
+    with pytest.raises(ValueError, match="room 8 is already open"):
+        finished.open(8)
