@@ -234,7 +234,9 @@ class Controller:
                 await self._post(f"{self._d.url}/admin/state", body, self._d.admin_auth)
 
     async def _post(self, url: str, body: dict[str, Any], headers: dict[str, str]) -> None:
-        async with self._http.post(url, json=body, headers=headers) as resp:
+        """POST, waiting as long as a conversion's drain may take."""
+        wait = aiohttp.ClientTimeout(total=SchedulerConfig.drain_timeout_s + 60)
+        async with self._http.post(url, json=body, headers=headers, timeout=wait) as resp:
             if resp.status != 200:
                 raise RuntimeError(f"POST {url} {body}: HTTP {resp.status} {await resp.text()}")
 

@@ -69,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-scheduler",
         action="store_true",
-        help="no dual-timescale scheduling (t moves only by POST /admin/state)",
+        help="no dual-timescale scheduling (t, regime and PD roles move only by POST /admin/state)",
     )
     parser.add_argument(
         "--scheduler-period",
@@ -145,6 +145,9 @@ def _configured(args: argparse.Namespace) -> Coroutine[Any, Any, int]:
     if args.profile_out is not None:
         raise ValueError("--profile-out: only the embedded default (no --config) measures a "
                          "profile at start-up")  # fmt: skip
+    if args.pd_decodes != 1:
+        raise ValueError("--pd-decodes: only the embedded default (no --config) starts its "
+                         "engines; a deployment file lists its own")  # fmt: skip
     config = load_deployment(args.config)
     gateway = dataclasses.replace(config.gateway, **_overrides(args))  # type: ignore[arg-type]
     config = dataclasses.replace(config, gateway=gateway, scheduler=_scheduler(args, config))

@@ -303,7 +303,7 @@ async def serve_embedded(options: EmbeddedOptions, host: str, port: int) -> int:
 
 def _scheduler_line(scheduler: SchedulerConfig | None) -> str:
     if scheduler is None:
-        return "  scheduler  off (t moves only by POST /admin/state)"
+        return "  scheduler  off (t and PD roles move only by POST /admin/state)"
     return (
         f"  scheduler  dual-timescale on the measured profile: tick {scheduler.tick_s:g} s, "
         f"period {scheduler.period_s:g} s (GET /admin/state shows its decisions)"

@@ -43,10 +43,15 @@ class EngineConfig:
     max_prefill_tokens: int = 1024
     """Prompt tokens computed per engine step (rounded down to whole blocks): a long prompt
     is prefilled over several steps, interleaved with decode steps of running requests."""
-    handoff_timeout_s: float = 300.0
-    """How long a decode engine waits for a prefill engine's KV (SGLang's decode waits as
-    long by default). The wait includes the prefill's queue, which under overload runs
-    past a minute: a shorter wait lost those requests, each one after its prefill began."""
+    handoff_timeout_s: float = 240.0
+    """How long a decode engine waits for a prefill engine's KV. The wait includes the
+    prefill's queue, which under overload runs past a minute (a wait of 60 s lost those
+    requests, each one after its prefill began); it stays under the gateway's read timeout
+    of an engine (300 s), so a client gets the engine's own error, and a role switch's drain
+    (`switch_role`, 600 s) outlasts it."""
+    pull_timeout_s: float = 60.0
+    """How long a prefix pull (`prefix_pull`) may take before the request computes the
+    prefix itself: a pull is best effort, and the request waits for it."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -69,6 +74,8 @@ class EngineConfig:
             raise ValueError(f"num_state_slots must be >= 0, got {self.num_state_slots}")
         if not self.handoff_timeout_s > 0:
             raise ValueError(f"handoff_timeout_s must be > 0, got {self.handoff_timeout_s}")
+        if not self.pull_timeout_s > 0:
+            raise ValueError(f"pull_timeout_s must be > 0, got {self.pull_timeout_s}")
 
     @property
     def num_blocks(self) -> int:

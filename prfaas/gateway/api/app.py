@@ -144,9 +144,13 @@ async def set_admin_state(gw: Gateway, request: HttpRequest, exchange: Exchange)
     """Move the threshold or regime by hand. With schedulers running, that pins them (the
     loops stop moving them) until `{"scheduler": "auto"}` hands them back. Without
     schedulers, `roles` (`{instance: "prefill" | "decode"}`) converts PD instances as the
-    long-term loop would (drain, then the engine's role API), answering once they are done
-    (502 naming any that failed; each keeps the role its engine reports). Every value is
-    checked before anything changes."""
+    long-term loop would (drain, then the engine's role API), answering once they are done:
+    a 502 names any that failed (each keeps the role its engine reports; a threshold or
+    regime in the same body is set first and stays). One conversion by hand at a time (409
+    while an instance drains), and none on replicas (each would check the roles alone). A
+    client that leaves mid-drain ends the gateway's wait, not the engine's switch: the
+    gateway takes the engine's role at its next health probe. Every value is checked
+    before anything changes."""
     check_admin(gw, request, write=True)
     body = load_json(request.body)
     unknown = sorted(set(body) - ADMIN_FIELDS)
@@ -159,6 +163,9 @@ async def set_admin_state(gw: Gateway, request: HttpRequest, exchange: Exchange)
         raise APIError(409, "the long-term scheduler converts this gateway's roles; convert "
                        "by hand only without it (--no-scheduler)", code="scheduler_owns_roles",
                        param="roles")  # fmt: skip
+    if "roles" in body and gw.config.coordination is not None:
+        raise APIError(409, "gateway replicas convert roles through the leader's scheduler "
+                       "only", code="scheduler_owns_roles", param="roles")  # fmt: skip
     moves = [] if "roles" not in body else _asked_moves(gw, body["roles"])
     threshold, regime = body.get("threshold"), body.get("regime")
     t = None if threshold is None else _threshold(threshold, gw.config.model.context_length)
@@ -194,16 +201,17 @@ async def set_admin_state(gw: Gateway, request: HttpRequest, exchange: Exchange)
 
 
 def _asked_moves(gw: Gateway, asked: object) -> list[tuple[str, Role]]:
-    pd = {s.instance_id: s.role for s in gw.instances if s.cluster == "pd"}
+    pd = [s for s in gw.instances if s.cluster == "pd"]
+    busy = sorted(s.instance_id for s in pd if s.draining)
+    if busy:
+        raise APIError(409, f"'roles': {', '.join(busy)} draining (a conversion is under "
+                       "way); ask again once it ends", code="conversion_under_way",
+                       param="roles")  # fmt: skip
+    roles = {s.instance_id: s.role for s in pd}
     try:
-        moves = asked_conversions(pd, asked)
+        return asked_conversions(roles, asked, {s.instance_id for s in pd if s.healthy})
     except ValueError as exc:
         raise invalid(str(exc), "roles") from None
-    busy = sorted(i for i, _ in moves if gw.instances[i].draining)
-    if busy:
-        raise APIError(409, f"'roles': {', '.join(busy)} already draining (a conversion is "
-                       "under way)", code="conversion_under_way", param="roles")  # fmt: skip
-    return moves
 
 
 async def _convert(gw: Gateway, moves: list[tuple[str, Role]], reason: str) -> None:
@@ -214,9 +222,12 @@ async def _convert(gw: Gateway, moves: list[tuple[str, Role]], reason: str) -> N
     """
     converter = RoleConverter(gw.instances, drain_timeout_s=SchedulerConfig.drain_timeout_s)
     before = {i: gw.instances[i].role for i, _ in moves}
+    for instance_id, _ in moves:  # draining now, before another request's check can run
+        gw.instances[instance_id].draining = True
     results = await asyncio.gather(*(converter.convert(i, role) for i, role in moves))
     for r in results:
-        gw.activity.decision("role", f"{reason}: {r.instance_id} -> {r.to_role}",
+        outcome = "" if r.ok else f" failed ({r.error})"
+        gw.activity.decision("role", f"{reason}: {r.instance_id} -> {r.to_role}{outcome}",
                              before[r.instance_id], gw.instances[r.instance_id].role)  # fmt: skip
     failed = [f"{r.instance_id} -> {r.to_role}: {r.error}" for r in results if not r.ok]
     if failed:

@@ -19,7 +19,7 @@ a newer leader refuses it (`fenced` in the result; `prfaas.engines.role_fence`).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from prfaas.engine_clients.base import EngineError, Role
@@ -91,11 +91,13 @@ class RoleConverter:
             state.bootstrap_port = info.bootstrap_port
 
 
-def asked_conversions(pd_roles: Mapping[str, Role], asked: object) -> list[tuple[str, Role]]:
+def asked_conversions(
+    pd_roles: Mapping[str, Role], asked: object, healthy: Collection[str]
+) -> list[tuple[str, Role]]:
     """The conversions an operator's `{instance: role}` asks of the PD cluster (whose roles
     are `pd_roles`), those already in their role left out. The PrfaaS cluster prefills only,
-    and the PD cluster keeps at least one prefill and one decode (as the long-term loop
-    does).
+    and the PD cluster keeps at least one `healthy` prefill and one `healthy` decode (as the
+    long-term loop does).
 
     Raises:
         ValueError: what is wrong, naming it.
@@ -114,7 +116,8 @@ def asked_conversions(pd_roles: Mapping[str, Role], asked: object) -> list[tuple
         if pd_roles[instance_id] != target:
             moves.append((instance_id, target))
         after[instance_id] = target
+    kept = {r for i, r in after.items() if i in healthy}
     for role in ("prefill", "decode"):
-        if role not in after.values():
-            raise ValueError(f"'roles' would leave the PD cluster no {role} instance")
+        if role not in kept:
+            raise ValueError(f"'roles' would leave the PD cluster no healthy {role} instance")
     return moves

@@ -536,21 +536,27 @@ def test_a_follower_measures_the_pd_pool_busy_share_its_requests_are_routed_on(
 
 
 def test_conversions_asked_by_hand_are_checked() -> None:
-    """An operator's `roles`: what changes, in PD instances only, keeping one of each role;
-    anything else is refused naming what is wrong."""
+    """An operator's `roles`: what changes, in PD instances only, keeping one healthy
+    instance of each role; anything else is refused naming what is wrong."""
     pd: dict[str, Role] = {"pd-p0": "prefill", "pd-d0": "decode", "pd-d1": "decode"}
-    assert asked_conversions(pd, {"pd-d1": "prefill", "pd-p0": "prefill"}) == [("pd-d1", "prefill")]
-    assert asked_conversions(pd, {"pd-p0": "decode", "pd-d0": "prefill"}) == [
+    healthy = set(pd)
+    assert asked_conversions(pd, {"pd-d1": "prefill", "pd-p0": "prefill"}, healthy) == [
+        ("pd-d1", "prefill")
+    ]
+    assert asked_conversions(pd, {"pd-p0": "decode", "pd-d0": "prefill"}, healthy) == [
         ("pd-p0", "decode"),
         ("pd-d0", "prefill"),
     ]
     for asked, words in (
-        ({"pd-d0": "prefill", "pd-d1": "prefill"}, "no decode"),
-        ({"pd-p0": "decode"}, "no prefill"),
+        ({"pd-d0": "prefill", "pd-d1": "prefill"}, "no healthy decode"),
+        ({"pd-p0": "decode"}, "no healthy prefill"),
         ({"prfaas-p0": "decode"}, "not a PD-cluster instance"),
         ({"pd-d0": "both"}, "must be prefill|decode"),
         ({}, "must be an object"),
         (["pd-d0"], "must be an object"),
     ):
         with pytest.raises(ValueError, match=words):
-            asked_conversions(pd, asked)
+            asked_conversions(pd, asked, healthy)
+    # the only healthy decode may not go, even with another (ejected) decode listed
+    with pytest.raises(ValueError, match="no healthy decode"):
+        asked_conversions(pd, {"pd-d0": "prefill"}, {"pd-p0", "pd-d0"})

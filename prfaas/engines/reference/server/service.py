@@ -229,7 +229,7 @@ class EngineService:
         core = self.core
         try:
             received = await self.receiver.fetch(
-                source.host, source.port, source.room, timeout_s=core.config.handoff_timeout_s
+                source.host, source.port, source.room, timeout_s=core.config.pull_timeout_s
             )
             shape, bs = core.runner.shape, core.pool.config.block_size
             state = prefix_from_received(received, shape.layer_types, bs, core.copier)
@@ -270,10 +270,11 @@ class EngineService:
         self.core.request_flush()
         self._poke()
 
-    async def switch_role(self, role: str, timeout_s: float = 300.0, *, epoch: int = 0) -> float:
+    async def switch_role(self, role: str, timeout_s: float = 600.0, *, epoch: int = 0) -> float:
         """Drain running work, then switch role; returns the switch time in seconds. `epoch`:
         the converting leader's (`RoleFence`), checked before the drain and again before the
-        switch.
+        switch. The drain waits for decodes still waiting for their KV too, so `timeout_s`
+        (the gateway's default `drain_timeout_s`) outlasts `handoff_timeout_s`.
 
         Raises:
             InvalidRequest: unknown role. TimeoutError: work did not drain in time.
