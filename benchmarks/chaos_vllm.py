@@ -20,6 +20,7 @@ import aiohttp
 from prfaas.common.ports import free_port
 from prfaas.engines.vllm.launch import VLLMProcess, VLLMServer, start_servers
 from prfaas.testing.launch_tables import vllm_launch
+from prfaas.testing.tiny_checkpoint import TINY_BLOCK_SIZE
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = Path(os.environ.get("PRFAAS_VLLM_PYTHON", ROOT / ".venv-vllm/bin/python"))
@@ -49,7 +50,7 @@ def deployment(model_name: str, threshold: float, python: Path, model: Path) -> 
 name = "{model_name}"
 tokenizer = "{model}"
 context_length = 4096
-block_size = 384
+block_size = {TINY_BLOCK_SIZE}
 vocab_size = 384
 
 [gateway]
@@ -71,7 +72,7 @@ def start_aggregated(model_name: str, python: Path, model: Path) -> VLLMProcess:
     """One vLLM server of the same checkpoint without a connector (blocking until it answers
     `/health`): P/D greedy output equals an aggregated server's
     (tests/engines/vllm/test_vllm_short_prompts.py)."""
-    server = VLLMServer(python, model, free_port(), model_name)
+    server = VLLMServer(python, model, free_port(), model_name, block_size=TINY_BLOCK_SIZE)
     log_dir = Path(tempfile.mkdtemp(prefix="prfaas-chaos-aggregated-"))
     return start_servers({"aggregated": server}, log_dir, timeout_s=900)["aggregated"]
 

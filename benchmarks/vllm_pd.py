@@ -42,6 +42,7 @@ from rich.table import Table
 
 from prfaas.common.ports import free_port
 from prfaas.engines.vllm.launch import VLLMProcess, VLLMServer, start_servers
+from prfaas.testing.tiny_checkpoint import TINY_BLOCK_SIZE
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = ROOT / ".venv-vllm/bin/python"
@@ -64,7 +65,7 @@ def _server(
     if trace is not None:
         extra["trace_path"] = str(trace)
     return VLLMServer(PYTHON, model, free_port(), "tiny", connector=extra, threads=1,
-                      max_batched_tokens=chunk)  # fmt: skip
+                      block_size=TINY_BLOCK_SIZE, max_batched_tokens=chunk)  # fmt: skip
 
 
 def _post(url: str, body: dict[str, Any]) -> float:

@@ -39,11 +39,12 @@ from rich.table import Table
 
 from prfaas.common.ports import free_port
 from prfaas.engines.vllm.launch import VLLMProcess, VLLMServer, start_servers
+from prfaas.testing.tiny_checkpoint import TINY_BLOCK_SIZE
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = Path(os.environ.get("PRFAAS_VLLM_PYTHON", ROOT / ".venv-vllm/bin/python"))
 MODEL = Path(os.environ.get("PRFAAS_VLLM_MODEL", ROOT / ".cache/tiny-qwen3-next"))
-BLOCK = 384  # vLLM's block for the tiny model: where it keeps the linear states
+BLOCK = TINY_BLOCK_SIZE  # the tiny model's page in vLLM: where it keeps the linear states
 
 
 def servers(args: argparse.Namespace, root: Path) -> dict[str, VLLMServer]:
@@ -62,6 +63,7 @@ def servers(args: argparse.Namespace, root: Path) -> dict[str, VLLMServer]:
             MODEL,
             free_port(),
             "tiny",
+            block_size=BLOCK,
             connector=connector,
             max_model_len=longest,
             kv_cache_bytes=1024 * 2**20,

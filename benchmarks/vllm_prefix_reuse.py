@@ -33,10 +33,11 @@ from prfaas.common.ports import free_port
 from prfaas.engines.vllm.launch import VLLMServer, start_servers
 from prfaas.gateway.kv_feed import KVEventFeed
 from prfaas.gateway.kv_index import KVIndexManager
+from prfaas.testing.tiny_checkpoint import TINY_BLOCK_SIZE
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / ".cache/tiny-qwen3-next"
-BLOCK = 384  # vLLM's block size for this checkpoint (the deployment's model.block_size)
+BLOCK = TINY_BLOCK_SIZE  # the page vLLM serves this checkpoint with (the deployment's block_size)
 FOLLOWERS = (20, 500, 500, 1000)  # tokens each follower adds to the prefix
 Row = dict[str, int]
 
@@ -84,7 +85,7 @@ def main() -> int:
     logs = Path(tempfile.mkdtemp(prefix="vllm-reuse-"))
     events = f"ipc://{logs}/events"
     server = VLLMServer(ROOT / ".venv-vllm/bin/python", MODEL, free_port(), "tiny",
-                        kv_events=events)  # fmt: skip
+                        block_size=BLOCK, kv_events=events)  # fmt: skip
     servers = start_servers({"vllm": server}, logs)
     try:
         rows = asyncio.run(measure(servers["vllm"].url, events, args.prefixes, args.tokens))

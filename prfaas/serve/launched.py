@@ -65,7 +65,7 @@ def _start(
     """The start of one `[[launch]]` engine, by its engine kind."""
     env = {ENV_SECRET: secret.hex()}
     if launch.engine == "vllm":
-        return start_vllm(launch, config.model.name, log_dir, env=env)
+        return start_vllm(launch, config.model, log_dir, env=env)
     return start_engine(_spec(launch, config.model.block_size), log_dir, env=env)
 
 
@@ -100,7 +100,7 @@ async def serve_launched(
         engines = await start_launched(config, log_dir, secret)
     env = {ENV_SECRET: secret.hex()}
     restarts = {
-        la.id: VLLMRestarts(la, config.model.name, log_dir, env)
+        la.id: VLLMRestarts(la, config.model, log_dir, env)
         for la in config.launch
         if la.engine == "vllm"
     }

@@ -20,7 +20,7 @@ from prfaas.common.ports import free_port
 from prfaas.engines.vllm.launch import VLLMServer
 from prfaas.engines.vllm.role import ENV_ROLE
 from prfaas.engines.vllm.standby import GO
-from prfaas.gateway.deployment import LaunchConfig
+from prfaas.gateway.deployment import LaunchConfig, ModelConfig
 from prfaas.serve.processes import (
     EngineProcess,
     EngineSpec,
@@ -35,15 +35,17 @@ logger = logging.getLogger(__name__)
 
 def vllm_server(
     launch: LaunchConfig,
-    served_name: str,
+    served: ModelConfig,
     bootstrap_port: int,
     events: str,
     replay: str | None = None,
     port: int = 0,
     env: Mapping[str, str] | None = None,
 ) -> VLLMServer:
-    """The server a `[[launch]]` entry describes (prefill roles pace their egress as set;
-    `events`, `replay`: where its KV events and their replay are served, see
+    """The server a `[[launch]]` entry describes, serving the deployment's model `served`
+    under its name and paging in its block size (the KV index's: vLLM's own choice for a
+    hybrid model depends on its version and the Mamba state's dtype); prefill roles pace
+    their egress as set; `events`, `replay`: where its KV events and their replay are served, see
     `VLLMServer.kv_events`; `port`: its HTTP port, 0 for any free one; `env`: added to its
     environment).
 
@@ -63,7 +65,8 @@ def vllm_server(
         python=Path(launch.python),
         model=Path(launch.model),
         port=port or free_port(),
-        served_name=served_name,
+        served_name=served.name,
+        block_size=served.block_size,
         connector=connector,
         kv_events=events,
         kv_events_replay=replay,
@@ -75,13 +78,14 @@ def vllm_server(
 
 async def start_vllm(
     launch: LaunchConfig,
-    served_name: str,
+    served: ModelConfig,
     log_dir: Path,
     ports: EngineSpec | None = None,
     log_name: str | None = None,
     env: Mapping[str, str] | None = None,
 ) -> EngineProcess:
-    """Start one vLLM server and wait until it answers `/health`. `ports`: the HTTP,
+    """Start one vLLM server of `served` (see `vllm_server`) and wait until it answers
+    `/health`. `ports`: the HTTP,
     bootstrap, KV-event and replay ports to use (a restart's; 0 or None: a free one);
     output goes to `log_dir/<log_name or id>.log`; `env` adds to its environment (the
     deployment secret: never on its command line).
@@ -89,7 +93,7 @@ async def start_vllm(
     Raises:
         RuntimeError: it exited or was not ready within START_TIMEOUT_S (names its log).
     """
-    server, bootstrap = _server(launch, served_name, log_dir, ports, env)
+    server, bootstrap = _server(launch, served, log_dir, ports, env)
     log = log_dir / f"{log_name or launch.id}.log"
     process = await _spawn(server, log, standby=False)
     return await _ready(launch, server, bootstrap, process, log)
@@ -97,7 +101,7 @@ async def start_vllm(
 
 def _server(
     launch: LaunchConfig,
-    served_name: str,
+    served: ModelConfig,
     log_dir: Path,
     ports: EngineSpec | None,
     env: Mapping[str, str] | None,
@@ -106,7 +110,7 @@ def _server(
     ports = ports or EngineSpec(launch.id, launch.role, launch.model)
     bootstrap = ports.bootstrap_port or free_port()
     events, replay = ipc_events(str(log_dir), launch.id)  # log_dir is private (mkdtemp)
-    server = vllm_server(launch, served_name, bootstrap, events, replay, ports.port, env)
+    server = vllm_server(launch, served, bootstrap, events, replay, ports.port, env)
     return server, bootstrap
 
 
@@ -203,10 +207,10 @@ class VLLMRestarts:
     the engine's first start."""
 
     def __init__(
-        self, launch: LaunchConfig, served_name: str, log_dir: Path, env: Mapping[str, str]
+        self, launch: LaunchConfig, served: ModelConfig, log_dir: Path, env: Mapping[str, str]
     ) -> None:
         self.launch = launch
-        self._served_name = served_name
+        self._served = served
         self._log_dir = log_dir
         self._env = dict(env)
         self._standby: Standby | None = None
@@ -227,7 +231,7 @@ class VLLMRestarts:
         log = self._log_dir / f"{self.launch.id}.standby.{self._spawned}.log"
         try:
             server, bootstrap = _server(
-                self.launch, self._served_name, self._log_dir, engine.spec, self._env
+                self.launch, self._served, self._log_dir, engine.spec, self._env
             )
             process = await _spawn(server, log, standby=True)
         except (OSError, RuntimeError) as exc:  # the next start is a cold one
@@ -250,7 +254,7 @@ class VLLMRestarts:
             await standby.stop()
         if engine is None:
             engine = await start_vllm(
-                self.launch, self._served_name, self._log_dir, ports, log_name, self._env
+                self.launch, self._served, self._log_dir, ports, log_name, self._env
             )
         try:
             await self.prepare(engine)

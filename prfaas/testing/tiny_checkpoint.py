@@ -1,9 +1,10 @@
 """Tiny random-weight checkpoints built locally (no hub): a byte-level tokenizer and a hybrid
-`Qwen3NextForCausalLM` (3:1 linear:full attention) that vLLM's CPU build serves.
+`Qwen3NextForCausalLM` (3:1 linear:full attention) that vLLM's CPU build serves, or its
+dense twin (`--dense`).
 
 Run it with a Python that has torch and transformers (the vLLM environment)::
 
-    python -m prfaas.testing.tiny_checkpoint OUT_DIR [--layers N]
+    python -m prfaas.testing.tiny_checkpoint OUT_DIR [--layers N] [--dense]
 
 Writing is atomic (a temporary directory renamed into place), so a finished `OUT_DIR` is a
 complete checkpoint and a cache check is `OUT_DIR/config.json` existing.
@@ -41,6 +42,13 @@ CHATML = (
 in a system turn, an assistant's calls as `<tool_call>` JSON, tool results as user turns."""
 SPECIALS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
 
+TINY_BLOCK_SIZE = 384
+"""The page size (tokens) vLLM serves the tiny hybrid checkpoint with in tests, examples and
+benchmarks (`--block-size`, `[model] block_size`). Left to itself vLLM picks the smallest
+page that holds a Mamba state: 256 tokens where it keeps the gated-delta-net state in
+bfloat16 (vLLM 0.32 here), 384 where in float32; fixed, the KV index and the tests hold
+whichever it is."""
+
 # The hybrid shape the issue measured on vLLM's CPU build: 8 layers, every 4th full
 # attention, 4 experts; the CPU gated-delta-net kernel needs linear head dims of 128.
 QWEN3_NEXT = {
@@ -77,6 +85,15 @@ QWEN3_NEXT = {
 }
 
 
+DENSE_FIELDS = frozenset({
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+    "rope_theta", "initializer_range", "tie_word_embeddings", "bos_token_id", "eos_token_id",
+    "pad_token_id",
+})  # fmt: skip
+"""The fields of `QWEN3_NEXT` its dense twin (`Qwen3Config`) keeps."""
+
+
 def write_byte_level_tokenizer(root: Path, template: str = CHATML) -> Path:
     """Write `tokenizer.json` + `tokenizer_config.json` into `root`: ids 0-255 are the byte
     symbols, 256-258 the ChatML specials (so they fit a 260-id model)."""
@@ -97,12 +114,13 @@ def write_byte_level_tokenizer(root: Path, template: str = CHATML) -> Path:
     return root
 
 
-def build_qwen3_next(out: Path, seed: int = 0, layers: int = 8) -> Path:
+def build_qwen3_next(out: Path, seed: int = 0, layers: int = 8, dense: bool = False) -> Path:
     """Write a tiny random Qwen3-Next checkpoint (bf16 safetensors + tokenizer) of `layers`
-    layers (every 4th full attention) to `out`, unless one is already there. Needs torch and
-    transformers."""
+    layers (every 4th full attention) to `out`, unless one is already there; `dense`: its
+    all-full-attention twin instead (a `Qwen3ForCausalLM` of the same widths, dense MLPs),
+    whose prefix cache hits at every block. Needs torch and transformers."""
     import torch
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+    import transformers
 
     if (out / "config.json").exists():
         return out
@@ -114,7 +132,12 @@ def build_qwen3_next(out: Path, seed: int = 0, layers: int = 8) -> Path:
             k: v for k, v in QWEN3_NEXT.items() if k not in ("architectures", "model_type")
         }
         fields["num_hidden_layers"] = layers
-        model: Any = Qwen3NextForCausalLM(Qwen3NextConfig(**fields))
+        if dense:
+            fields = {k: v for k, v in fields.items() if k in DENSE_FIELDS}
+            config = transformers.Qwen3Config(**fields)
+            model: Any = transformers.Qwen3ForCausalLM(config)
+        else:
+            model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**fields))
         model = model.to(torch.bfloat16)
         model.save_pretrained(tmp, safe_serialization=True)
         write_byte_level_tokenizer(tmp)
@@ -133,8 +156,9 @@ def main() -> None:
         default=QWEN3_NEXT["num_hidden_layers"],
         help="model layers, every 4th full attention (default %(default)s)",
     )
+    parser.add_argument("--dense", action="store_true", help="all layers full attention")
     args = parser.parse_args()
-    build_qwen3_next(args.out, layers=args.layers)
+    build_qwen3_next(args.out, layers=args.layers, dense=args.dense)
 
 
 if __name__ == "__main__":

@@ -207,6 +207,17 @@ def test_launch_vllm_standby_is_for_vllm_engines(tmp_path: Path) -> None:
         load_deployment(_write(tmp_path, reference))
 
 
+def test_launch_vllm_pages_in_the_models_block_size(tmp_path: Path) -> None:
+    """A launched vLLM engine pages in `[model] block_size` (the KV index's), so a
+    `--block-size` of its own among `vllm_args` is refused, named, in either spelling."""
+    text = '[[launch]]\nid = "v"\ncluster = "pd"\nrole = "decode"\nengine = "vllm"\n'
+    for flag in ('["--block-size", "16"]', '["--block-size=16"]'):
+        with pytest.raises(ConfigError, match=r"launch\[0\]\.vllm_args: must not set --block-size"):
+            load_deployment(_write(tmp_path, text + f"vllm_args = {flag}\n"))
+    sized = text + 'vllm_args = ["--max-num-seqs", "4"]\n'
+    assert load_deployment(_write(tmp_path, sized)).launch[0].vllm_args[0] == "--max-num-seqs"
+
+
 def test_launch_transport_tls(tmp_path: Path) -> None:
     """`transport_tls_*` fields of launched reference engines: paths relative to the file
     become absolute `prfaas engine` flags, which parse back into the engine's `TlsConfig`;

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import numpy as np
+import pytest
 
 from prfaas.common.hashing import hash_blocks, iter_block_hashes
 from prfaas.gateway.kv_index import KVIndexManager
@@ -103,6 +104,20 @@ def test_rejects_mismatched_block_size_and_unknown_parent() -> None:
     index.apply("a", [BlockStored((1,), None, (1, 2, 3, 4, 5, 6, 7, 8), 8)])
     index.apply("a", [_stored([1, 2, 3, 4], [5], parent=404)])
     assert index.rejected_events == 2 and len(index) == 0
+
+
+def test_a_block_size_mismatch_is_logged_once_per_instance_and_size(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An engine paging in another block size sends it in every event: the error (naming
+    both sizes and the fix) is logged once per instance and size, every event counted."""
+    index = KVIndexManager(block_size=BS)
+    for instance in ("a", "a", "b"):
+        index.apply(instance, [BlockStored((1,), None, (1, 2, 3, 4, 5, 6, 7, 8), 8)])
+    len(index)  # applies what is buffered
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert index.rejected_events == 3 and len(errors) == 2, errors
+    assert "block_size 8" in errors[0] and f"block size {BS}" in errors[0]
 
 
 def test_memory_bound_forgets_least_recently_used() -> None:

@@ -21,13 +21,15 @@ import pytest
 from vllm_helpers import MODEL, VLLM_PYTHON, require_vllm
 
 from prfaas.common.ports import free_port
-from prfaas.gateway.deployment import LaunchConfig
+from prfaas.gateway.deployment import LaunchConfig, ModelConfig
 from prfaas.serve.processes import EngineProcess, EngineSpec
 from prfaas.serve.vllm_engines import VLLMRestarts, start_vllm
+from prfaas.testing.tiny_checkpoint import TINY_BLOCK_SIZE
 
 pytestmark = pytest.mark.timeout(900)
 
 SERVED = "tiny"
+MODEL_CONFIG = ModelConfig(SERVED, block_size=TINY_BLOCK_SIZE)
 
 
 def _launch(**kw: object) -> LaunchConfig:
@@ -67,14 +69,14 @@ async def running() -> AsyncIterator[Running]:
 async def test_standbys_off_or_unspawnable(tmp_path: Path, running: Running,
                                            caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
     off = _launch(vllm_standby=False)
-    first = await start_vllm(off, SERVED, tmp_path)
+    first = await start_vllm(off, MODEL_CONFIG, tmp_path)
     running.append(first)
-    restarts = VLLMRestarts(off, SERVED, tmp_path, {})
+    restarts = VLLMRestarts(off, MODEL_CONFIG, tmp_path, {})
     running.append(restarts)
     await restarts.prepare(first)
     assert restarts.standby is None
 
-    broken = VLLMRestarts(_launch(python=str(tmp_path / "no-vllm/bin/python")), SERVED,
+    broken = VLLMRestarts(_launch(python=str(tmp_path / "no-vllm/bin/python")), MODEL_CONFIG,
                           tmp_path, {})  # fmt: skip
     running.append(broken)
     await broken.prepare(first)  # logged, never raised
@@ -94,9 +96,9 @@ async def test_failed_and_mismatched_standbys_fall_back(
     tmp_path: Path, running: Running, caplog: pytest.LogCaptureFixture
 ) -> None:
     launch = _launch()
-    restarts = VLLMRestarts(launch, SERVED, tmp_path, {})
+    restarts = VLLMRestarts(launch, MODEL_CONFIG, tmp_path, {})
     running.append(restarts)
-    first = await start_vllm(launch, SERVED, tmp_path)
+    first = await start_vllm(launch, MODEL_CONFIG, tmp_path)
     running.append(first)
     await restarts.prepare(first)
     doomed = restarts.standby

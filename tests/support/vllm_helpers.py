@@ -16,10 +16,13 @@ import pytest
 
 from prfaas.common.ports import free_port
 from prfaas.engines.vllm.launch import VLLMProcess, VLLMServer, start_servers
+from prfaas.testing.tiny_checkpoint import TINY_BLOCK_SIZE
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(os.environ.get("PRFAAS_VLLM_PYTHON", ROOT / ".venv-vllm/bin/python"))
 MODEL = Path(os.environ.get("PRFAAS_VLLM_MODEL", ROOT / ".cache/tiny-qwen3-next"))
+DENSE_MODEL = MODEL.with_name("tiny-qwen3-dense")
+"""The dense twin of `MODEL` (`dense_model`)."""
 
 
 def require_vllm() -> None:
@@ -35,11 +38,24 @@ def require_vllm() -> None:
         )
 
 
+def dense_model() -> Path:
+    """The tiny checkpoint's dense twin (all layers full attention), built if missing."""
+    if not (DENSE_MODEL / "config.json").exists():
+        subprocess.run(
+            [str(VLLM_PYTHON), "-m", "prfaas.testing.tiny_checkpoint", str(DENSE_MODEL),
+             "--dense"],
+            check=True,
+            cwd=ROOT,
+        )  # fmt: skip
+    return DENSE_MODEL
+
+
 def server(_name: str, connector: Mapping[str, Any] | None = None, **kw: Any) -> VLLMServer:
-    """A server of the tiny model (served as "tiny") on fresh ports (and a fresh bootstrap
-    port when it runs the connector)."""
+    """A server of the tiny model (served as "tiny", paged in `TINY_BLOCK_SIZE`-token blocks)
+    on fresh ports (and a fresh bootstrap port when it runs the connector)."""
     if connector is not None:
         connector = {"bootstrap_port": free_port(), **connector}
+    kw.setdefault("block_size", TINY_BLOCK_SIZE)
     return VLLMServer(VLLM_PYTHON, MODEL, free_port(), "tiny", connector=connector, **kw)
 
 
@@ -56,15 +72,32 @@ def stop_all(running: Mapping[str, VLLMProcess]) -> None:
         proc.stop()
 
 
-def gauge(url: str, name: str) -> float:
-    """One of vLLM's Prometheus gauges (summed over label sets)."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
+def gauge(url: str, name: str, headers: Mapping[str, str] | None = None) -> float:
+    """One of vLLM's Prometheus gauges or counters (summed over label sets); `headers`: the
+    control token, for a server `prfaas serve` launched."""
+    request = urllib.request.Request(f"{url}/metrics", headers=dict(headers or {}))
+    with urllib.request.urlopen(request, timeout=30) as r:
         text = r.read().decode()
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
         if line.startswith(name + "{") or line.startswith(name + " ")
     )
+
+
+def serve_listening(proc: subprocess.Popen[str], log: Path, timeout_s: float = 600) -> str:
+    """The URL of a `prfaas serve` child once it serves (its engines started), read from
+    its log; fails the test if it exits or takes longer than `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"prfaas serve exited: {log.read_text()[-3000:]}")
+        text = log.read_text()
+        if "stops the gateway" in text:
+            line = next(x for x in text.splitlines() if "gateway listening on" in x)
+            return line.split("listening on ")[1].split()[0]
+        time.sleep(0.5)
+    pytest.fail(f"prfaas serve not ready in time: {log.read_text()[-3000:]}")
 
 
 def read_trace(path: Path) -> list[dict[str, Any]]:

@@ -37,6 +37,10 @@ class VLLMServer:
     """Checkpoint directory."""
     port: int
     served_name: str = "model"
+    block_size: int | None = None
+    """Tokens per KV page (`--block-size`); None: vLLM's choice (for a hybrid model the
+    smallest page that holds a Mamba state, which varies with vLLM's version and the
+    state's dtype)."""
     host: str = "127.0.0.1"
     connector: Mapping[str, Any] | None = field(default=None)
     """`kv_connector_extra_config` of the PrfaaS connector; None runs without a connector."""
@@ -91,6 +95,8 @@ class VLLMServer:
             args.append("--enforce-eager")
             # the worker inside the engine core process (see `env`)
             args += ["--distributed-executor-backend", "uni"]
+        if self.block_size is not None:
+            args += ["--block-size", str(self.block_size)]
         if self.max_batched_tokens is not None:
             args += ["--max-num-batched-tokens", str(self.max_batched_tokens)]
         if self.connector is not None:

@@ -100,6 +100,7 @@ class KVIndexManager:
         self._sweep_at = 0
         self._sweep_clean = False  # this sweep pass found nothing stale so far
         self._rejected = 0
+        self._misfits: set[tuple[str, int]] = set()  # (instance, block size) logged once
         self.evicted_entries = 0
         """(instance, block) entries forgotten at the byte budget."""
 
@@ -328,15 +329,19 @@ class KVIndexManager:
         if event.block_size == self.block_size and len(event.token_ids) == n * self.block_size:
             return True
         self._rejected += 1
-        logger.warning(
-            "%s: BlockStored with block_size %d / %d tokens for %d blocks does "
-            "not match the index's block size %d; ignored",
-            instance_id,
-            event.block_size,
-            len(event.token_ids),
-            n,
-            self.block_size,
-        )
+        if (instance_id, event.block_size) not in self._misfits:  # once: it repeats per event
+            self._misfits.add((instance_id, event.block_size))
+            logger.error(
+                "%s: BlockStored with block_size %d / %d tokens for %d blocks does not match "
+                "the index's block size %d; its events are ignored, so the index never "
+                "credits this instance (page the engine in [model] block_size, or set that "
+                "to the engine's page size)",
+                instance_id,
+                event.block_size,
+                len(event.token_ids),
+                n,
+                self.block_size,
+            )
         return False
 
     def _find_translations(self, bits: np.ndarray, engine_hashes: Sequence[int]) -> I64:

@@ -238,6 +238,14 @@ def test_layout_setting() -> None:
         ConnectorConfig(kv_cache_layout="LHBNC")
 
 
+def test_the_block_size_is_passed_when_set(tmp_path: Path) -> None:
+    """`block_size` becomes `--block-size`; unset, vLLM chooses (none on the line)."""
+    python = tmp_path / "env/bin/python"
+    sized = VLLMServer(python, tmp_path, 8000, block_size=384).command()
+    assert sized[sized.index("--block-size") + 1] == "384"
+    assert "--block-size" not in VLLMServer(python, tmp_path, 8000).command()
+
+
 def test_eager_only_on_cpu(tmp_path: Path) -> None:
     python = tmp_path / "env/bin/python"
     cpu = VLLMServer(python, tmp_path, 8000, device="cpu", connector={"bootstrap_port": 1})

@@ -31,10 +31,11 @@ from prfaas.engines.vllm.launch import VLLMProcess
 from prfaas.gateway.api.assembly import build_gateway
 from prfaas.gateway.deployment import DeploymentConfig, GatewayConfig, InstanceConfig, ModelConfig
 from prfaas.protocol.generate import SamplingParams
+from prfaas.testing.tiny_checkpoint import TINY_BLOCK_SIZE
 
 pytestmark = pytest.mark.timeout(900)
 
-BLOCK = 384  # vLLM's block size for the tiny model
+BLOCK = TINY_BLOCK_SIZE  # the page vLLM serves the tiny model with (`vllm_helpers.server`)
 PREFIX = 2 * BLOCK  # the cached prefix: a block boundary where the source keeps states
 THRESHOLD = 1024
 

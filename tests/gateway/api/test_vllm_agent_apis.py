@@ -26,7 +26,6 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -52,7 +51,16 @@ from agent_battery import (
     sse_events,
 )
 from serve_live_helpers import ENGINE_AUTH, SECRET
-from vllm_helpers import MODEL, VLLM_PYTHON, require_vllm, server, start_all, stop_all
+from vllm_helpers import (
+    MODEL,
+    VLLM_PYTHON,
+    gauge,
+    require_vllm,
+    serve_listening,
+    server,
+    start_all,
+    stop_all,
+)
 
 from prfaas.common.secret import ENV_SECRET
 from prfaas.common.tokenizer import load_tokenizer
@@ -60,6 +68,7 @@ from prfaas.engines.vllm.launch import VLLMProcess
 from prfaas.protocol import anthropic_messages, openai_responses
 from prfaas.protocol.openai_request import chat_body_ids
 from prfaas.testing.launch_tables import vllm_launch
+from prfaas.testing.tiny_checkpoint import TINY_BLOCK_SIZE
 
 pytestmark = pytest.mark.timeout(1500)
 TOOLS_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
@@ -98,7 +107,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
             stdout=log, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, ENV_SECRET: SECRET.hex()},
         )  # fmt: skip
-        url = _listening(gateway, root / "gateway.log")
+        url = serve_listening(gateway, root / "gateway.log")
         state = _get_json(f"{url}/admin/state")
         prefill = next(i["url"] for i in state["clusters"]["prfaas"])
         yield Servers(engines["agg"].url, url, prefill)
@@ -119,24 +128,11 @@ def _deployment() -> str:
 name = "tiny"
 tokenizer = "{MODEL}"
 context_length = 4096
-block_size = 384
+block_size = {TINY_BLOCK_SIZE}
 vocab_size = 384
 [gateway]
 threshold = 0
 {launched}"""
-
-
-def _listening(proc: subprocess.Popen[str], log: Path) -> str:
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"prfaas serve exited: {log.read_text()[-3000:]}")
-        text = log.read_text()
-        if "stops the gateway" in text:
-            line = next(x for x in text.splitlines() if "gateway listening on" in x)
-            return line.split("listening on ")[1].split()[0]
-        time.sleep(0.5)
-    pytest.fail(f"prfaas serve not ready in time: {log.read_text()[-3000:]}")
 
 
 def _get_json(url: str, headers: dict[str, str] | None = None) -> Any:
@@ -327,11 +323,7 @@ def test_function_calls_with_previous_response_id_through_prfaas(servers: Server
 
 
 def _prefill_hits(servers: Servers) -> float:
-    request = urllib.request.Request(f"{servers.prefill}/metrics", headers=ENGINE_AUTH)
-    with urllib.request.urlopen(request, timeout=30) as r:
-        text = r.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:prefix_cache_hits_total"))  # fmt: skip
+    return gauge(servers.prefill, "vllm:prefix_cache_hits_total", ENGINE_AUTH)
 
 
 @pytest.mark.parametrize("api", ["messages", "responses"])
