@@ -7,10 +7,11 @@ it at once (its calls aborted, so the Router retries or migrates them, and nothi
 it while it restarts: a restarting server may accept connections long before it answers
 them), logs it, waits a backoff (doubling from `backoff_s` up to `max_backoff_s`, reset once
 an engine stayed up `stable_s`), and starts it with the same spec on the same ports; if
-those ports are taken, on fresh ones. A restart budget (`budget` restarts per `window_s`)
-stops a crash loop: past it the engine stays down (the gateway keeps it ejected) and an
-error is logged. `/metrics` counts restarts (`prfaas_engine_restarts_total`) and shows
-whether each engine runs (`prfaas_engine_up`).
+those ports are taken, on fresh ones. It starts in the role the gateway holds for it, so a
+conversion (by the long-term scheduler or an operator) outlives a restart. A restart
+budget (`budget` restarts per `window_s`) stops a crash loop: past it the engine stays down
+(the gateway keeps it ejected) and an error is logged. `/metrics` counts restarts
+(`prfaas_engine_restarts_total`) and shows whether each engine runs (`prfaas_engine_up`).
 
 After every restart the gateway is told where the engine is now (`Gateway.relocate`, the
 same addresses or new ones): a new client, the KV-event subscription joined afresh and the
@@ -230,18 +231,19 @@ class Supervisor:
         return True
 
     async def _restart(self, name: str, old: EngineProcess) -> EngineProcess | None:
-        """The engine again on its old ports, else on fresh ones; the gateway follows it
-        either way (a new client, its KV events joined afresh, the old start's entries
-        dropped)."""
+        """The engine again, in the role the gateway holds for it, on its old ports, else on
+        fresh ones; the gateway follows it either way (a new client, its KV events joined
+        afresh, the old start's entries dropped)."""
         await old.stop()  # reap the dead process and its output reader
         log_name = f"{name}.{self.restarts[name] + 1}"
-        same = replace(old.spec, port=old.port, bootstrap_port=old.bootstrap_port)
+        state = self._instance(name)
+        spec = old.spec if state is None else replace(old.spec, role=state.role)
+        same = replace(spec, port=old.port, bootstrap_port=old.bootstrap_port)
         start = self._starters.get(name, self._start_reference)
         try:
             new = await start(same, log_name)
         except RuntimeError as exc:
             logger.warning("engine %s could not start on its old ports: %s", name, exc)
-            spec = old.spec
             events = None if spec.kv_events_port is None else free_port()
             replay = None if spec.kv_replay_port is None else free_port()
             fresh = replace(spec, port=0, bootstrap_port=0, kv_events_port=events,

@@ -41,13 +41,14 @@ def vllm_server(
     replay: str | None = None,
     port: int = 0,
     env: Mapping[str, str] | None = None,
+    role: str | None = None,
 ) -> VLLMServer:
     """The server a `[[launch]]` entry describes, serving the deployment's model `served`
     under its name and paging in its block size (the KV index's: vLLM's own choice for a
     hybrid model depends on its version and the Mamba state's dtype); prefill roles pace
     their egress as set; `events`, `replay`: where its KV events and their replay are served, see
     `VLLMServer.kv_events`; `port`: its HTTP port, 0 for any free one; `env`: added to its
-    environment).
+    environment; `role`: the role it starts in, None for the launch's).
 
     Raises:
         RuntimeError: the vLLM environment's interpreter does not exist.
@@ -72,7 +73,7 @@ def vllm_server(
         kv_events_replay=replay,
         threads=launch.threads,
         extra_args=launch.vllm_args,
-        environment={**(env or {}), ENV_ROLE: launch.role},
+        environment={**(env or {}), ENV_ROLE: role or launch.role},
     )
 
 
@@ -106,11 +107,12 @@ def _server(
     ports: EngineSpec | None,
     env: Mapping[str, str] | None,
 ) -> tuple[VLLMServer, int]:
-    """The server to start on `ports` (0 or None: free ones), and its bootstrap port."""
+    """The server to start on `ports` in their role (None: the launch's, on free ports),
+    and its bootstrap port."""
     ports = ports or EngineSpec(launch.id, launch.role, launch.model)
     bootstrap = ports.bootstrap_port or free_port()
     events, replay = ipc_events(str(log_dir), launch.id)  # log_dir is private (mkdtemp)
-    server = vllm_server(launch, served, bootstrap, events, replay, ports.port, env)
+    server = vllm_server(launch, served, bootstrap, events, replay, ports.port, env, ports.role)
     return server, bootstrap
 
 
@@ -148,8 +150,9 @@ async def _ready(
     except BaseException:
         await asyncio.shield(stop_process(process))
         raise
+    role = server.environment.get(ENV_ROLE, launch.role)
     spec = EngineSpec(
-        launch.id, launch.role, launch.model, kv_events_ipc=str(log.parent), port=server.port,
+        launch.id, role, launch.model, kv_events_ipc=str(log.parent), port=server.port,
         bootstrap_port=bootstrap,
     )  # fmt: skip
     reaper = asyncio.get_running_loop().create_task(_reap(process))  # output goes to the log
@@ -168,9 +171,11 @@ class Standby:
     log: Path
 
     def serves(self, ports: EngineSpec) -> bool:
-        """Whether it is alive and would listen on `ports` (a restart's)."""
+        """Whether it is alive and would start as `ports` asks (a restart's: its ports and
+        role; a standby spawned before a conversion has the old role)."""
         return (
             self.process.returncode is None
+            and self.server.environment.get(ENV_ROLE) == ports.role
             and ports.port == self.server.port
             and ports.bootstrap_port == self.bootstrap_port
         )

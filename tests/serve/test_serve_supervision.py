@@ -1,7 +1,8 @@
 """Supervision of launched reference engines, on a real `prfaas serve` process: an engine
 that stops answering (SIGSTOP) is ejected, killed after `[gateway] unresponsive_restart_s`
-and started again (counted in `/metrics`), and a SIGKILLed `prfaas serve` leaves no engine
-process behind (each engine dies with it: its parent-death signal)."""
+and started again (counted in `/metrics`), one converted by hand restarts in its new role,
+and a SIGKILLed `prfaas serve` leaves no engine process behind (each engine dies with it:
+its parent-death signal)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ threshold = 100000
 health_interval_s = 0.5
 health_timeout_s = 1.0
 unresponsive_restart_s = {GRACE_S}
+admin_keys = ["op"]
 [[launch]]
 id = "pd-p0"
 cluster = "pd"
@@ -40,7 +42,12 @@ role = "prefill"
 id = "pd-d0"
 cluster = "pd"
 role = "decode"
+[[launch]]
+id = "pd-d1"
+cluster = "pd"
+role = "decode"
 """
+ADMIN = {"Authorization": "Bearer op", "Content-Type": "application/json"}
 
 
 @dataclass
@@ -55,7 +62,7 @@ def serving(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
     config.write_text(DEPLOYMENT)
     proc = subprocess.Popen(
         [sys.executable, "-m", "prfaas.cli.main", "serve", "--port", "0", "--config",
-         str(config)],
+         str(config), "--no-scheduler"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     assert proc.stdout is not None
@@ -77,8 +84,11 @@ def serving(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
             proc.wait()
 
 
-def _state(url: str) -> dict[str, Any]:
-    with urllib.request.urlopen(f"{url}/admin/state", timeout=10) as reply:
+def _state(url: str, roles: dict[str, str] | None = None) -> dict[str, Any]:
+    """The PD cluster's instances by id; `roles`: converted by hand first (`POST`)."""
+    data = None if roles is None else json.dumps({"roles": roles}).encode()
+    request = urllib.request.Request(f"{url}/admin/state", data, ADMIN)
+    with urllib.request.urlopen(request, timeout=120) as reply:
         state: dict[str, Any] = json.load(reply)
     return {i["id"]: i for i in state["clusters"]["pd"]}
 
@@ -88,11 +98,19 @@ def _scrape(url: str) -> Scrape:
         return Scrape.parse(reply.read().decode())
 
 
-def _engine(serving: Serving, role: str) -> int:
-    return next(
-        pid for pid in child_pids(serving.proc.pid)
-        if role in Path(f"/proc/{pid}/cmdline").read_text().split("\0")
-    )  # fmt: skip
+def _engine(serving: Serving, instance: str) -> int:
+    """The pid of the instance's engine: the child whose stderr goes to the instance's log
+    (`<id>.log`, `<id>.<restart>.log` after a restart)."""
+    logs = {pid: Path(os.readlink(f"/proc/{pid}/fd/2")) for pid in child_pids(serving.proc.pid)}
+    return next(pid for pid, log in logs.items() if log.name.startswith(f"{instance}."))
+
+
+def _argv(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_text().split("\0")[:-1]
+
+
+def _flag(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv[:-1] else None
 
 
 def _complete(url: str) -> dict[str, Any]:
@@ -115,7 +133,7 @@ def test_a_stopped_engine_is_killed_and_restarted(serving: Serving) -> None:
     """SIGSTOP of the decode: ejected, then killed `unresponsive_restart_s` later and
     started again; counted; requests are served again."""
     url = serving.url
-    victim = _engine(serving, "decode")
+    victim = _engine(serving, "pd-d0")
     os.kill(victim, signal.SIGSTOP)
     stopped = time.monotonic()
     try:
@@ -137,7 +155,26 @@ def test_a_stopped_engine_is_killed_and_restarted(serving: Serving) -> None:
     scrape = _scrape(url)
     assert scrape.value("prfaas_engine_unresponsive_kills_total", instance="pd-d0") == 1
     assert scrape.value("prfaas_engine_restarts_total", instance="pd-d0") == 1
-    assert _engine(serving, "decode") != victim
+    assert _engine(serving, "pd-d0") != victim
+    assert _complete(url)["choices"][0]["text"]
+
+
+def test_a_converted_engine_restarts_in_its_new_role(serving: Serving) -> None:
+    """A decode converted to prefill by hand, then killed, is started again as a prefill
+    (a restart in its launch role would have the gateway send prefills to a decode)."""
+    url = serving.url
+    assert _state(url, {"pd-d1": "prefill"})["pd-d1"]["role"] == "prefill"
+    victim = _engine(serving, "pd-d1")
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 90
+    while _scrape(url).value("prfaas_engine_restarts_total", instance="pd-d1") != 1 or (
+        _state(url)["pd-d1"]["status"] != "healthy"
+    ):
+        assert time.monotonic() < deadline, _state(url)
+        time.sleep(0.25)
+    restarted = _engine(serving, "pd-d1")
+    assert restarted != victim and _flag(_argv(restarted), "--role") == "prefill"
+    assert _state(url)["pd-d1"]["role"] == "prefill"
     assert _complete(url)["choices"][0]["text"]
 
 
