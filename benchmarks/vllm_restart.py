@@ -25,13 +25,15 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
-from prfaas.gateway.deployment import LaunchConfig
+from prfaas.gateway.deployment import LaunchConfig, ModelConfig
 from prfaas.serve.processes import EngineProcess
 from prfaas.serve.vllm_engines import VLLMRestarts, start_vllm
+from prfaas.testing.tiny_checkpoint import TINY_BLOCK_SIZE
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = Path(os.environ.get("PRFAAS_VLLM_PYTHON", ROOT / ".venv-vllm/bin/python"))
 VLLM_MODEL = Path(os.environ.get("PRFAAS_VLLM_MODEL", ROOT / ".cache/tiny-qwen3-next"))
+SERVED = ModelConfig("model", block_size=TINY_BLOCK_SIZE)
 IMPORTED = "prfaas standby: vLLM imported"
 """What a standby prints once it waits (`standby.py`)."""
 
@@ -48,7 +50,7 @@ async def _timed_cold(launch: LaunchConfig, log_dir: Path, engine: EngineProcess
                       ) -> tuple[EngineProcess, float]:  # fmt: skip
     await engine.stop()
     t0 = time.monotonic()
-    engine = await start_vllm(launch, "model", log_dir, engine.spec, name)
+    engine = await start_vllm(launch, SERVED, log_dir, engine.spec, name)
     return engine, time.monotonic() - t0
 
 
@@ -71,8 +73,8 @@ async def measure(runs: int) -> list[dict[str, float]]:
         python=str(VLLM_PYTHON),
     )  # fmt: skip
     log_dir = Path(tempfile.mkdtemp(prefix="prfaas-vllm-restart-"))
-    restarts = VLLMRestarts(launch, "model", log_dir, env={})
-    engine = await start_vllm(launch, "model", log_dir)
+    restarts = VLLMRestarts(launch, SERVED, log_dir, env={})
+    engine = await start_vllm(launch, SERVED, log_dir)
     rows = []
     try:
         for run in range(runs):

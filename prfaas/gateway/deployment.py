@@ -296,7 +296,8 @@ class LaunchConfig:
               "is for reference engines only")  # fmt: skip
         check(not self.vllm_args or self.engine == "vllm", "vllm_args", list(self.vllm_args),
               "is for vLLM engines only")  # fmt: skip
-        block_flag = [a for a in self.vllm_args if a.split("=")[0] == "--block-size"]
+        block_flag = [a for a in self.vllm_args  # vLLM reads `_` in a flag's name as `-`
+                      if a.split("=", 1)[0].replace("_", "-") == "--block-size"]  # fmt: skip
         check(not block_flag, "vllm_args", list(self.vllm_args), "must not set --block-size: "
               "vLLM engines page in [model] block_size, the KV index's")  # fmt: skip
         check(self.vllm_standby is None or self.engine == "vllm", "vllm_standby",

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from pathlib import Path
 import aiohttp
 
 from prfaas.common.ports import free_port
+from prfaas.common.secret import DeploymentSecret
 from prfaas.engines.vllm.launch import VLLMServer
 from prfaas.engines.vllm.role import ENV_ROLE
 from prfaas.engines.vllm.standby import GO
@@ -135,14 +137,17 @@ async def _ready(
     process: asyncio.subprocess.Process,
     log: Path,
 ) -> EngineProcess:
-    """The started engine once it answers `/health` (else stopped).
+    """The started engine once it answers `/health` and pages in the block size it was
+    given (else stopped).
 
     Raises:
-        RuntimeError: it exited or was not ready within START_TIMEOUT_S (names its log).
+        RuntimeError: it exited or was not ready within START_TIMEOUT_S (names its log), or
+            vLLM chose another block size (names both).
     """
     url = f"http://{server.host}:{server.port}"
     try:
         await asyncio.wait_for(_healthy(process, url), START_TIMEOUT_S)
+        paged = await _paged_block_size(server, url)
     except (TimeoutError, EOFError):
         await stop_process(process)
         tail = (await asyncio.to_thread(log.read_text, errors="replace"))[-2000:]
@@ -150,6 +155,14 @@ async def _ready(
     except BaseException:
         await asyncio.shield(stop_process(process))
         raise
+    if None not in (paged, server.block_size) and paged != server.block_size:
+        await stop_process(process)
+        raise RuntimeError(
+            f"vLLM engine {launch.id} pages in {paged}-token blocks, not the deployment's "
+            f"[model] block_size {server.block_size} (vLLM raises one its attention backend "
+            f"or the model's Mamba state cannot use), so the KV index could not read its "
+            f"events: set block_size = {paged} (log {log})"
+        )
     role = server.environment.get(ENV_ROLE, launch.role)
     spec = EngineSpec(
         launch.id, role, launch.model, kv_events_ipc=str(log.parent), port=server.port,
@@ -284,6 +297,31 @@ async def _healthy(process: asyncio.subprocess.Process, url: str) -> None:
                         return
             await asyncio.sleep(0.5)
     raise EOFError("vLLM exited before it was ready")
+
+
+async def _paged_block_size(server: VLLMServer, url: str) -> int | None:
+    """The block size a started vLLM server pages in (its `/metrics`), None if it does not
+    say."""
+    secret = DeploymentSecret.from_env(server.environment)
+    headers = {} if secret is None else {"Authorization": f"Bearer {secret.control_token()}"}
+    try:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(f"{url}/metrics", headers=headers, timeout=aiohttp.ClientTimeout(30)) as r,
+        ):
+            return cache_block_size(await r.text()) if r.status == 200 else None
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+
+
+def cache_block_size(metrics: str) -> int | None:
+    """`block_size` of vLLM's `vllm:cache_config_info` gauge in Prometheus text, if any
+    (what the engine pages in after its own adjustments)."""
+    for line in metrics.splitlines():
+        if line.startswith("vllm:cache_config_info{"):
+            found = re.search(r'[{,]block_size="(\d+)"', line)
+            return int(found.group(1)) if found else None
+    return None
 
 
 async def _reap(process: asyncio.subprocess.Process) -> None:

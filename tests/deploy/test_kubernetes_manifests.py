@@ -217,6 +217,7 @@ def _check_flags(config: DeploymentConfig, instance: InstanceConfig, engine: Con
         assert published["endpoint"] == f"tcp://*:{events.port}"
         assert engine.flag("--served-model-name") == config.model.name
         assert engine.flag("--port") == str(url.port)
+        assert engine.flag("--block-size") == str(config.model.block_size)
     else:
         assert engine.flag("--disaggregation-transfer-backend") == "prfaas"
         assert engine.flag("--disaggregation-mode") == instance.role

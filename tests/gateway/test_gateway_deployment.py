@@ -209,9 +209,10 @@ def test_launch_vllm_standby_is_for_vllm_engines(tmp_path: Path) -> None:
 
 def test_launch_vllm_pages_in_the_models_block_size(tmp_path: Path) -> None:
     """A launched vLLM engine pages in `[model] block_size` (the KV index's), so a
-    `--block-size` of its own among `vllm_args` is refused, named, in either spelling."""
+    `--block-size` of its own among `vllm_args` is refused, named, in any spelling vLLM
+    reads."""
     text = '[[launch]]\nid = "v"\ncluster = "pd"\nrole = "decode"\nengine = "vllm"\n'
-    for flag in ('["--block-size", "16"]', '["--block-size=16"]'):
+    for flag in ('["--block-size", "16"]', '["--block-size=16"]', '["--block_size", "16"]'):
         with pytest.raises(ConfigError, match=r"launch\[0\]\.vllm_args: must not set --block-size"):
             load_deployment(_write(tmp_path, text + f"vllm_args = {flag}\n"))
     sized = text + 'vllm_args = ["--max-num-seqs", "4"]\n'

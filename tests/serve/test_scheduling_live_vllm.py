@@ -26,6 +26,7 @@ from serve_live_helpers import (
 from vllm_helpers import MODEL, VLLM_PYTHON, require_vllm
 
 from prfaas.testing.launch_tables import vllm_launch
+from prfaas.testing.tiny_checkpoint import TINY_BLOCK_SIZE
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -46,7 +47,7 @@ def _deployment(tmp: Path) -> Path:
     path = tmp / "deploy.toml"
     path.write_text(
         f'[model]\nname = "qwen3-next-tiny"\ntokenizer = "{MODEL}"\ncontext_length = 4096\n'
-        "block_size = 384\nvocab_size = 384\n\n"
+        f"block_size = {TINY_BLOCK_SIZE}\nvocab_size = 384\n\n"
         f'[gateway]\nthreshold = 1024\n\n{launch}\n[scheduler]\nprofile = "profile.toml"\n'
         "period_s = 3.0\n[scheduler.estimate]\nmin_samples = 5.0\n"
         "[scheduler.rebalance]\nurgent_gain = inf\n"

@@ -31,6 +31,7 @@ from vllm_helpers import MODEL, VLLM_PYTHON, require_vllm
 from prfaas.serve.reaper import descendants
 from prfaas.testing.launch_tables import vllm_launch
 from prfaas.testing.processes import alive, child_pids, waiting_standby
+from prfaas.testing.tiny_checkpoint import TINY_BLOCK_SIZE
 
 LISTENING = re.compile(r"PrfaaS gateway listening on (http://\S+)")
 START_TIMEOUT_S = 600
@@ -47,7 +48,7 @@ def _deployment() -> str:
 name = "qwen3-next-tiny"
 tokenizer = "{MODEL}"
 context_length = 4096
-block_size = 384
+block_size = {TINY_BLOCK_SIZE}
 vocab_size = 384
 
 [gateway]

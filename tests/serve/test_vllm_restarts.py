@@ -10,6 +10,7 @@ Slow: each vLLM start takes 15-30 s here."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -23,7 +24,7 @@ from vllm_helpers import MODEL, VLLM_PYTHON, require_vllm
 from prfaas.common.ports import free_port
 from prfaas.gateway.deployment import LaunchConfig, ModelConfig
 from prfaas.serve.processes import EngineProcess, EngineSpec
-from prfaas.serve.vllm_engines import VLLMRestarts, start_vllm
+from prfaas.serve.vllm_engines import VLLMRestarts, cache_block_size, start_vllm
 from prfaas.testing.tiny_checkpoint import TINY_BLOCK_SIZE
 
 pytestmark = pytest.mark.timeout(900)
@@ -135,3 +136,32 @@ async def test_failed_and_mismatched_standbys_fall_back(
     assert stale.process.returncode is not None
     assert (fourth.port, fourth.bootstrap_port) == (moved.port, moved.bootstrap_port)
     await _serves(fourth)
+
+    # A standby in another role than asked (the engine was converted after it was
+    # spawned): stopped; the restart is cold, in the asked role.
+    decode = restarts.standby
+    assert decode is not None and decode.serves(fourth.spec)
+    await fourth.stop()
+    converted = dataclasses.replace(fourth.spec, role="prefill")
+    assert not decode.serves(converted)
+    fifth = await restarts(converted, "pd-d0.4")
+    running.append(fifth)
+    assert decode.process.returncode is not None and fifth.spec.role == "prefill"
+    assert fifth.process.pid != decode.process.pid
+    await _serves(fifth)
+
+
+async def test_an_engine_paging_in_another_block_size_does_not_start(
+    tmp_path: Path, running: Running
+) -> None:
+    """vLLM raises a block size the hybrid model's Mamba state does not fit in; the start
+    fails naming both sizes, not an index that ignores every event later."""
+    with pytest.raises(RuntimeError, match=r"pages in \d+-token blocks, not the deployment's "
+                       r"\[model\] block_size 64"):  # fmt: skip
+        await start_vllm(_launch(vllm_standby=False), ModelConfig(SERVED, block_size=64), tmp_path)
+
+
+def test_the_block_size_vllm_reports() -> None:
+    line = 'vllm:cache_config_info{block_size="384",cache_dtype="auto",engine="0"} 1.0'
+    assert cache_block_size(f"# HELP x\n{line}\n") == 384
+    assert cache_block_size("vllm:num_requests_running 0.0\n") is None

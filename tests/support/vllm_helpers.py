@@ -21,8 +21,8 @@ from prfaas.testing.tiny_checkpoint import TINY_BLOCK_SIZE
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(os.environ.get("PRFAAS_VLLM_PYTHON", ROOT / ".venv-vllm/bin/python"))
 MODEL = Path(os.environ.get("PRFAAS_VLLM_MODEL", ROOT / ".cache/tiny-qwen3-next"))
-DENSE_MODEL = MODEL.with_name("tiny-qwen3-dense")
-"""The dense twin of `MODEL` (`dense_model`)."""
+DENSE_MODEL = Path(os.environ.get("PRFAAS_VLLM_DENSE_MODEL", ROOT / ".cache/tiny-qwen3-dense"))
+"""The dense twin of the tiny checkpoint (`dense_model`)."""
 
 
 def require_vllm() -> None:

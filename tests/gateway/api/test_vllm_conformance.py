@@ -35,6 +35,7 @@ from vllm_helpers import MODEL, require_vllm, server, start_all, stop_all
 
 from prfaas.common.ports import free_port
 from prfaas.engines.vllm.launch import VLLMProcess
+from prfaas.testing.tiny_checkpoint import TINY_BLOCK_SIZE
 
 pytestmark = pytest.mark.timeout(1200)
 
@@ -89,7 +90,7 @@ def _deployment(e: dict[str, VLLMProcess]) -> str:
 name = "tiny"
 tokenizer = "{MODEL}"
 context_length = 4096
-block_size = 384
+block_size = {TINY_BLOCK_SIZE}
 vocab_size = 384
 [gateway]
 threshold = 0

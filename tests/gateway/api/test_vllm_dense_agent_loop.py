@@ -99,7 +99,10 @@ def test_an_agent_loop_routes_only_what_each_turn_added(gateway: tuple[str, str]
     print(api, [(t.prompt_tokens, t.incremental_tokens) for t in turns])  # pytest -s
     assert len(turns) == 10, turns
     for turn, (incremental, reused) in zip(turns, credited, strict=True):
-        assert turn.prompt_tokens - incremental == reused, (turns, credited)
+        # vLLM computes a prompt's last token whatever it caches: a whole prompt of full
+        # blocks found cached reuses all blocks but the last (the gateway credits them all)
+        last_block = (turn.prompt_tokens - 1) // BLOCK * BLOCK
+        assert min(turn.prompt_tokens - incremental, last_block) == reused, (turns, credited)
     for before, turn in itertools.pairwise(turns):
         added = turn.prompt_tokens - before.prompt_tokens
         assert added > 0 and turn.incremental_tokens <= added + BLOCK, (turns, credited)
