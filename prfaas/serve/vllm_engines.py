@@ -155,8 +155,12 @@ async def _ready(
     except BaseException:
         await asyncio.shield(stop_process(process))
         raise
-    if None not in (paged, server.block_size) and paged != server.block_size:
-        await stop_process(process)
+    if paged is None and server.block_size is not None:
+        logger.warning("vLLM engine %s does not say its block size (no cache_config_info in "
+                       "/metrics, e.g. --disable-log-stats): not checked against %d",
+                       launch.id, server.block_size)  # fmt: skip
+    elif server.block_size is not None and paged != server.block_size:
+        await asyncio.shield(stop_process(process))
         raise RuntimeError(
             f"vLLM engine {launch.id} pages in {paged}-token blocks, not the deployment's "
             f"[model] block_size {server.block_size} (vLLM raises one its attention backend "
@@ -188,7 +192,7 @@ class Standby:
         role; a standby spawned before a conversion has the old role)."""
         return (
             self.process.returncode is None
-            and self.server.environment.get(ENV_ROLE) == ports.role
+            and self.server.environment.get(ENV_ROLE, self.launch.role) == ports.role
             and ports.port == self.server.port
             and ports.bootstrap_port == self.bootstrap_port
         )
