@@ -30,6 +30,7 @@ REDIS ?= /usr/bin/redis-server
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_MODEL ?= .cache/tiny-qwen3-next
+VLLM_DENSE_MODEL ?= .cache/tiny-qwen3-dense
 
 $(VLLM_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
@@ -43,6 +44,11 @@ $(VLLM_STAMP): pyproject.toml
 $(VLLM_MODEL)/config.json: $(VLLM_STAMP) prfaas/testing/tiny_checkpoint.py
 	rm -rf $(VLLM_MODEL)
 	$(VLLM_VENV)/bin/python -m prfaas.testing.tiny_checkpoint $(VLLM_MODEL)
+
+# Its dense twin (all layers full attention), for the dense agent loop's test.
+$(VLLM_DENSE_MODEL)/config.json: $(VLLM_STAMP) prfaas/testing/tiny_checkpoint.py
+	rm -rf $(VLLM_DENSE_MODEL)
+	$(VLLM_VENV)/bin/python -m prfaas.testing.tiny_checkpoint $(VLLM_DENSE_MODEL) --dense
 
 vllm-env: $(VLLM_STAMP)
 vllm-model: $(VLLM_MODEL)/config.json
@@ -100,8 +106,16 @@ $(OPENSSL):
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -q openssl
 	@test -x $(OPENSSL) || { echo "make: apt installed openssl but $(OPENSSL) is missing" >&2; exit 1; }
 
-test: $(STAMP) $(CHROMIUM) $(OPENSSL) $(REDIS) $(VLLM_STAMP) $(VLLM_MODEL)/config.json $(SGLANG_STAMP)
-	PRFAAS_CHROMIUM=$(CHROMIUM) PRFAAS_OPENSSL=$(OPENSSL) PRFAAS_REDIS_SERVER=$(REDIS) $(BIN)/python -m pytest
+# pytest runs the test files on PYTEST_WORKERS processes (pytest-xdist; each file's tests on
+# one worker, so a module's servers start once). The suite is CPU-bound: two workers on two
+# cores took it from 47 to 34 minutes; more workers than cores only add contention, and each
+# may hold three vLLM servers (about 1 GB each).
+PYTEST_WORKERS ?= 2
+
+test: $(STAMP) $(CHROMIUM) $(OPENSSL) $(REDIS) $(VLLM_STAMP) $(VLLM_MODEL)/config.json \
+		$(VLLM_DENSE_MODEL)/config.json $(SGLANG_STAMP)
+	PRFAAS_CHROMIUM=$(CHROMIUM) PRFAAS_OPENSSL=$(OPENSSL) PRFAAS_REDIS_SERVER=$(REDIS) \
+		$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile
 	$(SGLANG_BIN)/python -m pytest tests/engines/sglang
 	$(BIN)/ruff check prfaas tests benchmarks deploy scripts
 	$(BIN)/ruff format --check prfaas tests benchmarks deploy scripts

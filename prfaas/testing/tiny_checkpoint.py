@@ -116,7 +116,8 @@ def write_byte_level_tokenizer(root: Path, template: str = CHATML) -> Path:
 
 def build_qwen3_next(out: Path, seed: int = 0, layers: int = 8, dense: bool = False) -> Path:
     """Write a tiny random Qwen3-Next checkpoint (bf16 safetensors + tokenizer) of `layers`
-    layers (every 4th full attention) to `out`, unless one is already there; `dense`: its
+    layers (every 4th full attention) to `out`, unless one is already there (or another process
+    writes it first); `dense`: its
     all-full-attention twin instead (a `Qwen3ForCausalLM` of the same widths, dense MLPs),
     whose prefix cache hits at every block. Needs torch and transformers."""
     import torch
@@ -141,7 +142,11 @@ def build_qwen3_next(out: Path, seed: int = 0, layers: int = 8, dense: bool = Fa
         model = model.to(torch.bfloat16)
         model.save_pretrained(tmp, safe_serialization=True)
         write_byte_level_tokenizer(tmp)
-        os.replace(tmp, out)
+        try:
+            os.replace(tmp, out)
+        except OSError:  # another process built it first (same seed: the same checkpoint)
+            if not (out / "config.json").exists():
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
