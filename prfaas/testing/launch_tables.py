@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 
@@ -15,3 +16,27 @@ def vllm_launch(
         f'\n[[launch]]\nid = "{name}"\nengine = "vllm"\ncluster = "{cluster}"\n'
         f'role = "{role}"\nmodel = "{model}"\npython = "{python}"\n{extra}'
     )
+
+
+def vllm_pd_deployment(
+    model: Path | str, python: Path | str, block_size: int, vllm_args: tuple[str, ...] = ()
+) -> str:
+    """A whole deployment file: one PrfaaS prefill ("prfaas-p0") and one PD decode
+    ("pd-d0") vLLM engine of `model` (its own tokenizer, 4,096-token context, paged in
+    `block_size`-token blocks, each started with `vllm_args`), every prompt offloaded
+    (threshold 0)."""
+    extra = f"vllm_args = {json.dumps(list(vllm_args))}\n" if vllm_args else ""
+    launched = "".join(
+        vllm_launch(name, cluster, role, model, python, extra)
+        for name, cluster, role in (("prfaas-p0", "prfaas", "prefill"), ("pd-d0", "pd", "decode"))
+    )
+    return f"""
+[model]
+name = "tiny"
+tokenizer = "{model}"
+context_length = 4096
+block_size = {block_size}
+vocab_size = 384
+[gateway]
+threshold = 0
+{launched}"""

@@ -67,7 +67,7 @@ from prfaas.common.tokenizer import load_tokenizer
 from prfaas.engines.vllm.launch import VLLMProcess
 from prfaas.protocol import anthropic_messages, openai_responses
 from prfaas.protocol.openai_request import chat_body_ids
-from prfaas.testing.launch_tables import vllm_launch
+from prfaas.testing.launch_tables import vllm_pd_deployment
 from prfaas.testing.tiny_checkpoint import TINY_BLOCK_SIZE
 
 pytestmark = pytest.mark.timeout(1500)
@@ -99,7 +99,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     try:
         engines = start_all({"agg": agg}, root)
         config = root / "deployment.toml"
-        config.write_text(_deployment())
+        config.write_text(vllm_pd_deployment(MODEL, VLLM_PYTHON, TINY_BLOCK_SIZE, TOOLS_FLAGS))
         log = (root / "gateway.log").open("w")
         gateway = subprocess.Popen(
             [sys.executable, "-m", "prfaas.cli.main", "serve", "--config", str(config),
@@ -116,23 +116,6 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
             gateway.terminate()
             gateway.wait(60)
         stop_all(engines)
-
-
-def _deployment() -> str:
-    tools = f"vllm_args = {json.dumps(list(TOOLS_FLAGS))}\n"
-    launched = "".join(vllm_launch(name, cluster, role, MODEL, VLLM_PYTHON, tools)
-                       for name, cluster, role in (("prfaas-p0", "prfaas", "prefill"),
-                                                   ("pd-d0", "pd", "decode")))  # fmt: skip
-    return f"""
-[model]
-name = "tiny"
-tokenizer = "{MODEL}"
-context_length = 4096
-block_size = {TINY_BLOCK_SIZE}
-vocab_size = 384
-[gateway]
-threshold = 0
-{launched}"""
 
 
 def _get_json(url: str, headers: dict[str, str] | None = None) -> Any:

@@ -23,29 +23,11 @@ from serve_live_helpers import ENGINE_AUTH, SECRET
 from vllm_helpers import VLLM_PYTHON, dense_model, gauge, require_vllm, serve_listening
 
 from prfaas.common.secret import ENV_SECRET
-from prfaas.testing.launch_tables import vllm_launch
+from prfaas.testing.launch_tables import vllm_pd_deployment
 
 pytestmark = pytest.mark.timeout(1200)
 BLOCK = 64
 TOOLS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-
-
-def _deployment() -> str:
-    model = dense_model()
-    tools = f"vllm_args = {json.dumps(list(TOOLS))}\n"
-    launched = "".join(vllm_launch(name, cluster, role, model, VLLM_PYTHON, tools)
-                       for name, cluster, role in (("prfaas-p0", "prfaas", "prefill"),
-                                                   ("pd-d0", "pd", "decode")))  # fmt: skip
-    return f"""
-[model]
-name = "tiny"
-tokenizer = "{model}"
-context_length = 4096
-block_size = {BLOCK}
-vocab_size = 384
-[gateway]
-threshold = 0
-{launched}"""
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +36,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str
     require_vllm()
     root = tmp_path_factory.mktemp("vllm-dense")
     config = root / "deployment.toml"
-    config.write_text(_deployment())
+    config.write_text(vllm_pd_deployment(dense_model(), VLLM_PYTHON, BLOCK, TOOLS))
     with (root / "gateway.log").open("w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "prfaas.cli.main", "serve", "--config", str(config),
