@@ -12,7 +12,7 @@ import logging
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import aiohttp
@@ -188,17 +188,18 @@ class Standby:
     log: Path
 
     def serves(self, ports: EngineSpec) -> bool:
-        """Whether it is alive and would start as `ports` asks (a restart's: its ports and
-        role; a standby spawned before a conversion has the old role)."""
+        """Whether it is alive on the ports a restart asks for (in whatever role: it takes
+        the role at `go`)."""
         return (
             self.process.returncode is None
-            and self.server.environment.get(ENV_ROLE, self.launch.role) == ports.role
             and ports.port == self.server.port
             and ports.bootstrap_port == self.bootstrap_port
         )
 
-    async def go(self, log: Path) -> EngineProcess:
-        """Serve, and wait until it answers `/health`; its output goes on into `log`.
+    async def go(self, log: Path, role: str) -> EngineProcess:
+        """Serve in `role` (the engine's now: a conversion may have changed it since the
+        standby was spawned), and wait until it answers `/health`; its output goes on into
+        `log`.
 
         Raises:
             RuntimeError: it had exited, or did not become ready (names its log).
@@ -208,14 +209,15 @@ class Standby:
         except OSError:  # it goes on writing where it was
             log = self.log
         assert self.process.stdin is not None
+        server = replace(self.server, environment={**self.server.environment, ENV_ROLE: role})
         try:
-            self.process.stdin.write(f"{GO}\n".encode())
+            self.process.stdin.write(f"{GO} {role}\n".encode())
             await self.process.stdin.drain()
         except (BrokenPipeError, ConnectionResetError):
             await stop_process(self.process)
             raise RuntimeError(f"the standby of vLLM engine {self.launch.id} had exited "
                                f"(log {log})") from None  # fmt: skip
-        return await _ready(self.launch, self.server, self.bootstrap_port, self.process, log)
+        return await _ready(self.launch, server, self.bootstrap_port, self.process, log)
 
     async def stop(self) -> None:
         await stop_process(self.process)
@@ -268,7 +270,7 @@ class VLLMRestarts:
             logger.warning("engine %s starts from its standby (vLLM imported ahead)",
                            self.launch.id)  # fmt: skip
             try:
-                engine = await standby.go(self._log_dir / f"{log_name}.log")
+                engine = await standby.go(self._log_dir / f"{log_name}.log", ports.role)
             except RuntimeError as exc:
                 logger.warning("engine %s: its standby did not start (%s); starting afresh",
                                self.launch.id, exc)  # fmt: skip

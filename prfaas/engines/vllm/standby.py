@@ -2,7 +2,9 @@
 
 `python -m prfaas.engines.vllm.standby ARGS...` (the vLLM environment's interpreter, the
 environment the server will have) imports vLLM's API server, then waits for one line on
-stdin: `go` serves with ARGS (the `vllm.entrypoints.openai.api_server` flags), anything else
+stdin: `go ROLE` serves with ARGS (the `vllm.entrypoints.openai.api_server` flags) in ROLE
+(`PRFAAS_ROLE`, read when the server starts: a standby spawned before its engine was
+converted starts in the new role), `go` alone in the role of its environment; anything else
 or end of input exits 0. The import is a third to a half of a vLLM start on CPU (10 of 23 s
 on an idle 2-core machine, more under load: it is single-threaded Python), so a supervisor
 that keeps one standby per engine brings a dead engine back that much sooner
@@ -15,6 +17,7 @@ which imports this module again in the child, where nothing must run.
 
 from __future__ import annotations
 
+import os
 import sys
 
 GO = "go"
@@ -26,8 +29,11 @@ def main() -> int:
     from prfaas.engines.vllm import auth, role  # noqa: F401  (the middlewares vLLM loads)
 
     print("prfaas standby: vLLM imported, waiting", file=sys.stderr, flush=True)
-    if sys.stdin.readline().strip() != GO:
+    command = sys.stdin.readline().split()
+    if command[:1] != [GO]:
         return 0
+    if len(command) > 1:
+        os.environ[role.ENV_ROLE] = command[1]  # the middleware validates it
     sys.argv = ["vllm.entrypoints.openai.api_server", *sys.argv[1:]]
     entry.main()
     return 0
