@@ -4,6 +4,7 @@ server (in process and as its own process)."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -14,6 +15,7 @@ from aiohttp_helpers import start_app
 from etcd_helpers import EtcdServer
 from redis_helpers import RedisServer
 
+from prfaas.common.ports import ENV_RANGE, slice_of
 from prfaas.testing.null_server import NullConfig, NullServer
 
 # The SGLang plugin's tests need the real `sglang` package, which lives in its own
@@ -21,6 +23,15 @@ from prfaas.testing.null_server import NullConfig, NullServer
 # failing loudly if it cannot. Other environments leave that folder out.
 if importlib.util.find_spec("sglang") is None:
     collect_ignore = ["engines/sglang"]
+
+# Under pytest-xdist (`make test`) each worker, with every process it starts, picks ports
+# from a slice of its own: a port one worker picked for a server still starting is free
+# to the other's bind check, and vLLM takes tens of seconds to bind.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ[ENV_RANGE] = slice_of(
+        int(os.environ["PYTEST_XDIST_WORKER"].removeprefix("gw")),
+        int(os.environ["PYTEST_XDIST_WORKER_COUNT"]),
+    )
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"

@@ -116,10 +116,10 @@ def write_byte_level_tokenizer(root: Path, template: str = CHATML) -> Path:
 
 def build_qwen3_next(out: Path, seed: int = 0, layers: int = 8, dense: bool = False) -> Path:
     """Write a tiny random Qwen3-Next checkpoint (bf16 safetensors + tokenizer) of `layers`
-    layers (every 4th full attention) to `out`, unless one is already there (or another process
-    writes it first); `dense`: its
-    all-full-attention twin instead (a `Qwen3ForCausalLM` of the same widths, dense MLPs),
-    whose prefix cache hits at every block. Needs torch and transformers."""
+    layers (every 4th full attention) to `out`, unless one is already there (or another
+    process writes it first); `dense`: its all-full-attention twin instead (a
+    `Qwen3ForCausalLM` of the same widths, dense MLPs), whose prefix cache hits at every
+    block. Needs torch and transformers."""
     import torch
     import transformers
 

@@ -21,6 +21,24 @@ def test_the_room_is_below_the_ephemeral_range_or_none() -> None:
     assert ports.pickable(0) == range(0)
 
 
+def test_a_slice_keeps_the_picks_in_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Processes picking side by side, each in its own slice, never pick the same port."""
+    assert ports.pickable(32768, range(20000, 25000)) == range(20000, 25000)
+    assert ports.pickable(32768, range(30000, 40000)) == range(30000, 32768)
+    assert ports.pickable(32768, range(32000, 40000)) == range(0)  # too little room
+    low = _ephemeral_low()
+    halves = [ports.slice_of(i, 2) for i in range(2)]
+    assert halves == [f"{ports.LOWEST}-{ports.LOWEST + (low - ports.LOWEST) // 2}",
+                      f"{ports.LOWEST + (low - ports.LOWEST) // 2}-"
+                      f"{ports.LOWEST + 2 * ((low - ports.LOWEST) // 2)}"]  # fmt: skip
+    monkeypatch.setenv(ports.ENV_RANGE, halves[1])
+    start, stop = (int(p) for p in halves[1].split("-"))
+    assert all(start <= ports.free_port() < stop for _ in range(64))
+    monkeypatch.setenv(ports.ENV_RANGE, "10000:20000")
+    with pytest.raises(ValueError, match="PRFAAS_PORT_RANGE must be LOW-HIGH"):
+        ports.free_port()
+
+
 def test_ports_are_distinct_bindable_and_below_the_ephemeral_range() -> None:
     picked = ports.free_ports(64) + [ports.free_port() for _ in range(64)]
     assert len(set(picked)) == len(picked)

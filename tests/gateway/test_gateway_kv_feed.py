@@ -143,7 +143,9 @@ async def test_waiting_for_a_silent_engine_is_bounded() -> None:
             try:
                 start = asyncio.get_running_loop().time()
                 assert await feed.synced(0.3) == ["pd-p0"]
-                assert asyncio.get_running_loop().time() - start < 0.6
+                assert (
+                    asyncio.get_running_loop().time() - start < 1.0
+                )  # bounded (a loaded loop lags)
                 for _ in range(300):
                     pub.publish([_stored(1, list(range(8)))])
                     await asyncio.sleep(0.02)

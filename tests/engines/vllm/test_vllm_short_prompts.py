@@ -32,7 +32,7 @@ STATE_BLOCK = TINY_BLOCK_SIZE  # where vLLM's scheduler checkpoints the linear s
 LENGTHS = (1, 2, 5, 59, 64, 127, 128, 129, 383, 384, 385, 768, 769, 1500, 4000)
 """15 prompt lengths from 1 to 4,000 tokens (the context is 4,096): those whose greedy
 tokens the old hand-off flipped, each side of the first two block boundaries, and two long
-prompts handed over at the 4th and 10th boundary."""
+prompts handed over at the 3rd and 10th boundary."""
 MAX_TOKENS = 12
 
 
