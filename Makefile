@@ -109,7 +109,7 @@ $(OPENSSL):
 # pytest runs the test files on PYTEST_WORKERS processes (pytest-xdist; each file's tests on
 # one worker, so a module's servers start once). The suite is CPU-bound: two workers on two
 # cores took it from 47 to 34 minutes; more workers than cores only add contention, and each
-# may hold up to eight vLLM processes (four engines and their standbys, 0.6-1 GB each).
+# may hold five vLLM processes (three servers and two standbys, 0.6-1 GB each).
 # PYTEST_WORKERS=0 runs the tests in make's own pytest process, one after the other.
 PYTEST_WORKERS ?= 2
 

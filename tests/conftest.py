@@ -26,12 +26,15 @@ if importlib.util.find_spec("sglang") is None:
 
 # Under pytest-xdist (`make test`) each worker, with every process it starts, picks ports
 # from a slice of its own: a port one worker picked for a server still starting is free
-# to the other's bind check, and vLLM takes tens of seconds to bind.
+# to the other's bind check, and vLLM takes tens of seconds to bind. (A worker started in
+# place of a crashed one, gw2 on, gets none: it picks from the whole room.)
 if "PYTEST_XDIST_WORKER" in os.environ:
-    os.environ[ENV_RANGE] = slice_of(
+    _slice = slice_of(
         int(os.environ["PYTEST_XDIST_WORKER"].removeprefix("gw")),
         int(os.environ["PYTEST_XDIST_WORKER_COUNT"]),
     )
+    if _slice is not None:
+        os.environ[ENV_RANGE] = _slice
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"

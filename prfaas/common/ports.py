@@ -4,10 +4,11 @@ etcd's, a test server's).
 A port is picked below the kernel's ephemeral range (`ip_local_port_range`) when there is room
 there: the kernel never hands such a port to an outgoing connection or to a `bind(("", 0))`,
 so nothing else on the machine takes it between the pick and the bind, nor between an
-engine's death and its restart on the same ports. One process never hands out a port twice;
-processes that pick side by side (the test suite's workers, with their children) keep apart
-by each picking from a slice of its own (`PRFAAS_PORT_RANGE`). Where the range cannot be
-read (not Linux) or leaves no room, the kernel picks (`bind` to 0).
+engine's death and its restart on the same ports. One process never hands out a port twice
+(a process and its children may, as before); side by side, each test worker, with its
+children, picks from a slice of its own (`PRFAAS_PORT_RANGE`), so that two workers never
+do. Where the range cannot be read (not Linux) or leaves no room, the kernel picks (`bind`
+to 0).
 """
 
 from __future__ import annotations
@@ -41,11 +42,14 @@ def pickable(ephemeral_low: int, allowed: range | None = None) -> range:
     return room if len(room) >= MIN_ROOM else range(0)
 
 
-def slice_of(index: int, count: int) -> str:
-    """The `PRFAAS_PORT_RANGE` value of process `index` of `count` picking side by side:
-    the `count`th part of this machine's room (empty where there is no room)."""
+def slice_of(index: int, count: int) -> str | None:
+    """The `PRFAAS_PORT_RANGE` value of process `index` (0 to `count` - 1) of `count`
+    picking side by side: the `count`th part of this machine's room; None where that part
+    would be too small to pick from (the process then picks from the whole room)."""
     room = pickable(ephemeral_low())
     size = len(room) // count
+    if not 0 <= index < count or size < MIN_ROOM:
+        return None
     low = room.start + index * size
     return f"{low}-{low + size}"
 

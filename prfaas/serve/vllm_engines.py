@@ -47,10 +47,11 @@ def vllm_server(
 ) -> VLLMServer:
     """The server a `[[launch]]` entry describes, serving the deployment's model `served`
     under its name and paging in its block size (the KV index's: vLLM's own choice for a
-    hybrid model depends on its version and the Mamba state's dtype); prefill roles pace
-    their egress as set; `events`, `replay`: where its KV events and their replay are served, see
-    `VLLMServer.kv_events`; `port`: its HTTP port, 0 for any free one; `env`: added to its
-    environment; `role`: the role it starts in, None for the launch's).
+    hybrid model depends on its version and the Mamba state's dtype), its connector pacing
+    the KV it sends as the launch sets; `events`, `replay`: where its KV events and their
+    replay are served, see `VLLMServer.kv_events`; `port`: its HTTP port, 0 for any free
+    one; `env`: added to its environment; `role`: the role it starts in, None for the
+    launch's).
 
     Raises:
         RuntimeError: the vLLM environment's interpreter does not exist.

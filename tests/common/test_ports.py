@@ -27,7 +27,10 @@ def test_a_slice_keeps_the_picks_in_it(monkeypatch: pytest.MonkeyPatch) -> None:
     assert ports.pickable(32768, range(30000, 40000)) == range(30000, 32768)
     assert ports.pickable(32768, range(32000, 40000)) == range(0)  # too little room
     low = _ephemeral_low()
+    assert ports.slice_of(2, 2) is None  # a worker started in place of a crashed one
+    assert ports.slice_of(0, (low - ports.LOWEST) // ports.MIN_ROOM + 1) is None  # too small
     halves = [ports.slice_of(i, 2) for i in range(2)]
+    assert halves[1] is not None
     assert halves == [f"{ports.LOWEST}-{ports.LOWEST + (low - ports.LOWEST) // 2}",
                       f"{ports.LOWEST + (low - ports.LOWEST) // 2}-"
                       f"{ports.LOWEST + 2 * ((low - ports.LOWEST) // 2)}"]  # fmt: skip
