@@ -8,8 +8,8 @@ converted starts in the new role; a ROLE that is none exits 2), `go` alone in th
 its environment; anything else or end of input exits 0. The import is a third to a half of
 a vLLM start on CPU (10 of 23 s on an idle 2-core machine, more under load: it is
 single-threaded Python), so a supervisor that keeps one standby per engine brings a dead
-engine back that much sooner (`prfaas.serve.vllm_engines.VLLMRestarts`). vLLM's EngineCore process is spawned after `go`,
-as at any start, and imports vLLM afresh.
+engine back that much sooner (`prfaas.serve.vllm_engines.VLLMRestarts`). vLLM's EngineCore
+process is spawned after `go`, as at any start, and imports vLLM afresh.
 
 `main` runs only as `__main__`: vLLM spawns its EngineCore with the `spawn` start method,
 which imports this module again in the child, where nothing must run.
