@@ -19,12 +19,18 @@ def vllm_launch(
 
 
 def vllm_pd_deployment(
-    model: Path | str, python: Path | str, block_size: int, vllm_args: tuple[str, ...] = ()
+    model: Path | str,
+    python: Path | str,
+    block_size: int,
+    vllm_args: tuple[str, ...] = (),
+    *,
+    served: str = "tiny",
+    gateway: str = "",
 ) -> str:
     """A whole deployment file: one PrfaaS prefill ("prfaas-p0") and one PD decode
     ("pd-d0") vLLM engine of `model` (its own tokenizer, 4,096-token context, paged in
-    `block_size`-token blocks, each started with `vllm_args`), every prompt offloaded
-    (threshold 0)."""
+    `block_size`-token blocks, each started with `vllm_args`) served as `served`, every
+    prompt offloaded (threshold 0); `gateway`: more `[gateway]` lines."""
     extra = f"vllm_args = {json.dumps(list(vllm_args))}\n" if vllm_args else ""
     launched = "".join(
         vllm_launch(name, cluster, role, model, python, extra)
@@ -32,11 +38,11 @@ def vllm_pd_deployment(
     )
     return f"""
 [model]
-name = "tiny"
+name = "{served}"
 tokenizer = "{model}"
 context_length = 4096
 block_size = {block_size}
 vocab_size = 384
 [gateway]
 threshold = 0
-{launched}"""
+{gateway}{launched}"""

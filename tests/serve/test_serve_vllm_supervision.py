@@ -29,34 +29,13 @@ from metrics_helpers import Scrape
 from vllm_helpers import MODEL, VLLM_PYTHON, require_vllm
 
 from prfaas.serve.reaper import descendants
-from prfaas.testing.launch_tables import vllm_launch
+from prfaas.testing.launch_tables import vllm_pd_deployment
 from prfaas.testing.processes import alive, child_pids, waiting_standby
 from prfaas.testing.tiny_checkpoint import TINY_BLOCK_SIZE
 
 LISTENING = re.compile(r"PrfaaS gateway listening on (http://\S+)")
 START_TIMEOUT_S = 600
 GRACE_S = 8.0
-
-
-def _deployment() -> str:
-    engines = "".join(
-        vllm_launch(name, cluster, role, MODEL, VLLM_PYTHON)
-        for name, cluster, role in (("prfaas-p0", "prfaas", "prefill"), ("pd-d0", "pd", "decode"))
-    )
-    return f"""
-[model]
-name = "qwen3-next-tiny"
-tokenizer = "{MODEL}"
-context_length = 4096
-block_size = {TINY_BLOCK_SIZE}
-vocab_size = 384
-
-[gateway]
-policy = "prfaas"
-threshold = 0
-health_interval_s = 0.5
-unresponsive_restart_s = {GRACE_S}
-{engines}"""
 
 
 @dataclass
@@ -70,7 +49,10 @@ def serving(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
     require_vllm()
     root = tmp_path_factory.mktemp("vllm-supervision")
     config = root / "deploy.toml"
-    config.write_text(_deployment())
+    config.write_text(vllm_pd_deployment(
+        MODEL, VLLM_PYTHON, TINY_BLOCK_SIZE, served="qwen3-next-tiny",
+        gateway=f'policy = "prfaas"\nhealth_interval_s = 0.5\nunresponsive_restart_s = {GRACE_S}\n',
+    ))  # fmt: skip
     log = root / "serve.log"
     with log.open("w") as out:
         proc = subprocess.Popen(
