@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from serve_live_helpers import get
 from vllm_helpers import MODEL, VLLM_PYTHON, require_vllm
 
 from prfaas.common.ports import free_port
@@ -42,12 +43,6 @@ def _launch(**kw: object) -> LaunchConfig:
 async def _serves(engine: EngineProcess) -> None:
     """A greedy completion from the engine itself."""
     await asyncio.to_thread(_complete, engine.url)
-
-
-def _health(url: str) -> dict[str, object]:
-    with urllib.request.urlopen(f"{url}/health", timeout=30) as reply:
-        health: dict[str, object] = json.load(reply)
-    return health
 
 
 def _complete(url: str) -> None:
@@ -152,7 +147,7 @@ async def test_failed_and_mismatched_standbys_fall_back(
     fifth = await restarts(converted, "pd-d0.4")
     running.append(fifth)
     assert fifth.process.pid == decode.process.pid and fifth.spec.role == "prefill"
-    assert _health(fifth.url)["role"] == "prefill"
+    assert get(f"{fifth.url}/health")["role"] == "prefill"
     await _serves(fifth)
 
 
