@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 import signal
+import subprocess
 import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -149,6 +150,25 @@ async def test_failed_and_mismatched_standbys_fall_back(
     assert fifth.process.pid == decode.process.pid and fifth.spec.role == "prefill"
     assert get(f"{fifth.url}/health")["role"] == "prefill"
     await _serves(fifth)
+
+
+def test_a_standby_told_an_unknown_role_exits_2(tmp_path: Path) -> None:
+    """`go ROLE` with a role vLLM's role middleware would refuse: the standby exits 2 at once,
+    naming it, before it starts a server (its supervisor then starts the engine afresh)."""
+    require_vllm()
+    standby = subprocess.Popen(
+        [str(VLLM_PYTHON), "-m", "prfaas.engines.vllm.standby", "--model", str(MODEL)],
+        stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        assert standby.stderr is not None
+        for line in standby.stderr:  # until vLLM is imported
+            if "prfaas standby: vLLM imported, waiting" in line:
+                break
+        _, err = standby.communicate("go mixed\n", timeout=60)
+    finally:
+        standby.kill()
+    assert standby.returncode == 2 and "no role 'mixed'" in err, err
 
 
 async def test_an_engine_paging_in_another_block_size_does_not_start(
