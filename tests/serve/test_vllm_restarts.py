@@ -22,9 +22,10 @@ from pathlib import Path
 
 import pytest
 from serve_live_helpers import get
-from vllm_helpers import MODEL, VLLM_PYTHON, require_vllm
+from vllm_helpers import MODEL, VLLM_PYTHON, require_vllm, server
 
 from prfaas.common.ports import free_port
+from prfaas.engines.vllm.standby import GO, READY
 from prfaas.gateway.deployment import LaunchConfig, ModelConfig
 from prfaas.serve.processes import EngineProcess, EngineSpec
 from prfaas.serve.vllm_engines import VLLMRestarts, cache_block_size, start_vllm
@@ -156,8 +157,9 @@ def test_a_standby_told_an_unknown_role_exits_2(tmp_path: Path) -> None:
     """`go ROLE` with a role vLLM's role middleware would refuse: the standby exits 2 at once,
     naming it, before it starts a server (its supervisor then starts the engine afresh)."""
     require_vllm()
+    spec = server("standby")  # the command line a supervisor spawns a standby with
     standby = subprocess.Popen(
-        [str(VLLM_PYTHON), "-m", "prfaas.engines.vllm.standby", "--model", str(MODEL)],
+        spec.command(standby=True), env=spec.env(),
         stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
     )  # fmt: skip
     before = []
@@ -165,9 +167,9 @@ def test_a_standby_told_an_unknown_role_exits_2(tmp_path: Path) -> None:
         assert standby.stderr is not None
         for line in standby.stderr:  # until vLLM is imported
             before.append(line)
-            if "prfaas standby: vLLM imported, waiting" in line:
+            if READY in line:
                 break
-        _, err = standby.communicate("go mixed\n", timeout=60)
+        _, err = standby.communicate(f"{GO} mixed\n", timeout=60)
     finally:
         standby.kill()
         standby.wait()

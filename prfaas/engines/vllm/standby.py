@@ -21,6 +21,8 @@ import os
 import sys
 
 GO = "go"
+READY = "prfaas standby: vLLM imported, waiting"
+"""What the standby writes to stderr once vLLM is imported."""
 
 
 def main() -> int:
@@ -28,7 +30,7 @@ def main() -> int:
 
     from prfaas.engines.vllm import auth, role  # noqa: F401  (the middlewares vLLM loads)
 
-    print("prfaas standby: vLLM imported, waiting", file=sys.stderr, flush=True)
+    print(READY, file=sys.stderr, flush=True)
     command = sys.stdin.readline().split()
     if command[:1] != [GO]:
         return 0
