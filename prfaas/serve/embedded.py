@@ -41,6 +41,7 @@ from prfaas.policies.routing import Route
 from prfaas.policies.workload_estimate import EstimateConfig
 from prfaas.serve.processes import EngineProcess, EngineSpec, start_engine
 from prfaas.serve.profiling import (
+    SHARED_LENGTH,
     MeasuredProfile,
     Pair,
     Workload,
@@ -258,8 +259,10 @@ def _profile_lines(m: MeasuredProfile) -> list[str]:
         for n, p, k in zip(m.lengths, m.prefill_s, m.kv_bytes, strict=True)
     )
     return [
-        f"  profile    prefill latency / KV bytes by prompt tokens: {cells}",
+        f"  profile    prefill latency (alone) / KV bytes by prompt tokens: {cells}",
         f"             decode step {m.decode_step_s * 1000:.1f} ms (measured at start-up)",
+        f"             sharing the cores: x{m.shared_slowdown:.2f} (a {SHARED_LENGTH}-token PD "
+        "prefill while the PrfaaS prefill and the decode work; the profile's times include it)",
         f"             link {m.link_bytes_per_s * 8 / 1e6:.2f} Mbit/s (measured: a cached "
         "prompt's KV over the paced transport)",
     ]

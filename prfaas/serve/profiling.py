@@ -3,9 +3,11 @@
 Measured on the live engines: prefill latency at a few prompt lengths (a PD pair, one
 output token), KV bytes per prefill (what the PrfaaS prefill's transport sent, from its
 `/transfer_stats`), the link's bandwidth (a KV transfer of known size over the real paced
-transport, timed on the sender's clock), decode step time. These fill a deployment profile
-(the `prfaas plan` format) whose workload is a log-normal of prompts from a few hundred to
-a few thousand tokens; the planner's optimum threshold is the gateway's `t`.
+transport, timed on the sender's clock), decode step time, and how much slower a prefill
+runs while every engine works (the engines share the machine's cores: at capacity all of
+them are busy). These fill a deployment profile (the `prfaas plan` format) whose workload is
+a log-normal of prompts from a few hundred to a few thousand tokens, its times those of
+engines sharing the cores; the planner's optimum threshold is the gateway's `t`.
 """
 
 from __future__ import annotations
@@ -25,7 +27,11 @@ from prfaas.policies.profile import DeploymentProfile, parse_profile
 from prfaas.protocol.generate import Bootstrap, GenerateRequest, SamplingParams
 
 PROFILE_LENGTHS = (256, 1024, 3072)
+SHARED_LENGTH = 1024
+"""The PD prefill timed alone and beside the other engines' work (a `PROFILE_LENGTHS` entry
+short of the longest, which the PrfaaS prefill computes meanwhile)."""
 DECODE_TOKENS = 16
+BUSY_DECODE_TOKENS = 96  # keeps the decode stepping through a contended PD prefill
 MIB = 2**20
 PROBE_SAMPLE_S = 0.01
 PROBE_MIN_BUSY_S = 0.25  # a shorter probe is too coarse for 10 ms samples: probe longer
@@ -65,9 +71,24 @@ class MeasuredProfile:
     decode_batch_max: int
     link_bytes_per_s: float
     """Measured: a cached prompt's KV (no compute to wait for) over the real transport."""
+    shared_slowdown: float = 1.0
+    """A `SHARED_LENGTH` PD prefill's time while the PrfaaS prefill computes and the decode
+    steps, over its time alone (at least 1). `prefill_s` and `decode_step_s` are alone."""
+
+    def shared_prefill_s(self) -> tuple[float, ...]:
+        """The prefill times with every engine working, as at capacity."""
+        return tuple(s * self.shared_slowdown for s in self.prefill_s)
+
+    def shared_decode_step_s(self) -> float:
+        """The decode step with every engine working (the same factor as prefill)."""
+        return self.decode_step_s * self.shared_slowdown
 
 
-async def _run_pair(pair: Pair, ids: list[int], max_new_tokens: int) -> float:
+async def _run_pair(
+    pair: Pair, ids: list[int], max_new_tokens: int, decoding: asyncio.Event | None = None
+) -> float:
+    """Seconds for a fresh request through `pair`; `decoding` is set at the decode's first
+    chunk (or when the pair ends, so that a waiter never hangs)."""
     loop = asyncio.get_running_loop()
     room = secrets.randbits(63)  # a room is a capability: never from a predictable stream
     request = GenerateRequest(
@@ -78,10 +99,39 @@ async def _run_pair(pair: Pair, ids: list[int], max_new_tokens: int) -> float:
     )
 
     start = loop.time()
-    await asyncio.gather(
-        collect(pair.prefill.generate(request)), collect(pair.decode.generate(request))
-    )
+    try:
+        await asyncio.gather(
+            collect(pair.prefill.generate(request)), _decode(pair.decode, request, decoding)
+        )
+    finally:
+        if decoding is not None:
+            decoding.set()
     return loop.time() - start
+
+
+async def _decode(
+    decode: BaseEngineClient, request: GenerateRequest, decoding: asyncio.Event | None
+) -> None:
+    call = decode.generate(request)
+    try:
+        while await call.next() is not None:
+            if decoding is not None:
+                decoding.set()
+    finally:
+        call.abort()  # a no-op once it has ended
+
+
+async def _shared(pd: Pair, prfaas: Pair, prompt: list[int], rng: random.Random) -> float:
+    """A PD pair's time for a fresh `SHARED_LENGTH` prompt while the PrfaaS prefill
+    computes `prompt` and the decode steps through a long answer: every engine working."""
+    decoding = asyncio.Event()
+    busy = asyncio.ensure_future(_run_pair(pd, _prompt(64, rng), BUSY_DECODE_TOKENS, decoding))
+    remote = asyncio.ensure_future(_run_pair(prfaas, prompt, 1))
+    try:
+        await decoding.wait()
+        return await _run_pair(pd, _prompt(SHARED_LENGTH, rng), 1)
+    finally:
+        await asyncio.gather(busy, remote)
 
 
 def _prompt(length: int, rng: random.Random) -> list[int]:
@@ -91,19 +141,28 @@ def _prompt(length: int, rng: random.Random) -> list[int]:
 async def measure(
     pd: Pair, prfaas: Pair, stats: StatsReader, batch_max: int, seed: int = 0
 ) -> MeasuredProfile:
-    """Profile the engines (a few seconds). Requests run one at a time, except that the link
-    probe's paced, CPU-light tail overlaps the decode-step measurement (different engines
-    but the decode one, which only receives KV meanwhile). `stats` reads the PrfaaS
+    """Profile the engines (a few seconds). Requests run one at a time, except two overlaps:
+    while the PrfaaS prefill computes the longest prompt (its KV bytes counted), a PD pair
+    at `SHARED_LENGTH` and a long decode run beside it (the shared-cores slowdown); and the
+    link probe's paced, CPU-light tail overlaps the decode-step measurement (different
+    engines but the decode one, which only receives KV meanwhile). `stats` reads the PrfaaS
     prefill's transport telemetry."""
     rng = random.Random(seed)
     await _run_pair(pd, _prompt(64, rng), 1)  # warm-up
-    pd_s, kv, prompts = [], [], []
+    pd_s: list[float] = []
+    kv: list[int] = []
+    prompts: list[list[int]] = []
+    shared_s = 0.0
     for n in PROFILE_LENGTHS:
         pd_s.append(await _run_pair(pd, _prompt(n, rng), 1))
         prompts.append(_prompt(n, rng))
         before = (await stats()).bytes_total
-        await _run_pair(prfaas, prompts[-1], 1)
+        if n == PROFILE_LENGTHS[-1]:
+            shared_s = await _shared(pd, prfaas, prompts[-1], rng)
+        else:
+            await _run_pair(prfaas, prompts[-1], 1)
         kv.append((await stats()).bytes_total - before)
+    slowdown = max(shared_s / pd_s[PROFILE_LENGTHS.index(SHARED_LENGTH)], 1.0)
     moving = asyncio.Event()
     probe = asyncio.ensure_future(probe_link(prfaas, stats, prompts[1:], moving))
     try:
@@ -112,7 +171,7 @@ async def measure(
         link = await probe
     finally:
         probe.cancel()
-    return MeasuredProfile(PROFILE_LENGTHS, tuple(pd_s), tuple(kv), step, batch_max, link)
+    return MeasuredProfile(PROFILE_LENGTHS, tuple(pd_s), tuple(kv), step, batch_max, link, slowdown)
 
 
 async def _decode_step(pd: Pair, rng: random.Random) -> float:
@@ -174,7 +233,9 @@ def profile_document(
     m: MeasuredProfile, workload: Workload, pd_instances: int = 2
 ) -> dict[str, Any]:
     """The measured deployment as a planner profile (same schema as `prfaas plan`), its PD
-    cluster `pd_instances` instances of the measured hardware."""
+    cluster `pd_instances` instances of the measured hardware, its times the shared-cores
+    ones: the planner plans for capacity, where every engine works. (At low load a request
+    runs nearer its alone time, so the profile's predictions err long by the slowdown.)"""
     return {
         "workload": {
             "input_distribution": "lognormal",
@@ -192,9 +253,9 @@ def profile_document(
         "hardware": {
             "cpu": {
                 "prefill_tokens": list(m.lengths),
-                "prefill_seconds": _increasing(m.prefill_s),
+                "prefill_seconds": _increasing(m.shared_prefill_s()),
                 "decode_batch_max": m.decode_batch_max,
-                "decode_step_seconds": m.decode_step_s,
+                "decode_step_seconds": m.shared_decode_step_s(),
             }
         },
         "clusters": {
