@@ -130,6 +130,8 @@ def test_summary_shows_planner_threshold(running: Running) -> None:
     summary = "".join(running.output)
     for needle in ("prfaas-p0 (prefill)", "pd-d0 (decode)", "link ", "profile ", "planner "):
         assert needle in summary
+    shared = re.search(r"sharing the cores: x([0-9.]+)", summary)
+    assert shared is not None and float(shared.group(1)) >= 1.0, summary
     assert 256 <= running.threshold <= 4096
     measured = re.search(r"link ([0-9.]+) Mbit/s \(measured", summary)
     assert measured is not None, summary
