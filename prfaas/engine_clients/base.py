@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -256,8 +256,11 @@ class QueuedCall(EngineCall):
             waiter.set_result(None)
 
 
-async def collect(call: EngineCall) -> list[GenerateChunk]:
-    """Every chunk of `call`; the call is aborted if the wait is cancelled or fails.
+async def collect(
+    call: EngineCall, on_chunk: Callable[[GenerateChunk], None] | None = None
+) -> list[GenerateChunk]:
+    """Every chunk of `call` (each also given to `on_chunk` as it arrives); the call is
+    aborted if the wait is cancelled or fails.
 
     Raises:
         EngineError: the call failed.
@@ -266,6 +269,8 @@ async def collect(call: EngineCall) -> list[GenerateChunk]:
     try:
         while (chunk := await call.next()) is not None:
             chunks.append(chunk)
+            if on_chunk is not None:
+                on_chunk(chunk)
     finally:
         call.abort()  # a no-op once it has ended
     return chunks

@@ -260,7 +260,7 @@ def _profile_lines(m: MeasuredProfile) -> list[str]:
     )
     return [
         f"  profile    prefill latency (alone) / KV bytes by prompt tokens: {cells}",
-        f"             decode step {m.decode_step_s * 1000:.1f} ms (measured at start-up)",
+        f"             decode step {m.decode_step_s * 1000:.1f} ms (alone, measured at start-up)",
         f"             sharing the cores: x{m.shared_slowdown:.2f} (a {SHARED_LENGTH}-token PD "
         "prefill while the PrfaaS prefill and the decode work; the profile's times include it)",
         f"             link {m.link_bytes_per_s * 8 / 1e6:.2f} Mbit/s (measured: a cached "

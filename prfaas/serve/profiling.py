@@ -31,7 +31,7 @@ SHARED_LENGTH = 1024
 """The PD prefill timed alone and beside the other engines' work (a `PROFILE_LENGTHS` entry
 short of the longest, which the PrfaaS prefill computes meanwhile)."""
 DECODE_TOKENS = 16
-BUSY_DECODE_TOKENS = 96  # keeps the decode stepping through a contended PD prefill
+BUSY_DECODE_TOKENS = 2048  # keeps the decode stepping through a contended PD prefill
 MIB = 2**20
 PROBE_SAMPLE_S = 0.01
 PROBE_MIN_BUSY_S = 0.25  # a shorter probe is too coarse for 10 ms samples: probe longer
@@ -80,7 +80,8 @@ class MeasuredProfile:
         return tuple(s * self.shared_slowdown for s in self.prefill_s)
 
     def shared_decode_step_s(self) -> float:
-        """The decode step with every engine working (the same factor as prefill)."""
+        """The decode step with every engine working: the prefill's factor (not measured on
+        its own: a step is mostly the same single-threaded matrix work as a prefill)."""
         return self.decode_step_s * self.shared_slowdown
 
 
@@ -99,9 +100,11 @@ async def _run_pair(
     )
 
     start = loop.time()
+    started = None if decoding is None else (lambda _: decoding.set())
     try:
         await asyncio.gather(
-            collect(pair.prefill.generate(request)), _decode(pair.decode, request, decoding)
+            collect(pair.prefill.generate(request)),
+            collect(pair.decode.generate(request), started),
         )
     finally:
         if decoding is not None:
@@ -109,29 +112,23 @@ async def _run_pair(
     return loop.time() - start
 
 
-async def _decode(
-    decode: BaseEngineClient, request: GenerateRequest, decoding: asyncio.Event | None
-) -> None:
-    call = decode.generate(request)
-    try:
-        while await call.next() is not None:
-            if decoding is not None:
-                decoding.set()
-    finally:
-        call.abort()  # a no-op once it has ended
-
-
 async def _shared(pd: Pair, prfaas: Pair, prompt: list[int], rng: random.Random) -> float:
     """A PD pair's time for a fresh `SHARED_LENGTH` prompt while the PrfaaS prefill
-    computes `prompt` and the decode steps through a long answer: every engine working."""
+    computes `prompt` and the decode steps through a long answer (given up once the timed
+    pair ends): every engine working. A failure anywhere cancels the rest."""
     decoding = asyncio.Event()
-    busy = asyncio.ensure_future(_run_pair(pd, _prompt(64, rng), BUSY_DECODE_TOKENS, decoding))
-    remote = asyncio.ensure_future(_run_pair(prfaas, prompt, 1))
-    try:
+    async with asyncio.TaskGroup() as group:
+        busy = group.create_task(_run_pair(pd, _prompt(64, rng), BUSY_DECODE_TOKENS, decoding))
+        group.create_task(_run_pair(prfaas, prompt, 1))
         await decoding.wait()
-        return await _run_pair(pd, _prompt(SHARED_LENGTH, rng), 1)
-    finally:
-        await asyncio.gather(busy, remote)
+        took = await _run_pair(pd, _prompt(SHARED_LENGTH, rng), 1)
+        if busy.done():
+            raise RuntimeError(
+                f"the decode finished {BUSY_DECODE_TOKENS} tokens before a "
+                f"{SHARED_LENGTH}-token prefill: the shared-cores timing lost its overlap"
+            )
+        busy.cancel()
+    return took
 
 
 def _prompt(length: int, rng: random.Random) -> list[int]:
@@ -141,12 +138,12 @@ def _prompt(length: int, rng: random.Random) -> list[int]:
 async def measure(
     pd: Pair, prfaas: Pair, stats: StatsReader, batch_max: int, seed: int = 0
 ) -> MeasuredProfile:
-    """Profile the engines (a few seconds). Requests run one at a time, except two overlaps:
-    while the PrfaaS prefill computes the longest prompt (its KV bytes counted), a PD pair
-    at `SHARED_LENGTH` and a long decode run beside it (the shared-cores slowdown); and the
-    link probe's paced, CPU-light tail overlaps the decode-step measurement (different
-    engines but the decode one, which only receives KV meanwhile). `stats` reads the PrfaaS
-    prefill's transport telemetry."""
+    """Profile the engines (about ten seconds). Requests run one at a time but for two
+    overlaps: while the PrfaaS prefill computes the longest prompt (its KV bytes counted),
+    a PD pair at `SHARED_LENGTH` and a long decode run beside it (the shared-cores
+    slowdown); and the link probe's paced, CPU-light tail overlaps the decode-step
+    measurement (different engines but the decode one, which only receives KV meanwhile).
+    `stats` reads the PrfaaS prefill's transport telemetry."""
     rng = random.Random(seed)
     await _run_pair(pd, _prompt(64, rng), 1)  # warm-up
     pd_s: list[float] = []
@@ -234,8 +231,10 @@ def profile_document(
 ) -> dict[str, Any]:
     """The measured deployment as a planner profile (same schema as `prfaas plan`), its PD
     cluster `pd_instances` instances of the measured hardware, its times the shared-cores
-    ones: the planner plans for capacity, where every engine works. (At low load a request
-    runs nearer its alone time, so the profile's predictions err long by the slowdown.)"""
+    ones. One profile serves the start-up planner, the gateway's schedulers (their re-solves
+    and predictions) and the simulated twin, so that they agree; it is right at capacity,
+    where every engine works. At low load a request runs nearer its alone time: predicted
+    compute then errs long by the slowdown, on the local and the remote side alike."""
     return {
         "workload": {
             "input_distribution": "lognormal",
