@@ -45,7 +45,11 @@ No oscillation under steady load: after a raise, the `t` at which the link was c
 remembered, and lowering back toward the set-point on a quiet link stops one step above it
 until that memory expires (`memory_s`), the link capacity grows, or the set-point moves.
 So under a steady load the trimmer settles one step above the congested point instead of
-cycling through it (TCP's ssthresh plays the same role).
+cycling through it (TCP's ssthresh plays the same role). The same holds the other way:
+after a lowering for a congested PD prefill, relaxing back up stops one step below the `t`
+at which PD was congested until that memory expires or the set-point moves (without it,
+a steady load near the PD prefill's capacity cycled set-point, lower, relax, relax, lower,
+about every 45 s in the live link-drop phase).
 
 Pure: state and observation in, decision out.
 """
@@ -188,6 +192,10 @@ class TrimState:
     congested_at: float | None = None
     """`t` at the last raise (lowering stops one step above it while remembered)."""
     remember_until: float = -math.inf
+    pd_congested_at: float | None = None
+    """`t` at the last lowering for a congested PD prefill (relaxing up stops one step
+    below it while remembered)."""
+    pd_remember_until: float = -math.inf
     capacity: float | None = None
     """Link capacity when the memory was taken."""
     planned_utilisation: float | None = None
@@ -274,13 +282,25 @@ def trim(config: TrimConfig, state: TrimState, obs: TrimObservation) -> TrimDeci
                          remembered=False)  # fmt: skip
         if not lowered.changed:
             return lowered
-        stepped = replace(lowered.state, since_step=0, last_step=LastStep(False, obs.now, pd))
+        stepped = replace(
+            lowered.state,
+            since_step=0,
+            last_step=LastStep(False, obs.now, pd),
+            pd_congested_at=t,
+            pd_remember_until=obs.now + config.memory_s,
+        )
         return replace(lowered, state=stepped)
     if t > sp and (util is None or util < config.low_water):
         util_text = "unknown" if util is None else f"{util:.2f}"
         return _lower(config, state, sp, f"egress {util_text} < {config.low_water:g}")
     if t < sp:
-        new = min(t + config.lower_step_tokens, sp)
+        ceiling = sp
+        if state.pd_congested_at is not None:
+            ceiling = min(sp, state.pd_congested_at - config.lower_step_tokens)
+        if t >= ceiling:
+            return TrimDecision(state, False, f"hold: t one step below {state.pd_congested_at:.0f}"
+                                ", where the PD queue was congested")  # fmt: skip
+        new = min(t + config.lower_step_tokens, ceiling)
         return _moved(state, new, f"relax up toward set-point {sp:.0f}")
     return TrimDecision(state, False, "hold: within the dead band")
 
@@ -305,12 +325,15 @@ def _averaged(config: TrimConfig, seen: TrimAverages | None, obs: TrimObservatio
 
 
 def _forget_if_stale(state: TrimState, obs: TrimObservation) -> TrimState:
-    """Forget the congestion memory once it expires or the link grows (a link that shrank
-    makes the remembered congestion only more true)."""
+    """Forget the link's congestion memory once it expires or the link grows (a link that
+    shrank makes the remembered congestion only more true), the PD prefill's once it
+    expires."""
     cap, old = obs.capacity_bytes_per_s, state.capacity
     moved = cap is not None and old is not None and cap > (1 + CAPACITY_CHANGE) * old
     if moved or obs.now >= state.remember_until:
         state = replace(state, congested_at=None, remember_until=-math.inf)
+    if obs.now >= state.pd_remember_until:
+        state = replace(state, pd_congested_at=None, pd_remember_until=-math.inf)
     return replace(state, capacity=cap if cap is not None else old)
 
 

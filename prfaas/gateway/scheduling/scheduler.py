@@ -276,4 +276,5 @@ def _guarded(step: Callable[[], object]) -> None:
 
 def _trim_json(short: ShortTermLoop) -> dict[str, Any]:
     t = short.trim
-    return {"threshold": t.threshold, "set_point": t.set_point, "congested_at": t.congested_at}
+    return {"threshold": t.threshold, "set_point": t.set_point, "congested_at": t.congested_at,
+            "pd_congested_at": t.pd_congested_at}  # fmt: skip
