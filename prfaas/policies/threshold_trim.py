@@ -48,8 +48,8 @@ So under a steady load the trimmer settles one step above the congested point in
 cycling through it (TCP's ssthresh plays the same role). The same holds the other way:
 after a lowering for a congested PD prefill, relaxing back up stops one step below the `t`
 at which PD was congested until that memory expires or the set-point moves (without it,
-a steady load near the PD prefill's capacity cycled set-point, lower, relax, relax, lower,
-about every 45 s in the live link-drop phase).
+a steady load near the PD prefill's capacity went set-point, lower, relax, relax, lower
+again about a minute later in the live link-drop phase).
 
 Pure: state and observation in, decision out.
 """
@@ -297,9 +297,10 @@ def trim(config: TrimConfig, state: TrimState, obs: TrimObservation) -> TrimDeci
         ceiling = sp
         if state.pd_congested_at is not None:
             ceiling = min(sp, state.pd_congested_at - config.lower_step_tokens)
-        if t >= ceiling:
-            return TrimDecision(state, False, f"hold: t one step below {state.pd_congested_at:.0f}"
-                                ", where the PD queue was congested")  # fmt: skip
+        if t >= ceiling:  # only with a memory: else the ceiling is the set-point, above t
+            return TrimDecision(state, False, f"hold: t {t:.0f} not below {ceiling:.0f}, one "
+                                f"step below {state.pd_congested_at:.0f}, where the PD queue "
+                                "was congested")  # fmt: skip
         new = min(t + config.lower_step_tokens, ceiling)
         return _moved(state, new, f"relax up toward set-point {sp:.0f}")
     return TrimDecision(state, False, "hold: within the dead band")

@@ -188,17 +188,22 @@ def test_relaxes_up_to_the_set_point_once_pd_is_no_longer_congested() -> None:
 
 def test_after_lowering_for_pd_relaxing_up_stops_one_step_below_where_pd_congested() -> None:
     """Set-point 10,000, PD congested there: t falls to 8,000; once PD is quiet it relaxes
-    up 512 tokens a step only to 9,488 (one step below 10,000) and holds there, instead of climbing
-    back to the set-point and cycling; after `memory_s` it climbs the rest."""
+    up 512 tokens a step only to 9,488 (one step below 10,000) and holds there, instead of
+    climbing back to the set-point and cycling; after `memory_s` it climbs the rest, and a
+    new set-point forgets the memory at once."""
     state = TrimState(10_000, 10_000, quiet_ticks=2)
     state = trim(CFG, state, _obs(0, 0.1, pf=1.0, pd=10.0)).state
     assert state.threshold == 8_000
     quiet = _run(state, [_obs(i, 0.1, pf=1.0, pd=1.0) for i in range(1, 40)])
     assert [t for t, _ in quiet][-1] == 9_488
     assert sorted({t for t, _ in quiet}) == [8_000, 8_512, 9_024, 9_488]  # then it holds
-    assert quiet[-1][1] == "hold: t one step below 10000, where the PD queue was congested"
-    later = trim(CFG, replace(state, threshold=9_488, quiet_ticks=2), _obs(301, 0.1))
-    assert later.state.threshold == 10_000
+    assert quiet[-1][1] == (
+        "hold: t 9488 not below 9488, one step below 10000, where the PD queue was congested"
+    )
+    held = replace(state, threshold=9_488, quiet_ticks=2)
+    assert not trim(CFG, held, _obs(299, 0.1)).changed
+    assert trim(CFG, held, _obs(301, 0.1)).state.threshold == 10_000
+    assert held.with_set_point(12_000).pd_congested_at is None
 
 
 def test_no_link_telemetry_counts_as_a_quiet_link() -> None:
