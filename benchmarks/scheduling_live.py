@@ -30,12 +30,18 @@ saturated ones traded. The goals: dual against the live oracle (served >= 0.95x,
 The simulated twin: the same scenario through `prfaas simulate`'s scenario runner (the real
 Router and schedulers, simulated engines on a virtual clock), fed the profile the live
 deployment measured at start-up (`prfaas serve --profile-out`), and a table of live against
-simulated per phase. Live numbers come from this machine's shared cores (compare within
-one run); simulated ones are labelled so.
+simulated per phase. The profile says how much slower a prefill ran with every engine
+working (the engines share this machine's cores); the twin simulates that machine, each
+engine at its alone speed while fewer work (`prfaas.sim.cores`). The JSON keeps the profile,
+so `--twin-of LIVE.json` re-runs the twin of a recorded run without the live part
+(`--dedicated-cores`: the twin as if each engine had cores of its own, for comparison).
+Live numbers come from this machine's shared cores (compare within one run); simulated ones
+are labelled so.
 
 Usage: python benchmarks/scheduling_live.py [--phase-s 180] [--period-s 20]
            [--variants static,dual,oracle] [--seed 0] [--pd-decodes 1] [--json OUT]
            [--plot OUT.png]
+       python benchmarks/scheduling_live.py --twin-of LIVE.json [--dedicated-cores] [--json OUT]
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+import tomllib
 import urllib.request
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -71,7 +78,7 @@ from prfaas.loadgen.records import RequestRecord
 from prfaas.loadgen.spec import BenchSpec, NoProgress
 from prfaas.loadgen.tokens import TokenSpace
 from prfaas.policies.planner import plan
-from prfaas.policies.profile import DeploymentProfile, load_profile
+from prfaas.policies.profile import DeploymentProfile, parse_profile
 from prfaas.serve.embedded import DEFAULT_LINK_MBPS, default_scheduler
 from prfaas.sim.scenario_measure import SLO, phase_metrics
 from prfaas.sim.scenario_run import ControlEvent, Sample, Variant, VariantRun, run_variant
@@ -135,6 +142,8 @@ class Deployment:
     proc: subprocess.Popen[bytes]
     url: str
     prfaas_url: str
+    document: dict[str, Any]
+    """The profile start-up profiling measured (`prfaas plan`'s TOML schema)."""
     profile: DeploymentProfile
     engine_auth: dict[str, str]
     """The engines' control token (`/admin/egress`)."""
@@ -156,7 +165,9 @@ def start(variant: str, logs: Path, period_s: float, pd_decodes: int) -> Deploym
     admin = {"Authorization": f"Bearer {admin_key}"}
     prfaas = _get_json(f"{url}/admin/state", admin)["clusters"]["prfaas"][0]["url"]
     auth = {"Authorization": f"Bearer {secret.control_token()}"}
-    return Deployment(proc, url, prfaas, load_profile(profile), auth, admin)
+    document = tomllib.loads(profile.read_text())
+    parsed = parse_profile(document, source=str(profile))
+    return Deployment(proc, url, prfaas, document, parsed, auth, admin)
 
 
 def _get_json(url: str, headers: dict[str, str]) -> Any:
@@ -364,18 +375,35 @@ def twin(profile: DeploymentProfile, scenario: Scenario, variant: Variant,
     return run_variant(profile, scenario, variant, scheduler=config, seed=seed)
 
 
+def simulate_twins(out: dict[str, Any], dedicated_cores: bool = False) -> Scenario:
+    """Every variant's twin, SIMULATED on the profile the run recorded, into `out`; the
+    scenario. `dedicated_cores`: without its `[machine]` table (each engine on cores of its
+    own at the profile's times, as the twin was before it simulated the shared machine)."""
+    document = dict(out["profile"])
+    if dedicated_cores:
+        document.pop("machine", None)
+    profile = parse_profile(document, source="<the live run's start-up profile>")
+    args = out["args"]
+    scenario = live_scenario(profile, args["phase_s"])
+    config = replace(default_scheduler(), period_s=args["period_s"])
+    for variant, got in out["variants"].items():
+        sim = twin(profile, scenario, variant, config, args["seed"])
+        got["simulated"] = [run_row(sim, p) for p in scenario.phases]
+    out["twin_cores"] = "dedicated" if dedicated_cores else "as profiled"
+    return scenario
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     logs = Path(tempfile.mkdtemp(prefix="prfaas-scheduling-live-"))
     print(f"logs in {logs}", flush=True)
     scenario: Scenario | None = None
-    profile: DeploymentProfile | None = None
     out: dict[str, Any] = {"variants": {}, "args": vars(args) | {"json": None, "plot": None}}
     for variant in args.variants:
         print(f"{variant}: starting the embedded deployment ...", flush=True)
         d = start(variant, logs, args.period_s, args.pd_decodes)
         try:
             if scenario is None:  # one scenario for every variant: the first one's profile
-                profile, scenario = d.profile, live_scenario(d.profile, args.phase_s)
+                out["profile"], scenario = d.document, live_scenario(d.profile, args.phase_s)
                 out["scenario"] = [{"name": p.name, "start_s": p.start_s, "end_s": p.end_s,
                                     **vars(p.conditions)} for p in scenario.phases]  # fmt: skip
                 print(_describe(scenario), flush=True)
@@ -386,11 +414,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         phases = [phase_row(live, p, i) for i, p in enumerate(scenario.phases)]
         out["variants"][variant] = {"live": phases, "moves": [
             (round(e.at, 1), e.kind, e.value) for e in live.run.events]}  # fmt: skip
-    assert profile is not None and scenario is not None
-    config = replace(default_scheduler(), period_s=args.period_s)
-    for variant in args.variants:
-        sim = twin(profile, scenario, variant, config, args.seed)
-        out["variants"][variant]["simulated"] = [run_row(sim, p) for p in scenario.phases]
+    assert scenario is not None
+    simulate_twins(out)
     out["goals"] = goals(out, scenario, args.period_s)
     report(out, scenario)
     return out
@@ -455,8 +480,9 @@ def _row(phase: str, variant: str, lv: dict[str, Any], sm: dict[str, Any]) -> li
 
 
 def report(out: dict[str, Any], scenario: Scenario) -> None:
+    cores = out.get("twin_cores", "as profiled")
     print("\nLIVE (this machine's 2 shared cores; compare within this run) and SIMULATED "
-          "(the twin on the measured profile)")  # fmt: skip
+          f"(the twin on the measured profile, engines' cores {cores})")  # fmt: skip
     head = (f"{'phase':>13} {'variant':>7} {'served/s':>15} {'TTFT p50':>13} "
             f"{'TTFT p90':>13} {'offload':>11} {'util':>5} {'t end':>6} {'moves':>5} "
             f"{'kept/fast/sat':>13} {'traded':>6} {'q wait':>6}")  # fmt: skip
@@ -526,12 +552,25 @@ def main() -> None:
     )
     parser.add_argument("--json", type=Path, metavar="OUT")
     parser.add_argument("--plot", type=Path, metavar="OUT.png")
+    parser.add_argument("--twin-of", type=Path, metavar="LIVE.json",
+                        help="re-run only the twin of a recorded live run")  # fmt: skip
+    parser.add_argument("--dedicated-cores", action="store_true",
+                        help="with --twin-of: the twin without the shared machine")  # fmt: skip
     args = parser.parse_args()
-    result = run(args)
+    result = run(args) if args.twin_of is None else rerun_twin(args.twin_of, args.dedicated_cores)
     if args.json:
         args.json.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
     if args.plot:
         plot(result, args.plot)
+
+
+def rerun_twin(path: Path, dedicated_cores: bool) -> dict[str, Any]:
+    """A recorded live run with its twin SIMULATED again (on the profile it recorded)."""
+    out: dict[str, Any] = orjson.loads(path.read_bytes())
+    if "profile" not in out:
+        raise SystemExit(f"{path}: recorded before runs kept their profile; run it live again")
+    report(out, simulate_twins(out, dedicated_cores))
+    return out
 
 
 def _variants(text: str) -> tuple[Variant, ...]:

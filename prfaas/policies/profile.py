@@ -19,6 +19,7 @@ from prfaas.policies.profile_file import (
     ClusterTable,
     HardwareTable,
     HomogeneousTable,
+    MachineTable,
     NaiveTable,
     ProfileFile,
 )
@@ -86,6 +87,23 @@ class NaiveBaseline:
 
 
 @dataclass(frozen=True)
+class SharedMachine:
+    """Engines sharing one machine's cores (`[machine]`): the profile's times are those
+    with `busy_engines` working at once, `shared_slowdown` times each one's alone time. The
+    throughput model plans with the profile's times as they are (right at capacity); the
+    simulator runs each engine at its alone speed while fewer work (see `cores`)."""
+
+    shared_slowdown: float
+    busy_engines: int
+
+    @property
+    def cores(self) -> float:
+        """The cores the engines effectively share: `busy_engines` at once each ran
+        `shared_slowdown` times slower."""
+        return self.busy_engines / self.shared_slowdown
+
+
+@dataclass(frozen=True)
 class DeploymentProfile:
     """Everything the throughput model needs about one deployment and its baselines."""
 
@@ -97,6 +115,7 @@ class DeploymentProfile:
     pd: ClusterSpec
     homogeneous: HomogeneousBaseline | None
     naive: NaiveBaseline | None
+    machine: SharedMachine | None = None
 
 
 def load_profile(path: str | Path) -> DeploymentProfile:
@@ -124,6 +143,7 @@ def parse_profile(data: Mapping[str, Any], *, source: str = "<profile>") -> Depl
         pd=_cluster("pd", file.clusters.pd, hardware),
         homogeneous=_homogeneous(file.baselines.homogeneous, hardware),
         naive=_naive(file.baselines.naive_heterogeneous, hardware),
+        machine=_machine(file.machine),
     )
 
 
@@ -140,6 +160,10 @@ def _homogeneous(
     h: HomogeneousTable | None, hardware: Mapping[str, HardwareProfile]
 ) -> HomogeneousBaseline | None:
     return None if h is None else HomogeneousBaseline(hardware[h.hardware], h.instances)
+
+
+def _machine(m: MachineTable | None) -> SharedMachine | None:
+    return None if m is None else SharedMachine(m.shared_slowdown, m.busy_engines)
 
 
 def _naive(n: NaiveTable | None, hardware: Mapping[str, HardwareProfile]) -> NaiveBaseline | None:

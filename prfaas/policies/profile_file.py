@@ -138,6 +138,21 @@ class BaselinesTable:
 
 
 @dataclass(frozen=True)
+class MachineTable:
+    """`[machine]` (optional): the deployment's engines share one machine's cores, and the
+    hardware tables' times were measured with `busy_engines` engines working at once,
+    `shared_slowdown` times their alone times (what start-up profiling measures)."""
+
+    shared_slowdown: float
+    busy_engines: int
+
+    def __post_init__(self) -> None:
+        ok = math.isfinite(self.shared_slowdown) and self.shared_slowdown >= 1
+        check(ok, "shared_slowdown", self.shared_slowdown, "must be a number >= 1")
+        _count("busy_engines", self.busy_engines)
+
+
+@dataclass(frozen=True)
 class ProfileFile:
     """A whole profile file; every hardware name it uses must be defined under `[hardware]`."""
 
@@ -146,6 +161,7 @@ class ProfileFile:
     hardware: Mapping[str, HardwareTable]
     clusters: ClustersTable
     baselines: BaselinesTable = field(default_factory=BaselinesTable)
+    machine: MachineTable | None = None
 
     def __post_init__(self) -> None:
         check(bool(self.hardware), "hardware", self.hardware, "defines no hardware")

@@ -30,6 +30,7 @@ PROFILE_LENGTHS = (256, 1024, 3072)
 SHARED_LENGTH = 1024
 """The PD prefill timed alone and beside the other engines' work (a `PROFILE_LENGTHS` entry
 short of the longest, which the PrfaaS prefill computes meanwhile)."""
+SHARED_BUSY_ENGINES = 3  # working while it is timed: it, the PrfaaS prefill, the decode
 DECODE_TOKENS = 16
 BUSY_DECODE_TOKENS = 2048  # keeps the decode stepping through a contended PD prefill
 MIB = 2**20
@@ -234,7 +235,9 @@ def profile_document(
     ones. One profile serves the start-up planner, the gateway's schedulers (their re-solves
     and predictions) and the simulated twin, so that they agree; it is right at capacity,
     where every engine works. At low load a request runs nearer its alone time: predicted
-    compute then errs long by the slowdown, on the local and the remote side alike."""
+    compute then errs long by the slowdown, on the local and the remote side alike. Its
+    `[machine]` table says so, and the simulator runs each engine at its alone speed while
+    fewer than all work."""
     return {
         "workload": {
             "input_distribution": "lognormal",
@@ -265,6 +268,7 @@ def profile_document(
             },
             "pd": {"hardware": "cpu", "instances": pd_instances},
         },
+        "machine": {"shared_slowdown": m.shared_slowdown, "busy_engines": SHARED_BUSY_ENGINES},
     }
 
 

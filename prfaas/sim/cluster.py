@@ -8,6 +8,8 @@ PD instance, registered in the gateway's real `InstanceManager`, the real `KVInd
 fed by the simulated caches' KV events, and the real `Router` with the deployment's routing
 policy. In the abundant regime (read from the Router's state at each request, so a
 scheduler may switch it), a prefill instance pulls a longer prefix the other cluster caches.
+Its engines compute on cores of their own, or share one machine's when the profile says its
+engines did (`prfaas.sim.cores`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from prfaas.policies.registry import create_policy
 from prfaas.policies.routing import Route
 from prfaas.protocol.kv_events import KVEvent
 from prfaas.sim.cache import SimPrefixCache
+from prfaas.sim.cores import cores_for
 from prfaas.sim.deployments import Deployment, SimOptions
 from prfaas.sim.engines import (
     PrefillTiming,
@@ -57,6 +60,7 @@ class SimCluster:
             LinkConfig(deployment.egress_gbps, options.link_delay_s, "cross-cluster reverse"), loop
         )
         self.intra = SimLink(LinkConfig(options.intra_gbps, 0.0, "pd-rdma"), loop)
+        self.cores = cores_for(profile.machine)
         self.index = KVIndexManager(block_size=options.block_size)
         self.instances = InstanceManager()
         self.prefill: dict[str, SimulatedPrefillEngine] = {}
@@ -120,6 +124,7 @@ class SimCluster:
             rooms=self.rooms,
             publish=self._publish,
             pull_link=self._pull_link(cluster),
+            cores=self.cores,
         )
         self.prefill[iid] = engine
         return engine
@@ -142,6 +147,7 @@ class SimCluster:
                     step_s=hw.decode_step_seconds,
                     rooms=self.rooms,
                     page_size=self.options.block_size,
+                    cores=self.cores,
                 )
                 instance = SimulatedPDInstance(
                     iid, role, prefill=prefill, decode=decode, publish=self._publish,

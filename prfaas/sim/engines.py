@@ -17,6 +17,9 @@ read time only through the running loop, so on `VirtualClockLoop` an hour runs i
   the first token, then the rest at completion (per-token chunks would cost a million loop
   events per simulated hour and add nothing the timing model does not already say).
 - `SimRooms`: the bootstrap rendezvous, room -> when the KV is delivered and what hit.
+
+Both compute on `Cores` (`prfaas.sim.cores`): their own (the profile's times as they are), or
+one machine's shared with the other engines, as the embedded deployment's are.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from prfaas.policies.tables import PiecewiseLinear
 from prfaas.protocol.generate import GenerateChunk, GenerateRequest
 from prfaas.protocol.kv_events import KVEvent
 from prfaas.sim.cache import SimPrefixCache
+from prfaas.sim.cores import Cores, DedicatedCores
 from prfaas.sim.link import SimLink
 
 SIM_TOKEN = 0  # the token id every simulated output token carries
@@ -174,9 +178,11 @@ class SimulatedPrefillEngine(_SimulatedInstance):
         rooms: SimRooms,
         publish: Callable[[str, Sequence[KVEvent]], None],
         pull_link: SimLink | None = None,
+        cores: Cores | None = None,
     ) -> None:
         self.instance_id = instance_id
         self.timing, self.link, self.cache, self.rooms = timing, link, cache, rooms
+        self.cores = DedicatedCores() if cores is None else cores
         self._publish = publish
         self._pull_link = pull_link
         self._slot = asyncio.Semaphore(1)
@@ -218,9 +224,10 @@ class SimulatedPrefillEngine(_SimulatedInstance):
         compute_s = float(self.timing.prefill_s(tokens))
         nbytes = float(self.timing.kv_bytes(len(ids)))  # the decode gets the whole prompt's KV
         sent: asyncio.Future[None] | None = None
-        if self.timing.pipelined:
-            sent = self.link.transfer(nbytes, produce_s=compute_s)
-        await asyncio.sleep(compute_s)
+        if self.timing.pipelined:  # produced at the speed the cores give it now
+            produce_s = self.cores.expected_s(self.instance_id, compute_s)
+            sent = self.link.transfer(nbytes, produce_s=produce_s)
+        await self.cores.compute(self.instance_id, compute_s)
         self._publish(self.instance_id, self.cache.store(ids, keys))
         if sent is None:
             sent = self.link.transfer(nbytes)
@@ -274,12 +281,20 @@ def _fail_room(room: _Room, instance_id: str, exc: BaseException) -> None:
 
 
 class SimulatedDecodeEngine(_SimulatedInstance):
-    """A simulated decode instance: `batch_max` slots, `step_s` per token per slot."""
+    """A simulated decode instance: `batch_max` slots, `step_s` per token per slot (at the
+    speed its `cores` give it)."""
 
     role = "decode"
 
     def __init__(
-        self, instance_id: str, *, batch_max: int, step_s: float, rooms: SimRooms, page_size: int
+        self,
+        instance_id: str,
+        *,
+        batch_max: int,
+        step_s: float,
+        rooms: SimRooms,
+        page_size: int,
+        cores: Cores | None = None,
     ) -> None:
         if batch_max < 1 or not step_s > 0:
             raise ValueError(
@@ -288,6 +303,7 @@ class SimulatedDecodeEngine(_SimulatedInstance):
         self.instance_id = instance_id
         self.step_s, self.rooms, self.page_size = step_s, rooms, page_size
         self.batch_max = batch_max
+        self.cores = DedicatedCores() if cores is None else cores
         self._slots = asyncio.Semaphore(batch_max)
         self._waiting = 0
         self._running = 0
@@ -324,10 +340,10 @@ class SimulatedDecodeEngine(_SimulatedInstance):
     ) -> AsyncGenerator[GenerateChunk, None]:
         n, prompt = request.sampling.max_new_tokens, len(request.input_ids)
         start = asyncio.get_running_loop().time()
-        await asyncio.sleep(self.step_s)
+        await self.cores.compute(self.instance_id, self.step_s)
         yield GenerateChunk((SIM_TOKEN,), "", prompt, 1, cached, "length" if n == 1 else None)
         if n > 1:
-            await asyncio.sleep(self.step_s * (n - 1))
+            await self.cores.compute(self.instance_id, self.step_s * (n - 1))
             yield GenerateChunk((SIM_TOKEN,) * (n - 1), "", prompt, n, cached, "length")
         c = self.counters
         c.completed += 1

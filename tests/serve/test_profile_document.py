@@ -1,4 +1,5 @@
-"""The start-up profile as the planner reads it: the times of engines sharing the cores."""
+"""The start-up profile as the planner reads it: the times of engines sharing the cores, and
+the `[machine]` table that tells the simulator so."""
 
 from __future__ import annotations
 
@@ -6,7 +7,16 @@ from dataclasses import replace
 
 import pytest
 
-from prfaas.serve.profiling import MeasuredProfile, Workload, measured_profile, plan_threshold
+from prfaas.common.toml_tables import ConfigError
+from prfaas.policies.profile import parse_profile
+from prfaas.serve.profiling import (
+    SHARED_BUSY_ENGINES,
+    MeasuredProfile,
+    Workload,
+    measured_profile,
+    plan_threshold,
+    profile_document,
+)
 
 ALONE = MeasuredProfile(
     lengths=(256, 1024, 3072),
@@ -33,3 +43,23 @@ def test_slower_shared_engines_carry_less() -> None:
     _, alone = plan_threshold(ALONE, Workload())
     _, shared = plan_threshold(replace(ALONE, shared_slowdown=1.5), Workload())
     assert shared.prfaas_pd.lambda_max < 0.9 * alone.prfaas_pd.lambda_max
+
+
+def test_the_profile_says_its_engines_share_a_machine() -> None:
+    machine = measured_profile(replace(ALONE, shared_slowdown=1.5), Workload()).machine
+    assert machine is not None
+    assert machine.shared_slowdown == pytest.approx(1.5)
+    assert machine.busy_engines == SHARED_BUSY_ENGINES
+    assert machine.cores == pytest.approx(SHARED_BUSY_ENGINES / 1.5)
+
+
+@pytest.mark.parametrize(
+    ("table", "key"),
+    [({"shared_slowdown": 0.9, "busy_engines": 3}, "shared_slowdown"),
+     ({"shared_slowdown": 1.2, "busy_engines": 0}, "busy_engines"),
+     ({"shared_slowdown": 1.2, "busy_engines": 3, "cores": 2}, "cores")],
+)  # fmt: skip
+def test_a_bad_machine_table_is_refused_by_name(table: dict[str, float], key: str) -> None:
+    document = profile_document(ALONE, Workload()) | {"machine": table}
+    with pytest.raises(ConfigError, match=key):
+        parse_profile(document)

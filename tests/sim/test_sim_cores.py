@@ -1,0 +1,144 @@
+"""Simulated engines sharing one machine's cores: processor sharing on the virtual clock, an
+engine counted once whatever it runs, a cancelled computation's share given back."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from prfaas.policies.profile import SharedMachine
+from prfaas.protocol.generate import SamplingParams
+from prfaas.serve.profiling import MeasuredProfile, Workload, measured_profile
+from prfaas.sim.cluster import SimCluster
+from prfaas.sim.cores import DedicatedCores, SharedCores, cores_for
+from prfaas.sim.deployments import Deployment, SimOptions
+from prfaas.sim.virtual_loop import run_virtual
+
+# three engines working at once ran 1.5x slower: the machine has two cores' worth
+MACHINE = SharedMachine(shared_slowdown=1.5, busy_engines=3)
+
+
+async def _finish_times(cores: SharedCores, jobs: list[tuple[float, str, float]]) -> list[float]:
+    """When each (start, owner, profile seconds) computation ended."""
+    loop = asyncio.get_running_loop()
+
+    async def one(start: float, owner: str, profile_s: float) -> float:
+        await asyncio.sleep(start)
+        await cores.compute(owner, profile_s)
+        return loop.time()
+
+    return list(await asyncio.gather(*(one(*job) for job in jobs)))
+
+
+def test_an_engine_alone_runs_at_its_alone_time() -> None:
+    ends = run_virtual(_finish_times(SharedCores(MACHINE), [(0.0, "a", 3.0)]))
+    assert ends == pytest.approx([2.0])  # the profile's 3 s were measured 1.5x slowed
+
+
+def test_as_many_engines_as_cores_do_not_slow_each_other() -> None:
+    ends = run_virtual(_finish_times(SharedCores(MACHINE), [(0.0, "a", 3.0), (0.0, "b", 3.0)]))
+    assert ends == pytest.approx([2.0, 2.0])
+
+
+def test_every_engine_working_takes_the_profiles_time() -> None:
+    jobs = [(0.0, owner, 3.0) for owner in "abc"]
+    assert run_virtual(_finish_times(SharedCores(MACHINE), jobs)) == pytest.approx([3.0] * 3)
+
+
+def test_speed_follows_who_works_as_computations_come_and_go() -> None:
+    # a: 2 s alone, 1 s done by t=1; then three work at 2/3 speed: a's last 1 s ends at 2.5;
+    # b and c did 1 s of their 2 by then, and finish alone-speed at 3.5
+    jobs = [(0.0, "a", 3.0), (1.0, "b", 3.0), (1.0, "c", 3.0)]
+    ends = run_virtual(_finish_times(SharedCores(MACHINE), jobs))
+    assert ends == pytest.approx([2.5, 3.5, 3.5])
+
+
+def test_an_engines_concurrent_computations_count_it_once() -> None:
+    """A decode's batch: one engine working, however many requests it steps."""
+    jobs = [(0.0, "decode", 3.0), (0.0, "decode", 3.0), (0.0, "decode", 3.0), (0.0, "a", 3.0)]
+    assert run_virtual(_finish_times(SharedCores(MACHINE), jobs)) == pytest.approx([2.0] * 4)
+
+
+def test_a_cancelled_computation_gives_its_share_back() -> None:
+    async def scenario() -> tuple[float, float]:
+        cores = SharedCores(MACHINE)
+        loop = asyncio.get_running_loop()
+        waiting = [loop.create_task(cores.compute(o, 3.0)) for o in "ab"]
+        timed = loop.create_task(_finish_times(cores, [(0.0, "c", 3.0)]))
+        await asyncio.sleep(1.5)  # c has 1 of its 2 alone seconds done
+        for task in waiting:
+            task.cancel()
+        (end,) = await timed
+        return end, cores.expected_s("c", 3.0)
+
+    end, expected = run_virtual(scenario())
+    assert end == pytest.approx(2.5)  # its last second alone
+    assert expected == pytest.approx(2.0)  # nothing else works now
+
+
+def test_expected_time_counts_the_asker_in() -> None:
+    async def scenario() -> tuple[float, float]:
+        cores = SharedCores(MACHINE)
+        loop = asyncio.get_running_loop()
+        busy = [loop.create_task(cores.compute(o, 30.0)) for o in "ab"]
+        await asyncio.sleep(0)
+        got = cores.expected_s("c", 3.0), cores.expected_s("a", 3.0)
+        for task in busy:
+            task.cancel()
+        return got
+
+    assert run_virtual(scenario()) == pytest.approx((3.0, 2.0))
+
+
+def test_a_profile_without_a_machine_gets_dedicated_cores() -> None:
+    assert isinstance(cores_for(None), DedicatedCores)
+    assert isinstance(cores_for(MACHINE), SharedCores)
+    assert run_virtual(_dedicated()) == pytest.approx(3.0)
+
+
+async def _dedicated() -> float:
+    loop = asyncio.get_running_loop()
+    cores = DedicatedCores()
+    await asyncio.gather(*(cores.compute(o, 3.0) for o in "abcd"))
+    return loop.time()
+
+
+def test_the_twin_of_a_shared_machine_runs_a_lone_request_at_its_alone_time() -> None:
+    """The start-up profile of the embedded deployment, simulated: every engine computes on
+    the one machine, and a request with nothing else running takes its alone time, not the
+    profile's (which is the all-working time)."""
+    measured = MeasuredProfile(
+        lengths=(256, 1024, 3072),
+        prefill_s=(0.2, 0.7, 2.3),
+        kv_bytes=(770_000, 2_350_000, 6_550_000),
+        decode_step_s=0.015,
+        decode_batch_max=32,
+        link_bytes_per_s=10e6 / 8,
+        shared_slowdown=1.5,
+    )
+    profile = measured_profile(measured, Workload())
+    hw = profile.pd.hardware
+
+    async def one_request() -> tuple[float, bool]:
+        deployment = Deployment("twin", "prfaas", 1, hw, 1, 1, hw, hw, 1e9, 0.01)  # all local
+        cluster = SimCluster(profile, deployment, SimOptions())
+        decodes = [p.decode.cores for p in cluster.pd.values()]
+        shared = all(
+            c is cluster.cores for c in [*decodes, *(e.cores for e in cluster.prefill.values())]
+        )
+        loop = asyncio.get_running_loop()
+        ids = tuple(range(1, 1025))
+        routed = await cluster.router.dispatch("r0", ids, SamplingParams(max_new_tokens=1),
+                                               stream=True)  # fmt: skip
+        try:
+            while await routed.next() is not None:
+                pass
+        finally:
+            routed.close()
+        return loop.time(), shared and isinstance(cluster.cores, SharedCores)
+
+    took, shared = run_virtual(one_request())
+    assert shared
+    # 1,024 tokens: 0.7 s alone plus a decode step and the hand-off; the profile says 1.05
+    assert 0.7 <= took < 0.8
