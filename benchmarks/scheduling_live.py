@@ -24,8 +24,9 @@ the long-term loop can convert one (all engines still share this machine's cores
 Per phase: served req/s, TTFT p50/p90, offload share, egress utilisation, `t` and its
 changes, regime, queue waits, the gateway's offload decisions (kept local, offloaded because
 faster, offloaded because the PD prefill was saturated) and the predicted TTFT the
-saturated ones traded. The goals: dual against the live oracle (served >= 0.95x, TTFT P90
-<= 1.5x), `t` at most once per 5 minutes once settled, settled within three periods.
+saturated ones traded; the JSON keeps the schedulers' decisions with their reasons. The
+goals: dual against the live oracle (served >= 0.95x, TTFT P90 <= 1.5x), `t` at most once
+per 5 minutes once settled, settled within three periods.
 
 The simulated twin: the same scenario through `prfaas simulate`'s scenario runner (the real
 Router and schedulers, simulated engines on a virtual clock), fed the profile the live
@@ -182,6 +183,9 @@ class LiveRun:
     """(at, egress utilisation) per sample."""
     counters: list[dict[str, float]]
     """The gateway's counters at each phase start, and at the end."""
+    decisions: list[dict[str, Any]]
+    """The schedulers' decisions (`/admin/state`'s recent ones, reason and inputs), each with
+    `seen_s`, the first sample that showed it."""
 
 
 class Controller:
@@ -198,6 +202,7 @@ class Controller:
         self.events: list[ControlEvent] = []
         self.utilisation: list[tuple[float, float | None]] = []
         self.counters: list[dict[str, float]] = []
+        self.decisions: dict[tuple[float, str, str], dict[str, Any]] = {}
         self._last: dict[str, Any] | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -297,6 +302,9 @@ class Controller:
         ))  # fmt: skip
         self.utilisation.append((at, util))
         scheduler = state.get("scheduler") or {}
+        for d in scheduler.get("recent", ()):
+            key = (d["at"], d["loop"], d["kind"])
+            self.decisions.setdefault(key, {"seen_s": round(at, 1), **d})
         now = {"threshold": state["threshold"], "set_point": scheduler.get("set_point"),
                "regime": state["regime"], "role": roles}  # fmt: skip
         if self._last is not None:
@@ -329,7 +337,8 @@ async def drive(d: Deployment, scenario: Scenario, variant: Variant, seed: int) 
             await control.stop()
     run = VariantRun(variant, tuple(records), tuple(control.timeline), tuple(control.events),
                      (), time.perf_counter() - wall)  # fmt: skip
-    return LiveRun(run, control.utilisation, control.counters)
+    decisions = sorted(control.decisions.values(), key=lambda d: d["at"])
+    return LiveRun(run, control.utilisation, control.counters, decisions)
 
 
 def phase_row(live: LiveRun, phase: Phase, i: int) -> dict[str, Any]:
@@ -413,7 +422,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             stop_serve(d.proc)
         phases = [phase_row(live, p, i) for i, p in enumerate(scenario.phases)]
         out["variants"][variant] = {"live": phases, "moves": [
-            (round(e.at, 1), e.kind, e.value) for e in live.run.events]}  # fmt: skip
+            (round(e.at, 1), e.kind, e.value) for e in live.run.events],
+            "decisions": live.decisions}  # fmt: skip
     assert scenario is not None
     simulate_twins(out)
     out["goals"] = goals(out, scenario, args.period_s)

@@ -152,6 +152,9 @@ def test_the_measured_profile_is_written_for_the_planner_and_the_simulator(
     assert profile.prfaas.egress_gbps == pytest.approx(float(measured.group(1)) / 1000, rel=0.01)
     planned = plan(profile).prfaas_pd.threshold_tokens
     assert planned is not None and min(max(planned, T_RANGE[0]), T_RANGE[1]) == running.threshold
+    shared = re.search(r"sharing the cores: x([0-9.]+)", summary)
+    assert shared is not None and profile.machine is not None  # the twin simulates the machine
+    assert profile.machine.shared_slowdown == pytest.approx(float(shared.group(1)), abs=0.006)
 
 
 def test_short_prompt_routes_pd_and_matches_direct(running: Running) -> None:
