@@ -58,7 +58,6 @@ import statistics
 import subprocess
 import tempfile
 import time
-import tomllib
 import urllib.request
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -69,6 +68,7 @@ import numpy as np
 import orjson
 
 from prfaas.common.secret import ENV_SECRET, DeploymentSecret
+from prfaas.common.toml_tables import load_toml
 from prfaas.gateway.link import EgressSample, fetch_sample
 from prfaas.gateway.scheduling.config import SchedulerConfig
 from prfaas.loadgen.apis import create_api
@@ -166,7 +166,7 @@ def start(variant: str, logs: Path, period_s: float, pd_decodes: int) -> Deploym
     admin = {"Authorization": f"Bearer {admin_key}"}
     prfaas = _get_json(f"{url}/admin/state", admin)["clusters"]["prfaas"][0]["url"]
     auth = {"Authorization": f"Bearer {secret.control_token()}"}
-    document = tomllib.loads(profile.read_text())
+    document = load_toml(profile)
     parsed = parse_profile(document, source=str(profile))
     return Deployment(proc, url, prfaas, document, parsed, auth, admin)
 
@@ -563,10 +563,13 @@ def main() -> None:
     parser.add_argument("--json", type=Path, metavar="OUT")
     parser.add_argument("--plot", type=Path, metavar="OUT.png")
     parser.add_argument("--twin-of", type=Path, metavar="LIVE.json",
-                        help="re-run only the twin of a recorded live run")  # fmt: skip
+                        help="re-run only the twin of a recorded live run (its phases, "
+                        "period, seed and variants are the recorded ones)")  # fmt: skip
     parser.add_argument("--dedicated-cores", action="store_true",
                         help="with --twin-of: the twin without the shared machine")  # fmt: skip
     args = parser.parse_args()
+    if args.dedicated_cores and args.twin_of is None:
+        parser.error("--dedicated-cores re-runs a recorded run's twin: give --twin-of")
     result = run(args) if args.twin_of is None else rerun_twin(args.twin_of, args.dedicated_cores)
     if args.json:
         args.json.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))

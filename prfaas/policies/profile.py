@@ -91,7 +91,7 @@ class SharedMachine:
     """Engines sharing one machine's cores (`[machine]`): the profile's times are those
     with `busy_engines` working at once, `shared_slowdown` times each one's alone time. The
     throughput model plans with the profile's times as they are (right at capacity); the
-    simulator runs each engine at its alone speed while fewer work (see `cores`)."""
+    simulator runs each engine at its alone speed while at most `cores` work."""
 
     shared_slowdown: float
     busy_engines: int
@@ -99,7 +99,8 @@ class SharedMachine:
     @property
     def cores(self) -> float:
         """The cores the engines effectively share: `busy_engines` at once each ran
-        `shared_slowdown` times slower."""
+        `shared_slowdown` times slower. Under 1 when the machine had less than a core to
+        spare for them (other load): then even an engine alone runs slower than alone."""
         return self.busy_engines / self.shared_slowdown
 
 

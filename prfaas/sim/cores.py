@@ -6,10 +6,12 @@ on. At the paper's scale each engine has its own GPUs (`DedicatedCores`: a compu
 and its start-up profile says so (`[machine]`, `SharedMachine`): its times were measured
 with `busy_engines` engines working at once. `SharedCores` simulates that machine as
 processor sharing: an engine with any computation under way counts as working, and each
-computation advances at `min(1, cores / engines working)` of its alone speed, so a prefill
-runs at its alone time while the others idle and at the profile's time when all work.
-An engine's concurrent computations (a decode's batch) count it once: a decode step serves
-the whole batch.
+computation advances at `min(1, cores / engines working)` of its alone speed
+(`SharedMachine.cores`), so a prefill runs at its alone time while at most `cores` engines
+work and at the profile's time when `busy_engines` do (slower still when more do). An
+engine's concurrent computations (a decode's batch) count it once: a decode step serves the
+whole batch. Computations that end at the same instant end in the order they began, so a
+seeded run repeats exactly.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ class SharedCores:
 
     def __init__(self, machine: SharedMachine) -> None:
         self.machine = machine
-        self._jobs: set[_Job] = set()
+        self._jobs: dict[_Job, None] = {}  # in the order they began
         self._since = 0.0
         self._timer: asyncio.TimerHandle | None = None
 
@@ -67,25 +69,28 @@ class SharedCores:
     def _owners(self) -> set[str]:
         return {job.owner for job in self._jobs}
 
+    def _alone(self, profile_s: float) -> float:
+        """A computation's time on the machine alone (the profile's is `busy_engines`')."""
+        return profile_s / self.machine.shared_slowdown
+
     def expected_s(self, owner: str, profile_s: float) -> float:
-        alone = profile_s / self.machine.shared_slowdown
-        return alone / self.speed(self._owners() | {owner})
+        return self._alone(profile_s) / self.speed(self._owners() | {owner})
 
     async def compute(self, owner: str, profile_s: float) -> None:
-        alone = profile_s / self.machine.shared_slowdown
+        alone = self._alone(profile_s)
         if alone <= DONE_S:
             return
         loop = asyncio.get_running_loop()
         self._advance(loop.time())
         job = _Job(owner, alone, loop.create_future())
-        self._jobs.add(job)
+        self._jobs[job] = None
         self._reschedule(loop)
         try:
             await job.done
         finally:
             if job in self._jobs:  # cancelled before it finished
                 self._advance(loop.time())
-                self._jobs.discard(job)
+                del self._jobs[job]
                 self._reschedule(loop)
 
     def _advance(self, now: float) -> None:
@@ -106,10 +111,13 @@ class SharedCores:
             self._timer = loop.call_at(self._since + max(first, 0.0) / speed, self._finish, loop)
 
     def _finish(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The timer set for the computation with the least left: it ends (whatever float
+        rounding left of it), with every other one as nearly done."""
         self._timer = None
         self._advance(loop.time())
-        for job in [j for j in self._jobs if j.left_s <= DONE_S]:
-            self._jobs.discard(job)
+        least = min((job.left_s for job in self._jobs), default=0.0)
+        for job in [j for j in self._jobs if j.left_s <= max(least, DONE_S)]:
+            del self._jobs[job]
             if not job.done.done():
                 job.done.set_result(None)
         self._reschedule(loop)

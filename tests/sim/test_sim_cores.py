@@ -4,14 +4,15 @@ engine counted once whatever it runs, a cancelled computation's share given back
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
-from prfaas.policies.profile import SharedMachine
+from prfaas.policies.profile import DeploymentProfile, SharedMachine
 from prfaas.protocol.generate import SamplingParams
 from prfaas.serve.profiling import MeasuredProfile, Workload, measured_profile
 from prfaas.sim.cluster import SimCluster
-from prfaas.sim.cores import DedicatedCores, SharedCores, cores_for
+from prfaas.sim.cores import Cores, DedicatedCores, SharedCores, cores_for
 from prfaas.sim.deployments import Deployment, SimOptions
 from prfaas.sim.virtual_loop import run_virtual
 
@@ -104,41 +105,75 @@ async def _dedicated() -> float:
     return loop.time()
 
 
-def test_the_twin_of_a_shared_machine_runs_a_lone_request_at_its_alone_time() -> None:
-    """The start-up profile of the embedded deployment, simulated: every engine computes on
-    the one machine, and a request with nothing else running takes its alone time, not the
-    profile's (which is the all-working time)."""
-    measured = MeasuredProfile(
-        lengths=(256, 1024, 3072),
-        prefill_s=(0.2, 0.7, 2.3),
-        kv_bytes=(770_000, 2_350_000, 6_550_000),
-        decode_step_s=0.015,
-        decode_batch_max=32,
-        link_bytes_per_s=10e6 / 8,
-        shared_slowdown=1.5,
-    )
-    profile = measured_profile(measured, Workload())
-    hw = profile.pd.hardware
+MEASURED = MeasuredProfile(
+    lengths=(256, 1024, 3072),
+    prefill_s=(0.2, 0.7, 2.3),
+    kv_bytes=(770_000, 2_350_000, 6_550_000),
+    decode_step_s=0.015,
+    decode_batch_max=32,
+    link_bytes_per_s=10e6 / 8,
+    shared_slowdown=1.5,
+)
 
-    async def one_request() -> tuple[float, bool]:
-        deployment = Deployment("twin", "prfaas", 1, hw, 1, 1, hw, hw, 1e9, 0.01)  # all local
+
+def _one_local_request(profile: DeploymentProfile) -> tuple[float, Cores]:
+    """A 1,024-token request alone through the twin of `profile` (every prompt local): its
+    time, and what the engines computed on (all of them on the same)."""
+
+    async def run() -> tuple[float, Cores]:
+        hw = profile.pd.hardware
+        deployment = Deployment("twin", "prfaas", 1, hw, 1, 1, hw, hw, 1e9, 0.01)
         cluster = SimCluster(profile, deployment, SimOptions())
-        decodes = [p.decode.cores for p in cluster.pd.values()]
-        shared = all(
-            c is cluster.cores for c in [*decodes, *(e.cores for e in cluster.prefill.values())]
-        )
+        used = [e.cores for e in cluster.prefill.values()]
+        used += [p.decode.cores for p in cluster.pd.values()]
+        assert all(c is cluster.cores for c in used)
         loop = asyncio.get_running_loop()
-        ids = tuple(range(1, 1025))
-        routed = await cluster.router.dispatch("r0", ids, SamplingParams(max_new_tokens=1),
-                                               stream=True)  # fmt: skip
+        routed = await cluster.router.dispatch(
+            "r0", tuple(range(1, 1025)), SamplingParams(max_new_tokens=1), stream=True
+        )
         try:
             while await routed.next() is not None:
                 pass
         finally:
             routed.close()
-        return loop.time(), shared and isinstance(cluster.cores, SharedCores)
+        return loop.time(), cluster.cores
 
-    took, shared = run_virtual(one_request())
-    assert shared
+    return run_virtual(run())
+
+
+def test_the_twin_of_a_shared_machine_runs_a_lone_request_at_its_alone_time() -> None:
+    """The start-up profile of the embedded deployment, simulated: every engine computes on
+    the one machine, and a request with nothing else running takes its alone time, not the
+    profile's (which is the all-working time)."""
+    took, cores = _one_local_request(measured_profile(MEASURED, Workload()))
+    assert isinstance(cores, SharedCores)
     # 1,024 tokens: 0.7 s alone plus a decode step and the hand-off; the profile says 1.05
     assert 0.7 <= took < 0.8
+
+
+def test_without_a_machine_table_the_twin_takes_the_profiles_times() -> None:
+    profile = replace(measured_profile(MEASURED, Workload()), machine=None)
+    took, cores = _one_local_request(profile)
+    assert isinstance(cores, DedicatedCores)
+    assert 1.05 <= took < 1.15
+
+
+def test_computations_ending_together_end_in_the_order_they_began() -> None:
+    async def scenario() -> list[str]:
+        cores, order = SharedCores(MACHINE), []
+
+        async def one(owner: str, start: float, profile_s: float) -> None:
+            await asyncio.sleep(start)
+            await cores.compute(owner, profile_s)
+            order.append(owner)
+
+        # alone 2 s from 0 and 1 s from 1: both end at 2 (two owners: full speed)
+        await asyncio.gather(one("late", 1.0, 1.5), one("early", 0.0, 3.0))
+        return order
+
+    assert run_virtual(scenario()) == ["early", "late"]
+
+
+def test_a_short_computation_arriving_later_ends_first() -> None:
+    jobs = [(0.0, "long", 6.0), (1.0, "short", 0.75)]  # alone 4 s and 0.5 s
+    assert run_virtual(_finish_times(SharedCores(MACHINE), jobs)) == pytest.approx([4.0, 1.5])
