@@ -6,47 +6,38 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from profiling_helpers import MEASURED_ALONE
 
 from prfaas.common.toml_tables import ConfigError
 from prfaas.policies.profile import parse_profile
 from prfaas.serve.profiling import (
     SHARED_BUSY_ENGINES,
-    MeasuredProfile,
     Workload,
     measured_profile,
     plan_threshold,
     profile_document,
 )
 
-ALONE = MeasuredProfile(
-    lengths=(256, 1024, 3072),
-    prefill_s=(0.2, 0.7, 2.3),
-    kv_bytes=(770_000, 2_350_000, 6_550_000),
-    decode_step_s=0.015,
-    decode_batch_max=32,
-    link_bytes_per_s=10e6 / 8,
-)
-
 
 def test_the_profile_times_include_the_shared_cores_slowdown() -> None:
-    shared = replace(ALONE, shared_slowdown=1.5)
+    shared = replace(MEASURED_ALONE, shared_slowdown=1.5)
     cpu = measured_profile(shared, Workload()).hardware["cpu"]
     assert cpu.prefill_seconds.ys == pytest.approx([0.3, 1.05, 3.45])
     assert cpu.decode_step_seconds == pytest.approx(0.0225)
-    alone = measured_profile(ALONE, Workload()).hardware["cpu"]
+    alone = measured_profile(MEASURED_ALONE, Workload()).hardware["cpu"]
     assert alone.prefill_seconds.ys == pytest.approx([0.2, 0.7, 2.3])
 
 
 def test_slower_shared_engines_carry_less() -> None:
     """The planner's capacity falls with the slowdown: the embedded deployment's scenario
     rates come from it."""
-    _, alone = plan_threshold(ALONE, Workload())
-    _, shared = plan_threshold(replace(ALONE, shared_slowdown=1.5), Workload())
+    _, alone = plan_threshold(MEASURED_ALONE, Workload())
+    _, shared = plan_threshold(replace(MEASURED_ALONE, shared_slowdown=1.5), Workload())
     assert shared.prfaas_pd.lambda_max < 0.9 * alone.prfaas_pd.lambda_max
 
 
 def test_the_profile_says_its_engines_share_a_machine() -> None:
-    machine = measured_profile(replace(ALONE, shared_slowdown=1.5), Workload()).machine
+    machine = measured_profile(replace(MEASURED_ALONE, shared_slowdown=1.5), Workload()).machine
     assert machine is not None
     assert machine.shared_slowdown == pytest.approx(1.5)
     assert machine.busy_engines == SHARED_BUSY_ENGINES
@@ -60,6 +51,6 @@ def test_the_profile_says_its_engines_share_a_machine() -> None:
      ({"shared_slowdown": 1.2, "busy_engines": 3, "cores": 2}, "cores")],
 )  # fmt: skip
 def test_a_bad_machine_table_is_refused_by_name(table: dict[str, float], key: str) -> None:
-    document = profile_document(ALONE, Workload()) | {"machine": table}
+    document = profile_document(MEASURED_ALONE, Workload()) | {"machine": table}
     with pytest.raises(ConfigError, match=key):
         parse_profile(document)

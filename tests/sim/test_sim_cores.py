@@ -7,10 +7,11 @@ import asyncio
 from dataclasses import replace
 
 import pytest
+from profiling_helpers import MEASURED_ALONE
 
 from prfaas.policies.profile import DeploymentProfile, SharedMachine
 from prfaas.protocol.generate import SamplingParams
-from prfaas.serve.profiling import MeasuredProfile, Workload, measured_profile
+from prfaas.serve.profiling import Workload, measured_profile
 from prfaas.sim.cluster import SimCluster
 from prfaas.sim.cores import Cores, DedicatedCores, SharedCores, cores_for
 from prfaas.sim.deployments import Deployment, SimOptions
@@ -105,15 +106,7 @@ async def _dedicated() -> float:
     return loop.time()
 
 
-MEASURED = MeasuredProfile(
-    lengths=(256, 1024, 3072),
-    prefill_s=(0.2, 0.7, 2.3),
-    kv_bytes=(770_000, 2_350_000, 6_550_000),
-    decode_step_s=0.015,
-    decode_batch_max=32,
-    link_bytes_per_s=10e6 / 8,
-    shared_slowdown=1.5,
-)
+MEASURED = replace(MEASURED_ALONE, shared_slowdown=1.5)
 
 
 def _one_local_request(profile: DeploymentProfile) -> tuple[float, Cores]:
