@@ -35,14 +35,17 @@ simulated per phase. The profile says how much slower a prefill ran with every e
 working (the engines share this machine's cores); the twin simulates that machine, each
 engine at its alone speed while fewer work (`prfaas.sim.cores`). The JSON keeps the profile,
 so `--twin-of LIVE.json` re-runs the twin of a recorded run without the live part
-(`--dedicated-cores`: the twin as if each engine had cores of its own, for comparison).
+(`--dedicated-cores`: the twin as if each engine had cores of its own, for comparison), and
+`--twin-seeds` checks the live goals on the twin over several draws of the scenario (dual
+and the oracle, SIMULATED: what one live run cannot say), minutes instead of an hour.
 Live numbers come from this machine's shared cores (compare within one run); simulated ones
 are labelled so.
 
 Usage: python benchmarks/scheduling_live.py [--phase-s 180] [--period-s 20]
            [--variants static,dual,oracle] [--seed 0] [--pd-decodes 1] [--json OUT]
            [--plot OUT.png]
-       python benchmarks/scheduling_live.py --twin-of LIVE.json [--dedicated-cores] [--json OUT]
+       python benchmarks/scheduling_live.py --twin-of LIVE.json [--dedicated-cores]
+           [--twin-seeds 0,1,2,3,4] [--json OUT]
 """
 
 from __future__ import annotations
@@ -97,6 +100,7 @@ DECISIONS = re.compile(r'^prfaas_offload_decisions_total\{decision="(\w+)"\} (\S
 TRADED = re.compile(r"^prfaas_offload_ttft_traded_seconds_sum (\S+)$", re.M)
 QUEUE_WAIT = re.compile(r"^prfaas_queue_wait_seconds_(sum|count) (\S+)$", re.M)
 LIVE_GOALS = {"served": 0.95, "p90": 1.5, "settle_periods": 3}
+GOAL_KEYS = ("served_ok", "p90_ok", "settled_ok", "steady_ok")
 
 
 def live_scenario(profile: DeploymentProfile, phase_s: float) -> Scenario:
@@ -384,22 +388,52 @@ def twin(profile: DeploymentProfile, scenario: Scenario, variant: Variant,
     return run_variant(profile, scenario, variant, scheduler=config, seed=seed)
 
 
-def simulate_twins(out: dict[str, Any], dedicated_cores: bool = False) -> Scenario:
-    """Every variant's twin, SIMULATED on the profile the run recorded, into `out`; the
-    scenario. `dedicated_cores`: without its `[machine]` table (each engine on cores of its
-    own at the profile's times, as the twin was before it simulated the shared machine)."""
+def _recorded(out: dict[str, Any], dedicated_cores: bool) -> tuple[DeploymentProfile, Scenario]:
+    """The profile a run recorded (`dedicated_cores`: without its `[machine]` table, each
+    engine on cores of its own at the profile's times, as the twin was before it simulated
+    the shared machine) and the scenario it ran."""
     document = dict(out["profile"])
     if dedicated_cores:
         document.pop("machine", None)
     profile = parse_profile(document, source="<the live run's start-up profile>")
-    args = out["args"]
-    scenario = live_scenario(profile, args["phase_s"])
-    config = replace(default_scheduler(), period_s=args["period_s"])
+    return profile, live_scenario(profile, out["args"]["phase_s"])
+
+
+def simulate_twins(out: dict[str, Any], dedicated_cores: bool = False) -> Scenario:
+    """Every variant's twin, SIMULATED on the profile the run recorded, into `out`; the
+    scenario."""
+    profile, scenario = _recorded(out, dedicated_cores)
+    config = replace(default_scheduler(), period_s=out["args"]["period_s"])
     for variant, got in out["variants"].items():
-        sim = twin(profile, scenario, variant, config, args["seed"])
+        sim = twin(profile, scenario, variant, config, out["args"]["seed"])
         got["simulated"] = [run_row(sim, p) for p in scenario.phases]
     out["twin_cores"] = "dedicated" if dedicated_cores else "as profiled"
     return scenario
+
+
+def twin_goals(out: dict[str, Any], seeds: list[int], dedicated_cores: bool) -> dict[str, Any]:
+    """The live goals on the twin (SIMULATED: dual against the simulated oracle), per seed:
+    what one live run cannot say, the spread over draws of the same scenario."""
+    profile, scenario = _recorded(out, dedicated_cores)
+    period_s = out["args"]["period_s"]
+    config = replace(default_scheduler(), period_s=period_s)
+    per_seed = {}
+    for seed in seeds:
+        dual, oracle = (twin(profile, scenario, v, config, seed) for v in ("dual", "oracle"))
+        moves = [(e.at, e.kind, e.value) for e in dual.events]
+        per_seed[str(seed)] = phase_goals([run_row(dual, p) for p in scenario.phases],
+                                     [run_row(oracle, p) for p in scenario.phases], moves,
+                                     scenario, period_s)  # fmt: skip
+    print(f"\nthe live goals on the twin (SIMULATED), seeds {seeds}: per phase, each seed's "
+          "served / P90 against the simulated oracle, t moves once settled, settled at "
+          "(s)")  # fmt: skip
+    for i, phase in enumerate(scenario.phases):
+        rows = [per_seed[str(s)][i] for s in seeds]
+        cells = [f"{_f(g['served_vs_oracle'])}/{_f(g['p90_vs_oracle'])} "
+                 f"{g['t_moves_settled']} {g['settle_s']:.0f}" for g in rows]  # fmt: skip
+        met = sum(all(g[k] for k in GOAL_KEYS) for g in rows)
+        print(f"{phase.name:>13}: {met}/{len(seeds)} all goals; " + "; ".join(cells))
+    return per_seed
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -441,17 +475,25 @@ def _describe(scenario: Scenario) -> str:
 
 
 def goals(out: dict[str, Any], scenario: Scenario, period_s: float) -> list[dict[str, Any]]:
-    """The issue's live goals per phase, dual-timescale against the live oracle and static."""
+    """The issue's live goals per phase, dual-timescale against the live oracle."""
     v = out["variants"]
     if not {"dual", "oracle"} <= set(v):
         return []
+    return phase_goals(v["dual"]["live"], v["oracle"]["live"], v["dual"]["moves"], scenario,
+                       period_s)  # fmt: skip
+
+
+def phase_goals(dual_rows: list[dict[str, Any]], oracle_rows: list[dict[str, Any]],
+                dual_moves: list[Any], scenario: Scenario,
+                period_s: float) -> list[dict[str, Any]]:  # fmt: skip
+    """The goals per phase from a run's rows (`run_row`, live or simulated) and dual's moves
+    ((at, kind, value), seconds since the schedule's start)."""
     rows = []
-    for i, phase in enumerate(scenario.phases):
-        dual, oracle = v["dual"]["live"][i], v["oracle"]["live"][i]
+    for phase, dual, oracle in zip(scenario.phases, dual_rows, oracle_rows, strict=True):
         served = _ratio(dual["served_rate"], oracle["served_rate"])
         p90 = _ratio(dual["ttft_p90_s"], oracle["ttft_p90_s"])
         settled = phase.start_s + LIVE_GOALS["settle_periods"] * period_s
-        moves = [e for e in v["dual"]["moves"]
+        moves = [e for e in dual_moves
                  if e[1] == "threshold" and settled <= e[0] < phase.end_s]  # fmt: skip
         window = phase.end_s - settled
         rows.append({
@@ -567,23 +609,40 @@ def main() -> None:
                         "period, seed and variants are the recorded ones)")  # fmt: skip
     parser.add_argument("--dedicated-cores", action="store_true",
                         help="with --twin-of: the twin without the shared machine")  # fmt: skip
+    parser.add_argument("--twin-seeds", type=_seeds, default=[], metavar="0,1,2",
+                        help="with --twin-of: the live goals on the twin, a run per "
+                        "seed")  # fmt: skip
     args = parser.parse_args()
-    if args.dedicated_cores and args.twin_of is None:
-        parser.error("--dedicated-cores re-runs a recorded run's twin: give --twin-of")
-    result = run(args) if args.twin_of is None else rerun_twin(args.twin_of, args.dedicated_cores)
+    if (args.dedicated_cores or args.twin_seeds) and args.twin_of is None:
+        parser.error("--dedicated-cores and --twin-seeds re-run a recorded run's twin: "
+                     "give --twin-of")  # fmt: skip
+    if args.twin_of is None:
+        result = run(args)
+    else:
+        result = rerun_twin(args.twin_of, args.dedicated_cores, args.twin_seeds)
     if args.json:
         args.json.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
     if args.plot:
         plot(result, args.plot)
 
 
-def rerun_twin(path: Path, dedicated_cores: bool) -> dict[str, Any]:
-    """A recorded live run with its twin SIMULATED again (on the profile it recorded)."""
+def rerun_twin(path: Path, dedicated_cores: bool, seeds: list[int]) -> dict[str, Any]:
+    """A recorded live run with its twin SIMULATED again (on the profile it recorded), and
+    the live goals on the twin over `seeds` (none: not run)."""
     out: dict[str, Any] = orjson.loads(path.read_bytes())
     if "profile" not in out:
         raise SystemExit(f"{path}: recorded before runs kept their profile; run it live again")
     report(out, simulate_twins(out, dedicated_cores))
+    if seeds:
+        out["twin_goals"] = twin_goals(out, seeds, dedicated_cores)
     return out
+
+
+def _seeds(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"seeds are integers, comma-separated: {text!r}") from None
 
 
 def _variants(text: str) -> tuple[Variant, ...]:
