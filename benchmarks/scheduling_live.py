@@ -388,22 +388,24 @@ def twin(profile: DeploymentProfile, scenario: Scenario, variant: Variant,
     return run_variant(profile, scenario, variant, scheduler=config, seed=seed)
 
 
-def _recorded(out: dict[str, Any], dedicated_cores: bool) -> tuple[DeploymentProfile, Scenario]:
+def _recorded(
+    out: dict[str, Any], dedicated_cores: bool
+) -> tuple[DeploymentProfile, Scenario, SchedulerConfig]:
     """The profile a run recorded (`dedicated_cores`: without its `[machine]` table, each
     engine on cores of its own at the profile's times, as the twin was before it simulated
-    the shared machine) and the scenario it ran."""
+    the shared machine), the scenario it ran and its schedulers' config."""
     document = dict(out["profile"])
     if dedicated_cores:
         document.pop("machine", None)
     profile = parse_profile(document, source="<the live run's start-up profile>")
-    return profile, live_scenario(profile, out["args"]["phase_s"])
+    config = replace(default_scheduler(), period_s=out["args"]["period_s"])
+    return profile, live_scenario(profile, out["args"]["phase_s"]), config
 
 
 def simulate_twins(out: dict[str, Any], dedicated_cores: bool = False) -> Scenario:
     """Every variant's twin, SIMULATED on the profile the run recorded, into `out`; the
     scenario."""
-    profile, scenario = _recorded(out, dedicated_cores)
-    config = replace(default_scheduler(), period_s=out["args"]["period_s"])
+    profile, scenario, config = _recorded(out, dedicated_cores)
     for variant, got in out["variants"].items():
         sim = twin(profile, scenario, variant, config, out["args"]["seed"])
         got["simulated"] = [run_row(sim, p) for p in scenario.phases]
@@ -414,16 +416,14 @@ def simulate_twins(out: dict[str, Any], dedicated_cores: bool = False) -> Scenar
 def twin_goals(out: dict[str, Any], seeds: list[int], dedicated_cores: bool) -> dict[str, Any]:
     """The live goals on the twin (SIMULATED: dual against the simulated oracle), per seed:
     what one live run cannot say, the spread over draws of the same scenario."""
-    profile, scenario = _recorded(out, dedicated_cores)
-    period_s = out["args"]["period_s"]
-    config = replace(default_scheduler(), period_s=period_s)
+    profile, scenario, config = _recorded(out, dedicated_cores)
     per_seed = {}
     for seed in seeds:
         dual, oracle = (twin(profile, scenario, v, config, seed) for v in ("dual", "oracle"))
         moves = [(e.at, e.kind, e.value) for e in dual.events]
         per_seed[str(seed)] = phase_goals([run_row(dual, p) for p in scenario.phases],
                                      [run_row(oracle, p) for p in scenario.phases], moves,
-                                     scenario, period_s)  # fmt: skip
+                                     scenario, config.period_s)  # fmt: skip
     print(f"\nthe live goals on the twin (SIMULATED), seeds {seeds}: per phase, each seed's "
           "served / P90 against the simulated oracle, t moves once settled, settled at "
           "(s)")  # fmt: skip
