@@ -96,7 +96,9 @@ async def _run_pair(
     request = GenerateRequest(
         rid=f"profile-{room}",
         input_ids=tuple(ids),
-        sampling=SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0),
+        # Exactly that many tokens: a random-weight model may pick EOS, and which token
+        # greedy picks can depend on the batch it ran in.
+        sampling=SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True),
         bootstrap=Bootstrap(pair.bootstrap[0], pair.bootstrap[1], room),
     )
 

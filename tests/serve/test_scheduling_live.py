@@ -66,14 +66,18 @@ async def test_link_drop_raises_t_and_the_last_decode_is_kept(embedded: str) -> 
         prfaas = before["clusters"]["prfaas"][0]["url"]
         probe = int(before["threshold"]) + 50
         egress = f"{prfaas}/admin/egress"
-        async with s.post(egress, json={"rate_mbps": 1}, headers=ENGINE_AUTH) as resp:
-            assert resp.status == 200
-        lowered = time.monotonic()
         # Three clients of prompts under `t` keep the PD prefill saturated (each waits there
         # longer than it computes), so the threshold governs the probes, not their own TTFT.
         busy = asyncio.create_task(load(url, RAISE_WITHIN_S, probe - 100, 3, seed=5))
         await asyncio.sleep(1.0)
         slow = [asyncio.create_task(complete(s, url, probe, seed=70 + i)) for i in range(2)]
+        # The link falls once the probes are routed (they compute for seconds, so their KV
+        # crawls): the long-term loop replans on the capacity step within a tick, and a
+        # probe routed after that would meet the raised `t`.
+        await _until_prfaas_busy(s, url)
+        async with s.post(egress, json={"rate_mbps": 1}, headers=ENGINE_AUTH) as resp:
+            assert resp.status == 200
+        lowered = time.monotonic()
         while (await admin_state(s, url))["threshold"] < probe:
             assert time.monotonic() - lowered < RAISE_WITHIN_S, await admin_state(s, url)
             await asyncio.sleep(0.25)
@@ -104,6 +108,17 @@ async def test_link_drop_raises_t_and_the_last_decode_is_kept(embedded: str) -> 
         "pd-p0": "prefill",
         "pd-d0": "decode",
     }
+
+
+async def _until_prfaas_busy(s: aiohttp.ClientSession, url: str, within_s: float = 5.0) -> None:
+    """Wait until the PrfaaS prefill has a request in flight (at most `within_s`: a probe
+    that went to PD fails the route assertion, not this wait)."""
+    end = time.monotonic() + within_s
+    while time.monotonic() < end:
+        state = await admin_state(s, url)
+        if any(i["in_flight"] for i in state["clusters"]["prfaas"]):
+            return
+        await asyncio.sleep(0.05)
 
 
 def _deployment(tmp: Path) -> Path:
