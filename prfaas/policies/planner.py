@@ -181,6 +181,13 @@ def robust_threshold(grid: PlanGrid, others: Sequence[PlanGrid], n_p: int) -> fl
     return float(grid.thresholds[j])
 
 
+def lambda_at(grid: PlanGrid, n_p: int, threshold: float) -> float:
+    """Split `n_p`'s Lambda_max at `threshold`, interpolated between the searched ones (held
+    at the ends). Raises ValueError when the grid did not search the split."""
+    row = grid.lambda_max[_split_row(grid, n_p)]
+    return float(np.interp(threshold, grid.thresholds, row))
+
+
 def _split_row(grid: PlanGrid, n_p: int) -> int:
     """The grid's row of split `n_p`. Raises ValueError when the grid did not search it."""
     rows = np.flatnonzero(grid.n_p == n_p)

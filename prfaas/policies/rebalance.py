@@ -4,17 +4,18 @@ convert one PD-cluster instance between prefill and decode when the stages drift
 Each period the planner is re-run on the current estimate (incremental lengths, output
 length, bandwidth) with the instances that exist now. The set-point `t` becomes the best
 threshold for the *current* split once that has lain beyond a dead band, on the same side,
-for `confirm_periods` periods (so sampling noise does not churn it). "Best" is robust to
-the estimate's noise: the threshold whose Lambda_max is highest in the worst of the
-estimate and the estimate with its mean length `noise_se` standard errors off either way
-(`planner.robust_threshold`; where the link binds, Lambda_max falls steeply below the
-optimum and gently above it, and a set-point planned on noise must err to the gentle
-side; a period acting on a measured step takes the point optimum). A conversion brings the
-robust threshold of its new split with it. The stages have drifted apart when the prefill
-side's arrival-rate limit and the decode stage's (Eq. 8, which at Eq. 7's balance is
-Theta_prfaas + Theta_pd_p = Theta_pd_d) differ by more than `drift_tolerance`; the wanted
-move is one instance toward the starved side, and it is made only if it raises Lambda_max
-by `min_gain`.
+for `confirm_periods` periods, and moving there raises Lambda_max by `set_point_min_gain`
+on the estimate and on each of its noise shifts (so sampling noise does not churn it).
+"Best" is robust to the estimate's noise: the threshold whose Lambda_max is highest in the
+worst of the estimate and the estimate with its mean length `noise_se` standard errors off
+either way (`planner.robust_threshold`; where the link binds, Lambda_max falls steeply
+below the optimum and gently above it, and a set-point planned on noise must err to the
+gentle side; a period acting on a measured step takes the point optimum). A conversion
+brings the robust threshold of its new split with it. The stages have drifted apart when
+the prefill side's arrival-rate limit and the decode stage's (Eq. 8, which at Eq. 7's
+balance is Theta_prfaas + Theta_pd_p = Theta_pd_d) differ by more than `drift_tolerance`;
+the wanted move is one instance toward the starved side, and it is made only if it raises
+Lambda_max by `min_gain`.
 
 Guard rails (Kubernetes HPA stabilisation, Knative, Dynamo's planner):
 - at most one conversion per period, and none while one is draining;
@@ -40,6 +41,7 @@ calls the engine's role API. Why each default is what it is: `prfaas/sim/SCHEDUL
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -51,6 +53,7 @@ from prfaas.policies.planner import (
     PlanGrid,
     SplitOptimum,
     best_for_split,
+    lambda_at,
     plan,
     robust_threshold,
 )
@@ -87,6 +90,14 @@ class RebalanceConfig:
     """The losing pool must carry the estimated rate times (1 + margin)."""
     set_point_deadband: float = 0.15
     """The set-point moves only when the re-solved t differs by more than this share."""
+    set_point_min_gain: float = 0.01
+    """... and, where the noise rail runs, only when the move raises Lambda_max by at least
+    this share on the estimate and on each noise shift of it: a move that some estimate
+    within the noise says loses is noise. Where the link binds at a light load a period's
+    blend of a few dozen lengths moves the robust optimum by 15-40% back and forth while the
+    load stays the same, each move a gain on its own estimate (`prfaas/sim/SCHEDULING.md`).
+    Small, so that on a flat Lambda_max (a link that does not bind) the set-point still
+    follows a move every estimate agrees on."""
     urgent_set_point: float = 2.0
     """A re-solved t this many times above or below the set-point applies at once, with no
     confirmation (sampling noise does not move t by a factor; a plan made for another
@@ -114,6 +125,8 @@ class RebalanceConfig:
         check(self.load_margin >= 0, "load_margin", self.load_margin, "must be >= 0")
         band = self.set_point_deadband
         check(0 <= band < 1, "set_point_deadband", band, "must be in [0, 1)")
+        gain = self.set_point_min_gain
+        check(gain >= 0, "set_point_min_gain", gain, "must be >= 0")
         urgent = self.urgent_set_point
         check(urgent > 1, "urgent_set_point", urgent, "must be > 1")
         check(self.t_step >= 1, "t_step", self.t_step, "must be >= 1")
@@ -222,6 +235,9 @@ class RebalanceFigures:
     """The split after the wanted move (when a move was wanted)."""
     robust_gain: float | None = None
     """The move's gain, whichever noise side gains less (when the move's noise rail ran)."""
+    set_point_gain: float | None = None
+    """A confirmed set-point move's gain in Lambda_max, the least over the estimate and its
+    noise shifts (when that rail ran)."""
 
     @classmethod
     def of(cls, opt: SplitOptimum, estimate: WorkloadEstimate) -> RebalanceFigures:
@@ -252,6 +268,8 @@ class RebalanceFigures:
             out["next"] = {"n_p": nxt.n_p, "t_best": nxt.t_best, "lambda_max": nxt.lambda_max}
         if self.robust_gain is not None:
             out["robust_gain"] = self.robust_gain
+        if self.set_point_gain is not None:
+            out["set_point_gain"] = self.set_point_gain
         return out
 
 
@@ -320,13 +338,14 @@ def rebalance(
     # the set-point follows the threshold that is best in the worst of the estimate and
     # its noise (None: a shifted estimate cannot be planned)
     solved = noise.robust(grid, n_p) if noise.on else current.threshold_tokens
-    new_set_point, state = _set_point(
+    new_set_point, state, set_point_gain = _set_point(
         config,
         state,
         set_point,
         solved,
         current.threshold_tokens,
         evidence.link_step,
+        gain=lambda t: noise.move_gain(grid, n_p, set_point, t),
     )
     rate = min(estimate.rate, current.lambda_max)
     util = planned_utilisation(replanned, new_set_point, rate, exact=config.exact)
@@ -334,6 +353,8 @@ def rebalance(
     noisy = noise.set_points() if noise.planned else None
     if noisy is not None:  # the set-point's noise rail ran: what it saw
         period.figures = replace(period.figures, t_best_noise=tuple(noisy), t_robust=solved)
+    if set_point_gain is not None:
+        period.figures = replace(period.figures, set_point_gain=set_point_gain)
     direction, why = _drift(config, current)
     first_look = evidence.first_look
     if direction == 0 or first_look:
@@ -461,6 +482,21 @@ class _Noise:
         except ValueError:
             return None
 
+    def move_gain(self, grid: PlanGrid, n_p: int, current: float, new: float) -> float | None:
+        """How much more Lambda_max split `n_p` has at threshold `new` than at `current`,
+        the least over the estimate (`grid`) and its two shifts (-inf when a shift cannot be
+        planned; None when the rail is off)."""
+        if not self.on:
+            return None
+        grids = self._planned()
+        if grids is None:
+            return -math.inf
+        gains = []
+        for g in (grid, *grids):
+            at = lambda_at(g, n_p, current)
+            gains.append(lambda_at(g, n_p, new) / at - 1 if at > 0 else math.inf)
+        return min(gains)
+
     def set_points(self) -> list[float] | None:
         """The best threshold of the split now on each side (an empty list when a shifted
         estimate cannot be planned)."""
@@ -513,29 +549,39 @@ def _set_point(
     solved: float | None,
     point: float,
     stepped: bool = False,
-) -> tuple[float, RebalanceState]:
+    gain: Callable[[float], float | None] = lambda _: None,
+) -> tuple[float, RebalanceState, float | None]:
     """The re-solved t (`solved`, robust to the estimate's noise) replaces the set-point
     once it has lain beyond the dead band, on the same side, for `confirm_periods` periods
-    in a row (sampling noise does not churn it), or at once after a link step or when the
-    point optimum `point` is `urgent_set_point` times off (noise does not move the optimum
-    by a factor; a plan made for another workload does). `solved` None (the noise could not
-    be planned: too few samples) counts as inside the band unless it applies at once; the
-    point optimum then applies."""
+    in a row and `gain(solved)` (the move's least gain over the estimate and its noise;
+    None: not judged) is at least `set_point_min_gain` (sampling noise does not churn it),
+    or at once after a link step or when the point optimum `point` is `urgent_set_point`
+    times off (noise does not move the optimum by a factor; a plan made for another
+    workload does). `solved` None (the noise could not be planned: too few samples) counts
+    as inside the band unless it applies at once; the point optimum then applies. Also
+    returns the gain judged (None when none was)."""
     far = current <= 0 or max(point / current, current / max(point, 1e-9)) >= (
         config.urgent_set_point
     )
+    settled = replace(state, set_point_side=0, set_point_streak=0)
     if solved is None:
         if not (stepped or far):
-            return current, replace(state, set_point_side=0, set_point_streak=0)
+            return current, settled, None
         solved = point
     band = config.set_point_deadband * current
     side = 0 if current > 0 and abs(solved - current) <= band else (1 if solved > current else -1)
     if side == 0:
-        return current, replace(state, set_point_side=0, set_point_streak=0)
+        return current, settled, None
     streak = state.set_point_streak + 1 if state.set_point_side == side else 1
-    if streak < config.confirm_periods and not stepped and not far:
-        return current, replace(state, set_point_side=side, set_point_streak=streak)
-    return solved, replace(state, set_point_side=0, set_point_streak=0)
+    waiting = replace(state, set_point_side=side, set_point_streak=streak)
+    if stepped or far:
+        return solved, settled, None
+    if streak < config.confirm_periods:
+        return current, waiting, None
+    gained = gain(solved)
+    if gained is not None and gained < config.set_point_min_gain:
+        return current, waiting, gained  # some estimate within the noise says it loses
+    return solved, settled, gained
 
 
 def _drift(config: RebalanceConfig, opt: SplitOptimum) -> tuple[int, str]:

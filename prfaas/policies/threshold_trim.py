@@ -42,8 +42,10 @@ what the live runs showed without them):
   already the bottleneck, and every short prompt behind them would wait their compute.
 
 No oscillation under steady load: after a raise, the `t` at which the link was congested is
-remembered, and lowering back toward the set-point on a quiet link stops one step above it
-until that memory expires (`memory_s`), the link capacity grows, or the set-point moves.
+remembered, and any lowering (back toward the set-point on a quiet link, or for a congested
+PD prefill) stops one step above it until that memory expires (`memory_s`), the link
+capacity grows, or the set-point moves: where lowering for the PD queue congests the link,
+the two queues otherwise take turns pulling `t` down and pushing it back up.
 So under a steady load the trimmer settles one step above the congested point instead of
 cycling through it (TCP's ssthresh plays the same role). The same holds the other way:
 after a lowering for a congested PD prefill, relaxing back up stops one step below the `t`
@@ -278,8 +280,7 @@ def trim(config: TrimConfig, state: TrimState, obs: TrimObservation) -> TrimDeci
         if step is not None and not step.raised and step.draining(obs.now, pd):
             return TrimDecision(state, False, f"hold: {why}, draining ({step.queue_s:.1f}s at "
                                 "the last lowering)")  # fmt: skip
-        lowered = _lower(config, state, lo, why, step=t * (1 - 1 / config.raise_factor),
-                         remembered=False)  # fmt: skip
+        lowered = _lower(config, state, lo, why, step=t * (1 - 1 / config.raise_factor))
         if not lowered.changed:
             return lowered
         stepped = replace(
@@ -375,14 +376,12 @@ def _lower(
     why: str,
     *,
     step: float = 0.0,
-    remembered: bool = True,
 ) -> TrimDecision:
-    """Lower toward `target` by `step` (at least `lower_step_tokens`); with `remembered`,
-    not below one step above the last congested `t` (a queue imbalance toward PD overrides
-    that memory)."""
+    """Lower toward `target` by `step` (at least `lower_step_tokens`), not below one step
+    above the `t` at which the link was last congested (while remembered)."""
     t = state.threshold
     floor = target
-    if remembered and state.congested_at is not None:
+    if state.congested_at is not None:
         floor = max(floor, state.congested_at + config.lower_step_tokens)
     if t <= floor:
         return TrimDecision(state, False, f"hold: {why}, t at its floor {floor:.0f}")
@@ -391,9 +390,10 @@ def _lower(
 
 
 def _moved(state: TrimState, threshold: float, why: str) -> TrimDecision:
-    """Move `t`, and start measuring what the new one does."""
+    """Move `t` to a whole number of tokens (steps by a factor would otherwise leave
+    fractions that a later step back to the set-point "moves" by 1e-12), and start
+    measuring what the new one does."""
     now = state.averages.at if state.averages is not None else 0.0
     fresh = TrimAverages(since=now, at=now)
-    return TrimDecision(
-        replace(state, threshold=threshold, quiet_ticks=0, averages=fresh), True, why
-    )
+    t = float(round(threshold))
+    return TrimDecision(replace(state, threshold=t, quiet_ticks=0, averages=fresh), True, why)

@@ -356,6 +356,32 @@ def test_a_set_point_off_by_less_than_the_estimates_noise_stays(
     assert measured.figures is not None and measured.figures.t_best_noise is None
 
 
+def test_a_set_point_move_must_gain_on_every_estimate_within_the_noise(
+    profile: DeploymentProfile,
+) -> None:
+    """Beyond the band for two periods, 10,000 -> the robust t raises Lambda_max by about 1.4%
+    on the estimate with its mean length a standard error lower (the least of the three): a
+    `set_point_min_gain` of 1% moves it, 5% holds it with the count kept (the next period
+    judges again) and the gain in the figures; a link step moves it whatever the gain."""
+    est = _estimate()
+    waited = RebalanceState(set_point_side=1, set_point_streak=1)
+
+    def decide(gain: float, **kw: bool) -> RebalanceDecision:
+        return rebalance(replace(CFG, set_point_min_gain=gain), waited, profile, est, _pools(),
+                         now=60, set_point=10_000, evidence=Evidence(**kw))  # fmt: skip
+
+    moved, held = decide(0.01), decide(0.05)
+    assert moved.figures is not None and moved.set_point == moved.figures.t_robust
+    gain = moved.figures.set_point_gain
+    assert gain is not None and 0.01 < gain < 0.05
+    assert held.set_point == 10_000 and held.figures is not None
+    assert held.figures.set_point_gain == gain
+    assert (held.state.set_point_side, held.state.set_point_streak) == (1, 2)
+    stepped = decide(0.05, link_step=True)
+    assert stepped.set_point > 10_000 and stepped.figures is not None
+    assert stepped.figures.set_point_gain is None  # not judged: a measurement, not noise
+
+
 def test_a_set_point_a_factor_off_moves_at_once_to_the_robust_threshold(
     profile: DeploymentProfile,
 ) -> None:
@@ -391,4 +417,6 @@ def test_config_rejects_bad_values() -> None:
         RebalanceConfig(urgent_gain=-0.1)
     with pytest.raises(ValueError, match=r"urgent_set_point: must be > 1"):
         RebalanceConfig(urgent_set_point=1.0)
+    with pytest.raises(ValueError, match=r"set_point_min_gain: must be >= 0"):
+        RebalanceConfig(set_point_min_gain=-0.01)
     assert math.isinf(-RebalanceState().cooldown_until)

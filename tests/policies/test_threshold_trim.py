@@ -168,12 +168,30 @@ def test_busy_pd_prefill_lowers_below_the_set_point_to_the_band_floor() -> None:
     assert not d.changed and "t at its floor 5000" in d.reason
 
 
+def test_lowering_for_pd_stops_one_step_above_where_the_link_was_congested() -> None:
+    """The link congested at 8,000 (t raised to 10,000); then the PD queue congests: t falls
+    only to 8,512, not by a raise's worth to 8,000 (which would congest the link again and
+    cycle), and holds there until the memory expires."""
+    state = TrimState(8_000, 10_000, hot_ticks=1)
+    state = trim(CFG, state, _obs(0, 0.95)).state
+    assert state.threshold == 10_000 and state.congested_at == 8_000
+    pd_hot = replace(state, quiet_ticks=2, since_step=10)
+    d = trim(CFG, pd_hot, _obs(1, 0.1, pf=1.0, pd=10.0))
+    assert d.state.threshold == 8_512
+    assert d.reason == "lower: PD queue 10.0s > 1.5 x PrfaaS 1.0s + 3s"
+    again = replace(d.state, quiet_ticks=2, since_step=10, last_step=None)
+    d = trim(CFG, again, _obs(2, 0.1, pf=1.0, pd=10.0))
+    assert not d.changed and "t at its floor 8512" in d.reason
+    d = trim(CFG, again, _obs(301, 0.1, pf=1.0, pd=10.0))
+    assert d.state.threshold == 6_810  # the memory expired: /1.25, in whole tokens
+
+
 def test_a_congested_pd_pulls_t_down_at_the_pace_a_congested_prfaas_pushes_it_up() -> None:
     """30 ticks of one pool's queue far ahead: PrfaaS congested raises t x1.25 three times
     (ticks 1, 11, 21); PD congested lowers it /1.25 three times (ticks 2, 12, 22). Additive
     512-token steps would have taken it only from 40,000 to 34,880."""
     up = _run(TrimState(20_000, 20_000), [_obs(i, 0.1, pf=20.0, pd=0.0) for i in range(30)])
-    assert up[-1][0] == 20_000 * 1.25**3
+    assert up[-1][0] == 39_062  # 20,000 x 1.25^3, in whole tokens
     down = _run(TrimState(40_000, 40_000), [_obs(i, 0.1, pf=0.0, pd=20.0) for i in range(30)])
     assert down[-1][0] == pytest.approx(40_000 / 1.25**3)
 
