@@ -129,11 +129,10 @@ endif
 
 # ruff, mypy and the SGLang plugin's tests need only their own environment: as prerequisites
 # (listed last) they run while the other environments are still being made, not after pytest.
-# pytest hands whole files to its workers, the `heavy` ones first (tests/conftest.py).
 test: $(STAMP) $(CHROMIUM) $(OPENSSL) $(REDIS) $(VLLM_STAMP) $(VLLM_MODEL)/config.json \
 		$(VLLM_DENSE_MODEL)/config.json $(SGLANG_STAMP) lint test-sglang
 	PRFAAS_CHROMIUM=$(CHROMIUM) PRFAAS_OPENSSL=$(OPENSSL) PRFAAS_REDIS_SERVER=$(REDIS) \
-		$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
+		$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile
 
 # The SGLang plugin's tests alone (about a minute).
 test-sglang: $(SGLANG_STAMP)

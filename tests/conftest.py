@@ -36,22 +36,6 @@ if "PYTEST_XDIST_WORKER" in os.environ:
     if _slice is not None:
         os.environ[ENV_RANGE] = _slice
 
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers", "heavy: the file starts engine servers or processes for minutes of the suite"
-    )
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Files marked `heavy` first, each file's tests kept in order (a stable sort).
-    `make test` hands whole files to its two workers in this order (`--dist loadfile
-    --no-loadscope-reorder`; xdist's own order, most tests first, put the few-test files
-    that start vLLM servers last), so the longest files start early and the short ones fill
-    in at the end, instead of one worker running a five-minute file while the other idles."""
-    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
-
-
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 CASE_STUDY = SHARED_DATA / "paper" / "case_study.toml"

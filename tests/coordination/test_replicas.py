@@ -38,7 +38,7 @@ MODEL = "qwen3-next-tiny"
 TTL_S = 2.0
 PERIOD_S = 3.0
 
-pytestmark = [pytest.mark.timeout(240), pytest.mark.heavy]
+pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,6 @@ from prfaas.common.ports import free_port
 from prfaas.protocol.kv_events import BlockStored, KVEventSubscriber
 from prfaas.protocol.kv_events.vllm_events import VLLMEventDecoder
 
-pytestmark = pytest.mark.heavy
-
 CHILD = Path(__file__).resolve().parents[1] / "support" / "kv_publisher_child.py"
 SGLANG_PYTHON = ROOT / ".venv-sglang/bin/python"
 

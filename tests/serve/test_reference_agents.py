@@ -37,7 +37,7 @@ from agent_battery import (
 )
 from serve_live_helpers import MODEL, spawn, started, stop
 
-pytestmark = [pytest.mark.timeout(900), pytest.mark.heavy]
+pytestmark = pytest.mark.timeout(900)
 BLOCK = 64
 """The embedded default's page size: the KV index's block."""
 SAMPLED = ("top-k-top-p", "top-p")

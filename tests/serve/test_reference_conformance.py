@@ -36,7 +36,7 @@ from openai_battery import (
     merged,
 )
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.heavy]
+pytestmark = pytest.mark.timeout(600)
 MODEL = "qwen3-next-tiny"
 LISTENING = re.compile(r"PrfaaS gateway listening on (http://\S+)")
 READY = re.compile(r"(Ctrl-C) stops")

@@ -33,8 +33,6 @@ from serve_live_helpers import (
     stop,
 )
 
-pytestmark = pytest.mark.heavy
-
 RAISE_WITHIN_S = 30.0
 """How long `t` may take to rise past the probe after the link falls. The probes' own
 prefills come first (on two busy cores, seconds each), then a tick or two of a crawling link;

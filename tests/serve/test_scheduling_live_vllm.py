@@ -28,7 +28,7 @@ from vllm_helpers import MODEL, VLLM_PYTHON, require_vllm
 from prfaas.testing.launch_tables import vllm_launch
 from prfaas.testing.tiny_checkpoint import TINY_BLOCK_SIZE
 
-pytestmark = [pytest.mark.timeout(900), pytest.mark.heavy]
+pytestmark = pytest.mark.timeout(900)
 
 PROMPT_TOKENS = re.compile(rb"^vllm:prompt_tokens_total\{[^}]*\} ([0-9.e+]+)$", re.M)
 

@@ -23,8 +23,6 @@ from http_server_helpers import read_response, request
 
 from prfaas.testing.processes import child_pids
 
-pytestmark = pytest.mark.heavy
-
 LISTENING = re.compile(r"PrfaaS gateway listening on (http://\S+)")
 DRAIN_S = 8.0
 SLACK_S = 10.0

@@ -32,8 +32,6 @@ from prfaas.policies.profile import load_profile
 from prfaas.serve.embedded import T_RANGE
 from prfaas.testing.processes import child_pids
 
-pytestmark = pytest.mark.heavy
-
 MODEL = "qwen3-next-tiny"
 START_TIMEOUT_S = 240
 LISTENING = re.compile(r"PrfaaS gateway listening on (http://\S+)")

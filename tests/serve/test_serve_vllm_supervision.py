@@ -33,8 +33,6 @@ from prfaas.testing.launch_tables import vllm_pd_deployment
 from prfaas.testing.processes import alive, child_pids, waiting_standby
 from prfaas.testing.tiny_checkpoint import TINY_BLOCK_SIZE
 
-pytestmark = pytest.mark.heavy
-
 LISTENING = re.compile(r"PrfaaS gateway listening on (http://\S+)")
 START_TIMEOUT_S = 600
 GRACE_S = 8.0

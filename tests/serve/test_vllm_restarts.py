@@ -31,7 +31,7 @@ from prfaas.serve.processes import EngineProcess, EngineSpec
 from prfaas.serve.vllm_engines import VLLMRestarts, cache_block_size, start_vllm
 from prfaas.testing.tiny_checkpoint import TINY_BLOCK_SIZE
 
-pytestmark = [pytest.mark.timeout(900), pytest.mark.heavy]
+pytestmark = pytest.mark.timeout(900)
 
 SERVED = "tiny"
 MODEL_CONFIG = ModelConfig(SERVED, block_size=TINY_BLOCK_SIZE)

@@ -12,10 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-pytestmark = pytest.mark.heavy
-
 SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "gpu_campaign.py"
 STAGES = ["env", "device_check", "overlap", "pd", "phi_kv"]
 

@@ -49,7 +49,7 @@ from prfaas.protocol.generate import SamplingParams
 from prfaas.testing.processes import group_cpu_seconds
 from prfaas.testing.tiny_checkpoint import TINY_BLOCK_SIZE
 
-pytestmark = [pytest.mark.timeout(900), pytest.mark.heavy]
+pytestmark = pytest.mark.timeout(900)
 
 THRESHOLD = 1024  # longer uncached prompts go to the paced PrfaaS prefill
 BLOCK = TINY_BLOCK_SIZE  # the page vLLM serves the tiny model with (`vllm_helpers.server`)

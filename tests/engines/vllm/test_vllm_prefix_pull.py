@@ -33,7 +33,7 @@ from prfaas.gateway.deployment import DeploymentConfig, GatewayConfig, InstanceC
 from prfaas.protocol.generate import SamplingParams
 from prfaas.testing.tiny_checkpoint import TINY_BLOCK_SIZE
 
-pytestmark = [pytest.mark.timeout(900), pytest.mark.heavy]
+pytestmark = pytest.mark.timeout(900)
 
 BLOCK = TINY_BLOCK_SIZE  # the page vLLM serves the tiny model with (`vllm_helpers.server`)
 PREFIX = 2 * BLOCK  # the cached prefix: a block boundary where the source keeps states

@@ -20,7 +20,7 @@ from prfaas.engine_clients.vllm import VLLMClient, VLLMEndpoint
 from prfaas.engines.vllm.launch import VLLMProcess
 from prfaas.engines.vllm.role import ENV_ROLE
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.heavy]
+pytestmark = pytest.mark.timeout(600)
 
 SECRET = DeploymentSecret.generate()
 LEADER = 1000

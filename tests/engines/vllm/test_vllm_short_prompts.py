@@ -26,7 +26,7 @@ from vllm_helpers import completion, read_trace, require_vllm, server, start_all
 from prfaas.engines.vllm.launch import VLLMProcess
 from prfaas.testing.tiny_checkpoint import TINY_BLOCK_SIZE
 
-pytestmark = [pytest.mark.timeout(900), pytest.mark.heavy]
+pytestmark = pytest.mark.timeout(900)
 
 STATE_BLOCK = TINY_BLOCK_SIZE  # where vLLM's scheduler checkpoints the linear states
 LENGTHS = (1, 2, 5, 59, 64, 127, 128, 129, 383, 384, 385, 768, 769, 1500, 4000)

@@ -23,7 +23,7 @@ from prfaas.engine_clients.vllm import VLLMClient, VLLMEndpoint
 from prfaas.engines.transport import KVReceiver, ReceiverConfig, TransferError
 from prfaas.engines.vllm.launch import VLLMProcess
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.heavy]
+pytestmark = pytest.mark.timeout(600)
 
 SECRET = DeploymentSecret.generate()
 GUARDED = ("/metrics", "/openapi.json", "/v1/models", "/tokenize", "/kv_event_sources",

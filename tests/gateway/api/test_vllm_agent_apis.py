@@ -73,7 +73,7 @@ from prfaas.protocol.openai_request import chat_body_ids
 from prfaas.testing.launch_tables import vllm_pd_deployment
 from prfaas.testing.tiny_checkpoint import TINY_BLOCK_SIZE
 
-pytestmark = [pytest.mark.timeout(1500), pytest.mark.heavy]
+pytestmark = pytest.mark.timeout(1500)
 TOOLS_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 SAMPLED = ("top-k-top-p", "top-p")
 VOLATILE = {"id", "created_at", "item_id", "call_id", "signature", "kv_transfer_params",

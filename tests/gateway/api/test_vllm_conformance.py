@@ -37,7 +37,7 @@ from prfaas.common.ports import free_port
 from prfaas.engines.vllm.launch import VLLMProcess
 from prfaas.testing.tiny_checkpoint import TINY_BLOCK_SIZE
 
-pytestmark = [pytest.mark.timeout(1200), pytest.mark.heavy]
+pytestmark = pytest.mark.timeout(1200)
 
 TOOLS_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 VOLATILE = {"id", "created", "system_fingerprint", "kv_transfer_params", "prompt_tokens_details"}

@@ -25,7 +25,7 @@ from vllm_helpers import VLLM_PYTHON, dense_model, gauge, require_vllm, serve_li
 from prfaas.common.secret import ENV_SECRET
 from prfaas.testing.launch_tables import vllm_pd_deployment
 
-pytestmark = [pytest.mark.timeout(1200), pytest.mark.heavy]
+pytestmark = pytest.mark.timeout(1200)
 BLOCK = 64
 TOOLS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 
