@@ -91,11 +91,13 @@ class RebalanceConfig:
     set_point_deadband: float = 0.15
     """The set-point moves only when the re-solved t differs by more than this share."""
     set_point_min_gain: float = 0.01
-    """... and, where the noise rail runs, only when the move raises Lambda_max by at least
-    this share on the estimate and on each noise shift of it: a move that some estimate
-    within the noise says loses is noise. Where the link binds at a light load a period's
-    blend of a few dozen lengths moves the robust optimum by 15-40% back and forth while the
-    load stays the same, each move a gain on its own estimate (`prfaas/sim/SCHEDULING.md`).
+    """... and only when the move raises Lambda_max by at least this share on the estimate
+    and on each noise shift of it: a move that some estimate within the noise says loses is
+    noise. Not judged where the noise rail is off (`noise_se` 0, a length or answer wake),
+    after a link step, or for a point optimum `urgent_set_point` times off. Where the link
+    binds at a light load a period's blend of a few dozen lengths moves the robust optimum by
+    15-40% back and forth while the load stays the same, each move a gain on its own
+    estimate (`prfaas/sim/SCHEDULING.md`).
     Small, so that on a flat Lambda_max (a link that does not bind) the set-point still
     follows a move every estimate agrees on."""
     urgent_set_point: float = 2.0
@@ -355,6 +357,10 @@ def rebalance(
         period.figures = replace(period.figures, t_best_noise=tuple(noisy), t_robust=solved)
     if set_point_gain is not None:
         period.figures = replace(period.figures, set_point_gain=set_point_gain)
+        if new_set_point == set_point and solved is not None:
+            period.held = (f"; set-point held at {set_point:.0f}: t {solved:.0f} gains "
+                           f"{set_point_gain:+.1%} on the least of the estimate and its "
+                           f"noise, < {config.set_point_min_gain:.0%}")  # fmt: skip
     direction, why = _drift(config, current)
     first_look = evidence.first_look
     if direction == 0 or first_look:
@@ -516,6 +522,8 @@ class _Period:
     set_point: float
     figures: RebalanceFigures
     utilisation: float | None
+    held: str = ""
+    """Why a confirmed set-point move was held (appended to every outcome's reason)."""
 
     def reset(self, outcome: Outcome, reason: str) -> RebalanceDecision:
         """An outcome that wants no move: the confirmation streak starts over."""
@@ -533,7 +541,7 @@ class _Period:
         return RebalanceDecision(
             self.state,
             outcome,
-            reason,
+            reason + self.held,
             self.set_point,
             conversion,
             self.figures,

@@ -16,6 +16,7 @@ around the long-term loop's set-point:
   left alone: a link-bound optimum (the planner's answer on a slow link) runs it near 100%,
   and moving work to PD would only move the queue;
 - **lower** after `clear_ticks` ticks without PrfaaS congestion: down to the band's floor
+  (not below one step above where the link last congested, while remembered: see below)
   while the PD-prefill queue exceeds the PrfaaS one by `queue_gap_s`, at the pace raising
   keeps (one raise's worth per `holdoff_ticks`: two compute queues are balanced, nothing
   is probed); or additively (`t -= lower_step`) back toward the set-point once the link
@@ -366,7 +367,7 @@ def _raise(
         remember_until=obs.now + config.memory_s,
         last_step=LastStep(True, obs.now, queue_s),
     )
-    return _moved(remembered, min(t * config.raise_factor, hi), f"raise: {why}")
+    return _moved(remembered, min(round(t * config.raise_factor), hi), f"raise: {why}")
 
 
 def _lower(
@@ -384,16 +385,20 @@ def _lower(
     if state.congested_at is not None:
         floor = max(floor, state.congested_at + config.lower_step_tokens)
     if t <= floor:
-        return TrimDecision(state, False, f"hold: {why}, t at its floor {floor:.0f}")
+        where = ""
+        if floor != target:
+            where = f", one step above {state.congested_at:.0f}, where the link congested"
+        return TrimDecision(state, False, f"hold: {why}, t at its floor {floor:.0f}{where}")
     step = max(step, config.lower_step_tokens)
-    return _moved(state, max(t - step, floor), f"lower: {why}")
+    return _moved(state, max(round(t - step), floor), f"lower: {why}")
 
 
 def _moved(state: TrimState, threshold: float, why: str) -> TrimDecision:
-    """Move `t` to a whole number of tokens (steps by a factor would otherwise leave
-    fractions that a later step back to the set-point "moves" by 1e-12), and start
-    measuring what the new one does."""
+    """Move `t` and start measuring what the new one does. Steps land on whole tokens before
+    they are clamped to their bound (a raise by 1.25 left 4,608.000000000001, and a later
+    step down to the set-point 4,608 was a move of 1e-12)."""
     now = state.averages.at if state.averages is not None else 0.0
     fresh = TrimAverages(since=now, at=now)
-    t = float(round(threshold))
-    return TrimDecision(replace(state, threshold=t, quiet_ticks=0, averages=fresh), True, why)
+    return TrimDecision(
+        replace(state, threshold=float(threshold), quiet_ticks=0, averages=fresh), True, why
+    )

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from prfaas.policies.distributions import TruncatedLogNormal
-from prfaas.policies.planner import best_for_split, plan
+from prfaas.policies.planner import best_for_split, lambda_at, plan
 from prfaas.policies.profile import DeploymentProfile, load_profile
 from prfaas.policies.rebalance import (
     Conversion,
@@ -372,14 +372,37 @@ def test_a_set_point_move_must_gain_on_every_estimate_within_the_noise(
 
     moved, held = decide(0.01), decide(0.05)
     assert moved.figures is not None and moved.set_point == moved.figures.t_robust
+    assert (moved.state.set_point_side, moved.state.set_point_streak) == (0, 0)
     gain = moved.figures.set_point_gain
     assert gain is not None and 0.01 < gain < 0.05
+    assert gain == pytest.approx(min(_gains(profile, est, 10_000, moved.set_point)))
+    assert _gains(profile, est, 10_000, moved.set_point)[0] > gain  # not the estimate's own
     assert held.set_point == 10_000 and held.figures is not None
     assert held.figures.set_point_gain == gain
     assert (held.state.set_point_side, held.state.set_point_streak) == (1, 2)
-    stepped = decide(0.05, link_step=True)
-    assert stepped.set_point > 10_000 and stepped.figures is not None
-    assert stepped.figures.set_point_gain is None  # not judged: a measurement, not noise
+    assert held.reason.endswith(
+        f"; set-point held at 10000: t {moved.set_point:.0f} gains {gain:+.1%} on the least of "
+        "the estimate and its noise, < 5%"
+    )
+    no_rail = replace(CFG, set_point_min_gain=0.05, noise_se=0.0)
+    for skips in (
+        decide(0.05, link_step=True),  # a measurement, not noise
+        rebalance(no_rail, waited, profile, est, _pools(), now=60, set_point=10_000),
+    ):
+        assert skips.set_point > 10_000 and skips.figures is not None
+        assert skips.figures.set_point_gain is None  # not judged
+
+
+def _gains(profile: DeploymentProfile, est: WorkloadEstimate, t0: float, t1: float) -> list[float]:
+    """Lambda_max of 3P at `t1` over at `t0` on the estimate and on it with the mean length
+    a standard error lower and higher (the planner's own grids, recomputed here)."""
+    off = est.log_mean_length_se
+    out = []
+    for d in (0.0, -off, off):
+        shifted = replace(est, lengths=est.lengths.shifted(d))
+        grid = plan(replan_profile(profile, shifted, 4, 8), t_step=CFG.t_step, exact=True).grid
+        out.append(lambda_at(grid, 3, t1) / lambda_at(grid, 3, t0) - 1)
+    return out
 
 
 def test_a_set_point_a_factor_off_moves_at_once_to_the_robust_threshold(
@@ -394,6 +417,7 @@ def test_a_set_point_a_factor_off_moves_at_once_to_the_robust_threshold(
         d = rebalance(CFG, RebalanceState(), profile, _estimate(n=n), _pools(), now=0,
                       set_point=3 * t_star)  # fmt: skip
         assert d.figures is not None and d.set_point == d.figures.t_robust
+        assert d.figures.set_point_gain is None  # a factor off: not judged against noise
         moved.append(d.set_point)
     assert t_star < moved[0] < moved[1] < 1.5 * t_star
 

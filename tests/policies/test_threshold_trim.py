@@ -179,9 +179,12 @@ def test_lowering_for_pd_stops_one_step_above_where_the_link_was_congested() -> 
     d = trim(CFG, pd_hot, _obs(1, 0.1, pf=1.0, pd=10.0))
     assert d.state.threshold == 8_512
     assert d.reason == "lower: PD queue 10.0s > 1.5 x PrfaaS 1.0s + 3s"
+    # (no draining hold: the queue of that lowering counts as drained)
     again = replace(d.state, quiet_ticks=2, since_step=10, last_step=None)
     d = trim(CFG, again, _obs(2, 0.1, pf=1.0, pd=10.0))
-    assert not d.changed and "t at its floor 8512" in d.reason
+    assert not d.changed and d.reason.endswith(
+        "t at its floor 8512, one step above 8000, where the link congested"
+    )
     d = trim(CFG, again, _obs(301, 0.1, pf=1.0, pd=10.0))
     assert d.state.threshold == 6_810  # the memory expired: /1.25, in whole tokens
 
@@ -191,7 +194,7 @@ def test_a_congested_pd_pulls_t_down_at_the_pace_a_congested_prfaas_pushes_it_up
     (ticks 1, 11, 21); PD congested lowers it /1.25 three times (ticks 2, 12, 22). Additive
     512-token steps would have taken it only from 40,000 to 34,880."""
     up = _run(TrimState(20_000, 20_000), [_obs(i, 0.1, pf=20.0, pd=0.0) for i in range(30)])
-    assert up[-1][0] == 39_062  # 20,000 x 1.25^3, in whole tokens
+    assert up[-1][0] == 39_062  # 20,000 x 1.25^3 = 39,062.5, rounded half to even
     down = _run(TrimState(40_000, 40_000), [_obs(i, 0.1, pf=0.0, pd=20.0) for i in range(30)])
     assert down[-1][0] == pytest.approx(40_000 / 1.25**3)
 
@@ -222,6 +225,17 @@ def test_after_lowering_for_pd_relaxing_up_stops_one_step_below_where_pd_congest
     assert not trim(CFG, held, _obs(299, 0.1)).changed
     assert trim(CFG, held, _obs(301, 0.1)).state.threshold == 10_000
     assert held.with_set_point(12_000).pd_congested_at is None
+
+
+def test_steps_land_on_whole_tokens_and_stop_at_a_fractional_set_point() -> None:
+    """A quiet link lowers 4,000 in 512-token steps to the set-point 3,000.5 and stops there
+    (a step rounded after the clamp would land on 3,000, below it, and relax up to 3,000.5
+    and round down again every tick); raises from 3,001 land on 3,751 (x1.25 = 3,751.25)."""
+    steps = _run(TrimState(4_000, 3_000.5, quiet_ticks=2), [_obs(i, 0.1) for i in range(12)])
+    assert sorted({t for t, _ in steps}, reverse=True) == [3_488, 3_000.5]
+    assert steps[-1] == (3_000.5, "hold: within the dead band")
+    up = trim(CFG, TrimState(3_001, 3_000.5, hot_ticks=1), _obs(0, 0.95))
+    assert up.state.threshold == 3_751
 
 
 def test_no_link_telemetry_counts_as_a_quiet_link() -> None:
