@@ -556,8 +556,8 @@ def _set_point(
     current: float,
     solved: float | None,
     point: float,
-    stepped: bool = False,
-    gain: Callable[[float], float | None] = lambda _: None,
+    stepped: bool,
+    gain: Callable[[float], float | None],
 ) -> tuple[float, RebalanceState, float | None]:
     """The re-solved t (`solved`, robust to the estimate's noise) replaces the set-point
     once it has lain beyond the dead band, on the same side, for `confirm_periods` periods
