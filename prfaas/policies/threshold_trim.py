@@ -20,7 +20,8 @@ around the long-term loop's set-point:
   while the PD-prefill queue exceeds the PrfaaS one by `queue_gap_s`, at the pace raising
   keeps (one raise's worth per `holdoff_ticks`: two compute queues are balanced, nothing
   is probed); or additively (`t -= lower_step`) back toward the set-point once the link
-  is below its low-water mark (probing the link, as TCP's additive increase does);
+  is below its low-water mark (probing the link, as TCP's additive increase does), but not
+  while the link's last congestion is remembered (see below);
 - **relax up** additively toward the set-point when `t` sits below it and neither side is
   congested;
 - hold otherwise (between the marks there is a dead band).
@@ -43,16 +44,18 @@ what the live runs showed without them):
   already the bottleneck, and every short prompt behind them would wait their compute.
 
 No oscillation under steady load: after a raise, the `t` at which the link was congested is
-remembered, and any lowering (back toward the set-point on a quiet link, or for a congested
-PD prefill) stops one step above it until that memory expires (`memory_s`), the link
-capacity grows, or the set-point moves: where lowering for the PD queue congests the link,
-the two queues otherwise take turns pulling `t` down and pushing it back up.
-So under a steady load the trimmer settles one step above the congested point instead of
-cycling through it (TCP's ssthresh plays the same role). The same holds the other way:
-after a lowering for a congested PD prefill, relaxing back up stops one step below the `t`
-at which PD was congested until that memory expires or the set-point moves (without it,
-a steady load near the PD prefill's capacity went set-point, lower, relax, relax, lower
-again about a minute later in the live link-drop phase).
+remembered until that memory expires (`memory_s`), the link capacity grows, or the set-point
+moves. Meanwhile a quiet link lowers nothing (the raise stands), and a lowering for a
+congested PD prefill stops one step above the congested `t`: where lowering for the PD queue
+congests the link, the two queues otherwise take turns pulling `t` down and pushing it back
+up. So under a steady load the trimmer stays where one raise put it, at most one raise above
+the congested point, instead of cycling through it (TCP's ssthresh plays the same role).
+Lowering on a quiet link down to one step above that point would gain at most one raise's
+worth of `t` for one to three more moves (`prfaas/sim/SCHEDULING.md`). The same holds the
+other way: after a lowering for a congested PD prefill, relaxing back up stops one step
+below the `t` at which PD was congested until that memory expires or the set-point moves
+(without it, a steady load near the PD prefill's capacity went set-point, lower, relax,
+relax, lower again about a minute later in the live link-drop phase).
 
 Pure: state and observation in, decision out.
 """
@@ -293,8 +296,12 @@ def trim(config: TrimConfig, state: TrimState, obs: TrimObservation) -> TrimDeci
         )
         return replace(lowered, state=stepped)
     if t > sp and (util is None or util < config.low_water):
-        util_text = "unknown" if util is None else f"{util:.2f}"
-        return _lower(config, state, sp, f"egress {util_text} < {config.low_water:g}")
+        why = f"egress {'unknown' if util is None else f'{util:.2f}'} < {config.low_water:g}"
+        if state.congested_at is not None:
+            return TrimDecision(state, False, f"hold: {why}, t {t:.0f} raised from "
+                                f"{state.congested_at:.0f}, where the link congested "
+                                "(remembered)")  # fmt: skip
+        return _lower(config, state, sp, why)
     if t < sp:
         ceiling = sp
         if state.pd_congested_at is not None:

@@ -254,14 +254,14 @@ def _steady(plant: Callable[[float], float], ticks: int, config: TrimConfig) -> 
 
 @pytest.mark.parametrize(("config", "settled"), [(CFG, 60), (AVERAGED, 180)])
 def test_no_oscillation_when_congestion_has_a_sharp_edge(config: TrimConfig, settled: int) -> None:
-    """Congested below 12,000 tokens, idle above: after at most two probes the trimmer sits
-    one step above the last congested t and stays there for the rest of the memory. (On
-    averages, each probe takes a measuring span of 20 s.)"""
+    """Congested below 12,000 tokens, idle above: one raise past the edge, and the quiet
+    link then lowers nothing for the rest of the memory (it would probe back down to one
+    step above the congested t). (On averages, each probe takes a measuring span of 20 s.)"""
     ts = _steady(lambda t: 0.95 if t < 12_000 else 0.3, 300, config)
     tail = ts[settled:]
     assert len(set(tail)) == 1
     assert 12_000 <= tail[0] <= 12_000 * CFG.raise_factor
-    assert sum(a != b for a, b in itertools.pairwise(ts)) <= 12
+    assert sum(a != b for a, b in itertools.pairwise(ts)) <= 2
 
 
 @pytest.mark.parametrize(("config", "first"), [(CFG, 1), (AVERAGED, 21)])
@@ -302,20 +302,21 @@ def test_one_long_prompt_at_a_time_is_not_a_congested_pd_prefill() -> None:
     assert lowered.state.threshold < 10_000
 
 
-def test_memory_expires_and_a_growing_link_forgets_it() -> None:
-    """After the memory the trimmer may lower to the set-point again; a link 20% larger
-    forgets it at once; a smaller one keeps it (the congestion is only more likely)."""
+def test_a_quiet_link_keeps_a_remembered_raise_until_the_memory_goes() -> None:
+    """The link congested at 10,000 and t was raised to 12,500: a quiet link lowers nothing
+    while that is remembered; after the memory, or at once when the link grows 20%, t falls
+    toward the set-point again; a smaller link keeps the memory (the congestion is only more
+    likely)."""
     s = TrimState(12_500, 10_000, congested_at=10_000, remember_until=300.0, quiet_ticks=2,
                   capacity=1e9)  # fmt: skip
-    d = trim(CFG, s, _obs(100, 0.3))
-    assert d.state.threshold == 11_988  # floor 10,512 still far
-    s2 = replace(d.state, threshold=10_600, quiet_ticks=2)
-    assert trim(CFG, s2, _obs(101, 0.3)).state.threshold == 10_512
-    s3 = replace(s2, threshold=10_512, quiet_ticks=2)
-    assert not trim(CFG, s3, _obs(102, 0.3)).changed
-    assert trim(CFG, s3, _obs(300, 0.3)).state.threshold == 10_000  # expired
-    assert trim(CFG, s3, _obs(102, 0.3, cap=1.2e9)).state.threshold == 10_000  # link grew
-    assert not trim(CFG, s3, _obs(102, 0.3, cap=0.5e9)).changed  # link shrank: remembered
+    held = trim(CFG, s, _obs(100, 0.3))
+    assert not held.changed and held.reason == (
+        "hold: egress 0.30 < 0.6, t 12500 raised from 10000, where the link congested (remembered)"
+    )
+    s2 = replace(held.state, quiet_ticks=2)
+    assert trim(CFG, s2, _obs(300, 0.3)).state.threshold == 11_988  # expired
+    assert trim(CFG, s2, _obs(102, 0.3, cap=1.2e9)).state.threshold == 11_988  # link grew
+    assert not trim(CFG, s2, _obs(102, 0.3, cap=0.5e9)).changed  # link shrank: remembered
 
 
 def test_a_new_set_point_resets_t_and_the_memory() -> None:
