@@ -48,14 +48,15 @@ remembered until that memory expires (`memory_s`), the link capacity grows, or t
 moves. Meanwhile a quiet link lowers nothing (the raise stands), and a lowering for a
 congested PD prefill stops one step above the congested `t`: where lowering for the PD queue
 congests the link, the two queues otherwise take turns pulling `t` down and pushing it back
-up. So under a steady load the trimmer stays where one raise put it, at most one raise above
-the congested point, instead of cycling through it (TCP's ssthresh plays the same role).
-Lowering on a quiet link down to one step above that point would gain at most one raise's
-worth of `t` for one to three more moves (`prfaas/sim/SCHEDULING.md`). The same holds the
-other way: after a lowering for a congested PD prefill, relaxing back up stops one step
-below the `t` at which PD was congested until that memory expires or the set-point moves
-(without it, a steady load near the PD prefill's capacity went set-point, lower, relax,
-relax, lower again about a minute later in the live link-drop phase).
+up. So under a steady load the trimmer stays where one raise put it (above the set-point, at
+most one raise above the congested point) instead of cycling through it (TCP's ssthresh
+plays the same role). Lowering on a quiet link down to one step above that point would gain
+at most one raise's worth of `t`, one `lower_step_tokens` move at a time
+(`prfaas/sim/SCHEDULING.md`). The same holds the other way: after a lowering for a congested
+PD prefill, relaxing back up stops one step below the `t` at which PD was congested until
+that memory expires or the set-point moves (without it, a steady load near the PD prefill's
+capacity went set-point, lower, relax, relax, lower again about a minute later in the live
+link-drop phase).
 
 Pure: state and observation in, decision out.
 """
@@ -196,7 +197,8 @@ class TrimState:
     since_step: int = 1_000_000
     """Ticks since the last multiplicative step (a raise, or a lowering for the PD queue)."""
     congested_at: float | None = None
-    """`t` at the last raise (lowering stops one step above it while remembered)."""
+    """`t` at the last raise; while remembered, a lowering for the PD queue stops one step
+    above it and a quiet link lowers nothing."""
     remember_until: float = -math.inf
     pd_congested_at: float | None = None
     """`t` at the last lowering for a congested PD prefill (relaxing up stops one step
