@@ -319,6 +319,14 @@ def test_a_quiet_link_keeps_a_remembered_raise_until_the_memory_goes() -> None:
     assert not trim(CFG, s2, _obs(102, 0.3, cap=0.5e9)).changed  # link shrank: remembered
 
 
+def test_no_link_telemetry_keeps_a_remembered_raise_too() -> None:
+    """An unknown link counts as a quiet one (above), so a remembered raise stands there too."""
+    s = TrimState(12_500, 10_000, congested_at=10_000, remember_until=300.0, quiet_ticks=2)
+    held = trim(CFG, s, _obs(100, None))
+    assert not held.changed and held.reason.startswith("hold: egress unknown < 0.6, t 12500")
+    assert trim(CFG, replace(held.state, quiet_ticks=2), _obs(300, None)).state.threshold == 11_988
+
+
 def test_a_new_set_point_resets_t_and_the_memory() -> None:
     s = TrimState(12_500, 10_000, hot_ticks=1, congested_at=10_000, remember_until=99.0,
                   capacity=5.0, since_step=7)  # fmt: skip
