@@ -162,12 +162,29 @@ def merged(events: list[Any]) -> dict[str, Any]:
 def _merge(into: dict[str, Any], piece: dict[str, Any]) -> None:
     for key, value in piece.items():
         old = into.get(key)
-        if isinstance(value, str | list) and type(old) is type(value):
+        if key == "tool_calls" and isinstance(value, list):
+            if not isinstance(old, list):
+                old = into[key] = []
+            _merge_calls(old, value)
+        elif isinstance(value, str | list) and type(old) is type(value):
             into[key] = old + value
         elif isinstance(value, dict) and isinstance(old, dict):
             _merge(old, value)
         elif value is not None or key not in into:
             into[key] = value
+
+
+def _merge_calls(calls: list[dict[str, Any]], fragments: list[dict[str, Any]]) -> None:
+    """Streamed tool-call fragments joined per call (its `index`), as text pieces are: where
+    a stream cuts a call's arguments depends on the engine's step timing too (two tokens in
+    one step make one fragment)."""
+    by_index = {call.get("index"): call for call in calls}
+    for fragment in fragments:
+        call = by_index.get(fragment.get("index"))
+        if call is None:
+            call = by_index[fragment.get("index")] = {}
+            calls.append(call)
+        _merge(call, fragment)
 
 
 def battery_cases() -> list[Any]:
