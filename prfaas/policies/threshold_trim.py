@@ -298,7 +298,8 @@ def trim(config: TrimConfig, state: TrimState, obs: TrimObservation) -> TrimDeci
         )
         return replace(lowered, state=stepped)
     if t > sp and (util is None or util < config.low_water):
-        why = f"egress {'unknown' if util is None else f'{util:.2f}'} < {config.low_water:g}"
+        util_text = "unknown" if util is None else f"{util:.2f}"
+        why = f"egress {util_text} < {config.low_water:g}"
         if state.congested_at is not None:
             return TrimDecision(state, False, f"hold: {why}, t {t:.0f} raised from "
                                 f"{state.congested_at:.0f}, where the link congested "
