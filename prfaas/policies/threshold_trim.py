@@ -205,7 +205,8 @@ class TrimState:
     below it while remembered)."""
     pd_remember_until: float = -math.inf
     capacity: float | None = None
-    """Link capacity when the memory was taken."""
+    """Link capacity when the link's congestion memory was taken (while none is held, the
+    latest measured), so that a link that grows by steps still forgets it."""
     planned_utilisation: float | None = None
     """What the long-term plan expects the link to run at (None: unknown)."""
     averages: TrimAverages | None = None
@@ -347,7 +348,9 @@ def _forget_if_stale(state: TrimState, obs: TrimObservation) -> TrimState:
         state = replace(state, congested_at=None, remember_until=-math.inf)
     if obs.now >= state.pd_remember_until:
         state = replace(state, pd_congested_at=None, pd_remember_until=-math.inf)
-    return replace(state, capacity=cap if cap is not None else old)
+    if cap is None or (state.congested_at is not None and state.capacity is not None):
+        return state  # a memory is measured against the capacity it was taken at
+    return replace(state, capacity=cap)
 
 
 def _raise(

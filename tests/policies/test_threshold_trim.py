@@ -319,6 +319,18 @@ def test_a_quiet_link_keeps_a_remembered_raise_until_the_memory_goes() -> None:
     assert not trim(CFG, s2, _obs(102, 0.3, cap=0.5e9)).changed  # link shrank: remembered
 
 
+def test_a_link_that_grows_by_small_steps_forgets_the_raise_once_grown_past_the_change() -> None:
+    """Growth is measured against the capacity the memory was taken at, not tick to tick:
+    +4% a tick forgets the congestion at the third tick (+12.5%)."""
+    s = TrimState(12_500, 10_000, congested_at=10_000, remember_until=300.0, capacity=1e9)
+    held = []
+    for i, cap in enumerate((1.04e9, 1.0816e9, 1.124864e9)):
+        s = trim(CFG, s, _obs(100 + i, 0.3, cap=cap)).state
+        held.append(s.congested_at)
+    assert held == [10_000, 10_000, None]
+    assert s.capacity == 1.124864e9  # no memory held: the latest
+
+
 def test_no_link_telemetry_keeps_a_remembered_raise_too() -> None:
     """An unknown link counts as a quiet one (above), so a remembered raise stands there too."""
     s = TrimState(12_500, 10_000, congested_at=10_000, remember_until=300.0, quiet_ticks=2)
