@@ -84,6 +84,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "`prfaas plan` / `prfaas simulate --profile` format)",
     )
     parser.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="embedded: plan and schedule on this profile (what --profile-out wrote) instead "
+        "of measuring one at start-up",
+    )
+    parser.add_argument(
         "--replica-id",
         help="this gateway's name among the replicas of a [coordination] deployment "
         "(default: HOSTNAME:PORT)",
@@ -145,6 +151,8 @@ def _configured(args: argparse.Namespace) -> Coroutine[Any, Any, int]:
     if args.profile_out is not None:
         raise ValueError("--profile-out: only the embedded default (no --config) measures a "
                          "profile at start-up")  # fmt: skip
+    if args.profile is not None:
+        raise ValueError("--profile: a deployment file names its own ([scheduler] profile)")
     if args.pd_decodes != 1:
         raise ValueError("--pd-decodes: only the embedded default (no --config) starts its "
                          "engines; a deployment file lists its own")  # fmt: skip

@@ -36,7 +36,7 @@ from prfaas.gateway.api.assembly import Gateway, egress_setup
 from prfaas.gateway.deployment import DeploymentConfig, GatewayConfig, InstanceConfig, ModelConfig
 from prfaas.gateway.link import EgressSample, fetch_sample
 from prfaas.gateway.scheduling.config import SchedulerConfig
-from prfaas.policies.profile import DeploymentProfile
+from prfaas.policies.profile import DeploymentProfile, load_profile
 from prfaas.policies.routing import Route
 from prfaas.policies.workload_estimate import EstimateConfig
 from prfaas.serve.processes import EngineProcess, EngineSpec, start_engine
@@ -47,8 +47,8 @@ from prfaas.serve.profiling import (
     Workload,
     measure,
     measured_profile,
-    plan_threshold,
     profile_document,
+    profile_threshold,
 )
 from prfaas.serve.run import serve_gateway, setups, signals_cancel_current_task
 from prfaas.serve.summary import summary_lines
@@ -99,6 +99,11 @@ class EmbeddedOptions:
     `--threshold` skips the profiling)."""
     profile_out: Path | None = None
     """Where to write the measured profile (TOML; None: nowhere)."""
+    recorded: DeploymentProfile | None = None
+    """A profile measured before (`--profile`: what `--profile-out` wrote) to plan and
+    schedule on, in place of start-up profiling (None: measure). Deployments compared with
+    each other share one profile so that only what is compared differs: start-up's
+    shared-cores factor scatters from one start to the next."""
     pd_decodes: int = 1
     """The PD cluster's decode instances (with two or more the long-term loop can convert
     one to prefill; one is the least a cluster keeps)."""
@@ -113,6 +118,16 @@ class EmbeddedOptions:
         if self.profile_out is not None and self.threshold_override is not None:
             raise ValueError("--profile-out: --threshold skips the start-up profiling, so "
                              "there is no profile to write")  # fmt: skip
+        if self.recorded is not None:
+            if self.threshold_override is not None or self.profile_out is not None:
+                raise ValueError("--profile: a recorded profile replaces the start-up "
+                                 "profiling, so it takes neither --threshold nor "
+                                 "--profile-out")  # fmt: skip
+            n = self.recorded.pd.instances
+            if n != self.pd_instances:
+                raise ValueError(f"--profile {self.recorded.source}: its PD cluster has {n} "
+                                 f"instances, this deployment {self.pd_instances} (one "
+                                 "prefill and --pd-decodes decodes)")  # fmt: skip
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, overrides: Mapping[str, Any]) -> EmbeddedOptions:
@@ -130,6 +145,7 @@ class EmbeddedOptions:
             threshold_override=overrides.get("threshold"),
             scheduler=scheduler,
             profile_out=None if args.profile_out is None else Path(args.profile_out),
+            recorded=None if args.profile is None else load_profile(args.profile),
             pd_decodes=args.pd_decodes,
         )
 
@@ -238,19 +254,30 @@ async def profile_and_plan(
         measured = await measure(pd, pf, stats, ENGINE_MAX_BATCH)
         for c in client.values():
             await c.close()
-    planned, report = plan_threshold(measured, options.workload, options.pd_instances)
-    t = min(max(planned, T_RANGE[0]), T_RANGE[1])
+    profile = measured_profile(measured, options.workload, options.pd_instances)
     lines = _profile_lines(measured)
     if options.profile_out is not None:
         document = profile_document(measured, options.workload, options.pd_instances)
         options.profile_out.write_text(tomli_w.dumps(document))
         lines.append(f"             written to {options.profile_out}")
+    t, planner = _planned(profile)
+    return t, [*lines, planner], profile
+
+
+def recorded_plan(profile: DeploymentProfile) -> tuple[float, list[str]]:
+    """`t` from a profile recorded before (no profiling), and the summary lines."""
+    t, planner = _planned(profile)
+    return t, [f"  profile    recorded: {profile.source} (not measured at this start)", planner]
+
+
+def _planned(profile: DeploymentProfile) -> tuple[float, str]:
+    """The planner's `t` for `profile`, clamped to `T_RANGE`, and its summary line."""
+    planned, report = profile_threshold(profile)
+    t = min(max(planned, T_RANGE[0]), T_RANGE[1])
     note = "" if t == planned else f" (planner said {planned:.0f}; clamped to {T_RANGE})"
-    lines.append(
-        f"  planner    t = {t:.0f} tokens{note}; Lambda_max {report.prfaas_pd.lambda_max:.2f} "
-        f"req/s, bottleneck {report.prfaas_pd.bottleneck}"
-    )
-    return t, lines, measured_profile(measured, options.workload, options.pd_instances)
+    best = report.prfaas_pd
+    return t, (f"  planner    t = {t:.0f} tokens{note}; Lambda_max {best.lambda_max:.2f} req/s, "
+               f"bottleneck {best.bottleneck}")  # fmt: skip
 
 
 def _profile_lines(m: MeasuredProfile) -> list[str]:
@@ -283,6 +310,9 @@ async def serve_embedded(options: EmbeddedOptions, host: str, port: int) -> int:
         profile: DeploymentProfile | None = None
         if options.threshold_override is not None:
             t, lines = options.threshold_override, ["  planner    skipped (--threshold given)"]
+        elif options.recorded is not None:
+            profile = options.recorded
+            t, lines = recorded_plan(profile)
         else:
             with signals_cancel_current_task():
                 t, lines, profile = await profile_and_plan(cluster, options)

@@ -292,8 +292,17 @@ def plan_threshold(
     Raises:
         ValueError: the profile is invalid or the planner finds no PrfaaS-PD optimum.
     """
-    report = plan(measured_profile(m, workload, pd_instances))
+    return profile_threshold(measured_profile(m, workload, pd_instances))
+
+
+def profile_threshold(profile: DeploymentProfile) -> tuple[float, PlanReport]:
+    """The planner's optimum threshold for a deployment profile, and its report.
+
+    Raises:
+        ValueError: the planner finds no PrfaaS-PD optimum.
+    """
+    report = plan(profile)
     t = report.prfaas_pd.threshold_tokens
     if t is None or not math.isfinite(t):
-        raise ValueError("the planner found no threshold for the measured profile")
+        raise ValueError(f"the planner found no threshold for the profile {profile.source}")
     return float(t), report

@@ -12,7 +12,11 @@ import time
 import urllib.request
 from pathlib import Path
 
+import tomli_w
+from profiling_helpers import MEASURED_ALONE
+
 from prfaas.common.ports import free_port
+from prfaas.serve.profiling import Workload, profile_document
 
 LISTENING = re.compile(r"listening on (http://\S+)")
 
@@ -120,3 +124,29 @@ def test_profile_out_without_a_profile_to_write_exits_2(tmp_path: Path) -> None:
         assert done.returncode == 2, done.stderr
         assert "prfaas serve: error: --profile-out: " in done.stderr
     assert not Path(out).exists()
+
+
+def test_a_recorded_profile_is_checked_before_any_engine_starts(tmp_path: Path) -> None:
+    """`--profile FILE` replaces start-up profiling: a bad file, a PD cluster of another size,
+    `--threshold` or `--profile-out` beside it, or a deployment file (which names its own)
+    exit 2 at once, naming what is wrong."""
+    good = tmp_path / "profile.toml"
+    good.write_text(tomli_w.dumps(profile_document(MEASURED_ALONE, Workload(), pd_instances=2)))
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[workload]\nmu = 1\n")
+    config = _config(tmp_path / "ok.toml", [1, 2, 3])
+    cases = {
+        (str(bad),): f"{bad}",
+        (str(good), "--pd-decodes", "2"): "its PD cluster has 2 instances, this deployment 3",
+        (str(good), "--threshold", "2048"): "--profile: a recorded profile replaces",
+        (str(good), "--profile-out", str(tmp_path / "out.toml")): "--profile: a recorded",
+        (str(good), "--config", str(config)): "--profile: a deployment file names its own",
+    }
+    for args, needle in cases.items():
+        done = subprocess.run(
+            [sys.executable, "-m", "prfaas.cli.main", "serve", "--profile", *args],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 2, (args, done.stderr)
+        assert "prfaas serve: error: " in done.stderr and needle in done.stderr, done.stderr
+        assert "starting" not in done.stdout  # no engine was started

@@ -157,6 +157,31 @@ def test_the_measured_profile_is_written_for_the_planner_and_the_simulator(
     assert profile.machine.shared_slowdown == pytest.approx(float(shared.group(1)), abs=0.006)
 
 
+def test_a_recorded_profile_gives_the_same_t_without_profiling(running: Running) -> None:
+    """`--profile` with what `--profile-out` wrote: nothing is measured at start-up, the
+    planner gives the same `t`, and the schedulers run (on that profile)."""
+    proc = _spawn("serve", "--port", "0", "--admin-key", ADMIN_KEY, "--profile",
+                  str(running.profile))  # fmt: skip
+    seen: list[str] = []
+    try:
+        _wait_line(proc, SUMMARY_END, seen)
+        summary = "".join(seen)
+        assert f"recorded: {running.profile}" in summary, summary
+        assert "sharing the cores" not in summary  # not measured
+        match = LISTENING.search(summary)
+        assert match is not None, summary
+        with urllib.request.urlopen(_admin(f"{match.group(1)}/admin/state"), timeout=10) as r:
+            state = json.load(r)
+        assert float(state["threshold"]) == running.threshold
+        assert state["scheduler"]["recent"] is not None
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def test_short_prompt_routes_pd_and_matches_direct(running: Running) -> None:
     prompt = _words(120, seed=1)
     raw = _gateway(running).completions.with_raw_response.create(
