@@ -12,7 +12,11 @@ scenario of phases, each long enough for the long-term loop to settle:
 - `decode-heavy`: three times the output tokens.
 
 Three ways, each on a fresh deployment, the very same requests at the very same instants
-(one seed), as the simulator defines them: `static` (the start-up `t`, no schedulers),
+(one seed), on one profile (the first variant's deployment measures it at start-up, the
+others start on it with `prfaas serve --profile`: start-up's shared-cores factor scatters
+from one start to the next, x1.00 / 1.24 / 1.45 in the three starts of one run, and each
+variant's `t` and plans came from its own until 2026-12-06), as the simulator defines
+them: `static` (the start-up `t`, no schedulers),
 `dual` (the dual-timescale schedulers), `oracle` (no schedulers; each phase's planner
 optimum for its true conditions set through `POST /admin/state` at the phase's start: `t`,
 and with `--pd-decodes 2` or more the PD split, converting instances by hand as the
@@ -156,14 +160,21 @@ class Deployment:
     """The gateway's operator key (`/admin/state`)."""
 
 
-def start(variant: str, logs: Path, period_s: float, pd_decodes: int) -> Deployment:
-    """`prfaas serve` (embedded default, `pd_decodes` PD decodes) with its measured profile
-    written out."""
+def start(
+    variant: str, logs: Path, period_s: float, pd_decodes: int, recorded: Path | None
+) -> Deployment:
+    """`prfaas serve` (embedded default, `pd_decodes` PD decodes) on the profile `recorded`,
+    else on one it measures at start-up and writes out."""
     secret, admin_key = DeploymentSecret.generate(), secrets.token_hex(16)
     env = {**os.environ, ENV_SECRET: secret.hex()}
     log, profile = logs / f"{variant}.log", logs / f"{variant}-profile.toml"
-    args = ["--port", "0", "--scheduler-period", f"{period_s:g}", "--profile-out", str(profile),
-            "--admin-key", admin_key, "--pd-decodes", str(pd_decodes)]  # fmt: skip
+    args = ["--port", "0", "--scheduler-period", f"{period_s:g}", "--admin-key", admin_key,
+            "--pd-decodes", str(pd_decodes)]  # fmt: skip
+    if recorded is None:
+        args += ["--profile-out", str(profile)]
+    else:
+        args += ["--profile", str(recorded)]
+        profile = recorded
     if variant != "dual":  # as in the simulator: no schedulers, so every prompt past t offloads
         args.append("--no-scheduler")
     proc, url = start_serve(args, log, env)
@@ -440,10 +451,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     logs = Path(tempfile.mkdtemp(prefix="prfaas-scheduling-live-"))
     print(f"logs in {logs}", flush=True)
     scenario: Scenario | None = None
+    recorded: Path | None = None
     out: dict[str, Any] = {"variants": {}, "args": vars(args) | {"json": None, "plot": None}}
     for variant in args.variants:
         print(f"{variant}: starting the embedded deployment ...", flush=True)
-        d = start(variant, logs, args.period_s, args.pd_decodes)
+        d = start(variant, logs, args.period_s, args.pd_decodes, recorded)
+        recorded = logs / f"{args.variants[0]}-profile.toml"
         try:
             if scenario is None:  # one scenario for every variant: the first one's profile
                 out["profile"], scenario = d.document, live_scenario(d.profile, args.phase_s)
