@@ -44,19 +44,19 @@ what the live runs showed without them):
   already the bottleneck, and every short prompt behind them would wait their compute.
 
 No oscillation under steady load: after a raise, the `t` at which the link was congested is
-remembered until that memory expires (`memory_s`), the link capacity grows, or the set-point
-moves. Meanwhile a quiet link lowers nothing (the raise stands), and a lowering for a
-congested PD prefill stops one step above the congested `t`: where lowering for the PD queue
-congests the link, the two queues otherwise take turns pulling `t` down and pushing it back
-up. So under a steady load the trimmer stays where one raise put it (above the set-point, at
-most one raise above the congested point) instead of cycling through it (TCP's ssthresh
-plays the same role). Lowering on a quiet link down to one step above that point would gain
-at most one raise's worth of `t`, one `lower_step_tokens` move at a time
-(`prfaas/sim/SCHEDULING.md`). The same holds the other way: after a lowering for a congested
-PD prefill, relaxing back up stops one step below the `t` at which PD was congested until
-that memory expires or the set-point moves (without it, a steady load near the PD prefill's
-capacity went set-point, lower, relax, relax, lower again about a minute later in the live
-link-drop phase).
+remembered until that memory expires (`memory_s`), the link capacity grows more than
+`CAPACITY_CHANGE` past what it was at the raise, or the set-point moves. Meanwhile a quiet
+link lowers nothing (the raise stands), and a lowering for a congested PD prefill stops one
+step above the congested `t`: where lowering for the PD queue congests the link, the two
+queues otherwise take turns pulling `t` down and pushing it back up. So under a steady load
+the trimmer stays where one raise put it (above the set-point, at most one raise above the
+congested point) instead of cycling through it (TCP's ssthresh plays the same role).
+Lowering on a quiet link down to one step above that point would gain at most one raise's
+worth of `t`, one `lower_step_tokens` move at a time (`prfaas/sim/SCHEDULING.md`). The same
+holds the other way: after a lowering for a congested PD prefill, relaxing back up stops one
+step below the `t` at which PD was congested until that memory expires or the set-point
+moves (without it, a steady load near the PD prefill's capacity went set-point, lower,
+relax, relax, lower again about a minute later in the live link-drop phase).
 
 Pure: state and observation in, decision out.
 """
@@ -378,6 +378,7 @@ def _raise(
         since_step=0,
         congested_at=t,
         remember_until=obs.now + config.memory_s,
+        capacity=state.capacity if obs.capacity_bytes_per_s is None else obs.capacity_bytes_per_s,
         last_step=LastStep(True, obs.now, queue_s),
     )
     return _moved(remembered, min(round(t * config.raise_factor), hi), f"raise: {why}")

@@ -331,6 +331,16 @@ def test_a_link_that_grows_by_small_steps_forgets_the_raise_once_grown_past_the_
     assert s.capacity == 1.124864e9  # no memory held: the latest
 
 
+def test_a_raise_on_a_shrunken_link_takes_its_capacity() -> None:
+    """A memory taken at 1e9, then the link halves and the trimmer raises again: growth is
+    then measured from 0.5e9, so the link coming back to 0.6e9 forgets the congestion."""
+    s = TrimState(12_500, 10_000, congested_at=10_000, remember_until=300.0, capacity=1e9,
+                  hot_ticks=1)  # fmt: skip
+    raised = trim(CFG, s, _obs(100, 0.95, cap=0.5e9))
+    assert raised.reason == "raise: egress 0.95 > 0.90" and raised.state.capacity == 0.5e9
+    assert trim(CFG, raised.state, _obs(101, 0.3, cap=0.6e9)).state.congested_at is None
+
+
 def test_no_link_telemetry_keeps_a_remembered_raise_too() -> None:
     """An unknown link counts as a quiet one (above), so a remembered raise stands there too."""
     s = TrimState(12_500, 10_000, congested_at=10_000, remember_until=300.0, quiet_ticks=2)
