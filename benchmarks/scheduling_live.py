@@ -11,26 +11,25 @@ scenario of phases, each long enough for the long-term loop to settle:
 - `longer`: median prompt length doubled;
 - `decode-heavy`: three times the output tokens.
 
-Three ways, each on a fresh deployment, the very same requests at the very same instants
-(one seed), on one profile (the first variant's deployment measures it at start-up, the
-others start on it with `prfaas serve --profile`: start-up's shared-cores factor scatters
-from one start to the next, x1.00 / 1.24 / 1.45 in the three starts of one run, and each
-variant's `t` and plans came from its own until 2026-12-06), as the simulator defines
-them: `static` (the start-up `t`, no schedulers),
-`dual` (the dual-timescale schedulers), `oracle` (no schedulers; each phase's planner
-optimum for its true conditions set through `POST /admin/state` at the phase's start: `t`,
-and with `--pd-decodes 2` or more the PD split, converting instances by hand as the
-long-term loop would). Without schedulers the gateway has no load forecast, so static and
-oracle offload every prompt past `t`; the schedulers' TTFT-predicting condition keeps one
-local when local is faster. The embedded default's single PD decode leaves no conversion to
-make; `--pd-decodes 2` gives the PD cluster three instances (one prefill, two decodes), so
-the long-term loop can convert one (all engines still share this machine's cores).
-Per phase: served req/s, TTFT p50/p90, offload share, egress utilisation, `t` and its
-changes, regime, queue waits, the gateway's offload decisions (kept local, offloaded because
-faster, offloaded because the PD prefill was saturated) and the predicted TTFT the
-saturated ones traded; the JSON keeps the schedulers' decisions with their reasons. The
-goals: dual against the live oracle (served >= 0.95x, TTFT P90 <= 1.5x), `t` at most once
-per 5 minutes once settled, settled within three periods.
+Three ways as the simulator defines them, each on a fresh deployment, the very same requests
+at the very same instants (one seed), all on one profile: the first variant's deployment
+measures it at start-up, the others start on it (`prfaas serve --profile`), as start-up's
+shared-cores factor scatters from one start to the next (x1.00 / 1.24 / 1.45 in the three
+starts of one run, when each variant's `t` and plans came from its own). The three: `static`
+(the start-up `t`, no schedulers), `dual` (the dual-timescale schedulers), `oracle` (no
+schedulers; each phase's planner optimum for its true conditions set through `POST
+/admin/state` at the phase's start: `t`, and with `--pd-decodes 2` or more the PD split,
+converting instances by hand as the long-term loop would). Without schedulers the gateway
+has no load forecast, so static and oracle offload every prompt past `t`; the schedulers'
+TTFT-predicting condition keeps one local when local is faster. The embedded default's
+single PD decode leaves no conversion to make; `--pd-decodes 2` gives the PD cluster three
+instances (one prefill, two decodes), so the long-term loop can convert one (all engines
+still share this machine's cores). Per phase: served req/s, TTFT p50/p90, offload share,
+egress utilisation, `t` and its changes, regime, queue waits, the gateway's offload
+decisions (kept local, offloaded because faster, offloaded because the PD prefill was
+saturated) and the predicted TTFT the saturated ones traded; the JSON keeps the schedulers'
+decisions with their reasons. The goals: dual against the live oracle (served >= 0.95x, TTFT
+P90 <= 1.5x), `t` at most once per 5 minutes once settled, settled within three periods.
 
 The simulated twin: the same scenario through `prfaas simulate`'s scenario runner (the real
 Router and schedulers, simulated engines on a virtual clock), fed the profile the live
@@ -152,7 +151,10 @@ class Deployment:
     url: str
     prfaas_url: str
     document: dict[str, Any]
-    """The profile start-up profiling measured (`prfaas plan`'s TOML schema)."""
+    """The profile it runs on (`prfaas plan`'s TOML schema): measured at its start-up, or
+    recorded at another's."""
+    profile_path: Path
+    """Where that profile is kept."""
     profile: DeploymentProfile
     engine_auth: dict[str, str]
     """The engines' control token (`/admin/egress`)."""
@@ -183,7 +185,7 @@ def start(
     auth = {"Authorization": f"Bearer {secret.control_token()}"}
     document = load_toml(profile)
     parsed = parse_profile(document, source=str(profile))
-    return Deployment(proc, url, prfaas, document, parsed, auth, admin)
+    return Deployment(proc, url, prfaas, document, profile, parsed, auth, admin)
 
 
 def _get_json(url: str, headers: dict[str, str]) -> Any:
@@ -456,7 +458,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for variant in args.variants:
         print(f"{variant}: starting the embedded deployment ...", flush=True)
         d = start(variant, logs, args.period_s, args.pd_decodes, recorded)
-        recorded = logs / f"{args.variants[0]}-profile.toml"
+        recorded = d.profile_path
         try:
             if scenario is None:  # one scenario for every variant: the first one's profile
                 out["profile"], scenario = d.document, live_scenario(d.profile, args.phase_s)
