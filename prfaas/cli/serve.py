@@ -3,9 +3,10 @@
 With `--config FILE`, route over the running engines the deployment file lists. Without it,
 start the embedded default: reference engines for a PrfaaS cluster (1 prefill) and a PD
 cluster (1 prefill + 1 decode) as child processes, the cross-DC link emulated by the PrfaaS
-prefill's own KV transport (paced egress, added delay), profiled at start-up to choose the
-threshold. Either way the gateway polls the PrfaaS prefill instances' transport telemetry
-(`/transfer_stats`, where an engine has it) into `/metrics` and `/admin/state`.
+prefill's own KV transport (paced egress, added delay), profiled at start-up (or planned on
+a recorded profile, `--profile FILE`) to choose the threshold. Either way the gateway polls
+the PrfaaS prefill instances' transport telemetry (`/transfer_stats`, where an engine has
+it) into `/metrics` and `/admin/state`.
 """
 
 from __future__ import annotations

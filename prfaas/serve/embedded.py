@@ -3,16 +3,16 @@
 Starts three reference engines as child processes (PrfaaS cluster: one prefill; PD cluster:
 one prefill, one decode; `--pd-decodes N` gives the PD cluster N decodes, so that the
 long-term loop has an instance to convert). The cross-DC link is emulated by the PrfaaS
-prefill engine's own KV transport: its whole egress is paced to the link rate (a
-per-process token bucket: one cluster egress link shared by every decode peer) with an
-added one-way delay, so KV goes engine to engine and never through the gateway; `POST
-/admin/egress` on that engine changes the rate at run time. Profiles the engines (the
-link's bandwidth measured over that transport), runs the planner to choose `t`, runs the
-dual-timescale schedulers on the measured profile, polls the transport's telemetry for
-`/metrics` and `/admin/state`, restarts an engine that dies (`supervisor.Supervisor`), and
-serves until SIGINT/SIGTERM, when everything stops, children included. The engines and the
-gateway share a deployment secret (`$PRFAAS_SECRET` when set, else a fresh one) that the
-engines get in their environment.
+prefill engine's own KV transport: its whole egress is paced to the link rate (a per-process
+token bucket: one cluster egress link shared by every decode peer) with an added one-way
+delay, so KV goes engine to engine and never through the gateway; `POST /admin/egress` on
+that engine changes the rate at run time. Profiles the engines (the link's bandwidth
+measured over that transport; `--profile FILE` takes a recorded profile instead), runs the
+planner to choose `t`, runs the dual-timescale schedulers on that profile, polls the
+transport's telemetry for `/metrics` and `/admin/state`, restarts an engine that dies
+(`supervisor.Supervisor`), and serves until SIGINT/SIGTERM, when everything stops, children
+included. The engines and the gateway share a deployment secret (`$PRFAAS_SECRET` when set,
+else a fresh one) that the engines get in their environment.
 """
 
 from __future__ import annotations
@@ -95,8 +95,8 @@ class EmbeddedOptions:
     threshold_override: float | None = None
     workload: Workload = field(default_factory=Workload)
     scheduler: SchedulerConfig | None = field(default_factory=default_scheduler)
-    """Dual-timescale scheduling on the measured profile (None: off; also off when
-    `--threshold` skips the profiling)."""
+    """Dual-timescale scheduling on the measured (or recorded) profile (None: off; also off
+    when `--threshold` skips the profiling)."""
     profile_out: Path | None = None
     """Where to write the measured profile (TOML; None: nowhere)."""
     recorded: DeploymentProfile | None = None
@@ -123,11 +123,19 @@ class EmbeddedOptions:
                 raise ValueError("--profile: a recorded profile replaces the start-up "
                                  "profiling, so it takes neither --threshold nor "
                                  "--profile-out")  # fmt: skip
-            n = self.recorded.pd.instances
-            if n != self.pd_instances:
-                raise ValueError(f"--profile {self.recorded.source}: its PD cluster has {n} "
-                                 f"instances, this deployment {self.pd_instances} (one "
+            self._check_recorded(self.recorded)
+
+    def _check_recorded(self, profile: DeploymentProfile) -> None:
+        """A recorded profile fits this deployment's clusters and the planner finds a `t`
+        on it, so that a bad one is refused before any engine starts."""
+        sizes = {"PrfaaS": (profile.prfaas.instances, 1),
+                 "PD": (profile.pd.instances, self.pd_instances)}  # fmt: skip
+        for name, (recorded, running) in sizes.items():
+            if recorded != running:
+                raise ValueError(f"--profile {profile.source}: its {name} cluster has "
+                                 f"{recorded} instances, this deployment {running} (PD: one "
                                  "prefill and --pd-decodes decodes)")  # fmt: skip
+        profile_threshold(profile)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, overrides: Mapping[str, Any]) -> EmbeddedOptions:
@@ -267,7 +275,14 @@ async def profile_and_plan(
 def recorded_plan(profile: DeploymentProfile) -> tuple[float, list[str]]:
     """`t` from a profile recorded before (no profiling), and the summary lines."""
     t, planner = _planned(profile)
-    return t, [f"  profile    recorded: {profile.source} (not measured at this start)", planner]
+    link = profile.prfaas.egress_gbps
+    machine = profile.machine
+    said = [] if link is None else [f"link {link * 1000:.2f} Mbit/s"]
+    if machine is not None:
+        said.append(f"sharing the cores x{machine.shared_slowdown:.2f}")
+    what = f"; {', '.join(said)}" if said else ""
+    return t, [f"  profile    recorded: {profile.source} (not measured at this start{what})",
+               planner]  # fmt: skip
 
 
 def _planned(profile: DeploymentProfile) -> tuple[float, str]:
@@ -317,7 +332,7 @@ async def serve_embedded(options: EmbeddedOptions, host: str, port: int) -> int:
             with signals_cancel_current_task():
                 t, lines, profile = await profile_and_plan(cluster, options)
         scheduler = options.scheduler if profile is not None else None
-        lines.append(_scheduler_line(scheduler))
+        lines.append(_scheduler_line(scheduler, recorded=options.recorded is not None))
         lines.insert(0, f"  link       {options.link_mbps:g} Mbit/s, {options.link_delay_ms:g} ms"
                         " one-way (PrfaaS -> PD, paced by prfaas-p0's KV transport)")  # fmt: skip
         await serve_gateway(
@@ -334,11 +349,12 @@ async def serve_embedded(options: EmbeddedOptions, host: str, port: int) -> int:
     return 0
 
 
-def _scheduler_line(scheduler: SchedulerConfig | None) -> str:
+def _scheduler_line(scheduler: SchedulerConfig | None, *, recorded: bool) -> str:
     if scheduler is None:
         return "  scheduler  off (t and PD roles move only by POST /admin/state)"
+    which = "recorded" if recorded else "measured"
     return (
-        f"  scheduler  dual-timescale on the measured profile: tick {scheduler.tick_s:g} s, "
+        f"  scheduler  dual-timescale on the {which} profile: tick {scheduler.tick_s:g} s, "
         f"period {scheduler.period_s:g} s (GET /admin/state shows its decisions)"
     )
 

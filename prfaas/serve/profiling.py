@@ -79,7 +79,8 @@ class MeasuredProfile:
     """Measured: a cached prompt's KV (no compute to wait for) over the real transport."""
     shared_slowdown: float = 1.0
     """A `SHARED_LENGTH` PD prefill's time while the PrfaaS prefill computes and the decode
-    steps, over its time alone (at least 1). `prefill_s` and `decode_step_s` are alone."""
+    steps (one run), over its time alone (the faster of `ALONE_RUNS`; at least 1).
+    `prefill_s` and `decode_step_s` are alone."""
 
     def shared_prefill_s(self) -> tuple[float, ...]:
         """The prefill times with every engine working, as at capacity."""

@@ -132,12 +132,17 @@ def test_a_recorded_profile_is_checked_before_any_engine_starts(tmp_path: Path) 
     exit 2 at once, naming what is wrong."""
     good = tmp_path / "profile.toml"
     good.write_text(tomli_w.dumps(profile_document(MEASURED_ALONE, Workload(), pd_instances=2)))
+    document = profile_document(MEASURED_ALONE, Workload(), pd_instances=2)
+    document["clusters"]["prfaas"]["instances"] = 2
+    two_prfaas = tmp_path / "two-prfaas.toml"
+    two_prfaas.write_text(tomli_w.dumps(document))
     bad = tmp_path / "bad.toml"
     bad.write_text("[workload]\nmu = 1\n")
     config = _config(tmp_path / "ok.toml", [1, 2, 3])
     cases = {
         (str(bad),): f"{bad}",
         (str(good), "--pd-decodes", "2"): "its PD cluster has 2 instances, this deployment 3",
+        (str(two_prfaas),): "its PrfaaS cluster has 2 instances, this deployment 1",
         (str(good), "--threshold", "2048"): "--profile: a recorded profile replaces",
         (str(good), "--profile-out", str(tmp_path / "out.toml")): "--profile: a recorded",
         (str(good), "--config", str(config)): "--profile: a deployment file names its own",
