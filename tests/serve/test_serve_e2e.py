@@ -25,6 +25,7 @@ from typing import Any
 import openai
 import pytest
 from metrics_helpers import Scrape
+from serve_live_helpers import stop
 
 from prfaas.common.tokenizer import ByteTokenizer, ChatMessage, chat_ids
 from prfaas.policies.planner import plan
@@ -176,11 +177,7 @@ def test_a_recorded_profile_gives_the_same_t_without_profiling(running: Running)
         assert float(state["threshold"]) == running.threshold
         assert state["scheduler"] is not None, state
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
 
 
 def test_short_prompt_routes_pd_and_matches_direct(running: Running) -> None:
