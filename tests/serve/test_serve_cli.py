@@ -130,9 +130,9 @@ def test_a_recorded_profile_is_checked_before_any_engine_starts(tmp_path: Path) 
     """`--profile FILE` replaces start-up profiling: a bad file, a PD cluster of another size,
     `--threshold` or `--profile-out` beside it, or a deployment file (which names its own)
     exit 2 at once, naming what is wrong."""
-    good = tmp_path / "profile.toml"
-    good.write_text(tomli_w.dumps(profile_document(MEASURED_ALONE, Workload(), pd_instances=2)))
     document = profile_document(MEASURED_ALONE, Workload(), pd_instances=2)
+    good = tmp_path / "profile.toml"
+    good.write_text(tomli_w.dumps(document))
     document["clusters"]["prfaas"]["instances"] = 2
     two_prfaas = tmp_path / "two-prfaas.toml"
     two_prfaas.write_text(tomli_w.dumps(document))
