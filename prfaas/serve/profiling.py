@@ -291,17 +291,6 @@ def measured_profile(
     return parse_profile(document, source="<start-up profile>")
 
 
-def plan_threshold(
-    m: MeasuredProfile, workload: Workload, pd_instances: int = 2
-) -> tuple[float, PlanReport]:
-    """The planner's optimum threshold for the measured profile, and its report.
-
-    Raises:
-        ValueError: the profile is invalid or the planner finds no PrfaaS-PD optimum.
-    """
-    return profile_threshold(measured_profile(m, workload, pd_instances))
-
-
 def profile_threshold(profile: DeploymentProfile) -> tuple[float, PlanReport]:
     """The planner's optimum threshold for a deployment profile, and its report.
 

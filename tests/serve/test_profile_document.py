@@ -14,8 +14,8 @@ from prfaas.serve.profiling import (
     SHARED_BUSY_ENGINES,
     Workload,
     measured_profile,
-    plan_threshold,
     profile_document,
+    profile_threshold,
 )
 
 
@@ -31,8 +31,9 @@ def test_the_profile_times_include_the_shared_cores_slowdown() -> None:
 def test_slower_shared_engines_carry_less() -> None:
     """The planner's capacity falls with the slowdown: the embedded deployment's scenario
     rates come from it."""
-    _, alone = plan_threshold(MEASURED_ALONE, Workload())
-    _, shared = plan_threshold(replace(MEASURED_ALONE, shared_slowdown=1.5), Workload())
+    _, alone = profile_threshold(measured_profile(MEASURED_ALONE, Workload()))
+    shared_profile = measured_profile(replace(MEASURED_ALONE, shared_slowdown=1.5), Workload())
+    _, shared = profile_threshold(shared_profile)
     assert shared.prfaas_pd.lambda_max < 0.9 * alone.prfaas_pd.lambda_max
 
 
