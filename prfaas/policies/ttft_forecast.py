@@ -28,6 +28,16 @@ arrives behind it during its compute. At half, the two tests roughly agree on av
 server with random arrivals and service times, busy half the time, waits on average as
 long as it serves); `prfaas/sim/SCHEDULING.md` tells what the live runs showed.
 
+Between the two, a prompt that finds the pool idle is still offloaded when keeping it would
+add more wait to the requests arriving behind it than the offload costs it
+(`TTFTPrediction.delays_others`, priced by `delay_behind_s` on the load offered to the
+pool): what a request's own TTFT leaves out, and what decides a burst's P90, since the pool
+serves nine requests in ten. At low load it is near zero, so TTFT decides as before; as the
+offered load nears what the pool can do it grows without bound, so the threshold governs.
+The offered load, not the busy share, since a burst offers more than the pool can do while
+the busy share cannot read past one and lags. Only the local pool's queue is priced: the
+offloaded requests are the tail already, and the trimmer answers the link's queue.
+
 A prefix pull (`predict_pull`) moves `S_kv(prefix)` over the spare link to save computing
 those tokens where the request runs; it pays only when the transfer is the shorter.
 
@@ -102,6 +112,25 @@ class LoadForecast(msgspec.Struct, frozen=True):
     local_busy_share: float = 0.0
     """The share of the recent past in which the PD prefill pool had no idle instance
     (the chance that a request waits there)."""
+    local_arrivals_per_s: float = 0.0
+    """Requests dispatched to the PD prefill pool per second, over the recent past."""
+    local_work_per_s: float = 0.0
+    """Predicted prefill seconds dispatched to the PD prefill pool per second, over the
+    recent past: the load offered to the pool, in instances' worth."""
+
+
+def delay_behind_s(arrivals_per_s: float, compute_s: float, load: float) -> float:
+    """The wait, summed over the requests arriving behind it, that `compute_s` more work
+    adds to a first-come-first-served server offered `load` (the share of its time the
+    arrivals ask for) by `arrivals_per_s` random arrivals: its M/G/1 externality. The extra
+    work drains only as fast as the server would have idled, in `compute_s / (1 - load)`
+    seconds, and the arrivals meanwhile wait `compute_s / 2` longer on average. Infinite
+    for a server offered as much as it can do or more (the queue only grows)."""
+    if arrivals_per_s <= 0 or compute_s <= 0:
+        return 0.0
+    if load >= 1:
+        return math.inf
+    return arrivals_per_s * compute_s**2 / (2 * (1 - load))
 
 
 @dataclass(frozen=True)
@@ -115,11 +144,22 @@ class TTFTPrediction:
     local_compute_s: float = 0.0
     local_busy_share: float = 0.0
     """The share of the recent past in which the PD prefill pool was busy (the forecast's)."""
+    local_delay_s: float = 0.0
+    """The wait the local compute would add to the requests arriving behind it, summed
+    (`delay_behind_s`)."""
+    local_load: float = 0.0
+    """The load offered to each PD prefill instance (the forecast's, per instance)."""
 
     @property
     def faster(self) -> bool:
         """PrfaaS is predicted to answer strictly first."""
         return self.prfaas_s < self.local_s
+
+    @property
+    def delays_others(self) -> bool:
+        """PrfaaS is slower for this request, by less than the wait its local compute would
+        add behind it: the offload costs less in all."""
+        return not self.faster and self.prfaas_s - self.local_s < self.local_delay_s
 
     @property
     def local_saturated(self) -> bool:
@@ -133,19 +173,28 @@ class TTFTPrediction:
 
     @property
     def offload(self) -> bool:
-        """PrfaaS strictly beats local, or local is saturated (the threshold governs)."""
-        return self.faster or self.local_saturated
+        """PrfaaS strictly beats local, or keeping the request would delay those behind it
+        by more than the offload costs it, or local is saturated (the threshold governs)."""
+        return self.faster or self.local_saturated or self.delays_others
 
     def describe(self) -> str:
         sign = "<" if self.faster else ">="
         text = f"predicted TTFT prfaas {self.prfaas_s:.2f}s {sign} local {self.local_s:.2f}s"
-        if not self.faster and self.local_saturated:
+        if self.faster:
+            return text
+        if self.local_saturated:
             wait, compute = self.local_wait_s, self.local_compute_s
             why = (f"local queue {wait:.2f}s >= its compute {compute:.2f}s"
                    if wait >= compute else
                    f"local queue {wait:.2f}s, pool busy {self.local_busy_share:.0%} of the "
                    "time")  # fmt: skip
-            text += f"; {why}: the threshold governs"
+            return f"{text}; {why}: the threshold governs"
+        if self.local_delay_s > 0:
+            sign = "<" if self.delays_others else ">="
+            delay = self.local_delay_s
+            behind = "the unbounded wait" if math.isinf(delay) else f"the {delay:.2f}s"
+            text += (f"; by {self.prfaas_s - self.local_s:.2f}s {sign} {behind} its compute "
+                     f"adds behind it (PD prefill load {self.local_load:.0%})")  # fmt: skip
         return text
 
 
@@ -199,9 +248,15 @@ def predict_ttft(
         + costs.prefill_s("prfaas", prfaas_tokens)
         + transfer_s(forecast, shipped_tokens)
     )
-    wait = least_backlog(forecast, local_pool)
+    local = list(local_pool)
+    wait = least_backlog(forecast, local)
     compute = costs.prefill_s("pd", local_tokens)
-    return TTFTPrediction(prfaas, wait + compute, wait, compute, forecast.local_busy_share)
+    # the pool's arrivals and work spread over its instances: per instance, as one server
+    n = max(len(local), 1)
+    load = forecast.local_work_per_s / n
+    delay = delay_behind_s(forecast.local_arrivals_per_s / n, compute, load)
+    return TTFTPrediction(prfaas, wait + compute, wait, compute, forecast.local_busy_share,
+                          delay, load)  # fmt: skip
 
 
 def predict_pull(

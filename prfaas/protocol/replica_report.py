@@ -32,6 +32,10 @@ class ReplicaReport(msgspec.Struct, frozen=True, kw_only=True):
     """For each of `outputs`: seconds before `at` its request was first dispatched."""
     decode_starts: int = 0
     """Requests whose first token came out since the previous report."""
+    local_dispatches: int = 0
+    """Requests dispatched to the PD prefill pool since the previous report."""
+    local_work_s: float = 0.0
+    """Predicted prefill seconds of those requests."""
     decoding: int = 0
     """Requests decoding now (first token out, not finished)."""
     backlog: dict[str, float] = {}

@@ -28,7 +28,8 @@ from prfaas.protocol.replica_report import ReplicaReport
 
 RECENT_LENGTHS = 100  # incremental lengths kept across periods for the step test
 BUSY_SMOOTHING_S = 20.0
-"""Time constant of the PD prefill pool's busy share (`SchedulingObserver.local_busy_share`)."""
+"""Time constant of the PD prefill pool's busy share, arrival rate and offered work
+(`SchedulingObserver.local_busy_share`, `local_arrivals`, `local_work`)."""
 
 
 @dataclass
@@ -67,6 +68,8 @@ class _Outbox:
     outputs: list[int] = field(default_factory=list)
     arrivals: list[float] = field(default_factory=list)
     decode_starts: int = 0
+    local_dispatches: int = 0
+    local_work_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,11 @@ class SchedulingObserver:
         """The share of about the last `BUSY_SMOOTHING_S` in which the PD prefill pool had no
         idle instance, as the short-term loop sampled it (`local_pool_sampled`)."""
         self._busy_sampled_at: float | None = None
+        self.local_arrivals = DecayedRate(BUSY_SMOOTHING_S)
+        """Requests dispatched to the PD prefill pool, per second, on every replica."""
+        self.local_work = DecayedRate(BUSY_SMOOTHING_S)
+        """Predicted prefill seconds dispatched to the PD prefill pool, per second, on every
+        replica: the load offered to it (in instances' worth of work)."""
 
     def now(self) -> float:
         return self._clock()
@@ -116,8 +124,10 @@ class SchedulingObserver:
     def forecast(self) -> LoadForecast | None:
         if self.costs is None:
             return None
-        return LoadForecast(self.costs, self.backlogs(self._clock()), self.link,
-                            self.conditional, self.local_busy_share)  # fmt: skip
+        now = self._clock()
+        return LoadForecast(self.costs, self.backlogs(now), self.link, self.conditional,
+                            self.local_busy_share, self.local_arrivals.read(now),
+                            self.local_work.read(now))  # fmt: skip
 
     def backlogs(self, now: float) -> dict[str, float]:
         """Predicted backlog per instance: this gateway's bookings plus the other replicas'."""
@@ -134,8 +144,15 @@ class SchedulingObserver:
         self.recent_lengths.append(decision.incremental_tokens)
         self.lengths_routed += 1
         if self.costs is not None:
+            now = self._clock()
             seconds = self.occupancy_s(decision.route, decision.incremental_tokens)
-            self.ledger.admit(decision.prefill_instance, rid, seconds, self._clock())
+            self.ledger.admit(decision.prefill_instance, rid, seconds, now)
+            if decision.route == "pd":
+                self.local_arrivals.add(now, 1.0)
+                self.local_work.add(now, seconds)
+                if self._outbox is not None:
+                    self._outbox.local_dispatches += 1
+                    self._outbox.local_work_s += seconds
 
     def occupancy_s(self, route: str, tokens: int) -> float:
         """Predicted seconds a prefill holds its instance: an instance takes its next request
@@ -208,6 +225,8 @@ class SchedulingObserver:
             outputs=tuple(box.outputs),
             arrived_ago=tuple(max(now - t, 0.0) for t in box.arrivals),
             decode_starts=box.decode_starts,
+            local_dispatches=box.local_dispatches,
+            local_work_s=box.local_work_s,
             decoding=len(self._decoding),
             backlog=self.ledger.backlogs(now),
         )
@@ -224,6 +243,8 @@ class SchedulingObserver:
         samples.outputs.extend(report.outputs)
         samples.arrivals.extend(made - ago for ago in report.arrived_ago)
         samples.decode_starts += report.decode_starts
+        self.local_arrivals.add(now, report.local_dispatches)
+        self.local_work.add(now, report.local_work_s)
         self._remote[report.replica] = _RemoteLoad(report.decoding, report.backlog, made)
 
     def forget(self, replica: str) -> None:
@@ -248,6 +269,26 @@ class SchedulingObserver:
         """The samples since the last call; a new period starts now."""
         samples, self._samples = self._samples, PeriodSamples(self._clock())
         return samples
+
+
+class DecayedRate:
+    """A rate (per second) over about the last `tau` seconds: each amount added counts
+    `1 / tau` per unit at once and fades by `e` every `tau` seconds (an exponential
+    average, so a steady stream of `r` per second reads `r`)."""
+
+    def __init__(self, tau: float) -> None:
+        self.tau = tau
+        self._rate = 0.0
+        self._at: float | None = None
+
+    def read(self, now: float) -> float:
+        if self._at is None:
+            return 0.0
+        return self._rate * math.exp(-max(now - self._at, 0.0) / self.tau)
+
+    def add(self, now: float, amount: float) -> None:
+        if amount:
+            self._rate, self._at = self.read(now) + amount / self.tau, now
 
 
 def decayed_share(share: float, now_true: bool, dt: float, tau: float) -> float:
