@@ -15,9 +15,10 @@ two pools oscillate in anti-phase (Mooncake). The spare egress is the measured l
 capacity minus the measured egress, but at least the fair share a new transfer would get
 (capacity / (transfers + 1)), since the link is shared, not first come first served.
 
-Which objective wins: while the PD prefill pool has room, TTFT decides, so at low load a
-long prompt stays local when local is faster (a slow link); once the local pool is
-saturated, the throughput-optimal threshold governs, as in the paper, and the offload goes
+Which objective wins: at low load TTFT decides, so a long prompt stays local when local is
+faster (a slow link); as the PD prefill pool fills, the wait a prompt kept local adds
+behind it counts too (below), and once the pool is saturated the throughput-optimal
+threshold governs, as in the paper, and the offload goes
 ahead even when that request's own TTFT is predicted worse (`TTFTPrediction.offload`, which
 says so). Saturated: the request would wait there at least as long as it computes, or it
 would wait at all while the pool has been busy (every instance with work booked) at least
@@ -28,15 +29,16 @@ arrives behind it during its compute. At half, the two tests roughly agree on av
 server with random arrivals and service times, busy half the time, waits on average as
 long as it serves); `prfaas/sim/SCHEDULING.md` tells what the live runs showed.
 
-Between the two, a prompt that finds the pool idle is still offloaded when keeping it would
-add more wait to the requests arriving behind it than the offload costs it
-(`TTFTPrediction.delays_others`, priced by `delay_behind_s` on the load offered to the
-pool): what a request's own TTFT leaves out, and what decides a burst's P90, since the pool
-serves nine requests in ten. At low load it is near zero, so TTFT decides as before; as the
-offered load nears what the pool can do it grows without bound, so the threshold governs.
-The offered load, not the busy share, since a burst offers more than the pool can do while
-the busy share cannot read past one and lags. Only the local pool's queue is priced: the
-offloaded requests are the tail already, and the trimmer answers the link's queue.
+Between the two, a prompt that TTFT and saturation would keep local (the pool idle now, or
+its wait short) is still offloaded when keeping it would add more wait to the requests
+arriving behind it than the offload costs it (`TTFTPrediction.delays_others`, priced by
+`delay_behind_s` on the load offered to the pool): what a request's own TTFT leaves out, and
+what decides a burst's P90, since the pool serves most requests. At low load it is near
+zero, so TTFT decides as before; as the offered load nears what the pool can do it grows
+without bound, so the threshold governs. The offered load, not the busy share, since a burst
+offers more than the pool can do while the busy share cannot read past one and lags. Only
+the local pool's queue is priced: the offloaded requests are the tail already, and the
+trimmer answers the link's queue.
 
 A prefix pull (`predict_pull`) moves `S_kv(prefix)` over the spare link to save computing
 those tokens where the request runs; it pays only when the transfer is the shorter.

@@ -3,11 +3,13 @@
 Every replica of a coordinated deployment (`prfaas.coordination`) publishes a report every
 `publish_s` under its own etcd key: the samples the long-term scheduler estimates from
 (incremental lengths, answers and when their requests arrived, decode starts) since its
-previous report, and its load now (requests decoding, the predicted prefill backlog it has
-booked on each instance). The leader adds the samples to its own period, so it estimates the
-whole traffic; every replica adds the others' load to its own, so conditional disaggregation
-predicts queues from all the traffic. Times are relative to `at` (the publisher's wall
-clock), so replicas need no shared monotonic clock.
+previous report, the requests and predicted prefill seconds it dispatched to the PD prefill
+pool, and its load now (requests decoding, the predicted prefill backlog it has booked on
+each instance). The leader adds the samples to its own period, so it estimates the whole
+traffic; every replica adds the others' load and PD dispatches to its own, so conditional
+disaggregation predicts queues and the PD pool's offered load from all the traffic. Times
+are relative to `at` (the publisher's wall clock), so replicas need no shared monotonic
+clock.
 """
 
 from __future__ import annotations

@@ -2,14 +2,16 @@
 
 Per request it books the predicted prefill time of each dispatch in a `BacklogLedger` (and
 takes it back when the prefill ends), hands the routing policy a `LoadForecast` built from
-those predictions and the last link measurement (conditional disaggregation), and samples
+those predictions, the PD prefill pool's busy share, arrival rate and offered work, and the
+last link measurement (conditional disaggregation), and samples
 what the long-term loop estimates from: arrivals, incremental lengths, output lengths.
 Times come from the running loop's clock.
 
 Among several gateway replicas (`prfaas.coordination`) it also keeps what this replica
-publishes for the others (`report`: the samples since the previous report, its load now)
-and adds what the others publish (`merge`): their samples to the period, their decoding
-requests and booked backlog to its own, so the estimates and predictions cover all traffic.
+publishes for the others (`report`: the samples since the previous report, its load now) and
+adds what the others publish (`merge`): their samples to the period, their decoding
+requests, booked backlog and PD dispatches to its own, so the estimates and predictions
+cover all traffic.
 """
 
 from __future__ import annotations
