@@ -16,18 +16,18 @@ capacity minus the measured egress, but at least the fair share a new transfer w
 (capacity / (transfers + 1)), since the link is shared, not first come first served.
 
 Which objective wins: at low load TTFT decides, so a long prompt stays local when local is
-faster (a slow link); as the PD prefill pool fills, the wait a prompt kept local adds
-behind it counts too (below), and once the pool is saturated the throughput-optimal
-threshold governs, as in the paper, and the offload goes
-ahead even when that request's own TTFT is predicted worse (`TTFTPrediction.offload`, which
-says so). Saturated: the request would wait there at least as long as it computes, or it
-would wait at all while the pool has been busy (every instance with work booked) at least
-`SATURATED_BUSY_SHARE` of the recent past (`LoadForecast.local_busy_share`). The second
-test reads the load, not one instant's queue: under a sustained load the local queue is
-often short for a moment, and a long prompt kept local then delays every request that
-arrives behind it during its compute. At half, the two tests roughly agree on average (one
-server with random arrivals and service times, busy half the time, waits on average as
-long as it serves); `prfaas/sim/SCHEDULING.md` tells what the live runs showed.
+faster (a slow link); as the PD prefill pool fills, the wait a prompt kept local adds behind
+it counts too (below), and once the pool is saturated the throughput-optimal threshold
+governs, as in the paper, and the offload goes ahead even when that request's own TTFT is
+predicted worse (`TTFTPrediction.offload`, which says so). Saturated: the request would wait
+there at least as long as it computes, or it would wait at all while the pool has been busy
+(every instance with work booked) at least `SATURATED_BUSY_SHARE` of the recent past
+(`LoadForecast.local_busy_share`). The second test reads the load, not one instant's queue:
+under a sustained load the local queue is often short for a moment, and a long prompt kept
+local then delays every request that arrives behind it during its compute. At half, the two
+tests roughly agree on average (one server with random arrivals and service times, busy half
+the time, waits on average as long as it serves); `prfaas/sim/SCHEDULING.md` tells what the
+live runs showed.
 
 Between the two, a prompt that TTFT and saturation would keep local (the pool idle now, or
 its wait short) is still offloaded when keeping it would add more wait to the requests
