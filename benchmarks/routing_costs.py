@@ -15,9 +15,8 @@ alternative), one deployment after the other, the order alternating per round:
   ticks turned it abundant, and prefix pulls then cost 4x a recompute).
 - **under load:** `--clients` closed-loop clients of long fresh prompts for `--loaded-s`
   seconds: served requests per second, TTFT p50/p90, the share offloaded, and from the
-  gateway's `/metrics` why each offload went (faster, the wait it would add behind it
-  locally, or the PD prefill saturated), the predicted TTFT the last two traded for
-  throughput, and how often `t`, its set-point
+  gateway's `/metrics` why each offload went (faster, or the PD prefill saturated), the
+  predicted TTFT the saturated ones traded for throughput, and how often `t`, its set-point
   and the regime changed under that steady load (equal lengths, or log-normal around
   `--tokens` with `--length-sigma`: a length threshold splits equal lengths only by moving).
 

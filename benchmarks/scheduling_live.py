@@ -26,9 +26,8 @@ single PD decode leaves no conversion to make; `--pd-decodes 2` gives the PD clu
 instances (one prefill, two decodes), so the long-term loop can convert one (all engines
 still share this machine's cores). Per phase: served req/s, TTFT p50/p90, offload share,
 egress utilisation, `t` and its changes, regime, queue waits, the gateway's offload
-decisions (kept local, offloaded because faster, offloaded because its local compute would
-delay the queue behind it more than the offload costs it, offloaded because the PD prefill
-was saturated) and the predicted TTFT the last two traded; the JSON keeps the schedulers'
+decisions (kept local, offloaded because faster, offloaded because the PD prefill was
+saturated) and the predicted TTFT the saturated ones traded; the JSON keeps the schedulers'
 decisions with their reasons. The goals: dual against the live oracle (served >= 0.95x, TTFT
 P90 <= 1.5x), `t` at most once per 5 minutes once settled, settled within three periods.
 
@@ -101,7 +100,6 @@ VOCAB = 260  # the embedded model's byte-level vocabulary
 CONTEXT = 8192
 SAMPLE_S = 1.0
 DECISIONS = re.compile(r'^prfaas_offload_decisions_total\{decision="(\w+)"\} (\S+)$', re.M)
-DECISION_KINDS = ("kept_local", "offloaded_faster", "offloaded_queue", "offloaded_saturated")
 TRADED = re.compile(r"^prfaas_offload_ttft_traded_seconds_sum (\S+)$", re.M)
 QUEUE_WAIT = re.compile(r"^prfaas_queue_wait_seconds_(sum|count) (\S+)$", re.M)
 LIVE_GOALS = {"served": 0.95, "p90": 1.5, "settle_periods": 3}
@@ -372,9 +370,10 @@ def phase_row(live: LiveRun, phase: Phase, i: int) -> dict[str, Any]:
         **run_row(live.run, phase),
         "egress_utilisation": statistics.mean(utils) if utils else None,
         "regimes": regimes,
-        "decisions": {k: delta.get(k, 0.0) for k in DECISION_KINDS},
+        "decisions": {k: delta.get(k, 0.0)
+                      for k in ("kept_local", "offloaded_faster", "offloaded_saturated")},
         "traded_s_per_offload": delta.get("traded_s", 0.0)
-        / max(delta.get("offloaded_saturated", 0.0) + delta.get("offloaded_queue", 0.0), 1.0),
+        / max(delta.get("offloaded_saturated", 0.0), 1.0),
         "queue_wait_mean_s": delta.get("queue_wait_sum", 0.0) / waits if waits else None,
         "t_over_time": [(round(s.at), s.threshold) for s in live.run.timeline
                         if a <= s.at < b][:: max(int(10 / SAMPLE_S), 1)],
@@ -538,11 +537,12 @@ def _row(phase: str, variant: str, lv: dict[str, Any], sm: dict[str, Any]) -> li
     def pair(key: str, spec: str, width: int) -> str:
         return f"{_f(lv[key], spec):>{width}}/{_f(sm[key], spec):<{width}}"
 
-    decided = "/".join(f"{lv['decisions'].get(k, 0.0):.0f}" for k in DECISION_KINDS)
+    d = lv["decisions"]
+    decided = f"{d['kept_local']:.0f}/{d['offloaded_faster']:.0f}/{d['offloaded_saturated']:.0f}"
     return [f"{phase:>13}", f"{variant:>7}", pair("served_rate", ".3f", 7),
             pair("ttft_p50_s", ".2f", 6), pair("ttft_p90_s", ".2f", 6),
             pair("offloaded", ".0%", 5), f"{_f(lv['egress_utilisation']):>5}",
-            f"{lv['threshold_end']:6.0f}", f"{lv['t_changes']:5d}", f"{decided:>15}",
+            f"{lv['threshold_end']:6.0f}", f"{lv['t_changes']:5d}", f"{decided:>13}",
             f"{lv['traded_s_per_offload']:6.1f}", f"{_f(lv['queue_wait_mean_s']):>6}"]  # fmt: skip
 
 
@@ -552,7 +552,7 @@ def report(out: dict[str, Any], scenario: Scenario) -> None:
           f"(the twin on the measured profile, engines' cores {cores})")  # fmt: skip
     head = (f"{'phase':>13} {'variant':>7} {'served/s':>15} {'TTFT p50':>13} "
             f"{'TTFT p90':>13} {'offload':>11} {'util':>5} {'t end':>6} {'moves':>5} "
-            f"{'kept/fast/q/sat':>15} {'traded':>6} {'q wait':>6}")  # fmt: skip
+            f"{'kept/fast/sat':>13} {'traded':>6} {'q wait':>6}")  # fmt: skip
     print(head + "\n" + " " * 22 + "live / sim  (each pair)")
     for i, phase in enumerate(scenario.phases):
         for variant, got in out["variants"].items():

@@ -13,8 +13,7 @@ never the raw prompt length:
 
 With a `LoadForecast` in the snapshot (the short-term scheduler's), a request the threshold
 sends to PrfaaS goes there only if its predicted PrfaaS TTFT also beats its predicted local
-TTFT, or keeping it local would delay the requests behind it by more than the offload costs
-it, or the PD prefill pool is saturated (conditional disaggregation, `ttft_forecast.py`);
+TTFT, or the PD prefill pool is saturated (conditional disaggregation, `ttft_forecast.py`);
 otherwise it stays in PD. And a prefix pull of the abundant regime happens only when moving
 the prefix is predicted faster than recomputing it where the request runs; otherwise the
 request is routed as in the scarce regime, on what each cluster caches itself.

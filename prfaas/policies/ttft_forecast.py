@@ -15,30 +15,25 @@ two pools oscillate in anti-phase (Mooncake). The spare egress is the measured l
 capacity minus the measured egress, but at least the fair share a new transfer would get
 (capacity / (transfers + 1)), since the link is shared, not first come first served.
 
-Which objective wins: at low load TTFT decides, so a long prompt stays local when local is
-faster (a slow link); as the PD prefill pool fills, the wait a prompt kept local adds behind
-it counts too (below), and once the pool is saturated the throughput-optimal threshold
-governs, as in the paper, and the offload goes ahead even when that request's own TTFT is
-predicted worse (`TTFTPrediction.offload`, which says so). Saturated: the request would wait
-there at least as long as it computes, or it would wait at all while the pool has been busy
-(every instance with work booked) at least `SATURATED_BUSY_SHARE` of the recent past
-(`LoadForecast.local_busy_share`). The second test reads the load, not one instant's queue:
-under a sustained load the local queue is often short for a moment, and a long prompt kept
-local then delays every request that arrives behind it during its compute. At half, the two
-tests roughly agree on average (one server with random arrivals and service times, busy half
-the time, waits on average as long as it serves); `prfaas/sim/SCHEDULING.md` tells what the
-live runs showed.
-
-Between the two, a prompt that TTFT and saturation would keep local (the pool idle now, or
-its wait short) is still offloaded when keeping it would add more wait to the requests
-arriving behind it than the offload costs it (`TTFTPrediction.delays_others`, priced by
-`delay_behind_s` on the load offered to the pool): what a request's own TTFT leaves out, and
-what decides a burst's P90, since the pool serves most requests. At low load it is near
-zero, so TTFT decides as before; as the offered load nears what the pool can do it grows
-without bound, so the threshold governs. The offered load, not the busy share, since a burst
-offers more than the pool can do while the busy share cannot read past one and lags. Only
-the local pool's queue is priced: the offloaded requests are the tail already, and the
-trimmer answers the link's queue.
+Which objective wins: while the PD prefill pool has room, TTFT decides, so at low load a
+long prompt stays local when local is faster (a slow link); once the local pool is
+saturated, the throughput-optimal threshold governs, as in the paper, and the offload goes
+ahead even when that request's own TTFT is predicted worse (`TTFTPrediction.offload`, which
+says so). Saturated: the pool is offered at least as much work as it can do (the profile's
+prefill seconds of what was dispatched there over the recent past, per second and instance:
+`LoadForecast.local_work_per_s`), or the request would wait there at least as long as it
+computes, or it would wait at all while the pool has been busy (every instance with work
+booked) at least `SATURATED_BUSY_SHARE` of the recent past (`LoadForecast.local_busy_share`).
+The load tests read the load, not one instant's queue: under a sustained load the local
+queue is often short for a moment, and a long prompt kept local then delays every request
+that arrives behind it during its compute. Offered more than it can do (a burst), a pool's
+queue only grows, so each second a long prompt computes there is a second more for every
+request behind it until the load drops, whatever its queue this instant; the busy share
+cannot read past one and lags a burst. At half busy, the wait and busy tests roughly agree
+on average (one server with random arrivals and service times, busy half the time, waits on
+average as long as it serves); `prfaas/sim/SCHEDULING.md` tells what the live runs showed,
+and why the wait a long prompt adds behind it is not priced below saturation (at the
+paper's scale it offloaded far more onto a loaded PrfaaS cluster and doubled TTFT P90).
 
 A prefix pull (`predict_pull`) moves `S_kv(prefix)` over the spare link to save computing
 those tokens where the request runs; it pays only when the transfer is the shorter.
@@ -114,25 +109,9 @@ class LoadForecast(msgspec.Struct, frozen=True):
     local_busy_share: float = 0.0
     """The share of the recent past in which the PD prefill pool had no idle instance
     (the chance that a request waits there)."""
-    local_arrivals_per_s: float = 0.0
-    """Requests dispatched to the PD prefill pool per second, over the recent past."""
     local_work_per_s: float = 0.0
     """Predicted prefill seconds dispatched to the PD prefill pool per second, over the
     recent past: the load offered to the pool, in instances' worth."""
-
-
-def delay_behind_s(arrivals_per_s: float, compute_s: float, load: float) -> float:
-    """The wait, summed over the requests arriving behind it, that `compute_s` more work
-    adds to a first-come-first-served server offered `load` (the share of its time the
-    arrivals ask for) by `arrivals_per_s` random arrivals: its M/G/1 externality. The extra
-    work drains only as fast as the server would have idled, in `compute_s / (1 - load)`
-    seconds, and the arrivals meanwhile wait `compute_s / 2` longer on average. Infinite
-    for a server offered as much as it can do or more (the queue only grows)."""
-    if arrivals_per_s <= 0 or compute_s <= 0:
-        return 0.0
-    if load >= 1:
-        return math.inf
-    return arrivals_per_s * compute_s**2 / (2 * (1 - load))
 
 
 @dataclass(frozen=True)
@@ -146,11 +125,9 @@ class TTFTPrediction:
     local_compute_s: float = 0.0
     local_busy_share: float = 0.0
     """The share of the recent past in which the PD prefill pool was busy (the forecast's)."""
-    local_delay_s: float = 0.0
-    """The wait the local compute would add to the requests arriving behind it, summed
-    (`delay_behind_s`)."""
     local_load: float = 0.0
-    """The load offered to each PD prefill instance (the forecast's, per instance)."""
+    """The work offered to each PD prefill instance, as a share of what it can do (the
+    forecast's, per instance)."""
 
     @property
     def faster(self) -> bool:
@@ -158,16 +135,13 @@ class TTFTPrediction:
         return self.prfaas_s < self.local_s
 
     @property
-    def delays_others(self) -> bool:
-        """PrfaaS is slower for this request, by less than the wait its local compute would
-        add behind it: the offload costs less in all."""
-        return not self.faster and self.prfaas_s - self.local_s < self.local_delay_s
-
-    @property
     def local_saturated(self) -> bool:
-        """The request would wait in the PD prefill pool, at least as long as it computes
-        there or while the pool is busy most of the time: the pool is the bottleneck, and
-        throughput (the threshold) governs."""
+        """The PD prefill pool is offered at least as much as it can do, or the request
+        would wait there, at least as long as it computes there or while the pool is busy
+        most of the time: the pool is the bottleneck, and throughput (the threshold)
+        governs."""
+        if self.local_load >= 1:
+            return True
         if self.local_wait_s <= 0:
             return False
         busy = self.local_busy_share >= SATURATED_BUSY_SHARE
@@ -175,29 +149,22 @@ class TTFTPrediction:
 
     @property
     def offload(self) -> bool:
-        """PrfaaS strictly beats local, or keeping the request would delay those behind it
-        by more than the offload costs it, or local is saturated (the threshold governs)."""
-        return self.faster or self.local_saturated or self.delays_others
+        """PrfaaS strictly beats local, or local is saturated (the threshold governs)."""
+        return self.faster or self.local_saturated
 
     def describe(self) -> str:
         sign = "<" if self.faster else ">="
         text = f"predicted TTFT prfaas {self.prfaas_s:.2f}s {sign} local {self.local_s:.2f}s"
-        if self.faster:
+        if self.faster or not self.local_saturated:
             return text
-        if self.local_saturated:
-            wait, compute = self.local_wait_s, self.local_compute_s
-            why = (f"local queue {wait:.2f}s >= its compute {compute:.2f}s"
-                   if wait >= compute else
-                   f"local queue {wait:.2f}s, pool busy {self.local_busy_share:.0%} of the "
-                   "time")  # fmt: skip
-            return f"{text}; {why}: the threshold governs"
-        if self.local_delay_s > 0:
-            sign = "<" if self.delays_others else ">="
-            delay = self.local_delay_s
-            behind = "the unbounded wait" if math.isinf(delay) else f"the {delay:.2f}s"
-            text += (f"; by {self.prfaas_s - self.local_s:.2f}s {sign} {behind} its compute "
-                     f"adds behind it (PD prefill load {self.local_load:.0%})")  # fmt: skip
-        return text
+        wait, compute = self.local_wait_s, self.local_compute_s
+        if self.local_load >= 1:
+            why = f"PD prefill offered {self.local_load:.0%} of what it can do"
+        elif wait >= compute:
+            why = f"local queue {wait:.2f}s >= its compute {compute:.2f}s"
+        else:
+            why = f"local queue {wait:.2f}s, pool busy {self.local_busy_share:.0%} of the time"
+        return f"{text}; {why}: the threshold governs"
 
 
 @dataclass(frozen=True)
@@ -253,12 +220,8 @@ def predict_ttft(
     local = list(local_pool)
     wait = least_backlog(forecast, local)
     compute = costs.prefill_s("pd", local_tokens)
-    # the pool's arrivals and work spread over its instances: per instance, as one server
-    n = max(len(local), 1)
-    load = forecast.local_work_per_s / n
-    delay = delay_behind_s(forecast.local_arrivals_per_s / n, compute, load)
-    return TTFTPrediction(prfaas, wait + compute, wait, compute, forecast.local_busy_share,
-                          delay, load)  # fmt: skip
+    load = forecast.local_work_per_s / max(len(local), 1)
+    return TTFTPrediction(prfaas, wait + compute, wait, compute, forecast.local_busy_share, load)
 
 
 def predict_pull(

@@ -3,13 +3,12 @@
 Every replica of a coordinated deployment (`prfaas.coordination`) publishes a report every
 `publish_s` under its own etcd key: the samples the long-term scheduler estimates from
 (incremental lengths, answers and when their requests arrived, decode starts) since its
-previous report, the requests and predicted prefill seconds it dispatched to the PD prefill
-pool, and its load now (requests decoding, the predicted prefill backlog it has booked on
-each instance). The leader adds the samples to its own period, so it estimates the whole
-traffic; every replica adds the others' load and PD dispatches to its own, so conditional
-disaggregation predicts queues and the PD pool's offered load from all the traffic. Times
-are relative to `at` (the publisher's wall clock), so replicas need no shared monotonic
-clock.
+previous report, the predicted prefill seconds it dispatched to the PD prefill pool, and its
+load now (requests decoding, the predicted prefill backlog it has booked on each instance).
+The leader adds the samples to its own period, so it estimates the whole traffic; every
+replica adds the others' load and PD prefill work to its own, so conditional disaggregation
+predicts queues and the PD pool's offered load from all the traffic. Times are relative to
+`at` (the publisher's wall clock), so replicas need no shared monotonic clock.
 """
 
 from __future__ import annotations
@@ -34,10 +33,8 @@ class ReplicaReport(msgspec.Struct, frozen=True, kw_only=True):
     """For each of `outputs`: seconds before `at` its request was first dispatched."""
     decode_starts: int = 0
     """Requests whose first token came out since the previous report."""
-    local_dispatches: int = 0
-    """Requests dispatched to the PD prefill pool since the previous report."""
     local_work_s: float = 0.0
-    """Predicted prefill seconds of those requests."""
+    """Predicted prefill seconds dispatched to the PD prefill pool since the previous report."""
     decoding: int = 0
     """Requests decoding now (first token out, not finished)."""
     backlog: dict[str, float] = {}

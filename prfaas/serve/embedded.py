@@ -72,9 +72,8 @@ def default_scheduler() -> SchedulerConfig:
     requests per period is enough to re-plan on (a laptop's load is light). Offloads are
     conditional, as in any deployment: both clusters run on this same CPU and the emulated
     link is slow, so at light load a long prompt stays local (its KV would take longer to
-    cross than the PD prefill takes to compute it), and offloads begin as the PD prefill
-    fills (the wait a long prompt would add there behind it) and once it is saturated,
-    where the threshold governs."""
+    cross than the PD prefill takes to compute it), and offloads begin once the PD prefill
+    is saturated, where the threshold governs."""
     return SchedulerConfig(
         period_s=SCHEDULER_PERIOD_S,
         min_threshold=T_RANGE[0],

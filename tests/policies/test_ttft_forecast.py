@@ -15,7 +15,6 @@ from prfaas.policies.ttft_forecast import (
     LoadForecast,
     PrefillCosts,
     TTFTPrediction,
-    delay_behind_s,
     least_backlog,
     predict_ttft,
 )
@@ -172,52 +171,30 @@ def test_a_pool_busy_most_of_the_time_lets_the_threshold_govern_on_a_short_wait(
     assert PrfaasPolicy().decide(_snap(20_000, busy(0.9, 0.0))).route == "pd"
 
 
-def test_the_wait_a_compute_adds_behind_it_grows_with_the_offered_load() -> None:
-    """4 s of compute at 0.5 arrivals/s: behind it 0.5 * 16 / 2 = 4 s of wait on an idle
-    server, twice that offered half its time, without bound offered all of it (or more);
-    nothing with no arrivals."""
-    assert delay_behind_s(0.5, 4.0, 0.0) == pytest.approx(4.0)
-    assert delay_behind_s(0.5, 4.0, 0.5) == pytest.approx(8.0)
-    assert delay_behind_s(0.5, 4.0, 1.0) == math.inf
-    assert delay_behind_s(0.5, 4.0, 1.3) == math.inf
-    assert delay_behind_s(0.0, 4.0, 0.9) == 0.0
-
-
-def test_an_idle_pool_under_load_offloads_what_would_delay_the_requests_behind_it() -> None:
-    """Over a slow link PrfaaS is 14 s slower for a 20,000-token prompt (18 s against 4 s)
-    and the PD prefill is idle now, so neither TTFT nor saturation offloads it. With 0.5
-    requests/s arriving there and 80% of its time asked for, keeping it adds 0.5 * 16 /
-    (2 * 0.2) = 20 s of wait behind it, more than the 14 s: offloaded. At 60% it adds 10
-    s: kept. Offered more than it can do: offloaded whatever the link. No arrivals: kept."""
+def test_a_pool_offered_more_than_it_can_do_lets_the_threshold_govern_with_no_queue() -> None:
+    """The PD prefill idle this instant (no queue, busy share 0) and the slow link making
+    PrfaaS 14 s slower: TTFT alone keeps the prompt local. Offered 120% of what it can do
+    over the recent past (a burst), its queue only grows: saturated, offloaded. At 90% TTFT
+    decides again."""
     slow = LinkState(1 * GBIT)
 
-    def load(arrivals: float, work: float) -> LoadForecast:
-        return LoadForecast(COSTS, {}, slow, local_arrivals_per_s=arrivals,
-                            local_work_per_s=work)  # fmt: skip
+    def offered(work: float) -> LoadForecast:
+        return LoadForecast(COSTS, {}, slow, local_work_per_s=work)
 
-    d = PrfaasPolicy().decide(_snap(20_000, load(0.5, 0.8)))
-    assert d.route == "prfaas" and d.prediction is not None
-    assert d.prediction.delays_others and not d.prediction.local_saturated
-    assert d.reason.endswith("predicted TTFT prfaas 18.00s >= local 4.00s; by 14.00s < the "
-                             "20.00s its compute adds behind it (PD prefill load 80%)")  # fmt: skip
-    d = PrfaasPolicy().decide(_snap(20_000, load(0.5, 0.6)))
-    assert d.route == "pd"
-    assert d.reason.endswith("by 14.00s >= the 10.00s its compute adds behind it (PD prefill "
-                             "load 60%)")  # fmt: skip
-    d = PrfaasPolicy().decide(_snap(20_000, load(0.5, 1.2)))
-    assert d.route == "prfaas" and "by 14.00s < the unbounded wait" in d.reason
-    d = PrfaasPolicy().decide(_snap(20_000, load(0.0, 0.0)))
+    d = PrfaasPolicy().decide(_snap(20_000, offered(1.2)))
+    assert d.route == "prfaas"
+    assert d.reason.endswith("predicted TTFT prfaas 18.00s >= local 4.00s; PD prefill offered "
+                             "120% of what it can do: the threshold governs")  # fmt: skip
+    d = PrfaasPolicy().decide(_snap(20_000, offered(0.9)))
     assert d.route == "pd" and d.reason.endswith("predicted TTFT prfaas 18.00s >= local 4.00s")
 
 
-def test_the_pools_arrivals_and_work_spread_over_its_instances() -> None:
-    """Two PD prefills sharing 1 request/s and 1.6 s of work per second: each is one server
-    offered 80% of its time by 0.5 requests/s."""
-    f = LoadForecast(COSTS, {}, local_arrivals_per_s=1.0, local_work_per_s=1.6)
+def test_the_pools_offered_work_spreads_over_its_instances() -> None:
+    """Two PD prefills offered 1.6 s of work per second: each 80% of what it can do."""
+    f = LoadForecast(COSTS, {}, local_work_per_s=1.6)
     p = predict_ttft(f, prfaas_tokens=20_000, local_tokens=20_000, shipped_tokens=20_000,
                      prfaas_pool=["pf0"], local_pool=["pd0", "pd1"])  # fmt: skip
-    assert p.local_load == pytest.approx(0.8)
-    assert p.local_delay_s == pytest.approx(20.0)
+    assert p.local_load == pytest.approx(0.8) and not p.local_saturated
 
 
 def test_a_pull_that_costs_more_than_recomputing_is_not_made() -> None:

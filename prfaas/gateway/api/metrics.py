@@ -148,17 +148,14 @@ class GatewayMetrics:
         self.offloads = Counter(
             "prfaas_offload_decisions",  # exported as prfaas_offload_decisions_total
             "Requests past t whose offload was decided on predicted TTFT: offloaded as faster,"
-            " offloaded as the PD prefill was saturated (the threshold governs), offloaded as"
-            " its local compute would delay the requests behind it more than the offload costs"
-            " it (queue), or kept local.",
+            " offloaded as the PD prefill was saturated (the threshold governs), or kept local.",
             ("decision",),
             registry=reg,
         )
         self.ttft_traded = Histogram(
             "prfaas_offload_ttft_traded_seconds",
-            "Predicted TTFT an offload under load (saturated or queue) cost its request against"
-            " computing it locally (PrfaaS minus local, predicted): what was traded for"
-            " throughput.",
+            "Predicted TTFT an offload under saturation cost its request against computing it"
+            " locally (PrfaaS minus local, predicted): what was traded for throughput.",
             registry=reg,
             buckets=LATENCY_BUCKETS_S,
         )
@@ -193,8 +190,7 @@ class GatewayMetrics:
             elif prediction.faster:
                 self.offloads.labels("offloaded_faster").inc()
             else:
-                why = "saturated" if prediction.local_saturated else "queue"
-                self.offloads.labels(f"offloaded_{why}").inc()
+                self.offloads.labels("offloaded_saturated").inc()
                 self.ttft_traded.observe(prediction.prfaas_s - prediction.local_s)
         if pull is not None:
             self.pulls.labels("made" if pull.pays else "skipped").inc()

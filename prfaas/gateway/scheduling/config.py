@@ -25,8 +25,7 @@ class SchedulerConfig:
     long_term: bool = True
     """Re-solve the set-point and convert roles every period."""
     conditional: bool = True
-    """Offload past `t` only when PrfaaS is predicted to answer first, or keeping the request
-    local would delay those behind it more than the offload costs it, or the PD prefill is
+    """Offload past `t` only when PrfaaS is predicted to answer first or the PD prefill is
     saturated (prefix pulls are checked against the predictions either way)."""
     tick_s: float = 1.0
     period_s: float = 60.0

@@ -2,15 +2,15 @@
 
 Per request it books the predicted prefill time of each dispatch in a `BacklogLedger` (and
 takes it back when the prefill ends), hands the routing policy a `LoadForecast` built from
-those predictions, the PD prefill pool's busy share, arrival rate and offered work, and the
-last link measurement (conditional disaggregation), and samples
-what the long-term loop estimates from: arrivals, incremental lengths, output lengths.
-Times come from the running loop's clock.
+those predictions, the PD prefill pool's busy share and offered load, and the last link
+measurement (conditional disaggregation), and samples what the long-term loop estimates
+from: arrivals, incremental lengths, output lengths. Times come from the running loop's
+clock.
 
 Among several gateway replicas (`prfaas.coordination`) it also keeps what this replica
 publishes for the others (`report`: the samples since the previous report, its load now) and
 adds what the others publish (`merge`): their samples to the period, their decoding
-requests, booked backlog and PD dispatches to its own, so the estimates and predictions
+requests, booked backlog and PD prefill work to its own, so the estimates and predictions
 cover all traffic.
 """
 
@@ -30,8 +30,8 @@ from prfaas.protocol.replica_report import ReplicaReport
 
 RECENT_LENGTHS = 100  # incremental lengths kept across periods for the step test
 BUSY_SMOOTHING_S = 20.0
-"""Time constant of the PD prefill pool's busy share, arrival rate and offered work
-(`SchedulingObserver.local_busy_share`, `local_arrivals`, `local_work`)."""
+"""Time constant of the PD prefill pool's busy share and offered work
+(`SchedulingObserver.local_busy_share`, `local_work`)."""
 
 
 @dataclass
@@ -70,7 +70,6 @@ class _Outbox:
     outputs: list[int] = field(default_factory=list)
     arrivals: list[float] = field(default_factory=list)
     decode_starts: int = 0
-    local_dispatches: int = 0
     local_work_s: float = 0.0
 
 
@@ -114,8 +113,6 @@ class SchedulingObserver:
         """The share of about the last `BUSY_SMOOTHING_S` in which the PD prefill pool had no
         idle instance, as the short-term loop sampled it (`local_pool_sampled`)."""
         self._busy_sampled_at: float | None = None
-        self.local_arrivals = DecayedRate(BUSY_SMOOTHING_S)
-        """Requests dispatched to the PD prefill pool, per second, on every replica."""
         self.local_work = DecayedRate(BUSY_SMOOTHING_S)
         """Predicted prefill seconds dispatched to the PD prefill pool, per second, on every
         replica: the load offered to it (in instances' worth of work)."""
@@ -128,8 +125,7 @@ class SchedulingObserver:
             return None
         now = self._clock()
         return LoadForecast(self.costs, self.backlogs(now), self.link, self.conditional,
-                            self.local_busy_share, self.local_arrivals.read(now),
-                            self.local_work.read(now))  # fmt: skip
+                            self.local_busy_share, self.local_work.read(now))  # fmt: skip
 
     def backlogs(self, now: float) -> dict[str, float]:
         """Predicted backlog per instance: this gateway's bookings plus the other replicas'."""
@@ -150,10 +146,8 @@ class SchedulingObserver:
             seconds = self.occupancy_s(decision.route, decision.incremental_tokens)
             self.ledger.admit(decision.prefill_instance, rid, seconds, now)
             if decision.route == "pd":
-                self.local_arrivals.add(now, 1.0)
                 self.local_work.add(now, seconds)
                 if self._outbox is not None:
-                    self._outbox.local_dispatches += 1
                     self._outbox.local_work_s += seconds
 
     def occupancy_s(self, route: str, tokens: int) -> float:
@@ -227,7 +221,6 @@ class SchedulingObserver:
             outputs=tuple(box.outputs),
             arrived_ago=tuple(max(now - t, 0.0) for t in box.arrivals),
             decode_starts=box.decode_starts,
-            local_dispatches=box.local_dispatches,
             local_work_s=box.local_work_s,
             decoding=len(self._decoding),
             backlog=self.ledger.backlogs(now),
@@ -245,7 +238,6 @@ class SchedulingObserver:
         samples.outputs.extend(report.outputs)
         samples.arrivals.extend(made - ago for ago in report.arrived_ago)
         samples.decode_starts += report.decode_starts
-        self.local_arrivals.add(now, report.local_dispatches)
         self.local_work.add(now, report.local_work_s)
         self._remote[report.replica] = _RemoteLoad(report.decoding, report.backlog, made)
 

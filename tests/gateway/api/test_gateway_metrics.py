@@ -152,17 +152,15 @@ def test_two_gateways_keep_separate_metrics() -> None:
 
 def test_offload_and_pull_decisions_are_counted_with_what_they_traded() -> None:
     """Each finished request's decision: an offload past `t` by why it went (or stayed), the
-    predicted TTFT an offload under load traded, a pull made or skipped and what it saved."""
+    predicted TTFT a saturated offload traded, a pull made or skipped and what it saved."""
     metrics = GatewayMetrics()
     base = RouteDecision("prfaas", "p0", "d0", 8000, 0)
     faster = TTFTPrediction(2.0, 3.0, 0.0, 3.0)
     saturated = TTFTPrediction(9.0, 6.0, 3.0, 3.0)
-    queue = TTFTPrediction(5.0, 3.0, 0.0, 3.0, local_delay_s=4.0)  # 2 s < 4 s behind it
     made, skipped = PullPrediction(4000, 0.5, 2.0), PullPrediction(4000, 5.0, 2.0)
     for decision in (
         replace_struct(base, prediction=faster),
         replace_struct(base, prediction=saturated),
-        replace_struct(base, prediction=queue),
         replace_struct(base, route="pd", prediction=faster, pull=skipped),
         replace_struct(base, route="pd", pull=made),
         base,
@@ -172,10 +170,9 @@ def test_offload_and_pull_decisions_are_counted_with_what_they_traded() -> None:
     for line in (
         'prfaas_offload_decisions_total{decision="offloaded_faster"} 1.0',
         'prfaas_offload_decisions_total{decision="offloaded_saturated"} 1.0',
-        'prfaas_offload_decisions_total{decision="offloaded_queue"} 1.0',
         'prfaas_offload_decisions_total{decision="kept_local"} 1.0',
-        "prfaas_offload_ttft_traded_seconds_sum 5.0",
-        "prfaas_offload_ttft_traded_seconds_count 2.0",
+        "prfaas_offload_ttft_traded_seconds_sum 3.0",
+        "prfaas_offload_ttft_traded_seconds_count 1.0",
         'prfaas_prefix_pull_decisions_total{decision="made"} 1.0',
         'prfaas_prefix_pull_decisions_total{decision="skipped"} 1.0',
         "prfaas_prefix_pull_saved_seconds_sum 1.5",

@@ -82,24 +82,23 @@ def test_the_pd_pool_busy_share_follows_the_ticks_and_reaches_the_forecast() -> 
     assert forecast is not None and forecast.local_busy_share == observer.local_busy_share
 
 
-def test_the_pd_pools_arrivals_and_offered_work_follow_its_dispatches() -> None:
+def test_the_pd_pools_offered_work_follows_its_dispatches() -> None:
     """A 1,000-token prompt (1 s of PD prefill) dispatched to the PD pool every second for
-    200 s reads about 1 request/s and 1 s of work/s (each counts 1/20 at once and fades by e
-    in 20 s); an offload counts in neither; 20 s with none take both down by e. The
-    forecast carries them."""
+    200 s reads about 1 s of work per second (each counts 1/20 at once and fades by e in 20
+    s); an offload does not count; 20 s with none take it down by e. The forecast carries
+    it."""
     clock = Clock()
     line = PiecewiseLinear((0.0, 1000.0), (0.0, 1.0))
     observer = SchedulingObserver(PrefillCosts(line, line, line), clock=clock)
     offload = RouteDecision("prfaas", "pf0", "d0", 1_000, 0)
+    assert observer.local_work.read(clock.now) == 0.0
     for i in range(200):
         clock.now = float(i)
         observer.dispatched(f"r{i}", DECISION, f"r{i}")
         observer.dispatched(f"o{i}", offload, f"o{i}")
     steady = (1 / BUSY_SMOOTHING_S) / (1 - math.exp(-1 / BUSY_SMOOTHING_S))  # 1.025
-    assert observer.local_arrivals.read(clock.now) == pytest.approx(steady, rel=1e-3)
     assert observer.local_work.read(clock.now) == pytest.approx(steady, rel=1e-3)
     clock.now += BUSY_SMOOTHING_S
     forecast = observer.forecast()
     assert forecast is not None
-    assert forecast.local_arrivals_per_s == pytest.approx(steady * math.exp(-1), rel=1e-3)
     assert forecast.local_work_per_s == pytest.approx(steady * math.exp(-1), rel=1e-3)

@@ -53,7 +53,7 @@ def test_a_report_holds_what_happened_since_the_previous_one() -> None:
     assert second.outputs == (40,) and second.arrived_ago == (4.0,)
     assert second.decode_starts == 2 and second.decoding == 1
     assert second.backlog["p0"] > 0 and second.at == 1_004.0
-    assert second.local_dispatches == 2 and second.local_work_s == 5.0
+    assert second.local_work_s == 5.0  # 2 s + 3 s of PD prefill
     assert a.report("a", 3, wall_now=1_005.0).incremental == ()
 
 
@@ -67,11 +67,10 @@ def test_merging_a_report_adds_its_samples_and_its_load() -> None:
     report = ReplicaReport(
         replica="a", seq=7, at=0.0, incremental=(2_000, 3_000), outputs=(40,),
         arrived_ago=(4.0,), decode_starts=2, decoding=3, backlog={"p0": 2.5, "p1": 1.0},
-        local_dispatches=2, local_work_s=5.0,
+        local_work_s=5.0,
     )  # fmt: skip
     b.merge(report, age_s=0.5)
-    # the PD pool's arrivals and offered work: own 1 request (1 s) and the report's 2 (5 s)
-    assert abs(b.local_arrivals.read(clock.now) - 3 / BUSY_SMOOTHING_S) < 1e-9
+    # the PD pool's offered work: its own 1 s and the report's 5 s
     assert abs(b.local_work.read(clock.now) - 6 / BUSY_SMOOTHING_S) < 1e-9
     samples = b.peek_samples()
     assert samples.incremental == [1_000, 2_000, 3_000]
