@@ -20,20 +20,21 @@ long prompt stays local when local is faster (a slow link); once the local pool 
 saturated, the throughput-optimal threshold governs, as in the paper, and the offload goes
 ahead even when that request's own TTFT is predicted worse (`TTFTPrediction.offload`, which
 says so). Saturated: the pool is offered at least as much work as it can do (the profile's
-prefill seconds of what was dispatched there over the recent past, per second and instance:
-`LoadForecast.local_work_per_s`), or the request would wait there at least as long as it
-computes, or it would wait at all while the pool has been busy (every instance with work
-booked) at least `SATURATED_BUSY_SHARE` of the recent past (`LoadForecast.local_busy_share`).
-The load tests read the load, not one instant's queue: under a sustained load the local
-queue is often short for a moment, and a long prompt kept local then delays every request
-that arrives behind it during its compute. Offered more than it can do (a burst), a pool's
-queue only grows, so each second a long prompt computes there is a second more for every
-request behind it until the load drops, whatever its queue this instant; the busy share
-cannot read past one and lags a burst. At half busy, the wait and busy tests roughly agree
-on average (one server with random arrivals and service times, busy half the time, waits on
-average as long as it serves); `prfaas/sim/SCHEDULING.md` tells what the live runs showed,
-and why the wait a long prompt adds behind it is not priced below saturation (at the
-paper's scale it offloaded far more onto a loaded PrfaaS cluster and doubled TTFT P90).
+prefill seconds of what was dispatched there over the recent past, per second,
+`LoadForecast.local_work_per_s`, over its instances: `TTFTPrediction.local_load`), or the
+request would wait there at least as long as it computes, or it would wait at all while the
+pool has been busy (every instance with work booked) at least `SATURATED_BUSY_SHARE` of the
+recent past (`LoadForecast.local_busy_share`). The load tests read the load, not one
+instant's queue: under a sustained load the local queue is often short for a moment, and a
+long prompt kept local then delays every request that arrives behind it during its compute.
+Offered more than it can do (a burst), a pool's queue only grows, so each second a long
+prompt computes there is a second more for every request behind it until the load drops,
+whatever its queue this instant; the busy share cannot read past one and lags a burst. At
+half busy, the wait and busy tests roughly agree on average (one server with random arrivals
+and service times, busy half the time, waits on average as long as it serves);
+`prfaas/sim/SCHEDULING.md` tells what the live runs showed, and why the wait a long prompt
+adds behind it is not priced below saturation (at the paper's scale it offloaded far more
+onto a loaded PrfaaS cluster and doubled TTFT P90).
 
 A prefix pull (`predict_pull`) moves `S_kv(prefix)` over the spare link to save computing
 those tokens where the request runs; it pays only when the transfer is the shorter.

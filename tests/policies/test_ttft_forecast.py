@@ -174,8 +174,8 @@ def test_a_pool_busy_most_of_the_time_lets_the_threshold_govern_on_a_short_wait(
 def test_a_pool_offered_more_than_it_can_do_lets_the_threshold_govern_with_no_queue() -> None:
     """The PD prefill idle this instant (no queue, busy share 0) and the slow link making
     PrfaaS 14 s slower: TTFT alone keeps the prompt local. Offered 120% of what it can do
-    over the recent past (a burst), its queue only grows: saturated, offloaded. At 90% TTFT
-    decides again."""
+    over the recent past (a burst), its queue only grows: saturated, offloaded; offered
+    exactly what it can do, too. At 90% TTFT decides again."""
     slow = LinkState(1 * GBIT)
 
     def offered(work: float) -> LoadForecast:
@@ -185,6 +185,7 @@ def test_a_pool_offered_more_than_it_can_do_lets_the_threshold_govern_with_no_qu
     assert d.route == "prfaas"
     assert d.reason.endswith("predicted TTFT prfaas 18.00s >= local 4.00s; PD prefill offered "
                              "120% of what it can do: the threshold governs")  # fmt: skip
+    assert PrfaasPolicy().decide(_snap(20_000, offered(1.0))).route == "prfaas"
     d = PrfaasPolicy().decide(_snap(20_000, offered(0.9)))
     assert d.route == "pd" and d.reason.endswith("predicted TTFT prfaas 18.00s >= local 4.00s")
 

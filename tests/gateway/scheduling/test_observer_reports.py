@@ -34,7 +34,8 @@ def _costs() -> PrefillCosts:
 def test_a_report_holds_what_happened_since_the_previous_one() -> None:
     """The first report starts the outbox (the samples before it were this gateway's
     period's, not news for the others); the next holds the lengths, answers (with how long
-    ago their requests arrived), decode starts, decoding requests and booked backlog."""
+    ago their requests arrived), decode starts, the PD prefill work sent since the first
+    report (not the 0.5 s before it), decoding requests and booked backlog."""
     clock = Clock(100.0)
     a = SchedulingObserver(_costs(), clock=clock)
     a.dispatched("before", _decision(500), "before")
@@ -59,8 +60,8 @@ def test_a_report_holds_what_happened_since_the_previous_one() -> None:
 
 def test_merging_a_report_adds_its_samples_and_its_load() -> None:
     """The other gateway's lengths and answers join this period's samples (arrivals moved to
-    this gateway's clock), its decoding requests and its backlog add to this one's, and are
-    dropped when it leaves."""
+    this gateway's clock), its PD prefill work to the pool's offered load, its decoding
+    requests and its backlog add to this one's, and are dropped when it leaves."""
     clock = Clock(50.0)
     b = SchedulingObserver(_costs(), clock=clock)
     b.dispatched("own", _decision(1_000), "own")  # 1 s of predicted prefill on p0
