@@ -42,11 +42,14 @@ so `--twin-of LIVE.json` re-runs the twin of a recorded run without the live par
 `--twin-seeds` checks the live goals on the twin over several draws of the scenario (dual
 and the oracle, SIMULATED: what one live run cannot say), minutes instead of an hour.
 Live numbers come from this machine's shared cores (compare within one run); simulated ones
-are labelled so.
+are labelled so. The start-up profile's shared-cores factor is one timed prefill under
+contention and scatters from one start to the next (x1.39-1.70), and the phases' rates with
+it; `--profile-of LIVE.json` runs every variant on a recorded run's profile, at its rates,
+so that two runs (before and after a change) compare.
 
 Usage: python benchmarks/scheduling_live.py [--phase-s 180] [--period-s 20]
            [--variants static,dual,oracle] [--seed 0] [--pd-decodes 1] [--json OUT]
-           [--plot OUT.png]
+           [--plot OUT.png] [--profile-of LIVE.json]
        python benchmarks/scheduling_live.py --twin-of LIVE.json [--dedicated-cores]
            [--twin-seeds 0,1,2,3,4] [--json OUT]
 """
@@ -72,6 +75,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 import orjson
+import tomli_w
 
 from prfaas.common.secret import ENV_SECRET, DeploymentSecret
 from prfaas.common.toml_tables import load_toml
@@ -454,6 +458,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"logs in {logs}", flush=True)
     scenario: Scenario | None = None
     recorded: Path | None = None
+    if args.profile_of is not None:  # every variant on a recorded run's profile
+        recorded = logs / "recorded-profile.toml"
+        document = orjson.loads(args.profile_of.read_bytes()).get("profile")
+        if document is None:
+            raise SystemExit(f"{args.profile_of}: recorded before runs kept their profile")
+        recorded.write_text(tomli_w.dumps(document))
     out: dict[str, Any] = {"variants": {}, "args": vars(args) | {"json": None, "plot": None}}
     for variant in args.variants:
         print(f"{variant}: starting the embedded deployment ...", flush=True)
@@ -619,6 +629,9 @@ def main() -> None:
     )
     parser.add_argument("--json", type=Path, metavar="OUT")
     parser.add_argument("--plot", type=Path, metavar="OUT.png")
+    parser.add_argument("--profile-of", type=Path, metavar="LIVE.json",
+                        help="run every variant on the profile a recorded live run measured "
+                        "(its phases' rates too), so that runs compare")  # fmt: skip
     parser.add_argument("--twin-of", type=Path, metavar="LIVE.json",
                         help="re-run only the twin of a recorded live run (its phases, "
                         "period, seed and variants are the recorded ones)")  # fmt: skip
@@ -628,6 +641,8 @@ def main() -> None:
                         help="with --twin-of: the live goals on the twin, a run per "
                         "seed")  # fmt: skip
     args = parser.parse_args()
+    if args.profile_of is not None and args.twin_of is not None:
+        parser.error("--profile-of starts a live run; --twin-of re-runs a recorded one's twin")
     if (args.dedicated_cores or args.twin_seeds) and args.twin_of is None:
         parser.error("--dedicated-cores and --twin-seeds re-run a recorded run's twin: "
                      "give --twin-of")  # fmt: skip
