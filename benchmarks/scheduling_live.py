@@ -464,7 +464,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if document is None:
             raise SystemExit(f"{args.profile_of}: recorded before runs kept their profile")
         recorded.write_text(tomli_w.dumps(document))
-    out: dict[str, Any] = {"variants": {}, "args": vars(args) | {"json": None, "plot": None}}
+    paths = {"json": None, "plot": None, "profile_of": args.profile_of and str(args.profile_of)}
+    out: dict[str, Any] = {"variants": {}, "args": vars(args) | paths}
     for variant in args.variants:
         print(f"{variant}: starting the embedded deployment ...", flush=True)
         d = start(variant, logs, args.period_s, args.pd_decodes, recorded)
@@ -496,7 +497,7 @@ def _describe(scenario: Scenario) -> str:
             f"link {p.conditions.link_gbps * 1000:.2f} Mbit/s"
             f"{', bursty' if p.conditions.burstiness != 1 else ''}"
             for p in scenario.phases]  # fmt: skip
-    return "phases (from the measured profile):\n" + "\n".join(rows)
+    return "phases (from the first deployment's profile):\n" + "\n".join(rows)
 
 
 def goals(out: dict[str, Any], scenario: Scenario, period_s: float) -> list[dict[str, Any]]:
