@@ -464,8 +464,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if document is None:
             raise SystemExit(f"{args.profile_of}: recorded before runs kept their profile")
         recorded.write_text(tomli_w.dumps(document))
-    paths = {"json": None, "plot": None, "profile_of": args.profile_of and str(args.profile_of)}
-    out: dict[str, Any] = {"variants": {}, "args": vars(args) | paths}
+    profile_of = None if args.profile_of is None else str(args.profile_of)
+    out: dict[str, Any] = {
+        "variants": {},
+        "args": vars(args) | {"json": None, "plot": None, "profile_of": profile_of},
+    }
     for variant in args.variants:
         print(f"{variant}: starting the embedded deployment ...", flush=True)
         d = start(variant, logs, args.period_s, args.pd_decodes, recorded)
