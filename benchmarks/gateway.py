@@ -5,7 +5,8 @@ into parse (JSON + fields), tokenize (byte-level), hash (chained xxh3-64 blocks)
 lookup (global KV index holding 150K blocks over 3 instances, half the prompt cached) and
 policy (snapshot + PrfaaS rule). Medians of repeated calls. Also the cost of one KV event
 batch of 1, 16 and 64 new blocks: the publisher's encode, the gateway's decode (msgspec,
-typed), and decode + index apply (re-hashing the blocks' token ids), each call a new batch.
+typed, token ids left packed as its feed leaves them), and decode + index apply (which
+buffers; the blocks' token ids are re-hashed when it applies), each call a new batch.
 
 Part 2 (real processes, loopback): the same OpenAI `/v1/completions` request straight to a
 null engine, through `prfaas serve`, and through SGLang's router (`sglang-router` from
@@ -76,6 +77,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import os
 import random
 import statistics
@@ -203,9 +205,10 @@ def kv_event_cost(blocks: int, repeats: int) -> dict[str, Any]:
     index, fresh = KVIndexManager(block_size=BLOCK), iter(payloads)
     row: dict[str, Any] = {"blocks": blocks, "payload_bytes": len(payloads[0])}
     row["encode_us"] = _median_us(lambda: encode_batch(batches[0]), repeats)
-    row["decode_us"] = _median_us(lambda: decode_batch(payloads[0]), repeats)
+    decode = functools.partial(decode_batch, packed_ids=True)  # as the gateway's feed does
+    row["decode_us"] = _median_us(lambda: decode(payloads[0]), repeats)
     row["decode_apply_us"] = _median_us(
-        lambda: index.apply("e0", decode_batch(next(fresh)).events), repeats
+        lambda: index.apply("e0", decode(next(fresh)).events), repeats
     )
     return row
 

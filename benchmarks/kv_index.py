@@ -35,12 +35,13 @@ Measured per side and size, each side alone in a fresh subprocess (so its RSS is
   bytes before the first reading, so it is in the baseline; peak RSS is `VmHWM` (it
   includes those bytes: the table lists their size per side);
 - ingest entries/s through each one's apply call (ours: `KVIndexManager.apply` with decoded
-  events; Dynamo: `RadixTree.apply_event` with its JSON bytes, so that is also its rate from
-  the wire); ours also from wire bytes: `decode_batch` + `apply` timed together; the longest
-  single apply call (the goal: a burst never holds the gateway's loop over 1 ms). An index
-  that buffers events and applies them later (the numpy rewrite does, in batches, at the
-  latest at its next read) is read once after the last event (`len`), that call timed as
-  one more apply call;
+  events, their token ids left packed as the gateway's feed decodes them where the index
+  takes them so; Dynamo: `RadixTree.apply_event` with its JSON bytes, so that is also its
+  rate from the wire); ours also from wire bytes: `decode_batch` + `apply` timed together;
+  the longest single apply call (the goal: a burst never holds the gateway's loop over 1
+  ms). An index that buffers events and applies them later (the numpy rewrite does, in
+  batches, at the latest at its next read) is read once after the last event (`len`), that
+  call timed as one more apply call;
 - lookup p50/p99 (ours `longest_prefix(hashes)`, Dynamo `find_matches(local_hashes)`);
 - ours only: an index whose tables grow in steps (`KVIndexManager.advance_growth`) may end
   the ingest in the middle of a growth, holding two tables (more memory, lookups searching
@@ -328,7 +329,7 @@ def run_ours(w: Workload, reps: int, snapshot: bool) -> dict[str, Any]:
     """PrfaaS's `KVIndexManager`, in this process (the project's environment)."""
     from prfaas.common.hashing import hash_blocks
     from prfaas.gateway.kv_index import KVIndexManager
-    from prfaas.protocol.kv_events import BlockStored, KVEventBatch, decode_batch, encode_batch
+    from prfaas.protocol.kv_events import BlockStored, KVEventBatch, encode_batch
 
     def new_index() -> tuple[Any, str]:
         """A `KVIndexManager` (Any: its constructor's arguments change with the rewrite)."""
@@ -363,6 +364,7 @@ def run_ours(w: Workload, reps: int, snapshot: bool) -> dict[str, Any]:
     )
 
     index, api = new_index()
+    decode = _feed_decoder()
     hash_fresh_ms = _median_ms(lambda: hash_blocks(prompt, BLOCK), HASH_REPS)
     decode_times = array.array("d", bytes(8 * batches))
     apply_times = array.array("d", bytes(8 * (batches + 1)))  # the last: the flushing read
@@ -371,7 +373,7 @@ def run_ours(w: Workload, reps: int, snapshot: bool) -> dict[str, Any]:
     perf = time.perf_counter
     for n, (i, payload) in enumerate(_round_robin(payloads)):
         t0 = perf()
-        batch = decode_batch(payload)
+        batch = decode(payload)
         t1 = perf()
         index.apply(ids[i], batch.events)
         t2 = perf()
@@ -418,6 +420,18 @@ def run_ours(w: Workload, reps: int, snapshot: bool) -> dict[str, Any]:
     if snapshot:
         result["snapshot_catchup"] = _ours_snapshot(payloads, ids, new_index, hashes, lookup)
     return result
+
+
+def _feed_decoder() -> Callable[[bytes], Any]:
+    """`decode_batch` as the gateway's feed calls it: token ids left packed, where this
+    checkout can (before it could, they were decoded)."""
+    from prfaas.protocol.kv_events import decode_batch
+
+    try:
+        decode_batch(b"\x92\xcb" + bytes(8) + b"\x90", packed_ids=True)
+    except TypeError:
+        return decode_batch
+    return functools.partial(decode_batch, packed_ids=True)
 
 
 def _settle(
@@ -505,6 +519,7 @@ def _ours_snapshot(
     prepare_s = time.perf_counter() - start
     _log(f"ours: snapshots prepared in {prepare_s:.1f} s; replaying them")
     index, _ = new_index()
+    decode = _feed_decoder()
     gc.collect()
     n = sum(len(s) for s in snapshots)
     batch_times = array.array("d", bytes(8 * (n + 1)))  # the last: the flushing read
@@ -514,7 +529,7 @@ def _ours_snapshot(
     for i, batches in enumerate(snapshots):
         for payload in batches:
             t0 = perf()
-            received = decode_batch(payload).events
+            received = decode(payload).events
             for piece in event_slices(received, FLUSH_BLOCKS):  # as the feed applies it
                 t1 = perf()
                 index.apply(ids[i], piece)

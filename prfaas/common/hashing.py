@@ -5,63 +5,91 @@ first block) followed by the block's token ids (uint32, little-endian). Equal ha
 equal whole prefix, not just an equal block, so a lookup walks the chain from the start.
 Only fully populated blocks are hashed: a partial tail block is never a prefix-cache key.
 
-Speed matters (the gateway hashes every prompt; the simulator hashes ~300M tokens an hour):
-Python int sequences are packed with `array.array` (3x faster than numpy for tuples and
-lists), hashed one-shot; `hash_blocks` packs a prompt once, `iter_block_hashes` in a few
-growing slices, never once per block. Values are bit-identical to the definition above
-(tests/common/test_hashing.py pins them).
+Speed matters (the gateway hashes every prompt; the KV index re-hashes every block engines
+report; the simulator hashes ~300M tokens an hour), so the loop over blocks is C
+(`_chain_hash.c`: a list's ids read in place, no packing, no per-block Python call; a
+128K-token prompt in about 0.1 ms, against about 1.2 ms in Python). Where that extension
+is not built (an interpreter it was not compiled for) the same loop runs in Python
+(`_hash_range_py`, which the tests hold the C to): ids packed with `array.array` (3x
+faster than numpy for tuples and lists), each block hashed one-shot. `iter_block_hashes`
+hashes in a few growing slices, never once per block. Values are bit-identical to the
+definition above (tests/common/test_hashing.py pins them).
 """
 
 from __future__ import annotations
 
 import array
+import logging
+import operator
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Annotated
 
+import msgspec
 import numpy as np
 import xxhash
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+logger = logging.getLogger(__name__)
 
 _ARRAY_U32 = "I" if array.array("I").itemsize == 4 else "L"
 _PACK_WITH_ARRAY = sys.byteorder == "little" and array.array(_ARRAY_U32).itemsize == 4
 
 
-def _u32_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
-    """The token ids as uint32 little-endian bytes."""
-    if _PACK_WITH_ARRAY and not isinstance(token_ids, np.ndarray):
-        try:
-            return array.array(_ARRAY_U32, token_ids).tobytes()
-        except (TypeError, OverflowError):
-            pass  # numpy scalars or out-of-range ids: numpy's conversion decides
-    return np.asarray(token_ids, dtype="<u4").tobytes()
-
-
 def hash_block(parent: int | None, token_ids: Sequence[int] | np.ndarray) -> int:
     """Hash one block of token ids chained to its parent's hash (None for the first block)."""
-    data = _u32_bytes(token_ids)
-    if parent is not None:
-        data = parent.to_bytes(8, "little") + data
-    return int(xxhash.xxh3_64_intdigest(data))
+    return _hash_range(_ids(token_ids), len(token_ids), parent, 0, 1)[0]
 
 
 def hash_blocks(
     token_ids: Sequence[int] | np.ndarray, block_size: int, *, parent: int | None = None
 ) -> list[int]:
-    """Chained hashes of every fully populated block of `token_ids`, in order (the ids are
-    packed once, up front); the first block chains to `parent` (None: a prompt's start).
+    """Chained hashes of every fully populated block of `token_ids`, in order; the first
+    block chains to `parent` (None: a prompt's start).
 
     Raises:
         ValueError: if `block_size` is not positive.
+        OverflowError, TypeError: an id that is not an integer in [0, 2**32).
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    return list(_chain(_u32_bytes(token_ids), 4 * block_size, parent))
+    return _hash_range(_ids(token_ids), block_size, parent, 0, len(token_ids) // block_size)
+
+
+def hash_packed_blocks(
+    packed_ids: Buffer, block_size: int, *, parent: int | None = None
+) -> list[int]:
+    """`hash_blocks` over token ids still in their msgpack encoding (an array of integers,
+    as engines' KV events carry them, `packed_count` of them): the KV index hashes what
+    engines report without making a Python int of each id.
+
+    Raises:
+        ValueError: `block_size` not positive; `packed_ids` not a msgpack array, or cut
+            short.
+        OverflowError, TypeError: an id that is not an integer in [0, 2**32).
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    return _hash_packed(packed_ids, block_size, parent)
+
+
+def packed_count(packed_ids: Buffer) -> int:
+    """How many ids `packed_ids` (a msgpack array) holds, from its header.
+
+    Raises:
+        ValueError: `packed_ids` does not start with a msgpack array's header.
+    """
+    return _packed_count(packed_ids)
 
 
 def iter_block_hashes(token_ids: Sequence[int] | np.ndarray, block_size: int) -> Iterator[int]:
     """`hash_blocks`, lazily: a prefix lookup that stops at the first uncached block never
-    hashes, nor packs, the rest of the prompt. Ids are packed in slices that double from one
-    block up to `_MAX_SLICE_TOKENS` (a few packing calls per prompt, at most one slice packed
-    beyond what is read); an id that cannot be packed raises when its slice is reached.
+    hashes the rest of the prompt. Blocks are hashed in slices that double from one
+    block up to `_MAX_SLICE_TOKENS` tokens (a few calls per prompt, at most
+    one slice hashed beyond what is read); an id that cannot be hashed raises when its slice
+    is reached.
 
     Raises:
         ValueError: if `block_size` is not positive (at the call, not at the first hash).
@@ -71,31 +99,122 @@ def iter_block_hashes(token_ids: Sequence[int] | np.ndarray, block_size: int) ->
     return _lazy_chain(token_ids, block_size)
 
 
-# Largest slice packed at once by `iter_block_hashes`: the per-slice overhead stays ~1% of
-# the packing, and a lookup packs at most this many ids it does not hash.
+# Largest slice `iter_block_hashes` hashes at once: a lookup hashes at most this many ids
+# it does not read.
 _MAX_SLICE_TOKENS = 8192
 
 
 def _lazy_chain(token_ids: Sequence[int] | np.ndarray, block_size: int) -> Iterator[int]:
+    ids = _ids(token_ids)
+    blocks = len(token_ids) // block_size
+    max_blocks = max(1, _MAX_SLICE_TOKENS // block_size)
+    parent = None
+    start, size = 0, 1
+    while start < blocks:
+        stop = min(start + size, blocks)
+        hashes = _hash_range(ids, block_size, parent, start, stop)
+        yield from hashes
+        parent = hashes[-1]
+        start, size = stop, min(2 * size, max_blocks)
+
+
+def _ids(token_ids: Sequence[int] | np.ndarray) -> Sequence[int] | bytes:
+    """What the hash loop reads: a list or tuple as it is, anything else (numpy arrays,
+    ranges) as uint32 little-endian bytes."""
+    if isinstance(token_ids, list | tuple):
+        return token_ids
+    return np.asarray(token_ids, dtype="<u4").tobytes()
+
+
+def _hash_range_py(
+    token_ids: Sequence[int] | bytes, block_size: int, parent: int | None, start: int, stop: int
+) -> list[int]:
+    """Chained hashes of blocks `start` to `stop` (excluded), the first chained to `parent`:
+    `_chain_hash.hash_range`, in Python (the reference the tests hold it to)."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    if not 0 <= start <= stop <= _id_count(token_ids) // block_size:
+        raise ValueError(f"blocks {start} to {stop} are not within {len(token_ids)} tokens")
+    if isinstance(token_ids, bytes):
+        data = token_ids[4 * block_size * start : 4 * block_size * stop]
+    else:
+        data = _u32_bytes(token_ids[block_size * start : block_size * stop])
     digest = xxhash.xxh3_64_intdigest
     step = 4 * block_size
-    end = len(token_ids) - len(token_ids) % block_size
-    max_size = max(block_size, _MAX_SLICE_TOKENS // block_size * block_size)
-    parent = None
-    start, size = 0, block_size
-    while start < end:
-        stop = min(start + size, end)
-        data = _u32_bytes(token_ids[start:stop])
-        for offset in range(0, len(data), step):
-            block = data[offset : offset + step]
-            parent = digest(block if parent is None else parent.to_bytes(8, "little") + block)
-            yield parent
-        start, size = stop, min(2 * size, max_size)
-
-
-def _chain(data: bytes, step: int, parent: int | None) -> Iterator[int]:
-    digest = xxhash.xxh3_64_intdigest
-    for start in range(0, len(data) - step + 1, step):
-        block = data[start : start + step]
+    hashes = []
+    for offset in range(0, len(data), step):
+        block = data[offset : offset + step]
         parent = digest(block if parent is None else parent.to_bytes(8, "little") + block)
-        yield parent
+        hashes.append(parent)
+    return hashes
+
+
+def _id_count(token_ids: Sequence[int] | bytes) -> int:
+    return len(token_ids) // 4 if isinstance(token_ids, bytes) else len(token_ids)
+
+
+def _u32_bytes(token_ids: Sequence[int]) -> bytes:
+    """The token ids as uint32 little-endian bytes (OverflowError or TypeError for an id
+    that is not an integer in [0, 2**32), as the C loop raises)."""
+    if _PACK_WITH_ARRAY:
+        try:
+            return array.array(_ARRAY_U32, token_ids).tobytes()
+        except TypeError:  # numpy integers: array.array takes Python ints only
+            pass
+    ids = [operator.index(i) for i in token_ids]
+    if any(not 0 <= i < 2**32 for i in ids):
+        raise OverflowError("a token id does not fit uint32")
+    return np.asarray(ids, dtype="<u4").tobytes()
+
+
+_TokenIds = tuple[Annotated[int, msgspec.Meta(ge=0)], ...]
+_PACKED = msgspec.msgpack.Decoder(_TokenIds)
+
+
+def _hash_packed_py(packed_ids: Buffer, block_size: int, parent: int | None) -> list[int]:
+    """`_chain_hash.hash_packed`, in Python."""
+    ids = _decode_packed(packed_ids)
+    return _hash_range_py(ids, block_size, parent, 0, len(ids) // block_size)
+
+
+def _packed_count_py(packed_ids: Buffer) -> int:
+    """`_chain_hash.packed_count`, in Python (it decodes the whole array)."""
+    return len(_decode_packed(packed_ids))
+
+
+def _decode_packed(packed_ids: Buffer) -> tuple[int, ...]:
+    """The ids, with the C loop's errors: ValueError for what is not a msgpack array of
+    integers, OverflowError for a negative one (one past 2**32 fails when hashed)."""
+    try:
+        ids = _PACKED.decode(packed_ids)
+    except msgspec.ValidationError as exc:
+        if "Expected `int` >= 0" in str(exc):
+            raise OverflowError(f"a token id does not fit uint32: {exc}") from exc
+        if "Expected `int`" in str(exc):
+            raise TypeError(f"packed token id is not an integer: {exc}") from exc
+        raise ValueError(f"packed token ids are not a msgpack array: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"packed token ids are not a msgpack array: {exc}") from exc
+    return ids
+
+
+if TYPE_CHECKING:
+    HashRange = Callable[[Sequence[int] | bytes, int, int | None, int, int], list[int]]
+    HashPacked = Callable[[Buffer, int, int | None], list[int]]
+    PackedCount = Callable[[Buffer], int]
+
+
+def _native() -> tuple[HashRange, HashPacked, PackedCount]:
+    """The C loops, or the Python ones where the extension is not built (logged once)."""
+    try:
+        from prfaas.common import _chain_hash
+    except ImportError:
+        logger.info(
+            "prfaas.common._chain_hash is not built for this interpreter: block hashes are "
+            "computed in Python (several times slower; `pip install -e .` builds it)"
+        )
+        return _hash_range_py, _hash_packed_py, _packed_count_py
+    return _chain_hash.hash_range, _chain_hash.hash_packed, _chain_hash.packed_count
+
+
+_hash_range, _hash_packed, _packed_count = _native()

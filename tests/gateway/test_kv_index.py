@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -104,6 +105,26 @@ def test_rejects_mismatched_block_size_and_unknown_parent() -> None:
     index.apply("a", [BlockStored((1,), None, (1, 2, 3, 4, 5, 6, 7, 8), 8)])
     index.apply("a", [_stored([1, 2, 3, 4], [5], parent=404)])
     assert index.rejected_events == 2 and len(index) == 0
+
+
+def test_packed_token_ids_that_are_not_uint32_are_rejected(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Token ids left packed (as the feed decodes events) are checked when hashed: an event
+    whose ids are not uint32 integers, or whose count does not fit its blocks, is counted
+    and ignored (logged once per instance), and the events around it still apply."""
+    index = KVIndexManager(block_size=BS)
+    good = msgspec.Raw(msgspec.msgpack.encode([1, 2, 3, 4]))
+    negative = msgspec.Raw(msgspec.msgpack.encode([1, 2, -3, 4]))
+    short = msgspec.Raw(msgspec.msgpack.encode([1, 2, 3]))
+    text = msgspec.Raw(msgspec.msgpack.encode("1234"))
+    index.apply("a", [BlockStored((9,), None, negative, BS), BlockStored((9,), None, short, BS)])
+    index.apply("a", [BlockStored((9,), None, text, BS), BlockStored((7,), None, negative, BS)])
+    index.apply("a", [BlockStored((5,), None, good, BS)])
+    assert index.longest_prefix(hash_blocks([1, 2, 3, 4], BS)) == {"a": 4}
+    assert index.rejected_events == 4 and len(index) == 1
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert sum("not uint32" in e for e in errors) == 1, errors
 
 
 def test_a_block_size_mismatch_is_logged_once_per_instance_and_size(

@@ -1,7 +1,8 @@
 """The KV index against its previous implementation (`kv_index_oracle.py`): random event
 streams from a few engines (stores chained to earlier blocks, removals, clears, kept states,
 restarts) give the same `longest_prefix` answers where nothing was evicted, and never more
-where a small byte budget made the index forget."""
+where a small byte budget made the index forget. Half the batches reach the index as the
+gateway's feed decodes them (token ids left packed), the oracle always decoded."""
 
 from __future__ import annotations
 
@@ -18,8 +19,11 @@ from prfaas.protocol.kv_events import (
     BlockRemoved,
     BlockStored,
     KVEvent,
+    KVEventBatch,
     StatesRemoved,
     StatesStored,
+    decode_batch,
+    encode_batch,
 )
 from tests.gateway.kv_index_oracle import OracleKVIndex
 
@@ -80,7 +84,11 @@ def _compare(seed: int, steps: int, budget_mb: float, equal: bool) -> None:
         if rng.random() < 0.03:  # a restart or a lost stretch: the feed clears the instance
             index.clear_instance(instance)
             oracle.clear_instance(instance)
-        index.apply(instance, events)
+        if rng.random() < 0.5:  # through the wire, as the feed decodes it
+            wire = encode_batch(KVEventBatch(0.0, tuple(events)))
+            index.apply(instance, decode_batch(wire, packed_ids=True).events)
+        else:
+            index.apply(instance, events)
         oracle.apply(instance, events)
         if step % 5 == 0 or step == len(batches) - 1:
             for prompt in rng.sample(prompts, k=min(len(prompts), 6)):

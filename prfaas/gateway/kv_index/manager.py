@@ -33,10 +33,12 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
+import msgspec
 import numpy as np
 
-from prfaas.common.hashing import hash_blocks
+from prfaas.common.hashing import hash_blocks, hash_packed_blocks, packed_count
 from prfaas.gateway.kv_index.growing import GrowingTable
 from prfaas.gateway.kv_index.holder_sets import EMPTY, MULTIPLE, HolderSets
 from prfaas.gateway.kv_index.table import I64, U64, WAYS, as_keys
@@ -287,7 +289,7 @@ class KVIndexManager:
     def _stored(self, runs: list[tuple[str, list[KVEvent]]]) -> None:
         """Re-hash the runs' blocks (each event chained to its parent: one indexed before,
         or earlier in its run) and add them in one batch."""
-        valid: list[tuple[int, BlockStored]] = []
+        valid: list[tuple[int, BlockStored[Any]]] = []
         for instance_id, run in runs:
             bit = self._bit(instance_id)
             for event in run:
@@ -315,7 +317,9 @@ class KVIndexManager:
                 if parent is None:  # unknown (evicted from the index or a missed event)
                     self._rejected += 1
                     continue
-            hashes = hash_blocks(event.token_ids, self.block_size, parent=parent)
+            hashes = self._hashes(self._names[bit], event, parent)
+            if hashes is None:
+                continue
             bits.extend(itertools.repeat(bit, len(hashes)))
             engine.extend(event.block_hashes)
             ours.extend(hashes)
@@ -324,9 +328,28 @@ class KVIndexManager:
         if engine:
             self._add(np.array(bits, dtype=np.int64), engine, as_keys(ours))
 
-    def _fits(self, instance_id: str, event: BlockStored) -> bool:
+    def _hashes(
+        self, instance_id: str, event: BlockStored[Any], parent: int | None
+    ) -> list[int] | None:
+        """Our hashes of the event's blocks; None (the event rejected, logged once per
+        instance) where its packed token ids are not uint32 integers (decoded ids were
+        checked when decoded)."""
+        ids = event.token_ids
+        if not isinstance(ids, msgspec.Raw):
+            return hash_blocks(ids, self.block_size, parent=parent)
+        try:
+            return hash_packed_blocks(ids, self.block_size, parent=parent)
+        except (ValueError, OverflowError, TypeError) as exc:
+            self._rejected += 1
+            if (instance_id, -1) not in self._misfits:
+                self._misfits.add((instance_id, -1))
+                logger.error("%s: BlockStored ignored, its token ids are not uint32: %s",
+                             instance_id, exc)  # fmt: skip
+            return None
+
+    def _fits(self, instance_id: str, event: BlockStored[Any]) -> bool:
         n = len(event.block_hashes)
-        if event.block_size == self.block_size and len(event.token_ids) == n * self.block_size:
+        if event.block_size == self.block_size and _id_count(event) == n * self.block_size:
             return True
         self._rejected += 1
         if (instance_id, event.block_size) not in self._misfits:  # once: it repeats per event
@@ -338,7 +361,7 @@ class KVIndexManager:
                 "to the engine's page size)",
                 instance_id,
                 event.block_size,
-                len(event.token_ids),
+                _id_count(event),
                 n,
                 self.block_size,
             )
@@ -638,6 +661,14 @@ def _chunks(hashes: Iterable[int]) -> Iterator[Sequence[int] | np.ndarray]:
         yield chunk
         read += len(chunk)
         size = min(max(64, read // 4), _MAX_CHUNK) if read > 1 else 63
+
+
+def _id_count(event: BlockStored[Any]) -> int:
+    ids = event.token_ids
+    try:
+        return packed_count(ids) if isinstance(ids, msgspec.Raw) else len(ids)
+    except ValueError:  # not a msgpack array: fits no block count
+        return -1
 
 
 def _engine_keys(hashes: Sequence[int]) -> U64:

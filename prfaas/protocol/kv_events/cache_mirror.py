@@ -23,6 +23,7 @@ from prfaas.protocol.kv_events.events import (
     KVEvent,
     StatesRemoved,
     StatesStored,
+    TokenIds,
 )
 
 
@@ -66,7 +67,7 @@ class CacheMirror:
             elif isinstance(event, StatesRemoved):
                 self._states.difference_update(event.block_hashes)
 
-    def _stored(self, event: BlockStored) -> None:
+    def _stored(self, event: BlockStored[TokenIds]) -> None:
         parent, size = event.parent_block_hash, event.block_size
         for i, block_hash in enumerate(event.block_hashes):
             if block_hash not in self._blocks:  # a repeat keeps its place after its parent
@@ -83,7 +84,7 @@ class CacheMirror:
             events.append(StatesStored(tuple(h for h in self._blocks if h in self._states)))
         return events
 
-    def _chains(self, limit: int) -> Iterator[BlockStored]:
+    def _chains(self, limit: int) -> Iterator[BlockStored[TokenIds]]:
         """Runs of blocks each the child of the one before, as `BlockStored` events."""
         run: list[int] = []
         first: _Block | None = None
@@ -103,6 +104,6 @@ class CacheMirror:
         if first is not None:
             yield self._event(run, first)
 
-    def _event(self, run: list[int], first: _Block) -> BlockStored:
+    def _event(self, run: list[int], first: _Block) -> BlockStored[TokenIds]:
         tokens = tuple(t for h in run for t in self._blocks[h].tokens)
         return BlockStored(tuple(run), first.parent, tokens, first.block_size, first.lora_id)

@@ -4,12 +4,18 @@ The structs are declared as SGLang declares its own (`array_like`, `omit_default
 `gc=False`, tagged by class name), so msgspec writes the same bytes SGLang's publisher
 writes, and typed decoding validates every field in C: hashes and token ids are ints,
 `block_size` is positive, token ids fit the uint32 the index hashes them as.
+
+A `BlockStored`'s token ids come in one of two forms (its type parameter): decoded
+(`TokenIds`, what publishers build and most readers take) or left in their msgpack encoding
+(`PackedIds`, `decode_batch(..., packed_ids=True)`): the gateway's KV index hashes them from
+there in C (`prfaas.common.hashing.hash_packed_blocks`, which validates them then), where
+decoding made a Python int of each id, most of what reading an event cost.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Annotated
+from typing import Annotated, Any, Generic, TypeVar
 
 import msgspec
 
@@ -17,6 +23,10 @@ SEQ_BYTES = 8
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]  # packed as uint32 when hashed
 BlockSize = Annotated[int, msgspec.Meta(gt=0)]
+TokenIds = tuple[TokenId, ...]
+PackedIds = msgspec.Raw
+"""Token ids as their msgpack array, unread."""
+Ids = TypeVar("Ids", TokenIds, PackedIds)
 
 
 class _KVEventBase(
@@ -28,7 +38,7 @@ class _KVEventBase(
     """
 
 
-class BlockStored(_KVEventBase, frozen=True):
+class BlockStored(_KVEventBase, Generic[Ids], frozen=True):
     """Full blocks entered the prefix cache, chained after `parent_block_hash`.
 
     `token_ids` holds every token of every stored block, in order, so a subscriber can
@@ -37,7 +47,7 @@ class BlockStored(_KVEventBase, frozen=True):
 
     block_hashes: tuple[int, ...]
     parent_block_hash: int | None
-    token_ids: tuple[TokenId, ...]
+    token_ids: Ids
     block_size: BlockSize
     lora_id: int | None = None
 
@@ -67,14 +77,18 @@ class StatesRemoved(_KVEventBase, frozen=True):
     block_hashes: tuple[int, ...]
 
 
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared | StatesStored | StatesRemoved
+KVEvent = BlockStored[Any] | BlockRemoved | AllBlocksCleared | StatesStored | StatesRemoved
 
 
-class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
+class KVEventBatch(
+    msgspec.Struct, Generic[Ids], array_like=True, omit_defaults=True, gc=False, frozen=True
+):
     """Events published together; `ts` is the publisher's wall-clock time in seconds."""
 
     ts: float
-    events: tuple[KVEvent, ...]
+    events: tuple[
+        BlockStored[Ids] | BlockRemoved | AllBlocksCleared | StatesStored | StatesRemoved, ...
+    ]
     attn_dp_rank: int | None = None
 
 
@@ -83,34 +97,41 @@ class KVEventDecodeError(ValueError):
 
 
 _ENCODER = msgspec.msgpack.Encoder()
-_DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+_DECODERS: dict[bool, msgspec.msgpack.Decoder[KVEventBatch[Any]]] = {
+    False: msgspec.msgpack.Decoder(KVEventBatch[TokenIds]),
+    True: msgspec.msgpack.Decoder(KVEventBatch[PackedIds]),
+}
 
 
-def encode_batch(batch: KVEventBatch) -> bytes:
+def encode_batch(batch: KVEventBatch[Any]) -> bytes:
     """msgpack payload of `batch`, byte-identical to SGLang's msgspec encoding."""
     return _ENCODER.encode(batch)
 
 
-def encode_frames(topic: str, seq: int, batch: KVEventBatch) -> list[bytes]:
+def encode_frames(topic: str, seq: int, batch: KVEventBatch[Any]) -> list[bytes]:
     """The three ZMQ frames `[topic, seq (8 bytes big-endian), payload]`."""
     return [topic.encode("utf-8"), seq.to_bytes(SEQ_BYTES, "big"), encode_batch(batch)]
 
 
-def decode_batch(payload: bytes) -> KVEventBatch:
+def decode_batch(payload: bytes, *, packed_ids: bool = False) -> KVEventBatch[Any]:
     """Inverse of `encode_batch`; unknown trailing fields are ignored (newer publishers).
+    `packed_ids`: `BlockStored` token ids stay `PackedIds`, not validated until hashed.
 
     Raises:
         KVEventDecodeError: `payload` is not msgpack or not a valid batch (the message
             names the offending path, e.g. ``$[1][0][3]``).
     """
     try:
-        return _DECODER.decode(payload)
+        return _DECODERS[packed_ids].decode(payload)
     except msgspec.DecodeError as exc:  # ValidationError is a DecodeError too
         raise KVEventDecodeError(f"bad KV event batch: {exc}") from exc
 
 
-def decode_frames(frames: Sequence[bytes]) -> tuple[str, int, KVEventBatch]:
-    """`(topic, seq, batch)` from the three frames of one message."""
+def decode_frames(
+    frames: Sequence[bytes], *, packed_ids: bool = False
+) -> tuple[str, int, KVEventBatch[Any]]:
+    """`(topic, seq, batch)` from the three frames of one message (`packed_ids`: as
+    `decode_batch`'s)."""
     if len(frames) != 3:
         raise KVEventDecodeError(f"expected 3 frames [topic, seq, payload], got {len(frames)}")
     topic, seq, payload = frames
@@ -120,7 +141,7 @@ def decode_frames(frames: Sequence[bytes]) -> tuple[str, int, KVEventBatch]:
         name = topic.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise KVEventDecodeError(f"topic is not UTF-8: {topic!r:.80}") from exc
-    return name, int.from_bytes(seq, "big"), decode_batch(payload)
+    return name, int.from_bytes(seq, "big"), decode_batch(payload, packed_ids=packed_ids)
 
 
 def event_slices(events: Sequence[KVEvent], blocks: int) -> list[tuple[KVEvent, ...]]:

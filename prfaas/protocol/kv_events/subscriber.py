@@ -8,6 +8,7 @@ import logging
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -40,7 +41,7 @@ class ReceivedBatch:
 
     topic: str
     seq: int
-    batch: KVEventBatch
+    batch: KVEventBatch[Any]
     missed: int
     restarted: bool
     snapshot: bool = False
@@ -68,7 +69,7 @@ class KVEventSubscriber:
         reconnect_ivl_max_ms: int = 5_000,
         replay_endpoint: str | None = None,
         replay_timeout_s: float = 1.0,
-        decode: Callable[[Sequence[bytes]], tuple[str, int, KVEventBatch]] = decode_frames,
+        decode: Callable[[Sequence[bytes]], tuple[str, int, KVEventBatch[Any]]] = decode_frames,
     ) -> None:
         """`decode` turns one message's frames into `(topic, seq, batch)`: SGLang's format by
         default, `VLLMEventDecoder().decode_frames` for a vLLM publisher. `replay_timeout_s`
@@ -147,7 +148,7 @@ class KVEventSubscriber:
             self._ready.append(self._track(topic, seq, batch))
         return self._ready.popleft()
 
-    async def _next_message(self) -> tuple[str, int, KVEventBatch]:
+    async def _next_message(self) -> tuple[str, int, KVEventBatch[Any]]:
         while True:
             frames = await self._sock.recv_multipart()
             try:
@@ -174,11 +175,13 @@ class KVEventSubscriber:
             return 0 if seq > 0 else None
         return last + 1 if seq > last + 1 else None
 
-    async def _fetch_replay(self, start: int, stop: int | None) -> list[tuple[int, KVEventBatch]]:
+    async def _fetch_replay(
+        self, start: int, stop: int | None
+    ) -> list[tuple[int, KVEventBatch[Any]]]:
         """Batches with `start <= seq < stop` (no bound: None) from the replay endpoint, in
         order. Takes SGLang's answers (`[b"", seq, payload]`) and vLLM's (`[b"", topic, seq,
         payload]`)."""
-        got: list[tuple[int, KVEventBatch]] = []
+        got: list[tuple[int, KVEventBatch[Any]]] = []
         try:
             for topic, seq_bytes, payload in await self._request(start.to_bytes(SEQ_BYTES, "big")):
                 seq = int.from_bytes(seq_bytes, "big")
@@ -237,7 +240,7 @@ class KVEventSubscriber:
         finally:
             sock.close(linger=0)
 
-    def _track(self, topic: str, seq: int, batch: KVEventBatch) -> ReceivedBatch:
+    def _track(self, topic: str, seq: int, batch: KVEventBatch[Any]) -> ReceivedBatch:
         expected = 0 if self._last_seq is None else self._last_seq + 1
         restarted = self._last_seq is not None and seq <= self._last_seq
         missed = seq if restarted else seq - expected

@@ -15,7 +15,7 @@ with its block; it re-hashes the token ids with its own function.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Annotated
+from typing import Annotated, Any, Generic
 
 import msgspec
 
@@ -24,15 +24,17 @@ from prfaas.protocol.kv_events.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    Ids,
     KVEvent,
     KVEventBatch,
     KVEventDecodeError,
+    PackedIds,
     StatesRemoved,
     StatesStored,
+    TokenIds,
 )
 
 Hash = int | bytes
-TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
 FULL_ATTENTION = "full_attention"
 MAMBA = "mamba"
 
@@ -43,10 +45,10 @@ class _VEvent(
     """vLLM's `KVCacheEvent`: a map with a `type` tag; unknown keys are ignored."""
 
 
-class VBlockStored(_VEvent, frozen=True, tag="BlockStored"):
+class VBlockStored(_VEvent, Generic[Ids], frozen=True, tag="BlockStored"):
     block_hashes: tuple[Hash, ...]
     parent_block_hash: Hash | None
-    token_ids: tuple[TokenId, ...]
+    token_ids: Ids
     block_size: Annotated[int, msgspec.Meta(gt=0)]
     lora_id: int | None = None
     group_idx: int | None = None
@@ -62,13 +64,16 @@ class VAllBlocksCleared(_VEvent, frozen=True, tag="AllBlocksCleared"):
     pass
 
 
-class VEventBatch(msgspec.Struct, array_like=True, gc=False, frozen=True):
+class VEventBatch(msgspec.Struct, Generic[Ids], array_like=True, gc=False, frozen=True):
     ts: float
-    events: tuple[VBlockStored | VBlockRemoved | VAllBlocksCleared, ...]
+    events: tuple[VBlockStored[Ids] | VBlockRemoved | VAllBlocksCleared, ...]
     data_parallel_rank: int | None = None
 
 
-_DECODER = msgspec.msgpack.Decoder(VEventBatch)
+_DECODERS: dict[bool, msgspec.msgpack.Decoder[VEventBatch[Any]]] = {
+    False: msgspec.msgpack.Decoder(VEventBatch[TokenIds]),
+    True: msgspec.msgpack.Decoder(VEventBatch[PackedIds]),
+}
 
 
 def _int(value: Hash) -> int:
@@ -82,27 +87,31 @@ class VLLMEventDecoder:
     states, or blocks of another kind, decide what a removal means.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, packed_ids: bool = False) -> None:
+        """`packed_ids`: token ids stay in their msgpack encoding, as `decode_batch`'s."""
+        self._decoder = _DECODERS[packed_ids]
         self._state_groups: set[int] = set()
         self._other_groups: set[int] = set()
 
-    def decode_batch(self, payload: bytes) -> KVEventBatch:
+    def decode_batch(self, payload: bytes) -> KVEventBatch[Any]:
         """Raises KVEventDecodeError: not a valid vLLM batch (names the path)."""
         try:
-            batch = _DECODER.decode(payload)
+            batch = self._decoder.decode(payload)
         except msgspec.DecodeError as exc:
             raise KVEventDecodeError(f"bad vLLM KV event batch: {exc}") from exc
         events = [e for e in map(self._convert, batch.events) if e is not None]
         return KVEventBatch(batch.ts, tuple(events), batch.data_parallel_rank)
 
-    def decode_frames(self, frames: Sequence[bytes]) -> tuple[str, int, KVEventBatch]:
+    def decode_frames(self, frames: Sequence[bytes]) -> tuple[str, int, KVEventBatch[Any]]:
         """`(topic, seq, batch)` from the three frames of one message."""
         if len(frames) != 3 or len(frames[1]) != SEQ_BYTES:
             raise KVEventDecodeError("expected 3 frames [topic, 8-byte seq, payload]")
         topic = frames[0].decode("utf-8", errors="replace")
         return topic, int.from_bytes(frames[1], "big"), self.decode_batch(frames[2])
 
-    def _convert(self, event: VBlockStored | VBlockRemoved | VAllBlocksCleared) -> KVEvent | None:
+    def _convert(
+        self, event: VBlockStored[Any] | VBlockRemoved | VAllBlocksCleared
+    ) -> KVEvent | None:
         if isinstance(event, VAllBlocksCleared):
             return AllBlocksCleared()
         hashes = tuple(_int(h) for h in event.block_hashes)

@@ -1,0 +1,386 @@
+/* Chained block hashes over token ids: the loop of `prfaas.common.hashing`, in C.
+ *
+ * The definition is hashing.py's: a block's hash is xxh3-64 over its parent's hash (8 bytes,
+ * little-endian; absent for the first block) followed by the block's token ids (uint32,
+ * little-endian). Why in C: the gateway hashes every prompt before it routes (2,000 blocks
+ * for a 128K-token prompt), the KV index re-hashes every block the engines report, and
+ * the simulator hashes hundreds of millions of tokens an hour; in Python each block costs
+ * a packing call, a bytes concatenation and an xxhash call (about a microsecond), here
+ * tens of nanoseconds. hashing.py keeps the same loop in Python for an interpreter this
+ * module was not built for, and the tests compare the two.
+ *
+ * `hash_packed` reads the ids from their msgpack encoding (an array of integers, as engines'
+ * KV events carry them), so the gateway's KV index never makes a Python int of each id.
+ *
+ * xxHash is the vendored header (vendor/xxhash.h, BSD-2-Clause), the same library the
+ * `xxhash` package wraps, inlined.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define XXH_INLINE_ALL
+#include "vendor/xxhash.h"
+
+#define PARENT_BYTES 8
+
+static void put_u64_le(uint8_t *out, uint64_t value) {
+    for (int i = 0; i < 8; i++) {
+        out[i] = (uint8_t)(value >> (8 * i));
+    }
+}
+
+static void put_u32_le(uint8_t *out, uint32_t value) {
+    for (int i = 0; i < 4; i++) {
+        out[i] = (uint8_t)(value >> (8 * i));
+    }
+}
+
+/* Token `i` of a list or tuple as a uint32; -1 with an exception set when it is not an
+ * integer (TypeError) or does not fit (OverflowError), as `array.array("I", ...)` says. */
+static int token_at(PyObject *seq, Py_ssize_t i, uint32_t *out) {
+    /* a list may change size while an item's __index__ runs: read it by checked access */
+    PyObject *item = PyList_Check(seq) ? PyList_GetItem(seq, i) : PyTuple_GetItem(seq, i);
+    if (item == NULL) {
+        return -1;
+    }
+    unsigned long value; /* where it is 32 bits, a larger id overflows in the conversion */
+    if (PyLong_CheckExact(item)) {
+        value = PyLong_AsUnsignedLong(item);
+    } else {  /* numpy integers and other __index__ types; the call may run Python code */
+        Py_INCREF(item);
+        PyObject *number = PyNumber_Index(item);
+        Py_DECREF(item);
+        if (number == NULL) {
+            return -1;
+        }
+        value = PyLong_AsUnsignedLong(number);
+        Py_DECREF(number);
+    }
+    if (value == (unsigned long)-1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (value > UINT32_MAX) {
+        PyErr_Format(PyExc_OverflowError, "token id %lu does not fit uint32", value);
+        return -1;
+    }
+    *out = (uint32_t)value;
+    return 0;
+}
+
+PyDoc_STRVAR(hash_range_doc,
+"hash_range(token_ids, block_size, parent, start, stop, /) -> list[int]\n\n"
+"Chained hashes of blocks `start` to `stop` (excluded) of `token_ids`, the first chained to\n"
+"`parent` (None: no parent). `token_ids` is a list or tuple of ints, or a bytes-like object\n"
+"of uint32 little-endian ids.");
+
+static PyObject *hash_range(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 5) {
+        PyErr_Format(PyExc_TypeError, "hash_range takes 5 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *tokens = args[0];
+    Py_ssize_t block_size = PyLong_AsSsize_t(args[1]);
+    Py_ssize_t start = PyLong_AsSsize_t(args[3]);
+    Py_ssize_t stop = PyLong_AsSsize_t(args[4]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    if (block_size <= 0) {
+        PyErr_Format(PyExc_ValueError, "block_size must be positive, got %zd", block_size);
+        return NULL;
+    }
+    int has_parent = args[2] != Py_None;
+    uint64_t parent = 0;
+    if (has_parent) {
+        parent = PyLong_AsUnsignedLongLong(args[2]);
+        if (parent == (uint64_t)-1 && PyErr_Occurred()) {
+            return NULL;
+        }
+    }
+
+    int sequence = PyList_Check(tokens) || PyTuple_Check(tokens);
+    Py_buffer view = {0};
+    Py_ssize_t n_tokens;
+    if (sequence) {
+        n_tokens = PySequence_Size(tokens);
+    } else {
+        if (PyObject_GetBuffer(tokens, &view, PyBUF_SIMPLE) < 0) {
+            return NULL;
+        }
+        if (view.len % 4) {
+            PyBuffer_Release(&view);
+            PyErr_SetString(PyExc_ValueError, "token bytes must be uint32 ids (a multiple of 4)");
+            return NULL;
+        }
+        n_tokens = view.len / 4;
+    }
+    if (start < 0 || stop < start || stop > n_tokens / block_size) {
+        if (!sequence) {
+            PyBuffer_Release(&view);
+        }
+        PyErr_Format(PyExc_ValueError, "blocks %zd to %zd are not within %zd tokens", start,
+                     stop, n_tokens);
+        return NULL;
+    }
+
+    size_t block_bytes = 4 * (size_t)block_size;
+    PyObject *hashes = NULL;
+    uint8_t *data = PyMem_Malloc(PARENT_BYTES + block_bytes);
+    if (data == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    hashes = PyList_New(stop - start);
+    if (hashes == NULL) {
+        goto fail;
+    }
+    for (Py_ssize_t block = start; block < stop; block++) {
+        uint8_t *ids = data + PARENT_BYTES;
+        if (sequence) {
+            for (Py_ssize_t j = 0; j < block_size; j++) {
+                uint32_t id;
+                if (token_at(tokens, block * block_size + j, &id) < 0) {
+                    goto fail;
+                }
+                put_u32_le(ids + 4 * j, id);
+            }
+        } else {
+            memcpy(ids, (const uint8_t *)view.buf + block * block_bytes, block_bytes);
+        }
+        uint64_t hash;
+        if (has_parent) {
+            put_u64_le(data, parent);
+            hash = XXH3_64bits(data, PARENT_BYTES + block_bytes);
+        } else {
+            hash = XXH3_64bits(ids, block_bytes);
+        }
+        PyObject *value = PyLong_FromUnsignedLongLong(hash);
+        if (value == NULL) {
+            goto fail;
+        }
+        PyList_SET_ITEM(hashes, block - start, value);
+        parent = hash;
+        has_parent = 1;
+    }
+    PyMem_Free(data);
+    if (!sequence) {
+        PyBuffer_Release(&view);
+    }
+    return hashes;
+
+fail:
+    PyMem_Free(data);
+    Py_XDECREF(hashes);
+    if (!sequence) {
+        PyBuffer_Release(&view);
+    }
+    return NULL;
+}
+
+/* Big-endian unsigned integer of `n` bytes at `p`. */
+static uint64_t get_be(const uint8_t *p, int n) {
+    uint64_t value = 0;
+    for (int i = 0; i < n; i++) {
+        value = (value << 8) | p[i];
+    }
+    return value;
+}
+
+/* The count of the msgpack array whose header starts `data`, its items from `*pos`; -1 with
+ * ValueError set when `data` does not start with an array header. */
+static Py_ssize_t packed_count(const uint8_t *data, Py_ssize_t len, Py_ssize_t *pos) {
+    if (len >= 1 && (data[0] & 0xf0) == 0x90) { /* fixarray */
+        *pos = 1;
+        return data[0] & 0x0f;
+    }
+    if (len >= 3 && data[0] == 0xdc) { /* array 16 */
+        *pos = 3;
+        return (Py_ssize_t)get_be(data + 1, 2);
+    }
+    if (len >= 5 && data[0] == 0xdd) { /* array 32 */
+        *pos = 5;
+        return (Py_ssize_t)get_be(data + 1, 4);
+    }
+    PyErr_SetString(PyExc_ValueError, "packed token ids are not a msgpack array");
+    return -1;
+}
+
+/* The msgpack integer at `data[*pos]` as a uint32, `*pos` moved past it; -1 with an
+ * exception set when it is not an integer (TypeError), does not fit (OverflowError) or is
+ * cut short (ValueError). Encoders write the shortest form, but any integer form is read. */
+static int packed_id(const uint8_t *data, Py_ssize_t len, Py_ssize_t *pos, uint32_t *out) {
+    if (*pos >= len) {
+        goto short_data;
+    }
+    uint8_t type = data[(*pos)++];
+    int64_t value;
+    int width;
+    if (type <= 0x7f) { /* positive fixint */
+        *out = type;
+        return 0;
+    }
+    if (type >= 0xe0) { /* negative fixint */
+        value = (int8_t)type;
+        goto too_large;
+    }
+    if (type >= 0xcc && type <= 0xcf) { /* uint 8, 16, 32, 64 */
+        width = 1 << (type - 0xcc);
+        if (*pos + width > len) {
+            goto short_data;
+        }
+        uint64_t unsigned_value = get_be(data + *pos, width);
+        *pos += width;
+        if (unsigned_value > UINT32_MAX) {
+            PyErr_Format(PyExc_OverflowError, "token id %llu does not fit uint32",
+                         (unsigned long long)unsigned_value);
+            return -1;
+        }
+        *out = (uint32_t)unsigned_value;
+        return 0;
+    }
+    if (type >= 0xd0 && type <= 0xd3) { /* int 8, 16, 32, 64 */
+        width = 1 << (type - 0xd0);
+        if (*pos + width > len) {
+            goto short_data;
+        }
+        uint64_t bits = get_be(data + *pos, width);
+        *pos += width;
+        int shift = 64 - 8 * width; /* sign-extend */
+        value = (int64_t)(bits << shift) >> shift;
+        if (value < 0 || value > UINT32_MAX) {
+            goto too_large;
+        }
+        *out = (uint32_t)value;
+        return 0;
+    }
+    PyErr_Format(PyExc_TypeError, "packed token id of msgpack type 0x%02x is not an integer",
+                 type);
+    return -1;
+too_large:
+    PyErr_Format(PyExc_OverflowError, "token id %lld does not fit uint32", (long long)value);
+    return -1;
+short_data:
+    PyErr_SetString(PyExc_ValueError, "packed token ids end within an id");
+    return -1;
+}
+
+PyDoc_STRVAR(hash_packed_doc,
+"hash_packed(packed_ids, block_size, parent, /) -> list[int]\n\n"
+"Chained hashes of every full block of the ids in `packed_ids` (a bytes-like msgpack array of\n"
+"integers), the first chained to `parent` (None: no parent).");
+
+static PyObject *hash_packed(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "hash_packed takes 3 arguments, got %zd", nargs);
+        return NULL;
+    }
+    Py_ssize_t block_size = PyLong_AsSsize_t(args[1]);
+    if (block_size == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (block_size <= 0) {
+        PyErr_Format(PyExc_ValueError, "block_size must be positive, got %zd", block_size);
+        return NULL;
+    }
+    int has_parent = args[2] != Py_None;
+    uint64_t parent = 0;
+    if (has_parent) {
+        parent = PyLong_AsUnsignedLongLong(args[2]);
+        if (parent == (uint64_t)-1 && PyErr_Occurred()) {
+            return NULL;
+        }
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    const uint8_t *packed = view.buf;
+    size_t block_bytes = 4 * (size_t)block_size;
+    uint8_t *data = NULL;
+    PyObject *hashes = NULL;
+    Py_ssize_t pos = 0;
+    Py_ssize_t count = packed_count(packed, view.len, &pos);
+    if (count < 0) {
+        goto fail;
+    }
+    Py_ssize_t blocks = count / block_size;
+    data = PyMem_Malloc(PARENT_BYTES + block_bytes);
+    if (data == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    hashes = PyList_New(blocks);
+    if (hashes == NULL) {
+        goto fail;
+    }
+    for (Py_ssize_t block = 0; block < blocks; block++) {
+        uint8_t *ids = data + PARENT_BYTES;
+        for (Py_ssize_t j = 0; j < block_size; j++) {
+            uint32_t id;
+            if (packed_id(packed, view.len, &pos, &id) < 0) {
+                goto fail;
+            }
+            put_u32_le(ids + 4 * j, id);
+        }
+        uint64_t hash;
+        if (has_parent) {
+            put_u64_le(data, parent);
+            hash = XXH3_64bits(data, PARENT_BYTES + block_bytes);
+        } else {
+            hash = XXH3_64bits(ids, block_bytes);
+        }
+        PyObject *value = PyLong_FromUnsignedLongLong(hash);
+        if (value == NULL) {
+            goto fail;
+        }
+        PyList_SET_ITEM(hashes, block, value);
+        parent = hash;
+        has_parent = 1;
+    }
+    PyMem_Free(data);
+    PyBuffer_Release(&view);
+    return hashes;
+
+fail:
+    PyMem_Free(data);
+    Py_XDECREF(hashes);
+    PyBuffer_Release(&view);
+    return NULL;
+}
+
+PyDoc_STRVAR(packed_count_doc,
+"packed_count(packed_ids, /) -> int\n\n"
+"The number of ids in `packed_ids` (a bytes-like msgpack array), read from its header.");
+
+static PyObject *packed_count_py(PyObject *module, PyObject *packed_ids) {
+    (void)module;
+    Py_buffer view;
+    if (PyObject_GetBuffer(packed_ids, &view, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    Py_ssize_t pos;
+    Py_ssize_t count = packed_count(view.buf, view.len, &pos);
+    PyBuffer_Release(&view);
+    return count < 0 ? NULL : PyLong_FromSsize_t(count);
+}
+
+static PyMethodDef methods[] = {
+    {"hash_range", (PyCFunction)(void (*)(void))hash_range, METH_FASTCALL, hash_range_doc},
+    {"hash_packed", (PyCFunction)(void (*)(void))hash_packed, METH_FASTCALL, hash_packed_doc},
+    {"packed_count", packed_count_py, METH_O, packed_count_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "prfaas.common._chain_hash",
+    .m_doc = "Chained xxh3-64 block hashes over token ids (see prfaas.common.hashing).",
+    .m_size = 0,
+    .m_methods = methods,
+};
+
+PyMODINIT_FUNC PyInit__chain_hash(void) { return PyModule_Create(&module); }

@@ -1,0 +1,14 @@
+from collections.abc import Sequence
+
+from typing_extensions import Buffer
+
+def hash_range(
+    token_ids: Sequence[int] | bytes,
+    block_size: int,
+    parent: int | None,
+    start: int,
+    stop: int,
+    /,
+) -> list[int]: ...
+def hash_packed(packed_ids: Buffer, block_size: int, parent: int | None, /) -> list[int]: ...
+def packed_count(packed_ids: Buffer, /) -> int: ...
