@@ -59,7 +59,8 @@ $(VLLM_DENSE_MODEL)/config.json: $(VLLM_STAMP) prfaas/testing/tiny_checkpoint.py
 vllm-env: $(VLLM_STAMP)
 vllm-model: $(VLLM_MODEL)/config.json
 
-$(STAMP): pyproject.toml constraints.txt setup.py prfaas/common/_chain_hash.c
+$(STAMP): pyproject.toml constraints.txt setup.py prfaas/common/_chain_hash.c \
+		prfaas/common/vendor/xxhash.h
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(TAKE_TURN) $(BIN)/python -m pip install -q -c constraints.txt -e '.[engine,plots,test]'

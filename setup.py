@@ -1,6 +1,7 @@
-"""The one C extension, the chained block hash's loop (`prfaas/common/_chain_hash.c`;
-`prfaas/common/hashing.py` runs the same loop in Python where it is not built). Everything
-else is in pyproject.toml. Building needs a C compiler and the Python headers."""
+"""The one C extension, the chained block hash's loops (`prfaas/common/_chain_hash.c`).
+Everything else is in pyproject.toml. Building it needs a C compiler and the Python headers;
+it is optional: where it does not build, the install goes on without it and
+`prfaas/common/hashing.py` runs the same loops in Python (several times slower, logged)."""
 
 from setuptools import Extension, setup
 
@@ -11,6 +12,7 @@ setup(
             sources=["prfaas/common/_chain_hash.c"],
             depends=["prfaas/common/vendor/xxhash.h"],
             extra_compile_args=["-O3"],
+            optional=True,
         )
     ]
 )

@@ -69,6 +69,33 @@ static int token_at(PyObject *seq, Py_ssize_t i, uint32_t *out) {
     return 0;
 }
 
+/* An index-like argument (an int, a numpy integer) as a Py_ssize_t; -1 with an exception
+ * set when it is not one or does not fit. */
+static int get_size(PyObject *arg, Py_ssize_t *out) {
+    PyObject *number = PyNumber_Index(arg);
+    if (number == NULL) {
+        return -1;
+    }
+    *out = PyLong_AsSsize_t(number);
+    Py_DECREF(number);
+    return *out == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
+/* The parent hash argument (None: 0, which the caller reads as no parent) as a uint64. */
+static int get_parent(PyObject *arg, uint64_t *out) {
+    *out = 0;
+    if (arg == Py_None) {
+        return 0;
+    }
+    PyObject *number = PyNumber_Index(arg);
+    if (number == NULL) {
+        return -1;
+    }
+    *out = PyLong_AsUnsignedLongLong(number);
+    Py_DECREF(number);
+    return *out == (uint64_t)-1 && PyErr_Occurred() ? -1 : 0;
+}
+
 PyDoc_STRVAR(hash_range_doc,
 "hash_range(token_ids, block_size, parent, start, stop, /) -> list[int]\n\n"
 "Chained hashes of blocks `start` to `stop` (excluded) of `token_ids`, the first chained to\n"
@@ -82,10 +109,10 @@ static PyObject *hash_range(PyObject *module, PyObject *const *args, Py_ssize_t 
         return NULL;
     }
     PyObject *tokens = args[0];
-    Py_ssize_t block_size = PyLong_AsSsize_t(args[1]);
-    Py_ssize_t start = PyLong_AsSsize_t(args[3]);
-    Py_ssize_t stop = PyLong_AsSsize_t(args[4]);
-    if (PyErr_Occurred()) {
+    Py_ssize_t block_size, start, stop;
+    uint64_t parent;
+    if (get_size(args[1], &block_size) < 0 || get_size(args[3], &start) < 0 ||
+        get_size(args[4], &stop) < 0 || get_parent(args[2], &parent) < 0) {
         return NULL;
     }
     if (block_size <= 0) {
@@ -93,13 +120,6 @@ static PyObject *hash_range(PyObject *module, PyObject *const *args, Py_ssize_t 
         return NULL;
     }
     int has_parent = args[2] != Py_None;
-    uint64_t parent = 0;
-    if (has_parent) {
-        parent = PyLong_AsUnsignedLongLong(args[2]);
-        if (parent == (uint64_t)-1 && PyErr_Occurred()) {
-            return NULL;
-        }
-    }
 
     int sequence = PyList_Check(tokens) || PyTuple_Check(tokens);
     Py_buffer view = {0};
@@ -126,6 +146,13 @@ static PyObject *hash_range(PyObject *module, PyObject *const *args, Py_ssize_t 
         return NULL;
     }
 
+    if (stop == start) {
+        if (!sequence) {
+            PyBuffer_Release(&view);
+        }
+        return PyList_New(0);
+    }
+    /* a block of ids lies within them: no overflow below */
     size_t block_bytes = 4 * (size_t)block_size;
     PyObject *hashes = NULL;
     uint8_t *data = PyMem_Malloc(PARENT_BYTES + block_bytes);
@@ -190,22 +217,28 @@ static uint64_t get_be(const uint8_t *p, int n) {
 }
 
 /* The count of the msgpack array whose header starts `data`, its items from `*pos`; -1 with
- * ValueError set when `data` does not start with an array header. */
+ * ValueError set when `data` does not start with an array header, or holds fewer bytes than
+ * the count says there are ids (each takes one at least). */
 static Py_ssize_t packed_count(const uint8_t *data, Py_ssize_t len, Py_ssize_t *pos) {
+    uint64_t count;
     if (len >= 1 && (data[0] & 0xf0) == 0x90) { /* fixarray */
         *pos = 1;
-        return data[0] & 0x0f;
-    }
-    if (len >= 3 && data[0] == 0xdc) { /* array 16 */
+        count = data[0] & 0x0f;
+    } else if (len >= 3 && data[0] == 0xdc) { /* array 16 */
         *pos = 3;
-        return (Py_ssize_t)get_be(data + 1, 2);
-    }
-    if (len >= 5 && data[0] == 0xdd) { /* array 32 */
+        count = get_be(data + 1, 2);
+    } else if (len >= 5 && data[0] == 0xdd) { /* array 32 */
         *pos = 5;
-        return (Py_ssize_t)get_be(data + 1, 4);
+        count = get_be(data + 1, 4);
+    } else {
+        PyErr_SetString(PyExc_ValueError, "packed token ids are not a msgpack array");
+        return -1;
     }
-    PyErr_SetString(PyExc_ValueError, "packed token ids are not a msgpack array");
-    return -1;
+    if (count > (uint64_t)(len - *pos)) {
+        PyErr_SetString(PyExc_ValueError, "packed token ids end before their count");
+        return -1;
+    }
+    return (Py_ssize_t)count;
 }
 
 /* The msgpack integer at `data[*pos]` as a uint32, `*pos` moved past it; -1 with an
@@ -278,8 +311,9 @@ static PyObject *hash_packed(PyObject *module, PyObject *const *args, Py_ssize_t
         PyErr_Format(PyExc_TypeError, "hash_packed takes 3 arguments, got %zd", nargs);
         return NULL;
     }
-    Py_ssize_t block_size = PyLong_AsSsize_t(args[1]);
-    if (block_size == -1 && PyErr_Occurred()) {
+    Py_ssize_t block_size;
+    uint64_t parent;
+    if (get_size(args[1], &block_size) < 0 || get_parent(args[2], &parent) < 0) {
         return NULL;
     }
     if (block_size <= 0) {
@@ -287,13 +321,6 @@ static PyObject *hash_packed(PyObject *module, PyObject *const *args, Py_ssize_t
         return NULL;
     }
     int has_parent = args[2] != Py_None;
-    uint64_t parent = 0;
-    if (has_parent) {
-        parent = PyLong_AsUnsignedLongLong(args[2]);
-        if (parent == (uint64_t)-1 && PyErr_Occurred()) {
-            return NULL;
-        }
-    }
     Py_buffer view;
     if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) {
         return NULL;
@@ -308,6 +335,10 @@ static PyObject *hash_packed(PyObject *module, PyObject *const *args, Py_ssize_t
         goto fail;
     }
     Py_ssize_t blocks = count / block_size;
+    if (blocks == 0) {
+        PyBuffer_Release(&view);
+        return PyList_New(0);
+    }
     data = PyMem_Malloc(PARENT_BYTES + block_bytes);
     if (data == NULL) {
         PyErr_NoMemory();

@@ -39,7 +39,13 @@ _PACK_WITH_ARRAY = sys.byteorder == "little" and array.array(_ARRAY_U32).itemsiz
 
 
 def hash_block(parent: int | None, token_ids: Sequence[int] | np.ndarray) -> int:
-    """Hash one block of token ids chained to its parent's hash (None for the first block)."""
+    """Hash one block of token ids chained to its parent's hash (None for the first block).
+
+    Raises:
+        ValueError: no ids (a block holds at least one).
+    """
+    if not len(token_ids):
+        raise ValueError("a block holds at least one token id")
     return _hash_range(_ids(token_ids), len(token_ids), parent, 0, 1)[0]
 
 
@@ -178,8 +184,20 @@ def _hash_packed_py(packed_ids: Buffer, block_size: int, parent: int | None) -> 
 
 
 def _packed_count_py(packed_ids: Buffer) -> int:
-    """`_chain_hash.packed_count`, in Python (it decodes the whole array)."""
-    return len(_decode_packed(packed_ids))
+    """`_chain_hash.packed_count`, in Python: the count in the msgpack array's header (a
+    fixarray, array 16 or array 32), at most one id per byte after it."""
+    data = memoryview(packed_ids).cast("B")
+    if len(data) >= 1 and data[0] & 0xF0 == 0x90:
+        start, count = 1, data[0] & 0x0F
+    elif len(data) >= 3 and data[0] == 0xDC:
+        start, count = 3, int.from_bytes(data[1:3], "big")
+    elif len(data) >= 5 and data[0] == 0xDD:
+        start, count = 5, int.from_bytes(data[1:5], "big")
+    else:
+        raise ValueError("packed token ids are not a msgpack array")
+    if count > len(data) - start:
+        raise ValueError("packed token ids end before their count")
+    return count
 
 
 def _decode_packed(packed_ids: Buffer) -> tuple[int, ...]:
@@ -208,13 +226,15 @@ def _native() -> tuple[HashRange, HashPacked, PackedCount]:
     """The C loops, or the Python ones where the extension is not built (logged once)."""
     try:
         from prfaas.common import _chain_hash
-    except ImportError:
+
+        loops = _chain_hash.hash_range, _chain_hash.hash_packed, _chain_hash.packed_count
+    except (ImportError, AttributeError):  # not built, or built from an older source
         logger.info(
             "prfaas.common._chain_hash is not built for this interpreter: block hashes are "
             "computed in Python (several times slower; `pip install -e .` builds it)"
         )
         return _hash_range_py, _hash_packed_py, _packed_count_py
-    return _chain_hash.hash_range, _chain_hash.hash_packed, _chain_hash.packed_count
+    return loops
 
 
 _hash_range, _hash_packed, _packed_count = _native()

@@ -343,25 +343,26 @@ class KVIndexManager:
             self._rejected += 1
             if (instance_id, -1) not in self._misfits:
                 self._misfits.add((instance_id, -1))
-                logger.error("%s: BlockStored ignored, its token ids are not uint32: %s",
-                             instance_id, exc)  # fmt: skip
+                logger.error("%s: BlockStored ignored, its token ids are not a msgpack array "
+                             "of uint32 ids: %s", instance_id, exc)  # fmt: skip
             return None
 
     def _fits(self, instance_id: str, event: BlockStored[Any]) -> bool:
         n = len(event.block_hashes)
-        if event.block_size == self.block_size and _id_count(event) == n * self.block_size:
-            return True
+        count = _id_count(event)
+        if event.block_size == self.block_size and count in (None, n * self.block_size):
+            return True  # (ids whose count cannot be read are rejected when hashed)
         self._rejected += 1
         if (instance_id, event.block_size) not in self._misfits:  # once: it repeats per event
             self._misfits.add((instance_id, event.block_size))
             logger.error(
-                "%s: BlockStored with block_size %d / %d tokens for %d blocks does not match "
+                "%s: BlockStored with block_size %d / %s tokens for %d blocks does not match "
                 "the index's block size %d; its events are ignored, so the index never "
                 "credits this instance (page the engine in [model] block_size, or set that "
                 "to the engine's page size)",
                 instance_id,
                 event.block_size,
-                _id_count(event),
+                count,
                 n,
                 self.block_size,
             )
@@ -663,12 +664,13 @@ def _chunks(hashes: Iterable[int]) -> Iterator[Sequence[int] | np.ndarray]:
         size = min(max(64, read // 4), _MAX_CHUNK) if read > 1 else 63
 
 
-def _id_count(event: BlockStored[Any]) -> int:
+def _id_count(event: BlockStored[Any]) -> int | None:
+    """How many token ids the event carries (None: packed ids whose count cannot be read)."""
     ids = event.token_ids
     try:
         return packed_count(ids) if isinstance(ids, msgspec.Raw) else len(ids)
-    except ValueError:  # not a msgpack array: fits no block count
-        return -1
+    except ValueError:
+        return None
 
 
 def _engine_keys(hashes: Sequence[int]) -> U64:

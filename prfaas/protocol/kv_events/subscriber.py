@@ -18,7 +18,6 @@ from prfaas.protocol.kv_events.events import (
     KVEvent,
     KVEventBatch,
     KVEventDecodeError,
-    decode_batch,
     decode_frames,
 )
 from prfaas.protocol.kv_events.publisher import END_SEQ, SNAPSHOT_SEQ
@@ -202,8 +201,8 @@ class KVEventSubscriber:
             at = int.from_bytes(replies[0][2], "big")
             events: list[KVEvent] = []
             ts = 0.0
-            for _topic, _seq, payload in replies[1:]:
-                part = decode_batch(payload)
+            for topic, seq_bytes, payload in replies[1:]:
+                part = self._decode([topic, seq_bytes, payload])[2]
                 events.extend(part.events)
                 ts = part.ts
                 await asyncio.sleep(0)  # a batch's decoding holds the loop, not the snapshot's
