@@ -37,6 +37,22 @@ static void put_u32_le(uint8_t *out, uint32_t value) {
     }
 }
 
+/* The hash (a new int) of the block whose ids lie at `data + PARENT_BYTES`, chained to
+ * `*parent` where `*has_parent`; the block then becomes the parent. */
+static PyObject *chain_next(uint8_t *data, size_t block_bytes, uint64_t *parent,
+                            int *has_parent) {
+    uint64_t hash;
+    if (*has_parent) {
+        put_u64_le(data, *parent);
+        hash = XXH3_64bits(data, PARENT_BYTES + block_bytes);
+    } else {
+        hash = XXH3_64bits(data + PARENT_BYTES, block_bytes);
+    }
+    *parent = hash;
+    *has_parent = 1;
+    return PyLong_FromUnsignedLongLong(hash);
+}
+
 /* Token `i` of a list or tuple as a uint32; -1 with an exception set when it is not an
  * integer (TypeError) or does not fit (OverflowError), as `array.array("I", ...)` says. */
 static int token_at(PyObject *seq, Py_ssize_t i, uint32_t *out) {
@@ -177,20 +193,11 @@ static PyObject *hash_range(PyObject *module, PyObject *const *args, Py_ssize_t 
         } else {
             memcpy(ids, (const uint8_t *)view.buf + block * block_bytes, block_bytes);
         }
-        uint64_t hash;
-        if (has_parent) {
-            put_u64_le(data, parent);
-            hash = XXH3_64bits(data, PARENT_BYTES + block_bytes);
-        } else {
-            hash = XXH3_64bits(ids, block_bytes);
-        }
-        PyObject *value = PyLong_FromUnsignedLongLong(hash);
+        PyObject *value = chain_next(data, block_bytes, &parent, &has_parent);
         if (value == NULL) {
             goto fail;
         }
         PyList_SET_ITEM(hashes, block - start, value);
-        parent = hash;
-        has_parent = 1;
     }
     PyMem_Free(data);
     if (!sequence) {
@@ -357,20 +364,11 @@ static PyObject *hash_packed(PyObject *module, PyObject *const *args, Py_ssize_t
             }
             put_u32_le(ids + 4 * j, id);
         }
-        uint64_t hash;
-        if (has_parent) {
-            put_u64_le(data, parent);
-            hash = XXH3_64bits(data, PARENT_BYTES + block_bytes);
-        } else {
-            hash = XXH3_64bits(ids, block_bytes);
-        }
-        PyObject *value = PyLong_FromUnsignedLongLong(hash);
+        PyObject *value = chain_next(data, block_bytes, &parent, &has_parent);
         if (value == NULL) {
             goto fail;
         }
         PyList_SET_ITEM(hashes, block, value);
-        parent = hash;
-        has_parent = 1;
     }
     PyMem_Free(data);
     PyBuffer_Release(&view);
