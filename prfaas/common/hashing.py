@@ -229,7 +229,7 @@ def _native() -> tuple[HashRange, HashPacked, PackedCount]:
 
         loops = _chain_hash.hash_range, _chain_hash.hash_packed, _chain_hash.packed_count
     except (ImportError, AttributeError):  # not built, or built from an older source
-        logger.info(
+        logger.warning(
             "prfaas.common._chain_hash is not built for this interpreter: block hashes are "
             "computed in Python (several times slower; `pip install -e .` builds it)"
         )
