@@ -29,8 +29,8 @@ import msgspec
 import numpy as np
 import xxhash
 
-if TYPE_CHECKING:
-    from typing_extensions import Buffer
+Packed = bytes | msgspec.Raw
+"""Token ids as a msgpack array's bytes (an event's `PackedIds`)."""
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def hash_blocks(
 
 
 def hash_packed_blocks(
-    packed_ids: Buffer, block_size: int, *, parent: int | None = None
+    packed_ids: Packed, block_size: int, *, parent: int | None = None
 ) -> list[int]:
     """`hash_blocks` over token ids still in their msgpack encoding (an array of integers,
     as engines' KV events carry them, `packed_count` of them): the KV index hashes what
@@ -81,7 +81,7 @@ def hash_packed_blocks(
     return _hash_packed(packed_ids, block_size, parent)
 
 
-def packed_count(packed_ids: Buffer) -> int:
+def packed_count(packed_ids: Packed) -> int:
     """How many ids `packed_ids` (a msgpack array) holds, from its header.
 
     Raises:
@@ -177,13 +177,13 @@ _TokenIds = tuple[Annotated[int, msgspec.Meta(ge=0)], ...]
 _PACKED = msgspec.msgpack.Decoder(_TokenIds)
 
 
-def _hash_packed_py(packed_ids: Buffer, block_size: int, parent: int | None) -> list[int]:
+def _hash_packed_py(packed_ids: Packed, block_size: int, parent: int | None) -> list[int]:
     """`_chain_hash.hash_packed`, in Python."""
     ids = _decode_packed(packed_ids)
     return _hash_range_py(ids, block_size, parent, 0, len(ids) // block_size)
 
 
-def _packed_count_py(packed_ids: Buffer) -> int:
+def _packed_count_py(packed_ids: Packed) -> int:
     """`_chain_hash.packed_count`, in Python: the count in the msgpack array's header (a
     fixarray, array 16 or array 32), at most one id per byte after it."""
     data = memoryview(packed_ids).cast("B")
@@ -200,7 +200,7 @@ def _packed_count_py(packed_ids: Buffer) -> int:
     return count
 
 
-def _decode_packed(packed_ids: Buffer) -> tuple[int, ...]:
+def _decode_packed(packed_ids: Packed) -> tuple[int, ...]:
     """The ids, with the C loop's errors: ValueError for what is not a msgpack array of
     integers, OverflowError for a negative one (one past 2**32 fails when hashed)."""
     try:
@@ -218,8 +218,8 @@ def _decode_packed(packed_ids: Buffer) -> tuple[int, ...]:
 
 if TYPE_CHECKING:
     HashRange = Callable[[Sequence[int] | bytes, int, int | None, int, int], list[int]]
-    HashPacked = Callable[[Buffer, int, int | None], list[int]]
-    PackedCount = Callable[[Buffer], int]
+    HashPacked = Callable[[Packed, int, int | None], list[int]]
+    PackedCount = Callable[[Packed], int]
 
 
 def _native() -> tuple[HashRange, HashPacked, PackedCount]:
