@@ -141,7 +141,7 @@ static PyObject *hash_range(PyObject *module, PyObject *const *args, Py_ssize_t 
     Py_buffer view = {0};
     Py_ssize_t n_tokens;
     if (sequence) {
-        n_tokens = PySequence_Size(tokens);
+        n_tokens = PyList_Check(tokens) ? PyList_GET_SIZE(tokens) : PyTuple_GET_SIZE(tokens);
     } else {
         if (PyObject_GetBuffer(tokens, &view, PyBUF_SIMPLE) < 0) {
             return NULL;
@@ -342,14 +342,12 @@ static PyObject *hash_packed(PyObject *module, PyObject *const *args, Py_ssize_t
         goto fail;
     }
     Py_ssize_t blocks = count / block_size;
-    if (blocks == 0) {
-        PyBuffer_Release(&view);
-        return PyList_New(0);
-    }
-    data = PyMem_Malloc(PARENT_BYTES + block_bytes);
-    if (data == NULL) {
-        PyErr_NoMemory();
-        goto fail;
+    if (blocks > 0) {
+        data = PyMem_Malloc(PARENT_BYTES + block_bytes);
+        if (data == NULL) {
+            PyErr_NoMemory();
+            goto fail;
+        }
     }
     hashes = PyList_New(blocks);
     if (hashes == NULL) {
@@ -369,6 +367,16 @@ static PyObject *hash_packed(PyObject *module, PyObject *const *args, Py_ssize_t
             goto fail;
         }
         PyList_SET_ITEM(hashes, block, value);
+    }
+    for (Py_ssize_t rest = count - blocks * block_size; rest > 0; rest--) {
+        uint32_t id; /* the ids past the last full block are checked, not hashed */
+        if (packed_id(packed, view.len, &pos, &id) < 0) {
+            goto fail;
+        }
+    }
+    if (pos != view.len) {
+        PyErr_SetString(PyExc_ValueError, "bytes follow the packed token ids");
+        goto fail;
     }
     PyMem_Free(data);
     PyBuffer_Release(&view);

@@ -185,3 +185,53 @@ def test_a_count_past_the_bytes_is_refused_before_anything_is_read() -> None:
             count(packed)
     with pytest.raises(ValueError, match="end before their count"):
         hash_packed(packed, 1, None)
+
+
+@pytest.mark.parametrize(
+    ("packed", "error"),
+    [
+        (b"\x91\xa1x", TypeError),  # a string in the tail, past the last full block
+        (b"\x95\x01\x02\x03\x04\xff", OverflowError),  # a negative id in the tail
+        (b"\x94\x01\x02\x03\x04\x05", ValueError),  # a byte after the array
+    ],
+)
+def test_packed_ids_are_checked_to_their_end(packed: bytes, error: type[Exception]) -> None:
+    """Every id is checked, hashed or not, and the bytes hold the array alone."""
+    with pytest.raises(error):
+        hash_packed(packed, 4, None)
+    with pytest.raises(error):
+        hashing._hash_packed_py(packed, 4, None)
+
+
+@pytest.mark.parametrize(
+    ("parent", "error"), [(-1, OverflowError), (2**64, OverflowError), (1.5, TypeError)]
+)
+def test_a_bad_parent_is_refused_even_with_no_block(parent: object, error: type[Exception]) -> None:
+    """Both loops check the parent first, whatever there is to hash."""
+    packed = msgspec.msgpack.encode([1])
+    for loop in (hash_range, hashing._hash_range_py):
+        with pytest.raises(error):
+            loop([1], 2, parent, 0, 0)  # type: ignore[operator]
+    for loop in (hash_packed, hashing._hash_packed_py):
+        with pytest.raises(error):
+            loop(packed, 2, parent)  # type: ignore[operator]
+    with pytest.raises(ValueError, match="block_size must be positive"):
+        hashing._hash_packed_py(packed, 0, None)
+
+
+def test_uint32_buffers_and_numpy_arrays() -> None:
+    """Any buffer of uint32 ids hashes as its ids in both loops; a numpy array of ids is
+    checked as a list is (no silent wrapping of ids outside uint32, no truncated floats)."""
+    ids = [1, 2, 3, 2**32 - 1]
+    expected = hashing._hash_range_py(ids, 2, None, 0, 2)
+    raw = np.asarray(ids, dtype="<u4").tobytes()
+    for form in (raw, bytearray(raw), memoryview(raw)):
+        assert hash_range(form, 2, None, 0, 2) == expected
+        assert hashing._hash_range_py(form, 2, None, 0, 2) == expected
+    assert hashing.hash_blocks(np.asarray(ids, dtype=np.int64), 2) == expected
+    with pytest.raises(OverflowError):
+        hashing.hash_blocks(np.asarray([1, -1]), 2)
+    with pytest.raises(OverflowError):
+        hashing.hash_blocks(np.asarray([1, 2**33]), 2)
+    with pytest.raises(TypeError):
+        hashing.hash_blocks(np.asarray([1.0, 2.0]), 2)

@@ -131,6 +131,7 @@ def test_packed_token_ids_that_are_not_uint32_are_rejected(
     assert index.rejected_events == 4 and len(index) == 1
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert sum("not a msgpack array of uint32 ids" in e for e in errors) == 1, errors
+    assert sum("3 token ids for 1 blocks of 4" in e for e in errors) == 1, errors
 
 
 def test_a_block_size_mismatch_is_logged_once_per_instance_and_size(

@@ -102,7 +102,7 @@ class KVIndexManager:
         self._sweep_at = 0
         self._sweep_clean = False  # this sweep pass found nothing stale so far
         self._rejected = 0
-        self._misfits: set[tuple[str, int]] = set()  # (instance, block size) logged once
+        self._misfits: set[tuple[str, object]] = set()  # (instance, why) logged once
         self.evicted_entries = 0
         """(instance, block) entries forgotten at the byte budget."""
 
@@ -340,33 +340,46 @@ class KVIndexManager:
         try:
             return hash_packed_blocks(ids, self.block_size, parent=parent)
         except (ValueError, OverflowError, TypeError) as exc:
-            self._rejected += 1
-            if (instance_id, -1) not in self._misfits:
-                self._misfits.add((instance_id, -1))
-                logger.error("%s: BlockStored ignored, its token ids are not a msgpack array "
-                             "of uint32 ids: %s", instance_id, exc)  # fmt: skip
+            self._reject(instance_id, "ids", "%s: BlockStored ignored, its token ids are "
+                         "not a msgpack array of uint32 ids: %s", exc)  # fmt: skip
             return None
 
     def _fits(self, instance_id: str, event: BlockStored[Any]) -> bool:
         n = len(event.block_hashes)
         count = _id_count(event)
-        if event.block_size == self.block_size and count in (None, n * self.block_size):
-            return True  # (ids whose count cannot be read are rejected when hashed)
-        self._rejected += 1
-        if (instance_id, event.block_size) not in self._misfits:  # once: it repeats per event
-            self._misfits.add((instance_id, event.block_size))
-            logger.error(
+        if event.block_size != self.block_size:
+            self._reject(
+                instance_id,
+                event.block_size,
                 "%s: BlockStored with block_size %d / %s tokens for %d blocks does not match "
                 "the index's block size %d; its events are ignored, so the index never "
                 "credits this instance (page the engine in [model] block_size, or set that "
                 "to the engine's page size)",
-                instance_id,
                 event.block_size,
                 count,
                 n,
                 self.block_size,
             )
-        return False
+            return False
+        if count not in (None, n * self.block_size):  # (an unreadable count: when hashed)
+            self._reject(
+                instance_id,
+                "count",
+                "%s: BlockStored with %s token ids for %d blocks of %d ignored (its ids must "
+                "fill its blocks)",
+                count,
+                n,
+                self.block_size,
+            )
+            return False
+        return True
+
+    def _reject(self, instance_id: str, kind: object, message: str, *args: object) -> None:
+        """Count an event ignored; log why once per instance and `kind` (it repeats)."""
+        self._rejected += 1
+        if (instance_id, kind) not in self._misfits:
+            self._misfits.add((instance_id, kind))
+            logger.error(message, instance_id, *args)
 
     def _find_translations(self, bits: np.ndarray, engine_hashes: Sequence[int]) -> I64:
         """Slots of the (instance, engine hash) rows, -1 where absent."""
