@@ -310,7 +310,8 @@ short_data:
 PyDoc_STRVAR(hash_packed_doc,
 "hash_packed(packed_ids, block_size, parent, /) -> list[int]\n\n"
 "Chained hashes of every full block of the ids in `packed_ids` (a bytes-like msgpack array of\n"
-"integers), the first chained to `parent` (None: no parent).");
+"integers and nothing after it; every id is checked, those past the last full block too),\n"
+"the first chained to `parent` (None: no parent).");
 
 static PyObject *hash_packed(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;

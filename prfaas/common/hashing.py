@@ -8,13 +8,13 @@ Only fully populated blocks are hashed: a partial tail block is never a prefix-c
 Speed matters (the gateway hashes every prompt; the KV index re-hashes every block engines
 report; the simulator hashes ~300M tokens an hour), so the loop over blocks is C
 (`_chain_hash.c`: a list's ids read in place, no packing, no per-block Python call; a
-128K-token prompt from the tokenizer's list in about 0.6 ms, against about 1.2 ms in
-Python, most of it reading the Python ints; from packed bytes about 0.1 ms). Where that extension
-is not built (an interpreter it was not compiled for) the same loop runs in Python
-(`_hash_range_py`, which the tests hold the C to): ids packed with `array.array` (3x
-faster than numpy for tuples and lists), each block hashed one-shot. `iter_block_hashes`
-hashes in a few growing slices, never once per block. Values are bit-identical to the
-definition above (tests/common/test_hashing.py pins them).
+128K-token prompt from the tokenizer's list in about 0.6 ms, most of it reading the Python
+ints, against about 1.2 ms in Python; from packed bytes about 0.1 ms). Where that
+extension is not built (an interpreter it was not compiled for) the same loop runs in
+Python (`_hash_range_py`, which the tests hold the C to): ids packed with `array.array`
+(3x faster than numpy for tuples and lists), each block hashed one-shot.
+`iter_block_hashes` hashes in a few growing slices, never once per block. Values are
+bit-identical to the definition above (tests/common/test_hashing.py pins them).
 """
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ def hash_packed_blocks(
     engines report without making a Python int of each id.
 
     Raises:
-        ValueError: `block_size` not positive; `packed_ids` not a msgpack array, or cut
-            short.
+        ValueError: `block_size` not positive; `packed_ids` not a msgpack array alone (cut
+            short, or followed by other bytes).
         OverflowError, TypeError: an id that is not an integer in [0, 2**32).
     """
     if block_size <= 0:
@@ -93,10 +93,9 @@ def packed_count(packed_ids: Packed) -> int:
 
 def iter_block_hashes(token_ids: Sequence[int] | np.ndarray, block_size: int) -> Iterator[int]:
     """`hash_blocks`, lazily: a prefix lookup that stops at the first uncached block never
-    hashes the rest of the prompt. Blocks are hashed in slices that double from one
-    block up to `_MAX_SLICE_TOKENS` tokens (a few calls per prompt, at most
-    one slice hashed beyond what is read); an id that cannot be hashed raises when its slice
-    is reached.
+    hashes the rest of the prompt. Blocks are hashed in slices that double from one block
+    up to `_MAX_SLICE_TOKENS` tokens (a few calls per prompt, at most one slice hashed
+    beyond what is read); an id that cannot be hashed raises when its slice is reached.
 
     Raises:
         ValueError: if `block_size` is not positive (at the call, not at the first hash).
@@ -186,7 +185,7 @@ def _u32_bytes(token_ids: Sequence[int]) -> bytes:
     if _PACK_WITH_ARRAY:
         try:
             return array.array(_ARRAY_U32, token_ids).tobytes()
-        except TypeError:  # numpy integers: array.array takes Python ints only
+        except TypeError:  # an id that is no integer: the path below names the error
             pass
     ids = [operator.index(i) for i in token_ids]
     if any(not 0 <= i < 2**32 for i in ids):
