@@ -24,7 +24,7 @@ import logging
 import operator
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
@@ -193,8 +193,7 @@ def _u32_bytes(token_ids: Sequence[int]) -> bytes:
     return np.asarray(ids, dtype="<u4").tobytes()
 
 
-_TokenIds = tuple[Annotated[int, msgspec.Meta(ge=0)], ...]
-_PACKED = msgspec.msgpack.Decoder(_TokenIds)
+_PACKED = msgspec.msgpack.Decoder(tuple[int, ...])
 
 
 def _hash_packed_py(packed_ids: Packed, block_size: int, parent: int | None) -> list[int]:
@@ -203,7 +202,9 @@ def _hash_packed_py(packed_ids: Packed, block_size: int, parent: int | None) -> 
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     ids = _decode_packed(packed_ids)
-    return _hash_range_py(ids, block_size, parent, 0, len(ids) // block_size)
+    blocks = len(ids) // block_size
+    _u32_bytes(ids[blocks * block_size :])  # the ids past the last full block are checked too
+    return _hash_range_py(ids, block_size, parent, 0, blocks)
 
 
 def _packed_count_py(packed_ids: Packed) -> int:
@@ -224,20 +225,17 @@ def _packed_count_py(packed_ids: Packed) -> int:
 
 
 def _decode_packed(packed_ids: Packed) -> tuple[int, ...]:
-    """The ids, with the C loop's errors: ValueError for what is not a msgpack array (or
-    is cut short, or followed by more bytes), TypeError for an id that is not an integer,
-    OverflowError for a negative one (one past 2**32 fails when hashed)."""
+    """The ids, with the C loop's errors for what is not a msgpack array of integers alone:
+    ValueError for another value (its header read by `_packed_count_py`) or one cut short
+    or followed by other bytes, TypeError for an id that is not an integer (the range of
+    each is `_u32_bytes`'s to check)."""
+    _packed_count_py(packed_ids)
     try:
-        ids = _PACKED.decode(packed_ids)
-    except msgspec.ValidationError as exc:
-        if "Expected `int` >= 0" in str(exc):
-            raise OverflowError(f"a token id does not fit uint32: {exc}") from exc
-        if "Expected `int`" in str(exc):
-            raise TypeError(f"packed token id is not an integer: {exc}") from exc
-        raise ValueError(f"packed token ids are not a msgpack array: {exc}") from exc
+        return _PACKED.decode(packed_ids)
+    except msgspec.ValidationError as exc:  # an array's header: an id is no integer
+        raise TypeError(f"packed token id is not an integer: {exc}") from exc
     except msgspec.DecodeError as exc:
-        raise ValueError(f"packed token ids are not a msgpack array: {exc}") from exc
-    return ids
+        raise ValueError(f"packed token ids are cut short or followed by bytes: {exc}") from exc
 
 
 if TYPE_CHECKING:
