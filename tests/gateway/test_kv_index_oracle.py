@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from prfaas.common.hashing import hash_blocks
 from prfaas.gateway.kv_index import KVIndexManager, growing
+from prfaas.gateway.kv_index import table as table_module
 from prfaas.protocol.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -141,3 +142,14 @@ def test_never_more_than_the_oracle_while_tables_grow_slowly_to_a_small_budget(
     with pytest.MonkeyPatch.context() as patch:
         _slow_growth(patch)
         _compare(seed, steps=120, budget_mb=8 * 16 * 36 / 2**20, equal=False)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_the_numpy_tables_give_the_same_answers(seed: int) -> None:
+    """Where the C table operations are not built, table.py's numpy ones run: the same
+    answers as the oracle, with and without evictions."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(table_module, "_native", None)
+        _compare(seed, steps=120, budget_mb=64, equal=True)
+        _compare(seed, steps=120, budget_mb=2 * 16 * 36 / 2**20, equal=False)

@@ -1,7 +1,8 @@
 """The KV index's growing hash table against a dict: random inserts, deletes and column
 writes while the table grows (preparing the next table, then moving its keys a few buckets
-per insert) find every key with its values; a growth does not move the whole table in one
-call; at its cap the table hands back what found no room instead of growing."""
+per insert) find every key with its values, with the C operations and with the numpy ones
+that stand in where they are not built; a growth does not move the whole table in one call;
+at its cap the table hands back what found no room instead of growing."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from prfaas.gateway.kv_index import growing
+from prfaas.gateway.kv_index import table as table_module
 from prfaas.gateway.kv_index.growing import GrowingTable
 from prfaas.gateway.kv_index.table import WAYS, as_keys
 
@@ -41,11 +43,14 @@ def _slow_growth(patch: pytest.MonkeyPatch) -> None:
     patch.setattr(growing, "_STEP_BUCKETS", 1)
 
 
+@pytest.mark.parametrize("ops", ["c", "numpy"])
 @pytest.mark.parametrize("slow", [False, True])
 @pytest.mark.parametrize("uniform", [True, False])
 def test_random_operations_match_a_dict_while_the_table_grows(
-    uniform: bool, slow: bool, monkeypatch: pytest.MonkeyPatch
+    uniform: bool, slow: bool, ops: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    if ops == "numpy":
+        monkeypatch.setattr(table_module, "_native", None)
     if slow:
         _slow_growth(monkeypatch)
     rng = np.random.default_rng(7)

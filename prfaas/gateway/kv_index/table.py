@@ -15,13 +15,20 @@ time) or, at its cap, frees room in those very buckets (`victims`) and retries:
 set-associative eviction, as in CPU caches, with no global pass.
 
 Slot numbers are valid until the next insert or delete (deletes repack buckets).
+
+`find`, `insert` and `delete` run in C (`_buckets.c`: one call per batch instead of a dozen
+numpy calls of a few microseconds each, inserting one key at a time) where the extension is
+built; the numpy operations below are what runs where it is not, and what the tests hold
+the C to.
 """
 
 from __future__ import annotations
 
+import logging
 import mmap
 import sys
 from collections.abc import Mapping, Sequence
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -40,6 +47,22 @@ _ZERO_STAND_IN = np.uint64(0x9E3779B97F4A7C15)  # key 0 marks an empty slot; 0 i
 # Array aliases naming the dtype (numpy's stubs type most results as generic arrays).
 U64 = npt.NDArray[Any]  # uint64
 I64 = npt.NDArray[Any]  # int64
+
+
+def _native_module() -> ModuleType | None:
+    """The C operations, or None where the extension is not built (logged once)."""
+    try:
+        from prfaas.gateway.kv_index import _buckets
+    except ImportError:
+        logging.getLogger(__name__).warning(
+            "prfaas.gateway.kv_index._buckets is not built for this interpreter: the KV "
+            "index's tables run in numpy (several times slower; `pip install -e .` builds it)"
+        )
+        return None
+    return _buckets
+
+
+_native = _native_module()
 
 
 def as_keys(values: Sequence[int] | npt.NDArray[Any]) -> U64:
@@ -91,6 +114,15 @@ class HashTable:
         self.fill = _zeros((buckets,), np.int8)
         self._marks = _zeros((buckets,), np.int32)  # scratch: duplicate buckets in a batch
         self.columns = {n: _zeros((buckets, WAYS), d) for n, d in self.dtypes.items()}
+        # the arrays as the C operations take them (a table's arrays are never replaced)
+        self._layout = (
+            self.keys,
+            self.tags,
+            self.fill,
+            tuple(self.columns.values()),
+            int(self._scramble),
+            self.uniform,
+        )
 
     @property
     def nbytes(self) -> int:
@@ -139,6 +171,10 @@ class HashTable:
         once (2 bytes a slot to compare, not 8), then the key where a tag matched; a key
         whose first matching tag was another key's is looked up by key. (`np.take` gathers
         rows several times faster than fancy indexing.)"""
+        if _native is not None:
+            slots: I64 = np.empty(len(keys), dtype=np.int64)
+            _native.find(self._layout, np.ascontiguousarray(keys, dtype=np.uint64), slots)
+            return slots
         first, second, tags = self._choices(keys)
         buckets = np.stack([first, second], axis=1)  # (n, 2)
         equal = np.take(self.tags, buckets, axis=0) == tags[:, None, None]  # (n, 2, WAYS)
@@ -169,6 +205,12 @@ class HashTable:
         self, keys: U64, rows: dict[str, npt.NDArray[np.generic]]
     ) -> tuple[U64, dict[str, npt.NDArray[np.generic]]]:
         """Place what fits, emptier bucket first then the other; returns what did not."""
+        if _native is not None:
+            placed = np.empty(len(keys), dtype=bool)
+            values = tuple(np.ascontiguousarray(rows[name]) for name in self.dtypes)
+            self.size += _native.insert(self._layout, np.ascontiguousarray(keys), values, placed)
+            left = ~placed
+            return keys[left], {n: v[left] for n, v in rows.items()}
         first, second, tags = self._choices(keys)
         prefer_second = self.fill[second] < self.fill[first]
         other = np.where(prefer_second, first, second)
@@ -268,6 +310,9 @@ class HashTable:
     def delete(self, slots: I64) -> None:
         """Empty `slots` (distinct, taken) and repack their buckets."""
         if not len(slots):
+            return
+        if _native is not None:
+            self.size -= _native.delete(self._layout, np.ascontiguousarray(slots, dtype=np.int64))
             return
         self.keys.reshape(-1)[slots] = _EMPTY
         self.size -= len(slots)

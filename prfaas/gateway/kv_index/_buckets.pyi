@@ -1,0 +1,23 @@
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+Layout = tuple[
+    npt.NDArray[np.uint64],
+    npt.NDArray[np.uint16],
+    npt.NDArray[np.int8],
+    tuple[npt.NDArray[Any], ...],
+    int,
+    bool,
+]
+
+def find(layout: Layout, keys: npt.NDArray[Any], out: npt.NDArray[Any], /) -> None: ...
+def insert(
+    layout: Layout,
+    keys: npt.NDArray[Any],
+    values: tuple[npt.NDArray[Any], ...],
+    placed: npt.NDArray[Any],
+    /,
+) -> int: ...
+def delete(layout: Layout, slots: npt.NDArray[Any], /) -> int: ...
