@@ -137,6 +137,51 @@ static inline void choose(const Table *t, uint64_t key, Py_ssize_t *first, Py_ss
     *tag = (uint16_t)((mixed * 0x9E3779B97F4A7C15ull) >> 48);
 }
 
+/* Ask for the cache lines of a key's two buckets (fill, tags, keys and columns) a few keys
+ * before it is inserted: the buckets of a large table are memory misses, and asked for
+ * together they overlap. */
+#define AHEAD 8
+static inline void prefetch_buckets(const Table *t, uint64_t key) {
+    Py_ssize_t bucket[2];
+    uint16_t tag;
+    choose(t, key, &bucket[0], &bucket[1], &tag);
+    for (int i = 0; i < 2; i++) {
+        __builtin_prefetch(fill_of(t) + bucket[i]);
+        __builtin_prefetch(tags_of(t) + bucket[i] * WAYS);
+        __builtin_prefetch(keys_of(t) + bucket[i] * WAYS);
+        __builtin_prefetch(keys_of(t) + bucket[i] * WAYS + WAYS / 2);
+        for (Py_ssize_t c = 0; c < t->ncolumns; c++) {
+            __builtin_prefetch((char *)t->columns[c].buf + bucket[i] * WAYS * t->item[c]);
+        }
+    }
+}
+
+static inline void prefetch_tags(const Table *t, uint64_t key) {
+    Py_ssize_t first, second;
+    uint16_t tag;
+    choose(t, key, &first, &second, &tag);
+    __builtin_prefetch(tags_of(t) + first * WAYS);
+    __builtin_prefetch(tags_of(t) + second * WAYS);
+}
+
+/* The first slot of a key's two buckets with the key's tag, -1 where none has it (then the
+ * key is absent: every key's slot has its tag). Reads the tags only (an emptied slot may
+ * keep its old tag: its key, 0, then does not match). */
+static inline Py_ssize_t tag_match(const Table *t, uint64_t key) {
+    Py_ssize_t bucket[2];
+    uint16_t tag;
+    choose(t, key, &bucket[0], &bucket[1], &tag);
+    for (int i = 0; i < 2; i++) {
+        const uint16_t *tags = tags_of(t) + bucket[i] * WAYS;
+        for (int way = 0; way < WAYS; way++) {
+            if (tags[way] == tag) {
+                return bucket[i] * WAYS + way;
+            }
+        }
+    }
+    return -1;
+}
+
 static inline Py_ssize_t find_in(const Table *t, Py_ssize_t bucket, uint64_t key,
                                  uint16_t tag) {
     const uint64_t *keys = keys_of(t) + bucket * WAYS;
@@ -217,12 +262,29 @@ static PyObject *find(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     const uint64_t *keys = query.buf;
     int64_t *slots = out.buf;
     Py_ssize_t n = query.len / 8;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t first, second;
-        uint16_t tag;
-        choose(&t, keys[i], &first, &second, &tag);
-        Py_ssize_t slot = find_in(&t, first, keys[i], tag);
-        slots[i] = slot >= 0 ? slot : find_in(&t, second, keys[i], tag);
+    /* A pipeline over the keys, as a batch of finds in a large table is a batch of memory
+     * misses: each key's tag rows are asked for first, its tags compared AHEAD keys later
+     * (and the key at the slot whose tag matched asked for), and that key compared AHEAD
+     * keys after that; only a key whose tag matched another key's is looked for again. */
+    for (Py_ssize_t i = 0; i < n + 2 * AHEAD; i++) {
+        if (i < n) {
+            prefetch_tags(&t, keys[i]);
+        }
+        Py_ssize_t j = i - AHEAD;
+        if (j >= 0 && j < n) {
+            slots[j] = tag_match(&t, keys[j]);
+            if (slots[j] >= 0) {
+                __builtin_prefetch(keys_of(&t) + slots[j]);
+            }
+        }
+        Py_ssize_t k = i - 2 * AHEAD;
+        if (k >= 0 && k < n && slots[k] >= 0 && keys_of(&t)[slots[k]] != keys[k]) {
+            Py_ssize_t first, second;
+            uint16_t tag;
+            choose(&t, keys[k], &first, &second, &tag);
+            Py_ssize_t slot = find_in(&t, first, keys[k], tag);
+            slots[k] = slot >= 0 ? slot : find_in(&t, second, keys[k], tag);
+        }
     }
     PyBuffer_Release(&out);
     PyBuffer_Release(&query);
@@ -275,6 +337,9 @@ static PyObject *insert(PyObject *module, PyObject *const *args, Py_ssize_t narg
     int8_t *fill = fill_of(&t);
     Py_ssize_t count = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + AHEAD < n) {
+            prefetch_buckets(&t, keys[i + AHEAD]);
+        }
         Py_ssize_t first, second;
         uint16_t tag;
         choose(&t, keys[i], &first, &second, &tag);
