@@ -189,3 +189,25 @@ def test_bad_arguments_raise_and_change_nothing() -> None:
         _buckets.find(layout, held, np.empty(len(held), dtype=np.int64))
     for array, saved in zip(_arrays(table), before, strict=True):
         assert np.array_equal(array, saved)
+
+
+@pytest.mark.parametrize("container", [list, tuple])
+def test_as_keys_reads_ints_as_numpy_does(container: type, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lists and tuples of ints (0 and 2**64 - 1 among them, numpy integers too) give the
+    keys `np.fromiter` gives; ids that are not uint64 integers raise."""
+    rng = np.random.default_rng(1)
+    values = [0, 1, 2**63, 2**64 - 1, np.uint64(5), np.int64(7)]
+    values += rng.integers(0, 2**64, size=500, dtype=np.uint64).tolist()
+    got = as_keys(container(values))
+    with monkeypatch.context() as patch:
+        patch.setattr(table_module, "_native", None)
+        want = as_keys(container(values))
+    assert got.dtype == want.dtype == np.uint64
+    assert got.tolist() == want.tolist()
+    assert 0 not in got.tolist()
+    with pytest.raises(OverflowError):
+        as_keys(container([1, -1]))
+    with pytest.raises(OverflowError):
+        as_keys(container([2**64]))
+    with pytest.raises(TypeError):
+        as_keys(container([1, "2"]))

@@ -473,7 +473,57 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(as_keys_doc,
+"as_keys(values, out, /) -> None\n\n"
+"Write `values` (a list or tuple of ints in [0, 2**64)) into `out` (uint64) as table keys:\n"
+"0, which marks an empty slot, as its stand-in (table.py's `_ZERO_STAND_IN`).");
+
+static PyObject *as_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 3 || !(PyList_Check(args[0]) || PyTuple_Check(args[0]))) {
+        PyErr_SetString(PyExc_TypeError, "as_keys(values: list | tuple, out, stand_in)");
+        return NULL;
+    }
+    uint64_t stand_in = PyLong_AsUnsignedLongLong(args[2]);
+    if (stand_in == (uint64_t)-1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    PyObject *values = args[0];
+    Py_buffer out;
+    if (open_array(args[1], &out, PyBUF_WRITABLE, PySequence_Fast_GET_SIZE(values), 8,
+                   "out") < 0) {
+        return NULL;
+    }
+    uint64_t *keys = out.buf;
+    for (Py_ssize_t i = 0; i < out.len / 8; i++) {
+        /* checked access: a list may change size while an item's __index__ runs */
+        PyObject *item = PyList_Check(values) ? PyList_GetItem(values, i)
+                                              : PyTuple_GetItem(values, i);
+        if (item == NULL) {
+            goto fail;
+        }
+        Py_INCREF(item);
+        PyObject *number = PyLong_CheckExact(item) ? Py_NewRef(item) : PyNumber_Index(item);
+        Py_DECREF(item);
+        if (number == NULL) {
+            goto fail;
+        }
+        uint64_t key = PyLong_AsUnsignedLongLong(number);
+        Py_DECREF(number);
+        if (key == (uint64_t)-1 && PyErr_Occurred()) {
+            goto fail;
+        }
+        keys[i] = key ? key : stand_in;
+    }
+    PyBuffer_Release(&out);
+    Py_RETURN_NONE;
+fail:
+    PyBuffer_Release(&out);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
+    {"as_keys", (PyCFunction)(void (*)(void))as_keys, METH_FASTCALL, as_keys_doc},
     {"find", (PyCFunction)(void (*)(void))find, METH_FASTCALL, find_doc},
     {"insert", (PyCFunction)(void (*)(void))insert, METH_FASTCALL, insert_doc},
     {"delete", (PyCFunction)(void (*)(void))delete, METH_FASTCALL, delete_doc},

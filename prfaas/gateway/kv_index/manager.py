@@ -42,6 +42,7 @@ from prfaas.common.hashing import hash_blocks, hash_packed_blocks, packed_count
 from prfaas.gateway.kv_index.growing import GrowingTable
 from prfaas.gateway.kv_index.holder_sets import EMPTY, MULTIPLE, HolderSets
 from prfaas.gateway.kv_index.table import I64, U64, WAYS, as_keys
+from prfaas.gateway.kv_index.walk import walk
 from prfaas.protocol.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -91,6 +92,7 @@ class KVIndexManager:
         self._bits: dict[str, int] = {}  # instance id -> member number, for the index's life
         self._names: list[str] = []  # member number -> instance id
         self._known: set[str] = set()  # instances with something indexed (or reported)
+        self._members_cache: tuple[list[str], I64, U64] | None = None  # see _lookup_members
         self._states: dict[str, GrowingTable] = {}
         """Per hybrid instance, our hashes of the blocks after which it kept its linear
         states (absent: the engine has reported no states, every cached block reusable)."""
@@ -144,10 +146,9 @@ class KVIndexManager:
         self._flush()
         if not self._known:
             return {}
-        names = self.instances()
-        result = dict.fromkeys(names, 0)
-        words = self._sets.bits.shape[1]
-        alive = _words(sum(1 << self._bits[name] for name in names), words)
+        names, members, everyone = self._lookup_members()
+        alive = everyone.copy()
+        ends = np.full(64 * len(alive), -1, dtype=np.int64)  # per member: where its match ended
         read: list[U64] = []
         used: list[I64] = []  # slots of the blocks some instance matched
         matched = 0  # blocks read before the current chunk
@@ -155,23 +156,37 @@ class KVIndexManager:
             keys = as_keys(chunk)
             read.append(keys)
             slots = self._blocks.find(keys)
-            holders = np.where(slots >= 0, self._blocks.get("holders", slots), EMPTY)
-            bits = np.take(self._sets.bits, holders, axis=0) & alive
-            held = np.bitwise_and.accumulate(bits, axis=0)
-            before = np.vstack([alive, held[:-1]])
-            for row in np.flatnonzero((held != before).any(axis=1)).tolist():
-                for bit in _members(_int(before[row] & ~held[row])):
-                    result[self._names[bit]] = (matched + row) * self.block_size
-            used.append(slots[: int(held.any(axis=1).sum())])
+            holders = self._blocks.get("holders", slots)
+            holders[slots < 0] = EMPTY
+            held = walk(self._sets.bits, holders, alive, ends, matched)
+            used.append(slots[:held])
             matched += len(keys)
-            alive = held[-1]
-            if not alive.any():
+            if held < len(keys):  # nobody holds that block
                 break
-        for bit in _members(_int(alive)):
-            result[self._names[bit]] = matched * self.block_size
-        self._touch(np.concatenate(used) if used else np.empty(0, np.int64))
-        self._cut_to_kept_states(result, read)
+        ended = ends[members]
+        lengths = np.where(ended >= 0, ended, matched) * self.block_size
+        result = dict(zip(names, lengths.tolist(), strict=True))
+        self._touch(np.concatenate(used))
+        if self._states:
+            self._cut_to_kept_states(result, read)
         return result
+
+    def _lookup_members(self) -> tuple[list[str], I64, U64]:
+        """The known instances, their member numbers, and all of them as holder-set words
+        (what a lookup starts from; kept until an instance becomes known or forgotten)."""
+        words = self._sets.bits.shape[1]
+        if self._members_cache is None or len(self._members_cache[2]) != words:
+            names = self.instances()
+            members = np.array([self._bits[name] for name in names], dtype=np.int64)
+            everyone = _words(sum(1 << int(bit) for bit in members.tolist()), words)
+            self._members_cache = names, members, everyone
+        return self._members_cache
+
+    def _know(self, instance_id: str) -> None:
+        """The instance has something indexed (or reported)."""
+        if instance_id not in self._known:
+            self._known.add(instance_id)
+            self._members_cache = None
 
     def _touch(self, slots: I64) -> None:
         """Mark a chain's blocks used now, its first block the latest (a full bucket then
@@ -295,7 +310,7 @@ class KVIndexManager:
             for event in run:
                 assert isinstance(event, BlockStored)
                 if self._fits(instance_id, event):
-                    self._known.add(instance_id)
+                    self._know(instance_id)
                     valid.append((bit, event))
         if not valid:
             return
@@ -561,6 +576,7 @@ class KVIndexManager:
         if instance_id not in self._known:
             return
         self._known.discard(instance_id)
+        self._members_cache = None
         if instance_id in self._states:  # a hybrid engine stays one: it keeps no states yet
             self._states[instance_id] = GrowingTable({}, uniform=True)
         bit = self._bits[instance_id]
@@ -572,7 +588,7 @@ class KVIndexManager:
 
     def _states_stored(self, instance_id: str, engine_hashes: Sequence[int]) -> None:
         bit = self._bit(instance_id)
-        self._known.add(instance_id)
+        self._know(instance_id)
         states = self._states.get(instance_id)
         if states is None:  # not setdefault: that would build a table on every event
             states = self._states[instance_id] = GrowingTable({}, uniform=True)
@@ -696,14 +712,3 @@ def _engine_keys(hashes: Sequence[int]) -> U64:
 
 def _words(bits: int, words: int) -> U64:
     return np.array([(bits >> (64 * w)) & ((1 << 64) - 1) for w in range(words)], np.uint64)
-
-
-def _int(words: np.ndarray) -> int:
-    return int.from_bytes(words.astype("<u8").tobytes(), "little")
-
-
-def _members(bits: int) -> Iterator[int]:
-    while bits:
-        low = bits & -bits
-        yield low.bit_length() - 1
-        bits ^= low

@@ -67,10 +67,14 @@ _native = _native_module()
 
 def as_keys(values: Sequence[int] | npt.NDArray[Any]) -> U64:
     """`values` (in [0, 2**64)) as table keys (uint64, 0 replaced by its stand-in). A list
-    of Python ints goes through `np.fromiter`: a third faster than `np.asarray` for hashes
-    past 2**63, which is half of them."""
+    or tuple of Python ints is read in C where it is built, else through `np.fromiter` (a
+    third faster than `np.asarray` for hashes past 2**63, which is half of them)."""
     if isinstance(values, np.ndarray):
         keys = values.astype(np.uint64, copy=False)
+    elif _native is not None and isinstance(values, list | tuple):
+        keys = np.empty(len(values), dtype=np.uint64)
+        _native.as_keys(values, keys, int(_ZERO_STAND_IN))
+        return keys
     else:
         keys = np.fromiter(values, dtype=np.uint64, count=len(values))
     return np.where(keys == _EMPTY, _ZERO_STAND_IN, keys)
