@@ -318,6 +318,11 @@ class KVIndexManager:
             (b, e.parent_block_hash) for b, e in valid if e.parent_block_hash is not None
         ]
         known = self._translate([b for b, _ in with_parent], [p for _, p in with_parent])
+        # parents not indexed yet, per instance: only these may be stored earlier in the batch
+        unknown: dict[int, set[int]] = {}
+        for key in with_parent:
+            if key not in known:
+                unknown.setdefault(key[0], set()).add(key[1])
         bits: list[int] = []
         engine: list[int] = []
         ours: list[int] = []
@@ -338,8 +343,11 @@ class KVIndexManager:
             bits.extend(itertools.repeat(bit, len(hashes)))
             engine.extend(event.block_hashes)
             ours.extend(hashes)
-            for engine_hash, our_hash in zip(event.block_hashes, hashes, strict=True):
-                chained.setdefault((bit, engine_hash), our_hash)
+            wanted = unknown.get(bit)
+            if wanted:
+                for engine_hash, our_hash in zip(event.block_hashes, hashes, strict=True):
+                    if engine_hash in wanted:
+                        chained.setdefault((bit, engine_hash), our_hash)
         if engine:
             self._add(np.array(bits, dtype=np.int64), engine, as_keys(ours))
 
