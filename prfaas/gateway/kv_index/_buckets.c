@@ -19,6 +19,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <limits.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -473,6 +474,17 @@ done:
     return result;
 }
 
+/* An int as a uint64 (OverflowError outside [0, 2**64)). Where unsigned long is 64 bits,
+ * its conversion, which reads the int's digits directly: CPython's unsigned long long
+ * conversion goes through a generic byte-array one, about twice as slow. */
+static inline uint64_t as_u64(PyObject *number) {
+#if ULONG_MAX == UINT64_MAX
+    return PyLong_AsUnsignedLong(number);
+#else
+    return PyLong_AsUnsignedLongLong(number);
+#endif
+}
+
 PyDoc_STRVAR(as_keys_doc,
 "as_keys(values, out, /) -> None\n\n"
 "Write `values` (a list or tuple of ints in [0, 2**64)) into `out` (uint64) as table keys:\n"
@@ -508,7 +520,7 @@ static PyObject *as_keys(PyObject *module, PyObject *const *args, Py_ssize_t nar
         if (number == NULL) {
             goto fail;
         }
-        uint64_t key = PyLong_AsUnsignedLongLong(number);
+        uint64_t key = as_u64(number);
         Py_DECREF(number);
         if (key == (uint64_t)-1 && PyErr_Occurred()) {
             goto fail;
