@@ -48,6 +48,35 @@ def test_longest_prefix_per_instance() -> None:
     assert index.longest_prefix(hash_blocks(tokens, BS)) == {"a": 4, "b": 16}
 
 
+def test_a_prompt_shorter_than_a_block_matches_nothing() -> None:
+    """No block to look up (an empty chain, or a prompt shorter than a block, as the router
+    hashes it lazily): every known instance at 0."""
+    index = KVIndexManager(block_size=BS)
+    index.apply("a", [_stored([1, 2, 3, 4], [1])])
+    assert index.longest_prefix([]) == {"a": 0}
+    assert index.longest_prefix(iter_block_hashes([1, 2, 3], BS)) == {"a": 0}
+
+
+def test_lookups_across_more_instances_than_a_word_of_bits() -> None:
+    """Instances past the first 64 (holder sets grow a word): an instance known with
+    nothing indexed yet (its only event rejected) matches 0, and once it stores, its
+    prefix; the others keep theirs."""
+    index = KVIndexManager(block_size=BS)
+    tokens = list(range(8))
+    for i in range(64):
+        index.apply(f"e{i}", [_stored(tokens[: 4 + 4 * (i % 2)], [1, 2][: 1 + i % 2])])
+    index.apply("late", [_stored(tokens[4:], [9], parent=404)])  # unknown parent: rejected
+    found = index.longest_prefix(hash_blocks(tokens, BS))
+    assert found == {**{f"e{i}": 4 + 4 * (i % 2) for i in range(64)}, "late": 0}
+    index.apply("late", [_stored(tokens, [5, 6])])
+    index.apply("later", [_stored(tokens[:4], [7])])
+    found = index.longest_prefix(hash_blocks(tokens, BS))
+    assert found["late"] == 8 and found["later"] == 4 and found["e63"] == 8
+    index.apply("e63", [AllBlocksCleared()])
+    found = index.longest_prefix(hash_blocks(tokens, BS))
+    assert "e63" not in found and found["e62"] == 4 and found["late"] == 8
+
+
 def _counting(hashes: Iterator[int], seen: list[int]) -> Iterator[int]:
     for h in hashes:
         seen.append(h)

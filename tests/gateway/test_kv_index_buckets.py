@@ -149,7 +149,8 @@ def test_inserts_keep_the_invariants_and_hand_back_only_what_cannot_fit(
         placed = ~np.isin(keys, left)
         rows = zip(*(values[n][placed].tolist() for n in COLUMNS), strict=True)
         model.update(zip(keys[placed].tolist(), rows, strict=True))
-        assert left_values["wide"].tolist() == values["wide"][~placed].tolist()
+        for name in COLUMNS:
+            assert left_values[name].tolist() == values[name][~placed].tolist()
         handed_back += len(left)
         first, second, _ = table._choices(left)
         for one, two in zip(first.tolist(), second.tolist(), strict=True):

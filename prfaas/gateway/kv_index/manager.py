@@ -148,7 +148,10 @@ class KVIndexManager:
             return {}
         names, members, everyone = self._lookup_members()
         alive = everyone.copy()
-        ends = np.full(64 * len(alive), -1, dtype=np.int64)  # per member: where its match ended
+        # per member number, the block where its match ended; the last entry stands for the
+        # members with no holder-set bit yet (nothing of theirs indexed): ended at 0
+        ends = np.full(64 * len(alive) + 1, -1, dtype=np.int64)
+        ends[-1] = 0
         read: list[U64] = []
         used: list[I64] = []  # slots of the blocks some instance matched
         matched = 0  # blocks read before the current chunk
@@ -158,7 +161,7 @@ class KVIndexManager:
             slots = self._blocks.find(keys)
             holders = self._blocks.get("holders", slots)
             holders[slots < 0] = EMPTY
-            held = walk(self._sets.bits, holders, alive, ends, matched)
+            held = walk(self._sets.bits, holders, alive, ends[:-1], matched)
             used.append(slots[:held])
             matched += len(keys)
             if held < len(keys):  # nobody holds that block
@@ -166,19 +169,22 @@ class KVIndexManager:
         ended = ends[members]
         lengths = np.where(ended >= 0, ended, matched) * self.block_size
         result = dict(zip(names, lengths.tolist(), strict=True))
-        self._touch(np.concatenate(used))
+        self._touch(np.concatenate(used) if used else np.empty(0, np.int64))
         if self._states:
             self._cut_to_kept_states(result, read)
         return result
 
     def _lookup_members(self) -> tuple[list[str], I64, U64]:
         """The known instances, their member numbers, and all of them as holder-set words
-        (what a lookup starts from; kept until an instance becomes known or forgotten)."""
+        (what a lookup starts from; kept until an instance becomes known or forgotten, or
+        the words grow). A member number past the words (an instance none of whose blocks
+        is indexed yet) is given as 64 * words."""
         words = self._sets.bits.shape[1]
         if self._members_cache is None or len(self._members_cache[2]) != words:
             names = self.instances()
             members = np.array([self._bits[name] for name in names], dtype=np.int64)
-            everyone = _words(sum(1 << int(bit) for bit in members.tolist()), words)
+            members = np.minimum(members, 64 * words)
+            everyone = _words(sum(1 << int(bit) for bit in set(members.tolist())), words)
             self._members_cache = names, members, everyone
         return self._members_cache
 
