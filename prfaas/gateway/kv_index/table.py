@@ -3,11 +3,10 @@
 Layout: `buckets` rows of `WAYS` slots (keys in one uint64 array, each column in its own
 array of the same shape). A key lives in one of two buckets chosen by its mixed hash
 (two-choice hashing: it goes to the emptier one), and a bucket's keys are packed at its
-start, so `fill` says which slots are taken. Finding a batch of keys is a fixed dozen numpy
-operations whatever the load (two row gathers and compares), which is what makes a
-2,000-block lookup a few tens of microseconds; two choices of 16 slots fill to ~84% before
-the first bucket pair overflows, and moving one key of a full pair to its other bucket (one
-step of cuckoo hashing) to ~95%, which is what keeps the bytes per entry low.
+start, so `fill` says which slots are taken. A key's lookup reads its two buckets' tags
+(2 bytes a slot) and one key; two choices of 16 slots fill to ~84% before the first bucket
+pair overflows, and moving one key of a full pair to its other bucket (one step of cuckoo
+hashing) to ~95%, which is what keeps the bytes per entry low.
 
 The table's size is fixed: `insert` reports the keys that found no room, and the owner
 either grows (`growing.GrowingTable` moves the keys into a larger table a few buckets at a
@@ -18,8 +17,8 @@ Slot numbers are valid until the next insert or delete (deletes repack buckets).
 
 `find`, `insert` and `delete` run in C (`_buckets.c`: one call per batch instead of a dozen
 numpy calls of a few microseconds each, inserting one key at a time) where the extension is
-built; the numpy operations below are what runs where it is not, and what the tests hold
-the C to.
+built; the numpy operations below (a batch's find: two row gathers and compares) are what
+runs where it is not, and what the tests hold the C to.
 """
 
 from __future__ import annotations
