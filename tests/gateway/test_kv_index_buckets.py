@@ -34,13 +34,16 @@ def _filled(
     table = HashTable(COLUMNS, buckets=buckets, uniform=uniform, seed=int(rng.integers(0, 9)))
     keys = np.unique(as_keys(_random_keys(rng, n, uniform)))
     rng.shuffle(keys)
-    values = {
-        "value": rng.integers(0, 2**32, size=len(keys), dtype=np.uint32),
-        "owner": rng.integers(0, 2**16, size=len(keys), dtype=np.uint16),
-        "wide": rng.integers(0, 2**64, size=len(keys), dtype=np.uint64),
-    }
-    left, _ = table.insert(keys, values)
+    left, _ = table.insert(keys, _random_values(rng, len(keys)))
     return table, keys[~np.isin(keys, left)]
+
+
+def _random_values(rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:
+    """A value of each column for `n` keys, any in its dtype's range."""
+    return {
+        name: rng.integers(0, np.iinfo(dtype).max, size=n, dtype=dtype, endpoint=True)
+        for name, dtype in COLUMNS.items()
+    }
 
 
 def _random_keys(rng: np.random.Generator, n: int, uniform: bool) -> np.ndarray:
@@ -140,11 +143,7 @@ def test_inserts_keep_the_invariants_and_hand_back_only_what_cannot_fit(
         keys = np.unique(as_keys(_random_keys(rng, 100, uniform)))
         keys = keys[table.find(keys) < 0]
         rng.shuffle(keys)
-        values = {
-            "value": rng.integers(0, 2**32, size=len(keys), dtype=np.uint32),
-            "owner": rng.integers(0, 2**16, size=len(keys), dtype=np.uint16),
-            "wide": rng.integers(0, 2**64, size=len(keys), dtype=np.uint64),
-        }
+        values = _random_values(rng, len(keys))
         left, left_values = table.insert(keys, values)
         placed = ~np.isin(keys, left)
         rows = zip(*(values[n][placed].tolist() for n in COLUMNS), strict=True)
