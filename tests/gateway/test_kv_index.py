@@ -3,6 +3,7 @@ clears, rejected events, the memory bound, and hybrid engines' state checkpoints
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 
 import msgspec
@@ -11,7 +12,7 @@ import pytest
 
 from prfaas.common import hashing
 from prfaas.common.hashing import hash_blocks, iter_block_hashes
-from prfaas.gateway.kv_index import KVIndexManager
+from prfaas.gateway.kv_index import KVIndexManager, growing
 from prfaas.gateway.kv_index.manager import _salt
 from prfaas.protocol.kv_events import (
     AllBlocksCleared,
@@ -194,6 +195,57 @@ def test_memory_bound_forgets_least_recently_used() -> None:
     assert len(index) == 16
     assert index.longest_prefix(hash_blocks(tokens, BS)) == {"a": 0, "b": 0}
     assert index.longest_prefix(hash_blocks(other, BS)) == {"a": 0, "b": 64}
+
+
+def _use_times(index: KVIndexManager) -> dict[int, int]:
+    """Each indexed block's use time, by our hash (both tables while one grows)."""
+    times: dict[int, int] = {}
+    for table in index._blocks.tables:
+        taken = table.keys.reshape(-1) != 0
+        keys = table.keys.reshape(-1)[taken].tolist()
+        times.update(zip(keys, table.column("used")[taken].tolist(), strict=True))
+    return times
+
+
+@pytest.mark.parametrize("budget_mb", [0.01, 64])
+@pytest.mark.parametrize("seed", range(4))
+def test_use_marks_written_after_the_lookup_are_those_written_at_once(
+    seed: int, budget_mb: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lookup's use marks wait for the next change to the table (a flush, a growth step,
+    a clear): two indexes given the same events, lookups, growth steps and clears, one
+    writing each lookup's marks at once, hold the same use times, and evict alike under a
+    small budget; under a large one, growth steps move blocks a lookup marked."""
+    monkeypatch.setattr(growing, "_TOUCH_BYTES", 64)  # growths over many steps
+    monkeypatch.setattr(growing, "_STEP_BUCKETS", 1)
+    rng = random.Random(seed)
+    later, at_once = (KVIndexManager(block_size=BS, max_index_mb=budget_mb) for _ in range(2))
+    chains = [list(range(1000 * c, 1000 * c + 4 * rng.randint(1, 60))) for c in range(40)]
+    moved_marked = 0  # growth steps taken with marks waiting
+    for step in range(600):
+        choice = rng.random()
+        instance = f"e{rng.randrange(3)}"
+        chain = rng.choice(chains)
+        if choice < 0.25:
+            blocks = len(chain) // BS
+            event = _stored(chain, [hash((step, b)) & 0xFFFF_FFFF for b in range(blocks)])
+            for index in (later, at_once):
+                index.apply(instance, [event])
+        elif choice < 0.7:
+            answers = [index.longest_prefix(hash_blocks(chain, BS)) for index in (later, at_once)]
+            assert answers[0] == answers[1]
+            at_once._write_touches()
+        elif choice < 0.97:
+            moved_marked += bool(later._touches) and later._blocks.moving
+            for index in (later, at_once):
+                index.advance_growth()
+        else:
+            for index in (later, at_once):
+                index.clear_instance(instance)
+    assert later.evicted_entries == at_once.evicted_entries
+    assert later.evicted_entries > 0 if budget_mb < 1 else moved_marked > 0
+    later._write_touches()
+    assert _use_times(later) == _use_times(at_once)
 
 
 def test_lookup_with_many_blocks() -> None:
