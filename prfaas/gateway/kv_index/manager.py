@@ -63,8 +63,9 @@ _TRANSLATION_SLOT_BYTES = 8 + 2 + 8 + 2  # key, tag, ours, instance
 FLUSH_BLOCKS = 256
 # Translation rows checked per flush for an evicted block while any may be left.
 _SWEEP_SLOTS = 4096
-# Lookups' use marks held back at most (slots) before they are written at once.
-_MAX_TOUCHES = 1 << 16
+# Lookups' use marks held back at most (slots) before a lookup writes them: a few lookups'
+# worth (scattered writes into a large table: 0.1-0.2 ms for this many at 10M entries).
+_MAX_TOUCHES = 8192
 # Lazily hashed lookups read their hashes in chunks of at most this many.
 _MAX_CHUNK = 4096
 _MAX_INSTANCES = 1 << 16  # the translation row's instance number is 16 bits
@@ -201,9 +202,10 @@ class KVIndexManager:
     def _touch(self, slots: I64) -> None:
         """Mark a chain's blocks used now, its first block the latest (a full bucket then
         evicts chains from their ends, as engines do). Written at the next change to the
-        blocks table (`_write_touches`), not on the lookup's path: use times are read only
-        when the table changes, and scattered writes into a column of hundreds of MB were
-        a quarter of a 128K-token lookup at 10M entries."""
+        blocks table or growth step (`_write_touches`; the feed steps every 20 ms), not on
+        the lookup's path: use times are read only when the table changes, and scattered
+        writes into a column of hundreds of MB were a quarter of a 128K-token lookup at
+        10M entries."""
         if len(slots):
             self._touches.append((slots, self._tick(len(slots))))
             self._touched += len(slots)
