@@ -13,6 +13,7 @@ import pytest
 from prfaas.common import hashing
 from prfaas.common.hashing import hash_blocks, iter_block_hashes
 from prfaas.gateway.kv_index import KVIndexManager, growing
+from prfaas.gateway.kv_index import manager as manager_module
 from prfaas.gateway.kv_index.manager import _salt
 from prfaas.protocol.kv_events import (
     AllBlocksCleared,
@@ -207,19 +208,23 @@ def _use_times(index: KVIndexManager) -> dict[int, int]:
     return times
 
 
+@pytest.mark.parametrize("held_back", [8192, 100])
 @pytest.mark.parametrize("budget_mb", [0.01, 64])
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(3))
 def test_use_marks_written_after_the_lookup_are_those_written_at_once(
-    seed: int, budget_mb: float, monkeypatch: pytest.MonkeyPatch
+    seed: int, budget_mb: float, held_back: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A lookup's use marks wait for the next change to the table (a flush, a growth step,
-    a clear): two indexes given the same events, lookups, growth steps and clears, one
-    writing each lookup's marks at once, hold the same use times, and evict alike under a
-    small budget; under a large one, growth steps move blocks a lookup marked."""
+    a clear), or until `held_back` wait: two indexes given the same events, lookups, growth
+    steps and clears, one writing each lookup's marks at once, hold the same use times, and
+    evict alike under a small budget; under a large one, growth steps move blocks a lookup
+    marked. The use clock starts near its top, so it is halved on the way."""
     monkeypatch.setattr(growing, "_TOUCH_BYTES", 64)  # growths over many steps
     monkeypatch.setattr(growing, "_STEP_BUCKETS", 1)
+    monkeypatch.setattr(manager_module, "_MAX_TOUCHES", held_back)
     rng = random.Random(seed)
     later, at_once = (KVIndexManager(block_size=BS, max_index_mb=budget_mb) for _ in range(2))
+    later._clock = at_once._clock = 2**32 - 3_000
     chains = [list(range(1000 * c, 1000 * c + 4 * rng.randint(1, 60))) for c in range(40)]
     moved_marked = 0  # growth steps taken with marks waiting
     for step in range(600):
@@ -244,8 +249,27 @@ def test_use_marks_written_after_the_lookup_are_those_written_at_once(
                 index.clear_instance(instance)
     assert later.evicted_entries == at_once.evicted_entries
     assert later.evicted_entries > 0 if budget_mb < 1 else moved_marked > 0
+    assert later._clock < 2**32 - 3_000  # halved on the way
     later._write_touches()
     assert _use_times(later) == _use_times(at_once)
+
+
+def test_use_marks_waiting_when_the_use_clock_is_halved_are_halved_too() -> None:
+    """A lookup that halves the use clock (near its top) first writes the marks waiting, so
+    they are halved with every other use time, as marks written at once are."""
+    later, at_once = (KVIndexManager(block_size=BS) for _ in range(2))
+    first, second = list(range(32)), list(range(100, 132))
+    for index in (later, at_once):
+        index.apply("a", [_stored(first, list(range(1, 9)))])
+        index.apply("b", [_stored(second, list(range(11, 19)))])
+        len(index)  # applied
+        index._clock = 2**32 - 12
+    for chain in (first, second):  # 8 blocks each: the second lookup's ticks halve
+        for index in (later, at_once):
+            assert index.longest_prefix(hash_blocks(chain, BS))
+        at_once._write_touches()
+    later._write_touches()
+    assert later._clock < 2**31 + 100 and _use_times(later) == _use_times(at_once)
 
 
 def test_lookup_with_many_blocks() -> None:

@@ -201,11 +201,13 @@ class KVIndexManager:
 
     def _touch(self, slots: I64) -> None:
         """Mark a chain's blocks used now, its first block the latest (a full bucket then
-        evicts chains from their ends, as engines do). Written at the next change to the
-        blocks table or growth step (`_write_touches`; the feed steps every 20 ms), not on
-        the lookup's path: use times are read only when the table changes, and scattered
-        writes into a column of hundreds of MB were a quarter of a 128K-token lookup at
-        10M entries."""
+        evicts chains from their ends, as engines do). Written later (`_write_touches`):
+        before the next flush of events, clear or growth step (the feed steps every 20 ms),
+        or by a lookup once `_MAX_TOUCHES` wait. Use times are read only when the table
+        changes, and scattered writes into a column of hundreds of MB were a quarter of a
+        128K-token lookup at 10M entries: at a few requests a second the feed's step writes
+        them between requests; lookups back to back (or a flush at a read) still pay them,
+        a few lookups' worth at a time."""
         if len(slots):
             self._touches.append((slots, self._tick(len(slots))))
             self._touched += len(slots)
@@ -213,13 +215,12 @@ class KVIndexManager:
                 self._write_touches()
 
     def _write_touches(self) -> None:
-        """Write the lookups' use marks, in the order they were made (slot numbers hold
-        until the blocks table next changes, which every caller of this precedes)."""
-        for slots, base in self._touches:
+        """Write the lookups' use marks, in the order they were made (their slot numbers
+        hold until the blocks table next changes: this runs before anything changes it)."""
+        touches, self._touches, self._touched = self._touches, [], 0
+        for slots, base in touches:
             used = base + np.arange(len(slots), 0, -1, dtype=np.uint32)
             self._blocks.set("used", slots, used)
-        self._touches.clear()
-        self._touched = 0
 
     def _tick(self, n: int) -> np.uint32:
         """Reserve `n` ticks of the use clock (32 bits, halved with every use time when
