@@ -1,9 +1,10 @@
 """The C extensions: the chained block hash's loops (`prfaas/common/_chain_hash.c`), and the
-KV index's hash table's batch operations and its lookups' walk (`prfaas/gateway/kv_index/`:
-`_buckets.c`, `_walk.c`). Everything else is in pyproject.toml. Building them needs a C
-compiler and the Python headers; they are optional: where one does not build, the install
-goes on without it and the same operations run in Python and numpy (`hashing.py`,
-`table.py`, `walk.py` beside them; several times slower, logged)."""
+KV index's hash table's batch operations, its lookups' walk and a flush's per-key loops
+(`prfaas/gateway/kv_index/`: `_buckets.c`, `_walk.c`, `_batch.c`). Everything else is in
+pyproject.toml. Building them needs a C compiler and the Python headers; they are optional:
+where one does not build, the install goes on without it and the same operations run in
+Python and numpy (`hashing.py`, `table.py`, `walk.py`, `batch.py` beside them; several
+times slower, logged)."""
 
 from setuptools import Extension, setup
 
@@ -19,6 +20,12 @@ setup(
         Extension(
             "prfaas.gateway.kv_index._buckets",
             sources=["prfaas/gateway/kv_index/_buckets.c"],
+            extra_compile_args=["-O3"],
+            optional=True,
+        ),
+        Extension(
+            "prfaas.gateway.kv_index._batch",
+            sources=["prfaas/gateway/kv_index/_batch.c"],
             extra_compile_args=["-O3"],
             optional=True,
         ),

@@ -488,7 +488,7 @@ static inline uint64_t as_u64(PyObject *number) {
 PyDoc_STRVAR(as_keys_doc,
 "as_keys(values, out, stand_in, /) -> None\n\n"
 "Write `values` (a list or tuple of ints in [0, 2**64)) into `out` (uint64) as table keys:\n"
-"0, which marks an empty slot, as `stand_in` (table.py's `_ZERO_STAND_IN`).");
+"0, which marks an empty slot, as `stand_in` (table.py's `ZERO_STAND_IN`).");
 
 static PyObject *as_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;

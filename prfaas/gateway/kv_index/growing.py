@@ -276,7 +276,10 @@ def _nothing(table: HashTable) -> tuple[U64, Rows]:
 
 
 def _joined(*parts: tuple[U64, Rows]) -> tuple[U64, Rows]:
-    """Keys with their rows, concatenated in order."""
+    """Keys with their rows, concatenated in order (the one part that has keys, as it is)."""
+    filled = [part for part in parts if len(part[0])]
+    if len(filled) <= 1:
+        return filled[0] if filled else parts[-1]
     keys: U64 = np.concatenate([k for k, _ in parts])
     names = parts[0][1].keys()
     return keys, {n: np.concatenate([r[n] for _, r in parts]) for n in names}

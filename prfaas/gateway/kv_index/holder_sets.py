@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from prfaas.gateway.kv_index.batch import group
+
 EMPTY = 0
 MULTIPLE = 1 << 16
 """`update`'s change numbers from here up name several instances (below: one instance)."""
@@ -51,22 +53,21 @@ class HolderSets:
         move from the old ids to the new ones. One set operation per distinct (set,
         change) pair: a batch's blocks share a few."""
         pairs = (set_ids.astype(np.uint64) << np.uint64(32)) | changes.astype(np.uint64)
-        distinct, inverse = np.unique(pairs, return_inverse=True)
+        first, inverse, _ = group(pairs)
+        rows = np.bincount(inverse, minlength=len(first))  # rows per distinct pair
         new_ids: list[int] = []
         deltas: list[int] = []
-        for pair in distinct.tolist():
+        for pair in pairs[first].tolist():
             members = self._members[pair >> 32]
             change = pair & 0xFFFFFFFF
             mask = masks[change] if change >= MULTIPLE else 1 << change
             changed = members | mask if add else members & ~mask
             new_ids.append(self._intern(changed))
             deltas.append(changed.bit_count() - members.bit_count())
-        inverse = inverse.reshape(-1)
-        result = np.array(new_ids, dtype=np.uint32)[inverse]
-        delta = int(np.array(deltas, dtype=np.int64)[inverse].sum())
-        self.retain(result, +1)
-        self.retain(set_ids, -1)
-        return result, delta
+        new = np.array(new_ids, dtype=np.uint32)
+        self.retain(new, rows)
+        self.retain(set_ids[first], -rows)
+        return new[inverse], int(np.dot(np.array(deltas, dtype=np.int64), rows))
 
     def _intern(self, members: int) -> int:
         set_id = self._ids.get(members)
@@ -92,11 +93,11 @@ class HolderSets:
         refs[: len(self.refs)] = self.refs
         self.bits, self.refs = bits, refs
 
-    def retain(self, set_ids: npt.NDArray[Any], count: int) -> None:
-        """Add `count` references to each id (once per occurrence); ids left unreferenced
-        are freed for reuse."""
-        self.refs += count * np.bincount(set_ids, minlength=len(self.refs))
-        if count < 0:
+    def retain(self, set_ids: npt.NDArray[Any], count: int | npt.NDArray[Any]) -> None:
+        """Add `count` references to each id (once per occurrence; or each id's own count,
+        an array beside `set_ids`); ids left unreferenced are freed for reuse."""
+        np.add.at(self.refs, set_ids, count)
+        if np.any(np.asarray(count) < 0):
             for set_id in np.unique(set_ids[self.refs[set_ids] == 0]).tolist():
                 if set_id != EMPTY:
                     self._forget(set_id)

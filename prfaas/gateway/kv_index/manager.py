@@ -39,6 +39,7 @@ import msgspec
 import numpy as np
 
 from prfaas.common.hashing import hash_blocks, hash_packed_blocks, packed_count
+from prfaas.gateway.kv_index.batch import group, salted_keys
 from prfaas.gateway.kv_index.growing import GrowingTable
 from prfaas.gateway.kv_index.holder_sets import EMPTY, MULTIPLE, HolderSets
 from prfaas.gateway.kv_index.table import I64, U64, WAYS, as_keys
@@ -94,6 +95,7 @@ class KVIndexManager:
         self._sets = HolderSets()
         self._bits: dict[str, int] = {}  # instance id -> member number, for the index's life
         self._names: list[str] = []  # member number -> instance id
+        self._salts = _salt(np.arange(64))  # member number -> its translation keys' salt
         self._known: set[str] = set()  # instances with something indexed (or reported)
         self._members_cache: tuple[list[str], I64, U64] | None = None  # see _lookup_members
         self._states: dict[str, GrowingTable] = {}
@@ -324,10 +326,9 @@ class KVIndexManager:
         if bit is None:  # `apply` keeps the count under _MAX_INSTANCES
             bit = self._bits[instance_id] = len(self._names)
             self._names.append(instance_id)
+            if bit >= len(self._salts):
+                self._salts = _salt(np.arange(2 * bit))
         return bit
-
-    def _translation_keys(self, bits: np.ndarray, engine_hashes: Sequence[int]) -> U64:
-        return as_keys(_engine_keys(engine_hashes) ^ _salt(bits))
 
     # -- stores ---------------------------------------------------------------------------
 
@@ -436,7 +437,7 @@ class KVIndexManager:
 
     def _find_translations(self, bits: np.ndarray, engine_hashes: Sequence[int]) -> I64:
         """Slots of the (instance, engine hash) rows, -1 where absent."""
-        slots = self._translations.find(self._translation_keys(bits, engine_hashes))
+        slots = self._translations.find(salted_keys(engine_hashes, bits, self._salts))
         wrong = (slots >= 0) & (self._translations.get("instance", slots) != bits)  # collision
         found: I64 = np.where(wrong, -1, slots)
         return found
@@ -456,8 +457,9 @@ class KVIndexManager:
         names one block: the one it translated to if known (its removal will name that
         one), else its first occurrence's; a pair whose salted key another instance's
         row holds (a 2**-64 chance) is dropped, as the table cannot hold both."""
-        keys = self._translation_keys(bits, engine)
-        distinct, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+        keys = salted_keys(engine, bits, self._salts)
+        first, inverse, _ = group(keys)
+        distinct = keys[first]
         slots = self._translations.find(distinct)
         owner = self._translations.get("instance", slots)
         known = (slots >= 0) & (owner == bits[first])
@@ -677,11 +679,11 @@ class KVIndexManager:
 
 def _runs(events: list[KVEvent]) -> Iterator[list[KVEvent]]:
     """Consecutive stores as one run, consecutive removals as one, anything else alone."""
-    for kind, group in itertools.groupby(events, key=type):
+    for kind, same in itertools.groupby(events, key=type):
         if kind is BlockStored or kind is BlockRemoved:
-            yield list(group)
+            yield list(same)
         else:
-            for event in group:
+            for event in same:
                 yield [event]
 
 
@@ -689,21 +691,15 @@ def _grouped(ours: U64, bits: I64) -> tuple[U64, I64, dict[int, int], I64]:
     """The distinct blocks of `ours`; for each, the instances named beside it in `bits`
     as a `HolderSets.update` change (the instance, or `MULTIPLE` + k with the members in the
     dict), and its last position in `ours`."""
-    order = np.argsort(ours, kind="stable")
-    ordered = ours[order]
-    starts = np.flatnonzero(np.concatenate([[True], ordered[1:] != ordered[:-1]]))
-    named = bits[order]
-    changes = np.minimum.reduceat(named, starts)
+    first, inverse, last = group(ours)
+    changes = bits[first]
     masks: dict[int, int] = {}
-    several = np.flatnonzero(changes != np.maximum.reduceat(named, starts))
-    if len(several):
-        ends = np.append(starts[1:], len(ours))
-        for k, group in enumerate(several.tolist()):
-            members = named[starts[group] : ends[group]].tolist()
-            masks[MULTIPLE + k] = sum(1 << bit for bit in set(members))
-            changes[group] = MULTIPLE + k
-    last = np.maximum.reduceat(order, starts)
-    return ordered[starts], changes, masks, last
+    several = np.unique(inverse[bits != changes[inverse]])  # blocks named by several
+    for k, block in enumerate(several.tolist()):
+        members = set(bits[inverse == block].tolist())
+        masks[MULTIPLE + k] = sum(1 << bit for bit in members)
+        changes[block] = MULTIPLE + k
+    return ours[first], changes, masks, last
 
 
 def _salt(bits: np.ndarray) -> U64:
@@ -740,14 +736,6 @@ def _id_count(event: BlockStored[Any]) -> int | None:
         return packed_count(ids) if isinstance(ids, msgspec.Raw) else len(ids)
     except ValueError:
         return None
-
-
-def _engine_keys(hashes: Sequence[int]) -> U64:
-    """Engine hashes as uint64: any int, taken modulo 2**64 (SGLang's may be signed)."""
-    try:
-        return np.asarray(hashes, dtype=np.uint64)
-    except OverflowError:
-        return np.array([h & ((1 << 64) - 1) for h in hashes], dtype=np.uint64)
 
 
 def _words(bits: int, words: int) -> U64:

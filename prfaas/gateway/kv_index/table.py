@@ -41,7 +41,7 @@ _MAPPED_BYTES = 1 << 20  # arrays this large get their own memory mapping
 # elsewhere the advice may keep the contents, so rows are zeroed by writing instead.
 _RELEASES_AS_ZEROS = sys.platform == "linux" and hasattr(mmap, "MADV_DONTNEED")
 _EMPTY = np.uint64(0)
-_ZERO_STAND_IN = np.uint64(0x9E3779B97F4A7C15)  # key 0 marks an empty slot; 0 is stored as this
+ZERO_STAND_IN = np.uint64(0x9E3779B97F4A7C15)  # key 0 marks an empty slot; 0 is stored as this
 
 # Array aliases naming the dtype (numpy's stubs type most results as generic arrays).
 U64 = npt.NDArray[Any]  # uint64
@@ -72,11 +72,11 @@ def as_keys(values: Sequence[int] | npt.NDArray[Any]) -> U64:
         keys = values.astype(np.uint64, copy=False)
     elif _native is not None and isinstance(values, list | tuple):
         keys = np.empty(len(values), dtype=np.uint64)
-        _native.as_keys(values, keys, int(_ZERO_STAND_IN))
+        _native.as_keys(values, keys, int(ZERO_STAND_IN))
         return keys
     else:
         keys = np.fromiter(values, dtype=np.uint64, count=len(values))
-    return np.where(keys == _EMPTY, _ZERO_STAND_IN, keys)
+    return np.where(keys == _EMPTY, ZERO_STAND_IN, keys)
 
 
 def _mix(keys: U64) -> U64:

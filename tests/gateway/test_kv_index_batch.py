@@ -1,0 +1,92 @@
+"""A flush's per-key loops in C (`prfaas.gateway.kv_index._batch`) against the numpy ones in
+batch.py, and both against what they mean: grouping equal keys in the order they first
+occur, and salting engine hashes (any int, modulo 2**64) into translation keys."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prfaas.gateway.kv_index import batch
+from prfaas.gateway.kv_index.batch import group_numpy, salted_keys_numpy
+from prfaas.gateway.kv_index.table import ZERO_STAND_IN
+
+try:
+    from prfaas.gateway.kv_index import _batch
+except ImportError:  # every test here then fails: the project's setup builds it
+    _batch = None  # type: ignore[assignment]
+
+_SALTS = np.array([0, 1, 0xFFFFFFFFFFFFFFFF, 0x9E3779B97F4A7C15], dtype=np.uint64)
+
+
+def test_the_c_loops_are_what_flushes_run() -> None:
+    assert _batch is not None, "prfaas.gateway.kv_index._batch is not built"
+    assert batch._native_module is _batch
+    assert batch.group is batch._group_native
+    assert batch.salted_keys is batch._salted_keys_native
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 2**64 - 1) | st.integers(0, 5), max_size=200))
+def test_group_in_c_and_numpy_is_grouping_by_first_occurrence(values: list[int]) -> None:
+    keys = np.array(values, dtype=np.uint64)
+    got = batch.group(keys)
+    want = group_numpy(keys)
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == np.int64
+        assert a.tolist() == b.tolist()
+    first, inverse, last = got
+    # what it means, written out
+    order: list[int] = []
+    for value in values:
+        if value not in order:
+            order.append(value)
+    assert inverse.tolist() == [order.index(v) for v in values]
+    assert first.tolist() == [values.index(v) for v in order]
+    assert last.tolist() == [len(values) - 1 - values[::-1].index(v) for v in order]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(-(2**63), 2**64 - 1) | st.integers(-3, 3), st.integers(0, 3)),
+        max_size=100,
+    )
+)
+def test_salted_keys_in_c_and_numpy(pairs: list[tuple[int, int]]) -> None:
+    hashes = [h for h, _ in pairs]
+    bits = np.array([b for _, b in pairs], dtype=np.int64)
+    got = batch.salted_keys(hashes, bits, _SALTS)
+    want = salted_keys_numpy(hashes, bits, _SALTS)
+    assert got.dtype == want.dtype == np.uint64
+    assert got.tolist() == want.tolist()
+    for (h, b), key in zip(pairs, got.tolist(), strict=True):
+        salted = (h % 2**64) ^ int(_SALTS[b])
+        assert key == (salted or int(ZERO_STAND_IN))  # 0 marks an empty slot: stood in for
+
+
+def test_a_tuple_of_hashes_is_read_as_a_list() -> None:
+    bits = np.zeros(2, dtype=np.int64)
+    assert batch.salted_keys((5, 6), bits, _SALTS).tolist() == [5, 6]
+
+
+def test_bad_arguments_are_errors_not_crashes() -> None:
+    assert _batch is not None
+    bits = np.zeros(1, dtype=np.int64)
+    out = np.empty(1, dtype=np.uint64)
+    with pytest.raises(TypeError, match="not an int"):
+        _batch.salted_keys(["1"], bits, _SALTS, out, 7)
+    with pytest.raises(IndexError, match="no salt"):
+        _batch.salted_keys([1], np.array([4], dtype=np.int64), _SALTS, out, 7)
+    with pytest.raises(ValueError, match="as long as"):
+        _batch.salted_keys([1, 2], bits, _SALTS, out, 7)
+    with pytest.raises(TypeError, match="list or tuple"):
+        _batch.salted_keys(iter([1]), bits, _SALTS, out, 7)
+    keys = np.arange(4, dtype=np.uint64)
+    short = np.empty(3, dtype=np.int64)
+    with pytest.raises(ValueError, match="as long as keys"):
+        _batch.group(keys, short, np.empty(4, np.int64), np.empty(4, np.int64))
+    with pytest.raises(TypeError):
+        _batch.group(keys, np.empty(4, np.int64), np.empty(4, np.int64))
