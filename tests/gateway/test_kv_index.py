@@ -220,7 +220,8 @@ def test_use_marks_written_after_the_lookup_are_those_written_at_once(
     evict alike under a small budget; under a large one, growth steps move blocks a lookup
     marked. The use clock starts near its top, so it is halved on the way."""
     monkeypatch.setattr(growing, "_TOUCH_BYTES", 64)  # growths over many steps
-    monkeypatch.setattr(growing, "_STEP_BUCKETS", 1)
+    monkeypatch.setattr(growing, "_STEP_BUCKETS", 1)  # moves over many calls
+    monkeypatch.setattr(growing, "_MOVE_PER_KEY", 0.0)
     monkeypatch.setattr(manager_module, "_MAX_TOUCHES", held_back)
     rng = random.Random(seed)
     later, at_once = (KVIndexManager(block_size=BS, max_index_mb=budget_mb) for _ in range(2))

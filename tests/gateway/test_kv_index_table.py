@@ -173,3 +173,53 @@ def test_at_its_cap_a_slow_growth_hands_back_keys_it_held(monkeypatch: pytest.Mo
     assert (slots >= 0).all() and table.size == len(kept)
     assert table.get("value", slots).tolist() == [inserted[k] for k in kept.tolist()]
     assert (table.find(np.array(list(out), dtype=np.uint64)) < 0).all()
+
+
+@pytest.mark.parametrize("phase", [1.0, growing.GROWTH**0.5, 3.7])
+def test_a_table_grows_through_the_sizes_of_its_phase(phase: float) -> None:
+    rng = np.random.default_rng(3)
+    table = GrowingTable(COLUMNS, uniform=True, phase=phase)
+    sizes = {table.tables[0].buckets}
+    for _ in range(300):
+        keys = np.unique(as_keys(rng.integers(1, 2**63, 97).tolist()))
+        table.insert(keys, {"value": np.zeros(len(keys)), "owner": np.zeros(len(keys))})
+        sizes.update(t.buckets for t in table.tables)
+    grid = {int(np.ceil(phase * growing.GROWTH**k)) for k in range(60)}
+    assert len(sizes) >= 8 and sizes - {1} <= grid
+
+
+def test_tables_of_phases_half_a_step_apart_move_at_different_times() -> None:
+    """Two tables given the same keys: of one phase they move their keys at the same
+    times; half a growth step apart, one's move ends before the other's starts."""
+    rng = np.random.default_rng(5)
+    batches = [np.unique(as_keys(rng.integers(1, 2**63, 256).tolist())) for _ in range(800)]
+
+    def both_moving(second_phase: float) -> tuple[int, int]:
+        pair = (
+            GrowingTable(COLUMNS, uniform=True),
+            GrowingTable(COLUMNS, uniform=True, phase=second_phase),
+        )
+        both = moving = 0
+        for keys in batches:
+            for table in pair:
+                table.insert(keys, {"value": np.zeros(len(keys)), "owner": np.zeros(len(keys))})
+            both += pair[0].moving and pair[1].moving
+            moving += pair[0].moving
+        return both, moving
+
+    same, moving = both_moving(1.0)
+    assert moving > 100 and same > 0.9 * moving
+    apart, _ = both_moving(growing.GROWTH**0.5)
+    assert apart < 0.1 * moving
+
+
+def test_faulting_pages_in_keeps_what_the_table_holds() -> None:
+    """A table's next slice faulted in (one `madvise` call where the kernel has it, else a
+    byte rewritten per page) leaves every key and value where it was."""
+    table = table_module.HashTable(COLUMNS, buckets=(2 << 20) // (WAYS * 8), uniform=True)
+    keys = np.unique(as_keys(np.random.default_rng(1).integers(1, 2**63, 5000).tolist()))
+    table.insert(keys, {"value": np.arange(len(keys)), "owner": np.ones(len(keys))})
+    before = [array.copy() for array in table._arrays()]
+    assert table.touch(0, table.nbytes) == table.nbytes
+    assert all((a == b).all() for a, b in zip(table._arrays(), before, strict=True))
+    assert table_module._mapping(table.keys) is not None  # over its own mapping

@@ -12,10 +12,10 @@ that no call does more than a bounded step:
    page each in a fresh table: the first thousand inserts into a large table would pay
    milliseconds of page faults.
 2. *Moving*: inserts go to the new table, and each one first moves `_STEP_BUCKETS` of the
-   old table's buckets, plus half a bucket per key inserted, into it (incremental
-   rehashing, as Redis does). The move ends well before the new table fills: it holds the
-   old table's keys at 60% load, filling it to 90% takes about seven inserted keys per old
-   bucket, and moving takes two.
+   old table's buckets, plus half a bucket per key inserted (`_MOVE_PER_KEY`), into it
+   (incremental rehashing, as Redis does). The move ends well before the new table fills:
+   it holds the old table's keys at 60% load, filling it to 90% takes about seven inserted
+   keys per old bucket, and moving takes two.
 
 Moving every key at once held the gateway's loop for seconds at 10M entries. A table that
 fills up while still moving finishes the move at once first (not seen on the benchmark's
@@ -36,6 +36,7 @@ into the capped table and not fitting there).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -46,7 +47,8 @@ from prfaas.gateway.kv_index.table import I64, U64, WAYS, HashTable
 
 GROWTH = 1.5  # fewer growths than 1.25: each key moves about twice, not four times
 _MAX_LOAD = 0.9  # a growth starts past this load (fuller, most inserts need a cuckoo step)
-_STEP_BUCKETS = 32  # old buckets moved per insert call, besides half a bucket per key
+_STEP_BUCKETS = 32  # old buckets moved per insert call, besides _MOVE_PER_KEY per key
+_MOVE_PER_KEY = 0.5  # old buckets moved per key inserted
 _TOUCH_BYTES = 1 << 18  # bytes of the next table faulted in per insert call, at least
 _TOUCH_WITHIN = 0.03  # all of it in by the time the full table takes this share more keys
 _PLACE_CHUNK = 1 << 14  # keys placed at a time when moving everything at once
@@ -58,10 +60,18 @@ class GrowingTable:
     """uint64 keys -> one row of `columns`, growing by incremental rehash."""
 
     def __init__(
-        self, columns: Mapping[str, npt.DTypeLike], max_buckets: int = 0, uniform: bool = False
+        self,
+        columns: Mapping[str, npt.DTypeLike],
+        max_buckets: int = 0,
+        uniform: bool = False,
+        phase: float = 1.0,
     ) -> None:
-        """`max_buckets` caps growth (0: none). `uniform`: see `HashTable`."""
+        """`max_buckets` caps growth (0: none). `uniform`: see `HashTable`. `phase`: the
+        table grows through sizes of `phase * GROWTH ** k` buckets (rounded up), so that
+        two tables holding about as many keys but of different phases grow at different
+        times."""
         self.max_buckets = max_buckets
+        self.phase = phase
         self._table = HashTable(columns, uniform=uniform)  # where inserts go
         self._other: HashTable | None = None  # the next table (preparing), the old (moving)
         self._moving = False
@@ -156,8 +166,11 @@ class GrowingTable:
             self._touch_next(len(keys))
         elif self._other is None and self._full(len(keys)):
             self._prepare(len(keys))
-        moved_left = self._move(_STEP_BUCKETS + len(keys) // 2)
-        keys, rows = _joined(moved_left, self._table.insert(keys, rows))
+        if self._moving:
+            moved_left = self._move(_STEP_BUCKETS + int(len(keys) * _MOVE_PER_KEY))
+            keys, rows = _joined(moved_left, self._table.insert(keys, rows))
+        else:
+            keys, rows = self._table.insert(keys, rows)
         return self._overflow(keys, rows)
 
     def advance(self) -> tuple[U64, Rows]:
@@ -227,7 +240,7 @@ class GrowingTable:
         capped) and fault in its first slice."""
         table = self._table
         needed = int((self.size + adding) / (_MAX_LOAD * WAYS)) + 1
-        wanted = max(int(table.buckets * GROWTH) + 1, needed)
+        wanted = self._size_at_least(max(table.buckets + 1, needed))
         if self.max_buckets:
             wanted = min(wanted, self.max_buckets)
         self._other = HashTable(
@@ -237,6 +250,14 @@ class GrowingTable:
         self._touch_per_key = self._other.nbytes / (_TOUCH_WITHIN * table.buckets * WAYS)
         self.growths += 1
         self._touch_next(adding)
+
+    def _size_at_least(self, buckets: int) -> int:
+        """The smallest size of this table's phase (`phase * GROWTH ** k` buckets, rounded
+        up) of at least `buckets`."""
+        k = max(0, math.floor(math.log(buckets / self.phase, GROWTH)))
+        while math.ceil(self.phase * GROWTH**k) < buckets:
+            k += 1
+        return math.ceil(self.phase * GROWTH**k)
 
     def _touch_next(self, adding: int) -> None:
         """Fault in the next slice of the next table (`_TOUCH_BYTES`, or more as `adding`

@@ -40,6 +40,9 @@ _MAPPED_BYTES = 1 << 20  # arrays this large get their own memory mapping
 # Linux's MADV_DONTNEED gives a private anonymous page back and reads it as zeros after;
 # elsewhere the advice may keep the contents, so rows are zeroed by writing instead.
 _RELEASES_AS_ZEROS = sys.platform == "linux" and hasattr(mmap, "MADV_DONTNEED")
+# Linux's madvise advice that faults pages in for writing (5.14 and later; not named by
+# Python's mmap module before 3.14)
+_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23) if sys.platform == "linux" else None
 _EMPTY = np.uint64(0)
 ZERO_STAND_IN = np.uint64(0x9E3779B97F4A7C15)  # key 0 marks an empty slot; 0 is stored as this
 
@@ -146,7 +149,7 @@ class HashTable:
         for array in self._arrays():
             raw = array.reshape(-1).view(np.uint8)
             low, high = max(position, offset), min(end, offset + len(raw))
-            if low < high:
+            if low < high and not _populate(array, low - offset, high - offset):
                 pages = raw[low - offset : high - offset : _PAGE]
                 np.bitwise_or(pages, 0, out=pages)
                 last = raw[high - offset - 1 : high - offset]
@@ -211,7 +214,10 @@ class HashTable:
         if _native is not None:
             placed = np.empty(len(keys), dtype=bool)
             values = tuple(np.ascontiguousarray(rows[name]) for name in self.dtypes)
-            self.size += _native.insert(self._layout, np.ascontiguousarray(keys), values, placed)
+            count = _native.insert(self._layout, np.ascontiguousarray(keys), values, placed)
+            self.size += count
+            if count == len(keys):  # (the common case: no boolean indexing)
+                return keys[:0], {n: v[:0] for n, v in rows.items()}
             left = ~placed
             return keys[left], {n: v[left] for n, v in rows.items()}
         first, second, tags = self._choices(keys)
@@ -359,18 +365,41 @@ def _zeros(shape: tuple[int, ...], dtype: npt.DTypeLike) -> npt.NDArray[Any]:
     return np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=dtype).reshape(shape)
 
 
+def _mapping(array: npt.NDArray[Any]) -> mmap.mmap | None:
+    """The memory mapping `array` lies over from its start (see `_zeros`), if any."""
+    base = array.base
+    while isinstance(base, np.ndarray):
+        base = base.base
+    if isinstance(base, memoryview):
+        base = base.obj
+    return base if isinstance(base, mmap.mmap) else None
+
+
+def _populate(array: npt.NDArray[Any], low: int, high: int) -> bool:
+    """Fault in the pages holding bytes `low` to `high` of an array over its own mapping in
+    one system call (`MADV_POPULATE_WRITE`, Linux 5.14: 1.7-1.9 us a page here, against
+    4-6 us writing a byte per page from numpy); False where it cannot (then write)."""
+    global _POPULATE_WRITE
+    mapping = _mapping(array)
+    if mapping is None or _POPULATE_WRITE is None:
+        return False
+    first = low // _PAGE * _PAGE
+    try:
+        mapping.madvise(_POPULATE_WRITE, first, high - first)
+    except OSError:  # an older kernel (EINVAL): write from now on
+        _POPULATE_WRITE = None
+        return False
+    return True
+
+
 def _clear(array: npt.NDArray[Any], start: int, stop: int) -> None:
     """Zero rows `start` to `stop` (excluded) of `array`; the whole pages among them of an
     array over its own mapping are given back instead (they read as zeros)."""
     row_bytes = array.nbytes // max(1, len(array))
     low, high = start * row_bytes, stop * row_bytes
-    mapping = array.base
-    while isinstance(mapping, np.ndarray):
-        mapping = mapping.base
-    if isinstance(mapping, memoryview):
-        mapping = mapping.obj
+    mapping = _mapping(array)
     first, last = -(-low // _PAGE) * _PAGE, high // _PAGE * _PAGE
-    if _RELEASES_AS_ZEROS and isinstance(mapping, mmap.mmap) and last > first:
+    if _RELEASES_AS_ZEROS and mapping is not None and last > first:
         try:
             mapping.madvise(mmap.MADV_DONTNEED, first, last - first)
         except OSError:  # refused: zero the rows instead
