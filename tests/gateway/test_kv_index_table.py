@@ -223,3 +223,29 @@ def test_faulting_pages_in_keeps_what_the_table_holds() -> None:
     assert table.touch(0, table.nbytes) == table.nbytes
     assert all((a == b).all() for a, b in zip(table._arrays(), before, strict=True))
     assert table_module._mapping(table.keys) is not None  # over its own mapping
+
+
+def test_popping_a_table_in_order_leaves_the_rest_as_it_was() -> None:
+    """Buckets popped in order, in uneven steps (the whole pages among a step's rows given
+    back): each step returns its buckets' keys and values, leaves them empty, and every
+    later bucket as it was."""
+    table = table_module.HashTable(COLUMNS, buckets=(3 << 20) // (WAYS * 8), uniform=True)
+    keys = np.unique(as_keys(np.random.default_rng(2).integers(1, 2**63, 40_000).tolist()))
+    table.insert(keys, {"value": keys % 1000, "owner": keys % 7})
+    before = {name: array.copy() for name, array in table.columns.items()}
+    before_keys = table.keys.copy()
+    start, popped = 0, []
+    for step in [1, 7, 300, 2, 1023, 4096, 5]:
+        stop = min(table.buckets, start + step)
+        got, values = table.pop_buckets(start, stop)
+        want = before_keys[start:stop][before_keys[start:stop] != 0]
+        assert got.tolist() == want.tolist()
+        assert values["value"].tolist() == (want % 1000).tolist()
+        popped.extend(got.tolist())
+        assert not table.keys[:stop].any() and not table.fill[:stop].any()
+        assert (table.keys[stop:] == before_keys[stop:]).all()
+        for name, array in table.columns.items():
+            assert not array[:stop].any() and (array[stop:] == before[name][stop:]).all()
+        start = stop
+    assert table.size == len(keys) - len(popped)
+    assert (table.find(np.array(popped, dtype=np.uint64)) == -1).all()
