@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 
 from prfaas.gateway.kv_index import batch
 from prfaas.gateway.kv_index.batch import group_numpy, salted_keys_numpy
+from prfaas.gateway.kv_index.holder_sets import MULTIPLE
+from prfaas.gateway.kv_index.manager import _grouped
 from prfaas.gateway.kv_index.table import ZERO_STAND_IN
 
 try:
@@ -72,6 +74,14 @@ def test_a_tuple_of_hashes_is_read_as_a_list() -> None:
     assert batch.salted_keys((5, 6), bits, _SALTS).tolist() == [5, 6]
 
 
+def test_numpy_integer_hashes_are_read_as_ints() -> None:
+    bits = np.zeros(3, dtype=np.int64)
+    hashes = [np.uint64(2**64 - 1), np.int64(-1), 7]
+    got = batch.salted_keys(hashes, bits, _SALTS)
+    assert got.tolist() == [2**64 - 1, 2**64 - 1, 7]
+    assert got.tolist() == salted_keys_numpy(hashes, bits, _SALTS).tolist()
+
+
 def test_bad_arguments_are_errors_not_crashes() -> None:
     assert _batch is not None
     bits = np.zeros(1, dtype=np.int64)
@@ -90,3 +100,26 @@ def test_bad_arguments_are_errors_not_crashes() -> None:
         _batch.group(keys, short, np.empty(4, np.int64), np.empty(4, np.int64))
     with pytest.raises(TypeError):
         _batch.group(keys, np.empty(4, np.int64), np.empty(4, np.int64))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 8), st.integers(0, 5)), min_size=1, max_size=60))
+def test_a_batch_grouped_by_block_names_each_block_s_instances(
+    pairs: list[tuple[int, int]],
+) -> None:
+    """`_grouped`: each distinct block once, in first-occurrence order, with the instance
+    that names it, or a mask of all that do (numbered from `MULTIPLE`), and its last
+    position."""
+    ours = np.array([block for block, _ in pairs], dtype=np.uint64)
+    bits = np.array([bit for _, bit in pairs], dtype=np.int64)
+    distinct, changes, masks, last = _grouped(ours, bits)
+    blocks = list(dict.fromkeys(block for block, _ in pairs))
+    assert distinct.tolist() == blocks
+    for block, change, end in zip(blocks, changes.tolist(), last.tolist(), strict=True):
+        named = {bit for b, bit in pairs if b == block}
+        if len(named) == 1:
+            assert change == next(iter(named))
+        else:
+            assert change >= MULTIPLE and masks[change] == sum(1 << bit for bit in named)
+        assert end == max(i for i, (b, _) in enumerate(pairs) if b == block)
+    assert len(masks) == sum(change >= MULTIPLE for change in changes.tolist())

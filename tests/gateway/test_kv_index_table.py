@@ -213,9 +213,14 @@ def test_tables_of_phases_half_a_step_apart_move_at_different_times() -> None:
     assert apart < 0.1 * moving
 
 
-def test_faulting_pages_in_keeps_what_the_table_holds() -> None:
+@pytest.mark.parametrize("advice", [True, False])
+def test_faulting_pages_in_keeps_what_the_table_holds(
+    advice: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A table's next slice faulted in (one `madvise` call where the kernel has it, else a
     byte rewritten per page) leaves every key and value where it was."""
+    if not advice:
+        monkeypatch.setattr(table_module, "_POPULATE_WRITE", None)
     table = table_module.HashTable(COLUMNS, buckets=(2 << 20) // (WAYS * 8), uniform=True)
     keys = np.unique(as_keys(np.random.default_rng(1).integers(1, 2**63, 5000).tolist()))
     table.insert(keys, {"value": np.arange(len(keys)), "owner": np.ones(len(keys))})

@@ -140,21 +140,35 @@ static PyObject *salted_keys(PyObject *module, PyObject *const *args, Py_ssize_t
         PyErr_SetString(PyExc_ValueError, "bits and out must be as long as hashes");
         goto done;
     }
-    PyObject **items = PySequence_Fast_ITEMS(hashes);
     const int64_t *bits = views[0].buf;
     const uint64_t *salts = views[1].buf;
     uint64_t *out = views[2].buf;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (!PyLong_Check(items[i])) {
-            PyErr_Format(PyExc_TypeError, "hashes[%zd] is not an int", i);
-            goto done;
-        }
         if (bits[i] < 0 || bits[i] >= members) {
             PyErr_Format(PyExc_IndexError, "bits[%zd] = %lld has no salt", i,
                          (long long)bits[i]);
             goto done;
         }
-        uint64_t key = (uint64_t)PyLong_AsUnsignedLongLongMask(items[i]) ^ salts[bits[i]];
+        if (i >= PySequence_Fast_GET_SIZE(hashes)) { /* an __index__ below shrank it */
+            PyErr_SetString(PyExc_RuntimeError, "hashes changed size");
+            goto done;
+        }
+        PyObject *item = PySequence_Fast_GET_ITEM(hashes, i);
+        uint64_t hash;
+        if (PyLong_Check(item)) {
+            hash = PyLong_AsUnsignedLongLongMask(item);
+        } else { /* numpy integers and other __index__ types: Python code may run */
+            Py_INCREF(item);
+            PyObject *number = PyNumber_Index(item);
+            Py_DECREF(item);
+            if (number == NULL) {
+                PyErr_Format(PyExc_TypeError, "hashes[%zd] is not an int", i);
+                goto done;
+            }
+            hash = PyLong_AsUnsignedLongLongMask(number);
+            Py_DECREF(number);
+        }
+        uint64_t key = hash ^ salts[bits[i]];
         out[i] = key ? key : stand_in;
     }
     result = Py_NewRef(Py_None);

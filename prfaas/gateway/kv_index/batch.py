@@ -56,6 +56,7 @@ def _salted_keys_native(hashes: Sequence[int], bits: I64, salts: U64) -> U64:
     if not isinstance(hashes, list | tuple):
         hashes = list(hashes)
     bits = np.ascontiguousarray(bits, dtype=np.int64)
+    salts = np.ascontiguousarray(salts, dtype=np.uint64)
     _native_module.salted_keys(hashes, bits, salts, keys, int(ZERO_STAND_IN))
     return keys
 

@@ -236,8 +236,9 @@ class GrowingTable:
         return table.size + adding > _MAX_LOAD * table.buckets * WAYS
 
     def _prepare(self, adding: int) -> None:
-        """Allocate the next table (GROWTH times larger, or enough for `adding` more keys;
-        capped) and fault in its first slice."""
+        """Allocate the next table (the next size of this table's phase, about GROWTH times
+        larger, or one with room for `adding` more keys; capped) and fault in its first
+        slice."""
         table = self._table
         needed = int((self.size + adding) / (_MAX_LOAD * WAYS)) + 1
         wanted = self._size_at_least(max(table.buckets + 1, needed))

@@ -701,10 +701,14 @@ def _grouped(ours: U64, bits: I64) -> tuple[U64, I64, dict[int, int], I64]:
     changes = bits[first]
     masks: dict[int, int] = {}
     several = np.unique(inverse[bits != changes[inverse]])  # blocks named by several
-    for k, block in enumerate(several.tolist()):
-        members = set(bits[inverse == block].tolist())
-        masks[MULTIPLE + k] = sum(1 << bit for bit in members)
-        changes[block] = MULTIPLE + k
+    if len(several):
+        rows = np.flatnonzero(np.isin(inverse, several))
+        rows = rows[np.argsort(inverse[rows], kind="stable")]  # by block, as `several`
+        cuts = np.flatnonzero(np.diff(inverse[rows])) + 1
+        named = np.split(bits[rows], cuts)
+        for k, (block, members) in enumerate(zip(several.tolist(), named, strict=True)):
+            masks[MULTIPLE + k] = sum(1 << bit for bit in set(members.tolist()))
+            changes[block] = MULTIPLE + k
     return ours[first], changes, masks, last
 
 

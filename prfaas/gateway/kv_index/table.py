@@ -23,6 +23,7 @@ runs where it is not, and what the tests hold the C to.
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import sys
@@ -139,8 +140,9 @@ class HashTable:
 
     def touch(self, position: int, nbytes: int) -> int:
         """Fault in the memory pages of bytes `position` to `position + nbytes` of the
-        table's arrays (taken end to end) by rewriting one byte per page with itself;
-        returns where the next call starts (`nbytes` of the table when all are in). A new
+        table's arrays (taken end to end), with one `madvise` call per array over its own
+        mapping (`_populate`), else by rewriting one byte per page with itself; returns
+        where the next call starts (`nbytes` of the table when all are in). A new
         table's zeroed pages are mapped on first write, and writes scattered by hashing
         fault nearly one page each (about 3 us a page here: milliseconds for the first
         thousand inserts into a large table)."""
@@ -386,8 +388,9 @@ def _populate(array: npt.NDArray[Any], low: int, high: int) -> bool:
     first = low // _PAGE * _PAGE
     try:
         mapping.madvise(_POPULATE_WRITE, first, high - first)
-    except OSError:  # an older kernel (EINVAL): write from now on
-        _POPULATE_WRITE = None
+    except OSError as exc:
+        if exc.errno in (errno.EINVAL, errno.ENOSYS, errno.EPERM):  # not this kernel's
+            _POPULATE_WRITE = None
         return False
     return True
 
