@@ -6,6 +6,9 @@ buckets are full and no resident of theirs can move)."""
 
 from __future__ import annotations
 
+import errno
+import mmap
+
 import numpy as np
 import pytest
 
@@ -211,3 +214,21 @@ def test_as_keys_reads_ints_as_numpy_does(container: type, monkeypatch: pytest.M
         as_keys(container([2**64]))
     with pytest.raises(TypeError):
         as_keys(container([1, "2"]))
+
+
+def test_advise_faults_in_and_gives_back_a_mapped_array() -> None:
+    """`advise` (run with the GIL released, for the threads that fault a growing table in
+    and give a moved-out one back): populating keeps the contents, giving back reads as
+    zeros, an unknown advice is the kernel's errno, a range past the buffer an error."""
+    assert _buckets is not None
+    array = table_module._zeros((1 << 20,), np.uint64)  # 8 MB: over its own mapping
+    array[::1000] = 7
+    assert _buckets.advise(array, 0, array.nbytes, table_module._POPULATE_WRITE or 23) == 0
+    assert int(array.sum()) == 7 * len(array[::1000])
+    assert _buckets.advise(array, 0, array.nbytes, mmap.MADV_DONTNEED) == 0
+    assert not array.any()
+    assert _buckets.advise(array, 0, 8, 12345) == errno.EINVAL
+    with pytest.raises(ValueError, match="not within"):
+        _buckets.advise(array, 0, array.nbytes + 1, mmap.MADV_DONTNEED)
+    with pytest.raises(TypeError):
+        _buckets.advise(array, 0, 8)

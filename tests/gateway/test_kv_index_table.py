@@ -6,6 +6,8 @@ at its cap the table hands back what found no room instead of growing."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -254,3 +256,44 @@ def test_popping_a_table_in_order_leaves_the_rest_as_it_was() -> None:
         start = stop
     assert table.size == len(keys) - len(popped)
     assert (table.find(np.array(popped, dtype=np.uint64)) == -1).all()
+
+
+def test_a_large_next_table_is_faulted_in_by_a_thread_while_inserts_go_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A next table of `_FAULT_ASIDE_BYTES` and more is faulted in by a thread, not a slice
+    per insert; inserts go on meanwhile (into the full table, what finds no room into the
+    next one), its move starts once the thread ended, the old table is given back by a
+    thread once moved out, and every key is found throughout."""
+    monkeypatch.setattr(growing, "_FAULT_ASIDE_BYTES", 1 << 20)
+    touched: list[int] = []
+    released: list[str] = []
+    real_touch, real_release = table_module.HashTable.touch, table_module.HashTable.release
+
+    def touch(self: table_module.HashTable, position: int, nbytes: int) -> int:
+        touched.append(self.nbytes)
+        return real_touch(self, position, nbytes)
+
+    def release(self: table_module.HashTable) -> None:
+        released.append(threading.current_thread().name)
+        real_release(self)
+
+    monkeypatch.setattr(table_module.HashTable, "touch", touch)
+    monkeypatch.setattr(table_module.HashTable, "release", release)
+    rng = np.random.default_rng(4)
+    table = GrowingTable(COLUMNS, uniform=True)
+    model: dict[int, tuple[int, int]] = {}
+    threads = 0
+    while table.growths < 12:
+        keys = np.unique(as_keys(rng.integers(1, 2**63, 2_000).tolist()))
+        values = rng.integers(0, 2**16, size=(2, len(keys)))
+        left, _ = table.insert(keys, {"value": values[0], "owner": values[1]})
+        assert not len(left)
+        model.update(zip(keys.tolist(), zip(*values.tolist(), strict=True), strict=True))
+        threads += table._faulting is not None
+        _check(table, model)  # (while a thread may be faulting pages in)
+    assert threads and all(nbytes < 1 << 20 for nbytes in touched)  # large: none on the loop
+    for thread in threading.enumerate():
+        if thread.name == "kv-index-release":
+            thread.join()
+    assert released and set(released) == {"kv-index-release"}

@@ -19,9 +19,14 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
 #include <limits.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef __linux__
+#include <sys/mman.h>
+#include <unistd.h>
+#endif
 
 #define WAYS 16
 #define MAX_COLUMNS 8
@@ -534,7 +539,57 @@ fail:
     return NULL;
 }
 
+PyDoc_STRVAR(advise_doc,
+"advise(buffer, start, stop, advice, /) -> int\n\n"
+"`madvise(advice)` on the memory pages holding bytes `start` to `stop` of `buffer` (a\n"
+"writable buffer that starts a memory mapping: its start is page-aligned), with the GIL\n"
+"released, so that a thread can fault a table's pages in (MADV_POPULATE_WRITE, which\n"
+"leaves the contents as they are) or give them back (MADV_DONTNEED, a table no longer\n"
+"used) beside the event loop. Returns 0, or the call's errno (ENOSYS where the platform\n"
+"has no such call).");
+
+static PyObject *advise(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "advise(buffer, start, stop, advice)");
+        return NULL;
+    }
+    Py_ssize_t start = PyLong_AsSsize_t(args[1]);
+    Py_ssize_t stop = start == -1 && PyErr_Occurred() ? -1 : PyLong_AsSsize_t(args[2]);
+    long advice = stop == -1 && PyErr_Occurred() ? -1 : PyLong_AsLong(args[3]);
+    if (advice == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE) < 0) {
+        return NULL;
+    }
+    if (start < 0 || stop < start || stop > view.len) {
+        PyBuffer_Release(&view);
+        PyErr_Format(PyExc_ValueError, "bytes %zd to %zd are not within %zd", start, stop,
+                     view.len);
+        return NULL;
+    }
+    int error = 0;
+#ifdef __linux__
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    uintptr_t first = ((uintptr_t)view.buf + (uintptr_t)start) & ~(page - 1);
+    uintptr_t end = (uintptr_t)view.buf + (uintptr_t)stop;
+    if (end > first) {
+        Py_BEGIN_ALLOW_THREADS /* the export keeps the mapping open meanwhile */
+        error = madvise((void *)first, end - first, (int)advice) == 0 ? 0 : errno;
+        Py_END_ALLOW_THREADS
+    }
+#else
+    (void)advice;
+    error = ENOSYS;
+#endif
+    PyBuffer_Release(&view);
+    return PyLong_FromLong(error);
+}
+
 static PyMethodDef methods[] = {
+    {"advise", (PyCFunction)(void (*)(void))advise, METH_FASTCALL, advise_doc},
     {"as_keys", (PyCFunction)(void (*)(void))as_keys, METH_FASTCALL, as_keys_doc},
     {"find", (PyCFunction)(void (*)(void))find, METH_FASTCALL, find_doc},
     {"insert", (PyCFunction)(void (*)(void))insert, METH_FASTCALL, insert_doc},

@@ -7,15 +7,17 @@ that no call does more than a bounded step:
 
 1. *Preparing*: the larger table is allocated and its memory faulted in a slice per insert
    (`_TOUCH_BYTES`, or more for a large insert: all of it before the full table takes 3%
-   more), while inserts still go to the full table and only what it has no room for goes
-   to the new one. Writes scattered by hashing would otherwise fault nearly a
-   page each in a fresh table: the first thousand inserts into a large table would pay
-   milliseconds of page faults.
+   more), or by a thread beside the loop for a table of `_FAULT_ASIDE_BYTES` and more,
+   while inserts still go to the full table and only what it has no room for goes to the
+   new one. Writes scattered by hashing would otherwise fault nearly a page each in a
+   fresh table: the first thousand inserts into a large table would pay milliseconds of
+   page faults.
 2. *Moving*: inserts go to the new table, and each one first moves `_STEP_BUCKETS` of the
    old table's buckets, plus half a bucket per key inserted (`_MOVE_PER_KEY`), into it
-   (incremental rehashing, as Redis does). The move ends well before the new table fills:
-   it holds the old table's keys at 60% load, filling it to 90% takes about seven inserted
-   keys per old bucket, and moving takes two.
+   (incremental rehashing, as Redis does); the old table, emptied, is given back by a
+   thread where it is large. The move ends well before the new table fills: it holds the
+   old table's keys at 60% load, filling it to 90% takes about seven inserted keys per old
+   bucket, and moving takes two.
 
 Moving every key at once held the gateway's loop for seconds at 10M entries. A table that
 fills up while still moving finishes the move at once first (not seen on the benchmark's
@@ -37,6 +39,7 @@ into the capped table and not fitting there).
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -52,6 +55,11 @@ _MOVE_PER_KEY = 0.5  # old buckets moved per key inserted
 _TOUCH_BYTES = 1 << 18  # bytes of the next table faulted in per insert call, at least
 _TOUCH_WITHIN = 0.03  # all of it in by the time the full table takes this share more keys
 _PLACE_CHUNK = 1 << 14  # keys placed at a time when moving everything at once
+# Tables this large are faulted in by a thread beside the loop, not a slice per insert (on
+# this virtual machine a page fault now and then costs tens of microseconds, and a slice of
+# 256 KiB held the loop 4-7 ms), and given back by one once moved out (unmapping a 280 MB
+# table that still held the pages its moving steps only partly covered took 10 ms).
+_FAULT_ASIDE_BYTES = 16 << 20
 
 Rows = dict[str, npt.NDArray[np.generic]]
 
@@ -77,6 +85,7 @@ class GrowingTable:
         self._moving = False
         self._touched = 0  # preparing: bytes of the next table faulted in
         self._touch_per_key = 0.0  # preparing: bytes faulted in per key inserted
+        self._faulting: threading.Thread | None = None  # preparing: faulting it in aside
         self._moved = 0  # moving: old buckets moved
         self.growths = 0
 
@@ -250,6 +259,12 @@ class GrowingTable:
         self._touched = 0
         self._touch_per_key = self._other.nbytes / (_TOUCH_WITHIN * table.buckets * WAYS)
         self.growths += 1
+        self._faulting = None
+        if self._other.nbytes >= _FAULT_ASIDE_BYTES and self._other.can_fault_in_aside():
+            self._faulting = threading.Thread(
+                target=self._other.fault_in, name="kv-index-fault-in", daemon=True
+            )
+            self._faulting.start()
         self._touch_next(adding)
 
     def _size_at_least(self, buckets: int) -> int:
@@ -264,6 +279,11 @@ class GrowingTable:
         """Fault in the next slice of the next table (`_TOUCH_BYTES`, or more as `adding`
         keys come in); once all is in, start moving."""
         assert self._other is not None
+        if self._faulting is not None:  # a thread faults it in: moving starts once it ends
+            if not self._faulting.is_alive():
+                self._faulting = None
+                self._start_moving()
+            return
         nbytes = max(_TOUCH_BYTES, int(adding * self._touch_per_key))
         self._touched = self._other.touch(self._touched, nbytes)
         if self._touched >= self._other.nbytes:
@@ -271,6 +291,7 @@ class GrowingTable:
 
     def _start_moving(self) -> None:
         assert self._other is not None
+        self._faulting = None  # (a thread still faulting it in ends on its own)
         self._table, self._other = self._other, self._table
         self._moving = True
         self._moved = 0
@@ -286,6 +307,8 @@ class GrowingTable:
         self._moved = stop
         if stop == old.buckets:
             self._other, self._moving = None, False
+            if old.nbytes >= _FAULT_ASIDE_BYTES:  # its pages given back, then dropped, aside
+                threading.Thread(target=old.release, name="kv-index-release", daemon=True).start()
         left: list[tuple[U64, Rows]] = []
         for start in range(0, len(keys), _PLACE_CHUNK):  # so fills inform the choices
             part = slice(start, start + _PLACE_CHUNK)
