@@ -104,6 +104,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -262,7 +263,12 @@ def _round_robin(per_instance: Sequence[Sequence[bytes]]) -> Iterator[tuple[int,
 
 
 def _proc_status() -> dict[str, int]:
-    """`RssAnon` and `VmHWM` of this process in KiB (Linux; empty elsewhere)."""
+    """`RssAnon` and `VmHWM` of this process in KiB (Linux; empty elsewhere), read once
+    the index's short-lived threads have ended (they fault a growing table's next pages
+    in, or give a moved-out table back, within a fraction of a second)."""
+    for thread in threading.enumerate():
+        if thread.name.startswith("kv-index-"):
+            thread.join()
     out: dict[str, int] = {}
     try:
         with open("/proc/self/status") as f:
