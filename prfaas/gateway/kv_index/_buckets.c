@@ -13,9 +13,11 @@
  * buckets: a few cache lines). Inserting one key at a time also needs none of the numpy
  * version's ranking of keys that share a bucket.
  *
- * The functions take the table as a `layout` tuple (keys, tags, fill, columns, scramble,
- * uniform), as `HashTable` builds it once; they check every buffer's size against `fill`'s
- * and every slot they are given, never the dtypes (table.py passes its own arrays).
+ * The table operations take the table as a `layout` tuple (keys, tags, fill, columns,
+ * scramble, uniform), as `HashTable` builds it once; they check every buffer's size against
+ * `fill`'s and every slot they are given, never the dtypes (table.py passes its own arrays).
+ * `advise` is `madvise` on one of a table's arrays with the GIL released, for the threads
+ * that fault a growing table in and give a moved-out one back (growing.py).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -573,6 +575,15 @@ static PyObject *advise(PyObject *module, PyObject *const *args, Py_ssize_t narg
     int error = 0;
 #ifdef __linux__
     uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    /* whole pages of this buffer only: rounding outward would advise other objects' bytes
+     * (MADV_DONTNEED zeroes them); the buffer's end is its mapping's (page-granular) */
+    if ((uintptr_t)view.buf % page || (advice == MADV_DONTNEED && (start % (Py_ssize_t)page ||
+                                        (stop % (Py_ssize_t)page && stop != view.len)))) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError,
+                        "advise takes a page-aligned buffer (and whole pages to give back)");
+        return NULL;
+    }
     uintptr_t first = ((uintptr_t)view.buf + (uintptr_t)start) & ~(page - 1);
     uintptr_t end = (uintptr_t)view.buf + (uintptr_t)stop;
     if (end > first) {

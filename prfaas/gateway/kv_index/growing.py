@@ -19,6 +19,11 @@ that no call does more than a bounded step:
    old table's keys at 60% load, filling it to 90% takes about seven inserted keys per old
    bucket, and moving takes two.
 
+The threads (faulting a large next table in, giving a moved-out one back) are short-lived
+daemons, each one bounded job of `madvise` calls with the GIL released, that end on their
+own; the table keeps their handles, and a table dropped meanwhile lives until its thread
+ends.
+
 Moving every key at once held the gateway's loop for seconds at 10M entries. A table that
 fills up while still moving finishes the move at once first (not seen on the benchmark's
 workloads). The new table draws its bucket choices independently of the old one (its
@@ -85,7 +90,10 @@ class GrowingTable:
         self._moving = False
         self._touched = 0  # preparing: bytes of the next table faulted in
         self._touch_per_key = 0.0  # preparing: bytes faulted in per key inserted
+        # short-lived threads, each one bounded job of system calls, ending on their own
         self._faulting: threading.Thread | None = None  # preparing: faulting it in aside
+        self._faulted_aside = False  # whether it all went in
+        self._releasing: threading.Thread | None = None  # the last table moved out
         self._moved = 0  # moving: old buckets moved
         self.growths = 0
 
@@ -261,11 +269,17 @@ class GrowingTable:
         self.growths += 1
         self._faulting = None
         if self._other.nbytes >= _FAULT_ASIDE_BYTES and self._other.can_fault_in_aside():
+            self._faulted_aside = False
             self._faulting = threading.Thread(
-                target=self._other.fault_in, name="kv-index-fault-in", daemon=True
+                target=self._fault_in_aside, args=(self._other,), name="kv-index-fault-in"
             )
+            self._faulting.daemon = True
             self._faulting.start()
         self._touch_next(adding)
+
+    def _fault_in_aside(self, table: HashTable) -> None:
+        """The fault-in thread's work (see `_FAULT_ASIDE_BYTES`)."""
+        self._faulted_aside = table.fault_in()
 
     def _size_at_least(self, buckets: int) -> int:
         """The smallest size of this table's phase (`phase * GROWTH ** k` buckets, rounded
@@ -280,10 +294,14 @@ class GrowingTable:
         keys come in); once all is in, start moving."""
         assert self._other is not None
         if self._faulting is not None:  # a thread faults it in: moving starts once it ends
-            if not self._faulting.is_alive():
-                self._faulting = None
+            if self._faulting.is_alive():
+                return
+            self._faulting = None
+            if self._faulted_aside:
                 self._start_moving()
-            return
+                return
+            # (the kernel refused the advice: slices on the loop from here, as for a small
+            # table)
         nbytes = max(_TOUCH_BYTES, int(adding * self._touch_per_key))
         self._touched = self._other.touch(self._touched, nbytes)
         if self._touched >= self._other.nbytes:
@@ -308,7 +326,9 @@ class GrowingTable:
         if stop == old.buckets:
             self._other, self._moving = None, False
             if old.nbytes >= _FAULT_ASIDE_BYTES:  # its pages given back, then dropped, aside
-                threading.Thread(target=old.release, name="kv-index-release", daemon=True).start()
+                self._releasing = threading.Thread(target=old.release, name="kv-index-release")
+                self._releasing.daemon = True
+                self._releasing.start()
         left: list[tuple[U64, Rows]] = []
         for start in range(0, len(keys), _PLACE_CHUNK):  # so fills inform the choices
             part = slice(start, start + _PLACE_CHUNK)

@@ -38,6 +38,7 @@ import numpy.typing as npt
 WAYS = 16
 _PAGE = mmap.PAGESIZE
 _MAPPED_BYTES = 1 << 20  # arrays this large get their own memory mapping
+_FAULT_IN_BYTES = 4 << 20  # bytes faulted in per system call by `fault_in`
 # Linux's MADV_DONTNEED gives a private anonymous page back and reads it as zeros after;
 # elsewhere the advice may keep the contents, so rows are zeroed by writing instead.
 _RELEASES_AS_ZEROS = sys.platform == "linux" and hasattr(mmap, "MADV_DONTNEED")
@@ -164,19 +165,26 @@ class HashTable:
         the GIL and leaves the contents alone (the loop may be writing them meanwhile)."""
         return _native is not None and _POPULATE_WRITE is not None
 
-    def fault_in(self) -> None:
+    def fault_in(self) -> bool:
         """Fault in the pages of the table's arrays over their own mappings (`touch`'s
-        work, at once; the small arrays fault on first write); meant for a thread, where
-        `can_fault_in_aside`."""
+        work, at once; the small arrays fault on first write), a few MB per system call
+        (the call holds the process's memory map, which the loop's own mappings wait
+        for); meant for a thread, where `can_fault_in_aside`. Returns whether all went in
+        (not where the kernel refused the advice: then `touch` writes instead)."""
         for array in self._arrays():
-            if _mapping(array) is not None and not _populate(array, 0, array.nbytes):
-                return
+            if _mapping(array) is None:
+                continue
+            for start in range(0, array.nbytes, _FAULT_IN_BYTES):
+                if not _populate(array, start, min(array.nbytes, start + _FAULT_IN_BYTES)):
+                    return False
+        return True
 
     def release(self) -> None:
         """Give back the pages of the table's arrays over their own mappings (a table no
         longer used: unmapping one that still holds a few hundred MB held the loop for
-        milliseconds), with the GIL released where the C operations are built; meant for
-        a thread, which then drops the table."""
+        milliseconds), with the GIL released; meant for a thread, which then drops the
+        table. Nothing where the C operations are not built (the table is unmapped when
+        dropped) or off Linux (there rows were zeroed, not given back)."""
         if _native is None or not _RELEASES_AS_ZEROS:
             return
         for array in self._arrays():
