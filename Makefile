@@ -61,7 +61,8 @@ vllm-model: $(VLLM_MODEL)/config.json
 
 $(STAMP): pyproject.toml constraints.txt setup.py prfaas/common/_chain_hash.c \
 		prfaas/common/vendor/xxhash.h prfaas/gateway/kv_index/_buckets.c \
-		prfaas/gateway/kv_index/_walk.c prfaas/gateway/kv_index/_batch.c
+		prfaas/gateway/kv_index/_walk.c prfaas/gateway/kv_index/_batch.c \
+		prfaas/common/msgpack_read.h prfaas/protocol/kv_events/_scan.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(TAKE_TURN) $(BIN)/python -m pip install -q -c constraints.txt -e '.[engine,plots,test]'

@@ -23,6 +23,8 @@
 #define XXH_INLINE_ALL
 #include "vendor/xxhash.h"
 
+#include "msgpack_read.h"
+
 #define PARENT_BYTES 8
 
 static void put_u64_le(uint8_t *out, uint64_t value) {
@@ -214,30 +216,13 @@ fail:
     return NULL;
 }
 
-/* Big-endian unsigned integer of `n` bytes at `p`. */
-static uint64_t get_be(const uint8_t *p, int n) {
-    uint64_t value = 0;
-    for (int i = 0; i < n; i++) {
-        value = (value << 8) | p[i];
-    }
-    return value;
-}
-
 /* The count of the msgpack array whose header starts `data`, its items from `*pos`; -1 with
  * ValueError set when `data` does not start with an array header, or holds fewer bytes than
  * the count says there are ids (each takes one at least). */
 static Py_ssize_t packed_count(const uint8_t *data, Py_ssize_t len, Py_ssize_t *pos) {
     uint64_t count;
-    if (len >= 1 && (data[0] & 0xf0) == 0x90) { /* fixarray */
-        *pos = 1;
-        count = data[0] & 0x0f;
-    } else if (len >= 3 && data[0] == 0xdc) { /* array 16 */
-        *pos = 3;
-        count = get_be(data + 1, 2);
-    } else if (len >= 5 && data[0] == 0xdd) { /* array 32 */
-        *pos = 5;
-        count = get_be(data + 1, 4);
-    } else {
+    *pos = 0;
+    if (mp_array(data, len, pos, &count) != MP_UNSIGNED) {
         PyErr_SetString(PyExc_ValueError, "packed token ids are not a msgpack array");
         return -1;
     }
@@ -252,59 +237,32 @@ static Py_ssize_t packed_count(const uint8_t *data, Py_ssize_t len, Py_ssize_t *
  * exception set when it is not an integer (TypeError), does not fit (OverflowError) or is
  * cut short (ValueError). Encoders write the shortest form, but any integer form is read. */
 static int packed_id(const uint8_t *data, Py_ssize_t len, Py_ssize_t *pos, uint32_t *out) {
-    if (*pos >= len) {
-        goto short_data;
-    }
-    uint8_t type = data[(*pos)++];
-    int64_t value;
-    int width;
-    if (type <= 0x7f) { /* positive fixint */
-        *out = type;
-        return 0;
-    }
-    if (type >= 0xe0) { /* negative fixint */
-        value = (int8_t)type;
-        goto too_large;
-    }
-    if (type >= 0xcc && type <= 0xcf) { /* uint 8, 16, 32, 64 */
-        width = 1 << (type - 0xcc);
-        if (*pos + width > len) {
-            goto short_data;
-        }
-        uint64_t unsigned_value = get_be(data + *pos, width);
-        *pos += width;
-        if (unsigned_value > UINT32_MAX) {
+    uint64_t u;
+    int64_t s;
+    switch (mp_int(data, len, pos, &u, &s)) {
+    case MP_UNSIGNED:
+        if (u > UINT32_MAX) {
             PyErr_Format(PyExc_OverflowError, "token id %llu does not fit uint32",
-                         (unsigned long long)unsigned_value);
+                         (unsigned long long)u);
             return -1;
         }
-        *out = (uint32_t)unsigned_value;
+        *out = (uint32_t)u;
         return 0;
-    }
-    if (type >= 0xd0 && type <= 0xd3) { /* int 8, 16, 32, 64 */
-        width = 1 << (type - 0xd0);
-        if (*pos + width > len) {
-            goto short_data;
+    case MP_SIGNED:
+        if (s < 0 || s > UINT32_MAX) {
+            PyErr_Format(PyExc_OverflowError, "token id %lld does not fit uint32", (long long)s);
+            return -1;
         }
-        uint64_t bits = get_be(data + *pos, width);
-        *pos += width;
-        int shift = 64 - 8 * width; /* sign-extend */
-        value = (int64_t)(bits << shift) >> shift;
-        if (value < 0 || value > UINT32_MAX) {
-            goto too_large;
-        }
-        *out = (uint32_t)value;
+        *out = (uint32_t)s;
         return 0;
+    case MP_SHORT:
+        PyErr_SetString(PyExc_ValueError, "packed token ids end within an id");
+        return -1;
+    default:
+        PyErr_Format(PyExc_TypeError,
+                     "packed token id of msgpack type 0x%02x is not an integer", data[*pos]);
+        return -1;
     }
-    PyErr_Format(PyExc_TypeError, "packed token id of msgpack type 0x%02x is not an integer",
-                 type);
-    return -1;
-too_large:
-    PyErr_Format(PyExc_OverflowError, "token id %lld does not fit uint32", (long long)value);
-    return -1;
-short_data:
-    PyErr_SetString(PyExc_ValueError, "packed token ids end within an id");
-    return -1;
 }
 
 PyDoc_STRVAR(hash_packed_doc,

@@ -9,7 +9,10 @@ A `BlockStored`'s token ids come in one of two forms (its type parameter): decod
 (`TokenIds`, what publishers build and most readers take) or left in their msgpack encoding
 (`PackedIds`, `decode_batch(..., packed_ids=True)`): the gateway's KV index hashes them from
 there in C (`prfaas.common.hashing.hash_packed_blocks`, which validates them then), where
-decoding made a Python int of each id, most of what reading an event cost.
+decoding made a Python int of each id, most of what reading an event cost. Such batches are
+read by `_scan.c` (C, optional at install) where they are in the forms it reads, and by
+msgspec otherwise: msgspec skips packed ids one by one, about 8 us of the 9 an event of 18
+blocks took, where the scan takes about 1.
 """
 
 from __future__ import annotations
@@ -18,6 +21,11 @@ from collections.abc import Sequence
 from typing import Annotated, Any, Generic, TypeVar
 
 import msgspec
+
+try:
+    from prfaas.protocol.kv_events._scan import scan_batch
+except ImportError:  # the extension did not build: msgspec reads every batch
+    scan_batch = None  # type: ignore[assignment]
 
 SEQ_BYTES = 8
 
@@ -121,10 +129,42 @@ def decode_batch(payload: bytes, *, packed_ids: bool = False) -> KVEventBatch[An
         KVEventDecodeError: `payload` is not msgpack or not a valid batch (the message
             names the offending path, e.g. ``$[1][0][3]``).
     """
+    if packed_ids and scan_batch is not None:
+        scanned = scan_batch(payload)
+        if scanned is not None:
+            return _scanned_batch(payload, scanned)
     try:
         return _DECODERS[packed_ids].decode(payload)
     except msgspec.DecodeError as exc:  # ValidationError is a DecodeError too
         raise KVEventDecodeError(f"bad KV event batch: {exc}") from exc
+
+
+_KINDS: tuple[type[KVEvent], ...] = (
+    BlockStored,
+    BlockRemoved,
+    AllBlocksCleared,
+    StatesStored,
+    StatesRemoved,
+)
+"""The events in `_scan.c`'s order of kinds."""
+
+
+def _scanned_batch(
+    payload: bytes, scanned: tuple[float, list[tuple[Any, ...]], int | None]
+) -> KVEventBatch[PackedIds]:
+    """The batch `scan_batch` read from `payload`, each `BlockStored`'s ids a `Raw` over
+    their bytes in it (as msgspec's are: a view, not a copy, of a `bytes` payload)."""
+    ts, scanned_events, rank = scanned
+    view = memoryview(payload if isinstance(payload, bytes) else bytes(payload))
+    events: list[KVEvent] = []
+    for kind, *fields in scanned_events:
+        if kind == 0:
+            hashes, parent, start, end, block_size, lora_id = fields
+            ids = msgspec.Raw(view[start:end])
+            events.append(BlockStored(hashes, parent, ids, block_size, lora_id))
+        else:
+            events.append(_KINDS[kind](*fields))
+    return KVEventBatch(ts, tuple(events), rank)
 
 
 def decode_frames(

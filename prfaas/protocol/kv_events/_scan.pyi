@@ -1,0 +1,7 @@
+from typing import Any
+
+from msgspec import Raw
+
+def scan_batch(
+    payload: bytes | bytearray | memoryview | Raw, /
+) -> tuple[float, list[tuple[Any, ...]], int | None] | None: ...
