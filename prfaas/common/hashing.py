@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 _ARRAY_U32 = "I" if array.array("I").itemsize == 4 else "L"
 _PACK_WITH_ARRAY = sys.byteorder == "little" and array.array(_ARRAY_U32).itemsize == 4
+_LITTLE_U32 = sys.byteorder == "little" and array.array("I").itemsize == 4
 
 
 def hash_block(parent: int | None, token_ids: Sequence[int] | np.ndarray) -> int:
@@ -124,12 +125,15 @@ def _lazy_chain(token_ids: Sequence[int] | np.ndarray, block_size: int) -> Itera
         start, size = stop, min(2 * size, max_blocks)
 
 
-def _ids(token_ids: Sequence[int] | np.ndarray) -> Sequence[int] | bytes:
-    """What the hash loop reads: a list or tuple as it is, anything else (numpy arrays,
-    ranges) as uint32 little-endian bytes, checked as a list's ids are (TypeError for
-    ids that are not integers, OverflowError for ids outside [0, 2**32))."""
+def _ids(token_ids: Sequence[int] | np.ndarray) -> Sequence[int] | bytes | memoryview:
+    """What the hash loop reads: a list or tuple as it is, a KV event's `IdArray` (uint32
+    ids in a memoryview) as it is, anything else (numpy arrays, ranges) as uint32
+    little-endian bytes, checked as a list's ids are (TypeError for ids that are not
+    integers, OverflowError for ids outside [0, 2**32))."""
     if isinstance(token_ids, list | tuple):
         return token_ids
+    if isinstance(token_ids, memoryview) and token_ids.format == "I" and _LITTLE_U32:
+        return token_ids  # an event's `IdArray`: uint32 ids already
     ids = np.asarray(token_ids)
     if ids.size and ids.dtype.kind not in "iu":
         raise TypeError(f"token ids must be integers, got {ids.dtype}")

@@ -1,6 +1,7 @@
-"""`_scan.c`, the C reader of KV event batches with packed token ids, held to msgspec: on
-every batch msgspec writes it reads the same fields msgspec decodes, and on anything else
-it answers None (msgspec then decodes it or names what is wrong), never something else."""
+"""`_scan.c`, the C reader of KV event batches for the KV index, held to msgspec: on every
+batch msgspec writes (token ids in uint32) it reads the same fields msgspec decodes, the
+ids as an `IdArray` where msgspec leaves them packed, hashing alike; on anything else it
+answers None (msgspec then decodes it or names what is wrong), never something else."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from prfaas.common.hashing import hash_blocks, hash_packed_blocks
+from prfaas.gateway.kv_index import KVIndexManager
 from prfaas.protocol.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -40,14 +43,27 @@ def msgspec_decode(payload: bytes) -> KVEventBatch[Any]:
     return kv_events._DECODERS[True].decode(payload)
 
 
+def content(batch: KVEventBatch[Any]) -> list[Any]:
+    """A batch's fields, token ids as a tuple of ints whatever their form."""
+    events = []
+    for event in batch.events:
+        fields = list(msgspec.structs.astuple(event))
+        if isinstance(event, BlockStored):
+            ids = event.token_ids
+            fields[2] = tuple(msgspec.msgpack.decode(ids) if isinstance(ids, msgspec.Raw) else ids)
+        events.append((type(event).__name__, *fields))
+    return [batch.ts, events, batch.attn_dp_rank]
+
+
 ints = st.integers(-(2**63), 2**64 - 1)
+ids = st.lists(st.integers(0, 2**32 - 1), max_size=40).map(tuple)
 hashes = st.lists(ints, max_size=5).map(tuple)
 events = st.one_of(
     st.builds(
         BlockStored,
         hashes,
         st.none() | ints,
-        st.lists(ints, max_size=40).map(tuple),  # packed ids take any integer
+        ids,
         st.integers(1, 2**63 - 1),
         st.none() | ints,
     ),
@@ -72,8 +88,15 @@ def test_every_batch_msgspec_writes_is_scanned_as_msgspec_decodes_it(
     payload = encode_batch(batch)
     assert scan_batch(payload) is not None
     decoded = decode_batch(payload, packed_ids=True)
-    assert decoded == msgspec_decode(payload)
-    assert encode_batch(decoded) == payload
+    assert content(decoded) == content(msgspec_decode(payload)) == content(batch)
+    for ours, theirs in zip(decoded.events, msgspec_decode(payload).events, strict=True):
+        if isinstance(ours, BlockStored):
+            assert isinstance(ours.token_ids, memoryview)
+            assert isinstance(theirs.token_ids, msgspec.Raw)
+            parent = 2**64 - 1
+            assert hash_blocks(ours.token_ids, 2, parent=parent) == hash_packed_blocks(
+                theirs.token_ids, 2, parent=parent
+            )
 
 
 @settings(max_examples=500, deadline=None)
@@ -102,7 +125,7 @@ def test_a_damaged_batch_is_scanned_as_msgspec_decodes_it_or_left_to_msgspec(
         with pytest.raises(KVEventDecodeError):
             decode_batch(damaged, packed_ids=True)
         return
-    assert encode_batch(decode_batch(damaged, packed_ids=True)) == encode_batch(expected)
+    assert content(decode_batch(damaged, packed_ids=True)) == content(expected)
 
 
 @settings(max_examples=300, deadline=None)
@@ -110,18 +133,19 @@ def test_a_damaged_batch_is_scanned_as_msgspec_decodes_it_or_left_to_msgspec(
 def test_any_bytes_are_scanned_as_msgspec_decodes_them_or_left_to_it(payload: bytes) -> None:
     scanned = scan_batch(payload)
     if scanned is not None:
-        assert encode_batch(decode_batch(payload, packed_ids=True)) == encode_batch(
-            msgspec_decode(payload)
-        )
+        assert content(decode_batch(payload, packed_ids=True)) == content(msgspec_decode(payload))
 
 
 def test_the_forms_msgspec_reads_and_the_scan_does_not_are_left_to_msgspec() -> None:
-    """An integer `ts`, token ids that are not an array of integers, a trailing field:
-    msgspec decodes them (the scan reads only what it is sure of)."""
+    """An integer `ts`, token ids that are not an array of uint32 integers, a trailing
+    field: msgspec decodes them (the scan reads only what it is sure of; the index rejects
+    the ids when it hashes them)."""
     stored = ["BlockStored", [1], None, [5, 6], 2]
     payloads = [
         msgspec.msgpack.encode([3, [stored]]),  # ts an integer
         msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, "ids", 2]]]),
+        msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, [5, -1], 2]]]),
+        msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, [5, 2**32], 2]]]),
         msgspec.msgpack.encode([1.0, [[*stored, None, "newer"]]]),  # a newer field
         msgspec.msgpack.encode([1.0, [stored], 0, "newer"]),
     ]
@@ -138,11 +162,34 @@ def test_a_bad_batch_is_named_by_msgspec() -> None:
         decode_batch(payload, packed_ids=True)
 
 
-def test_packed_ids_are_the_bytes_of_their_array_in_any_buffer() -> None:
-    ids = (0, 127, 128, 65_535, 65_536, 2**32 - 1)
-    batch = KVEventBatch(2.5, (BlockStored((7,), None, ids, 3),), None)
-    payload = encode_batch(batch)
-    for form in (payload, bytearray(payload), memoryview(payload)):
-        (event,) = decode_batch(form, packed_ids=True).events  # type: ignore[arg-type]
-        assert isinstance(event, BlockStored)
-        assert bytes(event.token_ids) == msgspec.msgpack.encode(list(ids))
+def test_ids_in_every_integer_form_are_read_from_any_buffer() -> None:
+    """Each width of the shortest forms, the longer forms an encoder may write (uint 64,
+    int 8-64 of a value in range), an id in the data's last bytes."""
+    ids = (0, 127, 128, 255, 256, 65_535, 65_536, 2**32 - 1)
+    longer = b"\xcf" + (7).to_bytes(8, "big") + b"\xd0\x05\xd1\x01\x00\xd2\x00\x01\x00\x00"
+    longer += b"\xd3" + (2**32 - 1).to_bytes(8, "big")
+    for tail, expected in ((b"", ()), (longer, (7, 5, 256, 65_536, 2**32 - 1))):
+        n = len(ids) + len(expected)  # a fixarray header, the items after it
+        packed = bytes([0x90 | n]) + msgspec.msgpack.encode(list(ids))[1:] + tail
+        payload = b"\x92\xcb" + bytes(8) + b"\x91\x95\xabBlockStored\x91\x07\xc0" + packed + b"\x01"
+        for form in (payload, bytearray(payload), memoryview(payload)):
+            (event,) = decode_batch(form, packed_ids=True).events  # type: ignore[arg-type]
+            assert isinstance(event, BlockStored)
+            assert isinstance(event.token_ids, memoryview)
+            assert tuple(event.token_ids) == ids + expected
+
+
+def test_the_index_holds_what_either_form_stores() -> None:
+    """The same events decoded by the scan and by msgspec: both indexes answer alike."""
+    tokens = tuple(range(100_000, 100_000 + 6 * 4))
+    payloads = [
+        encode_batch(KVEventBatch(0.0, (BlockStored((11, 12), None, tokens[:8], 4),))),
+        encode_batch(KVEventBatch(0.0, (BlockStored((13,), 12, tokens[8:12], 4),))),
+    ]
+    answers = []
+    for decode in (lambda p: decode_batch(p, packed_ids=True), msgspec_decode):
+        index = KVIndexManager(block_size=4)
+        for payload in payloads:
+            index.apply("a", decode(payload).events)
+        answers.append(index.longest_prefix(hash_blocks(tokens, 4)))
+    assert answers == [{"a": 12}, {"a": 12}]  # tokens: three blocks of 4

@@ -392,8 +392,8 @@ class KVIndexManager:
         self, instance_id: str, event: BlockStored[Any], parent: int | None
     ) -> list[int] | None:
         """Our hashes of the event's blocks; None (the event rejected, logged once per
-        instance) where its packed token ids are not uint32 integers (decoded ids were
-        checked when decoded)."""
+        instance) where its packed token ids are not uint32 integers (decoded ids and an
+        `IdArray`'s were checked when decoded)."""
         ids = event.token_ids
         if not isinstance(ids, msgspec.Raw):
             return hash_blocks(ids, self.block_size, parent=parent)

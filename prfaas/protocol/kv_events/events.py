@@ -5,18 +5,20 @@ The structs are declared as SGLang declares its own (`array_like`, `omit_default
 writes, and typed decoding validates every field in C: hashes and token ids are ints,
 `block_size` is positive, token ids fit the uint32 the index hashes them as.
 
-A `BlockStored`'s token ids come in one of two forms (its type parameter): decoded
-(`TokenIds`, what publishers build and most readers take) or left in their msgpack encoding
-(`PackedIds`, `decode_batch(..., packed_ids=True)`): the gateway's KV index hashes them from
-there in C (`prfaas.common.hashing.hash_packed_blocks`, which validates them then), where
-decoding made a Python int of each id, most of what reading an event cost. Such batches are
-read by `_scan.c` (C, optional at install) where they are in the forms it reads, and by
-msgspec otherwise: msgspec skips packed ids one by one, about 8 us of the 9 an event of 18
-blocks took, where the scan takes about 1.
+A `BlockStored`'s token ids come in one of three forms (its type parameter): decoded
+(`TokenIds`, what publishers build and most readers take), or for the gateway's KV index
+(`decode_batch(..., packed_ids=True)`), which hashes them in C and never makes a Python int
+of each id (that was most of what reading an event cost): uint32 ids in an array
+(`IdArray`), read by `_scan.c` (C, optional at install) from the batches in the forms it
+reads, or, for any other batch, left in their msgpack encoding by msgspec (`PackedIds`),
+hashed from there (`prfaas.common.hashing.hash_packed_blocks`, which validates them then).
+Why the scan: msgspec skips packed ids one by one, about 8 us of the 9 an event of 18
+blocks took, and hashing read them again; the scan reads them once.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Annotated, Any, Generic, TypeVar
 
@@ -26,6 +28,8 @@ try:
     from prfaas.protocol.kv_events._scan import scan_batch
 except ImportError:  # the extension did not build: msgspec reads every batch
     scan_batch = None  # type: ignore[assignment]
+if sys.byteorder != "little":  # its ids are little-endian; `IdArray` views them natively
+    scan_batch = None  # type: ignore[assignment]
 
 SEQ_BYTES = 8
 
@@ -34,7 +38,10 @@ BlockSize = Annotated[int, msgspec.Meta(gt=0)]
 TokenIds = tuple[TokenId, ...]
 PackedIds = msgspec.Raw
 """Token ids as their msgpack array, unread."""
-Ids = TypeVar("Ids", TokenIds, PackedIds)
+IdArray = memoryview
+"""Token ids as uint32 in a `memoryview` of format "I" (its bytes little-endian, as the block
+hash reads them)."""
+Ids = TypeVar("Ids", TokenIds, PackedIds, IdArray)
 
 
 class _KVEventBase(
@@ -132,7 +139,7 @@ def decode_batch(payload: bytes, *, packed_ids: bool = False) -> KVEventBatch[An
     if packed_ids and scan_batch is not None:
         scanned = scan_batch(payload)
         if scanned is not None:
-            return _scanned_batch(payload, scanned)
+            return _scanned_batch(scanned)
     try:
         return _DECODERS[packed_ids].decode(payload)
     except msgspec.DecodeError as exc:  # ValidationError is a DecodeError too
@@ -149,19 +156,15 @@ _KINDS: tuple[type[KVEvent], ...] = (
 """The events in `_scan.c`'s order of kinds."""
 
 
-def _scanned_batch(
-    payload: bytes, scanned: tuple[float, list[tuple[Any, ...]], int | None]
-) -> KVEventBatch[PackedIds]:
-    """The batch `scan_batch` read from `payload`, each `BlockStored`'s ids a `Raw` over
-    their bytes in it (as msgspec's are: a view, not a copy, of a `bytes` payload)."""
+def _scanned_batch(scanned: tuple[float, list[tuple[Any, ...]], int | None]) -> KVEventBatch[Any]:
+    """The batch `scan_batch` read, each `BlockStored`'s ids an `IdArray`."""
     ts, scanned_events, rank = scanned
-    view = memoryview(payload if isinstance(payload, bytes) else bytes(payload))
     events: list[KVEvent] = []
     for kind, *fields in scanned_events:
         if kind == 0:
-            hashes, parent, start, end, block_size, lora_id = fields
-            ids = msgspec.Raw(view[start:end])
-            events.append(BlockStored(hashes, parent, ids, block_size, lora_id))
+            hashes, parent, ids, block_size, lora_id = fields
+            array = memoryview(ids).cast("I")
+            events.append(BlockStored(hashes, parent, array, block_size, lora_id))
         else:
             events.append(_KINDS[kind](*fields))
     return KVEventBatch(ts, tuple(events), rank)
