@@ -132,7 +132,13 @@ def _ids(token_ids: Sequence[int] | np.ndarray) -> Sequence[int] | bytes | memor
     integers, OverflowError for ids outside [0, 2**32))."""
     if isinstance(token_ids, list | tuple):
         return token_ids
-    if isinstance(token_ids, memoryview) and token_ids.format == "I" and _LITTLE_U32:
+    if (
+        isinstance(token_ids, memoryview)
+        and token_ids.format == "I"
+        and token_ids.ndim == 1
+        and token_ids.c_contiguous
+        and _LITTLE_U32
+    ):
         return token_ids  # an event's `IdArray`: uint32 ids already
     ids = np.asarray(token_ids)
     if ids.size and ids.dtype.kind not in "iu":

@@ -39,8 +39,9 @@ logger = logging.getLogger(__name__)
 GROWTH_STEP_S = 0.02
 """How often the feed steps a growth of the index's tables along (see `start`)."""
 
-# The index hashes token ids from their msgpack bytes: decoding them made a Python int of
-# each, most of what reading an event cost.
+# The index hashes token ids as uint32 (`IdArray`, or their msgpack bytes where msgspec
+# decodes the batch): decoding them made a Python int of each, most of what reading an
+# event cost.
 _decode_packed = functools.partial(decode_frames, packed_ids=True)
 
 

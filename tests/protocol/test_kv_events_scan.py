@@ -5,6 +5,7 @@ answers None (msgspec then decodes it or names what is wrong), never something e
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 import msgspec
@@ -12,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from prfaas.common import hashing
 from prfaas.common.hashing import hash_blocks, hash_packed_blocks
 from prfaas.gateway.kv_index import KVIndexManager
 from prfaas.protocol.kv_events import (
@@ -44,7 +46,8 @@ def msgspec_decode(payload: bytes) -> KVEventBatch[Any]:
 
 
 def content(batch: KVEventBatch[Any]) -> list[Any]:
-    """A batch's fields, token ids as a tuple of ints whatever their form."""
+    """A batch's fields, token ids as a tuple of ints whatever their form, `ts` as its bits
+    (a damaged batch's may be NaN, which equals nothing)."""
     events = []
     for event in batch.events:
         fields = list(msgspec.structs.astuple(event))
@@ -52,7 +55,7 @@ def content(batch: KVEventBatch[Any]) -> list[Any]:
             ids = event.token_ids
             fields[2] = tuple(msgspec.msgpack.decode(ids) if isinstance(ids, msgspec.Raw) else ids)
         events.append((type(event).__name__, *fields))
-    return [batch.ts, events, batch.attn_dp_rank]
+    return [struct.pack("<d", batch.ts), events, batch.attn_dp_rank]
 
 
 ints = st.integers(-(2**63), 2**64 - 1)
@@ -91,7 +94,8 @@ def test_every_batch_msgspec_writes_is_scanned_as_msgspec_decodes_it(
     assert content(decoded) == content(msgspec_decode(payload)) == content(batch)
     for ours, theirs in zip(decoded.events, msgspec_decode(payload).events, strict=True):
         if isinstance(ours, BlockStored):
-            assert isinstance(ours.token_ids, memoryview)
+            assert isinstance(ours.token_ids, memoryview) and ours.token_ids.format == "I"
+            assert hashing._ids(ours.token_ids) is ours.token_ids  # read as it is
             assert isinstance(theirs.token_ids, msgspec.Raw)
             parent = 2**64 - 1
             assert hash_blocks(ours.token_ids, 2, parent=parent) == hash_packed_blocks(
@@ -152,6 +156,37 @@ def test_the_forms_msgspec_reads_and_the_scan_does_not_are_left_to_msgspec() -> 
     for payload in payloads:
         assert scan_batch(payload) is None
         assert decode_batch(payload, packed_ids=True) == msgspec_decode(payload)
+
+
+def test_the_longer_forms_msgspec_reads_are_scanned_alike() -> None:
+    """A str 8 tag, a float 32 `ts`, array 16 and array 32 headers, longer integer forms:
+    not what msgspec writes, but what it reads, to the same values."""
+    stored = (
+        b"\xdc\x00\x05"  # array 16 of the event's 5 fields
+        + b"\xd9\x0bBlockStored"  # str 8
+        + b"\xdd\x00\x00\x00\x01\xcf"
+        + (2**64 - 1).to_bytes(8, "big")  # array 32, uint 64
+        + b"\xd3"
+        + (-(2**63)).to_bytes(8, "big", signed=True)  # parent int 64
+        + b"\x92\xd1\x00\x05\xcc\x07"  # ids: int 16, uint 8
+        + b"\xd2\x00\x00\x00\x02"  # block size int 32
+    )
+    payload = b"\x93\xca" + struct.pack(">f", 1.5) + b"\x91" + stored + b"\xd0\x03"
+    assert scan_batch(payload) is not None
+    decoded = decode_batch(payload, packed_ids=True)
+    assert content(decoded) == content(msgspec_decode(payload))
+    assert content(decoded)[1] == [("BlockStored", (2**64 - 1,), -(2**63), (5, 7), 2, None)]
+
+
+def test_without_the_scan_msgspec_decodes_every_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the extension is not built: packed ids, the same content, the same hashes."""
+    batch = KVEventBatch(1.0, (BlockStored((1, 2), None, tuple(range(8)), 4),), None)
+    payload = encode_batch(batch)
+    scanned = decode_batch(payload, packed_ids=True)
+    monkeypatch.setattr(kv_events, "scan_batch", None)
+    unscanned = decode_batch(payload, packed_ids=True)
+    assert isinstance(unscanned.events[0].token_ids, msgspec.Raw)  # type: ignore[union-attr]
+    assert content(unscanned) == content(scanned) == content(batch)
 
 
 def test_a_bad_batch_is_named_by_msgspec() -> None:

@@ -6,8 +6,8 @@
  * took to decode, and the index then read the ids again to hash them (about 2.6 ns an id).
  * Here the ids are read once, into uint32 little-endian bytes, what the block hash reads.
  *
- * `scan_batch` reads only the batches it is sure of, in the forms msgspec writes, and
- * answers None for anything else (another field form, an unknown event, a value out of
+ * `scan_batch` reads only the batches it is sure of, in some of the forms msgspec reads
+ * (those it writes among them), and answers None for anything else (another field form, an unknown event, a value out of
  * range, an id outside uint32, trailing fields or bytes, a batch cut short): events.py then
  * decodes that payload with msgspec, which decodes it or names what is wrong, and the
  * index rejects ids it cannot hash when it hashes them. So the fields it returns are those
@@ -126,7 +126,7 @@ static inline int read_id(const uint8_t *data, Py_ssize_t len, Py_ssize_t *pos, 
  * what is there. */
 static PyObject *read_ids(Reader *r) {
     Py_ssize_t n = read_array(r);
-    if (n < 0) {
+    if (n < 0 || n > PY_SSIZE_T_MAX / 4) {
         return NULL;
     }
     PyObject *ids = PyBytes_FromStringAndSize(NULL, 4 * n);

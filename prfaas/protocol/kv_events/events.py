@@ -28,8 +28,8 @@ try:
     from prfaas.protocol.kv_events._scan import scan_batch
 except ImportError:  # the extension did not build: msgspec reads every batch
     scan_batch = None  # type: ignore[assignment]
-if sys.byteorder != "little":  # its ids are little-endian; `IdArray` views them natively
-    scan_batch = None  # type: ignore[assignment]
+if sys.byteorder != "little" or memoryview(bytes(4)).cast("I").itemsize != 4:
+    scan_batch = None  # type: ignore[assignment]  # its ids are 4 bytes, little-endian
 
 SEQ_BYTES = 8
 
@@ -40,7 +40,8 @@ PackedIds = msgspec.Raw
 """Token ids as their msgpack array, unread."""
 IdArray = memoryview
 """Token ids as uint32 in a `memoryview` of format "I" (its bytes little-endian, as the block
-hash reads them)."""
+hash reads them). For the index only: `encode_batch` would write it as msgpack bin, not as
+the array of ids it was read from."""
 Ids = TypeVar("Ids", TokenIds, PackedIds, IdArray)
 
 
@@ -130,7 +131,8 @@ def encode_frames(topic: str, seq: int, batch: KVEventBatch[Any]) -> list[bytes]
 
 def decode_batch(payload: bytes, *, packed_ids: bool = False) -> KVEventBatch[Any]:
     """Inverse of `encode_batch`; unknown trailing fields are ignored (newer publishers).
-    `packed_ids`: `BlockStored` token ids stay `PackedIds`, not validated until hashed.
+    `packed_ids`: `BlockStored` token ids for the KV index: an `IdArray` (checked as uint32
+    when decoded) where `_scan` reads the batch, else `PackedIds` (checked when hashed).
 
     Raises:
         KVEventDecodeError: `payload` is not msgpack or not a valid batch (the message
