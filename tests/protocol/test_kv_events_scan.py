@@ -40,6 +40,12 @@ def test_the_scan_is_what_decoding_packed_ids_runs() -> None:
     assert kv_events.scan_batch is scan_batch
 
 
+def scan(payload: bytes) -> KVEventBatch[Any] | None:
+    """The batch the scan reads, built as `decode_batch` builds it (None: not read)."""
+    batch: KVEventBatch[Any] | None = scan_batch(payload, kv_events._SCANNED_CLASSES)
+    return batch
+
+
 def msgspec_decode(payload: bytes) -> KVEventBatch[Any]:
     """What `decode_batch(payload, packed_ids=True)` decodes with msgspec alone."""
     return kv_events._DECODERS[True].decode(payload)
@@ -89,7 +95,7 @@ def test_every_batch_msgspec_writes_is_scanned_as_msgspec_decodes_it(
     batch: KVEventBatch[Any],
 ) -> None:
     payload = encode_batch(batch)
-    assert scan_batch(payload) is not None
+    assert scan(payload) is not None
     decoded = decode_batch(payload, packed_ids=True)
     assert content(decoded) == content(msgspec_decode(payload)) == content(batch)
     for ours, theirs in zip(decoded.events, msgspec_decode(payload).events, strict=True):
@@ -121,7 +127,7 @@ def test_a_damaged_batch_is_scanned_as_msgspec_decodes_it_or_left_to_msgspec(
         else:
             payload[at:at] = data.draw(st.binary(min_size=1, max_size=3))
     damaged = bytes(payload)
-    scanned = scan_batch(damaged)
+    scanned = scan(damaged)
     try:
         expected = msgspec_decode(damaged)
     except msgspec.DecodeError:
@@ -135,7 +141,7 @@ def test_a_damaged_batch_is_scanned_as_msgspec_decodes_it_or_left_to_msgspec(
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=80))
 def test_any_bytes_are_scanned_as_msgspec_decodes_them_or_left_to_it(payload: bytes) -> None:
-    scanned = scan_batch(payload)
+    scanned = scan(payload)
     if scanned is not None:
         assert content(decode_batch(payload, packed_ids=True)) == content(msgspec_decode(payload))
 
@@ -154,7 +160,7 @@ def test_the_forms_msgspec_reads_and_the_scan_does_not_are_left_to_msgspec() -> 
         msgspec.msgpack.encode([1.0, [stored], 0, "newer"]),
     ]
     for payload in payloads:
-        assert scan_batch(payload) is None
+        assert scan(payload) is None
         assert decode_batch(payload, packed_ids=True) == msgspec_decode(payload)
 
 
@@ -172,7 +178,7 @@ def test_the_longer_forms_msgspec_reads_are_scanned_alike() -> None:
         + b"\xd2\x00\x00\x00\x02"  # block size int 32
     )
     payload = b"\x93\xca" + struct.pack(">f", 1.5) + b"\x91" + stored + b"\xd0\x03"
-    assert scan_batch(payload) is not None
+    assert scan(payload) is not None
     decoded = decode_batch(payload, packed_ids=True)
     assert content(decoded) == content(msgspec_decode(payload))
     assert content(decoded)[1] == [("BlockStored", (2**64 - 1,), -(2**63), (5, 7), 2, None)]
@@ -189,10 +195,15 @@ def test_without_the_scan_msgspec_decodes_every_batch(monkeypatch: pytest.Monkey
     assert content(unscanned) == content(scanned) == content(batch)
 
 
+def test_the_scan_builds_with_the_classes_it_is_given() -> None:
+    with pytest.raises(TypeError, match="tuple of the 5 events' classes"):
+        scan_batch(b"", (BlockStored,))
+
+
 def test_a_bad_batch_is_named_by_msgspec() -> None:
     """A block size of 0 is not scanned; msgspec's error names its field."""
     payload = msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, [5], 0]]])
-    assert scan_batch(payload) is None
+    assert scan(payload) is None
     with pytest.raises(KVEventDecodeError, match=r"\$\[1\]\[0\]\[4\]"):
         decode_batch(payload, packed_ids=True)
 

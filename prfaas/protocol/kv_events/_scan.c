@@ -1,17 +1,20 @@
-/* A KV event batch's fields read in one pass, for `events.decode_batch` with packed token
- * ids (see events.py).
+/* A KV event batch read in one pass, for `events.decode_batch` with packed token ids (see
+ * events.py).
  *
  * Why: msgspec reads a `BlockStored`'s token ids as `msgspec.Raw` by skipping the array
  * item by item, about 7 ns an id: 8 us of the 9 us a typical event (18 blocks of 64 ids)
  * took to decode, and the index then read the ids again to hash them (about 2.6 ns an id).
- * Here the ids are read once, into uint32 little-endian bytes, what the block hash reads.
+ * Here the ids are read once, into uint32 little-endian bytes, what the block hash reads,
+ * and the batch is built here too (built in Python, a one-block batch took twice
+ * msgspec's time).
  *
  * `scan_batch` reads only the batches it is sure of, in some of the forms msgspec reads
- * (those it writes among them), and answers None for anything else (another field form, an unknown event, a value out of
- * range, an id outside uint32, trailing fields or bytes, a batch cut short): events.py then
- * decodes that payload with msgspec, which decodes it or names what is wrong, and the
- * index rejects ids it cannot hash when it hashes them. So the fields it returns are those
- * msgspec would have decoded, and it never raises for a payload's content.
+ * (those it writes among them), and answers None for anything else (another field form, an
+ * unknown event, a value out of range, an id outside uint32, trailing fields or bytes, a
+ * batch cut short): events.py then decodes that payload with msgspec, which decodes it or
+ * names what is wrong, and the index rejects ids it cannot hash when it hashes them. So
+ * the batch it builds holds what msgspec would have decoded, and it never raises for a
+ * payload's content.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -201,62 +204,83 @@ static PyObject *read_float(Reader *r) {
     return NULL;
 }
 
-/* A `BlockStored`'s fields after its name (`fields` of them in all, the name counted):
- * (kind, hashes, parent, ids, block size, lora id); NULL as `read_int`. */
-static PyObject *read_stored(Reader *r, Py_ssize_t fields) {
+/* The ids as an `IdArray`: a memoryview of format "I" over the bytes. */
+static PyObject *CAST, *UINT32_FORMAT; /* "cast", "I" */
+
+static PyObject *id_array(PyObject *ids) {
+    PyObject *bytes_view = PyMemoryView_FromObject(ids);
+    if (bytes_view == NULL) {
+        return NULL;
+    }
+    PyObject *array = PyObject_CallMethodOneArg(bytes_view, CAST, UINT32_FORMAT);
+    Py_DECREF(bytes_view);
+    return array;
+}
+
+/* A `BlockStored` (`classes[BLOCK_STORED]` called with its fields) from its fields after its
+ * name, `fields` of them in all, the name counted; NULL as `read_int`. */
+static PyObject *read_stored(Reader *r, Py_ssize_t fields, PyObject *const *classes) {
     if (fields != 5 && fields != 6) {
         return NULL;
     }
     PyObject *hashes = NULL, *parent = NULL, *ids = NULL, *size = NULL, *lora = NULL;
+    PyObject *event = NULL;
     hashes = read_int_tuple(r);
     if (hashes == NULL || (parent = read_optional_int(r)) == NULL ||
         (ids = read_ids(r)) == NULL) {
-        goto fail;
+        goto done;
     }
     uint64_t u;
     int64_t s;
     int form = mp_int(r->data, r->len, &r->pos, &u, &s);
     if (!((form == MP_UNSIGNED && u > 0 && u <= INT64_MAX) || (form == MP_SIGNED && s > 0))) {
-        goto fail; /* msgspec's check: a positive block size */
+        goto done; /* msgspec's check: a positive block size */
     }
     size = PyLong_FromLongLong(form == MP_UNSIGNED ? (long long)u : (long long)s);
     if (size == NULL) {
-        goto fail;
+        goto done;
     }
-    if (fields == 6) {
-        lora = read_optional_int(r);
-    } else {
-        lora = Py_NewRef(Py_None);
-    }
+    lora = fields == 6 ? read_optional_int(r) : Py_NewRef(Py_None);
     if (lora == NULL) {
-        goto fail;
+        goto done;
     }
-    return Py_BuildValue("(iNNNNN)", BLOCK_STORED, hashes, parent, ids, size, lora);
+    PyObject *array = id_array(ids);
+    if (array == NULL) {
+        goto done;
+    }
+    PyObject *args[] = {hashes, parent, array, size, lora};
+    event = PyObject_Vectorcall(classes[BLOCK_STORED], args, 5, NULL);
+    Py_DECREF(array);
 
-fail:
+done:
     Py_XDECREF(hashes);
     Py_XDECREF(parent);
     Py_XDECREF(ids);
     Py_XDECREF(size);
     Py_XDECREF(lora);
-    return NULL;
+    return event;
 }
 
-/* One event as events.py builds it: (kind, *fields); NULL as `read_int`. */
-static PyObject *read_event(Reader *r) {
+/* One event, its kind's class called with its fields; NULL as `read_int`. */
+static PyObject *read_event(Reader *r, PyObject *const *classes) {
     Py_ssize_t fields = read_array(r);
     int kind = fields >= 1 ? read_kind(r) : -1;
     switch (kind) {
     case BLOCK_STORED:
-        return read_stored(r, fields);
+        return read_stored(r, fields, classes);
     case ALL_BLOCKS_CLEARED:
-        return fields == 1 ? Py_BuildValue("(i)", kind) : NULL;
+        return fields == 1 ? PyObject_Vectorcall(classes[kind], NULL, 0, NULL) : NULL;
     case BLOCK_REMOVED:
     case STATES_STORED:
     case STATES_REMOVED:
         if (fields == 2) {
             PyObject *hashes = read_int_tuple(r);
-            return hashes == NULL ? NULL : Py_BuildValue("(iN)", kind, hashes);
+            if (hashes == NULL) {
+                return NULL;
+            }
+            PyObject *event = PyObject_Vectorcall(classes[kind], &hashes, 1, NULL);
+            Py_DECREF(hashes);
+            return event;
         }
         return NULL;
     default:
@@ -265,62 +289,79 @@ static PyObject *read_event(Reader *r) {
 }
 
 PyDoc_STRVAR(scan_batch_doc,
-"scan_batch(payload, /) -> tuple[float, list[tuple], int | None] | None\n\n"
-"A KV event batch's fields: (ts, events, attn_dp_rank), each event (kind, *fields), a\n"
-"`BlockStored`'s token ids as bytes of uint32 little-endian ids; None where the payload is\n"
-"not a batch in the forms read here (decode it with msgspec then).");
+"scan_batch(payload, classes, /) -> batch | None\n\n"
+"The KV event batch in `payload`, built of `classes`: the events' classes in the order\n"
+"BlockStored, BlockRemoved, AllBlocksCleared, StatesStored, StatesRemoved, then the\n"
+"batch's, each called with its fields in order (a `BlockStored`'s token ids an `IdArray`:\n"
+"a memoryview of format \"I\"); None where the payload is not a batch in the forms read\n"
+"here (decode it with msgspec then).");
 
-static PyObject *scan_batch(PyObject *module, PyObject *payload) {
+static PyObject *scan_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
+    if (nargs != 2 || !PyTuple_Check(args[1]) || PyTuple_GET_SIZE(args[1]) != KINDS + 1) {
+        PyErr_SetString(PyExc_TypeError,
+                        "scan_batch takes a payload and a tuple of the 5 events' classes and "
+                        "the batch's");
+        return NULL;
+    }
+    PyObject *const *classes = &PyTuple_GET_ITEM(args[1], 0);
     Py_buffer view;
-    if (PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE) < 0) {
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) {
         return NULL;
     }
     Reader r = {view.buf, view.len, 0};
-    PyObject *ts = NULL, *events = NULL, *rank = NULL, *result = NULL;
+    PyObject *ts = NULL, *events = NULL, *rank = NULL, *batch = NULL;
     Py_ssize_t fields = read_array(&r);
     if ((fields != 2 && fields != 3) || (ts = read_float(&r)) == NULL) {
         goto done;
     }
     Py_ssize_t n = read_array(&r);
-    if (n < 0 || (events = PyList_New(n)) == NULL) {
+    if (n < 0 || (events = PyTuple_New(n)) == NULL) {
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *event = read_event(&r);
+        PyObject *event = read_event(&r, classes);
         if (event == NULL) {
             goto done;
         }
-        PyList_SET_ITEM(events, i, event);
+        PyTuple_SET_ITEM(events, i, event);
     }
     rank = fields == 3 ? read_optional_int(&r) : Py_NewRef(Py_None);
     if (rank == NULL || r.pos != r.len) {
         goto done;
     }
-    result = PyTuple_Pack(3, ts, events, rank);
+    PyObject *batch_args[] = {ts, events, rank};
+    batch = PyObject_Vectorcall(classes[KINDS], batch_args, 3, NULL);
 
 done:
     Py_XDECREF(ts);
     Py_XDECREF(events);
     Py_XDECREF(rank);
     PyBuffer_Release(&view);
-    if (result == NULL && !PyErr_Occurred()) {
+    if (batch == NULL && !PyErr_Occurred()) {
         Py_RETURN_NONE; /* not a batch read here: msgspec decodes it */
     }
-    return result;
+    return batch;
 }
 
 static PyMethodDef methods[] = {
-    {"scan_batch", scan_batch, METH_O, scan_batch_doc},
+    {"scan_batch", (PyCFunction)(void (*)(void))scan_batch, METH_FASTCALL, scan_batch_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "prfaas.protocol.kv_events._scan",
-    .m_doc = "A KV event batch's fields read in one pass (see prfaas.protocol.kv_events.events).",
+    .m_doc = "A KV event batch read in one pass (see prfaas.protocol.kv_events.events).",
     .m_size = 0,
     .m_methods = methods,
 };
 
-PyMODINIT_FUNC PyInit__scan(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__scan(void) {
+    CAST = PyUnicode_InternFromString("cast");
+    UINT32_FORMAT = PyUnicode_InternFromString("I");
+    if (CAST == NULL || UINT32_FORMAT == NULL) {
+        return NULL;
+    }
+    return PyModule_Create(&module);
+}

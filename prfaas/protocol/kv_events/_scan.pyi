@@ -3,5 +3,5 @@ from typing import Any
 from msgspec import Raw
 
 def scan_batch(
-    payload: bytes | bytearray | memoryview | Raw, /
-) -> tuple[float, list[tuple[Any, ...]], int | None] | None: ...
+    payload: bytes | bytearray | memoryview | Raw, classes: tuple[type, ...], /
+) -> Any: ...

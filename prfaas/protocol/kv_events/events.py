@@ -129,6 +129,17 @@ def encode_frames(topic: str, seq: int, batch: KVEventBatch[Any]) -> list[bytes]
     return [topic.encode("utf-8"), seq.to_bytes(SEQ_BYTES, "big"), encode_batch(batch)]
 
 
+_SCANNED_CLASSES = (
+    BlockStored,
+    BlockRemoved,
+    AllBlocksCleared,
+    StatesStored,
+    StatesRemoved,
+    KVEventBatch,
+)
+"""What `scan_batch` builds a batch of, in its order."""
+
+
 def decode_batch(payload: bytes, *, packed_ids: bool = False) -> KVEventBatch[Any]:
     """Inverse of `encode_batch`; unknown trailing fields are ignored (newer publishers).
     `packed_ids`: `BlockStored` token ids for the KV index: an `IdArray` (checked as uint32
@@ -139,37 +150,13 @@ def decode_batch(payload: bytes, *, packed_ids: bool = False) -> KVEventBatch[An
             names the offending path, e.g. ``$[1][0][3]``).
     """
     if packed_ids and scan_batch is not None:
-        scanned = scan_batch(payload)
+        scanned: KVEventBatch[Any] | None = scan_batch(payload, _SCANNED_CLASSES)
         if scanned is not None:
-            return _scanned_batch(scanned)
+            return scanned
     try:
         return _DECODERS[packed_ids].decode(payload)
     except msgspec.DecodeError as exc:  # ValidationError is a DecodeError too
         raise KVEventDecodeError(f"bad KV event batch: {exc}") from exc
-
-
-_KINDS: tuple[type[KVEvent], ...] = (
-    BlockStored,
-    BlockRemoved,
-    AllBlocksCleared,
-    StatesStored,
-    StatesRemoved,
-)
-"""The events in `_scan.c`'s order of kinds."""
-
-
-def _scanned_batch(scanned: tuple[float, list[tuple[Any, ...]], int | None]) -> KVEventBatch[Any]:
-    """The batch `scan_batch` read, each `BlockStored`'s ids an `IdArray`."""
-    ts, scanned_events, rank = scanned
-    events: list[KVEvent] = []
-    for kind, *fields in scanned_events:
-        if kind == 0:
-            hashes, parent, ids, block_size, lora_id = fields
-            array = memoryview(ids).cast("I")
-            events.append(BlockStored(hashes, parent, array, block_size, lora_id))
-        else:
-            events.append(_KINDS[kind](*fields))
-    return KVEventBatch(ts, tuple(events), rank)
 
 
 def decode_frames(
