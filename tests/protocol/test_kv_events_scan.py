@@ -147,21 +147,67 @@ def test_any_bytes_are_scanned_as_msgspec_decodes_them_or_left_to_it(payload: by
 
 
 def test_the_forms_msgspec_reads_and_the_scan_does_not_are_left_to_msgspec() -> None:
-    """An integer `ts`, token ids that are not an array of uint32 integers, a trailing
-    field: msgspec decodes them (the scan reads only what it is sure of; the index rejects
-    the ids when it hashes them)."""
+    """An integer `ts`, token ids that are not an array of uint32 integers: msgspec decodes
+    them (the scan reads only what it is sure of; the index rejects the ids when it hashes
+    them)."""
     stored = ["BlockStored", [1], None, [5, 6], 2]
     payloads = [
         msgspec.msgpack.encode([3, [stored]]),  # ts an integer
         msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, "ids", 2]]]),
         msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, [5, -1], 2]]]),
         msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, [5, 2**32], 2]]]),
-        msgspec.msgpack.encode([1.0, [[*stored, None, "newer"]]]),  # a newer field
-        msgspec.msgpack.encode([1.0, [stored], 0, "newer"]),
     ]
     for payload in payloads:
         assert scan(payload) is None
         assert decode_batch(payload, packed_ids=True) == msgspec_decode(payload)
+
+
+values = st.recursive(
+    st.none()
+    | st.booleans()
+    | ints
+    | st.floats()
+    | st.text(max_size=40)
+    | st.binary(max_size=300)
+    | st.builds(msgspec.msgpack.Ext, st.integers(0, 127), st.binary(max_size=20)),
+    lambda inner: st.lists(inner, max_size=20) | st.dictionaries(st.text(max_size=5), inner),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(batches, st.data())
+def test_fields_after_the_known_ones_are_skipped_as_msgspec_skips_them(
+    batch: KVEventBatch[Any], data: st.DataObject
+) -> None:
+    """A newer publisher's fields (SGLang's `medium`, a `BlockStored`'s metadata), any
+    msgpack values after an event's or the batch's known fields: read past, as msgspec
+    reads past them."""
+    raw = msgspec.msgpack.decode(encode_batch(batch))
+    fields = {"BlockStored": 6, "BlockRemoved": 2, "AllBlocksCleared": 1}
+    for event in raw[1]:
+        known = fields.get(event[0], 2)
+        event.extend([None] * (known - len(event)))  # the optional ones written out
+        event.extend(data.draw(st.lists(values, max_size=3)))
+    raw.extend([None] * (3 - len(raw)) + data.draw(st.lists(values, max_size=2)))
+    payload = msgspec.msgpack.encode(raw)
+    assert scan(payload) is not None
+    assert content(decode_batch(payload, packed_ids=True)) == content(batch)
+    assert content(msgspec_decode(payload)) == content(batch)
+
+
+@settings(max_examples=300, deadline=None)
+@given(values)
+def test_any_value_after_the_known_fields_is_skipped_whole_or_left_to_msgspec(
+    value: Any,
+) -> None:
+    """Cut anywhere inside a trailing value, the batch is left to msgspec (which rejects
+    it); whole, it is skipped."""
+    stored = ["BlockStored", [1], None, [5, 6], 2, None]
+    payload = msgspec.msgpack.encode([1.0, [[*stored, value]]])
+    assert scan(payload) is not None
+    for cut in range(len(payload) - 1, max(len(payload) - 40, 0), -1):
+        assert scan(payload[:cut]) is None
 
 
 def test_the_longer_forms_msgspec_reads_are_scanned_alike() -> None:

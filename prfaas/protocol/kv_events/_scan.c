@@ -9,9 +9,9 @@
  * msgspec's time).
  *
  * `scan_batch` reads only the batches it is sure of, in some of the forms msgspec reads
- * (those it writes among them), and answers None for anything else (another field form, an
- * unknown event, a value out of range, an id outside uint32, trailing fields or bytes, a
- * batch cut short): events.py then decodes that payload with msgspec, which decodes it or
+ * (those it writes among them; fields after the known ones skipped, as msgspec skips
+ * them), and answers None for anything else (another field form, an unknown event, a value
+ * out of range, an id outside uint32, bytes after the batch, a batch cut short): events.py then decodes that payload with msgspec, which decodes it or
  * names what is wrong, and the index rejects ids it cannot hash when it hashes them. So
  * the batch it builds holds what msgspec would have decoded, and it never raises for a
  * payload's content.
@@ -153,6 +153,92 @@ static PyObject *read_ids(Reader *r) {
     return ids;
 }
 
+/* Past any one msgpack value: 0, or -1 if none is there whole (or it nests deeper than
+ * `MAX_DEPTH`). For the fields a newer publisher adds after those known here, which msgspec
+ * skips too (SGLang's `medium`, a `BlockStored`'s metadata). */
+#define MAX_DEPTH 32
+
+static int skip_value(Reader *r, int depth) {
+    if (depth > MAX_DEPTH || r->pos >= r->len) {
+        return -1;
+    }
+    const uint8_t *p = r->data + r->pos;
+    uint8_t type = p[0];
+    Py_ssize_t left = r->len - r->pos;
+    Py_ssize_t head = 1; /* the type byte and any length after it */
+    uint64_t size = 0;   /* bytes after the head, or items (a map's keys and values) */
+    int items = 0;
+    if (type <= 0x7f || type >= 0xe0 || type == 0xc0 || type == 0xc2 || type == 0xc3) {
+        size = 0; /* fixints, nil, booleans */
+    } else if ((type & 0xe0) == 0xa0) { /* fixstr */
+        size = type & 0x1f;
+    } else if ((type & 0xf0) == 0x90 || (type & 0xf0) == 0x80) { /* fixarray, fixmap */
+        size = (uint64_t)(type & 0x0f) * ((type & 0xf0) == 0x80 ? 2 : 1);
+        items = 1;
+    } else {
+        switch (type) {
+        case 0xcc: case 0xd0: size = 1; break; /* uint 8, int 8 */
+        case 0xcd: case 0xd1: size = 2; break;
+        case 0xca: case 0xce: case 0xd2: size = 4; break;
+        case 0xcb: case 0xcf: case 0xd3: size = 8; break;
+        case 0xd4: size = 2; break; /* fixext 1-16: a type byte, then the data */
+        case 0xd5: size = 3; break;
+        case 0xd6: size = 5; break;
+        case 0xd7: size = 9; break;
+        case 0xd8: size = 17; break;
+        case 0xc4: case 0xd9: case 0xc7: /* bin 8, str 8, ext 8 */
+        case 0xc5: case 0xda: case 0xc8: /* bin 16, str 16, ext 16 */
+        case 0xc6: case 0xdb: case 0xc9: { /* bin 32, str 32, ext 32 */
+            int width = (type == 0xc4 || type == 0xd9 || type == 0xc7) ? 1
+                        : (type == 0xc5 || type == 0xda || type == 0xc8) ? 2 : 4;
+            int ext = type >= 0xc7 && type <= 0xc9; /* a type byte after the length */
+            if (left < 1 + width + ext) {
+                return -1;
+            }
+            size = mp_get_be(p + 1, width);
+            head = 1 + width + ext;
+            break;
+        }
+        case 0xdc: case 0xdd: case 0xde: case 0xdf: { /* array 16/32, map 16/32 */
+            int width = (type == 0xdc || type == 0xde) ? 2 : 4;
+            if (left < 1 + width) {
+                return -1;
+            }
+            size = mp_get_be(p + 1, width) * (type >= 0xde ? 2 : 1);
+            head = 1 + width;
+            items = 1;
+            break;
+        }
+        default: /* 0xc1, never used */
+            return -1;
+        }
+    }
+    if ((uint64_t)(left - head) < size) { /* (items take a byte at least) */
+        return -1;
+    }
+    r->pos += head;
+    if (!items) {
+        r->pos += (Py_ssize_t)size;
+        return 0;
+    }
+    for (uint64_t i = 0; i < size; i++) {
+        if (skip_value(r, depth + 1) < 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Past `n` values: 0, or -1 as `skip_value`. */
+static int skip_values(Reader *r, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (skip_value(r, 0) < 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
 /* The event kind whose name (a fixstr or str 8) is there; -1 if none is. */
 static int read_kind(Reader *r) {
     if (r->pos >= r->len) {
@@ -220,7 +306,7 @@ static PyObject *id_array(PyObject *ids) {
 /* A `BlockStored` (`classes[BLOCK_STORED]` called with its fields) from its fields after its
  * name, `fields` of them in all, the name counted; NULL as `read_int`. */
 static PyObject *read_stored(Reader *r, Py_ssize_t fields, PyObject *const *classes) {
-    if (fields != 5 && fields != 6) {
+    if (fields < 5) {
         return NULL;
     }
     PyObject *hashes = NULL, *parent = NULL, *ids = NULL, *size = NULL, *lora = NULL;
@@ -240,8 +326,8 @@ static PyObject *read_stored(Reader *r, Py_ssize_t fields, PyObject *const *clas
     if (size == NULL) {
         goto done;
     }
-    lora = fields == 6 ? read_optional_int(r) : Py_NewRef(Py_None);
-    if (lora == NULL) {
+    lora = fields >= 6 ? read_optional_int(r) : Py_NewRef(Py_None);
+    if (lora == NULL || skip_values(r, fields - 6) < 0) {
         goto done;
     }
     PyObject *array = id_array(ids);
@@ -269,13 +355,15 @@ static PyObject *read_event(Reader *r, PyObject *const *classes) {
     case BLOCK_STORED:
         return read_stored(r, fields, classes);
     case ALL_BLOCKS_CLEARED:
-        return fields == 1 ? PyObject_Vectorcall(classes[kind], NULL, 0, NULL) : NULL;
+        return skip_values(r, fields - 1) < 0 ? NULL
+                                              : PyObject_Vectorcall(classes[kind], NULL, 0, NULL);
     case BLOCK_REMOVED:
     case STATES_STORED:
     case STATES_REMOVED:
-        if (fields == 2) {
+        if (fields >= 2) {
             PyObject *hashes = read_int_tuple(r);
-            if (hashes == NULL) {
+            if (hashes == NULL || skip_values(r, fields - 2) < 0) {
+                Py_XDECREF(hashes);
                 return NULL;
             }
             PyObject *event = PyObject_Vectorcall(classes[kind], &hashes, 1, NULL);
@@ -312,7 +400,7 @@ static PyObject *scan_batch(PyObject *module, PyObject *const *args, Py_ssize_t 
     Reader r = {view.buf, view.len, 0};
     PyObject *ts = NULL, *events = NULL, *rank = NULL, *batch = NULL;
     Py_ssize_t fields = read_array(&r);
-    if ((fields != 2 && fields != 3) || (ts = read_float(&r)) == NULL) {
+    if (fields < 2 || (ts = read_float(&r)) == NULL) {
         goto done;
     }
     Py_ssize_t n = read_array(&r);
@@ -326,8 +414,8 @@ static PyObject *scan_batch(PyObject *module, PyObject *const *args, Py_ssize_t 
         }
         PyTuple_SET_ITEM(events, i, event);
     }
-    rank = fields == 3 ? read_optional_int(&r) : Py_NewRef(Py_None);
-    if (rank == NULL || r.pos != r.len) {
+    rank = fields >= 3 ? read_optional_int(&r) : Py_NewRef(Py_None);
+    if (rank == NULL || skip_values(&r, fields - 3) < 0 || r.pos != r.len) {
         goto done;
     }
     PyObject *batch_args[] = {ts, events, rank};
