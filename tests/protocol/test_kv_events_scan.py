@@ -6,6 +6,8 @@ answers None (msgspec then decodes it or names what is wrong), never something e
 from __future__ import annotations
 
 import struct
+import sys
+import weakref
 from typing import Any
 
 import msgspec
@@ -42,7 +44,8 @@ def test_the_scan_is_what_decoding_packed_ids_runs() -> None:
 
 def scan(payload: bytes) -> KVEventBatch[Any] | None:
     """The batch the scan reads, built as `decode_batch` builds it (None: not read)."""
-    batch: KVEventBatch[Any] | None = scan_batch(payload, kv_events._SCANNED_CLASSES)
+    batch = scan_batch(payload, kv_events._SCANNED_CLASSES)
+    assert batch is None or isinstance(batch, KVEventBatch)
     return batch
 
 
@@ -241,9 +244,54 @@ def test_without_the_scan_msgspec_decodes_every_batch(monkeypatch: pytest.Monkey
     assert content(unscanned) == content(scanned) == content(batch)
 
 
-def test_the_scan_builds_with_the_classes_it_is_given() -> None:
+def test_the_scan_calls_its_classes_in_order_and_lets_their_errors_through() -> None:
+    """Each event's class with its fields, then the batch's; a class's exception is raised,
+    not read as a payload the scan does not read; six classes or a TypeError."""
+    calls: list[tuple[str, tuple[Any, ...]]] = []
+
+    def maker(name: str) -> Any:
+        def make(*args: Any) -> str:
+            calls.append((name, args))
+            return name
+
+        return make
+
+    names = ("stored", "removed", "cleared", "states stored", "states removed", "batch")
+    events = (BlockStored((1,), None, (5, 6), 2), BlockRemoved((1,)), AllBlocksCleared())
+    events += (StatesStored((2,)), StatesRemoved((3,)))
+    payload = encode_batch(KVEventBatch(1.0, events, 7))
+    assert scan_batch(payload, tuple(maker(n) for n in names)) == "batch"
+    assert [name for name, _ in calls] == list(names)
+    ids = calls[0][1][2]
+    assert ids.format == "I" and ids.tolist() == [5, 6]
+    assert calls[-1][1] == (1.0, names[:5], 7)
+
+    def fails(*args: Any) -> None:
+        raise ZeroDivisionError
+
+    with pytest.raises(ZeroDivisionError):
+        scan_batch(payload, (fails,) * 6)
+    assert scan_batch(b"\xc0", (fails,) * 6) is None  # not a batch: no class called
     with pytest.raises(TypeError, match="tuple of the 5 events' classes"):
-        scan_batch(b"", (BlockStored,))
+        scan_batch(payload, (BlockStored,))
+    assert [c.__name__ for c in kv_events._SCANNED_CLASSES] == [
+        "BlockStored", "BlockRemoved", "AllBlocksCleared", "StatesStored", "StatesRemoved",
+        "KVEventBatch",
+    ]  # fmt: skip
+
+
+def test_a_scanned_batch_holds_no_reference_it_does_not_own() -> None:
+    """Dropped, a batch frees its ids (the structs are not garbage-collected: a leaked
+    reference would keep them); the payload's buffer is released after each scan."""
+    payload = encode_batch(KVEventBatch(1.0, (BlockStored((1,), None, (5, 6), 2),), None))
+    before = sys.getrefcount(payload)
+    for _ in range(100):
+        batch = scan(payload)
+    assert sys.getrefcount(payload) == before
+    assert batch is not None
+    ids = weakref.ref(batch.events[0].token_ids)  # type: ignore[union-attr]
+    del batch
+    assert ids() is None
 
 
 def test_a_bad_batch_is_named_by_msgspec() -> None:

@@ -11,10 +11,14 @@
  * `scan_batch` reads only the batches it is sure of, in some of the forms msgspec reads
  * (those it writes among them; fields after the known ones skipped, as msgspec skips
  * them), and answers None for anything else (another field form, an unknown event, a value
- * out of range, an id outside uint32, bytes after the batch, a batch cut short): events.py then decodes that payload with msgspec, which decodes it or
- * names what is wrong, and the index rejects ids it cannot hash when it hashes them. So
- * the batch it builds holds what msgspec would have decoded, and it never raises for a
- * payload's content.
+ * out of range, an id outside uint32, bytes after the batch, a batch cut short): events.py
+ * then decodes that payload with msgspec, which decodes it or names what is wrong, and the
+ * index rejects ids it cannot hash when it hashes them. So the batch it builds holds what
+ * msgspec would have decoded, and it never raises for a payload's content (the classes it
+ * is given do not validate when called, as msgspec's structs do not).
+ *
+ * The readers below return NULL with no exception set where the payload is not in a form
+ * read here, and NULL with one set where an allocation or a class call failed.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -104,7 +108,8 @@ static inline int read_id(const uint8_t *data, Py_ssize_t len, Py_ssize_t *pos, 
         if (fixint | (form < 3)) {
             unsigned width = form < 3 ? 1u << form : 0;
             const uint8_t *p = data + *pos + 1; /* the 4 bytes after the type byte */
-            uint32_t next = (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
+            uint32_t next =
+                (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
             *id = (uint32_t)((uint64_t)next >> (32 - 8 * width)) | (fixint ? type : 0);
             *pos += 1 + width;
             return 0;
@@ -259,7 +264,8 @@ static int read_kind(Reader *r) {
         return -1;
     }
     for (int kind = 0; kind < KINDS; kind++) {
-        if ((size_t)n == strlen(KIND_NAMES[kind]) && memcmp(r->data + at, KIND_NAMES[kind], n) == 0) {
+        const char *name = KIND_NAMES[kind];
+        if ((size_t)n == strlen(name) && memcmp(r->data + at, name, n) == 0) {
             r->pos = at + n;
             return kind;
         }
@@ -290,9 +296,9 @@ static PyObject *read_float(Reader *r) {
     return NULL;
 }
 
-/* The ids as an `IdArray`: a memoryview of format "I" over the bytes. */
-static PyObject *CAST, *UINT32_FORMAT; /* "cast", "I" */
+static PyObject *CAST, *UINT32_FORMAT; /* "cast", "I", made once */
 
+/* The ids as an `IdArray`: a memoryview of format "I" over the bytes. */
 static PyObject *id_array(PyObject *ids) {
     PyObject *bytes_view = PyMemoryView_FromObject(ids);
     if (bytes_view == NULL) {
@@ -304,7 +310,7 @@ static PyObject *id_array(PyObject *ids) {
 }
 
 /* A `BlockStored` (`classes[BLOCK_STORED]` called with its fields) from its fields after its
- * name, `fields` of them in all, the name counted; NULL as `read_int`. */
+ * name, `fields` of them in all, the name counted; NULL as the header says. */
 static PyObject *read_stored(Reader *r, Py_ssize_t fields, PyObject *const *classes) {
     if (fields < 5) {
         return NULL;
@@ -347,7 +353,7 @@ done:
     return event;
 }
 
-/* One event, its kind's class called with its fields; NULL as `read_int`. */
+/* One event, its kind's class called with its fields; NULL as the header says. */
 static PyObject *read_event(Reader *r, PyObject *const *classes) {
     Py_ssize_t fields = read_array(r);
     int kind = fields >= 1 ? read_kind(r) : -1;
@@ -446,10 +452,14 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__scan(void) {
-    CAST = PyUnicode_InternFromString("cast");
-    UINT32_FORMAT = PyUnicode_InternFromString("I");
-    if (CAST == NULL || UINT32_FORMAT == NULL) {
-        return NULL;
+    if (CAST == NULL) { /* (a second interpreter inits the module again) */
+        CAST = PyUnicode_InternFromString("cast");
+        UINT32_FORMAT = PyUnicode_InternFromString("I");
+        if (CAST == NULL || UINT32_FORMAT == NULL) {
+            Py_CLEAR(CAST);
+            Py_CLEAR(UINT32_FORMAT);
+            return NULL;
+        }
     }
     return PyModule_Create(&module);
 }

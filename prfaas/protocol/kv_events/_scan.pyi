@@ -1,7 +1,7 @@
-from typing import Any
+from collections.abc import Callable
 
 from msgspec import Raw
 
 def scan_batch(
-    payload: bytes | bytearray | memoryview | Raw, classes: tuple[type, ...], /
-) -> Any: ...
+    payload: bytes | bytearray | memoryview | Raw, classes: tuple[Callable[..., object], ...], /
+) -> object: ...

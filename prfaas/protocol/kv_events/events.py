@@ -137,7 +137,8 @@ _SCANNED_CLASSES = (
     StatesRemoved,
     KVEventBatch,
 )
-"""What `scan_batch` builds a batch of, in its order."""
+"""What `scan_batch` builds a batch of, in its order. They must not validate when called
+(msgspec's structs do not): the scan vouches for the fields, as msgspec's decoding does."""
 
 
 def decode_batch(payload: bytes, *, packed_ids: bool = False) -> KVEventBatch[Any]:
@@ -150,8 +151,8 @@ def decode_batch(payload: bytes, *, packed_ids: bool = False) -> KVEventBatch[An
             names the offending path, e.g. ``$[1][0][3]``).
     """
     if packed_ids and scan_batch is not None:
-        scanned: KVEventBatch[Any] | None = scan_batch(payload, _SCANNED_CLASSES)
-        if scanned is not None:
+        scanned = scan_batch(payload, _SCANNED_CLASSES)
+        if isinstance(scanned, KVEventBatch):  # (None: msgspec decodes it)
             return scanned
     try:
         return _DECODERS[packed_ids].decode(payload)
