@@ -78,6 +78,11 @@ EngineKind = Literal["reference", "sglang", "vllm"]
 """What an engine is: PrfaaS's reference engine or an SGLang server (both speak SGLang's
 PD protocol: `/generate`, and their OpenAI routes with `bootstrap_*`), or a vLLM server
 running the PrfaaS connector (its OpenAI routes with `kv_transfer_params`)."""
+MAP_EVENTS: tuple[EngineKind, ...] = ("sglang", "vllm")
+"""The kinds whose engines publish KV events as tagged msgpack maps: vLLM, and SGLang (its
+`KVCacheEvent` is a map since it dropped `array_like`, as in 0.5.23); the gateway's feed
+reads theirs with the map-form decoder. The reference engine publishes the positional
+arrays of `prfaas.protocol.kv_events.events` (SGLang's earlier layout)."""
 LAUNCHED: tuple[EngineKind, ...] = ("reference", "vllm")
 """The kinds `prfaas serve` starts itself (SGLang servers run on GPU nodes of their own)."""
 

@@ -53,17 +53,18 @@ class KVEventFeed:
         index: KVIndexManager,
         endpoints: Mapping[str, str],
         on_resync: Callable[[str, str], None] | None = None,
-        vllm: frozenset[str] = frozenset(),
+        map_events: frozenset[str] = frozenset(),
         replay: Mapping[str, str] | None = None,
         sync_timeout_s: float = 5.0,
     ) -> None:
-        """`vllm`: the instances whose publisher speaks vLLM's event format. `replay`: the
+        """`map_events`: the instances whose publisher writes tagged-map events (vLLM's
+        format, which SGLang 0.5.23 writes too: `deployment.MAP_EVENTS`). `replay`: the
         instances' replay endpoints (catch-up and gap filling); `sync_timeout_s` bounds each
         request to one."""
         self._index = index
         self._endpoints = dict(endpoints)
         self._replay = dict(replay or {})
-        self._vllm = vllm
+        self._map_events = map_events
         self._on_resync = on_resync
         self._sync_timeout_s = sync_timeout_s
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -101,12 +102,13 @@ class KVEventFeed:
         return late
 
     def _subscribe(self, instance_id: str, endpoint: str) -> None:
-        vllm = instance_id in self._vllm
+        map_events = instance_id in self._map_events
+        decode = VLLMEventDecoder(packed_ids=True).decode_frames if map_events else _decode_packed
         subscriber = KVEventSubscriber(
             endpoint,
             replay_endpoint=self._replay.get(instance_id),
             replay_timeout_s=self._sync_timeout_s,
-            decode=VLLMEventDecoder(packed_ids=True).decode_frames if vllm else _decode_packed,
+            decode=decode,
         )
         synced = self._synced[instance_id] = asyncio.Event()
         task = asyncio.get_running_loop().create_task(self._run(instance_id, subscriber, synced))

@@ -5,7 +5,7 @@ SGLang's `[b"", seq, payload]`). Best effort: the batches still buffered, nothin
 
 SGLang 0.5.23 writes its events as tagged msgpack maps, as vLLM does (its `KVCacheEvent`
 says so), not the positional arrays of `prfaas.protocol.kv_events.events`; the map-form
-decoder reads them here."""
+decoder reads them here, and the gateway's feed reads an SGLang instance's with it."""
 
 from __future__ import annotations
 
@@ -15,7 +15,11 @@ from pathlib import Path
 import pytest
 from vllm_helpers import ROOT, VLLM_PYTHON, require_vllm
 
+from prfaas.common.hashing import hash_blocks
 from prfaas.common.ports import free_port
+from prfaas.gateway.deployment import MAP_EVENTS
+from prfaas.gateway.kv_feed import KVEventFeed
+from prfaas.gateway.kv_index import KVIndexManager
 from prfaas.protocol.kv_events import BlockStored, KVEventSubscriber
 from prfaas.protocol.kv_events.vllm_events import VLLMEventDecoder
 
@@ -70,3 +74,31 @@ async def test_a_late_subscriber_replays_what_the_buffer_still_holds(kind: str) 
     assert [g.batch.events for g in got] == [
         (BlockStored((i + 1,), None, (i,) * 4, 4),) for i in (2, 3, 4)
     ]
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+async def test_the_gateways_feed_reads_each_engines_own_events_into_the_index(kind: str) -> None:
+    """An instance of that engine kind, fed as the gateway feeds it (`MAP_EVENTS`), catches
+    up from its publisher's buffer: the index holds the three blocks still buffered. (An
+    SGLang instance's events read with the positional decoder were all rejected.)"""
+    pub_port, replay_port = free_port(), free_port()
+    child = _publisher(kind, pub_port, replay_port)
+    index = KVIndexManager(block_size=4)
+    feed = KVEventFeed(
+        index,
+        {"engine": f"tcp://127.0.0.1:{pub_port}"},
+        map_events=frozenset({"engine"} if kind in MAP_EVENTS else ()),
+        replay={"engine": f"tcp://127.0.0.1:{replay_port}"},
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "published"
+        feed.start()
+        assert await feed.synced(10.0) == []
+    finally:
+        await feed.stop()
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait(30)
+    held = [index.longest_prefix(hash_blocks([i] * 4, 4)) for i in range(5)]
+    assert held == [{}, {}, {"engine": 4}, {"engine": 4}, {"engine": 4}]

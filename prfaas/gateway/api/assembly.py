@@ -27,7 +27,13 @@ from prfaas.gateway.admission import AdmissionManager
 from prfaas.gateway.api.activity import ActivityRecorder
 from prfaas.gateway.api.completions import CompletionService
 from prfaas.gateway.api.metrics import GatewayMetrics, egress_gauges, labelled_gauge
-from prfaas.gateway.deployment import DeploymentConfig, GatewayConfig, InstanceConfig, ModelConfig
+from prfaas.gateway.deployment import (
+    MAP_EVENTS,
+    DeploymentConfig,
+    GatewayConfig,
+    InstanceConfig,
+    ModelConfig,
+)
 from prfaas.gateway.health import HealthMonitor, HealthPolicy
 from prfaas.gateway.instances import InstanceManager, InstanceState
 from prfaas.gateway.kv_feed import KVEventFeed
@@ -367,12 +373,12 @@ def build_gateway(
     )
     endpoints = {c.id: c.kv_events for c in config.instances if c.kv_events}
     replay = {c.id: c.kv_events_replay for c in config.instances if c.kv_events_replay}
-    vllm = frozenset(c.id for c in config.instances if c.engine == "vllm")
+    map_events = frozenset(c.id for c in config.instances if c.engine in MAP_EVENTS)
     feed = KVEventFeed(
         index,
         endpoints,
         lambda i, why: metrics.kv_resyncs.labels(i, why).inc(),
-        vllm,
+        map_events,
         replay,
         g.kv_sync_timeout_s,
     )

@@ -9,7 +9,9 @@ at whose end vLLM kept the linear-attention states (none for the request that fi
 a prefix), the only places a hybrid prefix can be reused from: those become `StatesStored`
 (and its removals `StatesRemoved`). Other groups' events are dropped. Hashes become ints
 (the last 8 bytes), which the index only uses to match a removal with its store and a state
-with its block; it re-hashes the token ids with its own function.
+with its block; it re-hashes the token ids with its own function. SGLang 0.5.23 writes its
+events in this map form too (with int hashes and no groups), so this decoder reads an
+SGLang engine's events as well (`prfaas.gateway.deployment.MAP_EVENTS`).
 """
 
 from __future__ import annotations
