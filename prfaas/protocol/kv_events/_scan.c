@@ -244,33 +244,52 @@ static int skip_values(Reader *r, Py_ssize_t n) {
     return 0;
 }
 
-/* The event kind whose name (a fixstr or str 8) is there; -1 if none is. */
-static int read_kind(Reader *r) {
+/* The bytes of the string there (fixstr, str 8, 16 or 32), `*pos` moved past it: 0, or -1
+ * if no string is there whole. */
+static int read_str(Reader *r, const uint8_t **at, Py_ssize_t *n) {
     if (r->pos >= r->len) {
         return -1;
     }
     uint8_t type = r->data[r->pos];
-    Py_ssize_t n, at;
+    Py_ssize_t left = r->len - r->pos, head;
+    uint64_t size;
     if ((type & 0xe0) == 0xa0) { /* fixstr */
-        n = type & 0x1f;
-        at = r->pos + 1;
-    } else if (type == 0xd9 && r->len - r->pos >= 2) { /* str 8 */
-        n = r->data[r->pos + 1];
-        at = r->pos + 2;
+        head = 1;
+        size = type & 0x1f;
+    } else if (type >= 0xd9 && type <= 0xdb) { /* str 8, 16, 32 */
+        int width = 1 << (type - 0xd9);
+        if (left < 1 + width) {
+            return -1;
+        }
+        head = 1 + width;
+        size = mp_get_be(r->data + r->pos + 1, width);
     } else {
         return -1;
     }
-    if (r->len - at < n) {
+    if ((uint64_t)(left - head) < size) {
         return -1;
     }
-    for (int kind = 0; kind < KINDS; kind++) {
-        const char *name = KIND_NAMES[kind];
-        if ((size_t)n == strlen(name) && memcmp(r->data + at, name, n) == 0) {
-            r->pos = at + n;
-            return kind;
+    *at = r->data + r->pos + head;
+    *n = (Py_ssize_t)size;
+    r->pos += head + (Py_ssize_t)size;
+    return 0;
+}
+
+/* Which of `names` (`count` of them) the string at `at` is; -1 if none. */
+static int name_index(const uint8_t *at, Py_ssize_t n, const char *const *names, int count) {
+    for (int i = 0; i < count; i++) {
+        if ((size_t)n == strlen(names[i]) && memcmp(at, names[i], n) == 0) {
+            return i;
         }
     }
     return -1;
+}
+
+/* The event kind whose name is there (one of the `count` in `names`); -1 if none is. */
+static int read_kind(Reader *r, const char *const *names, int count) {
+    const uint8_t *at;
+    Py_ssize_t n;
+    return read_str(r, &at, &n) < 0 ? -1 : name_index(at, n, names, count);
 }
 
 /* A float 64 or float 32 as a new float; NULL (no exception) if neither is there. */
@@ -356,7 +375,7 @@ done:
 /* One event, its kind's class called with its fields; NULL as the header says. */
 static PyObject *read_event(Reader *r, PyObject *const *classes) {
     Py_ssize_t fields = read_array(r);
-    int kind = fields >= 1 ? read_kind(r) : -1;
+    int kind = fields >= 1 ? read_kind(r, KIND_NAMES, KINDS) : -1;
     switch (kind) {
     case BLOCK_STORED:
         return read_stored(r, fields, classes);
@@ -382,20 +401,221 @@ static PyObject *read_event(Reader *r, PyObject *const *classes) {
     }
 }
 
-PyDoc_STRVAR(scan_batch_doc,
-"scan_batch(payload, classes, /) -> batch | None\n\n"
-"The KV event batch in `payload`, built of `classes`: the events' classes in the order\n"
-"BlockStored, BlockRemoved, AllBlocksCleared, StatesStored, StatesRemoved, then the\n"
-"batch's, each called with its fields in order (a `BlockStored`'s token ids an `IdArray`:\n"
-"a memoryview of format \"I\"); None where the payload is not a batch in the forms read\n"
-"here (decode it with msgspec then).");
+/* ---- vLLM's layout (SGLang 0.5.23's too): events as maps tagged by a "type" key ---- */
 
-static PyObject *scan_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    (void)module;
-    if (nargs != 2 || !PyTuple_Check(args[1]) || PyTuple_GET_SIZE(args[1]) != KINDS + 1) {
-        PyErr_SetString(PyExc_TypeError,
-                        "scan_batch takes a payload and a tuple of the 5 events' classes and "
-                        "the batch's");
+enum map_kind { MAP_BLOCK_STORED, MAP_BLOCK_REMOVED, MAP_ALL_BLOCKS_CLEARED, MAP_KINDS };
+
+static const char *const MAP_KIND_NAMES[] = {"BlockStored", "BlockRemoved", "AllBlocksCleared"};
+static const char *const TYPE_KEY[] = {"type"};
+
+/* The fields read, in the order the classes take them: a `BlockStored` takes all seven, a
+ * `BlockRemoved` (block_hashes, group_idx), an `AllBlocksCleared` none. */
+enum field { HASHES, PARENT, IDS, SIZE, LORA, GROUP, SPEC, FIELDS };
+
+static const char *const FIELD_NAMES[] = {"block_hashes", "parent_block_hash", "token_ids",
+                                          "block_size",   "lora_id",           "group_idx",
+                                          "kv_cache_spec_kind"};
+
+/* The count of the map whose header is there; -1 if none is (or it claims more pairs than
+ * the bytes left could hold). */
+static Py_ssize_t read_map(Reader *r) {
+    if (r->pos >= r->len) {
+        return -1;
+    }
+    uint8_t type = r->data[r->pos];
+    Py_ssize_t left = r->len - r->pos;
+    uint64_t count;
+    if ((type & 0xf0) == 0x80) { /* fixmap */
+        count = type & 0x0f;
+        r->pos += 1;
+    } else if ((type == 0xde && left >= 3) || (type == 0xdf && left >= 5)) {
+        int width = type == 0xde ? 2 : 4;
+        count = mp_get_be(r->data + r->pos + 1, width);
+        r->pos += 1 + width;
+    } else {
+        return -1;
+    }
+    return count > (uint64_t)(r->len - r->pos) / 2 ? -1 : (Py_ssize_t)count;
+}
+
+/* A hash: a new int (any integer form) or bytes (bin 8, 16, 32); NULL as the header says. */
+static PyObject *read_hash(Reader *r) {
+    if (r->pos >= r->len) {
+        return NULL;
+    }
+    uint8_t type = r->data[r->pos];
+    if (type < 0xc4 || type > 0xc6) {
+        return read_int(r);
+    }
+    int width = 1 << (type - 0xc4);
+    Py_ssize_t left = r->len - r->pos;
+    if (left < 1 + width) {
+        return NULL;
+    }
+    uint64_t size = mp_get_be(r->data + r->pos + 1, width);
+    if ((uint64_t)(left - 1 - width) < size) {
+        return NULL;
+    }
+    const char *at = (const char *)r->data + r->pos + 1 + width;
+    r->pos += 1 + width + (Py_ssize_t)size;
+    return PyBytes_FromStringAndSize(at, (Py_ssize_t)size);
+}
+
+/* A hash or nil (None); NULL as the header says. */
+static PyObject *read_optional_hash(Reader *r) {
+    if (r->pos < r->len && r->data[r->pos] == 0xc0) {
+        r->pos++;
+        Py_RETURN_NONE;
+    }
+    return read_hash(r);
+}
+
+/* A tuple of the hashes in an array; NULL as the header says. */
+static PyObject *read_hash_tuple(Reader *r) {
+    Py_ssize_t n = read_array(r);
+    if (n < 0) {
+        return NULL;
+    }
+    PyObject *items = PyTuple_New(n);
+    if (items == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = read_hash(r);
+        if (item == NULL) {
+            Py_DECREF(items);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(items, i, item);
+    }
+    return items;
+}
+
+/* A str (valid UTF-8) or nil; NULL as the header says (invalid UTF-8: no exception). */
+static PyObject *read_optional_str(Reader *r) {
+    if (r->pos < r->len && r->data[r->pos] == 0xc0) {
+        r->pos++;
+        Py_RETURN_NONE;
+    }
+    const uint8_t *at;
+    Py_ssize_t n;
+    if (read_str(r, &at, &n) < 0) {
+        return NULL;
+    }
+    PyObject *text = PyUnicode_DecodeUTF8((const char *)at, n, NULL);
+    if (text == NULL && PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) {
+        PyErr_Clear(); /* msgspec rejects it: not read here */
+    }
+    return text;
+}
+
+/* A positive block size as a new int; NULL as the header says. */
+static PyObject *read_block_size(Reader *r) {
+    uint64_t u;
+    int64_t s;
+    int form = mp_int(r->data, r->len, &r->pos, &u, &s);
+    if ((form == MP_UNSIGNED && u > 0 && u <= INT64_MAX) || (form == MP_SIGNED && s > 0)) {
+        return PyLong_FromLongLong(form == MP_UNSIGNED ? (long long)u : (long long)s);
+    }
+    return NULL; /* msgspec's check: a positive block size */
+}
+
+/* Field `field`'s value; NULL as the header says. */
+static PyObject *read_field(Reader *r, int field) {
+    switch (field) {
+    case HASHES:
+        return read_hash_tuple(r);
+    case PARENT:
+        return read_optional_hash(r);
+    case IDS: {
+        PyObject *ids = read_ids(r);
+        if (ids == NULL) {
+            return NULL;
+        }
+        PyObject *array = id_array(ids);
+        Py_DECREF(ids);
+        return array;
+    }
+    case SIZE:
+        return read_block_size(r);
+    case LORA:
+    case GROUP:
+        return read_optional_int(r);
+    default:
+        return read_optional_str(r);
+    }
+}
+
+/* One map-form event, its kind's class called with its fields: the "type" key first (as
+ * msgspec writes it), then any keys in any order, those the kind does not have skipped;
+ * NULL as the header says (a key twice, a required one missing: not read here). */
+static PyObject *read_map_event(Reader *r, PyObject *const *classes) {
+    Py_ssize_t pairs = read_map(r);
+    const uint8_t *at;
+    Py_ssize_t n;
+    if (pairs < 1 || read_str(r, &at, &n) < 0 || name_index(at, n, TYPE_KEY, 1) != 0) {
+        return NULL;
+    }
+    int kind = read_kind(r, MAP_KIND_NAMES, MAP_KINDS);
+    if (kind < 0) {
+        return NULL;
+    }
+    /* the fields the kind has, in its class's order */
+    static const int STORED[] = {HASHES, PARENT, IDS, SIZE, LORA, GROUP, SPEC};
+    static const int REMOVED[] = {HASHES, GROUP};
+    const int *has = kind == MAP_BLOCK_STORED ? STORED : REMOVED;
+    int fields = kind == MAP_BLOCK_STORED ? 7 : kind == MAP_BLOCK_REMOVED ? 2 : 0;
+    int required = kind == MAP_BLOCK_STORED ? 4 : kind == MAP_BLOCK_REMOVED ? 1 : 0;
+    PyObject *values[FIELDS] = {NULL};
+    PyObject *event = NULL;
+    for (Py_ssize_t i = 1; i < pairs; i++) {
+        if (read_str(r, &at, &n) < 0) {
+            goto done;
+        }
+        int field = name_index(at, n, FIELD_NAMES, FIELDS);
+        int slot = -1;
+        for (int j = 0; j < fields && slot < 0; j++) {
+            if (has[j] == field) {
+                slot = j;
+            }
+        }
+        if (slot < 0) { /* a key this kind does not have ("type" again: not read here) */
+            if (name_index(at, n, TYPE_KEY, 1) == 0 || skip_value(r, 0) < 0) {
+                goto done;
+            }
+            continue;
+        }
+        if (values[slot] != NULL || (values[slot] = read_field(r, field)) == NULL) {
+            goto done;
+        }
+    }
+    for (int j = 0; j < fields; j++) {
+        if (values[j] == NULL) {
+            if (j < required) {
+                goto done;
+            }
+            values[j] = Py_NewRef(Py_None);
+        }
+    }
+    event = PyObject_Vectorcall(classes[kind], values, fields, NULL);
+
+done:
+    for (int j = 0; j < FIELDS; j++) {
+        Py_XDECREF(values[j]);
+    }
+    return event;
+}
+
+/* ---- a batch: [ts, events, rank, ...], in either layout ---- */
+
+typedef PyObject *(*EventReader)(Reader *r, PyObject *const *classes);
+
+/* The batch in `args[0]` built of the classes in `args[1]` (`kinds` events' classes, then
+ * the batch's), each event read by `read`; None where it is not one read here. */
+static PyObject *scan(PyObject *const *args, Py_ssize_t nargs, int kinds, EventReader read,
+                      const char *usage) {
+    if (nargs != 2 || !PyTuple_Check(args[1]) || PyTuple_GET_SIZE(args[1]) != kinds + 1) {
+        PyErr_SetString(PyExc_TypeError, usage);
         return NULL;
     }
     PyObject *const *classes = &PyTuple_GET_ITEM(args[1], 0);
@@ -414,7 +634,7 @@ static PyObject *scan_batch(PyObject *module, PyObject *const *args, Py_ssize_t 
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *event = read_event(&r, classes);
+        PyObject *event = read(&r, classes);
         if (event == NULL) {
             goto done;
         }
@@ -425,7 +645,7 @@ static PyObject *scan_batch(PyObject *module, PyObject *const *args, Py_ssize_t 
         goto done;
     }
     PyObject *batch_args[] = {ts, events, rank};
-    batch = PyObject_Vectorcall(classes[KINDS], batch_args, 3, NULL);
+    batch = PyObject_Vectorcall(classes[kinds], batch_args, 3, NULL);
 
 done:
     Py_XDECREF(ts);
@@ -438,8 +658,40 @@ done:
     return batch;
 }
 
+PyDoc_STRVAR(scan_batch_doc,
+"scan_batch(payload, classes, /) -> batch | None\n\n"
+"The KV event batch in `payload`, its events positional arrays (PrfaaS's layout, SGLang's\n"
+"before 0.5.23), built of `classes`: the events' classes in the order BlockStored,\n"
+"BlockRemoved, AllBlocksCleared, StatesStored, StatesRemoved, then the batch's, each\n"
+"called with its fields in order (a `BlockStored`'s token ids an `IdArray`: a memoryview\n"
+"of format \"I\"); None where the payload is not a batch in the forms read here (decode it\n"
+"with msgspec then).");
+
+static PyObject *scan_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    return scan(args, nargs, KINDS, read_event,
+                "scan_batch takes a payload and a tuple of the 5 events' classes and the "
+                "batch's");
+}
+
+PyDoc_STRVAR(scan_map_batch_doc,
+"scan_map_batch(payload, classes, /) -> batch | None\n\n"
+"`scan_batch` for vLLM's layout (SGLang 0.5.23's too), its events maps tagged by \"type\":\n"
+"`classes` are BlockStored's (called with block_hashes, parent_block_hash, token_ids,\n"
+"block_size, lora_id, group_idx, kv_cache_spec_kind), BlockRemoved's (block_hashes,\n"
+"group_idx), AllBlocksCleared's, then the batch's; hashes are ints or bytes.");
+
+static PyObject *scan_map_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    return scan(args, nargs, MAP_KINDS, read_map_event,
+                "scan_map_batch takes a payload and a tuple of the 3 events' classes and the "
+                "batch's");
+}
+
 static PyMethodDef methods[] = {
     {"scan_batch", (PyCFunction)(void (*)(void))scan_batch, METH_FASTCALL, scan_batch_doc},
+    {"scan_map_batch", (PyCFunction)(void (*)(void))scan_map_batch, METH_FASTCALL,
+     scan_map_batch_doc},
     {NULL, NULL, 0, NULL},
 };
 

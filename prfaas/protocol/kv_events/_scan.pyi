@@ -5,3 +5,6 @@ from msgspec import Raw
 def scan_batch(
     payload: bytes | bytearray | memoryview | Raw, classes: tuple[Callable[..., object], ...], /
 ) -> object: ...
+def scan_map_batch(
+    payload: bytes | bytearray | memoryview | Raw, classes: tuple[Callable[..., object], ...], /
+) -> object: ...

@@ -26,10 +26,11 @@ import msgspec
 
 try:
     from prfaas.protocol.kv_events._scan import scan_batch
+    from prfaas.protocol.kv_events._scan import scan_map_batch as scan_map_batch  # vllm_events'
 except ImportError:  # the extension did not build: msgspec reads every batch
-    scan_batch = None  # type: ignore[assignment]
+    scan_batch = scan_map_batch = None  # type: ignore[assignment]
 if sys.byteorder != "little" or memoryview(bytes(4)).cast("I").itemsize != 4:
-    scan_batch = None  # type: ignore[assignment]  # its ids are 4 bytes, little-endian
+    scan_batch = scan_map_batch = None  # type: ignore[assignment]  # ids: 4 bytes, LE
 
 SEQ_BYTES = 8
 

@@ -34,6 +34,7 @@ from prfaas.protocol.kv_events.events import (
     StatesRemoved,
     StatesStored,
     TokenIds,
+    scan_map_batch,
 )
 
 Hash = int | bytes
@@ -78,6 +79,10 @@ _DECODERS: dict[bool, msgspec.msgpack.Decoder[VEventBatch[Any]]] = {
 }
 
 
+_SCANNED_CLASSES = (VBlockStored, VBlockRemoved, VAllBlocksCleared, VEventBatch)
+"""What `scan_map_batch` builds a batch of, in its order (see `events._SCANNED_CLASSES`)."""
+
+
 def _int(value: Hash) -> int:
     return value if isinstance(value, int) else int.from_bytes(value[-8:], "big")
 
@@ -90,17 +95,23 @@ class VLLMEventDecoder:
     """
 
     def __init__(self, *, packed_ids: bool = False) -> None:
-        """`packed_ids`: token ids stay in their msgpack encoding, as `decode_batch`'s."""
+        """`packed_ids`: token ids for the KV index, as `decode_batch`'s: an `IdArray` where
+        `_scan` reads the batch (`scan_map_batch`), else left in their msgpack encoding."""
         self._decoder = _DECODERS[packed_ids]
+        self._scan = scan_map_batch if packed_ids else None
         self._state_groups: set[int] = set()
         self._other_groups: set[int] = set()
 
     def decode_batch(self, payload: bytes) -> KVEventBatch[Any]:
         """Raises KVEventDecodeError: not a valid vLLM batch (names the path)."""
-        try:
-            batch = self._decoder.decode(payload)
-        except msgspec.DecodeError as exc:
-            raise KVEventDecodeError(f"bad vLLM KV event batch: {exc}") from exc
+        scanned = None if self._scan is None else self._scan(payload, _SCANNED_CLASSES)
+        if isinstance(scanned, VEventBatch):
+            batch = scanned
+        else:  # (None: msgspec decodes it)
+            try:
+                batch = self._decoder.decode(payload)
+            except msgspec.DecodeError as exc:
+                raise KVEventDecodeError(f"bad vLLM KV event batch: {exc}") from exc
         events = [e for e in map(self._convert, batch.events) if e is not None]
         return KVEventBatch(batch.ts, tuple(events), batch.data_parallel_rank)
 
