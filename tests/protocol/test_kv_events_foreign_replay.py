@@ -101,4 +101,4 @@ async def test_the_gateways_feed_reads_each_engines_own_events_into_the_index(ki
         child.stdin.close()
         child.wait(30)
     held = [index.longest_prefix(hash_blocks([i] * 4, 4)) for i in range(5)]
-    assert held == [{}, {}, {"engine": 4}, {"engine": 4}, {"engine": 4}]
+    assert held == [{"engine": 0}] * 2 + [{"engine": 4}] * 3
