@@ -56,7 +56,7 @@ async def measure(url: str, events: str, prefixes: int, tokens: int) -> list[Row
     """Each prefix alone, then its followers; before each, what the index says."""
     index = KVIndexManager(block_size=BLOCK)
     feed = KVEventFeed(index, {"vllm": events},
-                       vllm=frozenset({"vllm"}))  # fmt: skip
+                       map_events=frozenset({"vllm"}))  # fmt: skip
     feed.start()
     rng = random.Random(5)
     rows: list[Row] = []
