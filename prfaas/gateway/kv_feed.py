@@ -20,12 +20,15 @@ import contextlib
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import msgspec
 
 from prfaas.gateway.kv_index import FLUSH_BLOCKS, KVIndexManager
 from prfaas.protocol.kv_events import (
+    KVEventBatch,
+    KVEventDecodeError,
     KVEventSubscriber,
     ReceivedBatch,
     StatesStored,
@@ -44,6 +47,28 @@ GROWTH_STEP_S = 0.02
 # event cost.
 _decode_packed = functools.partial(decode_frames, packed_ids=True)
 
+Decode = Callable[[Sequence[bytes]], tuple[str, int, KVEventBatch[Any]]]
+
+
+def _either_layout(maps_first: bool) -> Decode:
+    """One publisher's frames decoded in either event layout: tagged maps (vLLM's, SGLang's
+    since 0.5.23) or positional arrays (PrfaaS's, SGLang's before), the engine kind's first.
+    Why both: a layout is a version's choice, and a batch read in the wrong one was
+    rejected whole (every SGLang 0.5.23 batch was, until the kind chose maps)."""
+    maps = VLLMEventDecoder(packed_ids=True).decode_frames  # (stateful: one per publisher)
+    first, second = (maps, _decode_packed) if maps_first else (_decode_packed, maps)
+
+    def decode(frames: Sequence[bytes]) -> tuple[str, int, KVEventBatch[Any]]:
+        try:
+            return first(frames)
+        except KVEventDecodeError as error:
+            try:
+                return second(frames)
+            except KVEventDecodeError:
+                raise error from None
+
+    return decode
+
 
 class KVEventFeed:
     """Owns the subscriber tasks; `start` once, `stop` cancels and awaits them."""
@@ -58,7 +83,8 @@ class KVEventFeed:
         sync_timeout_s: float = 5.0,
     ) -> None:
         """`map_events`: the instances whose publisher writes tagged-map events (vLLM's
-        format, which SGLang 0.5.23 writes too: `deployment.MAP_EVENTS`). `replay`: the
+        format, which SGLang 0.5.23 writes too: `deployment.MAP_EVENTS`), decoded in that
+        layout first, the other one second (`_either_layout`). `replay`: the
         instances' replay endpoints (catch-up and gap filling); `sync_timeout_s` bounds each
         request to one."""
         self._index = index
@@ -103,7 +129,7 @@ class KVEventFeed:
 
     def _subscribe(self, instance_id: str, endpoint: str) -> None:
         map_events = instance_id in self._map_events
-        decode = VLLMEventDecoder(packed_ids=True).decode_frames if map_events else _decode_packed
+        decode = _either_layout(maps_first=map_events)
         subscriber = KVEventSubscriber(
             endpoint,
             replay_endpoint=self._replay.get(instance_id),

@@ -70,6 +70,25 @@ async def test_events_over_zmq_reach_the_index() -> None:
     assert index.instances() == ["pd-p0"]
 
 
+async def test_a_feed_reads_either_event_layout_from_any_engine() -> None:
+    """An instance whose engine kind publishes tagged maps (vLLM, SGLang 0.5.23) sending
+    positional batches (PrfaaS's, SGLang's earlier layout): read in the other layout, not
+    rejected."""
+    index = KVIndexManager(block_size=BS)
+    with KVEventPublisher("tcp://127.0.0.1:*") as pub:
+        feed = KVEventFeed(index, {"sg": pub.endpoint}, map_events=frozenset({"sg"}))
+        feed.start()
+        try:
+            for _ in range(200):  # the subscriber joins asynchronously
+                pub.publish([_stored(1, list(range(12)))])
+                await asyncio.sleep(0.02)
+                if len(index):
+                    break
+        finally:
+            await feed.stop()
+    assert len(index) == 3
+
+
 def _replaying() -> KVEventPublisher:
     return KVEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
 

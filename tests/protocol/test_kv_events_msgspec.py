@@ -1,4 +1,5 @@
-"""Byte compatibility with SGLang's own msgspec structs (declared as in SGLang's kv_events.py).
+"""Byte compatibility with SGLang's msgspec structs before 0.5.23 (declared as its
+kv_events.py declared them; 0.5.23 writes tagged maps, read by `vllm_events.py`).
 
 Our events are msgspec structs too; these tests hold them to SGLang's declarations: equal
 bytes both ways, and each side decodes the other's payloads to the same content.

@@ -79,9 +79,16 @@ stored = st.fixed_dictionaries(
 ).map(lambda d: ("BlockStored", d))
 removed = st.fixed_dictionaries(
     {"block_hashes": st.lists(hash_values, max_size=5)},
-    optional={"group_idx": st.none() | ints, "medium": extra_keys["medium"]},
+    optional={
+        "group_idx": st.none() | ints,
+        "medium": extra_keys["medium"],
+        "token_ids": st.lists(ints, max_size=3),  # another kind's field: skipped
+        "block_size": st.text(max_size=3),
+    },
 ).map(lambda d: ("BlockRemoved", d))
-cleared = st.just(("AllBlocksCleared", {}))
+cleared = st.fixed_dictionaries(
+    {}, optional={"medium": extra_keys["medium"], "block_hashes": st.lists(ints, max_size=2)}
+).map(lambda d: ("AllBlocksCleared", d))
 
 
 @st.composite
@@ -151,12 +158,42 @@ def test_what_the_scan_does_not_read_is_left_to_msgspec() -> None:
     bad_utf8 = msgspec.msgpack.encode(
         [1.0, [{"type": "BlockStored", **fields, "kv_cache_spec_kind": "é"}]]
     ).replace("é".encode(), b"\xff\xfe")
-    for payload in (tag_later, twice, missing, text_hash, bad_utf8):
+    not_text_key = msgspec.msgpack.encode([1.0, [{"type": "BlockRemoved", "block_hashes": []}]])
+    not_text_key = not_text_key.replace(b"\x82", b"\x83", 1) + b"\x07\xc0"  # 7: nil
+    for payload in (tag_later, twice, missing, text_hash, bad_utf8, not_text_key):
         assert scan(payload) is None
     assert content(msgspec_decode(tag_later))[1][0][0] == "VBlockStored"  # msgspec reads it
     for payload in (missing, text_hash, bad_utf8):
         with pytest.raises(msgspec.DecodeError):
             msgspec_decode(payload)
+
+
+def test_long_headers_are_read_as_msgspec_reads_them() -> None:
+    """A map 16 event with a str 16 tag and str 8 keys, a bin 16 hash, a map 32 event."""
+    removed = (
+        b"\xde\x00\x02"  # map 16 of 2 pairs
+        + b"\xa4type\xda\x00\x0cBlockRemoved"  # str 16 tag
+        + b"\xd9\x0cblock_hashes\x91\xc5\x00\x02\x01\x02"  # str 8 key, bin 16 hash
+    )
+    cleared = b"\xdf\x00\x00\x00\x01\xa4type\xb0AllBlocksCleared"  # map 32
+    payload = b"\x92\xcb" + struct.pack(">d", 2.0) + b"\x92" + removed + cleared
+    scanned = scan(payload)
+    assert scanned is not None
+    assert content(scanned) == content(msgspec_decode(payload))
+    assert content(scanned)[1] == [("VBlockRemoved", (b"\x01\x02",), None), ("VAllBlocksCleared",)]
+
+
+def test_a_value_nested_past_msgspecs_depth_is_a_decode_error() -> None:
+    """Left to msgspec, which runs out of recursion: a `KVEventDecodeError` (the subscriber
+    drops the batch), not a `RecursionError` that would end the instance's feed."""
+    deep = b"\x91" * 100_000 + b"\xc0"  # [[[...[None]...]]]
+    ts = b"\x92\xcb" + struct.pack(">d", 1.0) + b"\x91"  # [1.0, [event]]
+    positional = ts + b"\x93\xacBlockRemoved\x91\x01" + deep
+    maps = ts + b"\x83\xa4type\xacBlockRemoved\xacblock_hashes\x90\xa1x" + deep
+    with pytest.raises(kv_events.KVEventDecodeError):
+        kv_events.decode_batch(positional, packed_ids=True)
+    with pytest.raises(kv_events.KVEventDecodeError):
+        VLLMEventDecoder(packed_ids=True).decode_batch(maps)
 
 
 def test_the_decoder_gives_the_same_events_and_the_index_the_same_answers_either_way(

@@ -70,7 +70,7 @@ def test_full_attention_blocks_and_mamba_states_reach_the_index() -> None:
 
 
 def test_malformed_batches_are_decode_errors() -> None:
-    with pytest.raises(KVEventDecodeError, match="bad vLLM KV event batch"):
+    with pytest.raises(KVEventDecodeError, match="bad map-form KV event batch"):
         VLLMEventDecoder().decode_batch(msgspec.msgpack.encode([1.0, [{"type": "Nope"}]]))
     with pytest.raises(KVEventDecodeError, match="3 frames"):
         VLLMEventDecoder().decode_frames([b"", b"\x00"])

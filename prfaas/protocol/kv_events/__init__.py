@@ -1,7 +1,8 @@
 """KV cache events in SGLang's ZMQ wire format: msgspec structs, codec, publisher, subscriber.
 
-Wire format (byte-compatible with SGLang's `ZmqEventPublisher`: our events are msgspec
-structs declared as SGLang declares its own, `array_like=True` with `tag=True` on events):
+Wire format (PrfaaS's positional layout, byte-compatible with SGLang's `ZmqEventPublisher`
+before 0.5.23, whose events were `array_like=True` with `tag=True`; SGLang 0.5.23 writes its
+events as tagged maps, vLLM's layout, which `vllm_events.py` reads):
 
 * a ZMQ multipart message `[topic, seq, payload]`: `topic` the UTF-8 topic (often empty),
   `seq` the batch sequence number as 8 bytes big-endian (0, 1, 2, ... per publisher),
@@ -18,7 +19,8 @@ structs declared as SGLang declares its own, `array_like=True` with `tag=True` o
 
 Decoding is typed (msgspec validates in C) and ignores unknown trailing fields, so newer
 publishers stay readable (vLLM's array-form `medium` is skipped). Map-form events are
-rejected with `KVEventDecodeError`, like any other malformed payload.
+rejected with `KVEventDecodeError`, like any other malformed payload (the gateway's feed
+then tries the map-form decoder: `gateway/kv_feed.py`).
 
 Replay (SGLang's optional ROUTER endpoint): a request `[b"", start_seq]` (8 bytes
 big-endian) is answered by one `[b"", seq, payload]` per buffered batch from `start_seq`,

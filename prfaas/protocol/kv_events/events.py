@@ -1,9 +1,10 @@
-"""KV events as msgspec structs in SGLang's wire layout (see `prfaas.protocol.kv_events`).
+"""KV events as msgspec structs in PrfaaS's positional layout (see `prfaas.protocol.kv_events`).
 
-The structs are declared as SGLang declares its own (`array_like`, `omit_defaults`,
-`gc=False`, tagged by class name), so msgspec writes the same bytes SGLang's publisher
-writes, and typed decoding validates every field in C: hashes and token ids are ints,
-`block_size` is positive, token ids fit the uint32 the index hashes them as.
+The structs are declared as SGLang declared its own before 0.5.23 (`array_like`,
+`omit_defaults`, `gc=False`, tagged by class name), so msgspec writes the same bytes
+SGLang's publisher wrote then, and typed decoding validates every field in C: hashes and
+token ids are ints, `block_size` is positive, token ids fit the uint32 the index hashes
+them as.
 
 A `BlockStored`'s token ids come in one of three forms (its type parameter): decoded
 (`TokenIds`, what publishers build and most readers take), or for the gateway's KV index
@@ -20,17 +21,20 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from types import ModuleType
 from typing import Annotated, Any, Generic, TypeVar
 
 import msgspec
 
+_scan: ModuleType | None
 try:
-    from prfaas.protocol.kv_events._scan import scan_batch
-    from prfaas.protocol.kv_events._scan import scan_map_batch as scan_map_batch  # vllm_events'
+    from prfaas.protocol.kv_events import _scan
 except ImportError:  # the extension did not build: msgspec reads every batch
-    scan_batch = scan_map_batch = None  # type: ignore[assignment]
+    _scan = None
 if sys.byteorder != "little" or memoryview(bytes(4)).cast("I").itemsize != 4:
-    scan_batch = scan_map_batch = None  # type: ignore[assignment]  # ids: 4 bytes, LE
+    _scan = None  # its ids are 4 bytes, little-endian
+scan_batch = getattr(_scan, "scan_batch", None)
+scan_map_batch = getattr(_scan, "scan_map_batch", None)  # (`vllm_events`' decoder's)
 
 SEQ_BYTES = 8
 
@@ -159,6 +163,8 @@ def decode_batch(payload: bytes, *, packed_ids: bool = False) -> KVEventBatch[An
         return _DECODERS[packed_ids].decode(payload)
     except msgspec.DecodeError as exc:  # ValidationError is a DecodeError too
         raise KVEventDecodeError(f"bad KV event batch: {exc}") from exc
+    except RecursionError as exc:  # a value nested past msgspec's depth
+        raise KVEventDecodeError(f"bad KV event batch: nested too deep ({exc})") from exc
 
 
 def decode_frames(

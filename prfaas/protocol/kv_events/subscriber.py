@@ -70,8 +70,9 @@ class KVEventSubscriber:
         replay_timeout_s: float = 1.0,
         decode: Callable[[Sequence[bytes]], tuple[str, int, KVEventBatch[Any]]] = decode_frames,
     ) -> None:
-        """`decode` turns one message's frames into `(topic, seq, batch)`: SGLang's format by
-        default, `VLLMEventDecoder().decode_frames` for a vLLM publisher. `replay_timeout_s`
+        """`decode` turns one message's frames into `(topic, seq, batch)`: the positional
+        layout by default, `VLLMEventDecoder().decode_frames` for a publisher of tagged maps
+        (vLLM, SGLang 0.5.23; the gateway's feed tries both). `replay_timeout_s`
         bounds each request to the replay endpoint (a replay or a snapshot)."""
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.SUB)

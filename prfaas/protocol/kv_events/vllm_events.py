@@ -88,7 +88,8 @@ def _int(value: Hash) -> int:
 
 
 class VLLMEventDecoder:
-    """Decodes one publisher's vLLM batches into `KVEventBatch`es of our events.
+    """Decodes one publisher's map-form batches (vLLM's, SGLang 0.5.23's) into
+    `KVEventBatch`es of our events.
 
     Stateful: a `BlockRemoved` carries no spec kind, so the groups seen storing Mamba
     states, or blocks of another kind, decide what a removal means.
@@ -111,7 +112,9 @@ class VLLMEventDecoder:
             try:
                 batch = self._decoder.decode(payload)
             except msgspec.DecodeError as exc:
-                raise KVEventDecodeError(f"bad vLLM KV event batch: {exc}") from exc
+                raise KVEventDecodeError(f"bad map-form KV event batch: {exc}") from exc
+            except RecursionError as exc:  # a value nested past msgspec's depth
+                raise KVEventDecodeError("bad map-form KV event batch: nested too deep") from exc
         events = [e for e in map(self._convert, batch.events) if e is not None]
         return KVEventBatch(batch.ts, tuple(events), batch.data_parallel_rank)
 
