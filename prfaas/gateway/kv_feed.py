@@ -53,8 +53,8 @@ Decode = Callable[[Sequence[bytes]], tuple[str, int, KVEventBatch[Any]]]
 def _either_layout(maps_first: bool) -> Decode:
     """One publisher's frames decoded in either event layout: tagged maps (vLLM's, SGLang's
     since 0.5.23) or positional arrays (PrfaaS's, SGLang's before), the engine kind's first.
-    Why both: a layout is a version's choice, and a batch read in the wrong one was
-    rejected whole (every SGLang 0.5.23 batch was, until the kind chose maps)."""
+    Why both: a layout is an engine version's choice, and a batch read in the other one is
+    rejected whole."""
     maps = VLLMEventDecoder(packed_ids=True).decode_frames  # (stateful: one per publisher)
     first, second = (maps, _decode_packed) if maps_first else (_decode_packed, maps)
 
