@@ -139,6 +139,20 @@ def test_rejects_mismatched_block_size_and_unknown_parent() -> None:
     assert index.rejected_events == 2 and len(index) == 0
 
 
+def test_a_store_under_a_lora_adapter_is_rejected(caplog: pytest.LogCaptureFixture) -> None:
+    """The index hashes tokens alone: a LoRA adapter's blocks, credited to the same tokens
+    without the adapter, would over-report (the engine keys them by the adapter too). So
+    they are counted and ignored (logged once), and what chains after them too."""
+    index = KVIndexManager(block_size=BS)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8]
+    index.apply("a", [BlockStored((1,), None, tuple(tokens[:4]), BS, 3)])
+    index.apply("a", [_stored(tokens[4:], [2], parent=1), _stored(tokens[:4], [9])])
+    assert index.longest_prefix(hash_blocks(tokens, BS)) == {"a": 4}  # the base model's
+    assert index.rejected_events == 2 and len(index) == 1
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert sum("LoRA adapter 3" in e for e in errors) == 1, errors
+
+
 @pytest.mark.parametrize("loops", ["c", "python"])
 def test_packed_token_ids_that_are_not_uint32_are_rejected(
     loops: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch

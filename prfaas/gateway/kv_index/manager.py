@@ -407,6 +407,15 @@ class KVIndexManager:
     def _fits(self, instance_id: str, event: BlockStored[Any]) -> bool:
         n = len(event.block_hashes)
         count = _id_count(event)
+        if event.lora_id is not None:  # (an engine hashes the adapter in; ours would not)
+            self._reject(
+                instance_id,
+                "lora",
+                "%s: BlockStored under LoRA adapter %s ignored: the index hashes tokens "
+                "alone, so it would credit the adapter's blocks to requests without it",
+                event.lora_id,
+            )
+            return False
         if event.block_size != self.block_size:
             self._reject(
                 instance_id,
