@@ -52,20 +52,26 @@ def test_gap_and_restart_resync_the_instance() -> None:
     assert resyncs == [("a", "gap"), ("a", "restart")]
 
 
-async def test_events_over_zmq_reach_the_index() -> None:
-    """A real publisher's BlockStored arrives through the feed's subscriber task."""
-    index = KVIndexManager(block_size=BS)
+async def _publish_until_applied(index: KVIndexManager, map_events: frozenset[str]) -> None:
+    """A real publisher's BlockStored, sent until the feed's subscriber task applies it
+    (the subscriber joins asynchronously) to instance "pd-p0"."""
     with KVEventPublisher("tcp://127.0.0.1:*") as pub:
-        feed = KVEventFeed(index, {"pd-p0": pub.endpoint})
+        feed = KVEventFeed(index, {"pd-p0": pub.endpoint}, map_events=map_events)
         feed.start()
         try:
-            for _ in range(200):  # the subscriber joins asynchronously
+            for _ in range(200):
                 pub.publish([_stored(1, list(range(12)))])
                 await asyncio.sleep(0.02)
                 if len(index):
                     break
         finally:
             await feed.stop()
+
+
+async def test_events_over_zmq_reach_the_index() -> None:
+    """A real publisher's BlockStored arrives through the feed's subscriber task."""
+    index = KVIndexManager(block_size=BS)
+    await _publish_until_applied(index, frozenset())
     assert len(index) == 3
     assert index.instances() == ["pd-p0"]
 
@@ -75,17 +81,7 @@ async def test_a_feed_reads_either_event_layout_from_any_engine() -> None:
     positional batches (PrfaaS's, SGLang's earlier layout): read in the other layout, not
     rejected."""
     index = KVIndexManager(block_size=BS)
-    with KVEventPublisher("tcp://127.0.0.1:*") as pub:
-        feed = KVEventFeed(index, {"sg": pub.endpoint}, map_events=frozenset({"sg"}))
-        feed.start()
-        try:
-            for _ in range(200):  # the subscriber joins asynchronously
-                pub.publish([_stored(1, list(range(12)))])
-                await asyncio.sleep(0.02)
-                if len(index):
-                    break
-        finally:
-            await feed.stop()
+    await _publish_until_applied(index, frozenset({"pd-p0"}))
     assert len(index) == 3
 
 

@@ -10,6 +10,7 @@ import sys
 import weakref
 from typing import Any
 
+import kv_event_content
 import msgspec
 import pytest
 from hypothesis import given, settings
@@ -55,16 +56,7 @@ def msgspec_decode(payload: bytes) -> KVEventBatch[Any]:
 
 
 def content(batch: KVEventBatch[Any]) -> list[Any]:
-    """A batch's fields, token ids as a tuple of ints whatever their form, `ts` as its bits
-    (a damaged batch's may be NaN, which equals nothing)."""
-    events = []
-    for event in batch.events:
-        fields = list(msgspec.structs.astuple(event))
-        if isinstance(event, BlockStored):
-            ids = event.token_ids
-            fields[2] = tuple(msgspec.msgpack.decode(ids) if isinstance(ids, msgspec.Raw) else ids)
-        events.append((type(event).__name__, *fields))
-    return [struct.pack("<d", batch.ts), events, batch.attn_dp_rank]
+    return kv_event_content.content(batch.ts, batch.events, batch.attn_dp_rank)
 
 
 ints = st.integers(-(2**63), 2**64 - 1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import struct
 from typing import Any
 
+import kv_event_content
 import msgspec
 import pytest
 from hypothesis import given, settings
@@ -36,15 +37,7 @@ def msgspec_decode(payload: bytes) -> VEventBatch[Any]:
 
 
 def content(batch: VEventBatch[Any]) -> list[Any]:
-    """A batch's fields, token ids as a tuple of ints whatever their form, `ts` as bits."""
-    events = []
-    for event in batch.events:
-        fields = list(msgspec.structs.astuple(event))
-        if isinstance(event, vllm_events.VBlockStored):
-            ids = event.token_ids
-            fields[2] = tuple(msgspec.msgpack.decode(ids) if isinstance(ids, msgspec.Raw) else ids)
-        events.append((type(event).__name__, *fields))
-    return [struct.pack("<d", batch.ts), events, batch.data_parallel_rank]
+    return kv_event_content.content(batch.ts, batch.events, batch.data_parallel_rank)
 
 
 def test_the_map_scan_is_what_decoding_packed_ids_runs() -> None:

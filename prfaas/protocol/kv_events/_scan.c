@@ -66,17 +66,19 @@ static PyObject *read_int(Reader *r) {
     }
 }
 
-/* A new int, or None for nil; NULL as `read_int`. */
-static PyObject *read_optional_int(Reader *r) {
+typedef PyObject *(*ValueReader)(Reader *r);
+
+/* None for nil, else what `read` reads; NULL as `read`. */
+static PyObject *read_optional(Reader *r, ValueReader read) {
     if (r->pos < r->len && r->data[r->pos] == 0xc0) {
         r->pos++;
         Py_RETURN_NONE;
     }
-    return read_int(r);
+    return read(r);
 }
 
-/* A tuple of the integers in an array; NULL as `read_int`. */
-static PyObject *read_int_tuple(Reader *r) {
+/* A tuple of what `read` reads from each item of an array; NULL as `read`. */
+static PyObject *read_tuple(Reader *r, ValueReader read) {
     Py_ssize_t n = read_array(r);
     if (n < 0) {
         return NULL;
@@ -86,7 +88,7 @@ static PyObject *read_int_tuple(Reader *r) {
         return NULL;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = read_int(r);
+        PyObject *item = read(r);
         if (item == NULL) {
             Py_DECREF(items);
             return NULL;
@@ -336,8 +338,8 @@ static PyObject *read_stored(Reader *r, Py_ssize_t fields, PyObject *const *clas
     }
     PyObject *hashes = NULL, *parent = NULL, *ids = NULL, *size = NULL, *lora = NULL;
     PyObject *event = NULL;
-    hashes = read_int_tuple(r);
-    if (hashes == NULL || (parent = read_optional_int(r)) == NULL ||
+    hashes = read_tuple(r, read_int);
+    if (hashes == NULL || (parent = read_optional(r, read_int)) == NULL ||
         (ids = read_ids(r)) == NULL) {
         goto done;
     }
@@ -351,7 +353,7 @@ static PyObject *read_stored(Reader *r, Py_ssize_t fields, PyObject *const *clas
     if (size == NULL) {
         goto done;
     }
-    lora = fields >= 6 ? read_optional_int(r) : Py_NewRef(Py_None);
+    lora = fields >= 6 ? read_optional(r, read_int) : Py_NewRef(Py_None);
     if (lora == NULL || skip_values(r, fields - 6) < 0) {
         goto done;
     }
@@ -386,7 +388,7 @@ static PyObject *read_event(Reader *r, PyObject *const *classes) {
     case STATES_STORED:
     case STATES_REMOVED:
         if (fields >= 2) {
-            PyObject *hashes = read_int_tuple(r);
+            PyObject *hashes = read_tuple(r, read_int);
             if (hashes == NULL || skip_values(r, fields - 2) < 0) {
                 Py_XDECREF(hashes);
                 return NULL;
@@ -461,42 +463,8 @@ static PyObject *read_hash(Reader *r) {
     return PyBytes_FromStringAndSize(at, (Py_ssize_t)size);
 }
 
-/* A hash or nil (None); NULL as the header says. */
-static PyObject *read_optional_hash(Reader *r) {
-    if (r->pos < r->len && r->data[r->pos] == 0xc0) {
-        r->pos++;
-        Py_RETURN_NONE;
-    }
-    return read_hash(r);
-}
-
-/* A tuple of the hashes in an array; NULL as the header says. */
-static PyObject *read_hash_tuple(Reader *r) {
-    Py_ssize_t n = read_array(r);
-    if (n < 0) {
-        return NULL;
-    }
-    PyObject *items = PyTuple_New(n);
-    if (items == NULL) {
-        return NULL;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = read_hash(r);
-        if (item == NULL) {
-            Py_DECREF(items);
-            return NULL;
-        }
-        PyTuple_SET_ITEM(items, i, item);
-    }
-    return items;
-}
-
-/* A str (valid UTF-8) or nil; NULL as the header says (invalid UTF-8: no exception). */
-static PyObject *read_optional_str(Reader *r) {
-    if (r->pos < r->len && r->data[r->pos] == 0xc0) {
-        r->pos++;
-        Py_RETURN_NONE;
-    }
+/* A str (valid UTF-8); NULL as the header says (invalid UTF-8: no exception). */
+static PyObject *read_text(Reader *r) {
     const uint8_t *at;
     Py_ssize_t n;
     if (read_str(r, &at, &n) < 0) {
@@ -524,9 +492,9 @@ static PyObject *read_block_size(Reader *r) {
 static PyObject *read_field(Reader *r, int field) {
     switch (field) {
     case HASHES:
-        return read_hash_tuple(r);
+        return read_tuple(r, read_hash);
     case PARENT:
-        return read_optional_hash(r);
+        return read_optional(r, read_hash);
     case IDS: {
         PyObject *ids = read_ids(r);
         if (ids == NULL) {
@@ -540,9 +508,9 @@ static PyObject *read_field(Reader *r, int field) {
         return read_block_size(r);
     case LORA:
     case GROUP:
-        return read_optional_int(r);
+        return read_optional(r, read_int);
     default:
-        return read_optional_str(r);
+        return read_optional(r, read_text);
     }
 }
 
@@ -640,7 +608,7 @@ static PyObject *scan(PyObject *const *args, Py_ssize_t nargs, int kinds, EventR
         }
         PyTuple_SET_ITEM(events, i, event);
     }
-    rank = fields >= 3 ? read_optional_int(&r) : Py_NewRef(Py_None);
+    rank = fields >= 3 ? read_optional(&r, read_int) : Py_NewRef(Py_None);
     if (rank == NULL || skip_values(&r, fields - 3) < 0 || r.pos != r.len) {
         goto done;
     }
