@@ -4,6 +4,9 @@ A block's hash is xxh3-64 over its parent's hash (8 bytes, little-endian; absent
 first block) followed by the block's token ids (uint32, little-endian). Equal hashes mean an
 equal whole prefix, not just an equal block, so a lookup walks the chain from the start.
 Only fully populated blocks are hashed: a partial tail block is never a prefix-cache key.
+A request whose engine keys its cache by a salt too (`cache_salt`, which vLLM and SGLang
+read) chains its first block to `salt_root(salt)` instead, so its chain shares no hash with
+another salt's or an unsalted prompt's, as in the engines' caches.
 
 Speed matters (the gateway hashes every prompt; the KV index re-hashes every block engines
 report; the simulator hashes ~300M tokens an hour), so the loop over blocks is C
@@ -92,7 +95,9 @@ def packed_count(packed_ids: Packed) -> int:
     return _packed_count(packed_ids)
 
 
-def iter_block_hashes(token_ids: Sequence[int] | np.ndarray, block_size: int) -> Iterator[int]:
+def iter_block_hashes(
+    token_ids: Sequence[int] | np.ndarray, block_size: int, *, parent: int | None = None
+) -> Iterator[int]:
     """`hash_blocks`, lazily: a prefix lookup that stops at the first uncached block never
     hashes the rest of the prompt. Blocks are hashed in slices that double from one block
     up to `_MAX_SLICE_TOKENS` tokens (a few calls per prompt, at most one slice hashed
@@ -103,7 +108,15 @@ def iter_block_hashes(token_ids: Sequence[int] | np.ndarray, block_size: int) ->
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    return _lazy_chain(token_ids, block_size)
+    return _lazy_chain(token_ids, block_size, _parent(parent))
+
+
+def salt_root(salt: str) -> int:
+    """The hash a salted chain's first block chains to (its `parent`): xxh3-64 of a tag and
+    the salt's UTF-8 bytes. Engines that read a request's `cache_salt` key its blocks by the
+    salt and the tokens; so does the index, re-hashing a salted store from this root, and
+    so does the router, looking a salted prompt up from it."""
+    return xxhash.xxh3_64_intdigest(b"prfaas-cache-salt\0" + salt.encode("utf-8", "surrogatepass"))
 
 
 # Largest slice `iter_block_hashes` hashes at once: a lookup hashes at most this many ids
@@ -111,11 +124,12 @@ def iter_block_hashes(token_ids: Sequence[int] | np.ndarray, block_size: int) ->
 _MAX_SLICE_TOKENS = 8192
 
 
-def _lazy_chain(token_ids: Sequence[int] | np.ndarray, block_size: int) -> Iterator[int]:
+def _lazy_chain(
+    token_ids: Sequence[int] | np.ndarray, block_size: int, parent: int | None
+) -> Iterator[int]:
     ids = _ids(token_ids)
     blocks = len(token_ids) // block_size
     max_blocks = max(1, _MAX_SLICE_TOKENS // block_size)
-    parent = None
     start, size = 0, 1
     while start < blocks:
         stop = min(start + size, blocks)

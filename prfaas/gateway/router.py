@@ -28,7 +28,7 @@ from typing import NoReturn, Protocol
 
 import msgspec
 
-from prfaas.common.hashing import iter_block_hashes
+from prfaas.common.hashing import iter_block_hashes, salt_root
 from prfaas.engine_clients.base import EngineError
 from prfaas.gateway.attempt import Attempt, Continuation
 from prfaas.gateway.instances import InstanceManager, InstanceState
@@ -150,20 +150,35 @@ class Router:
     """Prefix pulls by result: `started`, then `exported` or `failed` (the source's side)."""
     _exports: set[asyncio.Task[None]] = field(default_factory=set, init=False, repr=False)
 
-    def decide(self, input_ids: Sequence[int], exclude: Collection[str] = ()) -> RouteDecision:
+    def decide(
+        self,
+        input_ids: Sequence[int],
+        exclude: Collection[str] = (),
+        *,
+        salt: str | None = None,
+        indexed: bool = True,
+        may_pull: bool = True,
+    ) -> RouteDecision:
         """Route one prompt: chained block hashes, longest cached prefix per instance, policy;
-        instances in `exclude` are treated as unhealthy.
+        instances in `exclude` are treated as unhealthy. A prompt whose engine keys its
+        cache by a `salt` too is looked up from `salt_root(salt)`; one keyed by what the
+        index does not read (not `indexed`: `ClientBody.unindexed_key`) is credited nothing.
+        One whose prefix must not be pulled across clusters (not `may_pull`) is routed as in
+        the bandwidth-scarce regime, on what each cluster caches itself.
 
         Raises:
             NoInstanceAvailable: no healthy instance for a needed role.
         """
-        # Lazy hashes: the lookup stops at the first block no instance holds.
-        cached = self.index.longest_prefix(iter_block_hashes(input_ids, self.index.block_size))
+        cached: dict[str, int] = {}
+        if indexed:  # lazy hashes: the lookup stops at the first block no instance holds
+            root = None if salt is None else salt_root(salt)
+            hashes = iter_block_hashes(input_ids, self.index.block_size, parent=root)
+            cached = self.index.longest_prefix(hashes)
         snapshot = RoutingSnapshot(
             total_tokens=len(input_ids),
             instances=self.instances.views(cached, exclude),
             threshold=self.state.threshold,
-            regime=self.state.regime,
+            regime=self.state.regime if may_pull else "bandwidth_scarce",
             forecast=None if self.observer is None else self.observer.forecast(),
         )
         return self.policy.decide(snapshot)
@@ -304,6 +319,8 @@ class Dispatch:
         self.router, self.rid, self.input_ids = router, rid, input_ids
         self.sampling, self.stream, self.client_body = sampling, stream, client_body
         self._one_engine = client_body is not None and client_body.one_engine() is not None
+        self._salt = None if client_body is None else client_body.cache_salt()
+        self._indexed = client_body is None or client_body.unindexed_key() is None
         self._resumable = client_body is None and sampling.resumable
         """Whether a cut stream may migrate: another engine continues it exactly from the
         prompt plus the output so far (not an engine's own answer, whose parsers and
@@ -324,7 +341,10 @@ class Dispatch:
         self._last: GenerateChunk | None = None
         self._reported = self._closed = False
         self._pulling = False  # the current attempt's prefill pulls a prefix
-        self._no_pull = False  # a pull failed this request: compute the prefix instead
+        self._no_pull = self._salt is not None
+        """Compute the prefix, never pull it: a pull failed this request (the same prefill
+        computes it), or its prefix is salted (an export names the source's blocks by their
+        tokens alone; it is routed as in the scarce regime then)."""
 
     @property
     def decision(self) -> RouteDecision:
@@ -374,7 +394,13 @@ class Dispatch:
             ids = (*self.input_ids, *self._output)
             sampling = self.sampling.continued(len(self._output))
         router = self.router
-        decision = router.decide(ids, self._still_excluded())
+        decision = router.decide(
+            ids,
+            self._still_excluded(),
+            salt=self._salt,
+            indexed=self._indexed,
+            may_pull=self._salt is None,
+        )
         if self._one_engine:
             decision = on_decode(decision, router.instances[decision.decode_instance].cluster)
         prefill = router.instances[decision.prefill_instance]

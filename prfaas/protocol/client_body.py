@@ -23,6 +23,12 @@ EVENT_STREAMS: frozenset[Api] = frozenset({"messages", "responses"})
 `data: [DONE]`."""
 
 
+UNINDEXED_KEYS = ("extra_key", "lora_path")
+"""Fields that key an engine's prefix cache besides a prompt's tokens and that its KV events
+do not publish with the blocks (SGLang's `extra_key`) or that the index does not read (an
+adapter's blocks are never indexed): a request with one is credited no cached prefix."""
+
+
 @dataclass(frozen=True, eq=False)
 class ClientBody:
     """One client body, whole (never mutated: engine clients copy what they change)."""
@@ -37,6 +43,25 @@ class ClientBody:
     @property
     def stream(self) -> bool:
         return self.fields.get("stream") is True
+
+    def cache_salt(self) -> str | None:
+        """The request's `cache_salt` (vLLM's and SGLang's): the engine keys its prompt's
+        blocks by it too, so the router looks the prompt up from `hashing.salt_root` of it.
+        None where absent or empty (SGLang salts nothing with an empty one; vLLM refuses
+        it) or not one string (`unindexed_key` names it then)."""
+        salt = self.fields.get("cache_salt")
+        return salt if isinstance(salt, str) and salt else None
+
+    def unindexed_key(self) -> str | None:
+        """The first of `UNINDEXED_KEYS` the request sets (not None or empty), or
+        `cache_salt` where it is not one string (SGLang takes a list, a salt per prompt of
+        a batch), or None."""
+        for key in UNINDEXED_KEYS:
+            if self.fields.get(key) not in (None, ""):
+                return key
+        if not isinstance(self.fields.get("cache_salt"), str | None):
+            return "cache_salt"
+        return None
 
     def one_engine(self) -> str | None:
         """Why this request must run whole on one engine (its decode computing the prompt

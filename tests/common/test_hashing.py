@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from prfaas.common.hashing import hash_block, hash_blocks
+from prfaas.common.hashing import hash_block, hash_blocks, iter_block_hashes, salt_root
 
 
 def test_only_full_blocks_are_hashed() -> None:
@@ -44,3 +44,15 @@ def test_bad_block_size() -> None:
     """A non-positive block size is an error naming the value."""
     with pytest.raises(ValueError, match="got 0"):
         hash_blocks([1], 0)
+
+
+def test_a_salted_chain_starts_from_its_salts_root() -> None:
+    """`salt_root` is xxh3-64 of a tag and the salt (so every component agrees on it), each
+    salt's differs, and a lazy lookup from it hashes as `hash_blocks` from that parent."""
+    ids = list(range(40))
+    root = salt_root("tenant-1")
+    assert root == xxhash.xxh3_64_intdigest(b"prfaas-cache-salt\0tenant-1")
+    assert len({salt_root(s) for s in ("tenant-1", "tenant-2", "é", "\ud800")}) == 4
+    salted = list(iter_block_hashes(ids, 4, parent=root))
+    assert salted == hash_blocks(ids, 4, parent=root)
+    assert set(salted).isdisjoint(hash_blocks(ids, 4))

@@ -19,6 +19,7 @@ from prfaas.protocol.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    SaltedBlockStored,
     StatesRemoved,
     StatesStored,
 )
@@ -151,6 +152,28 @@ def test_a_store_under_a_lora_adapter_is_rejected(caplog: pytest.LogCaptureFixtu
     assert index.rejected_events == 2 and len(index) == 1
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert sum("LoRA adapter 3" in e for e in errors) == 1, errors
+
+
+def test_a_salted_chain_is_credited_only_to_prompts_with_its_salt() -> None:
+    """Engines key a request's blocks by its `cache_salt` too: a salted chain's first block
+    is re-hashed from `salt_root(salt)`, and what chains after it follows, so only a prompt
+    looked up from that root matches it (another salt's or an unsalted one recomputes the
+    prefix on the engine, so crediting it would over-report); an unsalted chain of the same
+    tokens stays apart."""
+    index = KVIndexManager(block_size=BS)
+    tokens = list(range(1, 13))
+    index.apply("a", [SaltedBlockStored((1,), None, tuple(tokens[:4]), BS, None, "tenant-1")])
+    index.apply("a", [_stored(tokens[4:8], [2], parent=1)])  # (the continuation: no salt)
+    index.apply("b", [_stored(tokens[:4], [1])])  # unsalted, the same engine hash even
+
+    def cached(salt: str | None) -> dict[str, int]:
+        root = None if salt is None else hashing.salt_root(salt)
+        return index.longest_prefix(iter_block_hashes(tokens, BS, parent=root))
+
+    assert cached("tenant-1") == {"a": 8, "b": 0}
+    assert cached("tenant-2") == {"a": 0, "b": 0}
+    assert cached(None) == {"a": 0, "b": 4}
+    assert index.rejected_events == 0
 
 
 @pytest.mark.parametrize("loops", ["c", "python"])

@@ -26,6 +26,7 @@ from prfaas.gateway.router import Dispatch, RetryPolicy, Router, RoutingState
 from prfaas.policies.routing import PrfaasPolicy
 from prfaas.protocol.client_body import ClientBody
 from prfaas.protocol.generate import GenerateChunk, GenerateRequest, SamplingParams
+from prfaas.protocol.kv_events import BlockStored, SaltedBlockStored
 
 
 class _Call(QueuedCall):
@@ -230,4 +231,82 @@ async def test_several_sequences_run_on_the_decode_alone() -> None:
     decode.calls[0].finish()
     routed = await task
     assert routed.decision.prefill_instance == "pd-d0" and routed.decision.route == "pd"
+    routed.close()
+
+
+@pytest.mark.parametrize(
+    ("fields", "credited"),
+    [
+        ({"cache_salt": "tenant-1"}, 32),
+        ({}, 16),
+        ({"cache_salt": ""}, 16),  # (SGLang salts nothing with it; vLLM refuses it)
+        ({"cache_salt": "tenant-2"}, 0),
+        ({"cache_salt": "tenant-1", "extra_key": "effort-high"}, 0),
+        ({"lora_path": "adapter"}, 0),
+        ({"cache_salt": ["tenant-1", "tenant-2"]}, 0),  # (SGLang's salt per batched prompt)
+    ],
+)
+async def test_a_prompt_is_credited_what_is_cached_under_its_own_cache_key(
+    fields: dict[str, object], credited: int
+) -> None:
+    """The engines key a prompt's blocks by its `cache_salt` too: the router looks a salted
+    prompt up from that salt's root, so it is credited the chain stored under its salt
+    alone (two blocks here), and an unsalted prompt the unsalted chain (one block). A
+    request keyed by what the index does not read (SGLang's `extra_key`, an adapter, a
+    salt per prompt) is credited nothing."""
+    router, prefill, decode = _router()
+    tokens = tuple(range(40))
+    router.index.apply(
+        "prfaas-p0", [SaltedBlockStored((1, 2), None, tokens[:32], 16, None, "tenant-1")]
+    )
+    router.index.apply("prfaas-p0", [BlockStored((3,), None, tokens[:16], 16)])
+    body = ClientBody("completions", {"model": "tiny", "prompt": "x", **fields})
+    task = asyncio.ensure_future(
+        router.dispatch("r", tokens, SamplingParams(), stream=False, client_body=body)
+    )
+    await asyncio.sleep(0)
+    decode.calls[0].push(GenerateChunk((), "", 40, 2, 0, "length", raw=b"{}"))
+    decode.calls[0].finish()
+    prefill.calls[0].finish()
+    routed = await task
+    assert routed.decision.prefill_instance == "prfaas-p0"
+    assert routed.decision.cached_tokens == credited
+    routed.close()
+
+
+@pytest.mark.parametrize("salted", [False, True])
+async def test_a_salted_prefix_is_computed_where_it_runs_never_pulled(salted: bool) -> None:
+    """In the bandwidth-abundant regime a prefix the other cluster caches is pulled (its
+    source exports it). An export names blocks by their tokens alone, so a salted prompt
+    is routed as in the scarce regime instead, on what each cluster caches itself: here
+    its 8 tokens beyond PD's cache (none) exceed the threshold, so PrfaaS computes them on
+    its own 32 cached, where unsalted it runs in PD pulling PrfaaS's 32."""
+    instances = InstanceManager()
+    engines = {name: _Scripted(name) for name in ("prfaas-p0", "pd-p0", "pd-d0")}
+    for name, cluster, role in (("prfaas-p0", "prfaas", "prefill"),
+                                ("pd-p0", "pd", "prefill"), ("pd-d0", "pd", "decode")):  # fmt: skip
+        instance = InstanceState(name, cluster, role, engines[name], "127.0.0.1", 9)
+        instance.prefix_pull = True
+        instances.add(instance)
+    state = RoutingState(10.0, "bandwidth_abundant")
+    router = Router(instances, KVIndexManager(block_size=16), PrfaasPolicy(), state)
+    tokens = tuple(range(40))
+    stored = (
+        SaltedBlockStored((1, 2), None, tokens[:32], 16, None, "tenant-1")
+        if salted
+        else BlockStored((1, 2), None, tokens[:32], 16)
+    )
+    router.index.apply("prfaas-p0", [stored])
+    fields = {"cache_salt": "tenant-1"} if salted else {}
+    body = ClientBody("completions", {"model": "tiny", "prompt": "x", **fields})
+    routed = Dispatch(router, "r", tokens, SamplingParams(), False, body)
+    routed._launch()
+    decision = routed.decision
+    if salted:
+        assert (decision.route, decision.prefix_source, decision.cached_tokens) == (
+            "prfaas", None, 32)  # fmt: skip
+        assert engines["prfaas-p0"].requests[0].prefix_pull is None
+    else:
+        assert (decision.route, decision.prefix_source) == ("pd", "prfaas-p0")
+        assert engines["pd-p0"].requests[0].prefix_pull is not None
     routed.close()

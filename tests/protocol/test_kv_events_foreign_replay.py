@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 from vllm_helpers import ROOT, VLLM_PYTHON, require_vllm
 
-from prfaas.common.hashing import hash_blocks
+from prfaas.common.hashing import hash_blocks, salt_root
 from prfaas.common.ports import free_port
 from prfaas.gateway.deployment import MAP_EVENTS
 from prfaas.gateway.kv_feed import KVEventFeed
 from prfaas.gateway.kv_index import KVIndexManager
-from prfaas.protocol.kv_events import BlockStored, KVEventSubscriber
+from prfaas.protocol.kv_events import BlockStored, KVEventSubscriber, SaltedBlockStored
 from prfaas.protocol.kv_events.vllm_events import VLLMEventDecoder
 
 CHILD = Path(__file__).resolve().parents[1] / "support" / "kv_publisher_child.py"
@@ -72,15 +72,17 @@ async def test_a_late_subscriber_replays_what_the_buffer_still_holds(kind: str) 
     assert [(g.seq, g.missed, g.snapshot) for g in got] == [(2, 0, False), (3, 0, False),
                                                             (4, 0, False)]  # fmt: skip
     assert [g.batch.events for g in got] == [
-        (BlockStored((i + 1,), None, (i,) * 4, 4),) for i in (2, 3, 4)
+        *[(BlockStored((i + 1,), None, (i,) * 4, 4),) for i in (2, 3)],
+        (SaltedBlockStored((5,), None, (4,) * 4, 4, None, "tenant"),),
     ]
 
 
 @pytest.mark.parametrize("kind", ["vllm", "sglang"])
 async def test_the_gateways_feed_reads_each_engines_own_events_into_the_index(kind: str) -> None:
     """An instance of that engine kind, fed as the gateway feeds it (`MAP_EVENTS`), catches
-    up from its publisher's buffer: the index holds the three blocks still buffered. (An
-    SGLang instance's events read with the positional decoder were all rejected.)"""
+    up from its publisher's buffer: the index holds the three blocks still buffered, the
+    salted one for prompts under its salt alone. (An SGLang instance's events read with the
+    positional decoder were all rejected.)"""
     pub_port, replay_port = free_port(), free_port()
     child = _publisher(kind, pub_port, replay_port)
     index = KVIndexManager(block_size=4)
@@ -101,4 +103,6 @@ async def test_the_gateways_feed_reads_each_engines_own_events_into_the_index(ki
         child.stdin.close()
         child.wait(30)
     held = [index.longest_prefix(hash_blocks([i] * 4, 4)) for i in range(5)]
-    assert held == [{"engine": 0}] * 2 + [{"engine": 4}] * 3
+    assert held == [{"engine": 0}] * 2 + [{"engine": 4}] * 2 + [{"engine": 0}]
+    salted = hash_blocks([4] * 4, 4, parent=salt_root("tenant"))
+    assert index.longest_prefix(salted) == {"engine": 4}

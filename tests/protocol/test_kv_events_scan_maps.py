@@ -52,10 +52,15 @@ hash_values = ints | st.binary(max_size=40)
 extra_keys = {  # what vLLM 0.32 and SGLang 0.5.23 write beside the fields read here
     "medium": st.none() | st.sampled_from(("GPU", "CPU_PINNED")),
     "lora_name": st.none() | st.text(max_size=8),
-    "extra_keys": st.none() | st.lists(st.none() | st.lists(ints, max_size=2), max_size=3),
+    "extra_keys": st.none() | st.lists(st.none(), max_size=3),  # (a block keyed: below)
     "cache_salt": st.none() | st.text(max_size=8),
     "session_id": st.text(max_size=8),
 }
+keyed_blocks = st.lists(  # vLLM's extra keys with a key: a salt, a LoRA name, an image's
+    st.none() | st.lists(st.text(max_size=4) | st.lists(ints, max_size=2), max_size=2),
+    min_size=1,
+    max_size=3,
+).filter(lambda keys: any(k is not None for k in keys))
 stored = st.fixed_dictionaries(
     {
         "block_hashes": st.lists(hash_values, max_size=5),
@@ -104,6 +109,25 @@ def test_every_batch_the_engines_write_is_scanned_as_msgspec_decodes_it(payload:
     for ours in scanned.events:
         if isinstance(ours, vllm_events.VBlockStored):
             assert isinstance(ours.token_ids, memoryview) and ours.token_ids.format == "I"
+
+
+@settings(max_examples=200, deadline=None)
+@given(keyed_blocks)
+def test_a_store_keyed_by_more_than_its_tokens_is_left_to_msgspec(keys: list[Any]) -> None:
+    """Extra keys with a key in them are read by msgspec (the decoder decides what they
+    mean: `stored_salt`); no key (None, or only Nones, as vLLM writes unkeyed blocks) is
+    read here."""
+    fields = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+              "token_ids": [5], "block_size": 1}  # fmt: skip
+    payload = msgspec.msgpack.encode([1.0, [{**fields, "extra_keys": keys}]])
+    assert scan(payload) is None
+    got = msgspec_decode(payload).events[0]
+    assert isinstance(got, vllm_events.VBlockStored)
+    assert got.extra_keys == tuple(None if k is None else tuple(k) for k in keys)
+    for plain in (None, [None] * len(keys)):
+        scanned = scan(msgspec.msgpack.encode([1.0, [{**fields, "extra_keys": plain}]]))
+        assert scanned is not None
+        assert scanned.events[0].extra_keys == (None if plain is None else tuple(plain))
 
 
 @settings(max_examples=500, deadline=None)
@@ -173,7 +197,10 @@ def test_long_headers_are_read_as_msgspec_reads_them() -> None:
     scanned = scan(payload)
     assert scanned is not None
     assert content(scanned) == content(msgspec_decode(payload))
-    assert content(scanned)[1] == [("VBlockRemoved", (b"\x01\x02",), None), ("VAllBlocksCleared",)]
+    assert content(scanned)[1] == [
+        ("VBlockRemoved", (b"\x01\x02",), None, None),
+        ("VAllBlocksCleared",),
+    ]
 
 
 def test_a_value_nested_past_msgspecs_depth_is_a_decode_error() -> None:

@@ -12,6 +12,7 @@ from prfaas.protocol.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    SaltedBlockStored,
     StatesRemoved,
     StatesStored,
 )
@@ -74,3 +75,73 @@ def test_malformed_batches_are_decode_errors() -> None:
         VLLMEventDecoder().decode_batch(msgspec.msgpack.encode([1.0, [{"type": "Nope"}]]))
     with pytest.raises(KVEventDecodeError, match="3 frames"):
         VLLMEventDecoder().decode_frames([b"", b"\x00"])
+
+
+def _keyed(parent: bytes | None, extra_keys: object, **fields: object) -> dict[str, object]:
+    """vLLM 0.32's full-attention store of one block with these extra keys (its untagged
+    per-block list: a LoRA name, `(mm_identifier, offset)` pairs, the salt, embeddings'
+    digests)."""
+    event = stored([b"\x07" * 32], [1, 2, 3, 4], 0, "full_attention")
+    return {**event, "parent_block_hash": parent, "extra_keys": extra_keys, **fields}
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_salted_store_is_read_with_its_salt_and_other_keys_are_dropped(
+    packed: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM publishes a request's `cache_salt` as the only extra key of its chain's first
+    block (the blocks after it chain to that one); SGLang 0.5.23 as `cache_salt` on every
+    store. Both become `SaltedBlockStored`s at a chain's start, and an empty salt none
+    (neither engine salts with one). A LoRA adapter's blocks and a multimodal input's are
+    keyed by what a request does not name to the router: dropped, counted, logged once."""
+    decoder = VLLMEventDecoder(packed_ids=packed)
+    h = int.from_bytes(b"\x07" * 8, "big")
+
+    def one(event: dict[str, object]) -> list[object]:
+        got = decoder.decode_batch(batch(event)).events
+        return [(type(e).__name__, getattr(e, "cache_salt", None)) for e in got]
+
+    assert one(_keyed(None, [["tenant"]])) == [("SaltedBlockStored", "tenant")]
+    assert one(_keyed(None, [None, None])) == [("BlockStored", None)]
+    assert one(_keyed(b"\x01" * 32, [None])) == [("BlockStored", None)]  # a continuation
+    assert one(_keyed(None, None, cache_salt="tenant")) == [("SaltedBlockStored", "tenant")]
+    assert one(_keyed(b"\x01" * 32, None, cache_salt="t")) == [("SaltedBlockStored", "t")]
+    assert one(_keyed(None, None, cache_salt="")) == [("BlockStored", None)]
+    assert decoder.unread_keys == 0
+    dropped = [
+        _keyed(None, [["adapter", "tenant"]], lora_name="adapter"),
+        _keyed(None, [[["image-digest", 0]]]),  # an image in the first block
+        _keyed(b"\x01" * 32, [["tenant"]]),  # a salt after the chain's start: not vLLM's
+        _keyed(None, [["a", "b"]]),
+        {**stored([b"\x07" * 32], [1, 2, 3, 4], 0, "full_attention"), "lora_id": 3},
+    ]
+    for event in dropped:
+        assert one(event) == []
+    assert decoder.unread_keys == len(dropped)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "keyed by more than its tokens" in warnings[0], warnings
+    salted = decoder.decode_batch(batch(_keyed(None, [["tenant"]]))).events[0]
+    assert isinstance(salted, SaltedBlockStored) and salted.block_hashes == (h,)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_only_the_device_caches_events_reach_the_index(packed: bool) -> None:
+    """A host or storage tier's events (vLLM's offloading connectors publish their stores
+    without the blocks' extra keys; SGLang's `CPU_PINNED`, `DISK`, `EXTERNAL`) are dropped:
+    a salted block offloaded to the CPU would otherwise be credited unsalted, and a host
+    copy's removal would take back the block the device still holds."""
+    decoder = VLLMEventDecoder(packed_ids=packed)
+    h = int.from_bytes(b"\x07" * 8, "big")
+    gpu = _keyed(None, None)
+    got = decoder.decode_batch(batch(
+        gpu, {**gpu, "medium": None},
+        {**gpu, "medium": "CPU"}, {**gpu, "medium": "CPU_PINNED"},
+        {"type": "BlockRemoved", "block_hashes": [b"\x07" * 32], "medium": "CPU"},
+        {"type": "BlockRemoved", "block_hashes": [b"\x07" * 32], "medium": "DISK"},
+        {"type": "BlockRemoved", "block_hashes": [b"\x07" * 32], "medium": "GPU"},
+    )).events  # fmt: skip
+    stored_event = BlockStored((h,), None, (1, 2, 3, 4), BS)
+    assert [type(e).__name__ for e in got] == ["BlockStored", "BlockStored", "BlockRemoved"]
+    if not packed:
+        assert got[:2] == (stored_event, stored_event)
+    assert got[2] == BlockRemoved((h,))

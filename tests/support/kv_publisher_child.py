@@ -1,7 +1,8 @@
 """Run in the vLLM or SGLang environment by test_kv_events_foreign_replay.py: that
 engine's own KV event publisher with its replay endpoint (`python kv_publisher_child.py
 vllm|sglang PUB_PORT REPLAY_PORT BATCHES BUFFER`). It publishes BATCHES one-block
-`BlockStored` batches (hash i + 1, tokens [i] * 4) with a replay buffer of BUFFER steps,
+`BlockStored` batches (hash i + 1, tokens [i] * 4; the last one under the cache salt
+"tenant", as that engine publishes a salt) with a replay buffer of BUFFER steps,
 prints `published`, and serves until its stdin closes."""
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ def main() -> None:
     publisher, events = _publisher(kind, pub_port, replay_port, buffer)
     extra = {"medium": "GPU", "lora_name": None} if kind == "vllm" else {}
     for i in range(batches):
+        if i == batches - 1:  # the last one salted, as each engine publishes a salt
+            extra["extra_keys" if kind == "vllm" else "cache_salt"] = (
+                [("tenant",)] if kind == "vllm" else "tenant"
+            )
         stored = events.BlockStored(
             block_hashes=[i + 1], parent_block_hash=None, token_ids=[i] * 4, block_size=4,
             lora_id=None, **extra,

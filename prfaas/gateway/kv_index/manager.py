@@ -38,7 +38,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from prfaas.common.hashing import hash_blocks, hash_packed_blocks, packed_count
+from prfaas.common.hashing import hash_blocks, hash_packed_blocks, packed_count, salt_root
 from prfaas.gateway.kv_index.batch import group, salted_keys
 from prfaas.gateway.kv_index.growing import GROWTH, GrowingTable
 from prfaas.gateway.kv_index.holder_sets import EMPTY, MULTIPLE, HolderSets
@@ -49,6 +49,7 @@ from prfaas.protocol.kv_events import (
     BlockRemoved,
     BlockStored,
     KVEvent,
+    SaltedBlockStored,
     StatesRemoved,
     StatesStored,
 )
@@ -366,7 +367,9 @@ class KVIndexManager:
         chained: dict[tuple[int, int], int] = {}
         for bit, event in valid:
             parent: int | None = None
-            if event.parent_block_hash is not None:
+            if event.parent_block_hash is None and isinstance(event, SaltedBlockStored):
+                parent = salt_root(event.cache_salt)  # (a salted chain's start)
+            elif event.parent_block_hash is not None:
                 key = (bit, event.parent_block_hash)
                 parent = known.get(key)  # a hash's first translation holds, as in `_add`
                 if parent is None:
@@ -407,12 +410,12 @@ class KVIndexManager:
     def _fits(self, instance_id: str, event: BlockStored[Any]) -> bool:
         n = len(event.block_hashes)
         count = _id_count(event)
-        if event.lora_id is not None:  # (an engine hashes the adapter in; ours would not)
+        if event.lora_id is not None:  # (an engine keys blocks by the adapter too)
             self._reject(
                 instance_id,
                 "lora",
-                "%s: BlockStored under LoRA adapter %s ignored: the index hashes tokens "
-                "alone, so it would credit the adapter's blocks to requests without it",
+                "%s: BlockStored under LoRA adapter %s ignored: the index would credit the "
+                "adapter's blocks to requests without it",
                 event.lora_id,
             )
             return False

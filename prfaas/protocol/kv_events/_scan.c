@@ -410,13 +410,15 @@ enum map_kind { MAP_BLOCK_STORED, MAP_BLOCK_REMOVED, MAP_ALL_BLOCKS_CLEARED, MAP
 static const char *const MAP_KIND_NAMES[] = {"BlockStored", "BlockRemoved", "AllBlocksCleared"};
 static const char *const TYPE_KEY[] = {"type"};
 
-/* The fields read, in the order the classes take them: a `BlockStored` takes all seven, a
- * `BlockRemoved` (block_hashes, group_idx), an `AllBlocksCleared` none. */
-enum field { HASHES, PARENT, IDS, SIZE, LORA, GROUP, SPEC, FIELDS };
+/* The fields read, in the order the classes take them: a `BlockStored` takes all eleven, a
+ * `BlockRemoved` (block_hashes, group_idx, medium), an `AllBlocksCleared` none. */
+enum field {
+    HASHES, PARENT, IDS, SIZE, LORA, GROUP, SPEC, LORA_NAME, SALT, EXTRA, MEDIUM, FIELDS
+};
 
-static const char *const FIELD_NAMES[] = {"block_hashes", "parent_block_hash", "token_ids",
-                                          "block_size",   "lora_id",           "group_idx",
-                                          "kv_cache_spec_kind"};
+static const char *const FIELD_NAMES[] = {
+    "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",   "group_idx",
+    "kv_cache_spec_kind", "lora_name", "cache_salt", "extra_keys", "medium"};
 
 /* The count of the map whose header is there; -1 if none is (or it claims more pairs than
  * the bytes left could hold). */
@@ -488,6 +490,31 @@ static PyObject *read_block_size(Reader *r) {
     return NULL; /* msgspec's check: a positive block size */
 }
 
+/* vLLM's `extra_keys` with no key in them: nil (None), or an array of nils (a tuple of
+ * Nones, as msgspec reads it); NULL for any other value, which msgspec then reads (a block
+ * keyed by more than its tokens: the decoder decides what that means). */
+static PyObject *read_no_extra_keys(Reader *r) {
+    if (r->pos < r->len && r->data[r->pos] == 0xc0) {
+        r->pos += 1;
+        return Py_NewRef(Py_None);
+    }
+    Py_ssize_t n = read_array(r);
+    if (n < 0) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (r->data[r->pos + i] != 0xc0) {
+            return NULL;
+        }
+    }
+    r->pos += n;
+    PyObject *nones = PyTuple_New(n);
+    for (Py_ssize_t i = 0; nones != NULL && i < n; i++) {
+        PyTuple_SET_ITEM(nones, i, Py_NewRef(Py_None));
+    }
+    return nones;
+}
+
 /* Field `field`'s value; NULL as the header says. */
 static PyObject *read_field(Reader *r, int field) {
     switch (field) {
@@ -509,6 +536,8 @@ static PyObject *read_field(Reader *r, int field) {
     case LORA:
     case GROUP:
         return read_optional(r, read_int);
+    case EXTRA:
+        return read_no_extra_keys(r);
     default:
         return read_optional(r, read_text);
     }
@@ -529,10 +558,11 @@ static PyObject *read_map_event(Reader *r, PyObject *const *classes) {
         return NULL;
     }
     /* the fields the kind has, in its class's order */
-    static const int STORED[] = {HASHES, PARENT, IDS, SIZE, LORA, GROUP, SPEC};
-    static const int REMOVED[] = {HASHES, GROUP};
+    static const int STORED[] = {HASHES, PARENT, IDS,       SIZE, LORA,  GROUP,
+                                 SPEC,   LORA_NAME, SALT, EXTRA, MEDIUM};
+    static const int REMOVED[] = {HASHES, GROUP, MEDIUM};
     const int *has = kind == MAP_BLOCK_STORED ? STORED : REMOVED;
-    int fields = kind == MAP_BLOCK_STORED ? 7 : kind == MAP_BLOCK_REMOVED ? 2 : 0;
+    int fields = kind == MAP_BLOCK_STORED ? FIELDS : kind == MAP_BLOCK_REMOVED ? 3 : 0;
     int required = kind == MAP_BLOCK_STORED ? 4 : kind == MAP_BLOCK_REMOVED ? 1 : 0;
     PyObject *values[FIELDS] = {NULL};
     PyObject *event = NULL;
@@ -646,8 +676,10 @@ PyDoc_STRVAR(scan_map_batch_doc,
 "scan_map_batch(payload, classes, /) -> batch | None\n\n"
 "`scan_batch` for vLLM's layout (SGLang 0.5.23's too), its events maps tagged by \"type\":\n"
 "`classes` are BlockStored's (called with block_hashes, parent_block_hash, token_ids,\n"
-"block_size, lora_id, group_idx, kv_cache_spec_kind), BlockRemoved's (block_hashes,\n"
-"group_idx), AllBlocksCleared's, then the batch's; hashes are ints or bytes.");
+"block_size, lora_id, group_idx, kv_cache_spec_kind, lora_name, cache_salt, extra_keys,\n"
+"medium), BlockRemoved's (block_hashes, group_idx, medium), AllBlocksCleared's, then the\n"
+"batch's; hashes\n"
+"are ints or bytes; extra_keys only as None or a tuple of Nones (others: None, msgspec).");
 
 static PyObject *scan_map_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;

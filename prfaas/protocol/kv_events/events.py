@@ -73,6 +73,15 @@ class BlockStored(_KVEventBase, Generic[Ids], frozen=True):
     lora_id: int | None = None
 
 
+class SaltedBlockStored(BlockStored[Ids], Generic[Ids], frozen=True):
+    """PrfaaS-internal, never on the wire: blocks an engine keyed by a request's
+    `cache_salt` as well as their tokens (the map-form decoder makes it from vLLM's and
+    SGLang 0.5.23's events). The index chains a salted chain's first block to
+    `hashing.salt_root(cache_salt)`, as the router chains a salted prompt's."""
+
+    cache_salt: str = ""
+
+
 class BlockRemoved(_KVEventBase, frozen=True):
     """Blocks left the prefix cache (evicted or flushed)."""
 

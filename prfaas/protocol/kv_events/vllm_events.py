@@ -11,11 +11,16 @@ a prefix), the only places a hybrid prefix can be reused from: those become `Sta
 (the last 8 bytes), which the index only uses to match a removal with its store and a state
 with its block; it re-hashes the token ids with its own function. SGLang 0.5.23 writes its
 events in this map form too (with int hashes and no groups), so this decoder reads an
-SGLang engine's events as well (`prfaas.gateway.deployment.MAP_EVENTS`).
+SGLang engine's events as well (`prfaas.gateway.deployment.MAP_EVENTS`). A store keyed by a
+request's salt as well as its tokens becomes a `SaltedBlockStored`; one keyed by anything
+else the router cannot know from a request (a LoRA adapter, a multimodal input) is dropped
+(`stored_salt`), so the index never credits it to prompts without that key; and the events
+of tiers other than the device cache are dropped (`DEVICE_TIERS`).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Annotated, Any, Generic
 
@@ -31,15 +36,24 @@ from prfaas.protocol.kv_events.events import (
     KVEventBatch,
     KVEventDecodeError,
     PackedIds,
+    SaltedBlockStored,
     StatesRemoved,
     StatesStored,
     TokenIds,
     scan_map_batch,
 )
 
+logger = logging.getLogger(__name__)
+
 Hash = int | bytes
 FULL_ATTENTION = "full_attention"
 MAMBA = "mamba"
+DEVICE_TIERS = (None, "GPU")
+"""The `medium`s of an engine's device cache (None: not said). Other tiers' events (vLLM's
+CPU offloading and storage connectors, SGLang's `CPU_PINNED`, `DISK`, `EXTERNAL` pools) are
+dropped: vLLM's offloading connectors publish their stores without the extra keys (a salt,
+an image) that key the blocks, so crediting them could over-report, and a host copy's
+removal would take back a block the device still holds."""
 
 
 class _VEvent(
@@ -56,11 +70,16 @@ class VBlockStored(_VEvent, Generic[Ids], frozen=True, tag="BlockStored"):
     lora_id: int | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
+    lora_name: str | None = None
+    cache_salt: str | None = None  # (SGLang's)
+    extra_keys: tuple[tuple[Any, ...] | None, ...] | None = None  # (vLLM's, one per block)
+    medium: str | None = None
 
 
 class VBlockRemoved(_VEvent, frozen=True, tag="BlockRemoved"):
     block_hashes: tuple[Hash, ...]
     group_idx: int | None = None
+    medium: str | None = None
 
 
 class VAllBlocksCleared(_VEvent, frozen=True, tag="AllBlocksCleared"):
@@ -87,6 +106,38 @@ def _int(value: Hash) -> int:
     return value if isinstance(value, int) else int.from_bytes(value[-8:], "big")
 
 
+class UnreadKey(ValueError):
+    """A store keyed by more than its tokens, in a way the index does not read."""
+
+
+def stored_salt(event: VBlockStored[Any]) -> str | None:
+    """The salt that keys the event's blocks besides their tokens, or None (no salt, or an
+    empty one, as both engines read it): SGLang's `cache_salt`, or vLLM's, which it
+    publishes as the only extra key of a chain's first block (bare, untagged).
+
+    Raises:
+        UnreadKey: a LoRA adapter (`lora_id`, `lora_name`: requests name theirs in fields
+            the router does not key by) or other extra keys (a multimodal input's identifier
+            and offset, a prompt embedding's digest), which it cannot know from a request.
+    """
+    if event.lora_id is not None or event.lora_name is not None:
+        raise UnreadKey(f"LoRA adapter {event.lora_name or event.lora_id!r}")
+    keys = event.extra_keys
+    if keys is None or keys.count(None) == len(keys):  # (no key: the usual store)
+        return event.cache_salt or None
+    first, rest = keys[0], keys[1:]
+    if (
+        event.parent_block_hash is None
+        and first is not None
+        and len(first) == 1
+        and isinstance(first[0], str)
+        and rest.count(None) == len(rest)
+        and event.cache_salt in (None, first[0])
+    ):
+        return first[0] or None
+    raise UnreadKey(f"extra keys {keys!r:.120}")
+
+
 class VLLMEventDecoder:
     """Decodes one publisher's map-form batches (vLLM's, SGLang 0.5.23's) into
     `KVEventBatch`es of our events.
@@ -102,6 +153,8 @@ class VLLMEventDecoder:
         self._scan = scan_map_batch if packed_ids else None
         self._state_groups: set[int] = set()
         self._other_groups: set[int] = set()
+        self.unread_keys = 0
+        """Stores dropped for keys the index does not read (`stored_salt`)."""
 
     def decode_batch(self, payload: bytes) -> KVEventBatch[Any]:
         """Raises KVEventDecodeError: not a valid vLLM batch (names the path)."""
@@ -130,6 +183,8 @@ class VLLMEventDecoder:
     ) -> KVEvent | None:
         if isinstance(event, VAllBlocksCleared):
             return AllBlocksCleared()
+        if event.medium not in DEVICE_TIERS:
+            return None
         hashes = tuple(_int(h) for h in event.block_hashes)
         if isinstance(event, VBlockRemoved):
             if event.group_idx in self._state_groups:
@@ -144,5 +199,16 @@ class VLLMEventDecoder:
             if group is not None:
                 self._other_groups.add(group)
             return None
+        try:
+            salt = stored_salt(event)
+        except UnreadKey as exc:
+            if not self.unread_keys:
+                logger.warning("BlockStored ignored, keyed by more than its tokens (%s): the "
+                               "index would credit its blocks to prompts without those "
+                               "keys (logged once per publisher)", exc)  # fmt: skip
+            self.unread_keys += 1
+            return None
         parent = None if event.parent_block_hash is None else _int(event.parent_block_hash)
-        return BlockStored(hashes, parent, event.token_ids, event.block_size, event.lora_id)
+        if salt is None:
+            return BlockStored(hashes, parent, event.token_ids, event.block_size)
+        return SaltedBlockStored(hashes, parent, event.token_ids, event.block_size, None, salt)
