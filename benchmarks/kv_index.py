@@ -59,7 +59,10 @@ Measured per side and size, each side alone in a fresh subprocess (so its RSS is
   `FLUSH_BLOCKS` blocks; the feed frees the loop between them), so its longest slice shows
   how long catching up holds the loop. `--no-snapshot` skips it.
 Both sides answer the same cross-check lookups (cached prefix per instance); the JSON
-records whether they agree.
+records whether they agree. `--layout map` writes our side's events as vLLM 0.32 publishes
+them (tagged maps, SGLang 0.5.23's layout too; one decoder per instance, as the gateway's
+feed runs them) instead of PrfaaS's positional arrays; vLLM and SGLang serve no snapshot,
+so the catch-up part is skipped then.
 
 What differs between the two, by design of each: Dynamo's events carry per-block token
 hashes its publisher computed in the engine process (`tokens_hash`), not token ids, so its
@@ -83,7 +86,8 @@ blocks}`, instances without a match left out), `compute_block_hash_for_seq(token
 Numbers from a shared 2-core machine: compare within one run. The three default sizes take
 about 9-12 minutes there (100x100000 most of it: generating its 640M tokens, the snapshot).
 Usage: python benchmarks/kv_index.py [--sizes 16x10000,64x50000,100x100000] [--quick]
-       [--reps 200] [--seed 0] [--no-snapshot] [--sides ours,dynamo] [--out OUT.json]
+       [--reps 200] [--seed 0] [--no-snapshot] [--sides ours,dynamo] [--layout map]
+       [--out OUT.json]
 """
 
 from __future__ import annotations
@@ -331,8 +335,24 @@ def _log(message: str) -> None:
 # ------------------------------------------------------------------------------- ours
 
 
-def run_ours(w: Workload, reps: int, snapshot: bool) -> dict[str, Any]:
-    """PrfaaS's `KVIndexManager`, in this process (the project's environment)."""
+def _vllm_payload(turn: Turn) -> bytes:
+    """One turn as vLLM 0.32 publishes it (`--layout map`): a batch `[ts, [event], rank]`
+    of one full-attention `BlockStored` map, its keys in vLLM's field order, those with no
+    default always written (`lora_id`, `medium`, `lora_name`), `extra_keys` one None per
+    block, int hashes (its default, `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`)."""
+    import msgspec
+
+    event = {"type": "BlockStored", "block_hashes": turn.hashes,
+             "parent_block_hash": turn.parent, "token_ids": turn.tokens, "block_size": BLOCK,
+             "lora_id": None, "medium": "GPU", "lora_name": None,
+             "extra_keys": [None] * len(turn.hashes), "group_idx": 0,
+             "kv_cache_spec_kind": "full_attention"}  # fmt: skip
+    return msgspec.msgpack.encode([0.0, [event], None])
+
+
+def run_ours(w: Workload, reps: int, snapshot: bool, layout: str) -> dict[str, Any]:
+    """PrfaaS's `KVIndexManager`, in this process (the project's environment); the events
+    in PrfaaS's positional `layout` or vLLM's tagged maps (`map`)."""
     from prfaas.common.hashing import hash_blocks
     from prfaas.gateway.kv_index import KVIndexManager
     from prfaas.protocol.kv_events import BlockStored, KVEventBatch, encode_batch
@@ -350,7 +370,9 @@ def run_ours(w: Workload, reps: int, snapshot: bool) -> dict[str, Any]:
     for i in range(w.instances):
         payloads.append(
             [
-                encode_batch(
+                _vllm_payload(t)
+                if layout == "map"
+                else encode_batch(
                     KVEventBatch(
                         0.0,
                         (BlockStored(tuple(t.hashes), t.parent, tuple(t.tokens), BLOCK),),
@@ -370,7 +392,7 @@ def run_ours(w: Workload, reps: int, snapshot: bool) -> dict[str, Any]:
     )
 
     index, api = new_index()
-    decode = _feed_decoder()
+    decoders = [_feed_decoder(layout) for _ in range(w.instances)]  # (one per publisher)
     hash_fresh_ms = _median_ms(lambda: hash_blocks(prompt, BLOCK), HASH_REPS)
     decode_times = array.array("d", bytes(8 * batches))
     apply_times = array.array("d", bytes(8 * (batches + 1)))  # the last: the flushing read
@@ -379,7 +401,7 @@ def run_ours(w: Workload, reps: int, snapshot: bool) -> dict[str, Any]:
     perf = time.perf_counter
     for n, (i, payload) in enumerate(_round_robin(payloads)):
         t0 = perf()
-        batch = decode(payload)
+        batch = decoders[i](payload)
         t1 = perf()
         index.apply(ids[i], batch.events)
         t2 = perf()
@@ -404,6 +426,7 @@ def run_ours(w: Workload, reps: int, snapshot: bool) -> dict[str, Any]:
         found: dict[str, int] = index.longest_prefix(hash_blocks(tokens, BLOCK))
         answers[name] = {k.removeprefix("i"): v for k, v in found.items() if v}
     result: dict[str, Any] = {
+        "layout": layout,
         "index_api": api,
         "index_module": sys.modules[KVIndexManager.__module__].__file__,
         "entries_held": held,
@@ -423,15 +446,23 @@ def run_ours(w: Workload, reps: int, snapshot: bool) -> dict[str, Any]:
         "checks": answers,
     }
     del index, decode_times, apply_times
-    if snapshot:
+    if snapshot and layout == "map":  # (vLLM and SGLang serve a replay buffer, no snapshot)
+        result["snapshot_catchup"] = None
+    elif snapshot:
         result["snapshot_catchup"] = _ours_snapshot(payloads, ids, new_index, hashes, lookup)
     return result
 
 
-def _feed_decoder() -> Callable[[bytes], Any]:
+def _feed_decoder(layout: str = "positional") -> Callable[[bytes], Any]:
     """`decode_batch` as the gateway's feed calls it: token ids left packed, where this
-    checkout can (before it could, they were decoded)."""
+    checkout can (before it could, they were decoded); for `map`, a publisher's
+    `VLLMEventDecoder`, as the feed makes one per vLLM or SGLang instance."""
     from prfaas.protocol.kv_events import decode_batch
+
+    if layout == "map":
+        from prfaas.protocol.kv_events.vllm_events import VLLMEventDecoder
+
+        return VLLMEventDecoder(packed_ids=True).decode_batch
 
     try:
         decode_batch(b"\x92\xcb" + bytes(8) + b"\x90", packed_ids=True)
@@ -657,6 +688,7 @@ def _run_worker(python: Path, side: str, size: str, args: argparse.Namespace) ->
         out = Path(tmp) / "result.json"
         cmd = [str(python), str(Path(__file__).resolve()), "--worker", side, "--sizes", size]
         cmd += ["--seed", str(args.seed), "--reps", str(args.reps), "--out", str(out)]
+        cmd += ["--layout", args.layout]
         if args.no_snapshot:
             cmd.append("--no-snapshot")
         start = time.perf_counter()
@@ -815,6 +847,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-snapshot", action="store_true", help="skip the catch-up part")
     parser.add_argument("--sides", default="ours,dynamo", help="ours, dynamo or both")
+    parser.add_argument("--layout", choices=("positional", "map"), default="positional",
+                        help="our events' wire layout: PrfaaS's positional arrays or "
+                        "vLLM's tagged maps (SGLang 0.5.23's too)")  # fmt: skip
     parser.add_argument("--out", type=Path, help="JSON path (default: benchmarks/results/"
                         "kv_index/<date>.json, <date>-quick.json with --quick)")  # fmt: skip
     parser.add_argument("--worker", choices=("ours", "dynamo"), help=argparse.SUPPRESS)
@@ -829,7 +864,7 @@ def main() -> None:
     if args.worker:  # one side, one size, in this (fresh) process
         w = Workload(args.seed, *_parse_size(sizes[0]))
         if args.worker == "ours":
-            result = run_ours(w, args.reps, not args.no_snapshot)
+            result = run_ours(w, args.reps, not args.no_snapshot, args.layout)
         else:
             result = run_dynamo(w, args.reps)
         result["final_peak_rss_mib"] = _proc_status().get("VmHWM", 0) / 1024
@@ -850,6 +885,7 @@ def main() -> None:
         "git_head": _git_head(),
         "dynamo_package": DYNAMO_PACKAGE,
         "seed": args.seed,
+        "layout": args.layout,
         "block_size": BLOCK,
         "lookup_blocks": LOOKUP_BLOCKS,
         "targets": {

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from itertools import repeat
 from typing import Annotated, Any, Generic
 
 import msgspec
@@ -106,6 +107,13 @@ def _int(value: Hash) -> int:
     return value if isinstance(value, int) else int.from_bytes(value[-8:], "big")
 
 
+def _ints(values: tuple[Hash, ...]) -> tuple[int, ...]:
+    """`values` as ints: as they are where all are (vLLM's default), each converted else."""
+    if all(map(isinstance, values, repeat(int))):
+        return values  # type: ignore[return-value]  # (all ints, checked)
+    return tuple(map(_int, values))
+
+
 class UnreadKey(ValueError):
     """A store keyed by more than its tokens, in a way the index does not read."""
 
@@ -185,7 +193,7 @@ class VLLMEventDecoder:
             return AllBlocksCleared()
         if event.medium not in DEVICE_TIERS:
             return None
-        hashes = tuple(_int(h) for h in event.block_hashes)
+        hashes = _ints(event.block_hashes)
         if isinstance(event, VBlockRemoved):
             if event.group_idx in self._state_groups:
                 return StatesRemoved(hashes)

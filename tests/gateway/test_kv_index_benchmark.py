@@ -1,0 +1,36 @@
+"""`benchmarks/kv_index.py` on its quick size, ours alone: the index ends up holding the
+same entries and answering the same cross-check lookups whichever layout the events took
+on the wire (PrfaaS's positional arrays or vLLM's tagged maps, `--layout map`), so the
+two layouts' ingest rates measure the same work."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(tmp_path: Path, layout: str) -> dict[str, Any]:
+    out = tmp_path / f"{layout}.json"
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/kv_index.py"), "--quick", "--sides", "ours",
+         "--no-snapshot", "--reps", "5", "--layout", layout, "--out", str(out)],
+        check=True, cwd=ROOT, capture_output=True, timeout=300,
+    )  # fmt: skip
+    report = json.loads(out.read_text())
+    assert report["layout"] == layout
+    (row,) = report["sizes"].values()
+    ours: dict[str, Any] = row["ours"]
+    return ours
+
+
+def test_both_layouts_build_the_same_index(tmp_path: Path) -> None:
+    positional, maps = _run(tmp_path, "positional"), _run(tmp_path, "map")
+    assert positional["layout"] == "positional" and maps["layout"] == "map"
+    assert positional["entries_held"] == maps["entries_held"] == positional["entries"]
+    assert positional["checks"] == maps["checks"]
+    assert any(positional["checks"].values())
