@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import zmq
 
 from prfaas.common.hashing import hash_blocks
@@ -83,6 +84,37 @@ async def test_a_feed_reads_either_event_layout_from_any_engine() -> None:
     index = KVIndexManager(block_size=BS)
     await _publish_until_applied(index, frozenset({"pd-p0"}))
     assert len(index) == 3
+
+
+async def test_a_store_keyed_by_what_the_index_does_not_read_is_dropped_and_counted() -> None:
+    """A vLLM publisher's batch over a real socket: its store under a LoRA adapter is
+    dropped (the router cannot know a request's adapter), counted where the gateway's
+    state shows it, and the plain store beside it reaches the index."""
+    index = KVIndexManager(block_size=BS)
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    feed = KVEventFeed(index, {"pd-p0": f"tcp://127.0.0.1:{port}"}, map_events=frozenset({"pd-p0"}))
+    keyed = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+             "token_ids": [1, 2, 3, 4], "block_size": BS, "lora_id": None, "medium": "GPU",
+             "lora_name": "adapter"}  # fmt: skip
+    plain = {**keyed, "block_hashes": [2], "token_ids": [5, 6, 7, 8], "lora_name": None}
+    payload = msgspec.msgpack.encode([0.0, [keyed, plain], None])
+    feed.start()
+    try:
+        for seq in range(200):
+            pub.send_multipart([b"kv", seq.to_bytes(8, "big"), payload])
+            await asyncio.sleep(0.02)
+            if len(index):
+                break
+    finally:
+        await feed.stop()
+        pub.close()
+        ctx.term()
+    assert _prefix(index, [5, 6, 7, 8]) == {"pd-p0": 4}
+    assert _prefix(index, [1, 2, 3, 4]) == {"pd-p0": 0}
+    assert feed.unread_keyed_stores == feed.batches >= 1
 
 
 def _replaying() -> KVEventPublisher:

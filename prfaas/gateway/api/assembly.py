@@ -175,6 +175,7 @@ class Gateway:
                 "bytes": self.index.nbytes,
                 "evicted_entries": self.index.evicted_entries,
                 "rejected": self.index.rejected_events,
+                "unread_keyed_stores": self.feed.unread_keyed_stores,
             },
             "link": self.link,
             "scheduler": None if self.scheduler is None else self.scheduler.to_json(),
@@ -225,6 +226,12 @@ class Gateway:
                 "prfaas_kv_index_evicted_entries",
                 "(instance, block) entries forgotten at the byte budget (kv_index_max_mb).",
                 self.index.evicted_entries,
+            ),
+            CounterMetricFamily(
+                "prfaas_kv_events_unread_keyed_stores",
+                "Engine stores dropped, keyed by more than the index reads (a LoRA adapter, "
+                "a multimodal input): never credited to prompts without that key.",
+                self.feed.unread_keyed_stores,
             ),
             _prefix_pulls(self.router.prefix_pulls),
         ]
