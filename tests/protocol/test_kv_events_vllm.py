@@ -145,3 +145,25 @@ def test_only_the_device_caches_events_reach_the_index(packed: bool) -> None:
     if not packed:
         assert got[:2] == (stored_event, stored_event)
     assert got[2] == BlockRemoved((h,))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_key_or_tier_in_a_form_not_foreseen_drops_its_store_not_the_batch(
+    packed: bool,
+) -> None:
+    """The fields that key a block or name its tier are read as any value: one in another
+    form (a number, a map) drops its own store (it cannot be credited safely), and the
+    rest of the batch, a removal included, still applies."""
+    decoder = VLLMEventDecoder(packed_ids=packed)
+    h = int.from_bytes(b"\x07" * 8, "big")
+    odd = [
+        _keyed(None, None, cache_salt=7),
+        _keyed(None, None, lora_name={"name": "a"}),
+        _keyed(None, "tenant"),
+        _keyed(None, [[["tenant"]]]),
+        _keyed(None, None, medium=3),
+    ]
+    removal = {"type": "BlockRemoved", "block_hashes": [b"\x07" * 32], "medium": "GPU"}
+    got = decoder.decode_batch(batch(*odd, removal)).events
+    assert got == (BlockRemoved((h,)),)
+    assert decoder.unread_keys == 4  # (the other tier's store is dropped uncounted)

@@ -490,9 +490,9 @@ static PyObject *read_block_size(Reader *r) {
     return NULL; /* msgspec's check: a positive block size */
 }
 
-/* vLLM's `extra_keys` with no key in them: nil (None), or an array of nils (a tuple of
- * Nones, as msgspec reads it); NULL for any other value, which msgspec then reads (a block
- * keyed by more than its tokens: the decoder decides what that means). */
+/* vLLM's `extra_keys` with no key in them: nil (None), or an array of nils (a list of
+ * Nones, as msgspec reads it into `Any`); NULL for any other value, which msgspec then
+ * reads (a block keyed by more than its tokens: the decoder decides what that means). */
 static PyObject *read_no_extra_keys(Reader *r) {
     if (r->pos < r->len && r->data[r->pos] == 0xc0) {
         r->pos += 1;
@@ -508,9 +508,9 @@ static PyObject *read_no_extra_keys(Reader *r) {
         }
     }
     r->pos += n;
-    PyObject *nones = PyTuple_New(n);
+    PyObject *nones = PyList_New(n);
     for (Py_ssize_t i = 0; nones != NULL && i < n; i++) {
-        PyTuple_SET_ITEM(nones, i, Py_NewRef(Py_None));
+        PyList_SET_ITEM(nones, i, Py_NewRef(Py_None));
     }
     return nones;
 }
@@ -679,7 +679,7 @@ PyDoc_STRVAR(scan_map_batch_doc,
 "block_size, lora_id, group_idx, kv_cache_spec_kind, lora_name, cache_salt, extra_keys,\n"
 "medium), BlockRemoved's (block_hashes, group_idx, medium), AllBlocksCleared's, then the\n"
 "batch's; hashes\n"
-"are ints or bytes; extra_keys only as None or a tuple of Nones (others: None, msgspec).");
+"are ints or bytes; extra_keys only as None or a list of Nones (others: None, msgspec).");
 
 static PyObject *scan_map_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;

@@ -71,16 +71,18 @@ class VBlockStored(_VEvent, Generic[Ids], frozen=True, tag="BlockStored"):
     lora_id: int | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
-    lora_name: str | None = None
-    cache_salt: str | None = None  # (SGLang's)
-    extra_keys: tuple[tuple[Any, ...] | None, ...] | None = None  # (vLLM's, one per block)
-    medium: str | None = None
+    # What keys a block besides its tokens, and its tier: read as any value, so that a
+    # form not foreseen drops the one store (`stored_salt`), not the whole batch.
+    lora_name: Any = None
+    cache_salt: Any = None  # (SGLang's)
+    extra_keys: Any = None  # (vLLM's: one entry per block, each None or a list of keys)
+    medium: Any = None
 
 
 class VBlockRemoved(_VEvent, frozen=True, tag="BlockRemoved"):
     block_hashes: tuple[Hash, ...]
     group_idx: int | None = None
-    medium: str | None = None
+    medium: Any = None
 
 
 class VAllBlocksCleared(_VEvent, frozen=True, tag="AllBlocksCleared"):
@@ -129,18 +131,21 @@ def stored_salt(event: VBlockStored[Any]) -> str | None:
             and offset, a prompt embedding's digest), which it cannot know from a request.
     """
     if event.lora_id is not None or event.lora_name is not None:
-        raise UnreadKey(f"LoRA adapter {event.lora_name or event.lora_id!r}")
+        raise UnreadKey(f"LoRA adapter {event.lora_name or event.lora_id!r:.60}")
+    salt = event.cache_salt
+    if not (salt is None or isinstance(salt, str)):
+        raise UnreadKey(f"cache_salt {salt!r:.60}")
     keys = event.extra_keys
-    if keys is None or keys.count(None) == len(keys):  # (no key: the usual store)
-        return event.cache_salt or None
-    first, rest = keys[0], keys[1:]
+    if keys is None or (isinstance(keys, list) and keys.count(None) == len(keys)):
+        return salt or None  # (no extra key: the usual store)
+    first = keys[0] if isinstance(keys, list) and keys else None
     if (
         event.parent_block_hash is None
-        and first is not None
+        and isinstance(first, list)
         and len(first) == 1
         and isinstance(first[0], str)
-        and rest.count(None) == len(rest)
-        and event.cache_salt in (None, first[0])
+        and keys.count(None) == len(keys) - 1
+        and salt in (None, first[0])
     ):
         return first[0] or None
     raise UnreadKey(f"extra keys {keys!r:.120}")
