@@ -50,12 +50,12 @@ _decode_packed = functools.partial(decode_frames, packed_ids=True)
 Decode = Callable[[Sequence[bytes]], tuple[str, int, KVEventBatch[Any]]]
 
 
-def _either_layout(maps_first: bool, map_decoder: VLLMEventDecoder) -> Decode:
+def _either_layout(maps_first: bool) -> Decode:
     """One publisher's frames decoded in either event layout: tagged maps (vLLM's, SGLang's
-    since 0.5.23, by the publisher's own `map_decoder`: it is stateful) or positional arrays
-    (PrfaaS's, SGLang's before), the engine kind's first. Why both: a layout is an engine
-    version's choice, and a batch read in the other one is rejected whole."""
-    maps = map_decoder.decode_frames
+    since 0.5.23) or positional arrays (PrfaaS's, SGLang's before), the engine kind's first.
+    Why both: a layout is an engine version's choice, and a batch read in the other one is
+    rejected whole."""
+    maps = VLLMEventDecoder(packed_ids=True).decode_frames  # (stateful: one per publisher)
     first, second = (maps, _decode_packed) if maps_first else (_decode_packed, maps)
 
     def decode(frames: Sequence[bytes]) -> tuple[str, int, KVEventBatch[Any]]:
@@ -97,16 +97,7 @@ class KVEventFeed:
         self._growth: asyncio.Task[None] | None = None
         self._synced: dict[str, asyncio.Event] = {}
         self._generation: dict[str, int] = {}  # resyncs per instance: a slice's staleness
-        self._map_decoders: dict[str, VLLMEventDecoder] = {}  # per instance, the current
-        self._unread_before = 0  # stores the replaced decoders dropped
         self.batches = 0
-
-    @property
-    def unread_keyed_stores(self) -> int:
-        """Stores dropped because their blocks are keyed by more than the index reads (a
-        LoRA adapter, a multimodal input: `vllm_events.stored_salt`), over the feed's life."""
-        current = sum(d.unread_keys for d in self._map_decoders.values())
-        return self._unread_before + current
 
     def start(self) -> None:
         for instance_id, endpoint in self._endpoints.items():
@@ -138,10 +129,7 @@ class KVEventFeed:
 
     def _subscribe(self, instance_id: str, endpoint: str) -> None:
         map_events = instance_id in self._map_events
-        old = self._map_decoders.get(instance_id)
-        self._unread_before += 0 if old is None else old.unread_keys
-        decoder = self._map_decoders[instance_id] = VLLMEventDecoder(packed_ids=True)
-        decode = _either_layout(maps_first=map_events, map_decoder=decoder)
+        decode = _either_layout(maps_first=map_events)
         subscriber = KVEventSubscriber(
             endpoint,
             replay_endpoint=self._replay.get(instance_id),

@@ -342,9 +342,9 @@ class Dispatch:
         self._reported = self._closed = False
         self._pulling = False  # the current attempt's prefill pulls a prefix
         self._no_pull = self._salt is not None
-        """Compute the prefix, never pull it: a pull failed this request (the same prefill
-        computes it), or its prefix is salted (an export names the source's blocks by their
-        tokens alone; it is routed as in the scarce regime then)."""
+        """Route on what each cluster caches itself, never pulling a prefix (as in the
+        scarce regime): a pull failed this request, or its prefix is salted (an export names
+        the source's blocks by their tokens alone)."""
 
     @property
     def decision(self) -> RouteDecision:
@@ -399,7 +399,7 @@ class Dispatch:
             self._still_excluded(),
             salt=self._salt,
             indexed=self._indexed,
-            may_pull=self._salt is None,
+            may_pull=not self._no_pull,
         )
         if self._one_engine:
             decision = on_decode(decision, router.instances[decision.decode_instance].cluster)
@@ -453,8 +453,9 @@ class Dispatch:
         self._attempt = None
         failed = attempt.failed or attempt.decode
         if self._pulling and failed is attempt.prefill and not self._began:
-            # the prefix pull failed (its source or the link): the same prefill computes the
-            # prefix instead; neither blamed nor counted as a retry
+            # the prefix pull failed (its source or the link): routed again on what each
+            # cluster caches itself (the prefill computes the prefix its cluster lacks);
+            # neither blamed nor counted as a retry
             logger.info("%s: prefix pull on %s failed (%s); computing it instead", self.rid,
                         failed.instance_id, exc.code)  # fmt: skip
             self._no_pull = True

@@ -154,6 +154,15 @@ def test_a_store_under_a_lora_adapter_is_rejected(caplog: pytest.LogCaptureFixtu
     assert sum("LoRA adapter 3" in e for e in errors) == 1, errors
 
 
+def test_salted_and_plain_stores_go_in_as_one_run() -> None:
+    """A flush batches an instance's consecutive stores as one run, salted or not (one
+    event per round would cost a whole store pass each)."""
+    salted = SaltedBlockStored((1,), None, (1, 2, 3, 4), BS, None, "s")
+    plain = _stored([5, 6, 7, 8], [2], parent=1)
+    runs = list(manager_module._runs([salted, salted, plain, BlockRemoved((1,)), salted]))
+    assert [len(run) for run in runs] == [3, 1, 1]
+
+
 def test_a_salted_chain_is_credited_only_to_prompts_with_its_salt() -> None:
     """Engines key a request's blocks by its `cache_salt` too: a salted chain's first block
     is re-hashed from `salt_root(salt)`, and what chains after it follows, so only a prompt

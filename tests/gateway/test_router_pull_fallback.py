@@ -121,6 +121,8 @@ async def test_a_failed_pull_runs_again_on_the_same_prefill_without_it() -> None
     assert routed.first is not None and routed.first.text == "x"
     assert routed.retries == 0 and router.instances["prfaas-p0"].healthy
     assert routed.decision.prefill_instance == "prfaas-p0"
+    # decided afresh on what each cluster caches itself: no pull in it, none counted
+    assert routed.decision.prefix_source is None and routed.decision.pull is None
     routed.close()
 
 

@@ -86,14 +86,15 @@ def _keyed(parent: bytes | None, extra_keys: object, **fields: object) -> dict[s
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_a_salted_store_is_read_with_its_salt_and_other_keys_are_dropped(
+def test_a_salted_store_is_read_with_its_salt_and_other_keys_are_rejected(
     packed: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     """vLLM publishes a request's `cache_salt` as the only extra key of its chain's first
     block (the blocks after it chain to that one); SGLang 0.5.23 as `cache_salt` on every
     store. Both become `SaltedBlockStored`s at a chain's start, and an empty salt none
-    (neither engine salts with one). A LoRA adapter's blocks and a multimodal input's are
-    keyed by what a request does not name to the router: dropped, counted, logged once."""
+    (SGLang salts nothing with one). A LoRA adapter's blocks and a multimodal input's are
+    keyed by what a request does not name to the router: `UnreadBlockStored`s, which the
+    index rejects (counted, logged once per instance)."""
     decoder = VLLMEventDecoder(packed_ids=packed)
     h = int.from_bytes(b"\x07" * 8, "big")
 
@@ -107,7 +108,7 @@ def test_a_salted_store_is_read_with_its_salt_and_other_keys_are_dropped(
     assert one(_keyed(None, None, cache_salt="tenant")) == [("SaltedBlockStored", "tenant")]
     assert one(_keyed(b"\x01" * 32, None, cache_salt="t")) == [("SaltedBlockStored", "t")]
     assert one(_keyed(None, None, cache_salt="")) == [("BlockStored", None)]
-    assert decoder.unread_keys == 0
+    unread = ("UnreadBlockStored", None)
     dropped = [
         _keyed(None, [["adapter", "tenant"]], lora_name="adapter"),
         _keyed(None, [[["image-digest", 0]]]),  # an image in the first block
@@ -116,10 +117,12 @@ def test_a_salted_store_is_read_with_its_salt_and_other_keys_are_dropped(
         {**stored([b"\x07" * 32], [1, 2, 3, 4], 0, "full_attention"), "lora_id": 3},
     ]
     for event in dropped:
-        assert one(event) == []
-    assert decoder.unread_keys == len(dropped)
-    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert len(warnings) == 1 and "keyed by more than its tokens" in warnings[0], warnings
+        assert one(event) == [unread]
+    index = KVIndexManager(block_size=BS)
+    index.apply("d0", decoder.decode_batch(batch(*dropped)).events)
+    assert len(index) == 0 and index.rejected_events == len(dropped)
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "keyed by more than its tokens" in errors[0], errors
     salted = decoder.decode_batch(batch(_keyed(None, [["tenant"]]))).events[0]
     assert isinstance(salted, SaltedBlockStored) and salted.block_hashes == (h,)
 
@@ -165,5 +168,28 @@ def test_a_key_or_tier_in_a_form_not_foreseen_drops_its_store_not_the_batch(
     ]
     removal = {"type": "BlockRemoved", "block_hashes": [b"\x07" * 32], "medium": "GPU"}
     got = decoder.decode_batch(batch(*odd, removal)).events
-    assert got == (BlockRemoved((h,)),)
-    assert decoder.unread_keys == 4  # (the other tier's store is dropped uncounted)
+    assert [type(e).__name__ for e in got] == ["UnreadBlockStored"] * 4 + ["BlockRemoved"]
+    assert got[-1] == BlockRemoved((h,))  # (the other tier's store is dropped)
+
+
+def test_mla_and_sink_attention_groups_describe_the_prefix(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """vLLM 0.32 labels a latent-attention group `mla_attention` (DeepSeek's, Kimi
+    Linear's) and one with sink tokens `sink_full_attention`: both cache the whole prefix,
+    so their stores reach the index as full attention's do; a sliding window's group does
+    not (logged once)."""
+    caplog.set_level("INFO", logger="prfaas.protocol.kv_events.vllm_events")
+    tokens = [1, 2, 3, 4]
+    decoder = VLLMEventDecoder()
+    kinds = ("mla_attention", "sink_full_attention", "sliding_window", "sliding_window")
+    groups = (0, 1, 2, 2)
+    events = [stored([bytes([i + 1]) * 32], tokens, group, kind)
+              for i, (group, kind) in enumerate(zip(groups, kinds, strict=True))]  # fmt: skip
+    got = decoder.decode_batch(batch(*events))
+    assert [e.block_hashes[0] & 0xFF for e in got.events] == [1, 2]
+    index = KVIndexManager(block_size=BS)
+    index.apply("d0", got.events[:1])
+    assert index.longest_prefix(hash_blocks(tokens, BS)) == {"d0": 4}
+    infos = [r.getMessage() for r in caplog.records if "caches no whole prefix" in r.getMessage()]
+    assert len(infos) == 1 and "sliding_window" in infos[0], infos

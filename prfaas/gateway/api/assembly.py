@@ -175,7 +175,6 @@ class Gateway:
                 "bytes": self.index.nbytes,
                 "evicted_entries": self.index.evicted_entries,
                 "rejected": self.index.rejected_events,
-                "unread_keyed_stores": self.feed.unread_keyed_stores,
             },
             "link": self.link,
             "scheduler": None if self.scheduler is None else self.scheduler.to_json(),
@@ -228,10 +227,11 @@ class Gateway:
                 self.index.evicted_entries,
             ),
             CounterMetricFamily(
-                "prfaas_kv_events_unread_keyed_stores",
-                "Engine stores dropped, keyed by more than the index reads (a LoRA adapter, "
-                "a multimodal input): never credited to prompts without that key.",
-                self.feed.unread_keyed_stores,
+                "prfaas_kv_index_rejected_events",
+                "Engine events the KV index ignored (each reason logged once per instance): "
+                "blocks keyed by what it does not read (a LoRA adapter, a multimodal input), "
+                "a block size or token count that does not fit, an unknown parent.",
+                self.index.rejected_events,
             ),
             _prefix_pulls(self.router.prefix_pulls),
         ]

@@ -52,6 +52,7 @@ from prfaas.protocol.kv_events import (
     SaltedBlockStored,
     StatesRemoved,
     StatesStored,
+    UnreadBlockStored,
 )
 
 logger = logging.getLogger(__name__)
@@ -410,6 +411,15 @@ class KVIndexManager:
     def _fits(self, instance_id: str, event: BlockStored[Any]) -> bool:
         n = len(event.block_hashes)
         count = _id_count(event)
+        if isinstance(event, UnreadBlockStored):
+            self._reject(
+                instance_id,
+                "key",
+                "%s: BlockStored keyed by more than its tokens (%s) ignored: the index would "
+                "credit its blocks to prompts without that key",
+                event.key,
+            )
+            return False
         if event.lora_id is not None:  # (an engine keys blocks by the adapter too)
             self._reject(
                 instance_id,
@@ -697,12 +707,17 @@ class KVIndexManager:
 
 def _runs(events: list[KVEvent]) -> Iterator[list[KVEvent]]:
     """Consecutive stores as one run, consecutive removals as one, anything else alone."""
-    for kind, same in itertools.groupby(events, key=type):
+    for kind, same in itertools.groupby(events, key=_run_kind):
         if kind is BlockStored or kind is BlockRemoved:
             yield list(same)
         else:
             for event in same:
                 yield [event]
+
+
+def _run_kind(event: KVEvent) -> type:
+    """What a run groups by: the event's class, a `SaltedBlockStored` a `BlockStored`."""
+    return BlockStored if isinstance(event, BlockStored) else type(event)
 
 
 def _grouped(ours: U64, bits: I64) -> tuple[U64, I64, dict[int, int], I64]:

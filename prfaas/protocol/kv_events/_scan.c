@@ -678,8 +678,8 @@ PyDoc_STRVAR(scan_map_batch_doc,
 "`classes` are BlockStored's (called with block_hashes, parent_block_hash, token_ids,\n"
 "block_size, lora_id, group_idx, kv_cache_spec_kind, lora_name, cache_salt, extra_keys,\n"
 "medium), BlockRemoved's (block_hashes, group_idx, medium), AllBlocksCleared's, then the\n"
-"batch's; hashes\n"
-"are ints or bytes; extra_keys only as None or a list of Nones (others: None, msgspec).");
+"batch's; hashes are ints or bytes; extra_keys only as None or a list of Nones (other\n"
+"values: None, for msgspec).");
 
 static PyObject *scan_map_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;

@@ -82,6 +82,14 @@ class SaltedBlockStored(BlockStored[Ids], Generic[Ids], frozen=True):
     cache_salt: str = ""
 
 
+class UnreadBlockStored(BlockStored[Ids], Generic[Ids], frozen=True):
+    """PrfaaS-internal, never on the wire: blocks an engine keyed by more than their tokens
+    in a way the router cannot know from a request (`key` says what: a LoRA adapter, a
+    multimodal input), which the index rejects (counted, logged once per instance)."""
+
+    key: str = ""
+
+
 class BlockRemoved(_KVEventBase, frozen=True):
     """Blocks left the prefix cache (evicted or flushed)."""
 

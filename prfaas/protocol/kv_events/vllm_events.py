@@ -3,19 +3,21 @@
 vLLM publishes the same three ZMQ frames as SGLang (`[topic, seq, payload]`) and the same
 batch array `[ts, events, data_parallel_rank]`, but its events are msgpack *maps* tagged by a
 `type` key, its block hashes are bytes (or ints), and a hybrid model's blocks are reported per
-KV-cache group (`group_idx`, `kv_cache_spec_kind`). Full-attention groups describe the cached
-token prefix: their events become ours. A Mamba group's `BlockStored` names only the blocks
-at whose end vLLM kept the linear-attention states (none for the request that first computes
-a prefix), the only places a hybrid prefix can be reused from: those become `StatesStored`
-(and its removals `StatesRemoved`). Other groups' events are dropped. Hashes become ints
+KV-cache group (`group_idx`, `kv_cache_spec_kind`). Full-attention groups (MLA and
+sink-token ones too: `PREFIX_KINDS`) describe the cached token prefix: their events become
+ours. A Mamba group's `BlockStored` names only the blocks at whose end vLLM kept the
+linear-attention states (none for the request that first computes a prefix), the only places
+a hybrid prefix can be reused from: those become `StatesStored` (and its removals
+`StatesRemoved`). Other groups' events are dropped. Hashes become ints
 (the last 8 bytes), which the index only uses to match a removal with its store and a state
 with its block; it re-hashes the token ids with its own function. SGLang 0.5.23 writes its
 events in this map form too (with int hashes and no groups), so this decoder reads an
 SGLang engine's events as well (`prfaas.gateway.deployment.MAP_EVENTS`). A store keyed by a
 request's salt as well as its tokens becomes a `SaltedBlockStored`; one keyed by anything
-else the router cannot know from a request (a LoRA adapter, a multimodal input) is dropped
-(`stored_salt`), so the index never credits it to prompts without that key; and the events
-of tiers other than the device cache are dropped (`DEVICE_TIERS`).
+else the router cannot know from a request (a LoRA adapter, a multimodal input) becomes an
+`UnreadBlockStored`, which the index rejects (`stored_salt`), so that it never credits it to
+prompts without that key; and the events of tiers other than the device cache are dropped
+(`DEVICE_TIERS`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from prfaas.protocol.kv_events.events import (
     StatesRemoved,
     StatesStored,
     TokenIds,
+    UnreadBlockStored,
     scan_map_batch,
 )
 
@@ -48,11 +51,14 @@ logger = logging.getLogger(__name__)
 
 Hash = int | bytes
 FULL_ATTENTION = "full_attention"
+PREFIX_KINDS = (None, FULL_ATTENTION, "mla_attention", "sink_full_attention")
+"""The spec kinds whose groups cache the whole token prefix (None: not said, SGLang's):
+full attention, latent (MLA: DeepSeek's, Kimi Linear's) and with sink tokens."""
 MAMBA = "mamba"
 DEVICE_TIERS = (None, "GPU")
 """The `medium`s of an engine's device cache (None: not said). Other tiers' events (vLLM's
 CPU offloading and storage connectors, SGLang's `CPU_PINNED`, `DISK`, `EXTERNAL` pools) are
-dropped: vLLM's offloading connectors publish their stores without the extra keys (a salt,
+dropped: vLLM's `OffloadingConnector` publishes its stores without the extra keys (a salt,
 an image) that key the blocks, so crediting them could over-report, and a host copy's
 removal would take back a block the device still holds."""
 
@@ -166,8 +172,6 @@ class VLLMEventDecoder:
         self._scan = scan_map_batch if packed_ids else None
         self._state_groups: set[int] = set()
         self._other_groups: set[int] = set()
-        self.unread_keys = 0
-        """Stores dropped for keys the index does not read (`stored_salt`)."""
 
     def decode_batch(self, payload: bytes) -> KVEventBatch[Any]:
         """Raises KVEventDecodeError: not a valid vLLM batch (names the path)."""
@@ -208,20 +212,19 @@ class VLLMEventDecoder:
             if group is not None:
                 self._state_groups.add(group)
             return StatesStored(hashes)
-        if kind not in (None, FULL_ATTENTION):
-            if group is not None:
+        if kind not in PREFIX_KINDS:
+            if group is not None and group not in self._other_groups:
                 self._other_groups.add(group)
-            return None
-        try:
-            salt = stored_salt(event)
-        except UnreadKey as exc:
-            if not self.unread_keys:
-                logger.warning("BlockStored ignored, keyed by more than its tokens (%s): the "
-                               "index would credit its blocks to prompts without those "
-                               "keys (logged once per publisher)", exc)  # fmt: skip
-            self.unread_keys += 1
+                logger.info("KV cache group %d (%s) caches no whole prefix: its events are "
+                            "not indexed", group, kind)  # fmt: skip
             return None
         parent = None if event.parent_block_hash is None else _int(event.parent_block_hash)
+        try:
+            salt = stored_salt(event)
+        except UnreadKey as exc:  # (the index rejects it, counted and logged)
+            return UnreadBlockStored(
+                hashes, parent, event.token_ids, event.block_size, None, str(exc)
+            )
         if salt is None:
             return BlockStored(hashes, parent, event.token_ids, event.block_size)
         return SaltedBlockStored(hashes, parent, event.token_ids, event.block_size, None, salt)

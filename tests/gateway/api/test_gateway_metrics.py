@@ -38,7 +38,7 @@ GATEWAY_FAMILIES = {
     "prfaas_kv_index_entries": "gauge",
     "prfaas_kv_index_bytes": "gauge",
     "prfaas_kv_index_evicted_entries": "counter",
-    "prfaas_kv_events_unread_keyed_stores": "counter",
+    "prfaas_kv_index_rejected_events": "counter",
     "prfaas_request_retries": "counter",
     "prfaas_request_migrations": "counter",
     "prfaas_instance_ejections": "counter",
