@@ -337,3 +337,39 @@ def test_an_agent_loop_credits_exactly_what_vllm_reuses(servers: Servers, api: s
     for before, turn in itertools.pairwise(turns):
         added = turn.prompt_tokens - before.prompt_tokens
         assert added > 0 and turn.incremental_tokens <= added + TINY_BLOCK_SIZE, (turns, credited)
+
+
+def test_a_salted_conversation_is_credited_what_vllm_reuses_under_its_salt(
+    servers: Servers,
+) -> None:
+    """Chat turns through `prfaas serve` with a `cache_salt`: vLLM keys the blocks by the
+    salt, and so do the gateway's index and its lookup, so each turn's cached prefix as the
+    gateway routed it (prompt less incremental tokens) is what vLLM's prefill reused, under
+    the salt and without it: the same last conversation unsalted, or under another salt, is
+    credited nothing and reuses nothing."""
+    words = " ".join(f"salted{i}" for i in range(120))  # (tokens of its own: no other test's)
+    credited: list[tuple[str, int, int]] = []
+    messages = [{"role": "user", "content": words}]
+
+    def turn(what: str, salt: str | None) -> None:
+        payload: dict[str, Any] = {"model": "tiny", "messages": messages, "max_tokens": 1,
+                                   "temperature": 0}  # fmt: skip
+        if salt is not None:
+            payload["cache_salt"] = salt
+        before = _prefill_hits(servers)
+        status, headers, answer = post(servers.prfaas, "/v1/chat/completions", payload)
+        assert status == 200, answer
+        time.sleep(0.5)  # vLLM updates its counters after the step
+        routed = answer["usage"]["prompt_tokens"] - int(headers["x-prfaas-incremental-tokens"])
+        credited.append((what, routed, round(_prefill_hits(servers) - before)))
+
+    turn("first", "tenant-1")
+    for n in range(2):
+        messages.extend([{"role": "assistant", "content": f"noted {n}"},
+                         {"role": "user", "content": f"{words[:500]} again {n}"}])  # fmt: skip
+        turn(f"turn {n + 2}", "tenant-1")
+    turn("unsalted", None)
+    turn("another salt", "tenant-2")
+    assert all(routed == hits for _, routed, hits in credited), credited
+    assert credited[2][2] > 0, credited  # a salted prefix reused under its salt
+    assert credited[3][1:] == credited[4][1:] == (0, 0), credited
