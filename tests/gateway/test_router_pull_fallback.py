@@ -1,6 +1,7 @@
 """A failed prefix pull on an engine whose request fails with it (vLLM's connector runs
 `kv_load_failure_policy` "fail") costs only the recompute: the Router runs the request again
-on the same prefill without the pull, blaming no one and counting no retry; an export that
+without the pull, decided on what each cluster caches itself (here on the same prefill),
+blaming no one and counting no retry; an export that
 fails aborts the pulling prefill at once instead of leaving it waiting for the room.
 
 The engines are scripted `BaseEngineClient`s (a double of the client interface, not of an
