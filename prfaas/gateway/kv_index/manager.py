@@ -716,7 +716,8 @@ def _runs(events: list[KVEvent]) -> Iterator[list[KVEvent]]:
 
 
 def _run_kind(event: KVEvent) -> type:
-    """What a run groups by: the event's class, a `SaltedBlockStored` a `BlockStored`."""
+    """What a run groups by: the event's class, every kind of store (salted, unread) a
+    `BlockStored`."""
     return BlockStored if isinstance(event, BlockStored) else type(event)
 
 
