@@ -562,7 +562,8 @@ static PyObject *read_map_event(Reader *r, PyObject *const *classes) {
                                  SPEC,   LORA_NAME, SALT, EXTRA, MEDIUM};
     static const int REMOVED[] = {HASHES, GROUP, MEDIUM};
     const int *has = kind == MAP_BLOCK_STORED ? STORED : REMOVED;
-    int fields = kind == MAP_BLOCK_STORED ? FIELDS : kind == MAP_BLOCK_REMOVED ? 3 : 0;
+    int removed = (int)(sizeof REMOVED / sizeof REMOVED[0]);
+    int fields = kind == MAP_BLOCK_STORED ? FIELDS : kind == MAP_BLOCK_REMOVED ? removed : 0;
     int required = kind == MAP_BLOCK_STORED ? 4 : kind == MAP_BLOCK_REMOVED ? 1 : 0;
     PyObject *values[FIELDS] = {NULL};
     PyObject *event = NULL;
