@@ -48,10 +48,15 @@ it; `--profile-of LIVE.json` runs every variant on a recorded run's profile, at 
 so that two runs (before and after a change) compare.
 
 Usage: python benchmarks/scheduling_live.py [--phase-s 180] [--period-s 20]
-           [--variants static,dual,oracle] [--seed 0] [--pd-decodes 1] [--json OUT]
+           [--variants static,dual,oracle] [--phases steady,...] [--seed 0]
+           [--pd-decodes 1] [--json OUT]
            [--plot OUT.png] [--profile-of LIVE.json]
        python benchmarks/scheduling_live.py --twin-of LIVE.json [--dedicated-cores]
-           [--twin-seeds 0,1,2,3,4] [--json OUT]
+           [--twin-seeds 0,1,2,3,4 [--twin-steady-s 3600 [--twin-period-s 30]]] [--json OUT]
+
+`--twin-steady-s` holds each phase's conditions that long on the twin and counts the moves
+of `t` per five minutes once settled: the steadiness goal over a span that shows a cycle of
+several minutes, which a live phase's two settled minutes cannot.
 """
 
 from __future__ import annotations
@@ -99,6 +104,7 @@ from prfaas.testing.serve_process import start_serve, stop_serve
 
 LOAD = 0.9
 VARIANTS: tuple[Variant, ...] = ("static", "dual", "oracle")
+PHASES = ("steady", "link-drop", "burst", "longer", "decode-heavy")
 MODEL = "qwen3-next-tiny"
 VOCAB = 260  # the embedded model's byte-level vocabulary
 CONTEXT = 8192
@@ -110,10 +116,13 @@ LIVE_GOALS = {"served": 0.95, "p90": 1.5, "settle_periods": 3}
 GOAL_KEYS = ("served_ok", "p90_ok", "settled_ok", "steady_ok")
 
 
-def live_scenario(profile: DeploymentProfile, phase_s: float) -> Scenario:
-    """The phases above, rates from the planner on the measured profile."""
+def live_scenario(
+    profile: DeploymentProfile, phase_s: float, only: tuple[str, ...] = ()
+) -> Scenario:
+    """The phases above, rates from the planner on the measured profile; `only`: just the
+    phases named, one after the other (their rates as in the whole scenario)."""
     w = profile.workload
-    link = profile.prfaas.egress_gbps or DEFAULT_LINK_MBPS / 1000
+    link = base_link_gbps(profile)
     base = Conditions(1.0, w.lengths.mu, w.lengths.sigma, w.output_tokens, link)
     drop = replace(base, link_gbps=link / 4)
     longer = replace(base, mu=base.mu + math.log(2))
@@ -123,10 +132,18 @@ def live_scenario(profile: DeploymentProfile, phase_s: float) -> Scenario:
     spec = [("steady", replace(base, rate=rate)), ("link-drop", replace(drop, rate=rate)),
             ("burst", burst), ("longer", replace(longer, rate=rate)),
             ("decode-heavy", replace(heavy, rate=rate))]  # fmt: skip
+    if only:
+        spec = [(name, c) for name, c in spec if name in only]
     phases = tuple(
         Phase(name, i * phase_s, (i + 1) * phase_s, c) for i, (name, c) in enumerate(spec)
     )
     return Scenario("live", "steady, link / 4, burst, longer prompts, decode-heavy", phases)
+
+
+def base_link_gbps(profile: DeploymentProfile) -> float:
+    """The link the profile measured (the embedded default's when it has none): the steady
+    phase's, which the others scale."""
+    return profile.prfaas.egress_gbps or DEFAULT_LINK_MBPS / 1000
 
 
 def oracle_plan(profile: DeploymentProfile, c: Conditions) -> tuple[float, int]:
@@ -258,7 +275,7 @@ class Controller:
             await asyncio.sleep(max(phase.start_s - self.now(), 0.0))
             self.counters.append(await self._counters())
             c = phase.conditions
-            mbps = DEFAULT_LINK_MBPS * c.link_gbps / self._scenario.phases[0].conditions.link_gbps
+            mbps = DEFAULT_LINK_MBPS * c.link_gbps / base_link_gbps(self._d.profile)
             if mbps != link:
                 link = mbps
                 await self._post(f"{self._d.prfaas_url}/admin/egress", {"rate_mbps": mbps},
@@ -416,7 +433,8 @@ def _recorded(
         document.pop("machine", None)
     profile = parse_profile(document, source="<the live run's start-up profile>")
     config = replace(default_scheduler(), period_s=out["args"]["period_s"])
-    return profile, live_scenario(profile, out["args"]["phase_s"]), config
+    only = tuple(out["args"].get("phases") or ())
+    return profile, live_scenario(profile, out["args"]["phase_s"], only), config
 
 
 def simulate_twins(out: dict[str, Any], dedicated_cores: bool = False) -> Scenario:
@@ -453,6 +471,50 @@ def twin_goals(out: dict[str, Any], seeds: list[int], dedicated_cores: bool) -> 
     return per_seed
 
 
+def twin_steadiness(out: dict[str, Any], seeds: list[int], hold_s: float,
+                    period_s: float | None) -> list[dict[str, Any]]:  # fmt: skip
+    """Each phase's conditions held for `hold_s` on the twin (SIMULATED, dual; `period_s`:
+    the long-term period, None for the recorded run's): the moves of `t` once three periods
+    have passed, per five minutes, against the goal of at most one. A live phase's settled
+    window (two minutes) is too short to show a cycle of several minutes. A phase over the
+    oracle's capacity (the burst) is not held: that is an overload, not a steady load."""
+    profile, scenario, config = _recorded(out, dedicated_cores=False)
+    if period_s is not None:
+        config = replace(config, period_s=period_s)
+    after = LIVE_GOALS["settle_periods"] * config.period_s
+    rows: list[dict[str, Any]] = []
+    for phase in scenario.phases:
+        capacity = oracle_lambda(profile, phase.conditions)
+        if phase.conditions.rate > capacity:  # queues grow for as long as it is held
+            rows.append({"phase": phase.name, "over_capacity": True})
+            continue
+        held = Scenario(scenario.name, f"{phase.name}, held",
+                        (replace(phase, start_s=0.0, end_s=hold_s),))  # fmt: skip
+        per_seed: list[dict[str, Any]] = []
+        for seed in seeds:
+            events = [e for e in twin(profile, held, "dual", config, seed).events if e.at >= after]
+            moves = sum(e.kind == "threshold" for e in events)
+            per_seed.append({
+                "seed": seed, "t_moves": moves,
+                "set_point_moves": sum(e.kind == "set_point" for e in events),
+                "per_5_min": moves * 300 / (hold_s - after),
+            })  # fmt: skip
+        worst = max(r["per_5_min"] for r in per_seed)
+        rows.append({"phase": phase.name, "seeds": per_seed, "worst_per_5_min": worst,
+                     "steady_ok": worst <= 1.0})  # fmt: skip
+    print(f"\nt held steady? Each phase's conditions for {hold_s:.0f} s on the twin (SIMULATED, "
+          f"dual, {config.period_s:g} s periods), seeds {seeds}: moves of t after "
+          f"{after:.0f} s (of them set-point moves), per 5 minutes (goal <= 1)")  # fmt: skip
+    for row in rows:
+        if row.get("over_capacity"):
+            print(f"{row['phase']:>13}: not held, over the oracle's capacity")
+            continue
+        cells = [f"{r['t_moves']} ({r['set_point_moves']})" for r in row["seeds"]]
+        print(f"{row['phase']:>13}: " + ", ".join(cells) + f"; worst {row['worst_per_5_min']:.2f}"
+              f" per 5 min {'ok' if row['steady_ok'] else 'MISSED'}")  # fmt: skip
+    return rows
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     logs = Path(tempfile.mkdtemp(prefix="prfaas-scheduling-live-"))
     print(f"logs in {logs}", flush=True)
@@ -475,7 +537,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         recorded = d.profile_path
         try:
             if scenario is None:  # one scenario for every variant: the first one's profile
-                out["profile"], scenario = d.document, live_scenario(d.profile, args.phase_s)
+                scenario = live_scenario(d.profile, args.phase_s, args.phases)
+                out["profile"] = d.document
                 out["scenario"] = [{"name": p.name, "start_s": p.start_s, "end_s": p.end_s,
                                     **vars(p.conditions)} for p in scenario.phases]  # fmt: skip
                 print(_describe(scenario), flush=True)
@@ -624,6 +687,8 @@ def main() -> None:
     parser.add_argument("--period-s", type=float, default=20.0,
                         help="the long-term loop's period (three of them to settle)")  # fmt: skip
     parser.add_argument("--variants", type=_variants, default=VARIANTS)
+    parser.add_argument("--phases", type=_phases, default=(), metavar="steady,...",
+                        help="run only these phases (default: all five)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--pd-decodes",
@@ -644,16 +709,30 @@ def main() -> None:
     parser.add_argument("--twin-seeds", type=_seeds, default=[], metavar="0,1,2",
                         help="with --twin-of: the live goals on the twin, a run per "
                         "seed")  # fmt: skip
+    parser.add_argument("--twin-steady-s", type=float, metavar="S",
+                        help="with --twin-of and --twin-seeds: each phase's conditions held "
+                        "S seconds on the twin, and t's moves per 5 minutes")  # fmt: skip
+    parser.add_argument("--twin-period-s", type=float, metavar="P",
+                        help="with --twin-steady-s: the long-term period (default: the "
+                        "recorded run's)")  # fmt: skip
     args = parser.parse_args()
     if args.profile_of is not None and args.twin_of is not None:
         parser.error("--profile-of starts a live run; --twin-of re-runs a recorded one's twin")
     if (args.dedicated_cores or args.twin_seeds) and args.twin_of is None:
         parser.error("--dedicated-cores and --twin-seeds re-run a recorded run's twin: "
                      "give --twin-of")  # fmt: skip
+    if args.twin_steady_s is not None and not args.twin_seeds:
+        parser.error("--twin-steady-s runs the twin on --twin-seeds: give them")
+    if args.twin_period_s is not None and args.twin_steady_s is None:
+        parser.error("--twin-period-s is the period of --twin-steady-s: give it")
     if args.twin_of is None:
         result = run(args)
     else:
         result = rerun_twin(args.twin_of, args.dedicated_cores, args.twin_seeds)
+        if args.twin_steady_s is not None:
+            result["twin_steadiness"] = twin_steadiness(
+                result, args.twin_seeds, args.twin_steady_s, args.twin_period_s
+            )
     if args.json:
         args.json.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
     if args.plot:
@@ -677,6 +756,14 @@ def _seeds(text: str) -> list[int]:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"seeds are integers, comma-separated: {text!r}") from None
+
+
+def _phases(text: str) -> tuple[str, ...]:
+    got = tuple(p.strip() for p in text.split(",") if p.strip())
+    bad = [p for p in got if p not in PHASES]
+    if bad or not got:
+        raise argparse.ArgumentTypeError(f"choose from {', '.join(PHASES)}: {text!r}")
+    return got
 
 
 def _variants(text: str) -> tuple[Variant, ...]:

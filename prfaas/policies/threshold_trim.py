@@ -19,9 +19,8 @@ around the long-term loop's set-point:
   (not below one step above where the link last congested, while remembered: see below)
   while the PD-prefill queue exceeds the PrfaaS one by `queue_gap_s`, at the pace raising
   keeps (one raise's worth per `holdoff_ticks`: two compute queues are balanced, nothing
-  is probed); or additively (`t -= lower_step`) back toward the set-point once the link
-  is below its low-water mark (probing the link, as TCP's additive increase does), but not
-  while the link's last congestion is remembered (see below);
+  is probed); or back to the set-point in one move once the link is below its low-water
+  mark, but not while the link's last congestion is remembered (see below);
 - **relax up** additively toward the set-point when `t` sits below it and neither side is
   congested;
 - hold otherwise (between the marks there is a dead band).
@@ -36,7 +35,8 @@ what the live runs showed without them):
   waits while the PrfaaS queue is shorter than at the raise, at most as many seconds as
   that queue held (by then what was queued at the raise has drained); a lowering for the
   PD queue likewise. On a slow link a queue of KV drains for as long as it is, and
-  stepping again on its length alone overshoots;
+  stepping again on its length alone overshoots. Once that time is up the averages start
+  again: averaged over the drain, the queue reads long for a while after it has gone;
 - **a saturated PD prefill caps raises at the set-point:** while the PD prefill pool is busy
   `SATURATED_BUSY_SHARE` of the time or more (`pd_busy_share`, the offload rule's test of
   saturation in `ttft_forecast`), the throughput-optimal set-point governs the trimmer as
@@ -52,11 +52,20 @@ queues otherwise take turns pulling `t` down and pushing it back up. So under a 
 the trimmer stays where one raise put it (above the set-point, at most one raise above the
 congested point) instead of cycling through it (TCP's ssthresh plays the same role).
 Lowering on a quiet link down to one step above that point would gain at most one raise's
-worth of `t`, one `lower_step_tokens` move at a time (`prfaas/sim/SCHEDULING.md`). The same
+worth of `t`, one `lower_step_tokens` move at a time (`prfaas/sim/SCHEDULING.md`). Once the
+memory has expired a quiet link takes `t` back to the set-point in one move, not in
+`lower_step_tokens` steps: each step measured 20 s of a link that carries an offload every
+few seconds (a probe that shows little), and every step was one more move of `t` under a
+steady load. A raise made after the link ran full is remembered for half an hour
+(`link_memory_s`), others for five minutes (`memory_s`): under an hour of steady load on
+the live scenario's twin, a five-minute memory cycled `t` (raise, expire, probe down,
+congest, raise) about twice every five minutes, and half an hour (with the one-move
+return) brings that to once every ten to twenty minutes. The same
 holds the other way: after a lowering for a congested PD prefill, relaxing back up stops one
-step below the `t` at which PD was congested until that memory expires or the set-point
-moves (without it, a steady load near the PD prefill's capacity went set-point, lower,
-relax, relax, lower again about a minute later in the live link-drop phase).
+step below the `t` at which PD was congested until that memory expires (`memory_s`,
+five minutes) or the set-point moves (without it, a steady load near the PD prefill's
+capacity went set-point, lower, relax, relax, lower again about a minute later in the live
+link-drop phase).
 
 Pure: state and observation in, decision out.
 """
@@ -100,7 +109,16 @@ class TrimConfig:
     clear_ticks: int = 3
     """Quiet ticks in a row before each lowering step."""
     memory_s: float = 300.0
-    """How long the last congested `t` bounds lowering."""
+    """How long the last congested `t` bounds lowering (the PrfaaS side's) or relaxing up
+    (the PD prefill's); a set-point move forgets it sooner."""
+    link_memory_s: float = 1800.0
+    """The same after a raise made while the link ran full at some tick of what the current
+    `t` did (KV queued on it); a grown link or a set-point move forgets it sooner. A link's
+    capacity changes by steps, which end the memory; compute queues keep `memory_s`: two
+    of them that take turns are balanced by moving `t` both ways, and a long bound on
+    lowering for the PD queue held `t` where the PD prefill queued (the case study's longer
+    prompts, whose 100 Gbit/s link never runs full: P90 1.20x -> 1.84x the oracle's on one
+    seed with 1,800 s for every raise)."""
     smoothing_s: float = 20.0
     """The rules read egress utilisation and each pool's backlog averaged over about this
     long (exponential moving averages; 0 reads them raw), and only over what the current `t`
@@ -125,6 +143,8 @@ class TrimConfig:
         check(self.holdoff_ticks >= 1, "holdoff_ticks", self.holdoff_ticks, "must be >= 1")
         check(self.clear_ticks >= 1, "clear_ticks", self.clear_ticks, "must be >= 1")
         check(self.memory_s >= 0, "memory_s", self.memory_s, "must be >= 0")
+        ok = self.link_memory_s >= 0
+        check(ok, "link_memory_s", self.link_memory_s, "must be >= 0")
         check(self.smoothing_s >= 0, "smoothing_s", self.smoothing_s, "must be >= 0")
 
 
@@ -158,6 +178,8 @@ class TrimAverages:
     pd_backlog: float = 0.0
     utilisation: float = 0.0
     utilisation_weight: float = 0.0
+    peak_utilisation: float = 0.0
+    """The highest utilisation a single tick measured (whether the link ran full)."""
 
     def queues(self) -> tuple[float, float]:
         """The mean PrfaaS and PD prefill backlogs."""
@@ -174,16 +196,21 @@ class TrimAverages:
 @dataclass(frozen=True)
 class LastStep:
     """A multiplicative step: a raise for a congested PrfaaS side, or a lowering for a
-    congested PD prefill; when, and the (averaged) queue of the side it answered."""
+    congested PD prefill; when, and the queue of the side it answered: averaged (what the
+    rules compare) and as it stood at the step (how long what was queued takes to drain)."""
 
     raised: bool
     at: float
     queue_s: float
+    held_s: float = 0.0
 
     def draining(self, now: float, queue_s: float) -> bool:
-        """Whether that side's queue, `queue_s` now, is still draining what it held at the
-        step: shorter than then, and not yet as many seconds later as it held."""
-        return queue_s < self.queue_s and now - self.at < self.queue_s
+        """Whether that side's queue, `queue_s` now (averaged), is still draining what it
+        held at the step: shorter than then, and not yet as many seconds later as it held
+        (the longer of the average and the queue at the step: a 30-second queue of KV that
+        built up just before the step averages a third of that over the 20 s before it,
+        and drains for 30 s)."""
+        return queue_s < self.queue_s and now - self.at < max(self.queue_s, self.held_s)
 
 
 @dataclass(frozen=True)
@@ -249,6 +276,7 @@ def band(config: TrimConfig, set_point: float) -> tuple[float, float]:
 def trim(config: TrimConfig, state: TrimState, obs: TrimObservation) -> TrimDecision:
     """One tick of the trimmer (see the module docstring)."""
     state = replace(_forget_if_stale(state, obs), since_step=state.since_step + 1)
+    state = _drained(state, obs.now)
     seen = _averaged(config, state.averages, obs)
     state = replace(state, averages=seen)
     if obs.now - seen.since < config.smoothing_s:
@@ -293,7 +321,7 @@ def trim(config: TrimConfig, state: TrimState, obs: TrimObservation) -> TrimDeci
         stepped = replace(
             lowered.state,
             since_step=0,
-            last_step=LastStep(False, obs.now, pd),
+            last_step=LastStep(False, obs.now, pd, obs.pd_backlog_s),
             pd_congested_at=t,
             pd_remember_until=obs.now + config.memory_s,
         )
@@ -305,7 +333,7 @@ def trim(config: TrimConfig, state: TrimState, obs: TrimObservation) -> TrimDeci
             return TrimDecision(state, False, f"hold: {why}, t {t:.0f} raised from "
                                 f"{state.congested_at:.0f}, where the link congested "
                                 "(remembered)")  # fmt: skip
-        return _lower(config, state, sp, why)
+        return _lower(config, state, sp, why, step=t - sp)
     if t < sp:
         ceiling = sp
         if state.pd_congested_at is not None:
@@ -335,7 +363,19 @@ def _averaged(config: TrimConfig, seen: TrimAverages | None, obs: TrimObservatio
         pd_backlog=seen.pd_backlog * decay + obs.pd_backlog_s,
         utilisation=seen.utilisation * decay + (0.0 if util is None else util),
         utilisation_weight=seen.utilisation_weight * decay + (0.0 if util is None else 1.0),
+        peak_utilisation=max(seen.peak_utilisation, 0.0 if util is None else util),
     )
+
+
+def _drained(state: TrimState, now: float) -> TrimState:
+    """`state` measuring afresh once what was queued at the last step has drained: the
+    averages of the drain itself would still read the queue it answered after it is gone
+    (a 33-second queue of KV still averaged 4 s a second after it drained, and raised `t`
+    a second time for it)."""
+    step, seen = state.last_step, state.averages
+    if step is None or seen is None or not seen.since < step.at + step.held_s <= now:
+        return state
+    return replace(state, averages=None)
 
 
 def _forget_if_stale(state: TrimState, obs: TrimObservation) -> TrimState:
@@ -356,7 +396,9 @@ def _forget_if_stale(state: TrimState, obs: TrimObservation) -> TrimState:
 def _raise(
     config: TrimConfig, state: TrimState, obs: TrimObservation, why: str, queue_s: float
 ) -> TrimDecision:
-    """A raise for a congested PrfaaS side, whose (averaged) queue is `queue_s`."""
+    """A raise for a congested PrfaaS side, whose (averaged) queue is `queue_s`; remembered
+    for `link_memory_s` if the link ran full at some tick of what the current `t` did, else
+    for `memory_s`."""
     state = replace(state, hot_ticks=state.hot_ticks + 1)
     _, hi = band(config, state.set_point)
     top = f"t at the band's top {hi:.0f}"
@@ -372,14 +414,17 @@ def _raise(
         return TrimDecision(state, False, f"hold: {why}, {left} ticks after the last step")
     if t >= hi:
         return TrimDecision(state, False, f"hold: {why}, {top}")
+    seen = state.averages
+    link_full = seen is not None and seen.peak_utilisation >= config.high_water
+    memory = config.link_memory_s if link_full else config.memory_s
     remembered = replace(
         state,
         hot_ticks=0,
         since_step=0,
         congested_at=t,
-        remember_until=obs.now + config.memory_s,
+        remember_until=obs.now + memory,
         capacity=state.capacity if obs.capacity_bytes_per_s is None else obs.capacity_bytes_per_s,
-        last_step=LastStep(True, obs.now, queue_s),
+        last_step=LastStep(True, obs.now, queue_s, obs.prfaas_backlog_s),
     )
     return _moved(remembered, min(round(t * config.raise_factor), hi), f"raise: {why}")
 

@@ -19,9 +19,10 @@ from prfaas.policies.threshold_trim import (
     trim,
 )
 
-CFG = TrimConfig(smoothing_s=0.0)
+CFG = TrimConfig(smoothing_s=0.0, memory_s=300.0)
 """The rules on raw observations: high 0.9, low 0.6, queues: ratio 1.5 + 3 s, x1.25 /
--512, band [0.5, 2], confirm 2, quiet 3, hold-off 10 ticks, memory 300 s, plan margin 0.1."""
+-512, band [0.5, 2], confirm 2, quiet 3, hold-off 10 ticks, memory 300 s (the default
+1,800), plan margin 0.1."""
 AVERAGED = TrimConfig()
 """The default: the same rules on averages over 20 s of what the current t does."""
 
@@ -128,6 +129,21 @@ def test_a_raise_holds_the_next_while_the_queue_it_answered_drains() -> None:
     assert steps[-1][0] == 15_625
 
 
+def test_once_the_queue_at_a_raise_has_drained_its_average_does_not_raise_again() -> None:
+    """On averages (the default): a link full and 40 s of KV queued for 22 s raise t once;
+    the queue then drains a second a second. Averaged over the drain, the link still read
+    94% a second after the queue had gone, and raised t again; once the 40 s queued at the
+    raise are up the averages start again, and they read a quiet link."""
+    state, moves = TrimState(10_000, 10_000), []
+    for i in range(120):
+        queue = 40.0 if i < 22 else max(0.0, 40.0 - (i - 22))
+        d = trim(AVERAGED, state, _obs(float(i), 1.0 if queue > 0 else 0.0, pf=queue))
+        state = d.state
+        moves += [(i, state.threshold)] if d.changed else []
+    assert moves == [(21, 12_500)]
+    assert state.last_step == LastStep(True, 21.0, pytest.approx(40.0), 40.0)
+
+
 def test_a_lowering_holds_the_next_while_the_pd_queue_drains_but_not_a_raise() -> None:
     """The PD side alike; and the hold is for the step in the same direction only: after a
     lowering, a congested PrfaaS side raises at once."""
@@ -137,14 +153,16 @@ def test_a_lowering_holds_the_next_while_the_pd_queue_drains_but_not_a_raise() -
     assert not d.changed and d.reason.endswith("draining (30.0s at the last lowering)")
     assert trim(CFG, lowered, _obs(31, 0.1, pf=0.0, pd=20.0)).state.threshold == 6_400
     d = trim(CFG, replace(lowered, hot_ticks=1), _obs(5, 0.2, pf=20.0, pd=1.0))
-    assert d.state.threshold == 10_000 and d.state.last_step == LastStep(True, 5, 20.0)
+    assert d.state.threshold == 10_000 and d.state.last_step == LastStep(True, 5, 20.0, 20.0)
 
 
-def test_quiet_link_lowers_additively_back_to_the_set_point() -> None:
-    """Every third quiet tick takes 512 tokens off, down to the set-point, never below."""
-    ts = [t for t, _ in _run(TrimState(11_200, 10_000), [_obs(i, 0.3) for i in range(12)])]
-    assert ts == [11_200, 11_200, 10_688, 10_688, 10_688, 10_176, 10_176, 10_176, 10_000,
-                  10_000, 10_000, 10_000]  # fmt: skip
+def test_quiet_link_returns_to_the_set_point_in_one_move() -> None:
+    """Three quiet ticks, then t goes back to the set-point at once (not 512 tokens a step:
+    each step would be one more move of t), and holds there."""
+    steps = _run(TrimState(11_200, 10_000), [_obs(i, 0.3) for i in range(12)])
+    assert [t for t, _ in steps] == [11_200] * 2 + [10_000] * 10
+    assert steps[2][1] == "lower: egress 0.30 < 0.6"
+    assert steps[-1][1] == "hold: within the dead band"
 
 
 def test_dead_band_holds() -> None:
@@ -171,7 +189,7 @@ def test_busy_pd_prefill_lowers_below_the_set_point_to_the_band_floor() -> None:
 def test_lowering_for_pd_stops_one_step_above_where_the_link_was_congested() -> None:
     """The link congested at 8,000 (t raised to 10,000); then the PD queue congests: t falls
     only to 8,512, not by a raise's worth to 8,000 (which would congest the link again and
-    cycle), and holds there until the memory expires."""
+    cycle), and holds there until the memory expires (the link ran full: 1,800 s)."""
     state = TrimState(8_000, 10_000, hot_ticks=1)
     state = trim(CFG, state, _obs(0, 0.95)).state
     assert state.threshold == 10_000 and state.congested_at == 8_000
@@ -185,8 +203,23 @@ def test_lowering_for_pd_stops_one_step_above_where_the_link_was_congested() -> 
     assert not d.changed and d.reason.endswith(
         "t at its floor 8512, one step above 8000, where the link congested"
     )
-    d = trim(CFG, again, _obs(301, 0.1, pf=1.0, pd=10.0))
+    assert not trim(CFG, again, _obs(1_799, 0.1, pf=1.0, pd=10.0)).changed
+    d = trim(CFG, again, _obs(1_801, 0.1, pf=1.0, pd=10.0))
     assert d.state.threshold == 6_810  # the memory expired: /1.25, in whole tokens
+
+
+def test_a_compute_queue_is_remembered_five_minutes_a_full_link_half_an_hour() -> None:
+    """A raise for the PrfaaS queue while the link never ran full (a compute queue): a quiet
+    link lowers nothing and a lowering for the PD queue stops one step above for 300 s; the
+    same raise after one tick of a full link is remembered for 1,800 s (KV queued on the
+    link, whose capacity changes only by steps)."""
+    for peak, until in ((0.5, 300.0), (0.95, 1_800.0)):
+        state = TrimState(10_000, 10_000, hot_ticks=1)
+        state = trim(CFG, state, _obs(-1, peak, pf=1.0, pd=1.0)).state  # not congested
+        state = replace(state, hot_ticks=1)
+        d = trim(CFG, state, _obs(0, 0.1, pf=20.0, pd=1.0))
+        assert d.reason == "raise: PrfaaS queue 20.0s > 1.5 x PD 1.0s + 3s"
+        assert (d.state.congested_at, d.state.remember_until) == (10_000, until)
 
 
 def test_a_congested_pd_pulls_t_down_at_the_pace_a_congested_prfaas_pushes_it_up() -> None:
@@ -228,11 +261,11 @@ def test_after_lowering_for_pd_relaxing_up_stops_one_step_below_where_pd_congest
 
 
 def test_steps_land_on_whole_tokens_and_stop_at_a_fractional_set_point() -> None:
-    """A quiet link lowers 4,000 in 512-token steps to the set-point 3,000.5 and stops there
-    (a step rounded after the clamp would land on 3,000, below it, and relax up to 3,000.5
-    and round down again every tick); raises from 3,001 land on 3,751 (x1.25 = 3,751.25)."""
+    """A quiet link lowers 4,000 to the set-point 3,000.5 and stops there (a step rounded
+    after the clamp would land on 3,000, below it, and relax up to 3,000.5 and round down
+    again every tick); raises from 3,001 land on 3,751 (x1.25 = 3,751.25)."""
     steps = _run(TrimState(4_000, 3_000.5, quiet_ticks=2), [_obs(i, 0.1) for i in range(12)])
-    assert sorted({t for t, _ in steps}, reverse=True) == [3_488, 3_000.5]
+    assert {t for t, _ in steps} == {3_000.5}
     assert steps[-1] == (3_000.5, "hold: within the dead band")
     up = trim(CFG, TrimState(3_001, 3_000.5, hot_ticks=1), _obs(0, 0.95))
     assert up.state.threshold == 3_751
@@ -240,7 +273,7 @@ def test_steps_land_on_whole_tokens_and_stop_at_a_fractional_set_point() -> None
 
 def test_no_link_telemetry_counts_as_a_quiet_link() -> None:
     d = trim(CFG, TrimState(11_000, 10_000, quiet_ticks=2), _obs(0, None))
-    assert d.state.threshold == 10_488 and d.reason == "lower: egress unknown < 0.6"
+    assert d.state.threshold == 10_000 and d.reason == "lower: egress unknown < 0.6"
 
 
 def _steady(plant: Callable[[float], float], ticks: int, config: TrimConfig) -> list[float]:
@@ -290,7 +323,7 @@ def test_ticks_without_link_telemetry_leave_the_averaged_utilisation_alone() -> 
     assert steps[19][0] == 10_000 and steps[19][1] == "hold: measuring what t 10000 does"
     assert steps[21] == (12_500, "raise: egress 0.95 > 0.90")
     blind = _run(TrimState(11_000, 10_000), [_obs(float(i), None) for i in range(25)], AVERAGED)
-    assert blind[22] == (10_488, "lower: egress unknown < 0.6")
+    assert blind[22] == (10_000, "lower: egress unknown < 0.6")
 
 
 def test_one_long_prompt_at_a_time_is_not_a_congested_pd_prefill() -> None:
@@ -314,8 +347,8 @@ def test_a_quiet_link_keeps_a_remembered_raise_until_the_memory_goes() -> None:
         "hold: egress 0.30 < 0.6, t 12500 raised from 10000, where the link congested (remembered)"
     )
     s2 = replace(held.state, quiet_ticks=2)
-    assert trim(CFG, s2, _obs(300, 0.3)).state.threshold == 11_988  # expired
-    assert trim(CFG, s2, _obs(102, 0.3, cap=1.2e9)).state.threshold == 11_988  # link grew
+    assert trim(CFG, s2, _obs(300, 0.3)).state.threshold == 10_000  # expired
+    assert trim(CFG, s2, _obs(102, 0.3, cap=1.2e9)).state.threshold == 10_000  # link grew
     assert not trim(CFG, s2, _obs(102, 0.3, cap=0.5e9)).changed  # link shrank: remembered
 
 
@@ -346,7 +379,7 @@ def test_no_link_telemetry_keeps_a_remembered_raise_too() -> None:
     s = TrimState(12_500, 10_000, congested_at=10_000, remember_until=300.0, quiet_ticks=2)
     held = trim(CFG, s, _obs(100, None))
     assert not held.changed and held.reason.startswith("hold: egress unknown < 0.6, t 12500")
-    assert trim(CFG, replace(held.state, quiet_ticks=2), _obs(300, None)).state.threshold == 11_988
+    assert trim(CFG, replace(held.state, quiet_ticks=2), _obs(300, None)).state.threshold == 10_000
 
 
 def test_a_new_set_point_resets_t_and_the_memory() -> None:

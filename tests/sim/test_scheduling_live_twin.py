@@ -1,0 +1,63 @@
+"""`benchmarks/scheduling_live.py`'s twin-only parts (SIMULATED, no engines): the phases a
+live run may be limited to, and the steadiness check that holds each phase's conditions on
+the twin for longer than a live phase lasts."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+ROOT = Path(__file__).resolve().parents[2]
+RECORDED = ROOT / "benchmarks/results/scheduling_live/2026-12-06-eighth.json"
+
+
+def _benchmark() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "scheduling_live", ROOT / "benchmarks/scheduling_live.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_run_limited_to_some_phases_runs_them_back_to_back_at_their_own_rates() -> None:
+    bench = _benchmark()
+    recorded = json.loads(RECORDED.read_text())
+    profile, whole, _ = bench._recorded(recorded, dedicated_cores=False)
+    only = bench.live_scenario(profile, 60.0, ("link-drop", "longer"))
+    assert [(p.name, p.start_s, p.end_s) for p in only.phases] == [
+        ("link-drop", 0.0, 60.0),
+        ("longer", 60.0, 120.0),
+    ]
+    by_name = {p.name: p.conditions for p in whole.phases}
+    assert [p.conditions for p in only.phases] == [by_name["link-drop"], by_name["longer"]]
+    # the link the driver paces each phase at is the steady phase's, scaled
+    assert math.isclose(bench.base_link_gbps(profile), by_name["steady"].link_gbps)
+
+
+def test_the_steadiness_check_holds_each_phase_under_capacity(tmp_path: Path) -> None:
+    """Each phase but the burst (over the oracle's capacity: an overload, not a steady
+    load) held 400 s on one seed; the moves of `t` after three 30-second periods, per five
+    minutes."""
+    out = tmp_path / "twin.json"
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/scheduling_live.py"), "--twin-of",
+         str(RECORDED), "--twin-seeds", "0", "--twin-steady-s", "400", "--twin-period-s",
+         "30", "--json", str(out)],
+        check=True, cwd=ROOT, capture_output=True, timeout=300,
+    )  # fmt: skip
+    rows = {r["phase"]: r for r in json.loads(out.read_text())["twin_steadiness"]}
+    assert list(rows) == ["steady", "link-drop", "burst", "longer", "decode-heavy"]
+    assert rows["burst"] == {"phase": "burst", "over_capacity": True}
+    for name in ("steady", "link-drop", "longer", "decode-heavy"):
+        (seed,) = rows[name]["seeds"]
+        assert seed["seed"] == 0 and 0 <= seed["set_point_moves"] <= seed["t_moves"]
+        assert math.isclose(seed["per_5_min"], seed["t_moves"] * 300 / (400 - 90))
+        assert rows[name]["steady_ok"] == (seed["per_5_min"] <= 1.0)
