@@ -120,7 +120,8 @@ def live_scenario(
     profile: DeploymentProfile, phase_s: float, only: tuple[str, ...] = ()
 ) -> Scenario:
     """The phases above, rates from the planner on the measured profile; `only`: just the
-    phases named, one after the other (their rates as in the whole scenario)."""
+    phases named, in the scenario's order, one after the other (their rates as in the
+    whole scenario)."""
     w = profile.workload
     link = base_link_gbps(profile)
     base = Conditions(1.0, w.lengths.mu, w.lengths.sigma, w.output_tokens, link)
@@ -482,6 +483,9 @@ def twin_steadiness(out: dict[str, Any], seeds: list[int], hold_s: float,
     if period_s is not None:
         config = replace(config, period_s=period_s)
     after = LIVE_GOALS["settle_periods"] * config.period_s
+    if hold_s <= after:
+        raise SystemExit(f"--twin-steady-s {hold_s:g} leaves nothing after three periods "
+                         f"({after:g} s)")  # fmt: skip
     rows: list[dict[str, Any]] = []
     for phase in scenario.phases:
         capacity = oracle_lambda(profile, phase.conditions)
@@ -492,7 +496,8 @@ def twin_steadiness(out: dict[str, Any], seeds: list[int], hold_s: float,
                         (replace(phase, start_s=0.0, end_s=hold_s),))  # fmt: skip
         per_seed: list[dict[str, Any]] = []
         for seed in seeds:
-            events = [e for e in twin(profile, held, "dual", config, seed).events if e.at >= after]
+            run = twin(profile, held, "dual", config, seed)
+            events = [e for e in run.events if after <= e.at < hold_s]  # not the drain after
             moves = sum(e.kind == "threshold" for e in events)
             per_seed.append({
                 "seed": seed, "t_moves": moves,
@@ -688,7 +693,8 @@ def main() -> None:
                         help="the long-term loop's period (three of them to settle)")  # fmt: skip
     parser.add_argument("--variants", type=_variants, default=VARIANTS)
     parser.add_argument("--phases", type=_phases, default=(), metavar="steady,...",
-                        help="run only these phases (default: all five)")  # fmt: skip
+                        help="run only these phases, in the scenario's order (default: "
+                        "all five)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--pd-decodes",
@@ -725,6 +731,10 @@ def main() -> None:
         parser.error("--twin-steady-s runs the twin on --twin-seeds: give them")
     if args.twin_period_s is not None and args.twin_steady_s is None:
         parser.error("--twin-period-s is the period of --twin-steady-s: give it")
+    if args.twin_period_s is not None and args.twin_period_s <= 0:
+        parser.error("--twin-period-s must be > 0")
+    if args.phases and args.twin_of is not None:
+        parser.error("--phases starts a live run; --twin-of re-runs the phases it recorded")
     if args.twin_of is None:
         result = run(args)
     else:

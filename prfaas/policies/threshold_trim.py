@@ -35,8 +35,9 @@ what the live runs showed without them):
   waits while the PrfaaS queue is shorter than at the raise, at most as many seconds as
   that queue held (by then what was queued at the raise has drained); a lowering for the
   PD queue likewise. On a slow link a queue of KV drains for as long as it is, and
-  stepping again on its length alone overshoots. Once that time is up the averages start
-  again: averaged over the drain, the queue reads long for a while after it has gone;
+  stepping again on its length alone overshoots. Once the queue as it stood at the step
+  has had its time, the averages start again: averaged over the drain, the queue reads
+  long for a while after it has gone;
 - **a saturated PD prefill caps raises at the set-point:** while the PD prefill pool is busy
   `SATURATED_BUSY_SHARE` of the time or more (`pd_busy_share`, the offload rule's test of
   saturation in `ttft_forecast`), the throughput-optimal set-point governs the trimmer as
@@ -44,7 +45,8 @@ what the live runs showed without them):
   already the bottleneck, and every short prompt behind them would wait their compute.
 
 No oscillation under steady load: after a raise, the `t` at which the link was congested is
-remembered until that memory expires (`memory_s`), the link capacity grows more than
+remembered until that memory expires (`link_memory_s`, half an hour, after a raise made once
+the link had run full; else `memory_s`, five minutes), the link capacity grows more than
 `CAPACITY_CHANGE` past what it was at the raise, or the set-point moves. Meanwhile a quiet
 link lowers nothing (the raise stands), and a lowering for a congested PD prefill stops one
 step above the congested `t`: where lowering for the PD queue congests the link, the two
@@ -56,11 +58,11 @@ worth of `t`, one `lower_step_tokens` move at a time (`prfaas/sim/SCHEDULING.md`
 memory has expired a quiet link takes `t` back to the set-point in one move, not in
 `lower_step_tokens` steps: each step measured 20 s of a link that carries an offload every
 few seconds (a probe that shows little), and every step was one more move of `t` under a
-steady load. A raise made after the link ran full is remembered for half an hour
-(`link_memory_s`), others for five minutes (`memory_s`): under an hour of steady load on
-the live scenario's twin, a five-minute memory cycled `t` (raise, expire, probe down,
-congest, raise) about twice every five minutes, and half an hour (with the one-move
-return) brings that to once every ten to twenty minutes. The same
+steady load. The memory after a link ran full is long because, under an hour of steady
+load on the live scenario's twin, five minutes cycled `t` (raise, expire, probe down,
+congest, raise): 1.3-2.5 moves per five minutes in the median of five seeds, against the
+goal of one; half an hour with the one-move return and the restart after a drain (below)
+makes that 0.3-0.8 (`prfaas/sim/SCHEDULING.md`, *Steady under a steady load*). The same
 holds the other way: after a lowering for a congested PD prefill, relaxing back up stops one
 step below the `t` at which PD was congested until that memory expires (`memory_s`,
 five minutes) or the set-point moves (without it, a steady load near the PD prefill's
@@ -112,13 +114,15 @@ class TrimConfig:
     """How long the last congested `t` bounds lowering (the PrfaaS side's) or relaxing up
     (the PD prefill's); a set-point move forgets it sooner."""
     link_memory_s: float = 1800.0
-    """The same after a raise made while the link ran full at some tick of what the current
-    `t` did (KV queued on it); a grown link or a set-point move forgets it sooner. A link's
-    capacity changes by steps, which end the memory; compute queues keep `memory_s`: two
-    of them that take turns are balanced by moving `t` both ways, and a long bound on
-    lowering for the PD queue held `t` where the PD prefill queued (the case study's longer
-    prompts, whose 100 Gbit/s link never runs full: P90 1.20x -> 1.84x the oracle's on one
-    seed with 1,800 s for every raise)."""
+    """The same after a raise made once the link had run full (a tick at `high_water` or
+    above since `t` last moved: KV queued on it; on a slow link one offload does that, so
+    there nearly every raise is the link's); a grown link or a set-point move forgets it
+    sooner. A link's capacity changes by steps, which end the memory. Where the link never
+    ran full the queue was compute and keeps `memory_s`: two compute queues that take turns
+    are balanced by moving `t` both ways, and a long bound on lowering for the PD queue held
+    `t` where the PD prefill queued (the case study's longer prompts, whose 100 Gbit/s link
+    never runs full: P90 1.20x -> 1.84x the oracle's on one seed with 1,800 s for every
+    raise)."""
     smoothing_s: float = 20.0
     """The rules read egress utilisation and each pool's backlog averaged over about this
     long (exponential moving averages; 0 reads them raw), and only over what the current `t`
@@ -368,12 +372,14 @@ def _averaged(config: TrimConfig, seen: TrimAverages | None, obs: TrimObservatio
 
 
 def _drained(state: TrimState, now: float) -> TrimState:
-    """`state` measuring afresh once what was queued at the last step has drained: the
-    averages of the drain itself would still read the queue it answered after it is gone
-    (a 33-second queue of KV still averaged 4 s a second after it drained, and raised `t`
-    a second time for it)."""
+    """`state` measuring afresh once what was queued at the last step has drained (as many
+    seconds after it as the queue held then; the draining hold may last longer, to the
+    averaged queue's length): the averages of the drain itself would still read the queue
+    it answered after it is gone (a 33-second queue of KV still averaged 4 s a second after
+    it drained, and raised `t` a second time for it). Only the averages the step started:
+    those of a later move of `t` measure that move."""
     step, seen = state.last_step, state.averages
-    if step is None or seen is None or not seen.since < step.at + step.held_s <= now:
+    if step is None or seen is None or not seen.since <= step.at < step.at + step.held_s <= now:
         return state
     return replace(state, averages=None)
 
@@ -415,6 +421,7 @@ def _raise(
     if t >= hi:
         return TrimDecision(state, False, f"hold: {why}, {top}")
     seen = state.averages
+    # the plain mark, not the plan's: a link planned to run full still queues KV when it does
     link_full = seen is not None and seen.peak_utilisation >= config.high_water
     memory = config.link_memory_s if link_full else config.memory_s
     remembered = replace(

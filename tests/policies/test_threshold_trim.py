@@ -1,5 +1,6 @@
 """The short-term threshold trimmer: multiplicative raises on PrfaaS-side congestion,
-additive lowering, a band around the set-point, and no oscillation under steady load."""
+lowering for a congested PD prefill or back to the set-point on a quiet link, a band
+around the set-point, and no oscillation under steady load."""
 
 from __future__ import annotations
 
@@ -19,10 +20,10 @@ from prfaas.policies.threshold_trim import (
     trim,
 )
 
-CFG = TrimConfig(smoothing_s=0.0, memory_s=300.0)
+CFG = TrimConfig(smoothing_s=0.0)
 """The rules on raw observations: high 0.9, low 0.6, queues: ratio 1.5 + 3 s, x1.25 /
--512, band [0.5, 2], confirm 2, quiet 3, hold-off 10 ticks, memory 300 s (the default
-1,800), plan margin 0.1."""
+-512, band [0.5, 2], confirm 2, quiet 3, hold-off 10 ticks, memory 300 s (1,800 s after a
+raise once the link ran full), plan margin 0.1."""
 AVERAGED = TrimConfig()
 """The default: the same rules on averages over 20 s of what the current t does."""
 
@@ -144,6 +145,22 @@ def test_once_the_queue_at_a_raise_has_drained_its_average_does_not_raise_again(
     assert state.last_step == LastStep(True, 21.0, pytest.approx(40.0), 40.0)
 
 
+def test_the_draining_hold_lasts_as_long_as_the_queue_held_at_the_raise() -> None:
+    """On averages: 19 s with 2 s queued, then 60 s of KV queued for three ticks: the raise
+    reads the averaged queue (14 s) but the queue held 60 s. It then reads 8 s, still
+    congested and shorter than at the raise: held for the 60 s queued at the raise (the
+    averaged queue's length alone ended the hold after 14 s and raised again 21 s after the
+    first, then every 21 s), then measured afresh for 20 s, then raised again."""
+    state, moves = TrimState(10_000, 10_000), []
+    for i in range(120):
+        queue = 2.0 if i < 19 else 60.0 if i < 22 else 8.0
+        d = trim(AVERAGED, state, _obs(float(i), 0.3, pf=queue))
+        state = d.state
+        moves += [i] if d.changed else []
+    assert moves[0] == 21 and moves[1] >= 21 + 60 + 20
+    assert state.last_step is not None and state.last_step.at == moves[1]
+
+
 def test_a_lowering_holds_the_next_while_the_pd_queue_drains_but_not_a_raise() -> None:
     """The PD side alike; and the hold is for the step in the same direction only: after a
     lowering, a congested PrfaaS side raises at once."""
@@ -220,6 +237,7 @@ def test_a_compute_queue_is_remembered_five_minutes_a_full_link_half_an_hour() -
         d = trim(CFG, state, _obs(0, 0.1, pf=20.0, pd=1.0))
         assert d.reason == "raise: PrfaaS queue 20.0s > 1.5 x PD 1.0s + 3s"
         assert (d.state.congested_at, d.state.remember_until) == (10_000, until)
+        assert d.state.averages is not None and d.state.averages.peak_utilisation == 0.0
 
 
 def test_a_congested_pd_pulls_t_down_at_the_pace_a_congested_prfaas_pushes_it_up() -> None:
@@ -288,8 +306,8 @@ def _steady(plant: Callable[[float], float], ticks: int, config: TrimConfig) -> 
 @pytest.mark.parametrize(("config", "settled"), [(CFG, 60), (AVERAGED, 180)])
 def test_no_oscillation_when_congestion_has_a_sharp_edge(config: TrimConfig, settled: int) -> None:
     """Congested below 12,000 tokens, idle above: one raise past the edge, and the quiet
-    link then lowers nothing for the rest of the memory (it would probe back down to one
-    step above the congested t). (On averages, each probe takes a measuring span of 20 s.)"""
+    link then lowers nothing for the rest of the memory (it would go back to the set-point
+    and congest again). (On averages, the raise waits for a measuring span of 20 s.)"""
     ts = _steady(lambda t: 0.95 if t < 12_000 else 0.3, 300, config)
     tail = ts[settled:]
     assert len(set(tail)) == 1

