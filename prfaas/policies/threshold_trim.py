@@ -111,8 +111,8 @@ class TrimConfig:
     clear_ticks: int = 3
     """Quiet ticks in a row before each lowering step."""
     memory_s: float = 300.0
-    """How long the last congested `t` bounds lowering (the PrfaaS side's) or relaxing up
-    (the PD prefill's); a set-point move forgets it sooner."""
+    """How long the `t` of the last raise bounds lowering, and the `t` of the last lowering
+    for the PD queue bounds relaxing up; a set-point move forgets either sooner."""
     link_memory_s: float = 1800.0
     """The same after a raise made once the link had run full (a tick at `high_water` or
     above since `t` last moved: KV queued on it; on a slow link one offload does that, so
