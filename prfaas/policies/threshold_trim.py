@@ -58,11 +58,9 @@ worth of `t`, one `lower_step_tokens` move at a time (`prfaas/sim/SCHEDULING.md`
 memory has expired a quiet link takes `t` back to the set-point in one move, not in
 `lower_step_tokens` steps: each step measured 20 s of a link that carries an offload every
 few seconds (a probe that shows little), and every step was one more move of `t` under a
-steady load. The memory after a link ran full is long because, under an hour of steady
-load on the live scenario's twin, five minutes cycled `t` (raise, expire, probe down,
-congest, raise): 1.3-2.5 moves per five minutes in the median of five seeds, against the
-goal of one; half an hour with the one-move return and the restart after a drain (below)
-makes that 0.3-0.8 (`prfaas/sim/SCHEDULING.md`, *Steady under a steady load*). The same
+steady load. The memory after a link ran full is long because a short one cycled `t`
+under a steady load: raise, expire, probe down, congest, raise (measured in
+`prfaas/sim/SCHEDULING.md`, *Steady under a steady load*). The same
 holds the other way: after a lowering for a congested PD prefill, relaxing back up stops one
 step below the `t` at which PD was congested until that memory expires (`memory_s`,
 five minutes) or the set-point moves (without it, a steady load near the PD prefill's
@@ -119,10 +117,8 @@ class TrimConfig:
     there nearly every raise is the link's); a grown link or a set-point move forgets it
     sooner. A link's capacity changes by steps, which end the memory. Where the link never
     ran full the queue was compute and keeps `memory_s`: two compute queues that take turns
-    are balanced by moving `t` both ways, and a long bound on lowering for the PD queue held
-    `t` where the PD prefill queued (the case study's longer prompts, whose 100 Gbit/s link
-    never runs full: P90 1.20x -> 1.84x the oracle's on one seed with 1,800 s for every
-    raise)."""
+    are balanced by moving `t` both ways, which a long bound on lowering for the PD queue
+    holds back (`prfaas/sim/SCHEDULING.md`)."""
     smoothing_s: float = 20.0
     """The rules read egress utilisation and each pool's backlog averaged over about this
     long (exponential moving averages; 0 reads them raw), and only over what the current `t`
@@ -375,9 +371,8 @@ def _drained(state: TrimState, now: float) -> TrimState:
     """`state` measuring afresh once what was queued at the last step has drained (as many
     seconds after it as the queue held then; the draining hold may last longer, to the
     averaged queue's length): the averages of the drain itself would still read the queue
-    it answered after it is gone (a 33-second queue of KV still averaged 4 s a second after
-    it drained, and raised `t` a second time for it). Only the averages the step started:
-    those of a later move of `t` measure that move."""
+    it answered after it is gone, and raise `t` a second time for it. Only the averages the
+    step started: those of a later move of `t` measure that move."""
     step, seen = state.last_step, state.averages
     if step is None or seen is None or not seen.since <= step.at < step.at + step.held_s <= now:
         return state
