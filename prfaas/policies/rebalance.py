@@ -3,9 +3,10 @@ convert one PD-cluster instance between prefill and decode when the stages drift
 
 Each period the planner is re-run on the current estimate (incremental lengths, output
 length, bandwidth) with the instances that exist now. The set-point `t` becomes the best
-threshold for the *current* split once that has lain beyond a dead band, on the same side,
-for `confirm_periods` periods, and moving there raises Lambda_max by `set_point_min_gain`
-on the estimate and on each of its noise shifts (so sampling noise does not churn it).
+threshold for the *current* split once that has lain beyond a dead band (three times the
+optimum's own noise where that is wider), on the same side, for `confirm_periods` periods,
+and moving there raises Lambda_max by `set_point_min_gain` on the estimate and on each of
+its noise shifts (so sampling noise does not churn it).
 "Best" is robust to the estimate's noise: the threshold whose Lambda_max is highest in the
 worst of the estimate and the estimate with its mean length `noise_se` standard errors off
 either way (`planner.robust_threshold`; where the link binds, Lambda_max falls steeply
@@ -100,6 +101,14 @@ class RebalanceConfig:
     estimate (`prfaas/sim/SCHEDULING.md`).
     Small, so that on a flat Lambda_max (a link that does not bind) the set-point still
     follows a move every estimate agrees on."""
+    set_point_noise_bands: float = 3.0
+    """... and by more than this many times the optimum's own noise: half the distance
+    between the best thresholds with the mean length a standard error lower and higher
+    (when the noise rail runs). At a few dozen requests a period that noise is 6-7% of `t`,
+    and a fixed 15% band is about two of it: a set-point moved to one edge of the noise
+    then lay a band from the other, and swung back and forth every few minutes of one load
+    (`prfaas/sim/SCHEDULING.md`, *Steady under a steady load*). At the simulated scenarios'
+    rates the noise is smaller and the fixed band governs."""
     urgent_set_point: float = 2.0
     """A re-solved t this many times above or below the set-point applies at once, with no
     confirmation (sampling noise does not move t by a factor; a plan made for another
@@ -129,6 +138,8 @@ class RebalanceConfig:
         check(0 <= band < 1, "set_point_deadband", band, "must be in [0, 1)")
         gain = self.set_point_min_gain
         check(gain >= 0, "set_point_min_gain", gain, "must be >= 0")
+        bands = self.set_point_noise_bands
+        check(bands >= 0, "set_point_noise_bands", bands, "must be >= 0")
         urgent = self.urgent_set_point
         check(urgent > 1, "urgent_set_point", urgent, "must be > 1")
         check(self.t_step >= 1, "t_step", self.t_step, "must be >= 1")
@@ -291,6 +302,10 @@ class RebalanceDecision:
     planned_utilisation: float | None = None
     """The link utilisation the plan expects at `set_point` for the estimated rate (the
     short-term trimmer's high-water mark rises above it: a link-bound plan runs it full)."""
+    set_point_drifted: bool = False
+    """The set-point moved on the blended estimate alone: confirmed over periods and judged
+    against the estimate's noise, with no measured step and no far-off optimum behind it.
+    The trimmer then keeps what it measured (`threshold_trim.set_point_moved`)."""
 
 
 def replan_profile(
@@ -348,10 +363,12 @@ def rebalance(
         current.threshold_tokens,
         evidence.link_step,
         gain=lambda t: noise.move_gain(grid, n_p, set_point, t),
+        noise=noise.optimum_noise(),
     )
     rate = min(estimate.rate, current.lambda_max)
     util = planned_utilisation(replanned, new_set_point, rate, exact=config.exact)
     period = _Period(config, state, new_set_point, RebalanceFigures.of(current, estimate), util)
+    period.drifted = new_set_point != set_point and set_point_gain is not None
     noisy = noise.set_points() if noise.planned else None
     if noisy is not None:  # the set-point's noise rail ran: what it saw
         period.figures = replace(period.figures, t_best_noise=tuple(noisy), t_robust=solved)
@@ -503,6 +520,13 @@ class _Noise:
             gains.append(lambda_at(g, n_p, new) / at - 1 if at > 0 else math.inf)
         return min(gains)
 
+    def optimum_noise(self) -> float:
+        """How far the split's best threshold moves for one standard error of the mean
+        length (half the distance between the two shifts' optima; 0 when the rail is off or
+        a shift cannot be planned)."""
+        points = self.set_points()
+        return (max(points) - min(points)) / 2 if points else 0.0
+
     def set_points(self) -> list[float] | None:
         """The best threshold of the split now on each side (an empty list when a shifted
         estimate cannot be planned)."""
@@ -524,6 +548,8 @@ class _Period:
     utilisation: float | None
     held: str = ""
     """Why a confirmed set-point move was held (appended to every outcome's reason)."""
+    drifted: bool = False
+    """`RebalanceDecision.set_point_drifted`."""
 
     def reset(self, outcome: Outcome, reason: str) -> RebalanceDecision:
         """An outcome that wants no move: the confirmation streak starts over."""
@@ -547,6 +573,7 @@ class _Period:
             self.figures,
             planned_utilisation=self.utilisation,
             deferred=deferred,
+            set_point_drifted=self.drifted,
         )
 
 
@@ -558,16 +585,19 @@ def _set_point(
     point: float,
     stepped: bool,
     gain: Callable[[float], float | None],
+    noise: float,
 ) -> tuple[float, RebalanceState, float | None]:
-    """The re-solved t (`solved`, robust to the estimate's noise) replaces the set-point
-    once it has lain beyond the dead band, on the same side, for `confirm_periods` periods
-    in a row and `gain(solved)` (the move's least gain over the estimate and its noise;
-    None: not judged) is at least `set_point_min_gain` (sampling noise does not churn it),
-    or at once after a link step or when the point optimum `point` is `urgent_set_point`
-    times off (noise does not move the optimum by a factor; a plan made for another
-    workload does). `solved` None (the noise could not be planned: too few samples) counts
-    as inside the band unless it applies at once; the point optimum then applies. Also
-    returns the gain judged (None when none was)."""
+    """The re-solved t (`solved`, robust to the estimate's noise) replaces the set-point once it
+    has lain beyond the dead band (`set_point_deadband` of it, or `set_point_noise_bands`
+    times `noise`, how far one standard error of the mean length moves the optimum, where
+    that is larger and no step was measured), on the same side, for `confirm_periods`
+    periods in a row and `gain(solved)` (the move's least gain over the estimate and its
+    noise; None: not judged) is at least `set_point_min_gain` (sampling noise does not churn
+    it), or at once after a link step or when the point optimum `point` is
+    `urgent_set_point` times off (noise does not move the optimum by a factor; a plan made
+    for another workload does). `solved` None (the noise could not be planned: too few
+    samples) counts as inside the band unless it applies at once; the point optimum then
+    applies. Also returns the gain judged (None when none was)."""
     far = current <= 0 or max(point / current, current / max(point, 1e-9)) >= (
         config.urgent_set_point
     )
@@ -577,6 +607,8 @@ def _set_point(
             return current, settled, None
         solved = point
     band = config.set_point_deadband * current
+    if not stepped:  # after a measured step the move is the measurement's, not the noise's
+        band = max(band, config.set_point_noise_bands * noise)
     side = 0 if current > 0 and abs(solved - current) <= band else (1 if solved > current else -1)
     if side == 0:
         return current, settled, None
