@@ -47,7 +47,8 @@ what the live runs showed without them):
 No oscillation under steady load: after a raise, the `t` at which the link was congested is
 remembered until that memory expires (`link_memory_s`, half an hour, after a raise made once
 the link had run full; else `memory_s`, five minutes), the link capacity grows more than
-`CAPACITY_CHANGE` past what it was at the raise, or the set-point moves. Meanwhile a quiet
+`CAPACITY_CHANGE` past what it was at the raise, or the set-point moves on a measured step
+(or past `t`; a move on the estimate's noise keeps it: `set_point_moved`). Meanwhile a quiet
 link lowers nothing (the raise stands), and a lowering for a congested PD prefill stops one
 step above the congested `t`: where lowering for the PD queue congests the link, the two
 queues otherwise take turns pulling `t` down and pushing it back up. So under a steady load
@@ -58,14 +59,14 @@ worth of `t`, one `lower_step_tokens` move at a time (`prfaas/sim/SCHEDULING.md`
 memory has expired a quiet link takes `t` back to the set-point in one move, not in
 `lower_step_tokens` steps: each step measured 20 s of a link that carries an offload every
 few seconds (a probe that shows little), and every step was one more move of `t` under a
-steady load. The memory after a link ran full is long because a short one cycled `t`
-under a steady load: raise, expire, probe down, congest, raise (measured in
-`prfaas/sim/SCHEDULING.md`, *Steady under a steady load*). The same
-holds the other way: after a lowering for a congested PD prefill, relaxing back up stops one
-step below the `t` at which PD was congested until that memory expires (`memory_s`,
-five minutes) or the set-point moves (without it, a steady load near the PD prefill's
-capacity went set-point, lower, relax, relax, lower again about a minute later in the live
-link-drop phase).
+steady load. The memory after a link ran full is long because a short one cycled `t` under a
+steady load: raise, expire, probe down, congest, raise (measured in
+`prfaas/sim/SCHEDULING.md`, *Steady under a steady load*). The same holds the other way:
+after a lowering for a congested PD prefill, relaxing back up stops one step below the `t`
+at which PD was congested until that memory expires (`memory_s`, five minutes) or the
+set-point moves as above (without it, a steady load near the PD prefill's capacity went
+set-point, lower, relax, relax, lower again about a minute later in the live link-drop
+phase).
 
 Pure: state and observation in, decision out.
 """
@@ -110,15 +111,16 @@ class TrimConfig:
     """Quiet ticks in a row before each lowering step."""
     memory_s: float = 300.0
     """How long the `t` of the last raise bounds lowering, and the `t` of the last lowering
-    for the PD queue bounds relaxing up; a set-point move forgets either sooner."""
+    for the PD queue bounds relaxing up; a set-point move forgets either sooner, unless it
+    was on the estimate's noise alone (`set_point_moved`)."""
     link_memory_s: float = 1800.0
-    """The same after a raise made once the link had run full (a tick at `high_water` or
-    above since `t` last moved: KV queued on it; on a slow link one offload does that, so
-    there nearly every raise is the link's); a grown link or a set-point move forgets it
-    sooner. A link's capacity changes by steps, which end the memory. Where the link never
-    ran full the queue was compute and keeps `memory_s`: two compute queues that take turns
-    are balanced by moving `t` both ways, which a long bound on lowering for the PD queue
-    holds back (`prfaas/sim/SCHEDULING.md`)."""
+    """The same after a raise made once the link had run full (a tick at `high_water` or above
+    since `t` last moved: KV queued on it; on a slow link one offload does that, so there
+    nearly every raise is the link's); a grown link or a set-point move on a measured step
+    forgets it sooner. A link's capacity changes by steps, which end the memory. Where the
+    link never ran full the queue was compute and keeps `memory_s`: two compute queues that
+    take turns are balanced by moving `t` both ways, which a long bound on lowering for the
+    PD queue holds back (`prfaas/sim/SCHEDULING.md`)."""
     smoothing_s: float = 20.0
     """The rules read egress utilisation and each pool's backlog averaged over about this
     long (exponential moving averages; 0 reads them raw), and only over what the current `t`
@@ -271,6 +273,32 @@ class TrimDecision:
 
 def band(config: TrimConfig, set_point: float) -> tuple[float, float]:
     return set_point * config.band[0], set_point * config.band[1]
+
+
+def set_point_moved(
+    config: TrimConfig,
+    state: TrimState,
+    set_point: float,
+    planned: float | None,
+    *,
+    drifted: bool,
+) -> TrimState:
+    """`state` around the long-term loop's new set-point. After a move on the blended
+    estimate alone (`drifted`: no step was measured), `t` and the memory that holds it stay
+    while that memory is held and `t` lies on its side of the new set-point, within the new
+    band: above after a raise for the link or the PrfaaS queue, below after a lowering for
+    the PD queue. The raise answered a queue the trimmer measured, which the estimate's
+    noise does not undo; jumping to the new set-point and forgetting brought the same queue
+    and the same raise back (the live steady phase: a raise after each of three set-point
+    moves in twenty minutes). Otherwise `t` jumps to the set-point and is measured afresh
+    (`TrimState.with_set_point`)."""
+    lo, hi = band(config, set_point)
+    t = state.threshold
+    raised = state.congested_at is not None and set_point < t <= hi
+    lowered = state.pd_congested_at is not None and lo <= t < set_point
+    if drifted and (raised or lowered):
+        return replace(state, set_point=set_point, planned_utilisation=planned)
+    return state.with_set_point(set_point, planned)
 
 
 def trim(config: TrimConfig, state: TrimState, obs: TrimObservation) -> TrimDecision:

@@ -5,6 +5,7 @@ around the set-point, and no oscillation under steady load."""
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -17,6 +18,7 @@ from prfaas.policies.threshold_trim import (
     TrimConfig,
     TrimObservation,
     TrimState,
+    set_point_moved,
     trim,
 )
 
@@ -406,6 +408,46 @@ def test_a_new_set_point_resets_t_and_the_memory() -> None:
     s = replace(s, averages=TrimAverages(since=1.0, at=3.0, weight=2.0))
     new = s.with_set_point(25_000, 0.4)
     assert new == TrimState(25_000, 25_000, capacity=5.0, since_step=7, planned_utilisation=0.4)
+
+
+def test_a_set_point_drifting_on_the_estimate_keeps_a_remembered_raise() -> None:
+    """t raised to 12,500 for the link congested at 10,000 (remembered). A set-point move on
+    the estimate alone to 9,000 or 11,000 keeps t and the memory, and a quiet link then
+    lowers nothing; one to 13,000 (above t) or 6,000 (t beyond its band, 12,000) moves t
+    there and forgets; so does a move on a measured step, or with no memory held."""
+    s = TrimState(12_500, 10_000, congested_at=10_000, remember_until=1_800.0, capacity=1e9,
+                  since_step=30, quiet_ticks=2)  # fmt: skip
+    for sp in (9_000, 11_000):
+        kept = set_point_moved(CFG, s, sp, 0.5, drifted=True)
+        assert kept == replace(s, set_point=sp, planned_utilisation=0.5)
+        held = trim(CFG, kept, _obs(100, 0.1))
+        assert not held.changed and "where the link congested (remembered)" in held.reason
+    for sp, drifted, state in (
+        (13_000, True, s),
+        (6_000, True, s),
+        (11_000, False, s),
+        (11_000, True, replace(s, congested_at=None, remember_until=-math.inf)),
+    ):
+        assert set_point_moved(CFG, state, sp, 0.5, drifted=drifted) == state.with_set_point(
+            sp, 0.5
+        )
+
+
+def test_a_set_point_drifting_on_the_estimate_keeps_a_remembered_lowering() -> None:
+    """The same below the set-point: t lowered to 8,000 for the PD queue congested at 10,000
+    stays through a drift of the set-point to 9,000 or 12,000 (and relaxes up to the lower
+    of the set-point and one step below 10,000), not through one to 7,500 (below t) or to
+    17,000 (t below its band)."""
+    s = TrimState(8_000, 10_000, pd_congested_at=10_000, pd_remember_until=300.0,
+                  quiet_ticks=2)  # fmt: skip
+    for sp in (9_000, 12_000):
+        kept = set_point_moved(CFG, s, sp, None, drifted=True)
+        assert kept.threshold == 8_000 and kept.pd_congested_at == 10_000
+        relaxed = _run(kept, [_obs(i, 0.1, pf=1.0, pd=1.0) for i in range(1, 12)])
+        assert max(t for t, _ in relaxed) == min(sp, 9_488)
+    for sp in (7_500, 17_000):
+        moved = set_point_moved(CFG, s, sp, None, drifted=True)
+        assert (moved.threshold, moved.pd_congested_at) == (sp, None)
 
 
 @pytest.mark.parametrize(

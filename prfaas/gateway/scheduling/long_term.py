@@ -4,7 +4,9 @@ gathers the period's inputs, calls the pure steps of `prfaas.policies.long_term_
 `ScheduleBoard`.
 
 The slow loop owns the set-point: when the re-solved `t` moves, `t` is reset to it (the fast
-loop then trims around the new value). A conversion runs in the background (its drain may
+loop then trims around the new value), unless the move rests on the blended estimate alone
+and the trimmer keeps `t` where it measured a congested side
+(`threshold_trim.set_point_moved`). A conversion runs in the background (its drain may
 outlast a period); when it is done the instance's new role and the set-point re-solved for
 the new split are applied together. A period during a drain plans with the split the
 conversion makes (`pools(planned=True)`).
@@ -140,7 +142,8 @@ class LongTermLoop:
             board.counters.rebalance.labels(decision.outcome).inc()
         if decision.outcome in ("refused", "convert", "pending"):
             board.note("long-term", "rebalance", decision.reason, inputs)
-        self._set_point(decision.set_point, decision.planned_utilisation, inputs)
+        self._set_point(decision.set_point, decision.planned_utilisation, inputs,
+                        drifted=decision.set_point_drifted)  # fmt: skip
         self._short.planned(decision.planned_utilisation)
         if decision.conversion is not None:
             self._start(decision.conversion, inputs)
@@ -178,21 +181,31 @@ class LongTermLoop:
             decode=tuple(decode),
         )
 
-    def _set_point(self, solved: float, planned: float | None, inputs: dict[str, Any]) -> None:
+    def _set_point(
+        self,
+        solved: float,
+        planned: float | None,
+        inputs: dict[str, Any],
+        *,
+        drifted: bool = False,
+    ) -> None:
+        """Move the set-point to `solved` (clamped); `t` goes with it unless the trimmer
+        keeps it (`drifted`: see `ShortTermLoop.reset_set_point`)."""
         board = self._board
         set_point = self._config.clamp(solved)
         if self._short.pinned or set_point == board.state.set_point:
             return
         before = board.state.set_point
+        threshold = self._short.reset_set_point(set_point, planned, drifted=drifted)
+        kept = "" if threshold == set_point else f"; t kept at {threshold:.0f} by the trimmer"
         board.change(
             "long-term",
             "set_point",
-            f"re-solved t {before:.0f} -> {set_point:.0f}",
+            f"re-solved t {before:.0f} -> {set_point:.0f}{kept}",
             inputs,
-            threshold=set_point,
+            threshold=threshold,
             set_point=set_point,
         )
-        self._short.reset_set_point(set_point, planned)
 
     def make_deferred(self) -> None:
         """Called every tick: make the move the last period deferred once its time has come

@@ -14,7 +14,7 @@ from prfaas.gateway.scheduling.observer import SchedulingObserver
 from prfaas.policies.regime_choice import LinkReading, RegimeState, choose_regime
 from prfaas.policies.routing import Route
 from prfaas.policies.schedule_state import ScheduleState
-from prfaas.policies.threshold_trim import TrimObservation, TrimState, trim
+from prfaas.policies.threshold_trim import TrimObservation, TrimState, set_point_moved, trim
 from prfaas.policies.ttft_forecast import LinkState
 
 LinkReader = Callable[[], LinkState | None]
@@ -60,10 +60,15 @@ class ShortTermLoop:
         self.trim = TrimState(state.threshold, state.set_point)
         self.regime = RegimeState(state.regime)
 
-    def reset_set_point(self, set_point: float, planned: float | None) -> None:
+    def reset_set_point(
+        self, set_point: float, planned: float | None, *, drifted: bool = False
+    ) -> float:
         """The long-term loop re-solved the set-point: trim around the new one (`planned`:
-        the link utilisation the plan expects there)."""
-        self.trim = self.trim.with_set_point(set_point, planned)
+        the link utilisation the plan expects there; `drifted`: moved on the blended
+        estimate alone, see `threshold_trim.set_point_moved`). Returns `t` now."""
+        self.trim = set_point_moved(self._config.trim, self.trim, set_point, planned,
+                                    drifted=drifted)  # fmt: skip
+        return self.trim.threshold
 
     def planned(self, utilisation: float | None) -> None:
         """The plan's expected link utilisation at the current set-point (every period)."""
