@@ -90,7 +90,18 @@ class RebalanceConfig:
     load_margin: float = 0.05
     """The losing pool must carry the estimated rate times (1 + margin)."""
     set_point_deadband: float = 0.15
-    """The set-point moves only when the re-solved t differs by more than this share."""
+    """The set-point moves only when the re-solved t differs by more than this share ..."""
+    set_point_noise_bands: float = 3.0
+    """... or by more than this many times the optimum's own noise, where that is wider:
+    how far the best threshold moves for one standard error of the mean length (when the
+    noise rail runs). At about 30 requests a period (a live steady phase) that noise was 6-7%
+    of `t`, and the 15% band about two of it: a set-point moved to one edge of the noise
+    then lay a band from the other, and swung back and forth every few minutes of one load
+    (`prfaas/sim/SCHEDULING.md`, *Steady under a steady load*). At the case study's 150
+    requests a period it is about 5.5%: a band of about 16%, a little wider than the fixed
+    one. Not after a measured step or for a point optimum `urgent_set_point` times off, and
+    never wider than half the way to that factor (noise that wide would hold every move
+    short of it)."""
     set_point_min_gain: float = 0.01
     """... and only when the move raises Lambda_max by at least this share on the estimate
     and on each noise shift of it: a move that some estimate within the noise says loses is
@@ -101,14 +112,6 @@ class RebalanceConfig:
     estimate (`prfaas/sim/SCHEDULING.md`).
     Small, so that on a flat Lambda_max (a link that does not bind) the set-point still
     follows a move every estimate agrees on."""
-    set_point_noise_bands: float = 3.0
-    """... and by more than this many times the optimum's own noise: half the distance
-    between the best thresholds with the mean length a standard error lower and higher
-    (when the noise rail runs). At a few dozen requests a period that noise is 6-7% of `t`,
-    and a fixed 15% band is about two of it: a set-point moved to one edge of the noise
-    then lay a band from the other, and swung back and forth every few minutes of one load
-    (`prfaas/sim/SCHEDULING.md`, *Steady under a steady load*). At the simulated scenarios'
-    rates the noise is smaller and the fixed band governs."""
     urgent_set_point: float = 2.0
     """A re-solved t this many times above or below the set-point applies at once, with no
     confirmation (sampling noise does not move t by a factor; a plan made for another
@@ -303,9 +306,10 @@ class RebalanceDecision:
     """The link utilisation the plan expects at `set_point` for the estimated rate (the
     short-term trimmer's high-water mark rises above it: a link-bound plan runs it full)."""
     set_point_drifted: bool = False
-    """The set-point moved on the blended estimate alone: confirmed over periods and judged
-    against the estimate's noise, with no measured step and no far-off optimum behind it.
-    The trimmer then keeps what it measured (`threshold_trim.set_point_moved`)."""
+    """The set-point moved on the blended estimate alone: no measured step behind it (a wake
+    of the link, answers or lengths, or a period taking what one saw), no point optimum
+    `urgent_set_point` times off, not a first look. The trimmer then keeps what it measured
+    (`threshold_trim.set_point_moved`)."""
 
 
 def replan_profile(
@@ -355,6 +359,7 @@ def rebalance(
     # the set-point follows the threshold that is best in the worst of the estimate and
     # its noise (None: a shifted estimate cannot be planned)
     solved = noise.robust(grid, n_p) if noise.on else current.threshold_tokens
+    far = _far(config, set_point, current.threshold_tokens)
     new_set_point, state, set_point_gain = _set_point(
         config,
         state,
@@ -362,13 +367,15 @@ def rebalance(
         solved,
         current.threshold_tokens,
         evidence.link_step,
+        far,
         gain=lambda t: noise.move_gain(grid, n_p, set_point, t),
         noise=noise.optimum_noise(),
     )
     rate = min(estimate.rate, current.lambda_max)
     util = planned_utilisation(replanned, new_set_point, rate, exact=config.exact)
     period = _Period(config, state, new_set_point, RebalanceFigures.of(current, estimate), util)
-    period.drifted = new_set_point != set_point and set_point_gain is not None
+    measured = evidence.link_step or evidence.workload_step or evidence.lengths_measured
+    period.drifted = new_set_point != set_point and not (measured or far or evidence.first_look)
     noisy = noise.set_points() if noise.planned else None
     if noisy is not None:  # the set-point's noise rail ran: what it saw
         period.figures = replace(period.figures, t_best_noise=tuple(noisy), t_robust=solved)
@@ -522,10 +529,12 @@ class _Noise:
 
     def optimum_noise(self) -> float:
         """How far the split's best threshold moves for one standard error of the mean
-        length (half the distance between the two shifts' optima; 0 when the rail is off or
-        a shift cannot be planned)."""
+        length (half the distance between the two shifts' optima, `noise_se` standard errors
+        each way; 0 when the rail is off or a shift cannot be planned)."""
         points = self.set_points()
-        return (max(points) - min(points)) / 2 if points else 0.0
+        if not points:
+            return 0.0
+        return (max(points) - min(points)) / 2 / self._config.noise_se  # (on: noise_se > 0)
 
     def set_points(self) -> list[float] | None:
         """The best threshold of the split now on each side (an empty list when a shifted
@@ -584,6 +593,7 @@ def _set_point(
     solved: float | None,
     point: float,
     stepped: bool,
+    far: bool,
     gain: Callable[[float], float | None],
     noise: float,
 ) -> tuple[float, RebalanceState, float | None]:
@@ -598,17 +608,15 @@ def _set_point(
     for another workload does). `solved` None (the noise could not be planned: too few
     samples) counts as inside the band unless it applies at once; the point optimum then
     applies. Also returns the gain judged (None when none was)."""
-    far = current <= 0 or max(point / current, current / max(point, 1e-9)) >= (
-        config.urgent_set_point
-    )
     settled = replace(state, set_point_side=0, set_point_streak=0)
     if solved is None:
         if not (stepped or far):
             return current, settled, None
         solved = point
     band = config.set_point_deadband * current
-    if not stepped:  # after a measured step the move is the measurement's, not the noise's
-        band = max(band, config.set_point_noise_bands * noise)
+    if not (stepped or far):  # a measured step's move, or a plan for another workload
+        widest = (config.urgent_set_point - 1) / 2 * current
+        band = max(band, min(config.set_point_noise_bands * noise, widest))
     side = 0 if current > 0 and abs(solved - current) <= band else (1 if solved > current else -1)
     if side == 0:
         return current, settled, None
@@ -622,6 +630,14 @@ def _set_point(
     if gained is not None and gained < config.set_point_min_gain:
         return current, waiting, gained  # some estimate within the noise says it loses
     return solved, settled, gained
+
+
+def _far(config: RebalanceConfig, current: float, point: float) -> bool:
+    """Whether the point optimum `point` is `urgent_set_point` times off the set-point (or
+    there is none yet): a plan made for another workload, not the estimate's noise."""
+    if current <= 0:
+        return True
+    return max(point / current, current / max(point, 1e-9)) >= config.urgent_set_point
 
 
 def _drift(config: RebalanceConfig, opt: SplitOptimum) -> tuple[int, str]:

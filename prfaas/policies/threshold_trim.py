@@ -282,11 +282,12 @@ def set_point_moved(
     planned: float | None,
     *,
     drifted: bool,
+    now: float,
 ) -> TrimState:
-    """`state` around the long-term loop's new set-point. After a move on the blended
-    estimate alone (`drifted`: no step was measured), `t` and the memory that holds it stay
-    while that memory is held and `t` lies on its side of the new set-point, within the new
-    band: above after a raise for the link or the PrfaaS queue, below after a lowering for
+    """`state` around the long-term loop's new set-point at `now`. After a move on the
+    blended estimate alone (`drifted`: no step was measured), `t` and the memory that holds
+    it stay while that memory is held and `t` lies on its side of the new set-point (or on
+    it), within the new band: above after a raise for the link or the PrfaaS queue, below after a lowering for
     the PD queue. The raise answered a queue the trimmer measured, which the estimate's
     noise does not undo; jumping to the new set-point and forgetting brought the same queue
     and the same raise back (the live steady phase: a raise after each of three set-point
@@ -294,8 +295,10 @@ def set_point_moved(
     (`TrimState.with_set_point`)."""
     lo, hi = band(config, set_point)
     t = state.threshold
-    raised = state.congested_at is not None and set_point < t <= hi
-    lowered = state.pd_congested_at is not None and lo <= t < set_point
+    raised = state.congested_at is not None and now < state.remember_until
+    lowered = state.pd_congested_at is not None and now < state.pd_remember_until
+    raised = raised and set_point <= t <= hi
+    lowered = lowered and lo <= t <= set_point
     if drifted and (raised or lowered):
         return replace(state, set_point=set_point, planned_utilisation=planned)
     return state.with_set_point(set_point, planned)

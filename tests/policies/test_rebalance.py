@@ -363,7 +363,8 @@ def test_a_set_point_within_three_times_the_optimums_noise_stays(
     about 9%: a set-point 22% above the robust threshold is beyond the 15% band but within
     three times that noise, so the period counts as inside (`set_point_noise_bands` 3); with
     no noise band it moves after two periods, and such a move is marked as drifted on the
-    estimate. A link step's move is not."""
+    estimate. A link step's move is not, nor one in a period that took what a step test
+    saw."""
     est = _estimate()
     robust = rebalance(CFG, RebalanceState(), profile, est, _pools(), now=0, set_point=1e9)
     assert robust.figures is not None and robust.figures.t_best_noise is not None
@@ -387,6 +388,8 @@ def test_a_set_point_within_three_times_the_optimums_noise_stays(
     assert moved.set_point == t_robust and moved.set_point_drifted
     stepped = decide(CFG, RebalanceState(), link_step=True)
     assert stepped.set_point != current and not stepped.set_point_drifted
+    after_wake = decide(fixed_band, first.state, workload_step=True)
+    assert after_wake.set_point == t_robust and not after_wake.set_point_drifted
 
 
 def test_a_set_point_move_must_gain_on_every_estimate_within_the_noise(
@@ -451,6 +454,7 @@ def test_a_set_point_a_factor_off_moves_at_once_to_the_robust_threshold(
                       set_point=3 * t_star)  # fmt: skip
         assert d.figures is not None and d.set_point == d.figures.t_robust
         assert d.figures.set_point_gain is None  # a factor off: not judged against noise
+        assert not d.set_point_drifted  # a plan made for another workload
         moved.append(d.set_point)
     assert t_star < moved[0] < moved[1] < 1.5 * t_star
 

@@ -411,42 +411,44 @@ def test_a_new_set_point_resets_t_and_the_memory() -> None:
 
 
 def test_a_set_point_drifting_on_the_estimate_keeps_a_remembered_raise() -> None:
-    """t raised to 12,500 for the link congested at 10,000 (remembered). A set-point move on
-    the estimate alone to 9,000 or 11,000 keeps t and the memory, and a quiet link then
-    lowers nothing; one to 13,000 (above t) or 6,000 (t beyond its band, 12,000) moves t
-    there and forgets; so does a move on a measured step, or with no memory held."""
+    """t raised to 12,500 for the link congested at 10,000 (remembered until 1,800 s). A
+    set-point move on the estimate alone to 9,000, 11,000 or 12,500 keeps t and the memory,
+    and a quiet link then lowers nothing; one to 13,000 (above t) or 6,000 (t beyond its
+    band, 12,000) moves t there and forgets; so does a move on a measured step, one once the
+    memory has expired, or one with no memory held."""
     s = TrimState(12_500, 10_000, congested_at=10_000, remember_until=1_800.0, capacity=1e9,
                   since_step=30, quiet_ticks=2)  # fmt: skip
-    for sp in (9_000, 11_000):
-        kept = set_point_moved(CFG, s, sp, 0.5, drifted=True)
+    for sp in (9_000, 11_000, 12_500):
+        kept = set_point_moved(CFG, s, sp, 0.5, drifted=True, now=100)
         assert kept == replace(s, set_point=sp, planned_utilisation=0.5)
         held = trim(CFG, kept, _obs(100, 0.1))
-        assert not held.changed and "where the link congested (remembered)" in held.reason
-    for sp, drifted, state in (
-        (13_000, True, s),
-        (6_000, True, s),
-        (11_000, False, s),
-        (11_000, True, replace(s, congested_at=None, remember_until=-math.inf)),
+        assert not held.changed
+        assert held.reason.endswith("where the link congested (remembered)") or sp == 12_500
+    for sp, drifted, now, state in (
+        (13_000, True, 100, s),
+        (6_000, True, 100, s),
+        (11_000, False, 100, s),
+        (11_000, True, 1_800, s),
+        (11_000, True, 100, replace(s, congested_at=None, remember_until=-math.inf)),
     ):
-        assert set_point_moved(CFG, state, sp, 0.5, drifted=drifted) == state.with_set_point(
-            sp, 0.5
-        )
+        moved = set_point_moved(CFG, state, sp, 0.5, drifted=drifted, now=now)
+        assert moved == state.with_set_point(sp, 0.5)
 
 
 def test_a_set_point_drifting_on_the_estimate_keeps_a_remembered_lowering() -> None:
     """The same below the set-point: t lowered to 8,000 for the PD queue congested at 10,000
     stays through a drift of the set-point to 9,000 or 12,000 (and relaxes up to the lower
     of the set-point and one step below 10,000), not through one to 7,500 (below t) or to
-    17,000 (t below its band)."""
+    17,000 (t below its band), nor once that memory has expired (300 s)."""
     s = TrimState(8_000, 10_000, pd_congested_at=10_000, pd_remember_until=300.0,
                   quiet_ticks=2)  # fmt: skip
     for sp in (9_000, 12_000):
-        kept = set_point_moved(CFG, s, sp, None, drifted=True)
+        kept = set_point_moved(CFG, s, sp, None, drifted=True, now=0)
         assert kept.threshold == 8_000 and kept.pd_congested_at == 10_000
         relaxed = _run(kept, [_obs(i, 0.1, pf=1.0, pd=1.0) for i in range(1, 12)])
         assert max(t for t, _ in relaxed) == min(sp, 9_488)
-    for sp in (7_500, 17_000):
-        moved = set_point_moved(CFG, s, sp, None, drifted=True)
+    for sp, now in ((7_500, 0), (17_000, 0), (9_000, 300)):
+        moved = set_point_moved(CFG, s, sp, None, drifted=True, now=now)
         assert (moved.threshold, moved.pd_congested_at) == (sp, None)
 
 

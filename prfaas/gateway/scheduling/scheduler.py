@@ -192,8 +192,10 @@ class Scheduler:
         )
 
     def release(self) -> None:
-        """Hand `t` and the regime back to the loops."""
+        """Hand `t` and the regime back to the loops, which start again from what the
+        operator set (the trimmer's memory from before the pin is stale)."""
         self.short.pinned = False
+        self.short.follow(self.board.state)
         self.board.note("operator", "release", "scheduler back in control", {})
 
     def to_json(self) -> dict[str, Any]:

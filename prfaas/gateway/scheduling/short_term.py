@@ -66,8 +66,9 @@ class ShortTermLoop:
         """The long-term loop re-solved the set-point: trim around the new one (`planned`:
         the link utilisation the plan expects there; `drifted`: moved on the blended
         estimate alone, see `threshold_trim.set_point_moved`). Returns `t` now."""
+        self._synced()
         self.trim = set_point_moved(self._config.trim, self.trim, set_point, planned,
-                                    drifted=drifted)  # fmt: skip
+                                    drifted=drifted, now=self._observer.now())  # fmt: skip
         return self.trim.threshold
 
     def planned(self, utilisation: float | None) -> None:
@@ -120,10 +121,15 @@ class ShortTermLoop:
             return LinkReading(util)
         return LinkReading(util, link.spare_bytes_per_s(), costs.min_kv_rate())
 
+    def _synced(self) -> None:
+        """Trim around the board's set-point if the operator or a leader moved it."""
+        set_point = self._board.state.set_point
+        if self.trim.set_point != set_point:
+            self.trim = self.trim.with_set_point(set_point)
+
     def _trim(self, obs: TrimObservation, inputs: dict[str, Any]) -> None:
         board = self._board
-        if self.trim.set_point != board.state.set_point:  # moved by the operator or a leader
-            self.trim = self.trim.with_set_point(board.state.set_point)
+        self._synced()
         decision = trim(self._config.trim, self.trim, obs)
         self.trim = decision.state
         if decision.changed:
