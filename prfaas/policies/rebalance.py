@@ -3,10 +3,9 @@ convert one PD-cluster instance between prefill and decode when the stages drift
 
 Each period the planner is re-run on the current estimate (incremental lengths, output
 length, bandwidth) with the instances that exist now. The set-point `t` becomes the best
-threshold for the *current* split once that has lain beyond a dead band (three times the
-optimum's own noise where that is wider), on the same side, for `confirm_periods` periods,
-and moving there raises Lambda_max by `set_point_min_gain` on the estimate and on each of
-its noise shifts (so sampling noise does not churn it).
+threshold for the *current* split once that has lain beyond a dead band, on the same side,
+for `confirm_periods` periods, and moving there raises Lambda_max by `set_point_min_gain`
+on the estimate and on each of its noise shifts (so sampling noise does not churn it).
 "Best" is robust to the estimate's noise: the threshold whose Lambda_max is highest in the
 worst of the estimate and the estimate with its mean length `noise_se` standard errors off
 either way (`planner.robust_threshold`; where the link binds, Lambda_max falls steeply
@@ -90,18 +89,7 @@ class RebalanceConfig:
     load_margin: float = 0.05
     """The losing pool must carry the estimated rate times (1 + margin)."""
     set_point_deadband: float = 0.15
-    """The set-point moves only when the re-solved t differs by more than this share ..."""
-    set_point_noise_bands: float = 3.0
-    """... or by more than this many times the optimum's own noise, where that is wider:
-    how far the best threshold moves for one standard error of the mean length (when the
-    noise rail runs). At about 30 requests a period (a live steady phase) that noise was 6-7%
-    of `t`, and the 15% band about two of it: a set-point moved to one edge of the noise
-    then lay a band from the other, and swung back and forth every few minutes of one load
-    (`prfaas/sim/SCHEDULING.md`, *Steady under a steady load*). At the case study's 150
-    requests a period it is about 5.5%: a band of about 16%, a little wider than the fixed
-    one. Not after a measured step or for a point optimum `urgent_set_point` times off, and
-    never wider than half the way to that factor (noise that wide would hold every move
-    short of it)."""
+    """The set-point moves only when the re-solved t differs by more than this share."""
     set_point_min_gain: float = 0.01
     """... and only when the move raises Lambda_max by at least this share on the estimate
     and on each noise shift of it: a move that some estimate within the noise says loses is
@@ -141,8 +129,6 @@ class RebalanceConfig:
         check(0 <= band < 1, "set_point_deadband", band, "must be in [0, 1)")
         gain = self.set_point_min_gain
         check(gain >= 0, "set_point_min_gain", gain, "must be >= 0")
-        bands = self.set_point_noise_bands
-        check(bands >= 0, "set_point_noise_bands", bands, "must be >= 0")
         urgent = self.urgent_set_point
         check(urgent > 1, "urgent_set_point", urgent, "must be > 1")
         check(self.t_step >= 1, "t_step", self.t_step, "must be >= 1")
@@ -369,7 +355,6 @@ def rebalance(
         evidence.link_step,
         far,
         gain=lambda t: noise.move_gain(grid, n_p, set_point, t),
-        noise=noise.optimum_noise(),
     )
     rate = min(estimate.rate, current.lambda_max)
     util = planned_utilisation(replanned, new_set_point, rate, exact=config.exact)
@@ -527,15 +512,6 @@ class _Noise:
             gains.append(lambda_at(g, n_p, new) / at - 1 if at > 0 else math.inf)
         return min(gains)
 
-    def optimum_noise(self) -> float:
-        """How far the split's best threshold moves for one standard error of the mean
-        length (half the distance between the two shifts' optima, `noise_se` standard errors
-        each way; 0 when the rail is off or a shift cannot be planned)."""
-        points = self.set_points()
-        if not points:
-            return 0.0
-        return (max(points) - min(points)) / 2 / self._config.noise_se  # (on: noise_se > 0)
-
     def set_points(self) -> list[float] | None:
         """The best threshold of the split now on each side (an empty list when a shifted
         estimate cannot be planned)."""
@@ -595,28 +571,22 @@ def _set_point(
     stepped: bool,
     far: bool,
     gain: Callable[[float], float | None],
-    noise: float,
 ) -> tuple[float, RebalanceState, float | None]:
-    """The re-solved t (`solved`, robust to the estimate's noise) replaces the set-point once it
-    has lain beyond the dead band (`set_point_deadband` of it, or `set_point_noise_bands`
-    times `noise`, how far one standard error of the mean length moves the optimum, where
-    that is larger and no step was measured), on the same side, for `confirm_periods`
-    periods in a row and `gain(solved)` (the move's least gain over the estimate and its
-    noise; None: not judged) is at least `set_point_min_gain` (sampling noise does not churn
-    it), or at once after a link step or when the point optimum `point` is
-    `urgent_set_point` times off (noise does not move the optimum by a factor; a plan made
-    for another workload does). `solved` None (the noise could not be planned: too few
-    samples) counts as inside the band unless it applies at once; the point optimum then
-    applies. Also returns the gain judged (None when none was)."""
+    """The re-solved t (`solved`, robust to the estimate's noise) replaces the set-point
+    once it has lain beyond the dead band, on the same side, for `confirm_periods` periods
+    in a row and `gain(solved)` (the move's least gain over the estimate and its noise;
+    None: not judged) is at least `set_point_min_gain` (sampling noise does not churn it),
+    or at once after a link step or when the point optimum `point` is `urgent_set_point`
+    times off (`far`: noise does not move the optimum by a factor; a plan made for another
+    workload does). `solved` None (the noise could not be planned: too few samples) counts
+    as inside the band unless it applies at once; the point optimum then applies. Also
+    returns the gain judged (None when none was)."""
     settled = replace(state, set_point_side=0, set_point_streak=0)
     if solved is None:
         if not (stepped or far):
             return current, settled, None
         solved = point
     band = config.set_point_deadband * current
-    if not (stepped or far):  # a measured step's move, or a plan for another workload
-        widest = (config.urgent_set_point - 1) / 2 * current
-        band = max(band, min(config.set_point_noise_bands * noise, widest))
     side = 0 if current > 0 and abs(solved - current) <= band else (1 if solved > current else -1)
     if side == 0:
         return current, settled, None

@@ -287,11 +287,11 @@ def set_point_moved(
     """`state` around the long-term loop's new set-point at `now`. After a move on the
     blended estimate alone (`drifted`: no step was measured), `t` and the memory that holds
     it stay while that memory is held and `t` lies on its side of the new set-point (or on
-    it), within the new band: above after a raise for the link or the PrfaaS queue, below after a lowering for
-    the PD queue. The raise answered a queue the trimmer measured, which the estimate's
-    noise does not undo; jumping to the new set-point and forgetting brought the same queue
-    and the same raise back (the live steady phase: a raise after each of three set-point
-    moves in twenty minutes). Otherwise `t` jumps to the set-point and is measured afresh
+    it), within the new band: above after a raise for the link or the PrfaaS queue, below
+    after a lowering for the PD queue. The raise answered a queue the trimmer measured,
+    which the estimate's noise does not undo; jumping to the new set-point and forgetting
+    brought the same queue and the same raise back (`prfaas/sim/SCHEDULING.md`, *Steady
+    under a steady load*). Otherwise `t` jumps to the set-point and is measured afresh
     (`TrimState.with_set_point`)."""
     lo, hi = band(config, set_point)
     t = state.threshold
