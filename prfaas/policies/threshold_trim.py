@@ -295,11 +295,11 @@ def set_point_moved(
     (`TrimState.with_set_point`)."""
     lo, hi = band(config, set_point)
     t = state.threshold
-    raised = state.congested_at is not None and now < state.remember_until
-    lowered = state.pd_congested_at is not None and now < state.pd_remember_until
-    raised = raised and set_point <= t <= hi
-    lowered = lowered and lo <= t <= set_point
-    if drifted and (raised or lowered):
+    raise_held = state.congested_at is not None and now < state.remember_until
+    lowering_held = state.pd_congested_at is not None and now < state.pd_remember_until
+    above = raise_held and set_point <= t <= hi
+    below = lowering_held and lo <= t <= set_point
+    if drifted and (above or below):
         return replace(state, set_point=set_point, planned_utilisation=planned)
     return state.with_set_point(set_point, planned)
 
