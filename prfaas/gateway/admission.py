@@ -63,9 +63,10 @@ class AdmissionManager:
         loop = asyncio.get_running_loop()
         turn = loop.create_future()
         self._waiters.append(turn)
+        timeout_s = self.queue_timeout_s  # this waiter's, even if the setting changes
         deadline = None
-        if self.queue_timeout_s != math.inf:
-            deadline = loop.call_later(self.queue_timeout_s, _expire, turn)
+        if timeout_s != math.inf:
+            deadline = loop.call_later(timeout_s, _expire, turn)
         try:
             await turn  # a finishing request hands over its slot: `running` stays as is
         except asyncio.CancelledError:
@@ -78,7 +79,7 @@ class AdmissionManager:
             self.timed_out += 1
             if turn in self._waiters:
                 self._waiters.remove(turn)
-            raise QueueTimeout(f"waited {self.queue_timeout_s:g} s for a slot ({self.running} "
+            raise QueueTimeout(f"waited {timeout_s:g} s for a slot ({self.running} "
                                f"running, {self.waiting} queued)") from None  # fmt: skip
         finally:
             if deadline is not None:

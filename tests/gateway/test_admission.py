@@ -92,7 +92,10 @@ async def test_waiter_past_its_deadline_gives_up_without_a_slot() -> None:
     holder = asyncio.ensure_future(_hold(manager, "a", order, gate))
     await asyncio.sleep(0)
     late = asyncio.ensure_future(_hold(manager, "b", order, gate))
-    await asyncio.sleep(0.03)
+    await asyncio.sleep(0)
+    # Later waiters get a long deadline, so that on a loaded machine "c" cannot expire in
+    # the same loop iteration as "b" (a wall-clock stagger did, in CI).
+    manager.queue_timeout_s = 30.0
     patient = asyncio.ensure_future(_hold(manager, "c", order, gate))
     with pytest.raises(QueueTimeout, match=r"waited 0\.05 s for a slot"):
         await late
