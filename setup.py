@@ -14,7 +14,11 @@ setup(
         Extension(
             "prfaas.common._chain_hash",
             sources=["prfaas/common/_chain_hash.c"],
-            depends=["prfaas/common/vendor/xxhash.h", "prfaas/common/msgpack_read.h"],
+            depends=[
+                "prfaas/common/chain_hash.h",
+                "prfaas/common/vendor/xxhash.h",
+                "prfaas/common/msgpack_read.h",
+            ],
             extra_compile_args=["-O3"],
             optional=True,
         ),
@@ -34,6 +38,7 @@ setup(
         Extension(
             "prfaas.gateway.kv_index._batch",
             sources=["prfaas/gateway/kv_index/_batch.c"],
+            depends=["prfaas/common/chain_hash.h", "prfaas/common/vendor/xxhash.h"],
             extra_compile_args=["-O3"],
             optional=True,
         ),

@@ -1,90 +1,34 @@
 /* Chained block hashes over token ids: the loop of `prfaas.common.hashing`, in C.
  *
- * The definition is hashing.py's: a block's hash is xxh3-64 over its parent's hash (8 bytes,
- * little-endian; absent for the first block) followed by the block's token ids (uint32,
- * little-endian). Why in C: the gateway hashes every prompt before it routes (2,000 blocks
- * for a 128K-token prompt), the KV index re-hashes every block the engines report, and
- * the simulator hashes hundreds of millions of tokens an hour; in Python each block costs
- * a packing call, a bytes concatenation and an xxhash call (about a microsecond), here
- * tens of nanoseconds. hashing.py keeps the same loop in Python for an interpreter this
- * module was not built for, and the tests compare the two.
+ * The definition (chain_hash.h, shared with the KV index's C loops) is hashing.py's: a
+ * block's hash is xxh3-64 over its parent's hash (8 bytes, little-endian; absent for the
+ * first block) followed by the block's token ids (uint32, little-endian). Why in C: the
+ * gateway hashes every prompt before it routes (2,000 blocks for a 128K-token prompt), the
+ * KV index re-hashes every block the engines report, and the simulator hashes hundreds of
+ * millions of tokens an hour; in Python each block costs a packing call, a bytes
+ * concatenation and an xxhash call (about a microsecond), here tens of nanoseconds.
+ * hashing.py keeps the same loop in Python for an interpreter this module was not built
+ * for, and the tests compare the two.
  *
  * `hash_packed` reads the ids from their msgpack encoding (an array of integers, as engines'
  * KV events carry them), so the gateway's KV index never makes a Python int of each id.
- *
- * xxHash is the vendored header (vendor/xxhash.h, BSD-2-Clause), the same library the
- * `xxhash` package wraps, inlined.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
 
-#define XXH_INLINE_ALL
-#include "vendor/xxhash.h"
-
+#include "chain_hash.h"
 #include "msgpack_read.h"
 
-#define PARENT_BYTES 8
-
-static void put_u64_le(uint8_t *out, uint64_t value) {
-    for (int i = 0; i < 8; i++) {
-        out[i] = (uint8_t)(value >> (8 * i));
-    }
-}
-
-static void put_u32_le(uint8_t *out, uint32_t value) {
-    for (int i = 0; i < 4; i++) {
-        out[i] = (uint8_t)(value >> (8 * i));
-    }
-}
-
-/* The hash (a new int) of the block whose ids lie at `data + PARENT_BYTES`, chained to
+/* The hash (a new int) of the block whose ids lie at `data + CHAIN_PARENT_BYTES`, chained to
  * `*parent` where `*has_parent`; the block then becomes the parent. */
 static PyObject *chain_next(uint8_t *data, size_t block_bytes, uint64_t *parent,
                             int *has_parent) {
-    uint64_t hash;
-    if (*has_parent) {
-        put_u64_le(data, *parent);
-        hash = XXH3_64bits(data, PARENT_BYTES + block_bytes);
-    } else {
-        hash = XXH3_64bits(data + PARENT_BYTES, block_bytes);
-    }
+    uint64_t hash = chain_block(data, block_bytes, *parent, *has_parent);
     *parent = hash;
     *has_parent = 1;
     return PyLong_FromUnsignedLongLong(hash);
-}
-
-/* Token `i` of a list or tuple as a uint32; -1 with an exception set when it is not an
- * integer (TypeError) or does not fit (OverflowError), as `array.array("I", ...)` says. */
-static int token_at(PyObject *seq, Py_ssize_t i, uint32_t *out) {
-    /* a list may change size while an item's __index__ runs: read it by checked access */
-    PyObject *item = PyList_Check(seq) ? PyList_GetItem(seq, i) : PyTuple_GetItem(seq, i);
-    if (item == NULL) {
-        return -1;
-    }
-    unsigned long value; /* where it is 32 bits, a larger id overflows in the conversion */
-    if (PyLong_CheckExact(item)) {
-        value = PyLong_AsUnsignedLong(item);
-    } else {  /* numpy integers and other __index__ types; the call may run Python code */
-        Py_INCREF(item);
-        PyObject *number = PyNumber_Index(item);
-        Py_DECREF(item);
-        if (number == NULL) {
-            return -1;
-        }
-        value = PyLong_AsUnsignedLong(number);
-        Py_DECREF(number);
-    }
-    if (value == (unsigned long)-1 && PyErr_Occurred()) {
-        return -1;
-    }
-    if (value > UINT32_MAX) {
-        PyErr_Format(PyExc_OverflowError, "token id %lu does not fit uint32", value);
-        return -1;
-    }
-    *out = (uint32_t)value;
-    return 0;
 }
 
 /* An index-like argument (an int, a numpy integer) as a Py_ssize_t; -1 with an exception
@@ -173,7 +117,7 @@ static PyObject *hash_range(PyObject *module, PyObject *const *args, Py_ssize_t 
     /* a block of ids lies within them: no overflow below */
     size_t block_bytes = 4 * (size_t)block_size;
     PyObject *hashes = NULL;
-    uint8_t *data = PyMem_Malloc(PARENT_BYTES + block_bytes);
+    uint8_t *data = PyMem_Malloc(CHAIN_PARENT_BYTES + block_bytes);
     if (data == NULL) {
         PyErr_NoMemory();
         goto fail;
@@ -183,7 +127,7 @@ static PyObject *hash_range(PyObject *module, PyObject *const *args, Py_ssize_t 
         goto fail;
     }
     for (Py_ssize_t block = start; block < stop; block++) {
-        uint8_t *ids = data + PARENT_BYTES;
+        uint8_t *ids = data + CHAIN_PARENT_BYTES;
         if (sequence) {
             for (Py_ssize_t j = 0; j < block_size; j++) {
                 uint32_t id;
@@ -302,7 +246,7 @@ static PyObject *hash_packed(PyObject *module, PyObject *const *args, Py_ssize_t
     }
     Py_ssize_t blocks = count / block_size;
     if (blocks > 0) {
-        data = PyMem_Malloc(PARENT_BYTES + block_bytes);
+        data = PyMem_Malloc(CHAIN_PARENT_BYTES + block_bytes);
         if (data == NULL) {
             PyErr_NoMemory();
             goto fail;
@@ -313,7 +257,7 @@ static PyObject *hash_packed(PyObject *module, PyObject *const *args, Py_ssize_t
         goto fail;
     }
     for (Py_ssize_t block = 0; block < blocks; block++) {
-        uint8_t *ids = data + PARENT_BYTES;
+        uint8_t *ids = data + CHAIN_PARENT_BYTES;
         for (Py_ssize_t j = 0; j < block_size; j++) {
             uint32_t id;
             if (packed_id(packed, view.len, &pos, &id) < 0) {

@@ -12,7 +12,7 @@ import pytest
 
 from prfaas.common import hashing
 from prfaas.common.hashing import hash_blocks, iter_block_hashes
-from prfaas.gateway.kv_index import KVIndexManager, growing
+from prfaas.gateway.kv_index import KVIndexManager, batch, growing
 from prfaas.gateway.kv_index import manager as manager_module
 from prfaas.gateway.kv_index.manager import _salt
 from prfaas.protocol.kv_events import (
@@ -194,8 +194,8 @@ def test_packed_token_ids_that_are_not_uint32_are_rejected(
     and ignored (logged once per instance), and the events around it still apply; with the
     C loops and with the Python ones that stand in where they are not built."""
     if loops == "python":
-        monkeypatch.setattr(hashing, "_hash_packed", hashing._hash_packed_py)
         monkeypatch.setattr(hashing, "_packed_count", hashing._packed_count_py)
+        monkeypatch.setattr(manager_module, "chain_stores", batch.chain_stores_python)
     index = KVIndexManager(block_size=BS)
     good = msgspec.Raw(msgspec.msgpack.encode([1, 2, 3, 4]))
     negative = msgspec.Raw(msgspec.msgpack.encode([1, 2, -3, 4]))

@@ -1,19 +1,24 @@
-"""A flush's per-key loops in C (`prfaas.gateway.kv_index._batch`) against the numpy ones in
-batch.py, and both against what they mean: grouping equal keys in the order they first
-occur, and salting engine hashes (any int, modulo 2**64) into translation keys."""
+"""A flush's per-key loops in C (`prfaas.gateway.kv_index._batch`) against the numpy and
+Python ones in batch.py, and both against what they mean: grouping equal keys in the order
+they first occur, salting engine hashes (any int, modulo 2**64) into translation keys, and
+re-hashing stored events chained to their parents."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from prfaas.common.hashing import hash_blocks
 from prfaas.gateway.kv_index import batch
-from prfaas.gateway.kv_index.batch import group_numpy, salted_keys_numpy
+from prfaas.gateway.kv_index.batch import chain_stores_python, group_numpy, salted_keys_numpy
 from prfaas.gateway.kv_index.holder_sets import MULTIPLE
 from prfaas.gateway.kv_index.manager import _grouped
 from prfaas.gateway.kv_index.table import ZERO_STAND_IN
+from prfaas.protocol.kv_events import BlockStored
 
 try:
     from prfaas.gateway.kv_index import _batch
@@ -28,6 +33,7 @@ def test_the_c_loops_are_what_flushes_run() -> None:
     assert batch._native_module is _batch
     assert batch.group is batch._group_native
     assert batch.salted_keys is batch._salted_keys_native
+    assert batch.chain_stores is batch._chain_stores_native
 
 
 @settings(max_examples=300, deadline=None)
@@ -123,3 +129,83 @@ def test_a_batch_grouped_by_block_names_each_block_s_instances(
             assert change >= MULTIPLE and masks[change] == sum(1 << bit for bit in named)
         assert end == max(i for i, (b, _) in enumerate(pairs) if b == block)
     assert len(masks) == sum(change >= MULTIPLE for change in changes.tolist())
+
+
+_BS = 2
+
+
+def _event(hashes: list[int], parent: int | None, ids: list[int], packed: bool) -> BlockStored:
+    """A store with its ids as a tuple, or as the uint32 ids the scan decodes (`IdArray`)."""
+    token_ids = np.array(ids, dtype="<u4").data if packed else tuple(ids)
+    return BlockStored(tuple(hashes), parent, token_ids, _BS)
+
+
+_stores = st.lists(
+    st.tuples(
+        st.integers(0, 2),  # member number
+        st.lists(st.integers(-2, 5) | st.integers(2**64 - 2, 2**64 - 1), min_size=1, max_size=3),
+        st.none() | st.integers(-2, 5),  # parent engine hash
+        st.none() | st.integers(0, 2**64 - 1),  # known start
+        st.booleans(),  # ids packed
+        st.integers(0, 3),  # ids seed
+    ),
+    max_size=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_stores)
+def test_chain_stores_in_c_and_python(stores: list[tuple[Any, ...]]) -> None:
+    """Random flushes (engine hashes repeating within and across instances, parents stored
+    earlier, later, by another instance or not at all, some given a start): the C loop and
+    the Python one write the same blocks and reject the same events; and each block's hash
+    is its event's ids chained from its start, or from the block the first earlier event of
+    its instance stored under its parent's engine hash."""
+    events, bits, starts = [], [], []
+    for bit, hashes, parent, start, packed, seed in stores:
+        ids = [(seed * 7 + i) % 5 for i in range(_BS * len(hashes))]
+        events.append(_event(hashes, parent, ids, packed))
+        bits.append(bit)
+        starts.append(start)
+    bit_array = np.array(bits, dtype=np.int64)
+    got = batch.chain_stores(events, bit_array, starts, _BS, _SALTS)
+    want = chain_stores_python(events, bit_array, starts, _BS, _SALTS)
+    assert [a.tolist() for a in got[:3]] == [a.tolist() for a in want[:3]]
+    assert got[3] == want[3]
+    # what it means, written out
+    stored: dict[tuple[int, int], int] = {}
+    expected: list[int] = []
+    rejected = 0
+    for event, bit, start in zip(events, bits, starts, strict=True):
+        if start is None and event.parent_block_hash is not None:
+            start = stored.get((bit, event.parent_block_hash % 2**64))
+            if start is None:
+                rejected += 1
+                continue
+        hashes = hash_blocks(list(event.token_ids), _BS, parent=start)
+        for engine, ours in zip(event.block_hashes, hashes, strict=True):
+            stored.setdefault((bit, engine % 2**64), ours)
+        expected += hashes
+    assert got[2].tolist() == expected and got[3] == rejected
+
+
+def test_chain_stores_rejects_what_it_cannot_read() -> None:
+    """Ids that are neither ints nor uint32 (bytes, signed ids, a count that does not fill
+    the blocks) and hashes that are not ints are errors, in C as in Python."""
+    bits = np.zeros(1, dtype=np.int64)
+    bad = [
+        BlockStored((1,), None, b"\x01\x00\x00\x00\x02\x00\x00\x00", _BS),
+        BlockStored((1,), None, np.array([1, 2], dtype=np.int64).data, _BS),
+        BlockStored((1,), None, (1, 2, 3), _BS),
+        BlockStored((1,), None, (1, -2), _BS),
+        BlockStored(("x",), None, (1, 2), _BS),
+    ]
+    for event in bad:
+        for loop in (batch.chain_stores, chain_stores_python):
+            with pytest.raises((TypeError, ValueError, OverflowError)):
+                loop([event], bits, [None], _BS, _SALTS)
+    assert _batch is not None
+    with pytest.raises(TypeError, match="lists of one length"):
+        _batch.chain_stores([], bits, [None], _BS, _SALTS, bits, bits, bits, 7)
+    with pytest.raises(IndexError, match="no salt"):
+        batch.chain_stores([_event([1], None, [1, 2], True)], bits + 9, [None], _BS, _SALTS)

@@ -17,3 +17,15 @@ def salted_keys(
     stand_in: int,
     /,
 ) -> None: ...
+def chain_stores(
+    events: list[Any],
+    bits: npt.NDArray[Any],
+    starts: list[int | None],
+    block_size: int,
+    salts: npt.NDArray[Any],
+    block_bits: npt.NDArray[Any],
+    keys: npt.NDArray[Any],
+    ours: npt.NDArray[Any],
+    stand_in: int,
+    /,
+) -> tuple[int, int]: ...

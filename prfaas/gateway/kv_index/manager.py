@@ -38,8 +38,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from prfaas.common.hashing import hash_blocks, hash_packed_blocks, packed_count, salt_root
-from prfaas.gateway.kv_index.batch import group, salted_keys
+from prfaas.common.hashing import packed_count, salt_root
+from prfaas.gateway.kv_index.batch import chain_stores, group, salted_keys
 from prfaas.gateway.kv_index.growing import GROWTH, GrowingTable
 from prfaas.gateway.kv_index.holder_sets import EMPTY, MULTIPLE, HolderSets
 from prfaas.gateway.kv_index.table import I64, U64, WAYS, as_keys
@@ -343,67 +343,61 @@ class KVIndexManager:
     def _stored(self, runs: list[tuple[str, list[KVEvent]]]) -> None:
         """Re-hash the runs' blocks (each event chained to its parent: one indexed before,
         or earlier in its run) and add them in one batch."""
-        valid: list[tuple[int, BlockStored[Any]]] = []
+        events: list[BlockStored[Any]] = []
+        bits: list[int] = []
         for instance_id, run in runs:
             bit = self._bit(instance_id)
             for event in run:
                 assert isinstance(event, BlockStored)
-                if self._fits(instance_id, event):
-                    self._know(instance_id)
-                    valid.append((bit, event))
-        if not valid:
-            return
-        with_parent = [
-            (b, e.parent_block_hash) for b, e in valid if e.parent_block_hash is not None
-        ]
-        known = self._translate([b for b, _ in with_parent], [p for _, p in with_parent])
-        # parents not indexed yet, per instance: only these may be stored earlier in the batch
-        unknown: dict[int, set[int]] = {}
-        for key in with_parent:
-            if key not in known:
-                unknown.setdefault(key[0], set()).add(key[1])
-        bits: list[int] = []
-        engine: list[int] = []
-        ours: list[int] = []
-        chained: dict[tuple[int, int], int] = {}
-        for bit, event in valid:
-            parent: int | None = None
-            if event.parent_block_hash is None and isinstance(event, SaltedBlockStored):
-                parent = salt_root(event.cache_salt)  # (a salted chain's start)
-            elif event.parent_block_hash is not None:
-                key = (bit, event.parent_block_hash)
-                parent = known.get(key)  # a hash's first translation holds, as in `_add`
-                if parent is None:
-                    parent = chained.get(key)
-                if parent is None:  # unknown (evicted from the index or a missed event)
-                    self._rejected += 1
+                if not self._fits(instance_id, event):
                     continue
-            hashes = self._hashes(self._names[bit], event, parent)
-            if hashes is None:
-                continue
-            bits.extend(itertools.repeat(bit, len(hashes)))
-            engine.extend(event.block_hashes)
-            ours.extend(hashes)
-            wanted = unknown.get(bit)
-            if wanted:
-                for engine_hash, our_hash in zip(event.block_hashes, hashes, strict=True):
-                    if engine_hash in wanted:
-                        chained.setdefault((bit, engine_hash), our_hash)
-        if engine:
-            self._add(np.array(bits, dtype=np.int64), engine, as_keys(ours))
+                self._know(instance_id)
+                readable = self._unpacked(instance_id, event)
+                if readable is not None:
+                    events.append(readable)
+                    bits.append(bit)
+        if not events:
+            return
+        bit_array = np.array(bits, dtype=np.int64)
+        starts = self._chain_starts(events, bit_array)
+        block_bits, keys, ours, rejected = chain_stores(
+            events, bit_array, starts, self.block_size, self._salts
+        )
+        self._rejected += rejected  # (a parent neither indexed nor stored earlier)
+        if len(keys):
+            self._add(block_bits, keys, ours)
 
-    def _hashes(
-        self, instance_id: str, event: BlockStored[Any], parent: int | None
-    ) -> list[int] | None:
-        """Our hashes of the event's blocks; None (the event rejected, logged once per
-        instance) where its packed token ids are not uint32 integers (decoded ids and an
-        `IdArray`'s were checked when decoded)."""
-        ids = event.token_ids
-        if not isinstance(ids, msgspec.Raw):
-            return hash_blocks(ids, self.block_size, parent=parent)
+    def _chain_starts(self, events: list[BlockStored[Any]], bits: I64) -> list[int | None]:
+        """What each event's chain starts from where the index knows it: its parent's our
+        hash where the translations hold it, a salted chain's root; else None (its parent is
+        stored earlier in the batch, or it names none)."""
+        parents = [event.parent_block_hash for event in events]
+        starts: list[int | None] = [None] * len(events)
+        named = [k for k, parent in enumerate(parents) if parent is not None]
+        if named:
+            slots = self._find_translations(bits[named], [p for p in parents if p is not None])
+            found = np.flatnonzero(slots >= 0)
+            ours = self._translations.get("ours", slots[found]).tolist()
+            for k, our_hash in zip(found.tolist(), ours, strict=True):
+                starts[named[k]] = our_hash  # (a hash's first translation holds, see `_add`)
+        if len(named) < len(events):
+            for k, event in enumerate(events):
+                if parents[k] is None and isinstance(event, SaltedBlockStored):
+                    starts[k] = salt_root(event.cache_salt)  # (a salted chain's start)
+        return starts
+
+    def _unpacked(self, instance_id: str, event: BlockStored[Any]) -> BlockStored[Any] | None:
+        """The event as `chain_stores` reads it: packed token ids (msgpack, as msgspec
+        leaves them where the scan did not read the batch) as uint32 ids; None (the event
+        rejected, logged once per instance) where they are not a msgpack array of uint32
+        ids. Other ids as they are (decoded ids and an `IdArray`'s were checked when
+        decoded)."""
+        if not isinstance(event.token_ids, msgspec.Raw):
+            return event
         try:
-            return hash_packed_blocks(ids, self.block_size, parent=parent)
-        except (ValueError, OverflowError, TypeError) as exc:
+            ids = msgspec.msgpack.decode(event.token_ids, type=list[int])
+            return msgspec.structs.replace(event, token_ids=_uint32(ids))
+        except (msgspec.DecodeError, ValueError, OverflowError) as exc:
             self._reject(instance_id, "ids", "%s: BlockStored ignored, its token ids are "
                          "not a msgpack array of uint32 ids: %s", exc)  # fmt: skip
             return None
@@ -480,12 +474,12 @@ class KVIndexManager:
         pairs = itertools.compress(zip(bits, engine_hashes, strict=True), found)
         return dict(zip(pairs, ours, strict=True))
 
-    def _add(self, bits: I64, engine: Sequence[int], ours: U64) -> None:
-        """Translate new (instance, engine hash) pairs, then mark the blocks held. A pair
-        names one block: the one it translated to if known (its removal will name that
-        one), else its first occurrence's; a pair whose salted key another instance's
-        row holds (a 2**-64 chance) is dropped, as the table cannot hold both."""
-        keys = salted_keys(engine, bits, self._salts)
+    def _add(self, bits: I64, keys: U64, ours: U64) -> None:
+        """Translate new (instance, engine hash) pairs (`keys`: their translation keys),
+        then mark the blocks held. A pair names one block: the one it translated to if
+        known (its removal will name that one), else its first occurrence's; a pair whose
+        salted key another instance's row holds (a 2**-64 chance) is dropped, as the table
+        cannot hold both."""
         first, inverse, _ = group(keys)
         distinct = keys[first]
         slots = self._translations.find(distinct)
@@ -774,6 +768,18 @@ def _id_count(event: BlockStored[Any]) -> int | None:
         return packed_count(ids) if isinstance(ids, msgspec.Raw) else len(ids)
     except ValueError:
         return None
+
+
+def _uint32(ids: list[int]) -> memoryview:
+    """`ids` as uint32 little-endian ids (what `chain_stores` reads).
+
+    Raises:
+        OverflowError: an id outside [0, 2**32).
+    """
+    array = np.array(ids, dtype=np.int64)
+    if len(array) and (array.min() < 0 or array.max() >= 2**32):
+        raise OverflowError("a token id does not fit uint32")
+    return array.astype("<u4").data
 
 
 def _words(bits: int, words: int) -> U64:
