@@ -30,12 +30,12 @@ class HolderSets:
         self._members: list[int] = [0]  # id -> bitset
         self._ids: dict[int, int] = {0: EMPTY}  # bitset -> id
         self._free: list[int] = []
-        self.refs = np.zeros(1, dtype=np.int64)
+        self._refs: list[int] = [0]  # id -> rows holding it
         self.bits: npt.NDArray[np.uint64] = np.zeros((1, 1), dtype=np.uint64)
 
     @property
     def nbytes(self) -> int:
-        return self.bits.nbytes + self.refs.nbytes
+        return self.bits.nbytes + 8 * len(self._refs)
 
     def members(self, set_id: int) -> int:
         return self._members[set_id]
@@ -51,23 +51,28 @@ class HolderSets:
         row's `changes` is c < `MULTIPLE`, else the members `masks[c]` (instance i is bit i).
         Returns the new ids and how many memberships that made (or undid); reference counts
         move from the old ids to the new ones. One set operation per distinct (set,
-        change) pair: a batch's blocks share a few."""
+        change) pair: a batch's blocks share a few (a flush of 256 blocks about 15), so the
+        counts move in a Python loop over those, not in numpy calls over the batch."""
         pairs = (set_ids.astype(np.uint64) << np.uint64(32)) | changes.astype(np.uint64)
         first, inverse, _ = group(pairs)
-        rows = np.bincount(inverse, minlength=len(first))  # rows per distinct pair
+        rows = np.bincount(inverse, minlength=len(first)).tolist()  # rows per distinct pair
+        distinct = pairs[first].tolist()
+        old_ids = [pair >> 32 for pair in distinct]
         new_ids: list[int] = []
-        deltas: list[int] = []
-        for pair in pairs[first].tolist():
-            members = self._members[pair >> 32]
+        delta = 0
+        for pair, old_id, count in zip(distinct, old_ids, rows, strict=True):
+            members = self._members[old_id]
             change = pair & 0xFFFFFFFF
             mask = masks[change] if change >= MULTIPLE else 1 << change
             changed = members | mask if add else members & ~mask
             new_ids.append(self._intern(changed))
-            deltas.append(changed.bit_count() - members.bit_count())
-        new = np.array(new_ids, dtype=np.uint32)
-        self.retain(new, rows)
-        self.retain(set_ids[first], -rows)
-        return new[inverse], int(np.dot(np.array(deltas, dtype=np.int64), rows))
+            delta += (changed.bit_count() - members.bit_count()) * count
+        refs = self._refs
+        for new_id, old_id, count in zip(new_ids, old_ids, rows, strict=True):
+            refs[new_id] += count
+            refs[old_id] -= count
+        self._forget_unreferenced(old_ids)
+        return np.array(new_ids, dtype=np.uint32)[inverse], delta
 
     def _intern(self, members: int) -> int:
         set_id = self._ids.get(members)
@@ -78,6 +83,7 @@ class HolderSets:
         else:
             set_id = len(self._members)
             self._members.append(0)
+            self._refs.append(0)
         words = max(self.bits.shape[1], (members.bit_length() + 63) // 64)
         if set_id >= len(self.bits) or words > self.bits.shape[1]:
             self._reserve(max(len(self.bits), 2 * set_id + 2), words)
@@ -89,18 +95,22 @@ class HolderSets:
     def _reserve(self, sets: int, words: int) -> None:
         bits = np.zeros((sets, words), dtype=np.uint64)
         bits[: len(self.bits), : self.bits.shape[1]] = self.bits
-        refs = np.zeros(sets, dtype=np.int64)
-        refs[: len(self.refs)] = self.refs
-        self.bits, self.refs = bits, refs
+        self.bits = bits
 
-    def retain(self, set_ids: npt.NDArray[Any], count: int | npt.NDArray[Any]) -> None:
-        """Add `count` references to each id (once per occurrence; or each id's own count,
-        an array beside `set_ids`); ids left unreferenced are freed for reuse."""
-        np.add.at(self.refs, set_ids, count)
-        if np.any(np.asarray(count) < 0):
-            for set_id in np.unique(set_ids[self.refs[set_ids] == 0]).tolist():
-                if set_id != EMPTY:
-                    self._forget(set_id)
+    def retain(self, set_ids: npt.NDArray[Any], count: int) -> None:
+        """Add `count` references to each id (once per occurrence); ids left unreferenced
+        are freed for reuse."""
+        ids = set_ids.tolist()
+        refs = self._refs
+        for set_id in ids:
+            refs[set_id] += count
+        if count < 0:
+            self._forget_unreferenced(ids)
+
+    def _forget_unreferenced(self, set_ids: list[int]) -> None:
+        for set_id in set(set_ids):
+            if self._refs[set_id] == 0 and set_id != EMPTY:
+                self._forget(set_id)
 
     def _forget(self, set_id: int) -> None:
         members = self._members[set_id]

@@ -111,6 +111,7 @@ class KVIndexManager:
         states (absent: the engine has reported no states, every cached block reusable)."""
         self._pending: dict[str, list[KVEvent]] = {}  # events not applied yet, per instance
         self._pending_blocks = 0
+        self._pending_stores_only = True  # every pending event a `BlockStored`
         self._touches: list[tuple[I64, np.uint32]] = []  # lookups' use marks, see _touch
         self._touched = 0  # slots in them
         self._clock = 0  # use-time ticks: one per block stored or looked up
@@ -273,13 +274,17 @@ class KVIndexManager:
         pending = self._pending.setdefault(instance_id, [])
         states: list[KVEvent] = []
         for event in events:
-            if isinstance(event, StatesStored):
-                states.append(event)
-                continue
-            pending.append(event)
             if isinstance(event, BlockStored):
                 self._pending_blocks += len(event.block_hashes)
-        pending.extend(states)
+            elif isinstance(event, StatesStored):
+                states.append(event)
+                continue
+            else:
+                self._pending_stores_only = False
+            pending.append(event)
+        if states:
+            self._pending_stores_only = False
+            pending.extend(states)
         if self._pending_blocks >= FLUSH_BLOCKS:
             self._flush()
 
@@ -297,8 +302,16 @@ class KVIndexManager:
         if not self._pending:
             return
         self._write_touches()
+        if self._pending_stores_only:  # (the common case: one round, each run whole)
+            stores = list(self._pending.items())
+            self._pending, self._pending_blocks = {}, 0
+            self._stored(stores)
+            if self._dangling:
+                self._sweep()
+            return
         runs = {i: _runs(events) for i, events in self._pending.items()}
         self._pending, self._pending_blocks = {}, 0
+        self._pending_stores_only = True
         while runs:
             stores: list[tuple[str, list[KVEvent]]] = []
             removals: list[tuple[str, list[KVEvent]]] = []
@@ -722,8 +735,9 @@ def _grouped(ours: U64, bits: I64) -> tuple[U64, I64, dict[int, int], I64]:
     first, inverse, last = group(ours)
     changes = bits[first]
     masks: dict[int, int] = {}
-    several = np.unique(inverse[bits != changes[inverse]])  # blocks named by several
-    if len(several):
+    others = bits != changes[inverse]
+    if others.any():
+        several = np.unique(inverse[others])  # blocks named by several
         rows = np.flatnonzero(np.isin(inverse, several))
         rows = rows[np.argsort(inverse[rows], kind="stable")]  # by block, as `several`
         cuts = np.flatnonzero(np.diff(inverse[rows])) + 1
