@@ -303,9 +303,9 @@ class KVIndexManager:
             return
         self._write_touches()
         if self._pending_stores_only:  # (the common case: one round, each run whole)
-            stores = list(self._pending.items())
+            pending = list(self._pending.items())
             self._pending, self._pending_blocks = {}, 0
-            self._stored(stores)
+            self._stored(pending)
             if self._dangling:
                 self._sweep()
             return
