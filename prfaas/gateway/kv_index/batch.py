@@ -96,7 +96,7 @@ def chain_stores_python(
 
 def _group_native(keys: U64) -> tuple[I64, I64, I64]:
     keys = np.ascontiguousarray(keys, dtype=np.uint64)
-    first, inverse, last = (np.empty(len(keys), dtype=np.int64) for _ in range(3))
+    first, inverse, last = np.empty((3, len(keys)), dtype=np.int64)
     count = _native_module.group(keys, first, inverse, last)
     return first[:count], inverse, last[:count]
 

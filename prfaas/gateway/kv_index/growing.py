@@ -140,7 +140,7 @@ class GrowingTable:
 
     def get(self, name: str, slots: I64) -> npt.NDArray[Any]:
         """Column `name` at `slots` (a copy; what a slot of -1 gives is unspecified)."""
-        values = np.take(self._table.column(name), slots, mode="clip")
+        values = self._table.column(name).take(slots, mode="clip")
         if self._other is not None:
             other = np.flatnonzero(slots >= self.boundary)
             if len(other):

@@ -496,6 +496,11 @@ class KVIndexManager:
         first, inverse, _ = group(keys)
         distinct = keys[first]
         slots = self._translations.find(distinct)
+        if len(distinct) == len(keys) and not (slots >= 0).any():  # all new, each named once
+            self._hold(ours, bits)
+            values = {"ours": ours, "instance": bits}
+            self._insert(self._translations, keys, values, self._evict_translations)
+            return
         owner = self._translations.get("instance", slots)
         known = (slots >= 0) & (owner == bits[first])
         collided = (slots >= 0) & ~known
@@ -522,12 +527,16 @@ class KVIndexManager:
         used = self._tick(len(ours)) + (len(ours) - last).astype(np.uint32)
         slots = self._blocks.find(distinct)
         found = slots >= 0
-        before = np.where(found, self._blocks.get("holders", slots), EMPTY).astype(np.uint32)
+        some_found = bool(found.any())  # (a new conversation's blocks: none)
+        before = np.full(len(distinct), EMPTY, dtype=np.uint32)
+        if some_found:
+            before[found] = self._blocks.get("holders", slots[found])
         after, delta = self._sets.update(before, changes, masks, add=True)
         self._entries += delta
-        at = slots[found]
-        self._blocks.set("holders", at, after[found])
-        self._blocks.set("used", at, used[found])
+        if some_found:
+            at = slots[found]
+            self._blocks.set("holders", at, after[found])
+            self._blocks.set("used", at, used[found])
         if not found.all():
             values = {"holders": after[~found], "used": used[~found]}
             self._insert(self._blocks, distinct[~found], values, self._evict_blocks)
