@@ -437,3 +437,25 @@ def test_a_growth_ends_without_inserts_when_advanced() -> None:
     assert steps > 1  # a step is bounded: not the whole growth at once
     assert not index.growing
     assert index.longest_prefix(prompt) == {"a": len(tokens)}
+
+
+def test_holder_sets_are_freed_when_no_block_names_them() -> None:
+    """Reference counts follow the blocks: once every block is removed or cleared, no
+    holder set but the empty one is left (a leak would grow the sets' table for ever), and
+    sets freed are reused."""
+    index = KVIndexManager(block_size=BS)
+    shared = list(range(8))
+    for name, engine in (("a", [1, 2]), ("b", [1, 2]), ("c", [7, 8])):
+        index.apply(name, [_stored(shared, engine), _stored([9, 9, 9, 9], [3], parent=2)])
+    len(index)
+    assert set(index._sets._ids) == {0, 0b111, 0b011}  # {}, {a, b, c}, {a, b} (c's parent
+    # 2 is not its own: its last store rejected), and the sets the flush went through freed
+    index.apply("a", [BlockRemoved((1, 2, 3))])
+    index.apply("b", [AllBlocksCleared()])
+    index.clear_instance("c")
+    assert len(index) == 0
+    assert list(index._sets._ids) == [0] and set(index._sets._refs[1:]) == {0}
+    allocated = len(index._sets._members)
+    index.apply("a", [_stored(shared, [1, 2])])
+    assert len(index) == 2 and list(index._sets._ids) == [0, 0b001]
+    assert len(index._sets._members) == len(index._sets._refs) == allocated  # an id reused

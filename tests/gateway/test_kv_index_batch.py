@@ -134,19 +134,24 @@ def test_a_batch_grouped_by_block_names_each_block_s_instances(
 _BS = 2
 
 
-def _event(hashes: list[int], parent: int | None, ids: list[int], packed: bool) -> BlockStored:
-    """A store with its ids as a tuple, or as the uint32 ids the scan decodes (`IdArray`)."""
-    token_ids = np.array(ids, dtype="<u4").data if packed else tuple(ids)
-    return BlockStored(tuple(hashes), parent, token_ids, _BS)
+def _event(hashes: list[int], parent: int | None, ids: list[int], form: int) -> BlockStored:
+    """A store with its ids as the uint32 ids the scan decodes (`IdArray`), as a tuple, or
+    as numpy integers in a tuple with its hashes in a list."""
+    if form == 0:
+        return BlockStored(tuple(hashes), parent, np.array(ids, dtype="<u4").data, _BS)
+    if form == 1:
+        return BlockStored(tuple(hashes), parent, tuple(ids), _BS)
+    numpy_ids = tuple(np.uint32(i) for i in ids)
+    return BlockStored(list(hashes), parent, numpy_ids, _BS)  # type: ignore[arg-type]
 
 
 _stores = st.lists(
     st.tuples(
         st.integers(0, 2),  # member number
-        st.lists(st.integers(-2, 5) | st.integers(2**64 - 2, 2**64 - 1), min_size=1, max_size=3),
-        st.none() | st.integers(-2, 5),  # parent engine hash
+        st.lists(st.integers(-2, 5) | st.integers(2**64 - 2, 2**64 + 1), min_size=1, max_size=3),
+        st.none() | st.integers(-2, 5) | st.just(2**64 + 1),  # parent engine hash
         st.none() | st.integers(0, 2**64 - 1),  # known start
-        st.booleans(),  # ids packed
+        st.integers(0, 2),  # ids' form
         st.integers(0, 3),  # ids seed
     ),
     max_size=12,
@@ -156,15 +161,16 @@ _stores = st.lists(
 @settings(max_examples=300, deadline=None)
 @given(_stores)
 def test_chain_stores_in_c_and_python(stores: list[tuple[Any, ...]]) -> None:
-    """Random flushes (engine hashes repeating within and across instances, parents stored
-    earlier, later, by another instance or not at all, some given a start): the C loop and
+    """Random flushes (engine hashes repeating within and across instances, past 2**64 and
+    negative, parents stored earlier, later, by another instance or not at all, some given
+    a start; ids in each form an event carries them): the C loop and
     the Python one write the same blocks and reject the same events; and each block's hash
     is its event's ids chained from its start, or from the block the first earlier event of
     its instance stored under its parent's engine hash."""
     events, bits, starts = [], [], []
-    for bit, hashes, parent, start, packed, seed in stores:
+    for bit, hashes, parent, start, form, seed in stores:
         ids = [(seed * 7 + i) % 5 for i in range(_BS * len(hashes))]
-        events.append(_event(hashes, parent, ids, packed))
+        events.append(_event(hashes, parent, ids, form))
         bits.append(bit)
         starts.append(start)
     bit_array = np.array(bits, dtype=np.int64)
@@ -182,7 +188,7 @@ def test_chain_stores_in_c_and_python(stores: list[tuple[Any, ...]]) -> None:
             if start is None:
                 rejected += 1
                 continue
-        hashes = hash_blocks(list(event.token_ids), _BS, parent=start)
+        hashes = hash_blocks([int(i) for i in event.token_ids], _BS, parent=start)
         for engine, ours in zip(event.block_hashes, hashes, strict=True):
             stored.setdefault((bit, engine % 2**64), ours)
         expected += hashes
@@ -208,4 +214,10 @@ def test_chain_stores_rejects_what_it_cannot_read() -> None:
     with pytest.raises(TypeError, match="lists of one length"):
         _batch.chain_stores([], bits, [None], _BS, _SALTS, bits, bits, bits, 7)
     with pytest.raises(IndexError, match="no salt"):
-        batch.chain_stores([_event([1], None, [1, 2], True)], bits + 9, [None], _BS, _SALTS)
+        batch.chain_stores([_event([1], None, [1, 2], 0)], bits + 9, [None], _BS, _SALTS)
+    with pytest.raises(ValueError, match="block_size"):
+        batch.chain_stores([_event([1], None, [1, 2], 0)], bits, [None], 1 << 21, _SALTS)
+    big_endian = BlockStored((1,), None, np.array([1, 2], dtype=">u4").data, _BS)
+    for loop in (batch.chain_stores, chain_stores_python):
+        with pytest.raises(TypeError, match="format"):
+            loop([big_endian], bits, [None], _BS, _SALTS)

@@ -17,7 +17,7 @@ from prfaas.gateway.kv_index import KVIndexManager, growing
 from prfaas.gateway.kv_index import holder_sets as holder_sets_module
 from prfaas.gateway.kv_index import manager as manager_module
 from prfaas.gateway.kv_index import table as table_module
-from prfaas.gateway.kv_index.batch import group_numpy, salted_keys_numpy
+from prfaas.gateway.kv_index.batch import chain_stores_python, group_numpy, salted_keys_numpy
 from prfaas.gateway.kv_index.walk import walk_numpy
 from prfaas.protocol.kv_events import (
     AllBlocksCleared,
@@ -152,13 +152,14 @@ def test_never_more_than_the_oracle_while_tables_grow_slowly_to_a_small_budget(
 @given(seed=st.integers(0, 2**32 - 1))
 def test_without_the_c_operations_the_same_answers(seed: int) -> None:
     """Where the C extensions are not built, table.py's numpy operations, `walk_numpy` and
-    batch.py's numpy loops run: the same answers as the oracle, with and without
+    batch.py's numpy and Python loops run: the same answers as the oracle, with and without
     evictions."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(table_module, "_native", None)
         patch.setattr(manager_module, "walk", walk_numpy)
         patch.setattr(manager_module, "group", group_numpy)
         patch.setattr(manager_module, "salted_keys", salted_keys_numpy)
+        patch.setattr(manager_module, "chain_stores", chain_stores_python)
         patch.setattr(holder_sets_module, "group", group_numpy)
         _compare(seed, steps=120, budget_mb=64, equal=True)
         _compare(seed, steps=120, budget_mb=2 * 16 * 36 / 2**20, equal=False)

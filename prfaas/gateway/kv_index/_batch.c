@@ -207,6 +207,8 @@ PyDoc_STRVAR(chain_stores_doc,
 "`keys` and `ours` (uint64). Returns the number of blocks written and of events rejected\n"
 "(engine hashes are read modulo 2**64).");
 
+#define MAX_BLOCK_SIZE (1 << 20) /* tokens: far above any engine's page, and no overflow */
+
 /* (instance, engine hash) -> our hash: the blocks stored so far in the flush, first wins. */
 typedef struct {
     uint64_t *engine;
@@ -235,6 +237,20 @@ typedef struct {
     uint8_t *data; /* CHAIN_PARENT_BYTES and one block's ids */
 } chain_out;
 
+/* Whether a buffer's items are uint32 ids as the hash reads them: little-endian. */
+static int little_u32(const char *format, Py_ssize_t itemsize) {
+    if (itemsize != 4) {
+        return 0;
+    }
+    if (format[0] == '<') {
+        return strcmp(format + 1, "I") == 0;
+    }
+    if (format[0] == '=' || format[0] == '@') {
+        format++;
+    }
+    return PY_LITTLE_ENDIAN && strcmp(format, "I") == 0;
+}
+
 /* Event `event`'s ids (a list or tuple of ints, or a uint32 buffer) into `data` block by
  * block, each hashed chained to the one before (the first to `parent` where `has_parent`)
  * and written to `out` with its engine hash from `hashes` (a list or tuple) salted for
@@ -251,11 +267,9 @@ static int hash_event(PyObject *hashes, PyObject *ids, int64_t bit, uint64_t par
         if (PyObject_GetBuffer(ids, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
             return -1;
         }
-        const char *format = view.format == NULL ? "B" : view.format;
-        const char *type = format + (format[0] != '\0' && strchr("<=@", format[0]) != NULL);
-        if (view.itemsize != 4 || strcmp(type, "I") != 0) {
+        if (!little_u32(view.format == NULL ? "B" : view.format, view.itemsize)) {
             PyErr_Format(PyExc_TypeError, "token ids must be a list, a tuple or uint32 ids, "
-                         "not a buffer of format %s", format);
+                         "not a buffer of format %s", view.format == NULL ? "B" : view.format);
             PyBuffer_Release(&view);
             return -1;
         }
@@ -351,12 +365,16 @@ static PyObject *chain_stores(PyObject *module, PyObject *const *args, Py_ssize_
     }
     chain_out out = {0};
     out.block_size = PyLong_AsSsize_t(args[3]);
-    out.stand_in = PyLong_AsUnsignedLongLong(args[8]);
-    if (PyErr_Occurred()) {
+    if (out.block_size == -1 && PyErr_Occurred()) {
         return NULL;
     }
-    if (out.block_size <= 0) {
-        PyErr_Format(PyExc_ValueError, "block_size must be positive, got %zd", out.block_size);
+    out.stand_in = PyLong_AsUnsignedLongLong(args[8]);
+    if (out.stand_in == (uint64_t)-1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (out.block_size <= 0 || out.block_size > MAX_BLOCK_SIZE) {
+        PyErr_Format(PyExc_ValueError, "block_size must be in [1, %d], got %zd",
+                     MAX_BLOCK_SIZE, out.block_size);
         return NULL;
     }
     PyObject *buffers[5] = {args[1], args[4], args[5], args[6], args[7]};
@@ -404,13 +422,21 @@ static PyObject *chain_stores(PyObject *module, PyObject *const *args, Py_ssize_
                          (long long)bits[k]);
             goto done;
         }
-        PyObject *event = PyList_GET_ITEM(events, k);
-        uint64_t parent = 0;
-        int chained = chain_start(event, PyList_GET_ITEM(starts, k), bits[k], &map, &parent);
-        if (chained < 0) {
+        if (k >= PyList_GET_SIZE(events) || k >= PyList_GET_SIZE(starts)) { /* (shrunk by
+            Python code an int's __index__ ran) */
+            PyErr_SetString(PyExc_RuntimeError, "events or starts changed size");
             goto done;
         }
-        if (chained == 2) {
+        PyObject *event = Py_NewRef(PyList_GET_ITEM(events, k));
+        PyObject *start = Py_NewRef(PyList_GET_ITEM(starts, k));
+        uint64_t parent = 0;
+        int chained = chain_start(event, start, bits[k], &map, &parent);
+        Py_DECREF(start);
+        if (chained < 0 || chained == 2) {
+            Py_DECREF(event);
+            if (chained < 0) {
+                goto done;
+            }
             rejected++;
             continue;
         }
@@ -426,6 +452,7 @@ static PyObject *chain_stores(PyObject *module, PyObject *const *args, Py_ssize_
         }
         Py_XDECREF(ids);
         Py_XDECREF(hashes);
+        Py_DECREF(event);
         if (status < 0) {
             goto done;
         }

@@ -12,6 +12,7 @@ event of 18 blocks.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
@@ -77,7 +78,8 @@ def chain_stores_python(
         ids = event.token_ids
         if not isinstance(ids, list | tuple):
             view = memoryview(ids)
-            if view.itemsize != 4 or view.format.lstrip("<=@") != "I":
+            little = view.format.startswith("<") or sys.byteorder == "little"
+            if view.itemsize != 4 or view.format.lstrip("<=@") != "I" or not little:
                 raise TypeError(f"token ids must be a list, a tuple or uint32 ids, not a "
                                 f"buffer of format {view.format}")  # fmt: skip
         hashes = hash_blocks(ids, block_size, parent=parent)
