@@ -10,8 +10,9 @@
  * hashing.py keeps the same loop in Python for an interpreter this module was not built
  * for, and the tests compare the two.
  *
- * `hash_packed` reads the ids from their msgpack encoding (an array of integers, as engines'
- * KV events carry them), so the gateway's KV index never makes a Python int of each id.
+ * `unpack_ids` reads ids from their msgpack encoding (an array of integers, as engines' KV
+ * events carry them where the event scan did not read them) into uint32 ids, so the
+ * gateway's KV index never makes a Python int of each id.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -209,87 +210,45 @@ static int packed_id(const uint8_t *data, Py_ssize_t len, Py_ssize_t *pos, uint3
     }
 }
 
-PyDoc_STRVAR(hash_packed_doc,
-"hash_packed(packed_ids, block_size, parent, /) -> list[int]\n\n"
-"Chained hashes of every full block of the ids in `packed_ids` (a bytes-like msgpack array of\n"
-"integers and nothing after it; every id is checked, those past the last full block too),\n"
-"the first chained to `parent` (None: no parent).");
+PyDoc_STRVAR(unpack_ids_doc,
+"unpack_ids(packed_ids, /) -> bytes\n\n"
+"The ids of `packed_ids` (a bytes-like msgpack array of integers and nothing after it, as\n"
+"engines' KV events carry them) as uint32 little-endian bytes, every id checked.");
 
-static PyObject *hash_packed(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *unpack_ids(PyObject *module, PyObject *packed_ids) {
     (void)module;
-    if (nargs != 3) {
-        PyErr_Format(PyExc_TypeError, "hash_packed takes 3 arguments, got %zd", nargs);
-        return NULL;
-    }
-    Py_ssize_t block_size;
-    uint64_t parent;
-    if (get_size(args[1], &block_size) < 0 || get_parent(args[2], &parent) < 0) {
-        return NULL;
-    }
-    if (block_size <= 0) {
-        PyErr_Format(PyExc_ValueError, "block_size must be positive, got %zd", block_size);
-        return NULL;
-    }
-    int has_parent = args[2] != Py_None;
     Py_buffer view;
-    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) {
+    if (PyObject_GetBuffer(packed_ids, &view, PyBUF_SIMPLE) < 0) {
         return NULL;
     }
     const uint8_t *packed = view.buf;
-    size_t block_bytes = 4 * (size_t)block_size;
-    uint8_t *data = NULL;
-    PyObject *hashes = NULL;
+    PyObject *result = NULL;
     Py_ssize_t pos = 0;
     Py_ssize_t count = packed_count(packed, view.len, &pos);
     if (count < 0) {
-        goto fail;
+        goto done;
     }
-    Py_ssize_t blocks = count / block_size;
-    if (blocks > 0) {
-        data = PyMem_Malloc(CHAIN_PARENT_BYTES + block_bytes);
-        if (data == NULL) {
-            PyErr_NoMemory();
-            goto fail;
-        }
+    /* at most one id a byte: 4 * count does not overflow */
+    result = PyBytes_FromStringAndSize(NULL, 4 * count);
+    if (result == NULL) {
+        goto done;
     }
-    hashes = PyList_New(blocks);
-    if (hashes == NULL) {
-        goto fail;
-    }
-    for (Py_ssize_t block = 0; block < blocks; block++) {
-        uint8_t *ids = data + CHAIN_PARENT_BYTES;
-        for (Py_ssize_t j = 0; j < block_size; j++) {
-            uint32_t id;
-            if (packed_id(packed, view.len, &pos, &id) < 0) {
-                goto fail;
-            }
-            put_u32_le(ids + 4 * j, id);
-        }
-        PyObject *value = chain_next(data, block_bytes, &parent, &has_parent);
-        if (value == NULL) {
-            goto fail;
-        }
-        PyList_SET_ITEM(hashes, block, value);
-    }
-    for (Py_ssize_t rest = count - blocks * block_size; rest > 0; rest--) {
-        uint32_t id; /* the ids past the last full block are checked, not hashed */
+    uint8_t *ids = (uint8_t *)PyBytes_AS_STRING(result);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        uint32_t id;
         if (packed_id(packed, view.len, &pos, &id) < 0) {
-            goto fail;
+            Py_CLEAR(result);
+            goto done;
         }
+        put_u32_le(ids + 4 * i, id);
     }
     if (pos != view.len) {
         PyErr_SetString(PyExc_ValueError, "bytes follow the packed token ids");
-        goto fail;
+        Py_CLEAR(result);
     }
-    PyMem_Free(data);
+done:
     PyBuffer_Release(&view);
-    return hashes;
-
-fail:
-    PyMem_Free(data);
-    Py_XDECREF(hashes);
-    PyBuffer_Release(&view);
-    return NULL;
+    return result;
 }
 
 PyDoc_STRVAR(packed_count_doc,
@@ -310,7 +269,7 @@ static PyObject *packed_count_py(PyObject *module, PyObject *packed_ids) {
 
 static PyMethodDef methods[] = {
     {"hash_range", (PyCFunction)(void (*)(void))hash_range, METH_FASTCALL, hash_range_doc},
-    {"hash_packed", (PyCFunction)(void (*)(void))hash_packed, METH_FASTCALL, hash_packed_doc},
+    {"unpack_ids", unpack_ids, METH_O, unpack_ids_doc},
     {"packed_count", packed_count_py, METH_O, packed_count_doc},
     {NULL, NULL, 0, NULL},
 };

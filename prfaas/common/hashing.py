@@ -12,7 +12,7 @@ Speed matters (the gateway hashes every prompt; the KV index re-hashes every blo
 report; the simulator hashes ~300M tokens an hour), so the loop over blocks is C
 (`_chain_hash.c`: a list's ids read in place, no packing, no per-block Python call; a
 128K-token prompt from the tokenizer's list in about 0.6 ms, most of it reading the Python
-ints, against about 1.2 ms in Python; from packed bytes about 0.1 ms). Where that
+ints, against about 1.2 ms in Python; from uint32 ids about 0.1 ms). Where that
 extension is not built (an interpreter it was not compiled for) the same loop runs in
 Python (`_hash_range_py`, which the tests hold the C to): ids packed with `array.array`
 (3x faster than numpy for tuples and lists), each block hashed one-shot.
@@ -69,21 +69,17 @@ def hash_blocks(
     return _hash_range(_ids(token_ids), block_size, parent, 0, len(token_ids) // block_size)
 
 
-def hash_packed_blocks(
-    packed_ids: Packed, block_size: int, *, parent: int | None = None
-) -> list[int]:
-    """`hash_blocks` over token ids still in their msgpack encoding (an array of integers,
-    as engines' KV events carry them, `packed_count` of them): the KV index hashes what
+def unpack_ids(packed_ids: Packed) -> bytes:
+    """The ids of `packed_ids` (a msgpack array of integers, as engines' KV events carry
+    them) as uint32 little-endian bytes, what the hash loops read: the KV index reads what
     engines report without making a Python int of each id.
 
     Raises:
-        ValueError: `block_size` not positive; `packed_ids` not a msgpack array alone (cut
-            short, or followed by other bytes).
+        ValueError: `packed_ids` not a msgpack array alone (cut short, or followed by other
+            bytes).
         OverflowError, TypeError: an id that is not an integer in [0, 2**32).
     """
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size}")
-    return _hash_packed(packed_ids, block_size, parent)
+    return _unpack_ids(packed_ids)
 
 
 def packed_count(packed_ids: Packed) -> int:
@@ -220,15 +216,9 @@ def _u32_bytes(token_ids: Sequence[int]) -> bytes:
 _PACKED = msgspec.msgpack.Decoder(tuple[int, ...])
 
 
-def _hash_packed_py(packed_ids: Packed, block_size: int, parent: int | None) -> list[int]:
-    """`_chain_hash.hash_packed`, in Python."""
-    parent = _parent(parent)
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size}")
-    ids = _decode_packed(packed_ids)
-    blocks = len(ids) // block_size
-    _u32_bytes(ids[blocks * block_size :])  # the ids past the last full block are checked too
-    return _hash_range_py(ids, block_size, parent, 0, blocks)
+def _unpack_ids_py(packed_ids: Packed) -> bytes:
+    """`_chain_hash.unpack_ids`, in Python."""
+    return _u32_bytes(_decode_packed(packed_ids))
 
 
 def _packed_count_py(packed_ids: Packed) -> int:
@@ -264,23 +254,23 @@ def _decode_packed(packed_ids: Packed) -> tuple[int, ...]:
 
 if TYPE_CHECKING:
     HashRange = Callable[[Sequence[int] | bytes, int, int | None, int, int], list[int]]
-    HashPacked = Callable[[Packed, int, int | None], list[int]]
+    UnpackIds = Callable[[Packed], bytes]
     PackedCount = Callable[[Packed], int]
 
 
-def _native() -> tuple[HashRange, HashPacked, PackedCount]:
+def _native() -> tuple[HashRange, UnpackIds, PackedCount]:
     """The C loops, or the Python ones where the extension is not built (logged once)."""
     try:
         from prfaas.common import _chain_hash
 
-        loops = _chain_hash.hash_range, _chain_hash.hash_packed, _chain_hash.packed_count
+        loops = _chain_hash.hash_range, _chain_hash.unpack_ids, _chain_hash.packed_count
     except (ImportError, AttributeError):  # not built, or built from an older source
         logger.warning(
             "prfaas.common._chain_hash is not built for this interpreter: block hashes are "
             "computed in Python (several times slower; `pip install -e .` builds it)"
         )
-        return _hash_range_py, _hash_packed_py, _packed_count_py
+        return _hash_range_py, _unpack_ids_py, _packed_count_py
     return loops
 
 
-_hash_range, _hash_packed, _packed_count = _native()
+_hash_range, _unpack_ids, _packed_count = _native()

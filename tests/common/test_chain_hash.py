@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from prfaas.common import hashing
 
 try:
-    from prfaas.common._chain_hash import hash_packed, hash_range, packed_count
+    from prfaas.common._chain_hash import hash_range, packed_count, unpack_ids
 except ImportError:  # every test here then fails: the project's setup builds it
-    hash_range = hash_packed = packed_count = None  # type: ignore[assignment]
+    hash_range = unpack_ids = packed_count = None  # type: ignore[assignment]
 
 IDS = st.lists(st.integers(0, 2**32 - 1), max_size=300)
 PARENTS = st.none() | st.integers(0, 2**64 - 1)
@@ -27,7 +27,7 @@ def test_the_c_loop_is_what_hashing_runs() -> None:
     (where it is missing, hashing falls back to Python, about 10x slower)."""
     assert hash_range is not None, "prfaas.common._chain_hash is not built"
     assert hashing._hash_range is hash_range
-    assert hashing._hash_packed is hash_packed
+    assert hashing._unpack_ids is unpack_ids
     assert hashing._packed_count is packed_count
 
 
@@ -106,16 +106,19 @@ def test_a_list_emptied_while_read() -> None:
 
 @settings(max_examples=200, deadline=None)
 @given(ids=IDS, block_size=st.integers(1, 70), parent=PARENTS)
-def test_packed_ids_hash_as_their_values(
+def test_packed_ids_unpack_to_their_values(
     ids: list[int], block_size: int, parent: int | None
 ) -> None:
     """Ids in their msgpack encoding (as KV events carry them; arrays of up to 300 take
-    the fixarray and array-16 headers) hash as the ids do, in C and in Python."""
+    the fixarray and array-16 headers) unpack to their uint32 values, in C and in Python,
+    and hash as the ids do."""
     packed = msgspec.msgpack.encode(ids)
-    expected = hashing._hash_range_py(ids, block_size, parent, 0, len(ids) // block_size)
-    assert hash_packed(packed, block_size, parent) == expected
-    assert hashing._hash_packed_py(packed, block_size, parent) == expected
-    assert hash_packed(msgspec.Raw(packed), block_size, parent) == expected
+    expected = np.array(ids, dtype="<u4").tobytes()
+    assert unpack_ids(packed) == hashing._unpack_ids_py(packed) == expected
+    assert unpack_ids(msgspec.Raw(packed)) == expected
+    hashes = hashing._hash_range_py(ids, block_size, parent, 0, len(ids) // block_size)
+    assert hashing.hash_blocks(memoryview(unpack_ids(packed)).cast("I"), block_size,
+                               parent=parent) == hashes  # fmt: skip
     assert packed_count(packed) == hashing._packed_count_py(packed) == len(ids)
 
 
@@ -135,9 +138,8 @@ def test_packed_ids_in_every_integer_form() -> None:
     ]
     top = b"\xce\xff\xff\xff\xff"  # 2**32 - 1
     packed = b"\xdd" + (len(forms) + 1).to_bytes(4, "big") + b"".join(forms) + top
-    expected = hashing._hash_range_py([5] * len(forms) + [2**32 - 1], 2, None, 0, 5)
-    assert hash_packed(packed, 2, None) == expected
-    assert hashing._hash_packed_py(packed, 2, None) == expected
+    expected = np.array([5] * len(forms) + [2**32 - 1], dtype="<u4").tobytes()
+    assert unpack_ids(packed) == hashing._unpack_ids_py(packed) == expected
     assert packed_count(packed) == 10
 
 
@@ -156,11 +158,11 @@ def test_packed_ids_in_every_integer_form() -> None:
     ],
 )
 def test_packed_ids_that_are_not_uint32(packed: bytes, error: type[Exception]) -> None:
-    """Both loops refuse what is not an array of uint32 integers, with the same type."""
+    """Both readers refuse what is not an array of uint32 integers, with the same type."""
     with pytest.raises(error):
-        hash_packed(packed, 2, None)
+        unpack_ids(packed)
     with pytest.raises(error):
-        hashing._hash_packed_py(packed, 2, None)
+        hashing._unpack_ids_py(packed)
 
 
 def test_index_like_arguments_and_blocks_larger_than_the_ids() -> None:
@@ -169,11 +171,8 @@ def test_index_like_arguments_and_blocks_larger_than_the_ids() -> None:
     ids = [1, 2, 3, 4]
     expected = hashing._hash_range_py(ids, 2, 5, 0, 2)
     assert hash_range(ids, np.int64(2), np.uint64(5), np.int8(0), np.int64(2)) == expected  # type: ignore[arg-type]
-    packed = msgspec.msgpack.encode(ids)
-    assert hash_packed(packed, np.int64(2), np.uint64(5)) == expected  # type: ignore[arg-type]
     assert hashing.hash_blocks(ids, 2**40) == []
     assert hash_range(ids, 2**40, None, 0, 0) == []
-    assert hash_packed(packed, 2**40, None) == hashing._hash_packed_py(packed, 2**40, None) == []
 
 
 def test_a_count_past_the_bytes_is_refused_before_anything_is_read() -> None:
@@ -184,23 +183,23 @@ def test_a_count_past_the_bytes_is_refused_before_anything_is_read() -> None:
         with pytest.raises(ValueError, match="end before their count"):
             count(packed)
     with pytest.raises(ValueError, match="end before their count"):
-        hash_packed(packed, 1, None)
+        unpack_ids(packed)
 
 
 @pytest.mark.parametrize(
     ("packed", "error"),
     [
-        (b"\x91\xa1x", TypeError),  # a string in the tail, past the last full block
-        (b"\x95\x01\x02\x03\x04\xff", OverflowError),  # a negative id in the tail
+        (b"\x91\xa1x", TypeError),  # a string at the end
+        (b"\x95\x01\x02\x03\x04\xff", OverflowError),  # a negative id at the end
         (b"\x94\x01\x02\x03\x04\x05", ValueError),  # a byte after the array
     ],
 )
 def test_packed_ids_are_checked_to_their_end(packed: bytes, error: type[Exception]) -> None:
-    """Every id is checked, hashed or not, and the bytes hold the array alone."""
+    """Every id is checked, and the bytes hold the array alone."""
     with pytest.raises(error):
-        hash_packed(packed, 4, None)
+        unpack_ids(packed)
     with pytest.raises(error):
-        hashing._hash_packed_py(packed, 4, None)
+        hashing._unpack_ids_py(packed)
 
 
 @pytest.mark.parametrize(
@@ -208,15 +207,9 @@ def test_packed_ids_are_checked_to_their_end(packed: bytes, error: type[Exceptio
 )
 def test_a_bad_parent_is_refused_even_with_no_block(parent: object, error: type[Exception]) -> None:
     """Both loops check the parent first, whatever there is to hash."""
-    packed = msgspec.msgpack.encode([1])
     for loop in (hash_range, hashing._hash_range_py):
         with pytest.raises(error):
             loop([1], 2, parent, 0, 0)  # type: ignore[operator]
-    for loop in (hash_packed, hashing._hash_packed_py):
-        with pytest.raises(error):
-            loop(packed, 2, parent)  # type: ignore[operator]
-    with pytest.raises(ValueError, match="block_size must be positive"):
-        hashing._hash_packed_py(packed, 0, None)
 
 
 def test_uint32_buffers_and_numpy_arrays() -> None:

@@ -38,7 +38,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from prfaas.common.hashing import packed_count, salt_root
+from prfaas.common.hashing import packed_count, salt_root, unpack_ids
 from prfaas.gateway.kv_index.batch import chain_stores, group, salted_keys
 from prfaas.gateway.kv_index.growing import GROWTH, GrowingTable
 from prfaas.gateway.kv_index.holder_sets import EMPTY, MULTIPLE, HolderSets
@@ -408,12 +408,12 @@ class KVIndexManager:
         if not isinstance(event.token_ids, msgspec.Raw):
             return event
         try:
-            ids = msgspec.msgpack.decode(event.token_ids, type=list[int])
-            return msgspec.structs.replace(event, token_ids=_uint32(ids))
-        except (msgspec.DecodeError, ValueError, OverflowError) as exc:
+            ids = memoryview(unpack_ids(event.token_ids)).cast("I")
+        except (ValueError, OverflowError, TypeError) as exc:
             self._reject(instance_id, "ids", "%s: BlockStored ignored, its token ids are "
                          "not a msgpack array of uint32 ids: %s", exc)  # fmt: skip
             return None
+        return msgspec.structs.replace(event, token_ids=ids)
 
     def _fits(self, instance_id: str, event: BlockStored[Any]) -> bool:
         n = len(event.block_hashes)
@@ -791,18 +791,6 @@ def _id_count(event: BlockStored[Any]) -> int | None:
         return packed_count(ids) if isinstance(ids, msgspec.Raw) else len(ids)
     except ValueError:
         return None
-
-
-def _uint32(ids: list[int]) -> memoryview:
-    """`ids` as uint32 little-endian ids (what `chain_stores` reads).
-
-    Raises:
-        OverflowError: an id outside [0, 2**32).
-    """
-    array = np.array(ids, dtype=np.int64)
-    if len(array) and (array.min() < 0 or array.max() >= 2**32):
-        raise OverflowError("a token id does not fit uint32")
-    return array.astype("<u4").data
 
 
 def _words(bits: int, words: int) -> U64:

@@ -12,8 +12,8 @@ A `BlockStored`'s token ids come in one of three forms (its type parameter): dec
 of each id (that was most of what reading an event cost): uint32 ids in an array
 (`IdArray`), read by `_scan.c` (C, optional at install) from the batches in the forms it
 reads, or, for any other batch, left in their msgpack encoding by msgspec (`PackedIds`),
-which the index unpacks and validates when it applies the event (one Python int an id: the
-slow path, for batches in forms the scan does not read, or where it is not built).
+which the index unpacks and validates when it applies the event
+(`prfaas.common.hashing.unpack_ids`).
 Why the scan: msgspec skips packed ids one by one, about 8 us of the 9 an event of 18
 blocks took, and hashing read them again; the scan reads them once.
 """
