@@ -228,7 +228,10 @@ static PyObject *unpack_ids(PyObject *module, PyObject *packed_ids) {
     if (count < 0) {
         goto done;
     }
-    /* at most one id a byte: 4 * count does not overflow */
+    if (count > PY_SSIZE_T_MAX / 4) {
+        PyErr_SetString(PyExc_ValueError, "too many packed token ids");
+        goto done;
+    }
     result = PyBytes_FromStringAndSize(NULL, 4 * count);
     if (result == NULL) {
         goto done;

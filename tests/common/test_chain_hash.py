@@ -182,8 +182,9 @@ def test_a_count_past_the_bytes_is_refused_before_anything_is_read() -> None:
     for count in (packed_count, hashing._packed_count_py):
         with pytest.raises(ValueError, match="end before their count"):
             count(packed)
-    with pytest.raises(ValueError, match="end before their count"):
-        unpack_ids(packed)
+    for unpack in (unpack_ids, hashing._unpack_ids_py):
+        with pytest.raises(ValueError, match="end before their count"):
+            unpack(packed)
 
 
 @pytest.mark.parametrize(

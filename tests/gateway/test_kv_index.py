@@ -195,17 +195,19 @@ def test_packed_token_ids_that_are_not_uint32_are_rejected(
     C loops and with the Python ones that stand in where they are not built."""
     if loops == "python":
         monkeypatch.setattr(hashing, "_packed_count", hashing._packed_count_py)
+        monkeypatch.setattr(hashing, "_unpack_ids", hashing._unpack_ids_py)
         monkeypatch.setattr(manager_module, "chain_stores", batch.chain_stores_python)
     index = KVIndexManager(block_size=BS)
     good = msgspec.Raw(msgspec.msgpack.encode([1, 2, 3, 4]))
     negative = msgspec.Raw(msgspec.msgpack.encode([1, 2, -3, 4]))
     short = msgspec.Raw(msgspec.msgpack.encode([1, 2, 3]))
     text = msgspec.Raw(msgspec.msgpack.encode("1234"))
+    mixed = msgspec.Raw(msgspec.msgpack.encode([1, "x", 3, 4]))
     index.apply("a", [BlockStored((9,), None, negative, BS), BlockStored((9,), None, short, BS)])
     index.apply("a", [BlockStored((9,), None, text, BS), BlockStored((7,), None, negative, BS)])
-    index.apply("a", [BlockStored((5,), None, good, BS)])
+    index.apply("a", [BlockStored((8,), None, mixed, BS), BlockStored((5,), None, good, BS)])
     assert index.longest_prefix(hash_blocks([1, 2, 3, 4], BS)) == {"a": 4}
-    assert index.rejected_events == 4 and len(index) == 1
+    assert index.rejected_events == 5 and len(index) == 1
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert sum("not a msgpack array of uint32 ids" in e for e in errors) == 1, errors
     assert sum("3 token ids for 1 blocks of 4" in e for e in errors) == 1, errors

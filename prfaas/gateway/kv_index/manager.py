@@ -408,7 +408,7 @@ class KVIndexManager:
         if not isinstance(event.token_ids, msgspec.Raw):
             return event
         try:
-            ids = memoryview(unpack_ids(event.token_ids)).cast("I")
+            ids = np.frombuffer(unpack_ids(event.token_ids), dtype="<u4").data
         except (ValueError, OverflowError, TypeError) as exc:
             self._reject(instance_id, "ids", "%s: BlockStored ignored, its token ids are "
                          "not a msgpack array of uint32 ids: %s", exc)  # fmt: skip
