@@ -49,6 +49,15 @@ def prefill_costs(profile: DeploymentProfile) -> PrefillCosts:
     )
 
 
+def next_period_end(end: float, now: float, period_s: float, *, woken: bool) -> float:
+    """When the long-term period that starts `now` ends: a period after the one that just
+    ended (`end`), so that periods keep their length whatever the decision took (timed from
+    the end of each decision, live periods of 20 s ran 20.1 s); a period from now when a
+    step woke this one early, or when the last one overran its own period."""
+    following = end + period_s
+    return now + period_s if woken or following <= now else following
+
+
 class Scheduler:
     """Owns the loops' tasks. Build inside the running loop."""
 
@@ -156,12 +165,16 @@ class Scheduler:
             _guarded(self._tick)
 
     async def _periods(self) -> None:
+        loop = asyncio.get_running_loop()
+        period_s = self.config.period_s
+        end = loop.time() + period_s
         while True:
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.config.period_s):
+                async with asyncio.timeout_at(end):
                     await self._wake_long.wait()
             stepped = self._wake_long.is_set()
             self._wake_long.clear()
+            end = next_period_end(end, loop.time(), period_s, woken=stepped)
             if not self.leading:
                 self.observer.take_samples()  # the leader estimates from its own copy
                 continue
