@@ -41,9 +41,10 @@ Measured per side and size, each side alone in a fresh subprocess (so its RSS is
   the longest single apply call (the goal: a burst never holds the gateway's loop over 1
   ms). An index that buffers events and applies them later (the numpy rewrite does, in
   batches, at the latest at its next read) is read once after the last event (`len`), that
-  call timed as one more apply call. Ours also reads this thread's CPU time in each apply
-  call, and the machine's steal time over the ingest (`apply_calls_cpu`,
-  `machine_steal_s`): a call that held the loop long on little CPU time was descheduled;
+  call timed as one more apply call. Ours also reads this thread's CPU time and context
+  switches in each apply call, and the machine's steal time over the ingest
+  (`apply_calls_cpu`, `machine_steal_s`): a call that held the loop long on little CPU
+  time was off the CPU, waiting (the GIL, a lock, a page) or preempted;
 - lookup p50/p99 (ours `longest_prefix(hashes)`, Dynamo `find_matches(local_hashes)`);
 - ours only: an index whose tables grow in steps (`KVIndexManager.advance_growth`) may end
   the ingest in the middle of a growth, holding two tables (more memory, lookups searching
@@ -109,6 +110,7 @@ import math
 import os
 import platform
 import random
+import resource
 import statistics
 import subprocess
 import sys
@@ -333,22 +335,56 @@ def _durations_summary(durations: array.array[float], total_s: float) -> dict[st
     }
 
 
-def _cpu_summary(wall: array.array[float], cpu: array.array[float]) -> dict[str, float | int]:
-    """What of the apply calls' wall time was this thread's own CPU time: a call that held
-    the loop long while its CPU time stayed short was descheduled (another process, or the
-    hypervisor taking the core: steal time), not slow code. The longest wall call's CPU
-    time, the CPU times' own p99 and longest, and how many calls spent over 1 ms on CPU."""
-    longest = max(range(len(wall)), key=wall.__getitem__)
-    ordered = sorted(cpu)
-    return {
-        "longest_wall_call_cpu_ms": cpu[longest] * 1e3,
-        "max_ms": ordered[-1] * 1e3,
-        "p99_ms": _quantile(ordered, 0.99) * 1e3,
-        "over_1ms": sum(1 for d in ordered if d > 1e-3),
-        "over_1ms_wall_under_1ms_cpu": sum(
-            1 for w, c in zip(wall, cpu, strict=True) if w > 1e-3 and c <= 1e-3
-        ),
-    }
+def _thread_usage() -> tuple[float, int, int]:
+    """This thread's CPU time (`CLOCK_THREAD_CPUTIME_ID`, to the nanosecond; getrusage's
+    times count whole clock ticks here, 4 ms) and its voluntary and involuntary context
+    switches so far (getrusage)."""
+    u = resource.getrusage(resource.RUSAGE_THREAD)
+    return time.thread_time(), u.ru_nvcsw, u.ru_nivcsw
+
+
+class _CallUsage:
+    """Per apply call: this thread's CPU time, and whether it gave the core up (a voluntary
+    switch: it waited, for the GIL, a lock or a page) or had it taken (an involuntary one:
+    another thread or process ran on it). A call that held the loop long on little CPU time
+    was off the CPU; its switches say which way."""
+
+    def __init__(self, calls: int) -> None:
+        self.cpu = array.array("d", bytes(8 * calls))
+        self.voluntary = array.array("q", bytes(8 * calls))
+        self.involuntary = array.array("q", bytes(8 * calls))
+        self.threads = array.array("q", bytes(8 * calls))
+
+    def record(self, n: int, start: tuple[float, int, int], end: tuple[float, int, int]) -> None:
+        self.cpu[n] = end[0] - start[0]
+        self.voluntary[n] = end[1] - start[1]
+        self.involuntary[n] = end[2] - start[2]
+        self.threads[n] = threading.active_count() - 1  # the index's helpers (see growing.py)
+
+    def summary(self, wall: array.array[float]) -> dict[str, float | int]:
+        """The longest wall call's CPU time, switches and the index's helper threads alive at
+        its end; the CPU times' p99 and longest; the calls over 1 ms of CPU time; and the
+        calls off the CPU over 1 ms (wall time less CPU time), by whether they only waited
+        (voluntary switches) or were preempted, and how many ended beside a helper thread
+        (one faulting a next table in or giving a moved-out one back)."""
+        longest = max(range(len(wall)), key=wall.__getitem__)
+        ordered = sorted(self.cpu)
+        off_cpu = [n for n, (w, c) in enumerate(zip(wall, self.cpu, strict=True)) if w - c > 1e-3]
+        preempted = sum(1 for n in off_cpu if self.involuntary[n])
+        return {
+            "longest_wall_call_cpu_ms": self.cpu[longest] * 1e3,
+            "longest_wall_call_voluntary_switches": self.voluntary[longest],
+            "longest_wall_call_involuntary_switches": self.involuntary[longest],
+            "longest_wall_call_helper_threads": self.threads[longest],
+            "max_ms": ordered[-1] * 1e3,
+            "p99_ms": _quantile(ordered, 0.99) * 1e3,
+            "over_1ms": sum(1 for d in ordered if d > 1e-3),
+            "over_1ms_off_cpu": len(off_cpu),
+            "of_those_preempted": preempted,
+            "of_those_waiting": len(off_cpu) - preempted,
+            "of_those_beside_a_helper_thread": sum(1 for n in off_cpu if self.threads[n]),
+            "calls_beside_a_helper_thread": sum(1 for t in self.threads if t),
+        }
 
 
 def _steal_s() -> float:
@@ -430,28 +466,28 @@ def run_ours(w: Workload, reps: int, snapshot: bool, layout: str) -> dict[str, A
     hash_fresh_ms = _median_ms(lambda: hash_blocks(prompt, BLOCK), HASH_REPS)
     decode_times = array.array("d", bytes(8 * batches))
     apply_times = array.array("d", bytes(8 * (batches + 1)))  # the last: the flushing read
-    apply_cpu = array.array("d", bytes(8 * (batches + 1)))  # this thread's CPU time in each
+    usage = _CallUsage(batches + 1)  # this thread's CPU time and context switches in each
     gc.collect()
     before = _proc_status()
     steal_before = _steal_s()
-    perf, cpu = time.perf_counter, time.thread_time
+    perf = time.perf_counter
     for n, (i, payload) in enumerate(_round_robin(payloads)):
         t0 = perf()
         batch = decoders[i](payload)
         t1 = perf()
-        c0 = cpu()  # (a system call: read outside the timed span)
+        begun = _thread_usage()  # (a system call: read outside the timed span)
         t2 = perf()
         index.apply(ids[i], batch.events)
         t3 = perf()
-        apply_cpu[n] = cpu() - c0
+        usage.record(n, begun, _thread_usage())
         decode_times[n] = t1 - t0
         apply_times[n] = t3 - t2
     del batch
-    c0 = cpu()
+    begun = _thread_usage()
     t0 = perf()
     held = len(index)  # a read: an index that buffers events applies what still waits
     apply_times[batches] = perf() - t0
-    apply_cpu[batches] = cpu() - c0
+    usage.record(batches, begun, _thread_usage())
     steal = _steal_s() - steal_before
     gc.collect()
     after = _proc_status()
@@ -486,14 +522,14 @@ def run_ours(w: Workload, reps: int, snapshot: bool, layout: str) -> dict[str, A
             "apply_s": apply_s,
             "decode_s": decode_s,
             "apply_calls": _durations_summary(apply_times, apply_s),
-            "apply_calls_cpu": _cpu_summary(apply_times, apply_cpu),
+            "apply_calls_cpu": usage.summary(apply_times),
             "machine_steal_s": steal,
         },
         "lookup": lookup,
         "hash_128k_ms": {"fresh": hash_fresh_ms, "after_ingest": hash_after_ms},
         "checks": answers,
     }
-    del index, decode_times, apply_times, apply_cpu
+    del index, decode_times, apply_times, usage
     if snapshot and layout == "map":  # (vLLM and SGLang serve a replay buffer, no snapshot)
         result["snapshot_catchup"] = None
     elif snapshot:
@@ -828,6 +864,12 @@ def _table(size: str, row: dict[str, Any]) -> None:
          get(ours, "ingest", "apply_calls_cpu", "longest_wall_call_cpu_ms"), None, 2, ""),
         ("  calls over 1 ms of this thread's CPU time",
          get(ours, "ingest", "apply_calls_cpu", "over_1ms"), None, 0, ""),
+        ("  calls off the CPU over 1 ms: preempted",
+         get(ours, "ingest", "apply_calls_cpu", "of_those_preempted"), None, 0, ""),
+        ("  calls off the CPU over 1 ms: waiting (GIL, lock, page)",
+         get(ours, "ingest", "apply_calls_cpu", "of_those_waiting"), None, 0, ""),
+        ("  of those, beside the index's own helper thread",
+         get(ours, "ingest", "apply_calls_cpu", "of_those_beside_a_helper_thread"), None, 0, ""),
         ("  machine's steal time during the ingest (s)",
          get(ours, "ingest", "machine_steal_s"), None, 2, ""),
         ("lookup 128K p50 (ms)", get(ours, "lookup", "p50_ms"), get(dyn, "lookup", "p50_ms"),
