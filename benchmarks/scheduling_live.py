@@ -224,7 +224,10 @@ class LiveRun:
     """The gateway's counters at each phase start, and at the end."""
     decisions: list[dict[str, Any]]
     """The schedulers' decisions (`/admin/state`'s recent ones, reason and inputs), each with
-    `seen_s`, the first sample that showed it."""
+    `seen_s`, the first sample that showed it, and `at_s`, when the gateway made it on this
+    run's clock (None where the two clocks did not agree). The changes of `t`, the
+    set-point, the regime and the roles are timed by the decisions that made them (settling
+    times are then not late by up to a sampling interval)."""
 
 
 class Controller:
@@ -243,6 +246,7 @@ class Controller:
         self.counters: list[dict[str, float]] = []
         self.decisions: dict[tuple[float, str, str], dict[str, Any]] = {}
         self._last: dict[str, Any] | None = None
+        self._sampled = 0.0  # when the last sample was recorded
         self._tasks: list[asyncio.Task[None]] = []
 
     def started(self, run: asyncio.Task[Any]) -> None:
@@ -259,8 +263,11 @@ class Controller:
             task.add_done_callback(failed)
 
     def now(self) -> float:
+        return self._loop.time() - self._origin()
+
+    def _origin(self) -> float:
         assert self._t0 is not None
-        return self._loop.time() - self._t0
+        return self._t0
 
     async def stop(self) -> None:
         self.counters.append(await self._counters())
@@ -341,16 +348,50 @@ class Controller:
         ))  # fmt: skip
         self.utilisation.append((at, util))
         scheduler = state.get("scheduler") or {}
+        fresh: list[dict[str, Any]] = []
         for d in scheduler.get("recent", ()):
             key = (d["at"], d["loop"], d["kind"])
-            self.decisions.setdefault(key, {"seen_s": round(at, 1), **d})
+            if key not in self.decisions:
+                made = decided_at(d["at"] - self._origin(), self._sampled, at)
+                entry = {"seen_s": round(at, 1), "at_s": made, **d}
+                self.decisions[key] = entry
+                fresh.append(entry)
         now = {"threshold": state["threshold"], "set_point": scheduler.get("set_point"),
                "regime": state["regime"], "role": roles}  # fmt: skip
         if self._last is not None:
             for kind, value in now.items():
                 if value != self._last[kind]:
-                    self.events.append(ControlEvent(at, kind, value))
+                    self.events.append(ControlEvent(change_at(kind, fresh, at), kind, value))
         self._last = now
+        self._sampled = at
+
+
+CHANGED_BY = {
+    "threshold": {("long-term", "set_point"), ("short-term", "threshold"), ("operator", "pin")},
+    "set_point": {("long-term", "set_point"), ("operator", "pin")},
+    "regime": {("short-term", "regime"), ("operator", "pin")},
+    "role": {("long-term", "role")},
+}
+"""Which decisions (loop, kind) change each sampled field of the schedule."""
+
+
+def decided_at(at_s: float, previous_sample_s: float, sample_s: float) -> float | None:
+    """A decision's time on this run's clock, from the gateway's own (both loops read the
+    machine's monotonic clock), where it falls between the sample before (less the
+    `/admin/state` read's own time) and the one that first showed it; None where it does
+    not (the clocks do not agree)."""
+    if previous_sample_s - SAMPLE_S <= at_s <= sample_s + 0.01:
+        return round(at_s, 3)
+    return None
+
+
+def change_at(kind: str, fresh: list[dict[str, Any]], sample_s: float) -> float:
+    """When a field the sample at `sample_s` shows changed: the latest of the decisions it
+    first showed that change that field, timed by the gateway (so a settling time is not
+    late by up to a sampling interval); the sample's time where none is timed."""
+    times = [d["at_s"] for d in fresh
+             if (d["loop"], d["kind"]) in CHANGED_BY[kind] and d["at_s"] is not None]  # fmt: skip
+    return max(times) if times else sample_s
 
 
 async def drive(d: Deployment, scenario: Scenario, variant: Variant, seed: int) -> LiveRun:

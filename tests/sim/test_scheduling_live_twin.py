@@ -68,3 +68,22 @@ def test_a_recorded_run_of_some_phases_has_its_twin_on_those_phases() -> None:
     recorded["args"]["phases"] = ["longer"]
     _, scenario, _ = bench._recorded(recorded, dedicated_cores=False)
     assert [(p.name, p.start_s) for p in scenario.phases] == [("longer", 0.0)]
+
+
+def test_a_change_is_timed_by_the_decision_that_made_it_not_by_the_sample() -> None:
+    """A set-point move the gateway made at 59.4 s, first shown by the sample at 60.2 s,
+    counts at 59.4 s (settling is judged to the second); a decision whose time falls
+    outside the span between the samples (the two clocks disagree) is not trusted."""
+    bench = _benchmark()
+    assert bench.decided_at(59.4, 59.2, 60.2) == 59.4
+    assert bench.decided_at(61.0, 59.2, 60.2) is None  # after the sample that showed it
+    assert bench.decided_at(20.0, 59.2, 60.2) is None  # long before the sample before
+    fresh = [
+        {"loop": "long-term", "kind": "rebalance", "at_s": 59.4},
+        {"loop": "long-term", "kind": "set_point", "at_s": 59.4},
+        {"loop": "short-term", "kind": "threshold", "at_s": 59.9},
+    ]
+    assert bench.change_at("set_point", fresh, 60.2) == 59.4
+    assert bench.change_at("threshold", fresh, 60.2) == 59.9
+    assert bench.change_at("role", fresh, 60.2) == 60.2  # no decision of that kind: the sample
+    assert bench.change_at("set_point", [{**fresh[1], "at_s": None}], 60.2) == 60.2
