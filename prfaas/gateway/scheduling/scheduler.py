@@ -52,8 +52,9 @@ def prefill_costs(profile: DeploymentProfile) -> PrefillCosts:
 def next_period_end(end: float, now: float, period_s: float, *, woken: bool) -> float:
     """When the long-term period that starts `now` ends: a period after the one that just
     ended (`end`), so that periods keep their length whatever the decision took (timed from
-    the end of each decision, live periods of 20 s ran 20.1 s); a period from now when a
-    step woke this one early, or when the last one overran its own period."""
+    the end of each decision, each live period ran its decision's time longer, about 10 ms,
+    and the lag added up); a period from now when a step woke this one early, or when the
+    last one overran its own period."""
     following = end + period_s
     return now + period_s if woken or following <= now else following
 

@@ -1,6 +1,6 @@
 """The long-term loop's periods keep their length: each ends a period after the last one
-ended, not a period after the last decision finished (live, decisions of 0.1 s made 20 s
-periods run 20.1 s, and the drift moved every later decision)."""
+ended, not a period after the last decision finished (live, each 20 s period ran its
+decision's time longer, and the lag added up over a run)."""
 
 from __future__ import annotations
 
