@@ -335,12 +335,17 @@ def _durations_summary(durations: array.array[float], total_s: float) -> dict[st
     }
 
 
-def _thread_usage() -> tuple[float, int, int]:
+Usage = tuple[float, int, int, int]
+"""CPU time, voluntary and involuntary switches, other threads alive (`_thread_usage`)."""
+
+
+def _thread_usage() -> Usage:
     """This thread's CPU time (`CLOCK_THREAD_CPUTIME_ID`, to the nanosecond; getrusage's
-    times count whole clock ticks here, 4 ms) and its voluntary and involuntary context
-    switches so far (getrusage)."""
+    times count whole clock ticks here, 4 ms), its voluntary and involuntary context
+    switches so far (getrusage), and the other threads alive (the index's helpers, see
+    growing.py)."""
     u = resource.getrusage(resource.RUSAGE_THREAD)
-    return time.thread_time(), u.ru_nvcsw, u.ru_nivcsw
+    return time.thread_time(), u.ru_nvcsw, u.ru_nivcsw, threading.active_count() - 1
 
 
 class _CallUsage:
@@ -355,18 +360,18 @@ class _CallUsage:
         self.involuntary = array.array("q", bytes(8 * calls))
         self.threads = array.array("q", bytes(8 * calls))
 
-    def record(self, n: int, start: tuple[float, int, int], end: tuple[float, int, int]) -> None:
+    def record(self, n: int, start: Usage, end: Usage) -> None:
         self.cpu[n] = end[0] - start[0]
         self.voluntary[n] = end[1] - start[1]
         self.involuntary[n] = end[2] - start[2]
-        self.threads[n] = threading.active_count() - 1  # the index's helpers (see growing.py)
+        self.threads[n] = max(start[3], end[3])
 
     def summary(self, wall: array.array[float]) -> dict[str, float | int]:
         """The longest wall call's CPU time, switches and the index's helper threads alive at
-        its end; the CPU times' p99 and longest; the calls over 1 ms of CPU time; and the
-        calls off the CPU over 1 ms (wall time less CPU time), by whether they only waited
-        (voluntary switches) or were preempted, and how many ended beside a helper thread
-        (one faulting a next table in or giving a moved-out one back)."""
+        its start or end; the CPU times' p99 and longest; the calls over 1 ms of CPU time;
+        and the calls off the CPU over 1 ms (wall time less CPU time), by whether they only
+        waited (voluntary switches) or were preempted, and how many began or ended beside a
+        helper thread (one faulting a next table in or giving a moved-out one back)."""
         longest = max(range(len(wall)), key=wall.__getitem__)
         ordered = sorted(self.cpu)
         off_cpu = [n for n, (w, c) in enumerate(zip(wall, self.cpu, strict=True)) if w - c > 1e-3]

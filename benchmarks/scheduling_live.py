@@ -367,8 +367,13 @@ class Controller:
 
 
 CHANGED_BY = {
-    "threshold": {("long-term", "set_point"), ("short-term", "threshold"), ("operator", "pin")},
-    "set_point": {("long-term", "set_point"), ("operator", "pin")},
+    "threshold": {
+        ("long-term", "set_point"),
+        ("long-term", "role"),  # (a conversion's end sets t too)
+        ("short-term", "threshold"),
+        ("operator", "pin"),
+    },
+    "set_point": {("long-term", "set_point"), ("long-term", "role"), ("operator", "pin")},
     "regime": {("short-term", "regime"), ("operator", "pin")},
     "role": {("long-term", "role")},
 }
@@ -415,7 +420,8 @@ async def drive(d: Deployment, scenario: Scenario, variant: Variant, seed: int) 
             records = await driving
         finally:
             await control.stop()
-    run = VariantRun(variant, tuple(records), tuple(control.timeline), tuple(control.events),
+    events = sorted(control.events, key=lambda e: e.at)  # (timed by decisions: near order)
+    run = VariantRun(variant, tuple(records), tuple(control.timeline), tuple(events),
                      (), time.perf_counter() - wall)  # fmt: skip
     decisions = sorted(control.decisions.values(), key=lambda d: d["at"])
     return LiveRun(run, control.utilisation, control.counters, decisions)

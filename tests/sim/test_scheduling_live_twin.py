@@ -87,3 +87,6 @@ def test_a_change_is_timed_by_the_decision_that_made_it_not_by_the_sample() -> N
     assert bench.change_at("threshold", fresh, 60.2) == 59.9
     assert bench.change_at("role", fresh, 60.2) == 60.2  # no decision of that kind: the sample
     assert bench.change_at("set_point", [{**fresh[1], "at_s": None}], 60.2) == 60.2
+    ended = [{"loop": "long-term", "kind": "role", "at_s": 59.6}]  # a conversion's end sets t
+    assert bench.change_at("set_point", ended, 60.2) == bench.change_at("role", ended, 60.2)
+    assert bench.change_at("threshold", ended, 60.2) == 59.6
