@@ -335,8 +335,13 @@ def _durations_summary(durations: array.array[float], total_s: float) -> dict[st
     }
 
 
-Usage = tuple[float, int, int, int]
-"""CPU time, voluntary and involuntary switches, other threads alive (`_thread_usage`)."""
+class Usage(NamedTuple):
+    """What `_thread_usage` reads."""
+
+    cpu_s: float
+    voluntary: int
+    involuntary: int
+    threads: int
 
 
 def _thread_usage() -> Usage:
@@ -345,7 +350,7 @@ def _thread_usage() -> Usage:
     switches so far (getrusage), and the other threads alive (the index's helpers, see
     growing.py)."""
     u = resource.getrusage(resource.RUSAGE_THREAD)
-    return time.thread_time(), u.ru_nvcsw, u.ru_nivcsw, threading.active_count() - 1
+    return Usage(time.thread_time(), u.ru_nvcsw, u.ru_nivcsw, threading.active_count() - 1)
 
 
 class _CallUsage:
@@ -361,10 +366,10 @@ class _CallUsage:
         self.threads = array.array("q", bytes(8 * calls))
 
     def record(self, n: int, start: Usage, end: Usage) -> None:
-        self.cpu[n] = end[0] - start[0]
-        self.voluntary[n] = end[1] - start[1]
-        self.involuntary[n] = end[2] - start[2]
-        self.threads[n] = max(start[3], end[3])
+        self.cpu[n] = end.cpu_s - start.cpu_s
+        self.voluntary[n] = end.voluntary - start.voluntary
+        self.involuntary[n] = end.involuntary - start.involuntary
+        self.threads[n] = max(start.threads, end.threads)
 
     def summary(self, wall: array.array[float]) -> dict[str, float | int]:
         """The longest wall call's CPU time, switches and the index's helper threads alive at
