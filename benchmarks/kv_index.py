@@ -46,14 +46,14 @@ Measured per side and size, each side alone in a fresh subprocess (so its RSS is
   (`apply_calls_cpu`, `machine_steal_s`): a call that held the loop long on little CPU
   time was off the CPU, waiting (the GIL, a lock, a page) or preempted;
 - lookup p50/p99 (ours `longest_prefix(hashes)`, Dynamo `find_matches(local_hashes)`);
-- ours only: an index whose tables grow in steps (`KVIndexManager.advance_growth`) may end
-  the ingest in the middle of a growth, holding two tables (more memory, lookups searching
-  both). The JSON says so (`growing_at_memory_reading`), and the growth is then ended as
-  the gateway's feed ends it with no events arriving, back to back here, and memory and
-  lookups read again (`settled`); the ingest rate counting those steps' time too is
-  `wire_entries_per_s_growth_ended` (where an ingest ends within a growth depends on how
-  long a thread took to fault the next table in: a faster ingest inserts more meanwhile and
-  leaves more of the move to do);
+- ours only, for checkouts before linear hashing (2026-12-07), whose tables grew in steps
+  into a second table (`KVIndexManager.advance_growth`): an ingest could end in the middle
+  of a growth, holding two tables (more memory, lookups searching both). The JSON says so
+  (`growing_at_memory_reading`), and the growth is then ended as the gateway's feed ended
+  it with no events arriving, back to back here, and memory and lookups read again
+  (`settled`); the ingest rate counting those steps' time too is
+  `wire_entries_per_s_growth_ended`. Since, a table grows with its keys and nothing is
+  left to settle (`growing_at_memory_reading` null);
 - hashing the 128K-token prompt, median (ours `hash_blocks` on a fresh heap, before ingest,
   and after it; in Dynamo's column its `compute_block_hash_for_seq`, for context);
 - ours only, approximated: snapshot catch-up. A gateway that joins late asks each engine's
@@ -275,8 +275,8 @@ def _round_robin(per_instance: Sequence[Sequence[bytes]]) -> Iterator[tuple[int,
 
 def _proc_status() -> dict[str, int]:
     """`RssAnon` and `VmHWM` of this process in KiB (Linux; empty elsewhere), read once
-    the index's short-lived threads have ended (they fault a growing table's next pages
-    in, or give a moved-out table back, within a fraction of a second)."""
+    the index's short-lived threads have ended (checkouts before linear hashing: they
+    faulted a growing table's next pages in, or gave a moved-out table back)."""
     for thread in threading.enumerate():
         if thread.name.startswith("kv-index-"):
             thread.join()
@@ -347,8 +347,8 @@ class Usage(NamedTuple):
 def _thread_usage() -> Usage:
     """This thread's CPU time (`CLOCK_THREAD_CPUTIME_ID`, to the nanosecond; getrusage's
     times count whole clock ticks here, 4 ms), its voluntary and involuntary context
-    switches so far (getrusage), and the other threads alive (the index's helpers, see
-    growing.py)."""
+    switches so far (getrusage), and the other threads alive (the index's helpers, in
+    checkouts before linear hashing)."""
     u = resource.getrusage(resource.RUSAGE_THREAD)
     return Usage(time.thread_time(), u.ru_nvcsw, u.ru_nivcsw, threading.active_count() - 1)
 

@@ -39,9 +39,6 @@ from prfaas.protocol.kv_events.vllm_events import VLLMEventDecoder
 
 logger = logging.getLogger(__name__)
 
-GROWTH_STEP_S = 0.02
-"""How often the feed steps a growth of the index's tables along (see `start`)."""
-
 # The index hashes token ids as uint32 (`IdArray`, or their msgpack bytes where msgspec
 # decodes the batch): decoding them made a Python int of each, most of what reading an
 # event cost.
@@ -94,7 +91,6 @@ class KVEventFeed:
         self._on_resync = on_resync
         self._sync_timeout_s = sync_timeout_s
         self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._growth: asyncio.Task[None] | None = None
         self._synced: dict[str, asyncio.Event] = {}
         self._generation: dict[str, int] = {}  # resyncs per instance: a slice's staleness
         self.batches = 0
@@ -102,18 +98,6 @@ class KVEventFeed:
     def start(self) -> None:
         for instance_id, endpoint in self._endpoints.items():
             self._subscribe(instance_id, endpoint)
-        self._growth = asyncio.get_running_loop().create_task(self._advance_growth())
-
-    async def _advance_growth(self) -> None:
-        """Step the index's table growths along every `GROWTH_STEP_S`, so that one ends
-        while few events arrive (`KVIndexManager.advance_growth`: under a millisecond a
-        step)."""
-        while True:
-            await asyncio.sleep(GROWTH_STEP_S)
-            try:
-                self._index.advance_growth()
-            except Exception:  # a bug: say so, and keep the feed (and its shutdown) going
-                logger.exception("stepping the KV index's growth failed")
 
     async def synced(self, timeout_s: float) -> list[str]:
         """Wait until every subscription has caught up (or given up: no answer, no replay
@@ -222,9 +206,6 @@ class KVEventFeed:
 
     async def stop(self) -> None:
         tasks = list(self._tasks.values())
-        if self._growth is not None:
-            tasks.append(self._growth)
-            self._growth = None
         for task in tasks:
             task.cancel()
         for task in tasks:

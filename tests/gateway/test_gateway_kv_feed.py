@@ -11,7 +11,7 @@ import msgspec
 import zmq
 
 from prfaas.common.hashing import hash_blocks
-from prfaas.gateway.kv_feed import GROWTH_STEP_S, KVEventFeed
+from prfaas.gateway.kv_feed import KVEventFeed
 from prfaas.gateway.kv_index import KVIndexManager
 from prfaas.protocol.kv_events import (
     AllBlocksCleared,
@@ -248,25 +248,3 @@ async def test_a_hybrid_snapshot_in_slices_never_over_reports_between_them() -> 
     await task
     assert all(tokens_ in (0, BS * 10) for tokens_ in seen), seen
     assert index.longest_prefix(prompt) == {"h": BS * 10}
-
-
-async def test_a_started_feed_ends_a_table_growth_while_no_events_arrive() -> None:
-    """The feed steps the index's growths along on its own (every `GROWTH_STEP_S`): an
-    index left growing when events stop ends its growth with none arriving."""
-    index = KVIndexManager(block_size=BS)
-    parent: int | None = None
-    n = 0
-    while not index.growing:
-        index.apply("a", [BlockStored(tuple(range(n, n + 64)), parent, tuple(range(BS * 64)), BS)])
-        len(index)
-        parent, n = n + 63, n + 64
-    feed = KVEventFeed(index, {})
-    feed.start()
-    try:
-        for _ in range(500):
-            if not index.growing:
-                break
-            await asyncio.sleep(GROWTH_STEP_S)
-        assert not index.growing
-    finally:
-        await feed.stop()

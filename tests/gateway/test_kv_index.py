@@ -12,7 +12,7 @@ import pytest
 
 from prfaas.common import hashing
 from prfaas.common.hashing import hash_blocks, iter_block_hashes
-from prfaas.gateway.kv_index import KVIndexManager, batch, growing
+from prfaas.gateway.kv_index import KVIndexManager, batch
 from prfaas.gateway.kv_index import manager as manager_module
 from prfaas.gateway.kv_index.manager import _salt
 from prfaas.protocol.kv_events import (
@@ -247,13 +247,12 @@ def test_memory_bound_forgets_least_recently_used() -> None:
 
 
 def _use_times(index: KVIndexManager) -> dict[int, int]:
-    """Each indexed block's use time, by our hash (both tables while one grows)."""
-    times: dict[int, int] = {}
-    for table in index._blocks.tables:
-        taken = table.keys.reshape(-1) != 0
-        keys = table.keys.reshape(-1)[taken].tolist()
-        times.update(zip(keys, table.column("used")[taken].tolist(), strict=True))
-    return times
+    """Each indexed block's use time, by our hash."""
+    keys = index._blocks._table.keys.reshape(-1)
+    taken = keys != 0
+    return dict(
+        zip(keys[taken].tolist(), index._blocks.column("used")[taken].tolist(), strict=True)
+    )
 
 
 @pytest.mark.parametrize("held_back", [8192, 100])
@@ -262,20 +261,17 @@ def _use_times(index: KVIndexManager) -> dict[int, int]:
 def test_use_marks_written_after_the_lookup_are_those_written_at_once(
     seed: int, budget_mb: float, held_back: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A lookup's use marks wait for the next change to the table (a flush, a growth step,
-    a clear), or until `held_back` wait: two indexes given the same events, lookups, growth
-    steps and clears, one writing each lookup's marks at once, hold the same use times, and
-    evict alike under a small budget; under a large one, growth steps move blocks a lookup
-    marked. The use clock starts near its top, so it is halved on the way."""
-    monkeypatch.setattr(growing, "_TOUCH_BYTES", 64)  # growths over many steps
-    monkeypatch.setattr(growing, "_STEP_BUCKETS", 1)  # moves over many calls
-    monkeypatch.setattr(growing, "_MOVE_PER_KEY", 0.0)
+    """A lookup's use marks wait for the next change to the table (a flush, a clear), or
+    until `held_back` wait: two indexes given the same events, lookups and clears, one
+    writing each lookup's marks at once, hold the same use times, and evict alike under a
+    small budget; under a large one, flushes split buckets holding blocks a lookup marked.
+    The use clock starts near its top, so it is halved on the way."""
     monkeypatch.setattr(manager_module, "_MAX_TOUCHES", held_back)
     rng = random.Random(seed)
     later, at_once = (KVIndexManager(block_size=BS, max_index_mb=budget_mb) for _ in range(2))
     later._clock = at_once._clock = 2**32 - 3_000
     chains = [list(range(1000 * c, 1000 * c + 4 * rng.randint(1, 60))) for c in range(40)]
-    moved_marked = 0  # growth steps taken with marks waiting
+    moved_marked = 0  # flushes that split buckets with marks waiting
     for step in range(600):
         choice = rng.random()
         instance = f"e{rng.randrange(3)}"
@@ -290,9 +286,15 @@ def test_use_marks_written_after_the_lookup_are_those_written_at_once(
             assert answers[0] == answers[1]
             at_once._write_touches()
         elif choice < 0.97:
-            moved_marked += bool(later._touches) and later._blocks.moving
+            fresh = list(range(10**6 * (step + 1), 10**6 * (step + 1) + 4 * rng.randint(1, 60)))
+            event = _stored(
+                fresh, [hash((step, b, 1)) & 0xFFFF_FFFF for b in range(len(fresh) // BS)]
+            )
+            waiting, buckets = bool(later._touches), later._blocks.buckets
             for index in (later, at_once):
-                index.advance_growth()
+                index.apply(instance, [event])
+                len(index)  # applies it
+            moved_marked += waiting and later._blocks.buckets > buckets
         else:
             for index in (later, at_once):
                 index.clear_instance(instance)
@@ -404,41 +406,6 @@ def test_a_salted_key_collision_drops_the_second_pair() -> None:
     assert index.rejected_events == 2
     index.apply("b", [BlockRemoved((colliding,))])
     assert index.longest_prefix(hash_blocks([1, 2, 3, 4], BS)) == {"a": 4, "b": 0}
-
-
-def _grow_until_growing(index: KVIndexManager, instance: str) -> list[int]:
-    """Store chains of 64 blocks until a table of the index holding 20K blocks or more is
-    growing (a smaller one's growth may end in a step); returns the tokens."""
-    tokens: list[int] = []
-    parent: int | None = None
-    while not (index.growing and len(index) >= 20_000):
-        start = len(tokens) // BS
-        new = list(range(len(tokens), len(tokens) + 64 * BS))
-        hashes = list(range(start + 1, start + 65))
-        index.apply(instance, [_stored(new, hashes, parent)])
-        len(index)  # applies it
-        tokens += new
-        parent = hashes[-1]
-        assert len(tokens) < 10**7
-    return tokens
-
-
-def test_a_growth_ends_without_inserts_when_advanced() -> None:
-    """An index that stops receiving events in the middle of a table's growth (two tables
-    held, lookups searching both) ends it through `advance_growth`, a bounded step at a
-    time, and answers the same throughout."""
-    index = KVIndexManager(block_size=BS)
-    tokens = _grow_until_growing(index, "a")
-    prompt = hash_blocks([*tokens, 9, 9, 9, 9], BS)
-    assert index.longest_prefix(prompt) == {"a": len(tokens)}
-    steps = 0
-    while index.advance_growth():
-        steps += 1
-        if steps % 50 == 0:
-            assert index.longest_prefix(prompt) == {"a": len(tokens)}
-    assert steps > 1  # a step is bounded: not the whole growth at once
-    assert not index.growing
-    assert index.longest_prefix(prompt) == {"a": len(tokens)}
 
 
 def test_holder_sets_are_freed_when_no_block_names_them() -> None:

@@ -6,9 +6,6 @@ buckets are full and no resident of theirs can move)."""
 
 from __future__ import annotations
 
-import errno
-import mmap
-
 import numpy as np
 import pytest
 
@@ -34,7 +31,7 @@ def _filled(
 ) -> tuple[HashTable, np.ndarray]:
     """A table (of `buckets`) given `n` random keys with random values; returns it and the
     keys it took."""
-    table = HashTable(COLUMNS, buckets=buckets, uniform=uniform, seed=int(rng.integers(0, 9)))
+    table = HashTable(COLUMNS, buckets=buckets, uniform=uniform)
     keys = np.unique(as_keys(_random_keys(rng, n, uniform)))
     rng.shuffle(keys)
     left, _ = table.insert(keys, _random_values(rng, len(keys)))
@@ -113,7 +110,7 @@ def test_delete_leaves_the_arrays_numpy_leaves(seed: int, monkeypatch: pytest.Mo
     stable sort does, in every array, and the sizes agree."""
     rng = np.random.default_rng(seed)
     table, held = _filled(rng, buckets=32, n=32 * WAYS, uniform=True)
-    twin = HashTable(COLUMNS, buckets=32, uniform=True, seed=table.seed)
+    twin = HashTable(COLUMNS, buckets=32, uniform=True)
     for mine, theirs in zip(_arrays(table), _arrays(twin), strict=True):
         theirs[...] = mine
     twin.size = table.size
@@ -139,7 +136,7 @@ def test_inserts_keep_the_invariants_and_hand_back_only_what_cannot_fit(
     with its values; each handed back has both buckets full and no resident of either
     bucket with room in its other one; buckets stay packed and `fill` counts them."""
     rng = np.random.default_rng(seed)
-    table = HashTable(COLUMNS, buckets=48, uniform=uniform, seed=seed)
+    table = HashTable(COLUMNS, buckets=48, uniform=uniform)
     model: dict[int, tuple[int, int, int]] = {}
     handed_back = 0
     for _ in range(12):
@@ -214,26 +211,3 @@ def test_as_keys_reads_ints_as_numpy_does(container: type, monkeypatch: pytest.M
         as_keys(container([2**64]))
     with pytest.raises(TypeError):
         as_keys(container([1, "2"]))
-
-
-def test_advise_faults_in_and_gives_back_a_mapped_array() -> None:
-    """`advise` (run with the GIL released, for the threads that fault a growing table in
-    and give a moved-out one back): populating keeps the contents, giving back reads as
-    zeros, an unknown advice is the kernel's errno, a range past the buffer an error."""
-    assert _buckets is not None
-    array = table_module._zeros((1 << 20,), np.uint64)  # 8 MB: over its own mapping
-    array[::1000] = 7
-    populated = _buckets.advise(array, 0, array.nbytes, 23)  # MADV_POPULATE_WRITE
-    assert populated in (0, errno.EINVAL)  # (EINVAL: a kernel before 5.14)
-    assert int(array.sum()) == 7 * len(array[::1000])
-    assert _buckets.advise(array, 0, array.nbytes, mmap.MADV_DONTNEED) == 0
-    assert not array.any()
-    assert _buckets.advise(array, 0, 8, 12345) == errno.EINVAL
-    with pytest.raises(ValueError, match="not within"):
-        _buckets.advise(array, 0, array.nbytes + 1, mmap.MADV_DONTNEED)
-    with pytest.raises(ValueError, match="whole pages"):  # would zero bytes around them
-        _buckets.advise(array, 8, 4096, mmap.MADV_DONTNEED)
-    with pytest.raises(ValueError, match="page-aligned"):
-        _buckets.advise(array[1:], 0, 4088, 23)
-    with pytest.raises(TypeError):
-        _buckets.advise(array, 0, 8)

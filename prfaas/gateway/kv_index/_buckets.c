@@ -1,5 +1,5 @@
-/* The KV index's hash table operated in batches: `table.HashTable`'s find, insert and
- * delete, in C, over the table's own numpy arrays.
+/* The KV index's hash table operated in batches: `table.HashTable`'s find, insert, delete
+ * and split, in C, over the table's own numpy arrays.
  *
  * The layout is table.py's: `buckets` rows of WAYS slots, keys (uint64, 0 = empty) packed at
  * each row's start, `fill` (int8) counting them, a 16-bit tag per slot, and any number of
@@ -14,26 +14,21 @@
  * version's ranking of keys that share a bucket.
  *
  * The table operations take the table as a `layout` tuple (keys, tags, fill, columns,
- * scramble, uniform), as `HashTable` builds it once; they check every buffer's size against
- * `fill`'s and every slot they are given, never the dtypes (table.py passes its own arrays).
- * `advise` is `madvise` on one of a table's arrays with the GIL released, for the threads
- * that fault a growing table in and give a moved-out one back (growing.py).
+ * scramble, uniform) of its buckets in use (`split`: of its whole capacity), as `HashTable`
+ * builds it after each split; they check every buffer's size against `fill`'s and every
+ * slot they are given, never the dtypes (table.py passes its own arrays).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <errno.h>
 #include <limits.h>
 #include <stdint.h>
 #include <string.h>
-#ifdef __linux__
-#include <sys/mman.h>
-#include <unistd.h>
-#endif
 
 #define WAYS 16
 #define MAX_COLUMNS 8
 #define MAX_ITEM 8 /* bytes of a column's value, at most */
 #define LAYOUT_FIELDS 6
+#define ROOM_DEPTH 2 /* cuckoo steps past the first that `make_room` may take */
 
 typedef struct {
     Py_buffer keys, tags, fill;
@@ -41,6 +36,7 @@ typedef struct {
     Py_ssize_t ncolumns;
     Py_ssize_t item[MAX_COLUMNS]; /* bytes per value, per column */
     Py_ssize_t buckets;
+    uint64_t low_mask, high_mask; /* linear hashing's: see `address` */
     uint64_t scramble;
     int uniform;
 } Table;
@@ -48,6 +44,17 @@ typedef struct {
 static uint64_t *keys_of(const Table *t) { return (uint64_t *)t->keys.buf; }
 static uint16_t *tags_of(const Table *t) { return (uint16_t *)t->tags.buf; }
 static int8_t *fill_of(const Table *t) { return (int8_t *)t->fill.buf; }
+
+/* Set the number of buckets in use, and with it the masks `address` reads. */
+static void set_buckets(Table *t, Py_ssize_t buckets) {
+    uint64_t level = 1; /* the largest power of two at most `buckets` */
+    while (level * 2 <= (uint64_t)buckets) {
+        level *= 2;
+    }
+    t->buckets = buckets;
+    t->low_mask = level - 1;
+    t->high_mask = 2 * level - 1;
+}
 
 static void table_close(Table *t) {
     PyBuffer_Release(&t->keys);
@@ -79,7 +86,7 @@ static int table_open(PyObject *layout, Table *t, int writable) {
         PyObject_GetBuffer(PyTuple_GET_ITEM(layout, 2), &t->fill, flags) < 0) {
         goto fail;
     }
-    t->buckets = t->fill.len;
+    set_buckets(t, t->fill.len);
     Py_ssize_t slots = t->buckets * WAYS;
     if (t->buckets < 1 || t->keys.len != slots * 8 || t->tags.len != slots * 2) {
         PyErr_SetString(PyExc_ValueError, "layout: keys, tags and fill sizes disagree");
@@ -135,13 +142,19 @@ static inline uint64_t mix(uint64_t x) {
     return x ^ (x >> 31);
 }
 
+/* The bucket that hash bits `h` choose (linear hashing, as `table._address`): their low bits
+ * one past the level, or at the level where that bucket is not split yet. */
+static inline Py_ssize_t address(const Table *t, uint64_t h) {
+    uint64_t bucket = h & t->high_mask;
+    return (Py_ssize_t)(bucket < (uint64_t)t->buckets ? bucket : h & t->low_mask);
+}
+
 /* A key's two buckets and its tag, as `HashTable._choices`. */
 static inline void choose(const Table *t, uint64_t key, Py_ssize_t *first, Py_ssize_t *second,
                           uint16_t *tag) {
     uint64_t mixed = (t->uniform ? key : mix(key)) * t->scramble;
-    uint64_t n = (uint64_t)t->buckets;
-    *first = (Py_ssize_t)(((mixed & 0xFFFFFFFFull) * n) >> 32);
-    *second = (Py_ssize_t)(((mixed >> 32) * n) >> 32);
+    *first = address(t, mixed & 0xFFFFFFFFull);
+    *second = address(t, mixed >> 32);
     *tag = (uint16_t)((mixed * 0x9E3779B97F4A7C15ull) >> 48);
 }
 
@@ -225,15 +238,28 @@ static void remove_way(Table *t, Py_ssize_t bucket, int way) {
 }
 
 /* Free a slot in full `bucket` by moving one of its keys to that key's other bucket, where
- * it has room (one step of cuckoo hashing, as `HashTable._make_room`); whether it could. */
-static int make_room(Table *t, Py_ssize_t bucket) {
+ * it has room (one step of cuckoo hashing, as `HashTable._make_room`), else, `depth` more
+ * times over, where that other bucket can itself free a slot so; whether it could. Two
+ * levels deep, a table whose unsplit buckets fill twice as fast as its split ones (linear
+ * hashing) still places every key at 80% load, where one step left one in a few thousand. */
+static int make_room(Table *t, Py_ssize_t bucket, int depth) {
     int8_t *fill = fill_of(t);
+    Py_ssize_t others[WAYS];
     for (int way = 0; way < fill[bucket]; way++) {
         Py_ssize_t first, second;
         uint16_t tag;
         choose(t, keys_of(t)[bucket * WAYS + way], &first, &second, &tag);
-        Py_ssize_t other = first == bucket ? second : first;
-        if (other != bucket && fill[other] < WAYS) {
+        others[way] = first == bucket ? second : first;
+        if (others[way] != bucket && fill[others[way]] < WAYS) {
+            copy_slot(t, others[way] * WAYS + fill[others[way]], bucket * WAYS + way);
+            fill[others[way]] += 1;
+            remove_way(t, bucket, way);
+            return 1;
+        }
+    }
+    for (int way = 0; depth > 0 && way < fill[bucket]; way++) {
+        Py_ssize_t other = others[way];
+        if (other != bucket && make_room(t, other, depth - 1)) {
             copy_slot(t, other * WAYS + fill[other], bucket * WAYS + way);
             fill[other] += 1;
             remove_way(t, bucket, way);
@@ -358,9 +384,13 @@ static PyObject *insert(PyObject *module, PyObject *const *args, Py_ssize_t narg
             bucket = emptier;
         } else if (fill[fuller] < WAYS) {
             bucket = fuller;
-        } else if (make_room(&t, first)) {
+        } else if (make_room(&t, first, 0)) {
             bucket = first;
-        } else if (make_room(&t, second)) {
+        } else if (make_room(&t, second, 0)) {
+            bucket = second;
+        } else if (make_room(&t, first, ROOM_DEPTH)) {
+            bucket = first;
+        } else if (make_room(&t, second, ROOM_DEPTH)) {
             bucket = second;
         } else {
             went_in[i] = 0;
@@ -386,6 +416,63 @@ done:
     PyBuffer_Release(&query);
     table_close(&t);
     return result;
+}
+
+PyDoc_STRVAR(split_doc,
+"split(layout, buckets, count, /) -> int\n\n"
+"Add `count` buckets to a table of `buckets` whose `layout` spans its whole capacity\n"
+"(linear hashing): each new bucket is the split of the next bucket in order, which keeps\n"
+"its keys that still choose it and gives the new one the others. Returns the buckets now.");
+
+static PyObject *split(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "split(layout, buckets, count)");
+        return NULL;
+    }
+    Py_ssize_t buckets = PyLong_AsSsize_t(args[1]);
+    Py_ssize_t count = buckets == -1 && PyErr_Occurred() ? -1 : PyLong_AsSsize_t(args[2]);
+    if (count == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    Table t;
+    if (table_open(args[0], &t, 1) < 0) {
+        return NULL;
+    }
+    Py_ssize_t capacity = t.buckets;
+    if (buckets < 1 || count < 0 || buckets > capacity - count) {
+        table_close(&t);
+        PyErr_Format(PyExc_ValueError, "%zd + %zd buckets do not fit a capacity of %zd",
+                     buckets, count, capacity);
+        return NULL;
+    }
+    int8_t *fill = fill_of(&t);
+    for (Py_ssize_t i = 0; i < count; i++, buckets++) {
+        set_buckets(&t, buckets);
+        Py_ssize_t from = buckets - (Py_ssize_t)(t.low_mask + 1), to = buckets;
+        set_buckets(&t, buckets + 1);
+        int kept = 0, held = fill[from];
+        for (int way = 0; way < held; way++) {
+            Py_ssize_t first, second, slot = from * WAYS + way;
+            uint16_t tag;
+            choose(&t, keys_of(&t)[slot], &first, &second, &tag);
+            if (first == from || second == from) {
+                if (way != kept) {
+                    copy_slot(&t, from * WAYS + kept, slot);
+                }
+                kept++;
+            } else { /* the choice that was `from` is `to` now */
+                copy_slot(&t, to * WAYS + fill[to], slot);
+                fill[to] += 1;
+            }
+        }
+        for (int way = kept; way < held; way++) {
+            keys_of(&t)[from * WAYS + way] = 0;
+        }
+        fill[from] = (int8_t)kept;
+    }
+    table_close(&t);
+    return PyLong_FromSsize_t(buckets);
 }
 
 /* Repack `bucket` after some of its keys were set to 0: taken slots first, then the emptied
@@ -541,70 +628,12 @@ fail:
     return NULL;
 }
 
-PyDoc_STRVAR(advise_doc,
-"advise(buffer, start, stop, advice, /) -> int\n\n"
-"`madvise(advice)` on the memory pages holding bytes `start` to `stop` of `buffer` (a\n"
-"writable buffer that starts a memory mapping: its start is page-aligned), with the GIL\n"
-"released, so that a thread can fault a table's pages in (MADV_POPULATE_WRITE, which\n"
-"leaves the contents as they are) or give them back (MADV_DONTNEED, a table no longer\n"
-"used) beside the event loop. Returns 0, or the call's errno (ENOSYS where the platform\n"
-"has no such call).");
-
-static PyObject *advise(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    (void)module;
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "advise(buffer, start, stop, advice)");
-        return NULL;
-    }
-    Py_ssize_t start = PyLong_AsSsize_t(args[1]);
-    Py_ssize_t stop = start == -1 && PyErr_Occurred() ? -1 : PyLong_AsSsize_t(args[2]);
-    long advice = stop == -1 && PyErr_Occurred() ? -1 : PyLong_AsLong(args[3]);
-    if (advice == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    Py_buffer view;
-    if (PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE) < 0) {
-        return NULL;
-    }
-    if (start < 0 || stop < start || stop > view.len) {
-        PyBuffer_Release(&view);
-        PyErr_Format(PyExc_ValueError, "bytes %zd to %zd are not within %zd", start, stop,
-                     view.len);
-        return NULL;
-    }
-    int error = 0;
-#ifdef __linux__
-    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
-    /* whole pages of this buffer only: rounding outward would advise other objects' bytes
-     * (MADV_DONTNEED zeroes them); the buffer's end is its mapping's (page-granular) */
-    if ((uintptr_t)view.buf % page || (advice == MADV_DONTNEED && (start % (Py_ssize_t)page ||
-                                        (stop % (Py_ssize_t)page && stop != view.len)))) {
-        PyBuffer_Release(&view);
-        PyErr_SetString(PyExc_ValueError,
-                        "advise takes a page-aligned buffer (and whole pages to give back)");
-        return NULL;
-    }
-    uintptr_t first = ((uintptr_t)view.buf + (uintptr_t)start) & ~(page - 1);
-    uintptr_t end = (uintptr_t)view.buf + (uintptr_t)stop;
-    if (end > first) {
-        Py_BEGIN_ALLOW_THREADS /* the export keeps the mapping open meanwhile */
-        error = madvise((void *)first, end - first, (int)advice) == 0 ? 0 : errno;
-        Py_END_ALLOW_THREADS
-    }
-#else
-    (void)advice;
-    error = ENOSYS;
-#endif
-    PyBuffer_Release(&view);
-    return PyLong_FromLong(error);
-}
-
 static PyMethodDef methods[] = {
-    {"advise", (PyCFunction)(void (*)(void))advise, METH_FASTCALL, advise_doc},
     {"as_keys", (PyCFunction)(void (*)(void))as_keys, METH_FASTCALL, as_keys_doc},
     {"find", (PyCFunction)(void (*)(void))find, METH_FASTCALL, find_doc},
     {"insert", (PyCFunction)(void (*)(void))insert, METH_FASTCALL, insert_doc},
     {"delete", (PyCFunction)(void (*)(void))delete, METH_FASTCALL, delete_doc},
+    {"split", (PyCFunction)(void (*)(void))split, METH_FASTCALL, split_doc},
     {NULL, NULL, 0, NULL},
 };
 

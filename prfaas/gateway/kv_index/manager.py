@@ -40,7 +40,7 @@ import numpy as np
 
 from prfaas.common.hashing import packed_count, salt_root, unpack_ids
 from prfaas.gateway.kv_index.batch import chain_stores, group, salted_keys
-from prfaas.gateway.kv_index.growing import GROWTH, GrowingTable
+from prfaas.gateway.kv_index.growing import GrowingTable
 from prfaas.gateway.kv_index.holder_sets import EMPTY, MULTIPLE, HolderSets
 from prfaas.gateway.kv_index.table import I64, U64, WAYS, as_keys
 from prfaas.gateway.kv_index.walk import walk
@@ -90,15 +90,9 @@ class KVIndexManager:
             max_buckets=max(1, int(half / (WAYS * _BLOCK_SLOT_BYTES))),
             uniform=True,
         )
-        # The two tables hold about as many keys (a translation per block and holder): of
-        # the same sizes they grew at the same times, and a flush meeting both moving held
-        # the loop twice as long as one meeting one (1.2 ms at the median at 10M entries,
-        # 0.7 ms, none 0.45 ms; a quarter of all flushes). Half a growth step apart, one
-        # table's move ends before the other's starts.
         self._translations = GrowingTable(
             _TRANSLATION_COLUMNS,
             max_buckets=max(1, int(half / (WAYS * _TRANSLATION_SLOT_BYTES))),
-            phase=GROWTH**0.5,
         )
         self._sets = HolderSets()
         self._bits: dict[str, int] = {}  # instance id -> member number, for the index's life
@@ -143,12 +137,6 @@ class KVIndexManager:
         self._flush()
         states = sum(table.nbytes for table in self._states.values())
         return self._blocks.nbytes + self._translations.nbytes + self._sets.nbytes + states
-
-    @property
-    def growing(self) -> bool:
-        """Whether a main table is growing (holding a second table while it moves its
-        keys)."""
-        return self._blocks.growing or self._translations.growing
 
     def instances(self) -> list[str]:
         self._flush()
@@ -238,9 +226,8 @@ class KVIndexManager:
         it nears the top: order is what eviction reads); returns the one before them."""
         if self._clock + n + 1 >= 2**32:
             self._write_touches()  # (marks not written yet are halved with the rest)
-            for table in self._blocks.tables:
-                used = table.column("used")
-                np.right_shift(used, np.uint32(1), out=used)
+            used = self._blocks.column("used")
+            np.right_shift(used, np.uint32(1), out=used)
             self._clock //= 2
         base = np.uint32(self._clock)
         self._clock += n + 1
@@ -556,30 +543,12 @@ class KVIndexManager:
         table: GrowingTable, left: tuple[U64, dict[str, np.ndarray]], evict: Callable[[U64], None]
     ) -> None:
         """Room for what an insert handed back (only at the table's cap; it may include
-        keys the table held, moved into its last size and not fitting there): evict in
-        their full buckets and insert them again, until all are in."""
+        keys the table held, moved by a cuckoo step and not fitting back): evict in their
+        full buckets and insert them again, until all are in."""
         keys, rows = left
         while len(keys):
             evict(keys)
             keys, rows = table.insert(keys, rows)
-
-    def advance_growth(self) -> bool:
-        """One bounded step of each table growth under way (a few dozen buckets moved, or
-        a slice of the next table's memory faulted in; `growing.GrowingTable`). Inserts
-        advance a growth; the feed calls this every few tens of milliseconds so that one
-        also ends on an index that gets few events (until then a lookup searches two
-        tables). Returns whether a growth is still under way."""
-        self._write_touches()
-        for table, evict in (
-            (self._blocks, self._evict_blocks),
-            (self._translations, self._evict_translations),
-        ):
-            if table.growing:
-                self._evict_for(table, table.advance(), evict)
-        for states in self._states.values():  # uncapped: nothing comes back
-            if states.growing:
-                states.advance()
-        return self.growing or any(states.growing for states in self._states.values())
 
     def _evict_blocks(self, keys: U64) -> None:
         """Room for `keys`: the least recently used block of each one's buckets goes."""
@@ -701,8 +670,6 @@ class KVIndexManager:
         self._sweep_at = end
         if start == 0:
             self._sweep_clean = True
-        # a growth moves rows between slots, past the cursor or behind it: no clean pass
-        self._sweep_clean &= not table.growing
         window = np.arange(start, end)
         window = window[table.taken(window)]
         ours = table.get("ours", window)
@@ -718,7 +685,7 @@ class KVIndexManager:
             table.delete(window[stale])
             self._dangling = max(0, self._dangling - int(stale.sum()))
         if end == total and self._sweep_clean:
-            self._dangling = 0  # a whole pass, the table not growing, found none left
+            self._dangling = 0  # a whole pass found none left
 
 
 def _runs(events: list[KVEvent]) -> Iterator[list[KVEvent]]:

@@ -4,29 +4,35 @@ Layout: `buckets` rows of `WAYS` slots (keys in one uint64 array, each column in
 array of the same shape). A key lives in one of two buckets chosen by its mixed hash
 (two-choice hashing: it goes to the emptier one), and a bucket's keys are packed at its
 start, so `fill` says which slots are taken. A key's lookup reads its two buckets' tags
-(2 bytes a slot) and one key; two choices of 16 slots fill to ~84% before the first bucket
-pair overflows, and moving one key of a full pair to its other bucket (one step of cuckoo
-hashing) to ~95%, which is what keeps the bytes per entry low.
+(2 bytes a slot) and one key; when both buckets are full, a resident moves to its other
+bucket (cuckoo hashing, up to three steps deep in C), which is what keeps the bytes per
+entry low.
 
-The table's size is fixed: `insert` reports the keys that found no room, and the owner
-either grows (`growing.GrowingTable` moves the keys into a larger table a few buckets at a
-time) or, at its cap, frees room in those very buckets (`victims`) and retries:
+The table grows a bucket at a time (linear hashing, as Litwin's): `split` adds bucket
+`n`, which takes the keys of the next bucket in order whose hash bits now choose it. A
+key's bucket is the low bits of its hash, one bit past the level (the largest power of two
+at most `buckets`) where that bucket exists, at the level otherwise (`_address`), so a
+split moves keys only from the bucket split to the one added, and never between two
+tables: no second table, no rehash. Arrays are allocated for a `capacity` of buckets
+(large ones over their own memory mapping, reserved, not committed: pages are mapped as
+the table grows into them); `reserve` copies into a larger one. The owner decides when to
+split and where to stop (`growing.GrowingTable`); at its cap, `insert` reports the keys
+that found no room and the owner frees room in those very buckets (`victims`) and retries:
 set-associative eviction, as in CPU caches, with no global pass.
 
-Slot numbers are valid until the next insert or delete (deletes repack buckets).
+Slot numbers are valid until the next insert, delete or split (deletes repack buckets).
 
-`find`, `insert` and `delete` run in C (`_buckets.c`: one call per batch instead of a dozen
-numpy calls of a few microseconds each, inserting one key at a time) where the extension is
-built; the numpy operations below (a batch's find: two row gathers and compares) are what
-runs where it is not, and what the tests hold the C to.
+`find`, `insert`, `delete` and `split` run in C (`_buckets.c`: one call per batch instead
+of a dozen numpy calls of a few microseconds each, inserting one key at a time) where the
+extension is built; the numpy operations below (a batch's find: two row gathers and
+compares) are what runs where it is not, and what the tests hold the C to (the numpy
+insert takes one cuckoo step, not three).
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import mmap
-import sys
 from collections.abc import Mapping, Sequence
 from types import ModuleType
 from typing import Any
@@ -36,17 +42,10 @@ import numpy.ma  # (np.unique imports it on first use: 20 ms inside the first fl
 import numpy.typing as npt
 
 WAYS = 16
-_PAGE = mmap.PAGESIZE
 _MAPPED_BYTES = 1 << 20  # arrays this large get their own memory mapping
-_FAULT_IN_BYTES = 4 << 20  # bytes faulted in per system call by `fault_in`
-# Linux's MADV_DONTNEED gives a private anonymous page back and reads it as zeros after;
-# elsewhere the advice may keep the contents, so rows are zeroed by writing instead.
-_RELEASES_AS_ZEROS = sys.platform == "linux" and hasattr(mmap, "MADV_DONTNEED")
-# Linux's madvise advice that faults pages in for writing (5.14 and later; not named by
-# Python's mmap module before 3.14)
-_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23) if sys.platform == "linux" else None
 _EMPTY = np.uint64(0)
 ZERO_STAND_IN = np.uint64(0x9E3779B97F4A7C15)  # key 0 marks an empty slot; 0 is stored as this
+_SCRAMBLE = np.uint64(0x9E3779B97F4A7C15)  # odd: keys times it, then split into two halves
 
 # Array aliases naming the dtype (numpy's stubs type most results as generic arrays).
 U64 = npt.NDArray[Any]  # uint64
@@ -94,117 +93,164 @@ def _mix(keys: U64) -> U64:
     return mixed
 
 
+def _address(bits: U64, buckets: int) -> I64:
+    """The bucket that hash `bits` choose in a table of `buckets` (linear hashing): their
+    low bits one past the level (the largest power of two at most `buckets`), or at the
+    level where that bucket is not split yet."""
+    level = 1 << (buckets.bit_length() - 1)
+    high = bits & np.uint64(2 * level - 1)
+    address: I64 = np.where(high < buckets, high, bits & np.uint64(level - 1)).astype(np.int64)
+    return address
+
+
 class HashTable:
-    """uint64 keys -> one row of `columns`, in a fixed number of buckets; every operation
-    takes and returns arrays."""
+    """uint64 keys -> one row of `columns`, in `buckets` that `split` adds to; every
+    operation takes and returns arrays."""
 
     def __init__(
         self,
         columns: Mapping[str, npt.DTypeLike],
         buckets: int = 1,
         uniform: bool = False,
-        seed: int = 0,
+        capacity: int = 0,
     ) -> None:
         """`uniform`: the keys are hashes already (our xxh3), used as they are; else they
-        are mixed first (engine hashes may be small or sequential integers). `seed` picks
-        the bucket choices: a table that keys move into from another must choose
-        independently of it (with the same choices scaled, a run of full buckets moved in
-        stays a run of full buckets)."""
+        are mixed first (engine hashes may be small or sequential integers). `capacity`:
+        the buckets the arrays have room for (at least `buckets`)."""
         self.uniform = uniform
-        self.seed = seed
-        self._scramble = np.uint64((0x9E3779B97F4A7C15 * (2 * seed + 1)) % 2**64 | 1)
         self.dtypes = {name: np.dtype(dtype) for name, dtype in columns.items()}
         self.size = 0
-        buckets = max(1, buckets)
-        self.buckets = buckets
-        self.keys: U64 = _zeros((buckets, WAYS), np.uint64)
-        self.tags = _zeros((buckets, WAYS), np.uint16)
-        self.fill = _zeros((buckets,), np.int8)
-        self._marks = _zeros((buckets,), np.int32)  # scratch: duplicate buckets in a batch
-        self.columns = {n: _zeros((buckets, WAYS), d) for n, d in self.dtypes.items()}
-        # the arrays as the C operations take them (a table's arrays are never replaced)
-        self._layout = (
-            self.keys,
-            self.tags,
-            self.fill,
-            tuple(self.columns.values()),
-            int(self._scramble),
+        self.buckets = max(1, buckets)
+        self.capacity = max(self.buckets, capacity)
+        self._all = self._allocate(self.capacity)
+        self._layout = self._layout_of(self.buckets)
+
+    def _allocate(self, capacity: int) -> dict[str, npt.NDArray[Any]]:
+        """Zeroed arrays for `capacity` buckets: keys, tags, fill, marks (scratch: duplicate
+        buckets in a batch), then each column (named by the column, with a leading dot)."""
+        arrays = {
+            "keys": _zeros((capacity, WAYS), np.uint64),
+            "tags": _zeros((capacity, WAYS), np.uint16),
+            "fill": _zeros((capacity,), np.int8),
+            "marks": _zeros((capacity,), np.int32),
+        }
+        return arrays | {"." + n: _zeros((capacity, WAYS), d) for n, d in self.dtypes.items()}
+
+    def _layout_of(self, buckets: int) -> Any:
+        """The first `buckets` of the arrays as the C operations take them."""
+        every = self._all
+        return (
+            every["keys"][:buckets],
+            every["tags"][:buckets],
+            every["fill"][:buckets],
+            tuple(every["." + name][:buckets] for name in self.dtypes),
+            int(_SCRAMBLE),
             self.uniform,
         )
 
     @property
+    def keys(self) -> U64:
+        keys: U64 = self._layout[0]
+        return keys
+
+    @property
+    def tags(self) -> npt.NDArray[np.uint16]:
+        tags: npt.NDArray[np.uint16] = self._layout[1]
+        return tags
+
+    @property
+    def fill(self) -> npt.NDArray[np.int8]:
+        fill: npt.NDArray[np.int8] = self._layout[2]
+        return fill
+
+    @property
+    def _marks(self) -> npt.NDArray[np.int32]:
+        return self._all["marks"][: self.buckets]
+
+    @property
+    def columns(self) -> dict[str, npt.NDArray[Any]]:
+        return dict(zip(self.dtypes, self._layout[3], strict=True))
+
+    @property
     def nbytes(self) -> int:
-        return sum(array.nbytes for array in self._arrays())
-
-    def _arrays(self) -> list[npt.NDArray[Any]]:
-        return [self.keys, self.tags, self.fill, self._marks, *self.columns.values()]
-
-    def touch(self, position: int, nbytes: int) -> int:
-        """Fault in the memory pages of bytes `position` to `position + nbytes` of the
-        table's arrays (taken end to end), with one `madvise` call per array over its own
-        mapping (`_populate`), else by rewriting one byte per page with itself; returns
-        where the next call starts (`nbytes` of the table when all are in). A new
-        table's zeroed pages are mapped on first write, and writes scattered by hashing
-        fault nearly one page each (about 3 us a page here: milliseconds for the first
-        thousand inserts into a large table)."""
-        end = position + nbytes
-        offset = 0
-        for array in self._arrays():
-            raw = array.reshape(-1).view(np.uint8)
-            low, high = max(position, offset), min(end, offset + len(raw))
-            if low < high and not _populate(array, low - offset, high - offset):
-                pages = raw[low - offset : high - offset : _PAGE]
-                np.bitwise_or(pages, 0, out=pages)
-                last = raw[high - offset - 1 : high - offset]
-                np.bitwise_or(last, 0, out=last)
-            offset += len(raw)
-        return min(end, offset)
-
-    def can_fault_in_aside(self) -> bool:
-        """Whether `fault_in` can run in a thread beside the loop: its system call releases
-        the GIL and leaves the contents alone (the loop may be writing them meanwhile)."""
-        return _native is not None and _POPULATE_WRITE is not None
-
-    def fault_in(self) -> bool:
-        """Fault in the pages of the table's arrays over their own mappings (`touch`'s
-        work, at once; the small arrays fault on first write), a few MB per system call
-        (the call holds the process's memory map, which the loop's own mappings wait
-        for); meant for a thread, where `can_fault_in_aside`. Returns whether all went in
-        (not where the kernel refused the advice: then `touch` writes instead)."""
-        for array in self._arrays():
-            if _mapping(array) is None:
-                continue
-            for start in range(0, array.nbytes, _FAULT_IN_BYTES):
-                if not _populate(array, start, min(array.nbytes, start + _FAULT_IN_BYTES)):
-                    return False
-        return True
-
-    def release(self) -> None:
-        """Give back the pages of the table's arrays over their own mappings (a table no
-        longer used: unmapping one that still holds a few hundred MB held the loop for
-        milliseconds), with the GIL released; meant for a thread, which then drops the
-        table. Nothing where the C operations are not built (the table is unmapped when
-        dropped) or off Linux (there rows were zeroed, not given back)."""
-        if _native is None or not _RELEASES_AS_ZEROS:
-            return
-        for array in self._arrays():
-            if _mapping(array) is not None:
-                _native.advise(array, 0, array.nbytes, mmap.MADV_DONTNEED)
+        """Bytes of the buckets in use (what the table's memory holds: the rest of its
+        capacity is reserved, not committed)."""
+        return sum(a.nbytes // self.capacity * self.buckets for a in self._all.values())
 
     def column(self, name: str) -> npt.NDArray[np.generic]:
         """A column as a flat array indexed by slot (a view: writes go to the table)."""
-        return self.columns[name].reshape(-1)
+        column: npt.NDArray[np.generic] = self._all["." + name][: self.buckets].reshape(-1)
+        return column
+
+    def reserve(self, capacity: int) -> None:
+        """Room for `capacity` buckets: the arrays copied into larger ones (where they
+        have less)."""
+        if capacity <= self.capacity:
+            return
+        larger = self._allocate(capacity)
+        for name, array in self._all.items():
+            larger[name][: self.buckets] = array[: self.buckets]
+        self._all, self.capacity = larger, capacity
+        self._layout = self._layout_of(self.buckets)
+
+    def split(self, count: int) -> None:
+        """Add `count` buckets (within the capacity), each splitting the next bucket in
+        order: its keys whose hash now chooses the new bucket move there."""
+        if count <= 0:
+            return
+        if self.buckets + count > self.capacity:
+            raise ValueError(f"{self.buckets} + {count} buckets exceed {self.capacity}")
+        if _native is not None:
+            whole = self._layout_of(self.capacity)
+            self.buckets = _native.split(whole, self.buckets, count)
+            self._layout = self._layout_of(self.buckets)
+            return
+        while count:
+            level = 1 << (self.buckets.bit_length() - 1)
+            start = self.buckets - level
+            chunk = min(count, level - start)  # splits within one level
+            self.buckets += chunk
+            self._layout = self._layout_of(self.buckets)
+            self._split_rows(np.arange(start, start + chunk), level)
+            count -= chunk
+
+    def _split_rows(self, rows: I64, level: int) -> None:
+        """Numpy's split of `rows` into `rows + level` (the buckets already counted in),
+        leaving the arrays as the C leaves them: each row's kept keys packed at its start
+        in order, the moved ones packed in order into the new row."""
+        keys = self.keys[rows]
+        first, second, _ = self._choices(keys.reshape(-1))
+        stays = (first.reshape(keys.shape) == rows[:, None]) | (
+            second.reshape(keys.shape) == rows[:, None]
+        )
+        taken = keys != _EMPTY
+        kept, moved = taken & stays, taken & ~stays
+        ways = np.arange(WAYS)
+        keep_order = np.argsort(~kept, axis=1, kind="stable")
+        move_order = np.argsort(~moved, axis=1, kind="stable")
+        n_kept = kept.sum(axis=1)[:, None]
+        n_moved = moved.sum(axis=1)[:, None]
+        for array in (self.keys, self.tags, *self.columns.values()):
+            old = array[rows]
+            array[rows + level] = np.where(
+                ways < n_moved, np.take_along_axis(old, move_order, axis=1), 0
+            )
+            stale = 0 if array is self.keys else old  # emptied slots keep their tags, values
+            array[rows] = np.where(
+                ways < n_kept, np.take_along_axis(old, keep_order, axis=1), stale
+            )
+        self.fill[rows] = n_kept[:, 0]
+        self.fill[rows + level] = n_moved[:, 0]
 
     def _choices(self, keys: U64) -> tuple[I64, I64, npt.NDArray[np.uint16]]:
         """Each key's two buckets and its tag (16 more bits of its mixed hash)."""
-        mixed = (keys if self.uniform else _mix(keys)) * self._scramble
-        n = np.uint64(self.buckets)
-        first = ((mixed & np.uint64(0xFFFFFFFF)) * n) >> np.uint64(32)
-        second = ((mixed >> np.uint64(32)) * n) >> np.uint64(32)
+        mixed = (keys if self.uniform else _mix(keys)) * _SCRAMBLE
+        first = _address(mixed & np.uint64(0xFFFFFFFF), self.buckets)
+        second = _address(mixed >> np.uint64(32), self.buckets)
         # the tag from a product, not from bits the bucket choices read: keys that share a
         # bucket must not share their tag too
         tags = ((mixed * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(48)).astype(np.uint16)
-        return first.astype(np.int64), second.astype(np.int64), tags
+        return first, second, tags
 
     def find(self, keys: U64) -> I64:
         """The slot of each key (`as_keys` applied), -1 where absent. Both buckets' tags at
@@ -368,20 +414,6 @@ class HashTable:
             values[buckets] = np.take_along_axis(values[buckets], order, axis=1)
         self.fill[buckets] = (keys != _EMPTY).sum(axis=1)
 
-    def pop_buckets(self, start: int, stop: int) -> tuple[U64, dict[str, npt.NDArray[np.generic]]]:
-        """Empty buckets `start` to `stop` (excluded), returning their memory to the system
-        where it can (a table emptied this way frees its pages as it goes, not all at its
-        end: unmapping a few hundred MB at once took milliseconds); returns their keys with
-        their column values (copies)."""
-        rows = slice(start, stop)
-        taken = self.keys[rows] != _EMPTY
-        keys = self.keys[rows][taken]
-        values = {n: c[rows][taken] for n, c in self.columns.items()}
-        for array in self._arrays():
-            _clear(array, start, stop)
-        self.size -= len(keys)
-        return keys, values
-
     def taken(self, slots: I64) -> npt.NDArray[np.bool_]:
         """Whether each slot holds a key."""
         taken: npt.NDArray[np.bool_] = np.take(self.keys.reshape(-1), slots) != _EMPTY
@@ -389,69 +421,17 @@ class HashTable:
 
 
 def _zeros(shape: tuple[int, ...], dtype: npt.DTypeLike) -> npt.NDArray[Any]:
-    """A zeroed array; a large one over its own anonymous memory mapping. numpy asks the
-    kernel for transparent huge pages on its large arrays (`madvise`), and where the kernel
-    then tries to compact memory on every fault and fails (this machine: no huge page ever
-    granted), a first write to a page cost 10-80 us instead of about 3 us."""
+    """A zeroed array; a large one over its own anonymous memory mapping, reserved without
+    committing memory (`MAP_NORESERVE`: a table's capacity may be far more than it fills,
+    and its pages are mapped only as buckets are split into them). numpy asks the kernel for
+    transparent huge pages on its large arrays (`madvise`), and where the kernel then tries
+    to compact memory on every fault and fails (this machine: no huge page ever granted), a
+    first write to a page cost 10-80 us instead of about 3 us."""
     nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
     if nbytes < _MAPPED_BYTES:
         return np.zeros(shape, dtype=dtype)
-    return np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=dtype).reshape(shape)
-
-
-def _mapping(array: npt.NDArray[Any]) -> mmap.mmap | None:
-    """The memory mapping `array` lies over from its start (see `_zeros`), if any."""
-    base = array.base
-    while isinstance(base, np.ndarray):
-        base = base.base
-    if isinstance(base, memoryview):
-        base = base.obj
-    return base if isinstance(base, mmap.mmap) else None
-
-
-def _populate(array: npt.NDArray[Any], low: int, high: int) -> bool:
-    """Fault in the pages holding bytes `low` to `high` of an array over its own mapping in
-    one system call (`MADV_POPULATE_WRITE`, Linux 5.14: 1.2-1.9 us a page here, against
-    3-6 us writing a byte per page from numpy), with the GIL released where the C
-    operations are built (so that a thread can run it beside the loop); False where it
-    cannot (then write)."""
-    global _POPULATE_WRITE
-    mapping = _mapping(array)
-    if mapping is None or _POPULATE_WRITE is None:
-        return False
-    first = low // _PAGE * _PAGE
-    error: int
-    if _native is not None:
-        error = int(_native.advise(array, first, high, _POPULATE_WRITE))
-    else:
-        try:
-            mapping.madvise(_POPULATE_WRITE, first, high - first)
-            error = 0
-        except OSError as exc:
-            error = exc.errno or errno.EINVAL
-    if error in (errno.EINVAL, errno.ENOSYS, errno.EPERM):  # not this kernel's
-        _POPULATE_WRITE = None
-    return error == 0
-
-
-def _clear(array: npt.NDArray[Any], start: int, stop: int) -> None:
-    """Zero rows `start` to `stop` (excluded) of `array`; the whole pages among them of an
-    array over its own mapping are given back instead (they read as zeros)."""
-    row_bytes = array.nbytes // max(1, len(array))
-    low, high = start * row_bytes, stop * row_bytes
-    mapping = _mapping(array)
-    first, last = -(-low // _PAGE) * _PAGE, high // _PAGE * _PAGE
-    if _RELEASES_AS_ZEROS and mapping is not None and last > first:
-        try:
-            mapping.madvise(mmap.MADV_DONTNEED, first, last - first)
-        except OSError:  # refused: zero the rows instead
-            array[start:stop] = 0
-            return
-        raw = array.reshape(-1).view(np.uint8)
-        raw[low:first] = 0
-        raw[last:high] = 0
-    else:
-        array[start:stop] = 0
+    flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_NORESERVE", 0)
+    return np.frombuffer(mmap.mmap(-1, nbytes, flags=flags), dtype=dtype).reshape(shape)
 
 
 def _rank_within(groups: I64) -> I64:
