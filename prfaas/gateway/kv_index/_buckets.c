@@ -28,7 +28,12 @@
 #define MAX_COLUMNS 8
 #define MAX_ITEM 8 /* bytes of a column's value, at most */
 #define LAYOUT_FIELDS 6
-#define ROOM_DEPTH 2 /* cuckoo steps past the first that `make_room` may take */
+/* Cuckoo steps past the first that `make_room` may take. At most 2: at this depth the only
+ * nested calls that may meet a bucket higher up the search path are one-step tries, which
+ * fail there as they did at first (a failed try changes nothing); a third level could free
+ * a slot in such a bucket and shift its ways under the caller, which then moves the wrong
+ * key. */
+#define ROOM_DEPTH 2
 
 typedef struct {
     Py_buffer keys, tags, fill;
@@ -330,8 +335,9 @@ PyDoc_STRVAR(insert_doc,
 "insert(layout, keys, values, placed, /) -> int\n\n"
 "Add `keys` (uint64, distinct, absent, none 0) one at a time, each with its value of every\n"
 "column (`values`: one array per column, in the layout's order), into the emptier of its\n"
-"two buckets, else the other, else where one resident of either could move to its own\n"
-"other bucket. Marks in `placed` (bool) which went in; returns how many.");
+"two buckets, else the other, else where a cuckoo search (`make_room`, up to ROOM_DEPTH\n"
+"steps past the first) frees a slot in either. Marks in `placed` (bool) which went in;\n"
+"returns how many.");
 
 static PyObject *insert(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;

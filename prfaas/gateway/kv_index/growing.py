@@ -11,8 +11,9 @@ insert in five or six takes one.
 A key that finds no room (both buckets full, no resident able to move: not seen on the
 benchmark's workloads) makes the table split more (`_MORE_PER_MISS` of its buckets) and
 try again. Arrays are allocated for a capacity: a small table doubles it by copying, and a
-table past `_RESERVED_FROM_BYTES` reserves, once, its cap's worth (or the machine's memory
-where it has none) without committing it, so that a large table never copies.
+table whose doubled arrays would reach `_RESERVED_FROM_BYTES` reserves, once, its cap's
+worth (or the machine's memory where it has none) without committing it, so that a large
+table never copies (where the kernel refuses that, it goes on doubling).
 
 `max_buckets` caps growth; a full bucket pair at the cap is the caller's to empty
 (`victims`). Slot numbers are valid until the next insert or delete, as in `HashTable`.
@@ -49,6 +50,7 @@ class GrowingTable:
         """`max_buckets` caps growth (0: none). `uniform`: see `HashTable`."""
         self.max_buckets = max_buckets
         self._table = HashTable(columns, uniform=uniform)
+        self._reserves_whole = True  # False once the kernel refused such a reservation
 
     @property
     def size(self) -> int:
@@ -147,12 +149,15 @@ class GrowingTable:
         if 2 * buckets * bucket_bytes < _RESERVED_FROM_BYTES:
             table.reserve(2 * buckets)
             return
-        whole = self.max_buckets or _memory_bytes() // bucket_bytes
-        try:
-            table.reserve(max(whole, 2 * buckets))
-        except OSError as exc:  # a kernel that commits what is reserved: grow by copying
-            _log.warning("KV index: reserving %d buckets failed (%s); copying", whole, exc)
-            table.reserve(2 * buckets)
+        if self._reserves_whole:
+            whole = self.max_buckets or _memory_bytes() // bucket_bytes
+            try:
+                table.reserve(max(whole, 2 * buckets))
+                return
+            except OSError as exc:  # a kernel that commits what is reserved: copy from here
+                self._reserves_whole = False
+                _log.warning("KV index: reserving %d buckets failed (%s); copying", whole, exc)
+        table.reserve(2 * buckets)
 
 
 def _memory_bytes() -> int:

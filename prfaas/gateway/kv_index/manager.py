@@ -201,12 +201,10 @@ class KVIndexManager:
     def _touch(self, slots: I64) -> None:
         """Mark a chain's blocks used now, its first block the latest (a full bucket then
         evicts chains from their ends, as engines do). Written later (`_write_touches`):
-        before the next flush of events, clear or growth step (the feed steps every 20 ms),
-        or by a lookup once `_MAX_TOUCHES` wait. Use times are read only when the table
-        changes, and scattered writes into a column of hundreds of MB were a quarter of a
-        128K-token lookup at 10M entries: at a few requests a second the feed's step writes
-        them between requests; lookups back to back (or a flush at a read) still pay them,
-        a few lookups' worth at a time."""
+        before the next flush of events or clear, or by a lookup once `_MAX_TOUCHES` wait.
+        Use times are read only when the table changes, and scattered writes into a column
+        of hundreds of MB were a quarter of a 128K-token lookup at 10M entries: a flush
+        pays them with its own scattered writes, a few lookups' worth at a time."""
         if len(slots):
             self._touches.append((slots, self._tick(len(slots))))
             self._touched += len(slots)
@@ -542,8 +540,7 @@ class KVIndexManager:
     def _evict_for(
         table: GrowingTable, left: tuple[U64, dict[str, np.ndarray]], evict: Callable[[U64], None]
     ) -> None:
-        """Room for what an insert handed back (only at the table's cap; it may include
-        keys the table held, moved by a cuckoo step and not fitting back): evict in their
+        """Room for what an insert handed back (only at the table's cap): evict in their
         full buckets and insert them again, until all are in."""
         keys, rows = left
         while len(keys):

@@ -324,8 +324,8 @@ class HashTable:
 
     def _make_room(self, buckets: I64) -> I64:
         """Free a slot in each of `buckets` (distinct, full) where one of its keys can move
-        to that key's other bucket; returns the buckets freed. One step of cuckoo hashing:
-        with it the table fills to ~95% before it must grow, not ~80%."""
+        to that key's other bucket; returns the buckets freed. One step of cuckoo hashing
+        (the C goes deeper: see `_buckets.c`'s `make_room`)."""
         residents = np.take(self.keys, buckets, axis=0)  # (n, WAYS)
         one, two, _ = self._choices(residents.reshape(-1))
         one, two = one.reshape(residents.shape), two.reshape(residents.shape)
