@@ -73,7 +73,9 @@ def test_find_gives_the_numpy_slots(
     seed: int, uniform: bool, filled_by: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Present keys, absent ones, and keys whose tag another key in their buckets shares,
-    in tables filled (to 95% and past) by either implementation, after deletes."""
+    in tables filled (to 95% and past) by either implementation, after deletes; with each
+    column's values read in the same pass (`find_values`), a value of its own width where
+    the key is absent."""
     rng = np.random.default_rng(seed)
     with monkeypatch.context() as patch:
         if filled_by == "numpy":
@@ -90,6 +92,16 @@ def test_find_gives_the_numpy_slots(
     assert (native[len(held) // 5 : len(held)] >= 0).all()
     assert (native[: len(held) // 5] < 0).all()
     assert (native[len(held) : len(held) + len(absent)] < 0).all()
+    for name, missing in (("value", 7), ("owner", 2**16 - 1), ("wide", 2**63 + 5)):
+        slots, values = table.find_values(queries, name, missing)
+        with monkeypatch.context() as numpy_only:
+            numpy_only.setattr(table_module, "_native", None)
+            want_slots, want = table.find_values(queries, name, missing)
+        assert slots.tolist() == want_slots.tolist() == native.tolist()
+        assert values.dtype == want.dtype == COLUMNS[name]
+        assert values.tolist() == want.tolist()
+        assert values[native < 0].tolist() == [missing] * int((native < 0).sum())
+        assert values[native >= 0].tolist() == table.column(name)[native[native >= 0]].tolist()
 
 
 def _tag_twins(table: HashTable, rng: np.random.Generator, uniform: bool) -> np.ndarray:
@@ -169,7 +181,8 @@ def test_inserts_keep_the_invariants_and_hand_back_only_what_cannot_fit(
 
 
 def test_bad_arguments_raise_and_change_nothing() -> None:
-    """A slot outside the table, or arrays of the wrong size, raise before any write."""
+    """A slot outside the table, a column not the table's, or arrays of the wrong size,
+    raise before any write."""
     assert _buckets is not None
     rng = np.random.default_rng(0)
     table, held = _filled(rng, buckets=4, n=40, uniform=True)
@@ -187,6 +200,13 @@ def test_bad_arguments_raise_and_change_nothing() -> None:
     with pytest.raises(ValueError, match="sizes disagree"):
         layout = (table.keys[:2], *table._layout[1:])
         _buckets.find(layout, held, np.empty(len(held), dtype=np.int64))
+    slots = np.empty(len(held), dtype=np.int64)
+    with pytest.raises(ValueError, match="column 3 is not one of 3"):
+        _buckets.find(table._layout, held, slots, 3, np.empty(len(held), np.uint64), 0)
+    with pytest.raises(ValueError, match="values"):  # the column's values are 4 bytes wide
+        _buckets.find(table._layout, held, slots, 0, np.empty(len(held), np.uint64), 0)
+    with pytest.raises(TypeError):
+        _buckets.find(table._layout, held, slots, 0)
     for array, saved in zip(_arrays(table), before, strict=True):
         assert np.array_equal(array, saved)
 

@@ -274,26 +274,62 @@ static int make_room(Table *t, Py_ssize_t bucket, int depth) {
     return 0;
 }
 
+/* `value`'s low bytes as an integer `item` bytes wide (1, 2, 4 or 8), in this machine's
+ * byte order. */
+static void store_int(char *dst, size_t item, uint64_t value) {
+    uint8_t i8 = (uint8_t)value;
+    uint16_t i16 = (uint16_t)value;
+    uint32_t i32 = (uint32_t)value;
+    uint64_t i64 = value;
+    switch (item) {
+    case 1: memcpy(dst, &i8, 1); break;
+    case 2: memcpy(dst, &i16, 2); break;
+    case 4: memcpy(dst, &i32, 4); break;
+    default: memcpy(dst, &i64, sizeof i64); break;
+    }
+}
+
 PyDoc_STRVAR(find_doc,
-"find(layout, keys, out, /) -> None\n\n"
-"Write the slot of each of `keys` (uint64) into `out` (int64), -1 where absent.");
+"find(layout, keys, out, column=-1, values=None, missing=0, /) -> None\n\n"
+"Write the slot of each of `keys` (uint64) into `out` (int64), -1 where absent; with a\n"
+"`column` (its index in the layout), also that column's value at each key's slot into\n"
+"`values` (an array of the column's item size), `missing` (its low bytes) where absent:\n"
+"read in the same pass, while the slot's cache lines are being fetched anyway.");
 
 static PyObject *find(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "find(layout, keys, out)");
+    if (nargs != 3 && nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "find(layout, keys, out[, column, values, missing])");
         return NULL;
+    }
+    Py_ssize_t column = -1;
+    uint64_t missing = 0;
+    if (nargs == 6) {
+        column = PyLong_AsSsize_t(args[3]);
+        missing = column == -1 && PyErr_Occurred() ? (uint64_t)-1
+                                                   : PyLong_AsUnsignedLongLongMask(args[5]);
+        if (missing == (uint64_t)-1 && PyErr_Occurred()) {
+            return NULL;
+        }
     }
     Table t;
     if (table_open(args[0], &t, 0) < 0) {
         return NULL;
     }
-    Py_buffer query = {0}, out = {0};
+    if (column < -1 || column >= t.ncolumns || (nargs == 6 && column < 0)) {
+        table_close(&t);
+        PyErr_Format(PyExc_ValueError, "column %zd is not one of %zd", column, t.ncolumns);
+        return NULL;
+    }
+    Py_buffer query = {0}, out = {0}, values = {0};
     if (PyObject_GetBuffer(args[1], &query, PyBUF_SIMPLE) < 0 || query.len % 8 ||
-        open_array(args[2], &out, PyBUF_WRITABLE, query.len / 8, 8, "out") < 0) {
+        open_array(args[2], &out, PyBUF_WRITABLE, query.len / 8, 8, "out") < 0 ||
+        (column >= 0 && open_array(args[4], &values, PyBUF_WRITABLE, query.len / 8,
+                                   t.item[column], "values") < 0)) {
         if (!PyErr_Occurred()) {
             PyErr_SetString(PyExc_ValueError, "keys: not a whole number of uint64");
         }
+        PyBuffer_Release(&out);
         PyBuffer_Release(&query);
         table_close(&t);
         return NULL;
@@ -301,10 +337,16 @@ static PyObject *find(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     const uint64_t *keys = query.buf;
     int64_t *slots = out.buf;
     Py_ssize_t n = query.len / 8;
+    size_t item = column >= 0 ? (size_t)t.item[column] : 0;
+    const char *cells = column >= 0 ? t.columns[column].buf : NULL;
+    char *gathered = values.buf;
+    char absent[MAX_ITEM]; /* `missing` as a value of the column's width */
+    store_int(absent, item, missing);
     /* A pipeline over the keys, as a batch of finds in a large table is a batch of memory
      * misses: each key's tag rows are asked for first, its tags compared AHEAD keys later
-     * (and the key at the slot whose tag matched asked for), and that key compared AHEAD
-     * keys after that; only a key whose tag matched another key's is looked for again. */
+     * (and the key at the slot whose tag matched asked for, and its column value), and
+     * that key compared AHEAD keys after that; only a key whose tag matched another key's
+     * is looked for again. */
     for (Py_ssize_t i = 0; i < n + 2 * AHEAD; i++) {
         if (i < n) {
             prefetch_tags(&t, keys[i]);
@@ -314,17 +356,28 @@ static PyObject *find(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             slots[j] = tag_match(&t, keys[j]);
             if (slots[j] >= 0) {
                 __builtin_prefetch(keys_of(&t) + slots[j]);
+                if (cells != NULL) {
+                    __builtin_prefetch(cells + (size_t)slots[j] * item);
+                }
             }
         }
         Py_ssize_t k = i - 2 * AHEAD;
-        if (k >= 0 && k < n && slots[k] >= 0 && keys_of(&t)[slots[k]] != keys[k]) {
+        if (k < 0 || k >= n) {
+            continue;
+        }
+        if (slots[k] >= 0 && keys_of(&t)[slots[k]] != keys[k]) {
             Py_ssize_t first, second;
             uint16_t tag;
             choose(&t, keys[k], &first, &second, &tag);
             Py_ssize_t slot = find_in(&t, first, keys[k], tag);
             slots[k] = slot >= 0 ? slot : find_in(&t, second, keys[k], tag);
         }
+        if (cells != NULL) {
+            const char *value = slots[k] >= 0 ? cells + (size_t)slots[k] * item : absent;
+            memcpy(gathered + (size_t)k * item, value, item);
+        }
     }
+    PyBuffer_Release(&values);
     PyBuffer_Release(&out);
     PyBuffer_Release(&query);
     table_close(&t);
@@ -607,7 +660,18 @@ static PyObject *as_keys(PyObject *module, PyObject *const *args, Py_ssize_t nar
         return NULL;
     }
     uint64_t *keys = out.buf;
-    for (Py_ssize_t i = 0; i < out.len / 8; i++) {
+    Py_ssize_t i = 0;
+    /* exact ints (what the block hash makes) read straight from the items: no Python code
+     * runs while they are read, so the sequence cannot change under the loop */
+    PyObject **items = PySequence_Fast_ITEMS(values);
+    for (; i < out.len / 8 && PyLong_CheckExact(items[i]); i++) {
+        uint64_t key = as_u64(items[i]);
+        if (key == (uint64_t)-1 && PyErr_Occurred()) {
+            goto fail;
+        }
+        keys[i] = key ? key : stand_in;
+    }
+    for (; i < out.len / 8; i++) {
         /* checked access: a list may change size while an item's __index__ runs */
         PyObject *item = PyList_Check(values) ? PyList_GetItem(values, i)
                                               : PyTuple_GetItem(values, i);

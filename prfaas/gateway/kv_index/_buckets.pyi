@@ -12,7 +12,15 @@ Layout = tuple[
     bool,
 ]
 
-def find(layout: Layout, keys: npt.NDArray[Any], out: npt.NDArray[Any], /) -> None: ...
+def find(
+    layout: Layout,
+    keys: npt.NDArray[Any],
+    out: npt.NDArray[Any],
+    column: int = -1,
+    values: npt.NDArray[Any] | None = None,
+    missing: int = 0,
+    /,
+) -> None: ...
 def insert(
     layout: Layout,
     keys: npt.NDArray[Any],

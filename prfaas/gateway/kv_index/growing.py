@@ -77,6 +77,10 @@ class GrowingTable:
         """The slot of each key (`as_keys` applied), -1 where absent."""
         return self._table.find(keys)
 
+    def find_values(self, keys: U64, name: str, missing: int) -> tuple[I64, npt.NDArray[Any]]:
+        """The slot of each key, and column `name` there (`missing` where absent)."""
+        return self._table.find_values(keys, name, missing)
+
     def column(self, name: str) -> npt.NDArray[Any]:
         """Column `name` as a flat array indexed by slot (a view: writes go to the table)."""
         return self._table.column(name)

@@ -162,9 +162,7 @@ class KVIndexManager:
         for chunk in _chunks(block_hashes):
             keys = as_keys(chunk)
             read.append(keys)
-            slots = self._blocks.find(keys)
-            holders = self._blocks.get("holders", slots)
-            holders[slots < 0] = EMPTY
+            slots, holders = self._blocks.find_values(keys, "holders", EMPTY)
             held = walk(self._sets.bits, holders, alive, ends[:-1], matched)
             used.append(slots[:held])
             matched += len(keys)
@@ -510,12 +508,9 @@ class KVIndexManager:
             return
         distinct, changes, masks, last = _grouped(ours, bits)
         used = self._tick(len(ours)) + (len(ours) - last).astype(np.uint32)
-        slots = self._blocks.find(distinct)
+        slots, before = self._blocks.find_values(distinct, "holders", EMPTY)
         found = slots >= 0
         some_found = bool(found.any())  # (a new conversation's blocks: none)
-        before = np.full(len(distinct), EMPTY, dtype=np.uint32)
-        if some_found:
-            before[found] = self._blocks.get("holders", slots[found])
         after, delta = self._sets.update(before, changes, masks, add=True)
         self._entries += delta
         if some_found:
@@ -604,10 +599,9 @@ class KVIndexManager:
         if not len(ours):
             return
         distinct, changes, masks, _ = _grouped(ours, bits)
-        slots = self._blocks.find(distinct)
+        slots, holders = self._blocks.find_values(distinct, "holders", EMPTY)
         found = slots >= 0
-        at = slots[found]
-        before = self._blocks.get("holders", at)
+        at, before = slots[found], holders[found]
         after, delta = self._sets.update(before, changes[found], masks, add=False)
         self._entries += delta
         self._blocks.set("holders", at, after)
@@ -671,8 +665,7 @@ class KVIndexManager:
         window = window[table.taken(window)]
         ours = table.get("ours", window)
         bits = table.get("instance", window).astype(np.int64)
-        slots = self._blocks.find(ours)
-        holders = np.where(slots >= 0, self._blocks.get("holders", slots), EMPTY)
+        _, holders = self._blocks.find_values(ours, "holders", EMPTY)
         words = np.take(self._sets.bits, holders, axis=0)
         listed = (words[np.arange(len(bits)), bits // 64] >> (bits % 64).astype(np.uint64)) & 1
         stale = listed == 0
