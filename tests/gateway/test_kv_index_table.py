@@ -2,8 +2,9 @@
 writes while the table grows (splitting buckets as keys come, at its usual load and nearly
 full) find every key with its values, with the C operations and with the numpy ones that
 stand in where they are not built; growth is spread over the inserts in proportion to their
-keys and the memory grows with them; a split leaves the arrays the numpy split leaves; at
-its cap the table hands back what found no room instead of growing."""
+keys and the memory grows with them; a split leaves the arrays the numpy split leaves; a
+large table reserves its cap once (or, refused, goes on doubling); at its cap the table
+hands back what found no room instead of growing."""
 
 from __future__ import annotations
 
@@ -150,3 +151,42 @@ def test_at_its_cap_the_table_hands_back_what_found_no_room() -> None:
     assert sorted(rows["value"].tolist()) == np.flatnonzero(stayed < 0).tolist()
     victims = table.victims(left[:5], "value")
     assert len(victims) == 5 and table.taken(victims).all()
+
+
+@pytest.mark.parametrize("kernel", ["reserves", "refuses"])
+def test_a_large_table_reserves_its_cap_once_or_goes_on_doubling(
+    kernel: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A small table doubles its capacity by copying; past 1 MB it reserves its whole cap at
+    once (mapped, not copied, as it grows into it). Where the kernel refuses that reservation
+    the table says so once and goes on doubling, and holds every key either way."""
+    real_reserve = HashTable.reserve
+    asked: list[int] = []
+
+    def reserve(self: HashTable, capacity: int) -> None:
+        asked.append(capacity)
+        if kernel == "refuses" and capacity == cap:
+            raise OSError(12, "Cannot allocate memory")
+        real_reserve(self, capacity)
+
+    monkeypatch.setattr(HashTable, "reserve", reserve)
+    cap = 40_000  # buckets: about 8 MB of arrays
+    table = GrowingTable({"value": np.uint32}, max_buckets=cap, uniform=True)
+    rng = np.random.default_rng(6)
+    held = []
+    while table.buckets < 12_000:
+        keys = np.unique(as_keys(rng.integers(0, 2**64, size=5_000, dtype=np.uint64)))
+        left, _ = table.insert(keys, {"value": np.zeros(len(keys), np.uint32)})
+        assert len(left) == 0
+        held.append(keys)
+    assert (table.find(np.concatenate(held)) >= 0).all()
+    capacity = table._table.capacity
+    if kernel == "reserves":
+        assert capacity == cap and asked[-1] == cap  # no copy after it
+        assert all(smaller < cap for smaller in asked[:-1])
+        assert not [r for r in caplog.records if "reserving" in r.getMessage()]
+    else:
+        assert asked.count(cap) == 1  # tried once, not at each of the doublings after it
+        assert len(asked) >= asked.index(cap) + 3 and table.buckets <= capacity < cap
+        warned = [r for r in caplog.records if "reserving" in r.getMessage()]
+        assert len(warned) == 1
