@@ -130,6 +130,7 @@ class HashTable:
         self.capacity = max(self.buckets, capacity)
         self._all = self._allocate(self.capacity)
         self._layout = self._layout_of(self.buckets)
+        self._whole = self._layout_of(self.capacity)  # what `split` hands the C
 
     def _allocate(self, capacity: int) -> dict[str, npt.NDArray[Any]]:
         """Zeroed arrays for `capacity` buckets: keys, tags, fill, marks (scratch: duplicate
@@ -198,6 +199,7 @@ class HashTable:
             larger[name][: self.buckets] = array[: self.buckets]
         self._all, self.capacity = larger, capacity
         self._layout = self._layout_of(self.buckets)
+        self._whole = self._layout_of(self.capacity)
 
     def split(self, count: int) -> None:
         """Add `count` buckets (within the capacity), each splitting the next bucket in
@@ -207,8 +209,7 @@ class HashTable:
         if self.buckets + count > self.capacity:
             raise ValueError(f"{self.buckets} + {count} buckets exceed {self.capacity}")
         if _native is not None:
-            whole = self._layout_of(self.capacity)
-            self.buckets = _native.split(whole, self.buckets, count)
+            self.buckets = _native.split(self._whole, self.buckets, count)
             self._layout = self._layout_of(self.buckets)
             return
         while count:
