@@ -7,7 +7,9 @@ interpreter's switch interval (`sys.setswitchinterval`, 5 ms by default). Per fr
 and switch interval: the goodput of a transfer (16 x 8 MiB; the sender in this process,
 the receiver in its own, loopback, unpaced) alone and beside a thread of short GIL-holding
 numpy steps (a stand-in for a launch-bound forward), and that thread's slowdown (its steps
-per second alone over while the transfer runs). On a GPU the campaign's overlap stage
+per second alone over while the transfer runs). The last rows run the sender in a process
+of its own (`ProcessSender`, the engine's `--kv-sender process`): this process then only
+copies each layer into a shared ring and writes a command. On a GPU the campaign's overlap stage
 measures the same variants inside a real prefill (`benchmarks/gpu/handoff_overlap.py`).
 Every figure is the median of --runs transfers after a warm-up one; the machine is shared
 and noisy: read the ratios of rows measured in one run.
@@ -30,11 +32,19 @@ from typing import Any
 
 import numpy as np
 
-from prfaas.engines.transport import Kind, KVSender, SenderConfig
+from prfaas.engines.transport import Kind, KVSender, ProcessSender, SenderConfig
 
 LAYERS, LAYER_MIB = 16, 8
-VARIANTS = ((1024, 5.0), (1024, 0.5), (8192, 5.0), (8192, 0.5))
-"""(frame KiB, GIL switch interval ms): the engine's default first."""
+VARIANTS = (
+    (1024, 5.0, "loop"),
+    (1024, 0.5, "loop"),
+    (8192, 5.0, "loop"),
+    (8192, 0.5, "loop"),
+    (1024, 5.0, "process"),
+    (8192, 5.0, "process"),
+)
+"""(frame KiB, GIL switch interval ms, where the sender runs): the engine's default
+first."""
 RECEIVER = Path(__file__).with_name("transport.py")
 """Its receiver role (a separate process, as a decode engine is)."""
 
@@ -75,12 +85,14 @@ def idle_rate(seconds: float = 1.0) -> float:
     return ticker.rate
 
 
-async def variant(frame_kib: int, switch_ms: float, runs: int, idle: float) -> dict[str, Any]:
+async def variant(
+    frame_kib: int, switch_ms: float, where: str, runs: int, idle: float
+) -> dict[str, Any]:
     """Alternating transfers alone and beside the ticker (first pair: warm-up)."""
     default = sys.getswitchinterval()
     sys.setswitchinterval(switch_ms / 1e3)
-    sender = KVSender(SenderConfig(host="127.0.0.1", chunk_bytes=frame_kib << 10,
-                                   register_timeout_s=60))  # fmt: skip
+    config = SenderConfig(host="127.0.0.1", chunk_bytes=frame_kib << 10, register_timeout_s=60)
+    sender = KVSender(config) if where == "loop" else ProcessSender(config)
     receiver: asyncio.subprocess.Process | None = None
     rooms = 2 * (runs + 1)
     data = np.random.default_rng(0).integers(0, 255, LAYER_MIB << 20, dtype=np.uint8)
@@ -118,7 +130,7 @@ async def variant(frame_kib: int, switch_ms: float, runs: int, idle: float) -> d
         await sender.close()
         sys.setswitchinterval(default)
     return {
-        "frame_kib": frame_kib, "gil_switch_ms": switch_ms,
+        "frame_kib": frame_kib, "gil_switch_ms": switch_ms, "sender": where,
         "alone_GBps": round(statistics.median(alone), 3),
         "beside_busy_thread_GBps": round(statistics.median(busy), 3),
         "busy_thread_slowdown": round(statistics.median(slowdown), 3),
@@ -127,7 +139,7 @@ async def variant(frame_kib: int, switch_ms: float, runs: int, idle: float) -> d
 
 async def measure(runs: int) -> list[dict[str, Any]]:
     idle = idle_rate()
-    return [await variant(chunk, switch, runs, idle) for chunk, switch in VARIANTS]
+    return [await variant(*v, runs, idle) for v in VARIANTS]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,11 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"transport beside a GIL-busy thread ({LAYERS} x {LAYER_MIB} MiB, loopback, "
           f"medians of {args.runs})")  # fmt: skip
     print(
-        f"{'frame KiB':>9} {'GIL ms':>6} {'alone GB/s':>10} {'beside GB/s':>11} {'thread slow':>11}"
+        f"{'sender':>7} {'frame KiB':>9} {'GIL ms':>6} {'alone GB/s':>10} {'beside GB/s':>11} "
+        f"{'thread slow':>11}"
     )
     for r in rows:
-        print(f"{r['frame_kib']:9} {r['gil_switch_ms']:6g} {r['alone_GBps']:10.3f} "
-              f"{r['beside_busy_thread_GBps']:11.3f} "
+        print(f"{r['sender']:>7} {r['frame_kib']:9} {r['gil_switch_ms']:6g} "
+              f"{r['alone_GBps']:10.3f} {r['beside_busy_thread_GBps']:11.3f} "
               f"{r['busy_thread_slowdown']:11.3f}")  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps({"layers": LAYERS, "layer_mib": LAYER_MIB,

@@ -106,6 +106,14 @@ def _add_transfer_arguments(group: argparse._ArgumentGroup) -> None:
         "--egress-delay-ms", type=float, default=0.0, help="added one-way delay of KV frames"
     )
     group.add_argument(
+        "--kv-sender",
+        choices=("loop", "process"),
+        default="loop",
+        help="where the KV transport's sockets run: on the engine's event loop, or in a "
+        "process of its own fed through a shared ring (the engine's interpreter then does no "
+        "socket work beside the forward: benchmarks/transport_gil.py)",
+    )
+    group.add_argument(
         "--kv-send",
         choices=("layerwise", "after-prefill"),
         default="layerwise",
@@ -209,6 +217,7 @@ def run(args: argparse.Namespace) -> int:
             egress_delay_s=args.egress_delay_ms / 1000,
             capacity_bytes_per_s=_mbps("--egress-capacity-mbps", args.egress_capacity_mbps),
             layerwise=args.kv_send == "layerwise",
+            sender_process=args.kv_sender == "process",
         )
         options = LaunchOptions(
             model=args.model,

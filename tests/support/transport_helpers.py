@@ -15,6 +15,7 @@ from prfaas.engines.transport import (
     Kind,
     KVReceiver,
     KVSender,
+    ProcessSender,
     ReceiverConfig,
     SenderConfig,
     TlsConfig,
@@ -74,7 +75,7 @@ def tls_configs(directory: Path) -> tuple[TlsConfig, TlsConfig]:
 class Pair:
     """A started sender and a receiver, closed by the fixture."""
 
-    sender: KVSender
+    sender: KVSender | ProcessSender
     receiver: KVReceiver
 
     @property
@@ -83,10 +84,15 @@ class Pair:
 
 
 async def make_pair(
-    sender: SenderConfig | None = None, receiver: ReceiverConfig | None = None
+    sender: SenderConfig | None = None,
+    receiver: ReceiverConfig | None = None,
+    *,
+    process: bool = False,
 ) -> Pair:
-    """Start a sender (on an ephemeral loopback port) and make a receiver."""
-    kv_sender = KVSender(sender or SenderConfig())
+    """Start a sender (on an ephemeral loopback port; with `process`, a `ProcessSender`) and
+    make a receiver."""
+    config = sender or SenderConfig()
+    kv_sender = ProcessSender(config) if process else KVSender(config)
     await kv_sender.start()
     return Pair(kv_sender, KVReceiver(receiver or ReceiverConfig()))
 

@@ -110,6 +110,9 @@ class TransferConfig:
     """Put each layer's KV on the wire as soon as it is computed; False: hold every message
     until the prefill is over (send-after, the baseline layer-wise pipelining is measured
     against)."""
+    sender_process: bool = False
+    """Run the transport's sender in a process of its own (`ProcessSender`), fed through a
+    shared ring, so that its socket work never takes the GIL from the forward pass."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.connections <= 64:

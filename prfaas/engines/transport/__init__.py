@@ -16,6 +16,9 @@ Prefill (one `KVSender` per process, started on the event loop)::
     handle.finish()
     await handle.wait()                        # delivered, or TransferError
 
+`ProcessSender` has `KVSender`'s API and runs it in a child process fed through a shared
+ring, so that an engine's forward pass never shares the GIL with the sockets.
+
 Decode (one `KVReceiver` per process)::
 
     transfer = await receiver.fetch(host, bootstrap_port, room, timeout_s=60)
@@ -30,6 +33,7 @@ from prfaas.engines.transport.config import ReceiverConfig, SenderConfig
 from prfaas.engines.transport.errors import ProtocolError, TransferError
 from prfaas.engines.transport.frames import Kind
 from prfaas.engines.transport.payload import LayerArrays
+from prfaas.engines.transport.process_sender import ProcessSender
 from prfaas.engines.transport.receiver import KVReceiver, LayerItem, Transfer, TransferResult
 from prfaas.engines.transport.sender import KVSender, SendHandle
 from prfaas.engines.transport.tcp_info import TcpInfo, sample_tcp_info
@@ -43,6 +47,7 @@ __all__ = [
     "Kind",
     "LayerArrays",
     "LayerItem",
+    "ProcessSender",
     "ProtocolError",
     "ReceiverConfig",
     "SendHandle",

@@ -135,6 +135,13 @@ class KVSender:
 
     def _start_room(self, handle: SendHandle) -> None:
         assert self._loop is not None
+        if handle.done:  # failed before it started (a sender process's open, then abort)
+            parked = self._parked.pop(handle.room, None)
+            if parked is not None:
+                parked[1].cancel()
+                reason = self._tombstones.get(handle.room, "transfer failed")
+                parked[0].push_control(reason_frame(Kind.ABORT, handle.room, reason))
+            return
         cfg = self.config
         handle.timers = [
             self._loop.call_later(cfg.register_timeout_s, self._register_expired, handle),

@@ -25,7 +25,9 @@ MAX_LAYER = NO_LAYER - 1
 
 
 @dataclass(frozen=True, slots=True)
-class _Message:
+class Outgoing:
+    """One numbered message of a room, encoded."""
+
     kind: Kind
     msg: int
     layer: int
@@ -57,7 +59,7 @@ class SendHandle:
         self._done.add_done_callback(lambda f: f.cancelled() or f.exception())
         # loop-side state
         self.peer: SenderPeer | None = None
-        self._pending: list[_Message] = []
+        self._pending: list[Outgoing] = []
         self._ended = False
         self.timers: list[asyncio.TimerHandle] = []
 
@@ -98,7 +100,7 @@ class SendHandle:
             msg = self._claim()
             self._layers.add(layer)
         if msg is not None:
-            self._post(_Message(Kind(kind), msg, layer, pieces))
+            self._post(Outgoing(Kind(kind), msg, layer, pieces))
 
     def send_aux(self, name: str, payload: bytes) -> None:
         """Queue named bytes (first token, JSON metadata); ordered with the layers (dropped
@@ -109,7 +111,7 @@ class SendHandle:
         with self._lock:
             msg = self._claim()
         if msg is not None:
-            self._post(_Message(Kind.AUX, msg, NO_LAYER, pieces))
+            self._post(Outgoing(Kind.AUX, msg, NO_LAYER, pieces))
 
     def finish(self) -> None:
         """No more messages; queue END. In non-pipelined mode this releases everything.
@@ -119,7 +121,7 @@ class SendHandle:
             if msg is None:
                 return
             self._state = "finished"
-        self._post(_Message(Kind.END, msg, NO_LAYER, encode_named({"messages": msg + 1})))
+        self._post(Outgoing(Kind.END, msg, NO_LAYER, encode_named({"messages": msg + 1})))
 
     def abort(self, reason: str) -> None:
         """Give up the transfer: the decode side's fetch raises TransferError(reason)."""
@@ -143,7 +145,7 @@ class SendHandle:
         self._next_msg += 1
         return msg
 
-    def _post(self, message: _Message) -> None:
+    def _post(self, message: Outgoing) -> None:
         self._loop.call_soon_threadsafe(self._accept, message)
 
     async def wait(self) -> None:
@@ -161,7 +163,12 @@ class SendHandle:
 
     # -- event loop only -------------------------------------------------------------------
 
-    def _accept(self, message: _Message) -> None:
+    def deliver(self, kind: Kind, msg: int, layer: int, pieces: list[bytes | memoryview]) -> None:
+        """Take a message numbered and encoded elsewhere (an engine's, through its sender
+        process: `process_sender.py`), as if posted here."""
+        self._accept(Outgoing(kind, msg, layer, pieces))
+
+    def _accept(self, message: Outgoing) -> None:
         if self._done.done():
             return
         self._pending.append(message)

@@ -15,11 +15,18 @@ from prfaas.engines.transport import Kind, KVReceiver, KVSender, SenderConfig, T
 pytestmark = pytest.mark.timeout(60)
 
 
+@pytest.fixture(params=[False, True], ids=["loop", "process"])
+def process(request: pytest.FixtureRequest) -> bool:
+    """Whether the sender runs in a process of its own (`ProcessSender`): each test that
+    takes it runs with both."""
+    return bool(request.param)
+
+
 @pytest.mark.parametrize("connections", [1, 4])
-async def test_every_kind_round_trips_bit_exact(connections: int) -> None:
+async def test_every_kind_round_trips_bit_exact(connections: int, process: bool) -> None:
     """FULL_KV (with block range), LINEAR_STATE, SWA_KV and AUX arrive exactly as sent,
     layers in the order sent, with small chunks so every layer is striped."""
-    pair = await make_pair(SenderConfig(connections=connections, chunk_bytes=4096))
+    pair = await make_pair(SenderConfig(connections=connections, chunk_bytes=4096), process=process)
     rng = np.random.default_rng(connections)
     try:
         handle = pair.sender.open(11)
@@ -48,10 +55,10 @@ async def test_every_kind_round_trips_bit_exact(connections: int) -> None:
         await pair.sender.close()
 
 
-async def test_layer_order_is_send_order_under_striping() -> None:
+async def test_layer_order_is_send_order_under_striping(process: bool) -> None:
     """60 layers of very different sizes over 8 connections, 4 KiB frames: the receiver's
     iteration yields exactly the send order even though frames arrive interleaved."""
-    pair = await make_pair(SenderConfig(connections=8, chunk_bytes=4096))
+    pair = await make_pair(SenderConfig(connections=8, chunk_bytes=4096), process=process)
     rng = np.random.default_rng(5)
     order = [int(x) for x in rng.permutation(60)]  # layer numbers need not be sorted
     try:
@@ -75,9 +82,9 @@ async def test_layer_order_is_send_order_under_striping() -> None:
         await pair.sender.close()
 
 
-async def test_layers_stream_before_finish_when_pipelined() -> None:
+async def test_layers_stream_before_finish_when_pipelined(process: bool) -> None:
     """Pipelined: layer 0 is delivered while the transfer is still open."""
-    pair = await make_pair()
+    pair = await make_pair(process=process)
     try:
         handle = pair.sender.open(2)
         transfer = await pair.receiver.fetch("127.0.0.1", pair.port, 2, timeout_s=10)
@@ -92,9 +99,9 @@ async def test_layers_stream_before_finish_when_pipelined() -> None:
         await pair.sender.close()
 
 
-async def test_non_pipelined_holds_everything_until_finish() -> None:
+async def test_non_pipelined_holds_everything_until_finish(process: bool) -> None:
     """pipelined=False: nothing reaches the receiver before finish(), then everything."""
-    pair = await make_pair(SenderConfig(pipelined=False))
+    pair = await make_pair(SenderConfig(pipelined=False), process=process)
     try:
         handle = pair.sender.open(3)
         transfer = await pair.receiver.fetch("127.0.0.1", pair.port, 3, timeout_s=10)
@@ -112,9 +119,9 @@ async def test_non_pipelined_holds_everything_until_finish() -> None:
         await pair.sender.close()
 
 
-async def test_decode_registers_before_prefill_opens() -> None:
+async def test_decode_registers_before_prefill_opens(process: bool) -> None:
     """Start order 1: the receiver fetches first; the sender opens the room later."""
-    pair = await make_pair()
+    pair = await make_pair(process=process)
     try:
         transfer = await pair.receiver.fetch("127.0.0.1", pair.port, 99, timeout_s=10)
         await asyncio.sleep(0.2)  # the registration is parked at the sender
@@ -129,9 +136,9 @@ async def test_decode_registers_before_prefill_opens() -> None:
         await pair.sender.close()
 
 
-async def test_prefill_sends_before_decode_registers() -> None:
+async def test_prefill_sends_before_decode_registers(process: bool) -> None:
     """Start order 2: every layer is sent and finished before anyone fetches."""
-    pair = await make_pair()
+    pair = await make_pair(process=process)
     try:
         handle = pair.sender.open(5)
         handle.send_layer(0, Kind.FULL_KV, {"k": np.arange(10)})
@@ -165,10 +172,10 @@ async def test_receiver_up_before_the_sender_process() -> None:
         await sender.close()
 
 
-async def test_send_layer_from_worker_threads() -> None:
+async def test_send_layer_from_worker_threads(process: bool) -> None:
     """send_layer is thread-safe: a "forward pass" thread streams layers of two rooms while
     the loop runs; everything arrives intact and in per-room order."""
-    pair = await make_pair(SenderConfig(chunk_bytes=8192))
+    pair = await make_pair(SenderConfig(chunk_bytes=8192), process=process)
     rng = np.random.default_rng(7)
     data = {room: [random_arrays(rng, scale=20) for _ in range(12)] for room in (1, 2)}
     try:
@@ -224,8 +231,8 @@ async def test_many_rooms_leave_no_state_behind() -> None:
         await pair.sender.close()
 
 
-async def test_api_misuse_is_a_clear_error() -> None:
-    pair = await make_pair()
+async def test_api_misuse_is_a_clear_error(process: bool) -> None:
+    pair = await make_pair(process=process)
     try:
         handle = pair.sender.open(4)
         with pytest.raises(ValueError, match="already open"):
@@ -251,12 +258,12 @@ async def test_api_misuse_is_a_clear_error() -> None:
         await pair.sender.close()
 
 
-async def test_sends_after_an_abort_are_dropped() -> None:
+async def test_sends_after_an_abort_are_dropped(process: bool) -> None:
     """A request given up while its forward pass runs (the engine aborts its room from the
     event loop): the pass's later sends, its metadata and its finish are dropped, not
     raised into the pass (where they failed every request computed in it), and the decode
     side's fetch fails with the abort's reason."""
-    pair = await make_pair()
+    pair = await make_pair(process=process)
     try:
         handle = pair.sender.open(5)
         transfer = await pair.receiver.fetch("127.0.0.1", pair.port, 5, timeout_s=10)
@@ -302,3 +309,22 @@ def test_runs_on_uvloop() -> None:
             await pair.sender.close()
 
     uvloop.run(scenario())
+
+
+async def test_a_room_failed_before_it_started_stays_failed() -> None:
+    """A room opened and failed in one step of the loop (a sender process serves an open and
+    an abort in one read): its tombstone answers the decode side's fetch at once, and a
+    registration parked before the open is aborted, not left to time out."""
+    pair = await make_pair(SenderConfig(register_timeout_s=30))
+    try:
+        parked = await pair.receiver.fetch("127.0.0.1", pair.port, 1, timeout_s=20)
+        await asyncio.sleep(0.2)  # its registration is parked at the sender
+        for room in (1, 2):
+            pair.sender.open(room).fail("aborted by prefill: gone")
+        later = await pair.receiver.fetch("127.0.0.1", pair.port, 2, timeout_s=20)
+        for transfer in (parked, later):
+            with pytest.raises(TransferError, match="aborted by prefill: gone"):
+                await asyncio.wait_for(transfer.complete(), 5)
+    finally:
+        await pair.receiver.close()
+        await pair.sender.close()

@@ -25,6 +25,7 @@ from prfaas.engines.transport import (
     Kind,
     KVReceiver,
     KVSender,
+    ProcessSender,
     ReceiverConfig,
     SenderConfig,
     SendHandle,
@@ -77,10 +78,13 @@ class TransportSender:
     """`HandoffSender` over a `KVSender` (the engine's bootstrap endpoint). With `queued`
     (an engine whose copies to the host complete later, on a GPU), messages go to the
     transport from a `SendQueue` this sender starts and stops, each once its copy is done,
-    so the forward pass never waits for a copy."""
+    so the forward pass never waits for a copy. With `process` the transport runs in a
+    process of its own (`ProcessSender`)."""
 
-    def __init__(self, config: SenderConfig, *, queued: bool = False) -> None:
-        self._sender = KVSender(config)
+    def __init__(
+        self, config: SenderConfig, *, queued: bool = False, process: bool = False
+    ) -> None:
+        self._sender = ProcessSender(config) if process else KVSender(config)
         self._queued = queued
         self._queue: SendQueue | None = None
 
@@ -94,7 +98,7 @@ class TransportSender:
         return self._sender.bootstrap_port
 
     @property
-    def transport(self) -> KVSender:
+    def transport(self) -> KVSender | ProcessSender:
         """The underlying sender (telemetry)."""
         return self._sender
 

@@ -99,6 +99,7 @@ def build_app(options: LaunchOptions) -> tuple[web.Application, EngineService]:
     sender = TransportSender(
         options.transfer.sender_config(options.host, options.bootstrap_port, key, options.tls),
         queued=core.copier.asynchronous,
+        process=options.transfer.sender_process,
     )
     receiver = TransportReceiver(ReceiverConfig(auth_key=key, tls=options.tls))
     service = EngineService(core, sender, receiver)

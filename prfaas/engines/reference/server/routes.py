@@ -32,7 +32,7 @@ from prfaas.engines.reference.server.streaming import (
     send_sse,
 )
 from prfaas.engines.role_fence import Fenced
-from prfaas.engines.transport import KVSender, TransportTelemetry
+from prfaas.engines.transport import KVSender, ProcessSender, TransportTelemetry
 from prfaas.protocol.errors import APIError, InvalidRequest
 from prfaas.protocol.generate import MAX_ROOM, GenerateRequest, answer, parse_request
 
@@ -160,7 +160,7 @@ async def stats(request: web.Request) -> web.Response:
     return web.json_response(body)
 
 
-def _transport(service: EngineService) -> KVSender | None:
+def _transport(service: EngineService) -> KVSender | ProcessSender | None:
     """The engine's KV transport sender (None with an in-process hand-off)."""
     return service.sender.transport if isinstance(service.sender, TransportSender) else None
 

@@ -126,13 +126,18 @@ async def test_decode_reports_a_missing_prefill_as_502(tiny_runner: ModelRunner)
             assert "hand-off" in (await r.json())["error"]["message"]
 
 
-@pytest.mark.parametrize("queued", [False, True], ids=["direct", "send-queue"])
-async def test_transport_adapter_round_trip(queued: bool) -> None:
+@pytest.mark.parametrize(
+    ("queued", "process"),
+    [(False, False), (True, False), (True, True)],
+    ids=["direct", "send-queue", "send-queue-process"],
+)
+async def test_transport_adapter_round_trip(queued: bool, process: bool) -> None:
     """Over real TCP: repeated FULL_KV messages of one layer (several pieces) and linear
     states arrive intact and in order, with the meta; an abort surfaces as HandoffError.
     Queued (a GPU engine's sender), copies go out from the send queue's thread, each once
-    its copy's fence is ready, in the order sent."""
-    sender = TransportSender(SenderConfig(host="127.0.0.1", port=0), queued=queued)
+    its copy's fence is ready, in the order sent; and so through a sender process."""
+    config = SenderConfig(host="127.0.0.1", port=0)
+    sender = TransportSender(config, queued=queued, process=process)
     receiver = TransportReceiver()
     await sender.start()
     try:

@@ -84,29 +84,36 @@ def stop_all(procs: list[subprocess.Popen[str]]) -> None:
 def engines(
     tiny_model: PreTrainedModel, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, Any]]:
-    """prefill, decode and both engines, started in parallel once the model is materialised
+    """prefill, decode and both engines, and a prefill whose transport runs in a process of
+    its own (`--kv-sender process`), started in parallel once the model is materialised
     (tiny_model), on ephemeral ports; stopped with SIGTERM."""
     logs = tmp_path_factory.mktemp("engine-logs")
     events = f"tcp://127.0.0.1:{free_port()}"
     procs: dict[str, subprocess.Popen[str]] = {}
     try:
-        for role in ("prefill", "decode", "both"):
-            extra = ("--kv-events", events) if role == "both" else ()
-            procs[role] = launch(role, logs / f"{role}.log", *extra)
+        for name, role, extra in (
+            ("prefill", "prefill", ()),
+            ("decode", "decode", ()),
+            ("both", "both", ("--kv-events", events)),
+            ("prefill_process", "prefill", ("--kv-sender", "process")),
+        ):
+            procs[name] = launch(role, logs / f"{name}.log", *extra)
         started: dict[str, Any] = {r: wait_ready(p, logs / f"{r}.log") for r, p in procs.items()}
         yield {**started, "events": events}
     finally:
         stop_all(list(procs.values()))
 
 
-async def run_pd(engines: dict[str, Any], prompt: list[int], n: int) -> tuple[Any, Any, Any]:
-    """The same body to prefill and decode at once (as the gateway does), and to `both`."""
+async def run_pd(
+    engines: dict[str, Any], prompt: list[int], n: int, prefill: str = "prefill"
+) -> tuple[Any, Any, Any]:
+    """The same body to `prefill` and decode at once (as the gateway does), and to `both`."""
     sp = {"max_new_tokens": n, **GREEDY}
     pd = {
         "input_ids": prompt,
         "sampling_params": sp,
         "bootstrap_host": "127.0.0.1",
-        "bootstrap_port": engines["prefill"].bootstrap_port,
+        "bootstrap_port": engines[prefill].bootstrap_port,
         "bootstrap_room": random.randrange(2**64),
     }
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
@@ -117,7 +124,7 @@ async def run_pd(engines: dict[str, Any], prompt: list[int], n: int) -> tuple[An
                 return await resp.json()
 
         both = {"input_ids": prompt, "sampling_params": sp}
-        return await asyncio.gather(call("prefill", pd), call("decode", pd), call("both", both))
+        return await asyncio.gather(call(prefill, pd), call("decode", pd), call("both", both))
 
 
 @pytest.mark.parametrize("length", [1, 15, 16, 50, 130])
@@ -130,6 +137,29 @@ async def test_disaggregated_equals_aggregated_and_transformers(
     assert decode["output_ids"] == both["output_ids"] == expected
     assert prefill["output_ids"] == expected[:1]
     assert decode["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
+
+
+@pytest.mark.parametrize("length", [15, 130])
+async def test_a_sender_process_prefill_equals_aggregated(
+    engines: dict[str, Any], tiny_model: PreTrainedModel, length: int
+) -> None:
+    """The prefill's KV leaves through its sender process: the decode's output is the same,
+    and so is a repeated prompt's, whose cached prefix crosses too."""
+    prompt = random_prompt(4000 + length, length)
+    expected = hf_greedy(tiny_model, prompt, 8)
+    for _ in range(2):
+        prefill, decode, both = await run_pd(engines, prompt, 8, prefill="prefill_process")
+        assert decode["output_ids"] == both["output_ids"] == expected
+        assert prefill["output_ids"] == expected[:1]
+    assert prefill["meta_info"]["cached_tokens"] == {15: 0, 130: 128}[length]  # whole pages
+    url = f"{engines['prefill_process'].url}/transfer_stats"
+    async with aiohttp.ClientSession() as s, asyncio.timeout(5):
+        while True:  # the sender process's telemetry reaches the engine within a snapshot
+            async with s.get(url) as resp:
+                assert resp.status == 200
+                if (await resp.json())["bytes_total"] > 0:
+                    break
+            await asyncio.sleep(0.1)
 
 
 async def test_prefix_hits_on_both_sides_keep_the_output_exact(

@@ -1,0 +1,195 @@
+"""The channel between an engine and its sender process (`process_sender.py`): a byte ring
+in shared memory that carries the messages' bytes, and the small commands and replies that
+travel over two pipes beside it.
+
+The ring has one writer (the engine) and one reader (the sender process). The writer places
+each message's bytes contiguously at increasing absolute positions (skipping to the ring's
+start where a message would not fit before its end); the reader copies a message out, then
+publishes how far it has read in the ring's first eight bytes. So the engine never waits for
+a reply to reuse space, and a message costs the engine one copy into the ring (numpy's,
+which releases the GIL) and one small command: the engine's interpreter does no socket work.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from prfaas.engines.transport.config import SenderConfig
+from prfaas.engines.transport.frames import Kind
+from prfaas.engines.transport.telemetry import TransportTelemetry
+
+HEADER = 64
+"""Bytes before the ring's data: the reader's position (an int64) in the first eight."""
+INLINE_BYTES = 64 * 1024
+"""Messages up to this size travel inside their command, not through the ring."""
+
+
+class RingClosed(Exception):
+    """The ring's reader is gone: the bytes can no longer be delivered."""
+
+
+class SharedRing:
+    """A byte ring over a shared memory file (a `memfd`: not bounded by `/dev/shm`'s size).
+
+    One writer process and one reader process; the writer's methods are called under its
+    own lock."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd = fd
+        self.size = size
+        self._map = mmap.mmap(fd, HEADER + size)
+        self._tail = np.frombuffer(self._map, dtype=np.int64, count=1)
+        self._data = np.frombuffer(self._map, dtype=np.uint8, count=size, offset=HEADER)
+        self._head = 0
+
+    @classmethod
+    def create(cls, size: int) -> SharedRing:
+        """A new ring of `size` bytes (its file descriptor is passed to the reader).
+
+        Raises:
+            OSError: the shared memory cannot be created.
+        """
+        fd = os.memfd_create("prfaas-kv-ring", 0)  # inheritable only where passed
+        try:
+            os.ftruncate(fd, HEADER + size)
+            return cls(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    # -- the writer ---------------------------------------------------------------------
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether a message of `nbytes` can ever be placed (else it travels inline)."""
+        return nbytes <= self.size
+
+    def write(
+        self, pieces: Sequence[bytes | memoryview], nbytes: int, alive: Callable[[], bool]
+    ) -> int:
+        """Place the concatenation of `pieces` (`nbytes` in all, at most `size`), waiting
+        for the reader to free room; its absolute start position.
+
+        Raises:
+            RingClosed: `alive()` turned false while waiting (the reader is gone).
+        """
+        start = self._head
+        if start % self.size + nbytes > self.size:  # would wrap: start at the ring's start
+            start += self.size - start % self.size
+        end = start + nbytes
+        pause = 0.0001
+        while end - int(self._tail[0]) > self.size:
+            if not alive():
+                raise RingClosed("the sender process is gone")
+            time.sleep(pause)  # releases the GIL; the reader frees room within milliseconds
+            pause = min(pause * 2, 0.002)
+        at = start % self.size
+        for piece in pieces:
+            view = np.frombuffer(piece, dtype=np.uint8)
+            self._data[at : at + len(view)] = view
+            at += len(view)
+        self._head = end
+        return start
+
+    # -- the reader ---------------------------------------------------------------------
+
+    def read_into(self, start: int, out: np.ndarray) -> None:
+        """Copy the message at `start` into `out` (a byte array of its size); its room goes
+        back to the writer."""
+        at = start % self.size
+        out[:] = self._data[at : at + len(out)]
+        self._tail[0] = start + len(out)
+
+    def close(self) -> None:
+        del self._tail, self._data
+        self._map.close()
+        os.close(self.fd)
+
+
+# ---- engine -> sender process ------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    """The first command: the sender's configuration (its auth key never on a command
+    line)."""
+
+    config: SenderConfig
+    max_held_bytes: int
+    """Message bytes the sender process may hold undelivered before it stops reading."""
+
+
+@dataclass(frozen=True, slots=True)
+class Open:
+    room: int
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One numbered message of a room: its bytes in the ring at `start`, or `inline`."""
+
+    room: int
+    kind: Kind
+    msg: int
+    layer: int
+    start: int
+    nbytes: int
+    inline: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    room: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Rate:
+    bytes_per_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Close:
+    pass
+
+
+Command = Start | Open | Message | Abort | Rate | Close
+
+
+# ---- sender process -> engine ------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    port: int
+
+
+@dataclass(frozen=True, slots=True)
+class StartFailed:
+    error: str
+    """The exception's type and text."""
+    value_error: bool
+    """A configuration the sender refused (ValueError), else an OSError."""
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """A room's transfer ended: delivered (`reason` None) or failed."""
+
+    room: int
+    reason: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    telemetry: TransportTelemetry
+    held_bytes: int
+    """Message bytes copied out of the ring and not yet delivered."""
+
+
+Reply = Started | StartFailed | Done | Snapshot

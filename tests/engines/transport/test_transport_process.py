@@ -1,0 +1,156 @@
+"""`ProcessSender`: the transport's sender in a process of its own, fed through a shared ring.
+Its round trips run with the in-process sender's in `test_transport_roundtrip.py`; here what
+only it has: the ring's backpressure, messages larger than the ring, the process dying,
+start failures, re-pacing and its telemetry."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from transport_helpers import assert_same, make_pair
+
+from prfaas.engines.transport import Kind, ProcessSender, SenderConfig, TlsConfig, TransferError
+
+pytestmark = pytest.mark.timeout(60)
+
+MIB = 1 << 20
+
+
+async def test_a_full_ring_holds_the_sender_until_the_decode_side_takes_the_bytes() -> None:
+    """With a 1 MiB ring and 2 MiB held in the sender process, a forward thread sending 12
+    layers of 512 KiB to a room nobody fetches yet waits (the engine's memory stays bounded);
+    once the decode side fetches, every layer arrives bit-exact and nothing stays held."""
+    sender = ProcessSender(SenderConfig(), ring_bytes=MIB, max_held_bytes=2 * MIB)
+    pair = await make_pair()
+    await pair.sender.close()
+    pair.sender = sender
+    await sender.start()
+    rng = np.random.default_rng(3)
+    layers = [rng.integers(0, 255, MIB // 2, dtype=np.uint8) for _ in range(12)]
+    sent: list[int] = []
+    try:
+        handle = sender.open(1)
+
+        def forward() -> None:
+            for layer, data in enumerate(layers):
+                handle.send_layer(layer, Kind.FULL_KV, {"kv": data})
+                sent.append(layer)
+            handle.finish()
+
+        thread = threading.Thread(target=forward)
+        thread.start()
+        await asyncio.sleep(1.0)
+        assert 2 <= len(sent) < 12  # ring + held + the message in hand, then it waits
+        transfer = await pair.receiver.fetch("127.0.0.1", pair.port, 1, timeout_s=20)
+        result = await transfer.complete()
+        await handle.wait()
+        await asyncio.to_thread(thread.join)
+        assert len(sent) == 12
+        for item, data in zip(result.layers, layers, strict=True):
+            assert_same({"kv": data}, item.arrays)
+        await asyncio.sleep(0.4)  # a snapshot after the bytes were let go
+        assert sender.held_bytes == 0
+    finally:
+        await pair.receiver.close()
+        await sender.close()
+
+
+async def test_a_message_larger_than_the_ring_travels_inline() -> None:
+    pair = await make_pair()
+    await pair.sender.close()
+    pair.sender = sender = ProcessSender(SenderConfig(), ring_bytes=MIB)
+    await sender.start()
+    data = np.random.default_rng(4).standard_normal(3 * MIB // 8)  # 3 MiB
+    try:
+        handle = sender.open(2)
+        handle.send_layer(0, Kind.LINEAR_STATE, {"state": data})
+        handle.finish()
+        transfer = await pair.receiver.fetch("127.0.0.1", pair.port, 2, timeout_s=20)
+        result = await transfer.complete()
+        await handle.wait()
+        assert_same({"state": data}, result.layers[0].arrays)
+        assert sender.telemetry().bytes_total > data.nbytes
+    finally:
+        await pair.receiver.close()
+        await sender.close()
+
+
+async def test_the_sender_process_dying_fails_open_transfers() -> None:
+    """Killed mid-transfer: the open transfer's wait raises, the decode side's fetch fails
+    (by its timeout, as when a prefill engine dies), and the sender refuses new rooms
+    (nothing hangs, nothing is lost silently)."""
+    pair = await make_pair(SenderConfig(peer_timeout_s=1), process=True)
+    sender = pair.sender
+    assert isinstance(sender, ProcessSender)
+    try:
+        handle = sender.open(3)
+        transfer = await pair.receiver.fetch("127.0.0.1", pair.port, 3, timeout_s=4)
+        handle.send_layer(0, Kind.FULL_KV, {"k": np.ones(1000)})
+        assert sender._process is not None
+        sender._process.kill()
+        with pytest.raises(TransferError, match="sender process exited"):
+            await asyncio.wait_for(handle.wait(), 10)
+        with pytest.raises(TransferError):
+            await asyncio.wait_for(transfer.complete(), 10)
+        with pytest.raises(RuntimeError, match="process is gone"):
+            sender.open(4)
+        handle.send_layer(1, Kind.FULL_KV, {"k": np.ones(10)})  # dropped, not raised
+    finally:
+        await pair.receiver.close()
+        await sender.close()
+
+
+async def test_start_failures_are_the_senders_errors(tmp_path: Path) -> None:
+    """A bound port is an OSError and a TLS file that does not load a ValueError, as with
+    the in-process sender; the process is gone after either."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = ProcessSender(SenderConfig(port=taken.getsockname()[1]))
+        with pytest.raises(OSError):
+            await busy.start()
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate")
+    tls = TlsConfig(cert_file=garbage, key_file=garbage)
+    bad = ProcessSender(SenderConfig(tls=tls))
+    with pytest.raises(ValueError):
+        await bad.start()
+    for sender in (busy, bad):
+        assert sender._process is not None and sender._process.returncode is not None
+
+
+async def test_repacing_reaches_the_sender_process() -> None:
+    """`set_process_rate` as on the in-process sender: refused for an unpaced egress; on a
+    paced one the next transfer is paced at the new rate and the telemetry's capacity
+    follows."""
+    unpaced = await make_pair(process=True)
+    try:
+        with pytest.raises(ValueError, match="not paced"):
+            unpaced.sender.set_process_rate(1e6)
+    finally:
+        await unpaced.receiver.close()
+        await unpaced.sender.close()
+    config = SenderConfig(process_rate_bytes_per_s=1e9, chunk_bytes=65536)
+    pair = await make_pair(config, process=True)
+    try:
+        pair.sender.set_process_rate(2e6)  # 1 MiB then takes about half a second
+        with pytest.raises(ValueError, match="> 0"):
+            pair.sender.set_process_rate(0)
+        handle = pair.sender.open(5)
+        transfer = await pair.receiver.fetch("127.0.0.1", pair.port, 5, timeout_s=20)
+        began = asyncio.get_running_loop().time()
+        handle.send_layer(0, Kind.FULL_KV, {"k": np.zeros(MIB, np.uint8)})
+        handle.finish()
+        await transfer.complete()
+        await handle.wait()
+        assert asyncio.get_running_loop().time() - began > 0.3
+        assert pair.sender.telemetry().capacity_bytes_per_s == 2e6
+        assert pair.sender.config.process_rate_bytes_per_s == 2e6
+    finally:
+        await pair.receiver.close()
+        await pair.sender.close()
