@@ -80,12 +80,12 @@ def stages(device: str, dry: bool, carried: Path) -> list[Stage]:
         overlap = ["--lengths", "128", "--rates-gbps", "1", "0", "--reps", "1"]
         pd = ["--lengths", "128", "--rates-gbps", "1", "--reps", "1"]
         phi = ["--size", "tiny", "--lengths", "64", "128", "--reps", "1"]
-    else:  # the overlap stage's 10 Gbit/s rows said what its 25 and unpaced ones did
-        check, overlap, pd, phi = [], ["--rates-gbps", "25", "0"], [], []
-    overlap += ["--model", model(dry)]
-    # the engines' defaults ran in the first H200 run (2026-12-04); the overlap stage
-    # measures both variants side by side
-    pd += ["--model", model(dry), "--transport", "8192:0.5"]
+    else:  # on the H200 the 10 Gbit/s rows said what the 25 ones did, and 25 what unpaced did
+        check, overlap, pd, phi = [], ["--rates-gbps", "25"], [], []
+    overlap += ["--model", model(dry)]  # its three transport variants side by side
+    # the engines' defaults ran in the first H200 run (2026-12-04); the sender process
+    # (`--kv-sender process`) is what the overlap stage's second run (8192:0.5) pointed to
+    pd += ["--model", model(dry), "--transport", "1024:0.5:process"]
     return [
         Stage("env", lambda out, _: [py, str(gpu / "environment.py"), "--device", device,
                                      "--carried", str(carried), "--json", str(out)], 60),

@@ -58,19 +58,26 @@ def targets(report: Row) -> list[tuple[str, str, str]]:
 
 
 def _variants(overlap: Row | None) -> list[tuple[str, list[Row]]]:
-    """The overlap stage's rows per transport variant (frame size, GIL switch interval),
-    labelled; one unlabelled group for a run from before it measured variants."""
+    """The overlap stage's rows per transport variant (frame size, GIL switch interval, where
+    the sender ran), labelled; one unlabelled group for a run from before it measured
+    variants."""
     if overlap is None:
         return [("", [])]
     groups: dict[str, list[Row]] = {}
     for r in overlap["rows"]:
         label = (
-            f" ({r['frame_kib']} KiB frames, GIL {r['gil_switch_ms']:g} ms)"
+            f" ({r['frame_kib']} KiB frames, GIL {r['gil_switch_ms']:g} ms{_where(r)})"
             if "frame_kib" in r
             else ""
         )
         groups.setdefault(label, []).append(r)
     return list(groups.items())
+
+
+def _where(row: Row) -> str:
+    """ ", sender process" where the transport's sender ran in its own process (runs before
+    2026-12-07 had none)."""
+    return ", sender process" if row.get("sender") == "process" else ""
 
 
 def _table(header: list[str], rows: list[list[Any]]) -> str:
@@ -111,13 +118,15 @@ def render(report: Row) -> str:
                          rows)]  # fmt: skip
     if (overlap := _result(report, "overlap")) is not None:
         rows = [[r.get("frame_kib", DEFAULT_FRAME_KIB), r.get("gil_switch_ms", DEFAULT_SWITCH_MS),
+                 r.get("sender", "loop"),
                  "max" if r["rate_gbps"] is None else r["rate_gbps"], r["tokens"],
                  round(r["kv_bytes"] / 1e6, 1), r["forward_alone_ms"], r["forward_shipping_ms"],
                  r["slowdown"], r["production_gbps"], r["share_before_forward_end"],
                  r.get("tail_after_forward_ms", "-"), r["bit_exact"]]
                 for r in overlap["rows"]]  # fmt: skip
         parts += [f"### Layer-wise shipping in a real prefill ({overlap['model']})",
-                  _table(["frame KiB", "GIL switch ms", "Gbps", "tokens", "KV MB", "alone ms",
+                  _table(["frame KiB", "GIL switch ms", "sender", "Gbps", "tokens", "KV MB",
+                          "alone ms",
                           "shipping ms", "slowdown",
                           "production Gbps", "on wire before end", "last byte after end ms",
                           "exact"], rows)]  # fmt: skip
@@ -129,7 +138,7 @@ def render(report: Row) -> str:
                 for r in pd["rows"]]  # fmt: skip
         frames = (
             f"{pd.get('frame_kib', DEFAULT_FRAME_KIB)} KiB frames, "
-            f"GIL {pd.get('gil_switch_ms', DEFAULT_SWITCH_MS):g} ms"
+            f"GIL {pd.get('gil_switch_ms', DEFAULT_SWITCH_MS):g} ms{_where(pd)}"
         )
         parts += [f"### P/D engine processes ({pd['model']}, {pd['delay_ms']:g} ms one way, "
                   f"{frames})",

@@ -4,9 +4,10 @@
 budget, the `SendQueue`, the transport) on a real model on `--device`, against the same
 forward with nothing shipped, interleaved over `--reps` prompts.
 
-Per variant (the transport's frame size and the interpreter's GIL switch interval: the
-transport's Python work shares the GIL with the forward's kernel launches, and each frame
-costs GIL hand-offs), link rate and prompt length: the forward's time alone and while
+Per variant (the transport's frame size, the interpreter's GIL switch interval and where
+the sender runs: the transport's Python work shares the GIL with the forward's kernel
+launches, and each frame costs GIL hand-offs, unless the sender is a process of its own),
+link rate and prompt length: the forward's time alone and while
 shipping (timed to the end of the forward's own stream, so copies still running on the
 side stream do not count), the slowdown the per-layer copies cause, the KV production rate
 (bytes / forward time), the share of the request's bytes on the wire before the forward
@@ -137,7 +138,9 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             rate = gbps * 1e9 / 8 if gbps > 0 else None
             config = SenderConfig(process_rate_bytes_per_s=rate, delay_s=DELAY_S,
                                   chunk_bytes=transport.frame_kib << 10)  # fmt: skip
-            senders[transport, gbps] = TransportSender(config, queued=copier.asynchronous)
+            senders[transport, gbps] = TransportSender(
+                config, queued=copier.asynchronous, process=transport.sender == "process"
+            )
             await senders[transport, gbps].start()
         for length, ((transport, gbps), sender) in itertools.product(args.lengths, senders.items()):
             sys.setswitchinterval(transport.gil_switch_ms / 1e3)  # the process's, as an engine's
@@ -153,6 +156,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 runs.append(await shipped(runner, copier, sender, receiver, ids,
                                           gen.randrange(2**62)))  # fmt: skip
             row = {"frame_kib": transport.frame_kib, "gil_switch_ms": transport.gil_switch_ms,
+                   "sender": transport.sender,
                    **summarise(gbps, length, alone, runs)}  # fmt: skip
             rows.append(row)
             progress.say("overlap", f"{case}: slowdown {row['slowdown']}, on wire "
@@ -212,13 +216,13 @@ def summarise(
 def print_table(report: dict[str, Any]) -> None:
     print(f"layer-wise shipping in a {report['model']} prefill on {report['device_name']} "
           f"({report['dtype']}; medians of {report['reps']})")  # fmt: skip
-    print(f"{'KiB':>5} {'GIL ms':>6} {'Gbps':>6} {'tokens':>7} {'KV MB':>8} {'alone ms':>9} "
-          f"{'ship ms':>9} {'slow':>6} "
+    print(f"{'sender':>7} {'KiB':>5} {'GIL ms':>6} {'Gbps':>6} {'tokens':>7} {'KV MB':>8} "
+          f"{'alone ms':>9} {'ship ms':>9} {'slow':>6} "
           f"{'prod Gbps':>9} {'faster':>6} {'on wire':>7} {'tail ms':>8} {'exact':>6}")  # fmt: skip
     for r in report["rows"]:
         rate = "max" if r["rate_gbps"] is None else f"{r['rate_gbps']:g}"
-        print(f"{r['frame_kib']:5} {r['gil_switch_ms']:6g} {rate:>6} {r['tokens']:7} "
-              f"{r['kv_bytes'] / 1e6:8.2f} {r['forward_alone_ms']:9.2f} "
+        print(f"{r.get('sender', 'loop'):>7} {r['frame_kib']:5} {r['gil_switch_ms']:6g} "
+              f"{rate:>6} {r['tokens']:7} {r['kv_bytes'] / 1e6:8.2f} {r['forward_alone_ms']:9.2f} "
               f"{r['forward_shipping_ms']:9.2f} {r['slowdown']:6.3f} {r['production_gbps']:9.2f} "
               f"{r['link_faster_than_production']!s:>6} {r['share_before_forward_end']:7.3f} "
               f"{r['tail_after_forward_ms']:8.2f} {r['bit_exact']!s:>6}")  # fmt: skip
@@ -234,10 +238,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rates-gbps", nargs="+", type=float, default=[10.0, 25.0, 0.0],
                    help="paced link rates (0: unpaced loopback)")  # fmt: skip
     p.add_argument("--budget-mb", type=int, default=1024, help="host (pinned) budget")
-    p.add_argument("--variants", nargs="+", type=transport_variant.parse, metavar="KIB:MS",
-                   default=[transport_variant.ENGINE_DEFAULT, transport_variant.FEWER_HANDOFFS],
-                   help="transport frame size and GIL switch interval, each measured "
-                   "(default: the engine's 1024:5, and 8192:0.5)")  # fmt: skip
+    p.add_argument("--variants", nargs="+", type=transport_variant.parse,
+                   metavar="KIB:MS[:process]",
+                   default=[transport_variant.ENGINE_DEFAULT, transport_variant.FEWER_HANDOFFS,
+                            transport_variant.SENDER_PROCESS],
+                   help="transport frame size, GIL switch interval and where the sender "
+                   "runs, each measured (default: the engine's 1024:5, 8192:0.5, and "
+                   "1024:0.5:process)")  # fmt: skip
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--json", type=Path)
     return p.parse_args(argv)

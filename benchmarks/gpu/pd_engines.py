@@ -45,13 +45,14 @@ MODES = ("aggregated", "layerwise", "send_after")
 
 async def start(args: argparse.Namespace, log_dir: Path) -> dict[str, EngineProcess]:
     """The four engines, started together (each loads the model onto the device)."""
-    frame_kib, switch_ms = args.transport
+    frame_kib, switch_ms, where = args.transport
     common = ("--device", args.device, "--max-prefill-tokens", str(max(args.lengths)),
               "--kv-capacity-tokens", str(2 * max(args.lengths) + 4096), "--state-slots", "16",
               "--transfer-chunk-kib", str(frame_kib),
               "--gil-switch-ms", f"{switch_ms:g}")  # fmt: skip
     paced = ("--egress-delay-ms", f"{DELAY_MS:g}",
-             "--egress-rate-mbps", f"{args.rates_gbps[0] * 1000:g}")  # fmt: skip
+             "--egress-rate-mbps", f"{args.rates_gbps[0] * 1000:g}",
+             "--kv-sender", where)  # fmt: skip
     specs = {
         "aggregated": EngineSpec("aggregated", "both", args.model, extra_args=common),
         "layerwise": EngineSpec("layerwise", "prefill", args.model, extra_args=(*common, *paced)),
@@ -177,6 +178,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         "reps": args.reps,
         "frame_kib": args.transport[0],
         "gil_switch_ms": args.transport[1],
+        "sender": args.transport[2],
         "materialise_s": round(materialised_s, 1),
         "engines_start_s": round(started_s, 1),
         "rows": rows,
@@ -228,10 +230,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--lengths", nargs="+", type=int, default=[4096, 16384])
     p.add_argument("--rates-gbps", nargs="+", type=float, default=[10.0, 25.0])
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--transport", type=transport_variant.parse, metavar="KIB:MS",
+    p.add_argument("--transport", type=transport_variant.parse, metavar="KIB:MS[:process]",
                    default=transport_variant.ENGINE_DEFAULT,
-                   help="the engines' KV frame size and GIL switch interval (default: the "
-                   "engine's, 1024:5)")  # fmt: skip
+                   help="the engines' KV frame size and GIL switch interval, and whether the "
+                   "prefills' senders run in processes of their own (default: the engine's, "
+                   "1024:5)")  # fmt: skip
     p.add_argument("--start-timeout-s", type=float, default=240.0)
     p.add_argument("--request-timeout-s", type=float, default=120.0)
     p.add_argument("--json", type=Path)

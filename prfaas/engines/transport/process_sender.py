@@ -24,6 +24,7 @@ import os
 import sys
 import threading
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 from prfaas.engines.transport.config import MIB, SenderConfig
 from prfaas.engines.transport.process_channel import (
@@ -76,6 +77,14 @@ class _Room(SendHandle):
         self._owner._command(Abort(self.room, reason))
 
 
+def _child_env() -> dict[str, str]:
+    """This environment, with the folder this `prfaas` was imported from first on
+    PYTHONPATH: the child imports the same code whether or not it is installed."""
+    root = str(Path(__file__).resolve().parents[3])
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": root if not path else os.pathsep.join((root, path))}
+
+
 class ProcessSender:
     """`KVSender`'s API, its work in a child process (see the module docstring)."""
 
@@ -121,7 +130,7 @@ class ProcessSender:
             self._process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "prfaas.engines.transport.sender_process",
                 str(cmd_r), str(reply_w), str(self._ring.fd), str(self._ring_bytes),
-                pass_fds=fds,
+                pass_fds=fds, env=_child_env(),
             )  # fmt: skip
         finally:
             os.close(cmd_r)

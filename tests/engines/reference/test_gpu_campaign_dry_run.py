@@ -39,11 +39,13 @@ def test_dry_run_writes_every_stage(engine_model_cache: Path, tmp_path: Path) ->
     assert results["device_check"]["bit_exact"] is True
 
     overlap = results["overlap"]
-    # a paced and an unpaced link, each with the engine's transport and the fewer-hand-off one
-    assert overlap["bit_exact"] is True and len(overlap["rows"]) == 4
-    assert {(r["frame_kib"], r["gil_switch_ms"]) for r in overlap["rows"]} == {
-        (1024, 5),
-        (8192, 0.5),
+    # a paced and an unpaced link, each with the engine's transport, the fewer-hand-off one
+    # and the sender process
+    assert overlap["bit_exact"] is True and len(overlap["rows"]) == 6
+    assert {(r["frame_kib"], r["gil_switch_ms"], r["sender"]) for r in overlap["rows"]} == {
+        (1024, 5, "loop"),
+        (8192, 0.5, "loop"),
+        (1024, 0.5, "process"),
     }
     for row in overlap["rows"]:
         assert row["kv_bytes"] > 0 and row["forward_alone_ms"] > 0
@@ -51,7 +53,8 @@ def test_dry_run_writes_every_stage(engine_model_cache: Path, tmp_path: Path) ->
 
     pd = results["pd"]
     assert pd["greedy_equal"] is True and len(pd["rows"]) == 1
-    assert (pd["frame_kib"], pd["gil_switch_ms"]) == (8192, 0.5)  # engines ran with the flags
+    # the engines ran with the flags
+    assert (pd["frame_kib"], pd["gil_switch_ms"], pd["sender"]) == (1024, 0.5, "process")
     row = pd["rows"][0]
     assert row["kv_bytes"] > 0
     assert all(row[f"ttft_{m}_s"] > 0 for m in ("aggregated", "layerwise", "send_after"))
