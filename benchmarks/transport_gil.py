@@ -41,7 +41,7 @@ VARIANTS = (
     (8192, 5.0, "loop"),
     (8192, 0.5, "loop"),
     (1024, 5.0, "process"),
-    (8192, 5.0, "process"),
+    (1024, 0.5, "process"),
 )
 """(frame KiB, GIL switch interval ms, where the sender runs): the engine's default
 first."""

@@ -4,10 +4,11 @@ travel over two pipes beside it.
 
 The ring has one writer (the engine) and one reader (the sender process). The writer places
 each message's bytes contiguously at increasing absolute positions (skipping to the ring's
-start where a message would not fit before its end); the reader copies a message out, then
-publishes how far it has read in the ring's first eight bytes. So the engine never waits for
-a reply to reuse space, and a message costs the engine one copy into the ring (numpy's,
-which releases the GIL) and one small command: the engine's interpreter does no socket work.
+start where a message would not fit before its end); the reader sends from the ring itself
+(or copies a message out) and publishes how far the ring is free again in its first eight
+bytes. So the engine never waits for a reply to reuse space, and a message costs the engine
+one copy into the ring (numpy's, which releases the GIL) and one small command: the
+engine's interpreter does no socket work.
 """
 
 from __future__ import annotations
@@ -98,12 +99,14 @@ class SharedRing:
 
     # -- the reader ---------------------------------------------------------------------
 
-    def read_into(self, start: int, out: np.ndarray) -> None:
-        """Copy the message at `start` into `out` (a byte array of its size); its room goes
-        back to the writer."""
+    def view(self, start: int, nbytes: int) -> np.ndarray:
+        """The message at `start`, in place (valid until its room is given back)."""
         at = start % self.size
-        out[:] = self._data[at : at + len(out)]
-        self._tail[0] = start + len(out)
+        return self._data[at : at + nbytes]
+
+    def free_to(self, position: int) -> None:
+        """Give the ring back to the writer up to the absolute `position` (in order)."""
+        self._tail[0] = position
 
     def close(self) -> None:
         del self._tail, self._data
@@ -190,6 +193,9 @@ class Snapshot:
     telemetry: TransportTelemetry
     held_bytes: int
     """Message bytes copied out of the ring and not yet delivered."""
+    copied_bytes: int
+    """Message bytes copied out of the ring since the start (those of a room with no peer
+    yet, or not pipelined); the others were sent from the ring."""
 
 
 Reply = Started | StartFailed | Done | Snapshot

@@ -99,7 +99,9 @@ class ProcessSender:
         self._ring_bytes = ring_bytes
         self._max_held_bytes = max_held_bytes
         self.held_bytes = 0
-        """What the sender process held undelivered at its latest snapshot."""
+        """What the sender process held copied out and undelivered at its latest snapshot."""
+        self.copied_bytes = 0
+        """What it had copied out of the ring by then (the rest it sent from the ring)."""
         self._ring: SharedRing | None = None
         self._process: asyncio.subprocess.Process | None = None
         self._commands: Connection | None = None
@@ -281,7 +283,8 @@ class ProcessSender:
                 if isinstance(reply, Done):
                     self._ended(reply)
                 elif isinstance(reply, Snapshot):
-                    self._telemetry, self.held_bytes = reply.telemetry, reply.held_bytes
+                    self._telemetry = reply.telemetry
+                    self.held_bytes, self.copied_bytes = reply.held_bytes, reply.copied_bytes
         except (EOFError, OSError):
             self._loop.remove_reader(self._replies.fileno())
             self._gone()

@@ -3,11 +3,15 @@
 
     python -m prfaas.engines.transport.sender_process CMD_FD REPLY_FD RING_FD RING_BYTES
 
-It reads commands as they come, copies each message out of the ring (so its room goes
-back to the engine at once), and hands it to the room's `SendHandle` numbered as the engine
-numbered it. What it holds undelivered is bounded (`Start.max_held_bytes`): past it, it stops
-reading commands, the ring fills, and the engine's writer waits, as it waits for its host
-budget with the sender in its own process. It reports each room's end and, every
+It reads commands as they come and hands each message to the room's `SendHandle`, numbered
+as the engine numbered it. A message for a room whose decode peer is connected and that
+sends as it goes (pipelined) is sent from the ring itself; its room in the ring goes back
+once every frame of it has been let go (delivered, or the transfer failed), in order. Any
+other message would wait in the ring for a peer or for the transfer's end, which could hold
+the ring full while the engine waits to write the message that ends it: it is copied out,
+its room given back at once. What it holds copied out is bounded (`Start.max_held_bytes`):
+past it, it stops reading commands, the ring fills, and the engine's writer waits, as it
+waits for its host budget with the sender in its own process. It reports each room's end and, every
 `SNAPSHOT_S`, its telemetry. It exits on `Close`, or when the engine's end of the command
 pipe closes (the engine is gone).
 """
@@ -19,9 +23,8 @@ import contextlib
 import logging
 import sys
 import weakref
+from collections import deque
 from multiprocessing.connection import Connection
-
-import numpy as np
 
 from prfaas.engines.transport.errors import TransferError
 from prfaas.engines.transport.process_channel import (
@@ -60,7 +63,12 @@ class SenderProcess:
         self._waiters: set[asyncio.Task[None]] = set()
         self._stopped = asyncio.Event()
         self._held = 0
+        self._copied = 0
         self._max_held = 0
+        self._pipelined = True
+        self._spans: deque[list[int]] = deque()
+        """[end, released] of each ring message in order: the ring is free up to the end of
+        the released ones at its front."""
         self._reading = False
 
     async def run(self) -> None:
@@ -69,6 +77,7 @@ class SenderProcess:
             raise RuntimeError(f"expected Start, got {type(first).__name__}")
         self._sender = KVSender(first.config)
         self._max_held = first.max_held_bytes
+        self._pipelined = first.config.pipelined
         try:
             await self._sender.start()
         except (OSError, ValueError) as exc:
@@ -109,16 +118,33 @@ class SenderProcess:
             asyncio.get_running_loop().add_reader(self._commands.fileno(), self._read)
             self._reading = True
 
-    def _copy_out(self, command: Message) -> memoryview:
-        """The message's bytes, copied out of the ring (whose room goes back at once) and
-        counted as held until the last reference to them is dropped (delivered or failed)."""
+    def _bytes(self, command: Message, handle: SendHandle | None) -> memoryview:
+        """The message's bytes: inline, in the ring (a connected pipelined room's), or copied
+        out (counted as held until the last reference to them is dropped)."""
         if command.inline is not None:
             return memoryview(command.inline)
-        data = np.empty(command.nbytes, dtype=np.uint8)
-        self._ring.read_into(command.start, data)
+        span = [command.start + command.nbytes, 0]
+        self._spans.append(span)
+        view = self._ring.view(command.start, command.nbytes)
+        if handle is not None and handle.peer is not None and self._pipelined:
+            weakref.finalize(view, self._free, span)
+            return view.data  # a memoryview that keeps `view` alive
+        data = view.copy()
+        self._free(span)
         self._held += command.nbytes
+        self._copied += command.nbytes
         weakref.finalize(data, self._released, command.nbytes)
-        return data.data  # a memoryview that keeps `data` alive
+        return data.data
+
+    def _free(self, span: list[int]) -> None:
+        """A ring message let go: give the ring back up to the end of the released ones at
+        its front."""
+        span[1] = 1
+        end = None
+        while self._spans and self._spans[0][1]:
+            end = self._spans.popleft()[0]
+        if end is not None:
+            self._ring.free_to(end)
 
     def _released(self, nbytes: int) -> None:
         self._held -= nbytes
@@ -128,8 +154,8 @@ class SenderProcess:
     def _serve(self, command: Command) -> None:
         assert self._sender is not None
         if isinstance(command, Message):
-            data = self._copy_out(command)  # always, so that the ring's room is given back
             handle = self._rooms.get(command.room)
+            data = self._bytes(command, handle)  # always: the ring's room must come back
             if handle is not None:
                 handle.deliver(command.kind, command.msg, command.layer, [data])
         elif isinstance(command, Open):
@@ -155,15 +181,17 @@ class SenderProcess:
             reason = exc.reason
         finally:
             self._rooms.pop(handle.room, None)
-        assert self._sender is not None
-        self._reply(Snapshot(self._sender.telemetry(), self._held))  # fresh at the end
+        self._reply(self._snapshot())  # fresh when the engine sees the end
         self._reply(Done(handle.room, reason))
 
     async def _snapshots(self) -> None:
-        assert self._sender is not None
         while True:
-            self._reply(Snapshot(self._sender.telemetry(), self._held))
+            self._reply(self._snapshot())
             await asyncio.sleep(SNAPSHOT_S)
+
+    def _snapshot(self) -> Snapshot:
+        assert self._sender is not None
+        return Snapshot(self._sender.telemetry(), self._held, self._copied)
 
     def _reply(self, reply: Reply) -> None:
         with contextlib.suppress(OSError):  # the engine is gone: `_read` sees it too

@@ -55,6 +55,41 @@ async def test_a_full_ring_holds_the_sender_until_the_decode_side_takes_the_byte
             assert_same({"kv": data}, item.arrays)
         await asyncio.sleep(0.4)  # a snapshot after the bytes were let go
         assert sender.held_bytes == 0
+        assert sender.copied_bytes >= 2 * MIB  # those sent before a peer came were copied
+    finally:
+        await pair.receiver.close()
+        await sender.close()
+
+
+async def test_a_connected_peers_messages_go_from_the_ring_and_give_it_back() -> None:
+    """With the decode side connected, messages are sent from the ring itself: 4 MiB through
+    a 1 MiB ring arrive bit-exact, none copied out, so each message's room came back once it
+    was sent (else the writer would wait for ever)."""
+    pair = await make_pair()
+    await pair.sender.close()
+    pair.sender = sender = ProcessSender(SenderConfig(), ring_bytes=MIB)
+    await sender.start()
+    rng = np.random.default_rng(5)
+    layers = [rng.integers(0, 255, MIB // 4, dtype=np.uint8) for _ in range(16)]
+    try:
+        handle = sender.open(6)
+        transfer = await pair.receiver.fetch("127.0.0.1", pair.port, 6, timeout_s=20)
+        handle.send_layer(0, Kind.FULL_KV, {"kv": np.zeros(16, np.uint8)})  # inline
+        await asyncio.wait_for(anext(aiter(transfer)), 5)  # so the peer is bound
+
+        def forward() -> None:
+            for layer, data in enumerate(layers, start=1):
+                handle.send_layer(layer, Kind.FULL_KV, {"kv": data})
+            handle.finish()
+
+        thread = threading.Thread(target=forward)
+        thread.start()
+        result = await transfer.complete()
+        await handle.wait()
+        await asyncio.to_thread(thread.join)
+        for item, data in zip(result.layers, layers, strict=True):
+            assert_same({"kv": data}, item.arrays)
+        assert sender.copied_bytes == 0 and sender.held_bytes == 0
     finally:
         await pair.receiver.close()
         await sender.close()
