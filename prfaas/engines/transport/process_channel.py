@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import mmap
 import os
+import pickle
+import struct
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -56,7 +58,7 @@ class SharedRing:
         Raises:
             OSError: the shared memory cannot be created.
         """
-        fd = os.memfd_create("prfaas-kv-ring", 0)  # inheritable only where passed
+        fd = os.memfd_create("prfaas-kv-ring")  # close-on-exec: the child gets it by pass_fds
         try:
             os.ftruncate(fd, HEADER + size)
             return cls(fd, size)
@@ -109,6 +111,7 @@ class SharedRing:
         self._tail[0] = position
 
     def close(self) -> None:
+        """Unmap the ring and close its file (no view of it may be used afterwards)."""
         del self._tail, self._data
         self._map.close()
         os.close(self.fd)
@@ -124,19 +127,25 @@ class Start:
 
     config: SenderConfig
     max_held_bytes: int
-    """Message bytes the sender process may hold undelivered before it stops reading."""
+    """Message bytes of rooms without a peer the sender process may hold copied out before
+    it leaves further messages in the ring (the engine's writes then wait)."""
 
 
 @dataclass(frozen=True, slots=True)
 class Open:
+    """Open `room`; `serial` names this opening (a room number may be opened again once its
+    transfer ended, and a late message or end of the old one must not touch the new)."""
+
     room: int
+    serial: int
 
 
 @dataclass(frozen=True, slots=True)
 class Message:
-    """One numbered message of a room: its bytes in the ring at `start`, or `inline`."""
+    """One numbered message of an opening: its bytes in the ring at `start`, or `inline`."""
 
     room: int
+    serial: int
     kind: Kind
     msg: int
     layer: int
@@ -147,18 +156,23 @@ class Message:
 
 @dataclass(frozen=True, slots=True)
 class Abort:
+    """Fail an opening's transfer (the decode side is told `reason`)."""
+
     room: int
+    serial: int
     reason: str
 
 
 @dataclass(frozen=True, slots=True)
 class Rate:
+    """Re-pace the egress."""
+
     bytes_per_s: float
 
 
 @dataclass(frozen=True, slots=True)
 class Close:
-    pass
+    """Fail what is open, close the sender, exit."""
 
 
 Command = Start | Open | Message | Abort | Rate | Close
@@ -169,6 +183,8 @@ Command = Start | Open | Message | Abort | Rate | Close
 
 @dataclass(frozen=True, slots=True)
 class Started:
+    """The sender listens on `port`."""
+
     port: int
 
 
@@ -182,9 +198,10 @@ class StartFailed:
 
 @dataclass(frozen=True, slots=True)
 class Done:
-    """A room's transfer ended: delivered (`reason` None) or failed."""
+    """An opening's transfer ended: delivered (`reason` None) or failed (or never opened)."""
 
     room: int
+    serial: int
     reason: str | None
 
 
@@ -199,3 +216,10 @@ class Snapshot:
 
 
 Reply = Started | StartFailed | Done | Snapshot
+
+
+def framed(reply: Reply) -> bytes:
+    """`reply` as `multiprocessing.connection.Connection.send` frames it (a big-endian i32
+    length, then the pickle), for a writer that must not block on the pipe."""
+    data = pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
+    return struct.pack("!i", len(data)) + data

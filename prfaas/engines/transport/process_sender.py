@@ -6,12 +6,15 @@ hand-offs, and a thread that waits for the GIL gets it back only after the switc
 beside a forward pass that launches kernels the transport slows to a fraction of its rate
 and slows the forward too (`benchmarks/transport_gil.py`, the README's "On one GPU"). Here
 the engine's side validates, numbers and encodes each message as `SendHandle` does (it is
-one), copies its bytes into a shared ring and writes one small command; the sender process
-(`sender_process.py`) does every socket, checksum, pacing and retransmission. The API is
-`KVSender`'s: `start`, `bootstrap_port`, `open`, `telemetry`, `set_process_rate`, `close`.
+one), copies its bytes into a shared ring and queues one small command for a writer thread;
+the sender process (`sender_process.py`) does every socket, checksum, pacing and
+retransmission. The API is `KVSender`'s: `start`, `bootstrap_port`, `open`, `telemetry`,
+`set_process_rate`, `close`. Nothing on the event loop waits for the child: commands are
+queued, replies read as they come; only a send waits, for room in the ring.
 
 If the sender process dies, every open transfer fails (the decode side sees its fetch fail
-and the request is retried or answered with an error) and `open` raises; it is not restarted.
+and the request is retried or answered with an error), a send waiting for the ring returns
+(its message dropped, as after an abort) and `open` raises; it is not restarted.
 """
 
 from __future__ import annotations
@@ -19,8 +22,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 import os
+import queue
+import select
 import sys
 import threading
 from multiprocessing.connection import Connection
@@ -54,27 +60,32 @@ RING_BYTES = 256 * MIB
 """The shared ring's size: a few layers of a long prompt's KV (a larger message travels
 inside its command, slowly)."""
 MAX_HELD_BYTES = 1 << 30
-"""What the sender process may hold undelivered (copied out of the ring) before it stops
-reading commands: the ring then fills and the engine's sends wait, as they wait for the host
-budget with the sender in the engine's own process."""
+"""What the sender process may hold copied out for rooms without a peer before it leaves
+messages in the ring: the ring then fills and the engine's sends wait, as they wait for the
+host budget with the sender in the engine's own process."""
 START_TIMEOUT_S = 60.0
 """How long the sender process may take to import and bind."""
+STOP_TIMEOUT_S = 10.0
+"""How long `close` waits for the sender process to fail its transfers and exit."""
 
 
 class _Room(SendHandle):
     """A room whose messages go to the sender process (numbered and validated here)."""
 
-    def __init__(self, room: int, owner: ProcessSender, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, room: int, owner: ProcessSender, serial: int) -> None:
+        assert owner._loop is not None
         cfg = owner.config
-        super().__init__(room, loop, cfg.chunk_bytes, cfg.pipelined, owner._closed)
+        super().__init__(room, owner._loop, cfg.chunk_bytes, cfg.pipelined, owner._closed)
         self._owner = owner
+        self.serial = serial
+        """This opening of the room (see `process_channel.Open`)."""
 
     def _post(self, message: Outgoing) -> None:
-        self._owner._forward(self.room, message)
+        self._owner._forward(self, message)
 
     def abort(self, reason: str) -> None:
         super().abort(reason)
-        self._owner._command(Abort(self.room, reason))
+        self._owner._command(Abort(self.room, self.serial, reason))
 
 
 def _child_env() -> dict[str, str]:
@@ -104,13 +115,16 @@ class ProcessSender:
         """What it had copied out of the ring by then (the rest it sent from the ring)."""
         self._ring: SharedRing | None = None
         self._process: asyncio.subprocess.Process | None = None
+        self._pidfd: int | None = None
         self._commands: Connection | None = None
         self._replies: Connection | None = None
+        self._queue: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
+        self._writer: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._write = threading.Lock()  # the ring's writer, until its message is commanded
-        self._pipe = threading.Lock()  # the command pipe's writer
+        self._write = threading.Lock()  # the ring's writer, until its message is queued
         self._lock = threading.Lock()  # `_rooms`
         self._rooms: dict[int, _Room] = {}
+        self._serials = itertools.count()
         self._port: int | None = None
         self._telemetry: TransportTelemetry | None = None
         self._alive = False
@@ -124,35 +138,46 @@ class ProcessSender:
             OSError: the address cannot be bound, or the process did not start.
         """
         self._loop = asyncio.get_running_loop()
-        self._ring = SharedRing.create(self._ring_bytes)
-        cmd_r, cmd_w = os.pipe()
-        reply_r, reply_w = os.pipe()
-        fds = (cmd_r, reply_w, self._ring.fd)
         try:
-            self._process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "prfaas.engines.transport.sender_process",
-                str(cmd_r), str(reply_w), str(self._ring.fd), str(self._ring_bytes),
-                pass_fds=fds, env=_child_env(),
-            )  # fmt: skip
-        finally:
-            os.close(cmd_r)
-            os.close(reply_w)
-        self._commands = Connection(cmd_w, readable=False)
-        self._replies = Connection(reply_r, writable=False)
-        self._alive = True
-        self._command(Start(self.config, self._max_held_bytes))
-        reply = await asyncio.wait_for(asyncio.to_thread(self._first_reply), START_TIMEOUT_S)
+            reply = await self._spawn()
+        except BaseException:
+            await self.close()
+            raise
         if isinstance(reply, StartFailed):
             await self.close()
             raise (ValueError if reply.value_error else OSError)(reply.error)
         self._port = reply.port
-        self._loop.add_reader(self._replies.fileno(), self._read)
+        self._loop.add_reader(self._replies_fd(), self._read)
+
+    async def _spawn(self) -> Started | StartFailed:
+        """The child started with its channel, and its first reply."""
+        self._ring = SharedRing.create(self._ring_bytes)
+        cmd_r, cmd_w = os.pipe()
+        reply_r, reply_w = os.pipe()
+        self._commands = Connection(cmd_w, readable=False)
+        self._replies = Connection(reply_r, writable=False)
+        try:
+            self._process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "prfaas.engines.transport.sender_process",
+                str(cmd_r), str(reply_w), str(self._ring.fd), str(self._ring_bytes),
+                pass_fds=(cmd_r, reply_w, self._ring.fd), env=_child_env(),
+                start_new_session=True,  # a terminal's Ctrl-C stops the engine, which stops it
+            )  # fmt: skip
+        finally:
+            os.close(cmd_r)
+            os.close(reply_w)
+        self._pidfd = os.pidfd_open(self._process.pid)
+        self._alive = True
+        self._writer = threading.Thread(target=self._write_commands, name="prfaas-kv-commands")
+        self._writer.start()
+        self._command(Start(self.config, self._max_held_bytes))
+        return await asyncio.wait_for(asyncio.to_thread(self._first_reply), START_TIMEOUT_S)
 
     def _first_reply(self) -> Started | StartFailed:
         assert self._replies is not None
         try:
             reply = self._replies.recv()
-        except EOFError:
+        except (EOFError, OSError):
             return StartFailed("the sender process exited at start", value_error=False)
         assert isinstance(reply, Started | StartFailed)
         return reply
@@ -169,11 +194,14 @@ class ProcessSender:
 
         Raises:
             ValueError: a rate <= 0, or an egress that was started unpaced.
+            RuntimeError: the sender process is gone.
         """
         if self.config.process_rate_bytes_per_s is None:
             raise ValueError("this sender's egress is not paced (no process rate at start)")
         if not rate_bytes_per_s > 0:
             raise ValueError(f"rate must be > 0, got {rate_bytes_per_s}")
+        if not self._is_alive():
+            raise RuntimeError("the KV sender process is gone")
         self._command(Rate(rate_bytes_per_s))
         self.config = dataclasses.replace(
             self.config, process_rate_bytes_per_s=rate_bytes_per_s, capacity_bytes_per_s=None
@@ -188,21 +216,21 @@ class ProcessSender:
         """
         if self._loop is None or self._port is None:
             raise RuntimeError("ProcessSender.start() has not been awaited")
-        if self._closing or not self._alive:
+        if self._closing or not self._is_alive():
             raise RuntimeError("ProcessSender is closed or its process is gone")
         if not isinstance(room, int) or not 0 <= room <= MAX_ROOM:
             raise ValueError(f"room must be an integer in 0..2**64-1, got {room!r}")
-        handle = _Room(room, self, self._loop)
         with self._lock:
             if room in self._rooms:
                 raise ValueError(f"room {room} is already open")
+            handle = _Room(room, self, next(self._serials))
             self._rooms[room] = handle
-        self._command(Open(room))  # before any message of the room: it is not returned yet
+            self._command(Open(room, handle.serial))  # before any message of it: in order
         return handle
 
     def telemetry(self) -> TransportTelemetry:
         """The sender process's latest snapshot: at most `SNAPSHOT_S` old, and taken after the
-        last transfer the engine saw end."""
+        last transfer the engine saw end; empty once the process is gone."""
         if self._telemetry is not None:
             return self._telemetry
         return TransportTelemetry(
@@ -219,61 +247,79 @@ class ProcessSender:
         for handle in list(self._rooms.values()):
             handle.fail("sender closed", tell_peer=False)
         self._command(Close())
+        self._queue.put(None)  # the writer stops after it
+        process = self._process
+        if process is not None and process.returncode is None:
+            try:  # replies are still read meanwhile: the child never waits on its pipe
+                await asyncio.wait_for(process.wait(), STOP_TIMEOUT_S)
+            except TimeoutError:
+                process.kill()
+                await process.wait()
+        self._alive = False  # a send waiting for the ring returns, then the ring can go
+        if self._writer is not None:
+            await asyncio.to_thread(self._writer.join)
+            self._writer = None
         if self._loop is not None and self._replies is not None:
             with contextlib.suppress(ValueError, OSError):
-                self._loop.remove_reader(self._replies.fileno())
-        if self._process is not None and self._process.returncode is None:
-            try:
-                await asyncio.wait_for(self._process.wait(), 10)
-            except TimeoutError:
-                self._process.kill()
-                await self._process.wait()
-        self._alive = False
+                self._loop.remove_reader(self._replies_fd())
         for conn in (self._commands, self._replies):
             if conn is not None:
                 conn.close()
         self._commands = self._replies = None
-        if self._ring is not None:
-            ring, self._ring = self._ring, None
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+        ring, self._ring = self._ring, None
+        if ring is not None:
             with self._write:
                 ring.close()
 
     # -- the engine's threads -> the sender process ------------------------------------------
 
-    def _forward(self, room: int, message: Outgoing) -> None:
-        """Put one numbered message in the ring (or inline) and command its sending."""
+    def _forward(self, handle: _Room, message: Outgoing) -> None:
+        """Put one numbered message in the ring (or inline) and queue its command."""
         nbytes = sum(memoryview(p).nbytes for p in message.pieces)
+        fields = (handle.room, handle.serial, message.kind, message.msg, message.layer)
         with self._write:
             ring = self._ring
-            if not self._alive or ring is None:
-                return  # the room fails on the loop (the process's end was seen there)
+            if ring is None or not self._is_alive():
+                return  # the room fails on the loop (the process's end is seen there)
             if nbytes <= INLINE_BYTES or not ring.fits(nbytes):
-                inline = b"".join(message.pieces)
-                command = Message(room, message.kind, message.msg, message.layer, 0, nbytes, inline)
-            else:
-                try:
-                    start = ring.write(message.pieces, nbytes, self._is_alive)
-                except RingClosed:
-                    return
-                command = Message(room, message.kind, message.msg, message.layer, start, nbytes)
-            self._command(command)  # under `_write`: the ring's messages in their order
-
-    def _command(self, command: Command) -> None:
-        """Write one command. Not under `_write`, which a writer waiting for the ring holds:
-        opening and aborting never wait for a message. A gone process is seen by the loop's
-        reader."""
-        with self._pipe:
-            if self._commands is None or not self._alive:
+                self._command(Message(*fields, 0, nbytes, b"".join(message.pieces)))
                 return
             try:
+                start = ring.write(message.pieces, nbytes, self._is_alive)
+            except RingClosed:
+                return
+            self._command(Message(*fields, start, nbytes))  # under `_write`: ring order
+
+    def _command(self, command: Command) -> None:
+        """Queue one command for the writer thread (never blocks: the loop calls this)."""
+        self._queue.put(command)
+
+    def _write_commands(self) -> None:
+        """The writer thread: the queued commands down the pipe, in order, until None."""
+        while (command := self._queue.get()) is not None:
+            if self._commands is None or not self._alive:
+                continue
+            try:
                 self._commands.send(command)
-            except OSError:
+            except OSError:  # the process is gone: the loop's reader sees it
                 self._alive = False
 
     def _is_alive(self) -> bool:
-        return self._alive and self._process is not None and self._process.returncode is None
+        """Whether the child runs, read on any thread (the loop's own flags may be late: a
+        send waiting for the ring on the loop's thread would never see them change)."""
+        if not self._alive or self._pidfd is None:
+            return False
+        exited, _, _ = select.select([self._pidfd], [], [], 0)
+        return not exited
 
     # -- the sender process -> the engine's loop ---------------------------------------------
+
+    def _replies_fd(self) -> int:
+        assert self._replies is not None
+        return self._replies.fileno()
 
     def _read(self) -> None:
         assert self._replies is not None and self._loop is not None
@@ -286,13 +332,13 @@ class ProcessSender:
                     self._telemetry = reply.telemetry
                     self.held_bytes, self.copied_bytes = reply.held_bytes, reply.copied_bytes
         except (EOFError, OSError):
-            self._loop.remove_reader(self._replies.fileno())
+            self._loop.remove_reader(self._replies_fd())
             self._gone()
 
     def _ended(self, done: Done) -> None:
         handle = self._rooms.get(done.room)
-        if handle is None:
-            return
+        if handle is None or handle.serial != done.serial:
+            return  # an earlier opening of the room
         if done.reason is None:
             handle.complete()
         else:
@@ -301,6 +347,7 @@ class ProcessSender:
     def _gone(self) -> None:
         """The sender process exited: every open transfer fails."""
         self._alive = False
+        self._telemetry = None
         if not self._closing:
             logger.error("the KV sender process exited; %d open transfers fail", len(self._rooms))
         for handle in list(self._rooms.values()):

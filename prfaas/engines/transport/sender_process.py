@@ -3,17 +3,22 @@
 
     python -m prfaas.engines.transport.sender_process CMD_FD REPLY_FD RING_FD RING_BYTES
 
-It reads commands as they come and hands each message to the room's `SendHandle`, numbered
-as the engine numbered it. A message for a room whose decode peer is connected and that
-sends as it goes (pipelined) is sent from the ring itself; its room in the ring goes back
-once every frame of it has been let go (delivered, or the transfer failed), in order. Any
-other message would wait in the ring for a peer or for the transfer's end, which could hold
-the ring full while the engine waits to write the message that ends it: it is copied out,
-its room given back at once. What it holds copied out is bounded (`Start.max_held_bytes`):
-past it, it stops reading commands, the ring fills, and the engine's writer waits, as it
-waits for its host budget with the sender in its own process. It reports each room's end and, every
-`SNAPSHOT_S`, its telemetry. It exits on `Close`, or when the engine's end of the command
-pipe closes (the engine is gone).
+It reads commands as they come and hands each message to its opening's `SendHandle`,
+numbered as the engine numbered it. A message for a room whose decode peer is connected and
+that sends as it goes (pipelined) is sent from the ring itself; its room in the ring goes
+back once every frame of it has been let go (delivered, or the transfer failed), in order,
+so one stalled peer holds the ring for every room until its transfer fails. Any other
+message would wait in the ring for a peer or for the transfer's end, which could hold the
+ring full while the engine waits to write the message that ends it: it is copied out, its
+room given back at once. Pipelined, what it holds copied out is bounded
+(`Start.max_held_bytes`): past it, messages stay in the ring, unread, until some of it is
+let go, and the engine's writer waits as it waits for its host budget with the sender in
+its own process; other commands are still read. Send-after (not pipelined) holds every
+message until its transfer ends, unbounded, as the in-process sender does.
+
+Replies never block its loop: they are buffered, and a periodic snapshot is skipped while
+earlier replies wait. It exits on `Close`, or when the engine's end of the command pipe
+closes (the engine is gone).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import sys
 import weakref
 from collections import deque
@@ -41,6 +47,7 @@ from prfaas.engines.transport.process_channel import (
     Start,
     Started,
     StartFailed,
+    framed,
 )
 from prfaas.engines.transport.sender import KVSender
 from prfaas.engines.transport.sender_room import SendHandle
@@ -49,29 +56,37 @@ logger = logging.getLogger(__name__)
 
 SNAPSHOT_S = 0.25
 """How often the telemetry goes to the engine (its `/stats` reads the latest)."""
+READ_BATCH = 64
+"""Commands read per wake-up of the loop, so that a busy engine cannot starve the sockets."""
 
 
 class SenderProcess:
     """Serves one engine's commands until `Close` or the engine's end of the pipe closes."""
 
-    def __init__(self, commands: Connection, replies: Connection, ring: SharedRing) -> None:
+    def __init__(self, commands: Connection, reply_fd: int, ring: SharedRing) -> None:
         self._commands = commands
-        self._replies = replies
+        self._reply_fd = reply_fd
+        self._replies: asyncio.WriteTransport | None = None
         self._ring = ring
         self._sender: KVSender | None = None
-        self._rooms: dict[int, SendHandle] = {}
+        self._rooms: dict[int, tuple[int, SendHandle]] = {}
+        """room -> (serial, handle) of its current opening."""
         self._waiters: set[asyncio.Task[None]] = set()
         self._stopped = asyncio.Event()
+        self._pipelined = True
         self._held = 0
         self._copied = 0
         self._max_held = 0
-        self._pipelined = True
+        self._deferred: deque[Message] = deque()
+        """Messages read while too much was held copied out, in order (left in the ring)."""
         self._spans: deque[list[int]] = deque()
         """[end, released] of each ring message in order: the ring is free up to the end of
         the released ones at its front."""
-        self._reading = False
 
     async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        pipe = os.fdopen(self._reply_fd, "wb", buffering=0)
+        self._replies, _ = await loop.connect_write_pipe(asyncio.Protocol, pipe)
         first = self._commands.recv()
         if not isinstance(first, Start):
             raise RuntimeError(f"expected Start, got {type(first).__name__}")
@@ -82,14 +97,15 @@ class SenderProcess:
             await self._sender.start()
         except (OSError, ValueError) as exc:
             self._reply(StartFailed(f"{type(exc).__name__}: {exc}", isinstance(exc, ValueError)))
+            await self._flushed()
             return
         self._reply(Started(self._sender.bootstrap_port))
-        self._resume()
+        loop.add_reader(self._commands.fileno(), self._read)
         snapshots = asyncio.create_task(self._snapshots())
         try:
             await self._stopped.wait()
         finally:
-            self._pause()
+            loop.remove_reader(self._commands.fileno())
             snapshots.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await snapshots
@@ -97,26 +113,73 @@ class SenderProcess:
             for task in list(self._waiters):
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            await self._flushed()
+
+    # -- commands --------------------------------------------------------------------------
 
     def _read(self) -> None:
         try:
-            while not self._stopped.is_set() and self._commands.poll():
-                self._serve(self._commands.recv())
-                if self._held >= self._max_held:
-                    self._pause()
+            for _ in range(READ_BATCH):
+                if self._stopped.is_set() or not self._commands.poll():
                     return
+                self._serve(self._commands.recv())
         except (EOFError, OSError):  # the engine is gone
             self._stopped.set()
 
-    def _pause(self) -> None:
-        if self._reading:
-            asyncio.get_running_loop().remove_reader(self._commands.fileno())
-            self._reading = False
+    def _serve(self, command: Command) -> None:
+        assert self._sender is not None
+        if isinstance(command, Message):
+            if self._deferred or self._holding():
+                self._deferred.append(command)  # after those before it, in order
+            else:
+                self._deliver(command)
+        elif isinstance(command, Open):
+            self._open(command)
+        elif isinstance(command, Abort):
+            opened = self._rooms.get(command.room)
+            if opened is not None and opened[0] == command.serial:
+                opened[1].fail(f"aborted by prefill: {command.reason}")
+        elif isinstance(command, Rate):
+            self._sender.set_process_rate(command.bytes_per_s)
+        elif isinstance(command, Close):
+            self._stopped.set()
 
-    def _resume(self) -> None:
-        if not self._reading and not self._stopped.is_set():
-            asyncio.get_running_loop().add_reader(self._commands.fileno(), self._read)
-            self._reading = True
+    def _open(self, command: Open) -> None:
+        assert self._sender is not None
+        try:
+            handle = self._sender.open(command.room)
+        except (ValueError, RuntimeError) as exc:  # the engine's handle must still end
+            self._reply(Done(command.room, command.serial, f"could not open: {exc}"))
+            return
+        self._rooms[command.room] = (command.serial, handle)
+        task = asyncio.create_task(self._watch(command.serial, handle))
+        self._waiters.add(task)
+        task.add_done_callback(self._waiters.discard)
+
+    async def _watch(self, serial: int, handle: SendHandle) -> None:
+        reason = None
+        try:
+            await handle.wait()
+        except TransferError as exc:
+            reason = exc.reason
+        finally:
+            if self._rooms.get(handle.room) == (serial, handle):
+                del self._rooms[handle.room]
+        self._reply(self._snapshot())  # fresh when the engine sees the end
+        self._reply(Done(handle.room, serial, reason))
+
+    # -- messages and the ring -------------------------------------------------------------
+
+    def _deliver(self, command: Message) -> None:
+        opened = self._rooms.get(command.room)
+        handle = opened[1] if opened is not None and opened[0] == command.serial else None
+        data = self._bytes(command, handle)  # always: the ring's room must come back
+        if handle is not None:
+            handle.deliver(command.kind, command.msg, command.layer, [data])
+
+    def _holding(self) -> bool:
+        """Too much is held copied out to take more messages out of the ring."""
+        return self._pipelined and self._held >= self._max_held
 
     def _bytes(self, command: Message, handle: SendHandle | None) -> memoryview:
         """The message's bytes: inline, in the ring (a connected pipelined room's), or copied
@@ -148,45 +211,20 @@ class SenderProcess:
 
     def _released(self, nbytes: int) -> None:
         self._held -= nbytes
-        if self._held < self._max_held and not self._stopped.is_set():
-            asyncio.get_running_loop().call_soon(self._resume)
+        if self._deferred and not self._stopped.is_set():
+            with contextlib.suppress(RuntimeError):  # no loop: the process is ending
+                asyncio.get_running_loop().call_soon(self._undefer)
 
-    def _serve(self, command: Command) -> None:
-        assert self._sender is not None
-        if isinstance(command, Message):
-            handle = self._rooms.get(command.room)
-            data = self._bytes(command, handle)  # always: the ring's room must come back
-            if handle is not None:
-                handle.deliver(command.kind, command.msg, command.layer, [data])
-        elif isinstance(command, Open):
-            handle = self._sender.open(command.room)
-            self._rooms[command.room] = handle
-            task = asyncio.create_task(self._watch(handle))
-            self._waiters.add(task)
-            task.add_done_callback(self._waiters.discard)
-        elif isinstance(command, Abort):
-            handle = self._rooms.get(command.room)
-            if handle is not None:
-                handle.fail(f"aborted by prefill: {command.reason}")
-        elif isinstance(command, Rate):
-            self._sender.set_process_rate(command.bytes_per_s)
-        elif isinstance(command, Close):
-            self._stopped.set()
+    def _undefer(self) -> None:
+        while self._deferred and not self._holding():
+            self._deliver(self._deferred.popleft())
 
-    async def _watch(self, handle: SendHandle) -> None:
-        reason = None
-        try:
-            await handle.wait()
-        except TransferError as exc:
-            reason = exc.reason
-        finally:
-            self._rooms.pop(handle.room, None)
-        self._reply(self._snapshot())  # fresh when the engine sees the end
-        self._reply(Done(handle.room, reason))
+    # -- replies ---------------------------------------------------------------------------
 
     async def _snapshots(self) -> None:
         while True:
-            self._reply(self._snapshot())
+            if self._replies is not None and not self._replies.get_write_buffer_size():
+                self._reply(self._snapshot())  # none while earlier replies wait
             await asyncio.sleep(SNAPSHOT_S)
 
     def _snapshot(self) -> Snapshot:
@@ -194,23 +232,28 @@ class SenderProcess:
         return Snapshot(self._sender.telemetry(), self._held, self._copied)
 
     def _reply(self, reply: Reply) -> None:
-        with contextlib.suppress(OSError):  # the engine is gone: `_read` sees it too
-            self._replies.send(reply)
+        if self._replies is not None and not self._replies.is_closing():
+            self._replies.write(framed(reply))  # buffered: never blocks the loop
+
+    async def _flushed(self) -> None:
+        """Let the buffered replies go (briefly: the engine may be gone)."""
+        for _ in range(100):
+            if self._replies is None or not self._replies.get_write_buffer_size():
+                return
+            await asyncio.sleep(0.01)
 
 
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     cmd_fd, reply_fd, ring_fd, ring_bytes = (int(a) for a in argv)
     commands = Connection(cmd_fd, writable=False)
-    replies = Connection(reply_fd, readable=False)
     ring = SharedRing(ring_fd, ring_bytes)
     try:
-        asyncio.run(SenderProcess(commands, replies, ring).run())
+        asyncio.run(SenderProcess(commands, reply_fd, ring).run())
     except (EOFError, KeyboardInterrupt):  # the engine went before `Start`
         return 1
     finally:
         commands.close()
-        replies.close()
     return 0
 
 

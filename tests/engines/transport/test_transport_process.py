@@ -189,3 +189,100 @@ async def test_repacing_reaches_the_sender_process() -> None:
     finally:
         await pair.receiver.close()
         await pair.sender.close()
+
+
+async def test_send_after_holds_more_than_the_held_bound_and_delivers() -> None:
+    """Not pipelined, every message waits for the transfer's end: 4 MiB through a 1 MiB ring
+    with 1 MiB held arrive (send-after is not bounded by the held bytes, else its end could
+    never be read)."""
+    pair = await make_pair()
+    await pair.sender.close()
+    config = SenderConfig(pipelined=False)
+    pair.sender = sender = ProcessSender(config, ring_bytes=MIB, max_held_bytes=MIB)
+    await sender.start()
+    rng = np.random.default_rng(6)
+    layers = [rng.integers(0, 255, MIB // 2, dtype=np.uint8) for _ in range(8)]
+    try:
+        handle = sender.open(7)
+        transfer = await pair.receiver.fetch("127.0.0.1", pair.port, 7, timeout_s=20)
+
+        def forward() -> None:
+            for layer, data in enumerate(layers):
+                handle.send_layer(layer, Kind.FULL_KV, {"kv": data})
+            handle.finish()
+
+        thread = threading.Thread(target=forward)
+        thread.start()
+        result = await asyncio.wait_for(transfer.complete(), 20)
+        await handle.wait()
+        await asyncio.to_thread(thread.join)
+        for item, data in zip(result.layers, layers, strict=True):
+            assert_same({"kv": data}, item.arrays)
+    finally:
+        await pair.receiver.close()
+        await sender.close()
+
+
+async def test_a_send_waiting_for_the_ring_returns_when_the_process_dies() -> None:
+    """A forward thread waiting for room in a full ring (no peer, the held bound reached)
+    returns once the sender process is killed, its messages dropped as after an abort, and
+    the transfer fails; nothing waits for ever."""
+    sender = ProcessSender(SenderConfig(), ring_bytes=MIB, max_held_bytes=MIB)
+    await sender.start()
+    data = np.ones(MIB // 2, np.uint8)
+    try:
+        handle = sender.open(8)
+        thread = threading.Thread(
+            target=lambda: [handle.send_layer(i, Kind.FULL_KV, {"kv": data}) for i in range(16)]
+        )
+        thread.start()
+        await asyncio.sleep(0.5)
+        assert thread.is_alive()  # waiting for the ring
+        assert sender._process is not None
+        sender._process.kill()
+        await asyncio.wait_for(asyncio.to_thread(thread.join), 10)
+        with pytest.raises(TransferError, match="sender process exited"):
+            await asyncio.wait_for(handle.wait(), 10)
+    finally:
+        await sender.close()
+
+
+async def test_a_room_opened_again_after_an_abort_is_a_new_transfer() -> None:
+    """Abort a room and open the same number at once (a client's retry with the same
+    bootstrap room): the old transfer's end does not touch the new one, which delivers."""
+    pair = await make_pair(process=True)
+    try:
+        old = pair.sender.open(9)
+        old.send_layer(0, Kind.FULL_KV, {"k": np.zeros(10)})
+        old.abort("retried")
+        await asyncio.sleep(0)  # the abort ends the room on the loop, as in-process
+        new = pair.sender.open(9)  # its Open follows the Abort down the pipe at once
+        new.send_layer(0, Kind.FULL_KV, {"k": np.arange(10)})
+        new.finish()
+        with pytest.raises(TransferError, match="retried"):
+            await old.wait()
+        await asyncio.sleep(0.3)  # the old opening's end has come back
+        transfer = await pair.receiver.fetch("127.0.0.1", pair.port, 9, timeout_s=10)
+        result = await asyncio.wait_for(transfer.complete(), 10)
+        await asyncio.wait_for(new.wait(), 10)
+        assert_same({"k": np.arange(10)}, result.layers[0].arrays)
+    finally:
+        await pair.receiver.close()
+        await pair.sender.close()
+
+
+async def test_close_with_many_open_rooms_is_prompt() -> None:
+    """Two hundred rooms waiting for peers: `close` fails them all and the process exits at
+    once (its replies never wait on a pipe the engine no longer reads)."""
+    sender = ProcessSender(SenderConfig())
+    await sender.start()
+    handles = [sender.open(room) for room in range(200)]
+    for handle in handles:
+        handle.send_layer(0, Kind.FULL_KV, {"k": np.zeros(100_000, np.uint8)})
+    began = asyncio.get_running_loop().time()
+    await sender.close()
+    assert asyncio.get_running_loop().time() - began < 5
+    assert sender._process is not None and sender._process.returncode == 0
+    for handle in handles:
+        with pytest.raises(TransferError, match="sender closed"):
+            await handle.wait()
