@@ -31,6 +31,9 @@ HEADER = 64
 """Bytes before the ring's data: the reader's position (an int64) in the first eight."""
 INLINE_BYTES = 64 * 1024
 """Messages up to this size travel inside their command, not through the ring."""
+PARTS_OF_RING = 4
+"""A message larger than a quarter of the ring crosses it in parts of that size, assembled
+in the sender process."""
 
 
 class RingClosed(Exception):
@@ -68,9 +71,10 @@ class SharedRing:
 
     # -- the writer ---------------------------------------------------------------------
 
-    def fits(self, nbytes: int) -> bool:
-        """Whether a message of `nbytes` can ever be placed (else it travels inline)."""
-        return nbytes <= self.size
+    @property
+    def part_bytes(self) -> int:
+        """The largest message placed whole; larger ones cross in parts of this size."""
+        return self.size // PARTS_OF_RING
 
     def write(
         self, pieces: Sequence[bytes | memoryview], nbytes: int, alive: Callable[[], bool]
@@ -142,7 +146,9 @@ class Open:
 
 @dataclass(frozen=True, slots=True)
 class Message:
-    """One numbered message of an opening: its bytes in the ring at `start`, or `inline`."""
+    """One numbered message of an opening, or one part of it: `nbytes` in the ring at
+    `start`, or `inline`. A message in parts has one command per part, in order, each
+    naming the whole message's size (`total`) and where the part lies in it (`offset`)."""
 
     room: int
     serial: int
@@ -152,6 +158,9 @@ class Message:
     start: int
     nbytes: int
     inline: bytes | None = None
+    offset: int = 0
+    total: int = -1
+    """The whole message's size (-1: the message is whole, `nbytes`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,8 +227,31 @@ class Snapshot:
 Reply = Started | StartFailed | Done | Snapshot
 
 
+_LENGTH = struct.Struct("!i")
+
+
 def framed(reply: Reply) -> bytes:
-    """`reply` as `multiprocessing.connection.Connection.send` frames it (a big-endian i32
-    length, then the pickle), for a writer that must not block on the pipe."""
+    """`reply` framed for the pipe: a big-endian i32 length, then the pickle (as
+    `multiprocessing.connection.Connection.send` frames it)."""
     data = pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
-    return struct.pack("!i", len(data)) + data
+    return _LENGTH.pack(len(data)) + data
+
+
+class ReplyFrames:
+    """Replies out of the bytes read from the pipe, however the reads split the frames (an
+    event-loop reader must not block on a frame half written)."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[Reply]:
+        """The replies `data` completes, in order."""
+        self._buffer += data
+        replies: list[Reply] = []
+        while len(self._buffer) >= _LENGTH.size:
+            (n,) = _LENGTH.unpack_from(self._buffer)
+            if len(self._buffer) < _LENGTH.size + n:
+                break
+            replies.append(pickle.loads(self._buffer[_LENGTH.size : _LENGTH.size + n]))
+            del self._buffer[: _LENGTH.size + n]
+        return replies

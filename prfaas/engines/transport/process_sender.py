@@ -20,7 +20,6 @@ and the request is retried or answered with an error), a send waiting for the ri
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import itertools
 import logging
@@ -29,6 +28,7 @@ import queue
 import select
 import sys
 import threading
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -42,6 +42,8 @@ from prfaas.engines.transport.process_channel import (
     Message,
     Open,
     Rate,
+    Reply,
+    ReplyFrames,
     RingClosed,
     SharedRing,
     Snapshot,
@@ -57,8 +59,8 @@ __all__ = ["ProcessSender"]
 logger = logging.getLogger(__name__)
 
 RING_BYTES = 256 * MIB
-"""The shared ring's size: a few layers of a long prompt's KV (a larger message travels
-inside its command, slowly)."""
+"""The shared ring's size: a few layers of a long prompt's KV (a message larger than a
+quarter of it crosses in parts)."""
 MAX_HELD_BYTES = 1 << 30
 """What the sender process may hold copied out for rooms without a peer before it leaves
 messages in the ring: the ring then fills and the engine's sends wait, as they wait for the
@@ -84,8 +86,44 @@ class _Room(SendHandle):
         self._owner._forward(self, message)
 
     def abort(self, reason: str) -> None:
-        super().abort(reason)
+        # queued before the room can end on the loop, so a retry's Open comes after it
         self._owner._command(Abort(self.room, self.serial, reason))
+        super().abort(reason)
+
+
+class _Replies(asyncio.Protocol):
+    """The reply pipe's reader on the engine's loop: whole replies to `on_reply`, the pipe's
+    end to `on_end` (the child exited)."""
+
+    def __init__(self, on_reply: Callable[[Reply], None], on_end: Callable[[], None]) -> None:
+        self._frames = ReplyFrames()
+        self._on_reply = on_reply
+        self._on_end = on_end
+
+    def data_received(self, data: bytes) -> None:
+        for reply in self._frames.feed(data):
+            self._on_reply(reply)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._on_end()
+
+
+def _parts(pieces: Sequence[bytes | memoryview], size: int) -> Iterator[list[memoryview]]:
+    """The concatenation of `pieces` in runs of `size` bytes (the last shorter), as views."""
+    run: list[memoryview] = []
+    room = size
+    for piece in pieces:
+        view = memoryview(piece).cast("B")
+        while len(view):
+            take = view[:room]
+            run.append(take)
+            room -= len(take)
+            view = view[len(take) :]
+            if room == 0:
+                yield run
+                run, room = [], size
+    if run:
+        yield run
 
 
 def _child_env() -> dict[str, str]:
@@ -116,8 +154,10 @@ class ProcessSender:
         self._ring: SharedRing | None = None
         self._process: asyncio.subprocess.Process | None = None
         self._pidfd: int | None = None
+        self._exit_poll: select.poll | None = None
         self._commands: Connection | None = None
-        self._replies: Connection | None = None
+        self._replies: asyncio.ReadTransport | None = None
+        self._first: asyncio.Future[Started | StartFailed] | None = None
         self._queue: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
         self._writer: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -147,15 +187,18 @@ class ProcessSender:
             await self.close()
             raise (ValueError if reply.value_error else OSError)(reply.error)
         self._port = reply.port
-        self._loop.add_reader(self._replies_fd(), self._read)
 
     async def _spawn(self) -> Started | StartFailed:
         """The child started with its channel, and its first reply."""
+        assert self._loop is not None
         self._ring = SharedRing.create(self._ring_bytes)
         cmd_r, cmd_w = os.pipe()
         reply_r, reply_w = os.pipe()
         self._commands = Connection(cmd_w, readable=False)
-        self._replies = Connection(reply_r, writable=False)
+        self._first = self._loop.create_future()
+        self._replies, _ = await self._loop.connect_read_pipe(
+            lambda: _Replies(self._on_reply, self._gone), os.fdopen(reply_r, "rb", buffering=0)
+        )
         try:
             self._process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "prfaas.engines.transport.sender_process",
@@ -167,20 +210,15 @@ class ProcessSender:
             os.close(cmd_r)
             os.close(reply_w)
         self._pidfd = os.pidfd_open(self._process.pid)
+        self._exit_poll = select.poll()
+        self._exit_poll.register(self._pidfd, select.POLLIN)
         self._alive = True
-        self._writer = threading.Thread(target=self._write_commands, name="prfaas-kv-commands")
+        self._writer = threading.Thread(
+            target=self._write_commands, name="prfaas-kv-commands", daemon=True
+        )  # a daemon: an engine that exits without `close` is not held by it
         self._writer.start()
         self._command(Start(self.config, self._max_held_bytes))
-        return await asyncio.wait_for(asyncio.to_thread(self._first_reply), START_TIMEOUT_S)
-
-    def _first_reply(self) -> Started | StartFailed:
-        assert self._replies is not None
-        try:
-            reply = self._replies.recv()
-        except (EOFError, OSError):
-            return StartFailed("the sender process exited at start", value_error=False)
-        assert isinstance(reply, Started | StartFailed)
-        return reply
+        return await asyncio.wait_for(asyncio.shield(self._first), START_TIMEOUT_S)
 
     @property
     def bootstrap_port(self) -> int:
@@ -250,6 +288,8 @@ class ProcessSender:
         self._queue.put(None)  # the writer stops after it
         process = self._process
         if process is not None and process.returncode is None:
+            if self._writer is None:  # it was never told to start
+                process.kill()
             try:  # replies are still read meanwhile: the child never waits on its pipe
                 await asyncio.wait_for(process.wait(), STOP_TIMEOUT_S)
             except TimeoutError:
@@ -259,39 +299,48 @@ class ProcessSender:
         if self._writer is not None:
             await asyncio.to_thread(self._writer.join)
             self._writer = None
-        if self._loop is not None and self._replies is not None:
-            with contextlib.suppress(ValueError, OSError):
-                self._loop.remove_reader(self._replies_fd())
-        for conn in (self._commands, self._replies):
-            if conn is not None:
-                conn.close()
-        self._commands = self._replies = None
-        if self._pidfd is not None:
-            os.close(self._pidfd)
-            self._pidfd = None
-        ring, self._ring = self._ring, None
-        if ring is not None:
-            with self._write:
+        if self._replies is not None:
+            self._replies.close()
+            self._replies = None
+        if self._commands is not None:
+            self._commands.close()
+            self._commands = None
+        with self._write:  # no send is inside the ring or polling the pidfd
+            ring, self._ring = self._ring, None
+            if ring is not None:
                 ring.close()
+            if self._pidfd is not None:
+                os.close(self._pidfd)
+                self._pidfd = self._exit_poll = None
+        self._gone()  # whatever is still open (opened meanwhile, or its end never came)
 
     # -- the engine's threads -> the sender process ------------------------------------------
 
     def _forward(self, handle: _Room, message: Outgoing) -> None:
-        """Put one numbered message in the ring (or inline) and queue its command."""
+        """Put one numbered message in the ring (in parts if it is large; inline if small)
+        and queue its commands."""
         nbytes = sum(memoryview(p).nbytes for p in message.pieces)
         fields = (handle.room, handle.serial, message.kind, message.msg, message.layer)
         with self._write:
             ring = self._ring
-            if ring is None or not self._is_alive():
-                return  # the room fails on the loop (the process's end is seen there)
-            if nbytes <= INLINE_BYTES or not ring.fits(nbytes):
+            if ring is None or self._closing or not self._is_alive():
+                return  # the room fails on the loop (closed, or the process's end seen)
+            if nbytes <= INLINE_BYTES:
                 self._command(Message(*fields, 0, nbytes, b"".join(message.pieces)))
                 return
+            whole = nbytes <= ring.part_bytes
+            offset = 0
             try:
-                start = ring.write(message.pieces, nbytes, self._is_alive)
+                for part in (
+                    [list(message.pieces)] if whole else _parts(message.pieces, ring.part_bytes)
+                ):
+                    size = sum(memoryview(p).nbytes for p in part)
+                    start = ring.write(part, size, self._is_alive)
+                    total = -1 if whole else nbytes
+                    self._command(Message(*fields, start, size, None, offset, total))
+                    offset += size  # commands under `_write`: in ring order
             except RingClosed:
                 return
-            self._command(Message(*fields, start, nbytes))  # under `_write`: ring order
 
     def _command(self, command: Command) -> None:
         """Queue one command for the writer thread (never blocks: the loop calls this)."""
@@ -310,30 +359,24 @@ class ProcessSender:
     def _is_alive(self) -> bool:
         """Whether the child runs, read on any thread (the loop's own flags may be late: a
         send waiting for the ring on the loop's thread would never see them change)."""
-        if not self._alive or self._pidfd is None:
+        poll = self._exit_poll
+        if not self._alive or poll is None:
             return False
-        exited, _, _ = select.select([self._pidfd], [], [], 0)
-        return not exited
+        try:
+            return not poll.poll(0)  # the pidfd reads ready once the process has exited
+        except (OSError, ValueError):
+            return False
 
     # -- the sender process -> the engine's loop ---------------------------------------------
 
-    def _replies_fd(self) -> int:
-        assert self._replies is not None
-        return self._replies.fileno()
-
-    def _read(self) -> None:
-        assert self._replies is not None and self._loop is not None
-        try:
-            while self._replies.poll():
-                reply = self._replies.recv()
-                if isinstance(reply, Done):
-                    self._ended(reply)
-                elif isinstance(reply, Snapshot):
-                    self._telemetry = reply.telemetry
-                    self.held_bytes, self.copied_bytes = reply.held_bytes, reply.copied_bytes
-        except (EOFError, OSError):
-            self._loop.remove_reader(self._replies_fd())
-            self._gone()
+    def _on_reply(self, reply: Reply) -> None:
+        if isinstance(reply, Done):
+            self._ended(reply)
+        elif isinstance(reply, Snapshot):
+            self._telemetry = reply.telemetry
+            self.held_bytes, self.copied_bytes = reply.held_bytes, reply.copied_bytes
+        elif self._first is not None and not self._first.done():
+            self._first.set_result(reply)
 
     def _ended(self, done: Done) -> None:
         handle = self._rooms.get(done.room)
@@ -348,6 +391,8 @@ class ProcessSender:
         """The sender process exited: every open transfer fails."""
         self._alive = False
         self._telemetry = None
+        if self._first is not None and not self._first.done():
+            self._first.set_result(StartFailed("the sender process exited at start", False))
         if not self._closing:
             logger.error("the KV sender process exited; %d open transfers fail", len(self._rooms))
         for handle in list(self._rooms.values()):

@@ -10,7 +10,8 @@ back once every frame of it has been let go (delivered, or the transfer failed),
 so one stalled peer holds the ring for every room until its transfer fails. Any other
 message would wait in the ring for a peer or for the transfer's end, which could hold the
 ring full while the engine waits to write the message that ends it: it is copied out, its
-room given back at once. Pipelined, what it holds copied out is bounded
+room given back at once; so is a message that crossed the ring in parts, assembled here.
+Pipelined, what it holds copied out is bounded
 (`Start.max_held_bytes`): past it, messages stay in the ring, unread, until some of it is
 let go, and the engine's writer waits as it waits for its host budget with the sender in
 its own process; other commands are still read. Send-after (not pipelined) holds every
@@ -31,6 +32,8 @@ import sys
 import weakref
 from collections import deque
 from multiprocessing.connection import Connection
+
+import numpy as np
 
 from prfaas.engines.transport.errors import TransferError
 from prfaas.engines.transport.process_channel import (
@@ -77,6 +80,8 @@ class SenderProcess:
         self._held = 0
         self._copied = 0
         self._max_held = 0
+        self._assembling: dict[tuple[int, int, int], np.ndarray] = {}
+        """(room, serial, msg) -> the buffer of a message crossing in parts."""
         self._deferred: deque[Message] = deque()
         """Messages read while too much was held copied out, in order (left in the ring)."""
         self._spans: deque[list[int]] = deque()
@@ -129,7 +134,7 @@ class SenderProcess:
     def _serve(self, command: Command) -> None:
         assert self._sender is not None
         if isinstance(command, Message):
-            if self._deferred or self._holding():
+            if self._deferred or not self._may_take(command):
                 self._deferred.append(command)  # after those before it, in order
             else:
                 self._deliver(command)
@@ -173,13 +178,42 @@ class SenderProcess:
     def _deliver(self, command: Message) -> None:
         opened = self._rooms.get(command.room)
         handle = opened[1] if opened is not None and opened[0] == command.serial else None
-        data = self._bytes(command, handle)  # always: the ring's room must come back
-        if handle is not None:
+        if command.total >= 0:
+            data = self._assembled(command, handle)
+        else:
+            data = self._bytes(command, handle)  # always: the ring's room must come back
+        if handle is not None and data is not None:
             handle.deliver(command.kind, command.msg, command.layer, [data])
 
-    def _holding(self) -> bool:
-        """Too much is held copied out to take more messages out of the ring."""
-        return self._pipelined and self._held >= self._max_held
+    def _assembled(self, part: Message, handle: SendHandle | None) -> memoryview | None:
+        """Add one part of a message crossing in parts to its buffer (held); the message once
+        its last part came (None before, or when its opening is gone)."""
+        key = (part.room, part.serial, part.msg)
+        buffer = self._assembling.get(key)
+        if buffer is None and handle is not None:
+            buffer = self._assembling[key] = self._held_buffer(part.total)
+        if part.inline is not None:
+            piece: np.ndarray = np.frombuffer(part.inline, dtype=np.uint8)
+        else:
+            span = [part.start + part.nbytes, 0]
+            self._spans.append(span)
+            piece = self._ring.view(part.start, part.nbytes)
+        if buffer is not None:
+            buffer[part.offset : part.offset + part.nbytes] = piece
+        if part.inline is None:
+            self._free(span)
+        if part.offset + part.nbytes < part.total:
+            return None
+        buffer = self._assembling.pop(key, None)
+        return None if buffer is None or handle is None else buffer.data
+
+    def _may_take(self, command: Message) -> bool:
+        """Whether to take `command` out of the ring now: not while too much is held copied
+        out, unless it continues a message whose first part was taken (its buffer is held
+        until the rest comes; the parts of a message come one after the other)."""
+        if not self._pipelined or self._held < self._max_held:
+            return True
+        return (command.room, command.serial, command.msg) in self._assembling
 
     def _bytes(self, command: Message, handle: SendHandle | None) -> memoryview:
         """The message's bytes: inline, in the ring (a connected pipelined room's), or copied
@@ -189,15 +223,24 @@ class SenderProcess:
         span = [command.start + command.nbytes, 0]
         self._spans.append(span)
         view = self._ring.view(command.start, command.nbytes)
-        if handle is not None and handle.peer is not None and self._pipelined:
+        if handle is None:  # its opening is gone: nothing to send
+            self._free(span)
+            return memoryview(b"")
+        if handle.peer is not None and self._pipelined:
             weakref.finalize(view, self._free, span)
             return view.data  # a memoryview that keeps `view` alive
-        data = view.copy()
+        data = self._held_buffer(command.nbytes)
+        data[:] = view
         self._free(span)
-        self._held += command.nbytes
-        self._copied += command.nbytes
-        weakref.finalize(data, self._released, command.nbytes)
         return data.data
+
+    def _held_buffer(self, nbytes: int) -> np.ndarray:
+        """A buffer for bytes copied out, counted as held until it is let go."""
+        data = np.empty(nbytes, dtype=np.uint8)
+        self._held += nbytes
+        self._copied += nbytes
+        weakref.finalize(data, self._released, nbytes)
+        return data
 
     def _free(self, span: list[int]) -> None:
         """A ring message let go: give the ring back up to the end of the released ones at
@@ -216,7 +259,7 @@ class SenderProcess:
                 asyncio.get_running_loop().call_soon(self._undefer)
 
     def _undefer(self) -> None:
-        while self._deferred and not self._holding():
+        while self._deferred and self._may_take(self._deferred[0]):
             self._deliver(self._deferred.popleft())
 
     # -- replies ---------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -63,14 +64,15 @@ async def test_a_full_ring_holds_the_sender_until_the_decode_side_takes_the_byte
 
 async def test_a_connected_peers_messages_go_from_the_ring_and_give_it_back() -> None:
     """With the decode side connected, messages are sent from the ring itself: 4 MiB through
-    a 1 MiB ring arrive bit-exact, none copied out, so each message's room came back once it
-    was sent (else the writer would wait for ever)."""
+    a 1 MiB ring (messages under its quarter, so none crosses in parts) arrive bit-exact,
+    none copied out, so each message's room came back once it was sent (else the writer
+    would wait for ever)."""
     pair = await make_pair()
     await pair.sender.close()
     pair.sender = sender = ProcessSender(SenderConfig(), ring_bytes=MIB)
     await sender.start()
     rng = np.random.default_rng(5)
-    layers = [rng.integers(0, 255, MIB // 4, dtype=np.uint8) for _ in range(16)]
+    layers = [rng.integers(0, 255, MIB // 8, dtype=np.uint8) for _ in range(32)]  # whole
     try:
         handle = sender.open(6)
         transfer = await pair.receiver.fetch("127.0.0.1", pair.port, 6, timeout_s=20)
@@ -95,10 +97,13 @@ async def test_a_connected_peers_messages_go_from_the_ring_and_give_it_back() ->
         await sender.close()
 
 
-async def test_a_message_larger_than_the_ring_travels_inline() -> None:
+async def test_a_message_larger_than_the_ring_crosses_it_in_parts() -> None:
+    """3 MiB through a 1 MiB ring, with at most 1 MiB held: the parts are assembled in the
+    sender process (past the held bound, since the message's buffer is already held) and
+    the message arrives bit-exact."""
     pair = await make_pair()
     await pair.sender.close()
-    pair.sender = sender = ProcessSender(SenderConfig(), ring_bytes=MIB)
+    pair.sender = sender = ProcessSender(SenderConfig(), ring_bytes=MIB, max_held_bytes=MIB)
     await sender.start()
     data = np.random.default_rng(4).standard_normal(3 * MIB // 8)  # 3 MiB
     try:
@@ -110,6 +115,7 @@ async def test_a_message_larger_than_the_ring_travels_inline() -> None:
         await handle.wait()
         assert_same({"state": data}, result.layers[0].arrays)
         assert sender.telemetry().bytes_total > data.nbytes
+        assert sender.copied_bytes >= data.nbytes
     finally:
         await pair.receiver.close()
         await sender.close()
@@ -241,6 +247,28 @@ async def test_a_send_waiting_for_the_ring_returns_when_the_process_dies() -> No
         assert sender._process is not None
         sender._process.kill()
         await asyncio.wait_for(asyncio.to_thread(thread.join), 10)
+        with pytest.raises(TransferError, match="sender process exited"):
+            await asyncio.wait_for(handle.wait(), 10)
+    finally:
+        await sender.close()
+
+
+async def test_a_send_on_the_loop_waiting_for_the_ring_returns_when_the_process_dies() -> None:
+    """The same wait on the event loop's own thread (an engine that exports a prefix from
+    its loop), which then cannot see the process's end through the loop: the process's
+    exit is read from its pidfd, and the send returns."""
+    sender = ProcessSender(SenderConfig(), ring_bytes=MIB, max_held_bytes=MIB)
+    await sender.start()
+    try:
+        handle = sender.open(10)
+        assert sender._process is not None
+        killer = threading.Timer(1.0, sender._process.kill)
+        killer.start()
+        began = time.monotonic()
+        for layer in range(16):  # blocks this thread (the loop's) once the ring is full
+            handle.send_layer(layer, Kind.FULL_KV, {"kv": np.ones(MIB // 2, np.uint8)})
+        assert time.monotonic() - began < 10
+        killer.join()
         with pytest.raises(TransferError, match="sender process exited"):
             await asyncio.wait_for(handle.wait(), 10)
     finally:
