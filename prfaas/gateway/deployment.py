@@ -262,6 +262,9 @@ class LaunchConfig:
     """Reference engines: the torch device it runs on (`cpu`, `cuda`, `cuda:N`)."""
     dtype: str | None = None
     """Reference engines: weights and KV dtype; unset: float32 on cpu, bfloat16 on a GPU."""
+    kv_sender: str = "loop"
+    """Reference engines: where the KV transport's sender runs, on the engine's event loop or
+    in a process of its own (`process`: `prfaas engine --kv-sender process`)."""
     vllm_args: tuple[str, ...] = ()
     """vLLM engines: more `vllm serve` flags (e.g. `--enable-auto-tool-choice`,
     `--tool-call-parser hermes`: the client's `tools` are the engine's to answer)."""
@@ -297,6 +300,10 @@ class LaunchConfig:
         check(self.device == "cpu" or self.engine == "reference", "device", self.device,
               "is for reference engines only (a vLLM build runs on its own device)")  # fmt: skip
         check(self.dtype in (None, *DTYPES), "dtype", self.dtype, f"must be one of {DTYPES}")
+        check(self.kv_sender in ("loop", "process"), "kv_sender", self.kv_sender,
+              "must be loop or process")  # fmt: skip
+        check(self.kv_sender == "loop" or self.engine == "reference", "kv_sender",
+              self.kv_sender, "is for reference engines only")  # fmt: skip
         check(self.dtype is None or self.engine == "reference", "dtype", self.dtype,
               "is for reference engines only")  # fmt: skip
         check(not self.vllm_args or self.engine == "vllm", "vllm_args", list(self.vllm_args),
@@ -338,13 +345,15 @@ class LaunchConfig:
         return self.transport_tls_cert is not None
 
     def engine_args(self) -> tuple[str, ...]:
-        """Extra `prfaas engine` flags for the device, the link emulation and transport TLS,
-        if any."""
+        """Extra `prfaas engine` flags for the device, the KV sender, the link emulation and
+        transport TLS, if any."""
         args: list[str] = []
         if self.device != "cpu":
             args += ["--device", self.device]
         if self.dtype is not None:
             args += ["--dtype", self.dtype]
+        if self.kv_sender != "loop":
+            args += ["--kv-sender", self.kv_sender]
         if self.egress_rate_mbps is not None:
             args += ["--egress-rate-mbps", f"{self.egress_rate_mbps:g}"]
         if self.egress_delay_ms > 0:

@@ -175,6 +175,21 @@ def test_launch_device(tmp_path: Path) -> None:
         load_deployment(_write(tmp_path, vllm))
 
 
+def test_launch_kv_sender(tmp_path: Path) -> None:
+    """`kv_sender = "process"` runs a launched reference engine's KV sender in a process of
+    its own (a flag its parser takes); another value, or on a vLLM engine, is refused."""
+    base = '[[launch]]\nid = "pd-0"\ncluster = "pd"\nrole = "both"\n'
+    launched = load_deployment(_write(tmp_path, base + 'kv_sender = "process"\n')).launch[0]
+    parser = argparse.ArgumentParser()
+    engine_cli.add_arguments(parser)
+    assert parser.parse_args(list(launched.engine_args())).kv_sender == "process"
+    with pytest.raises(ConfigError, match=r"launch\[0\]\.kv_sender: must be loop or process"):
+        load_deployment(_write(tmp_path, base + 'kv_sender = "thread"\n'))
+    vllm = base + 'engine = "vllm"\nkv_sender = "process"\n'
+    with pytest.raises(ConfigError, match=r"launch\[0\]\.kv_sender: is for reference engines"):
+        load_deployment(_write(tmp_path, vllm))
+
+
 def test_engine_kind_per_instance_defaults_to_reference(tmp_path: Path) -> None:
     """`engine = "vllm"` selects vLLM's protocol for an instance or a launched engine;
     without it an instance is a reference engine; another kind is an error naming it, and
