@@ -263,8 +263,9 @@ class LaunchConfig:
     dtype: str | None = None
     """Reference engines: weights and KV dtype; unset: float32 on cpu, bfloat16 on a GPU."""
     kv_sender: str = "loop"
-    """Reference engines: where the KV transport's sender runs, on the engine's event loop or
-    in a process of its own (`process`: `prfaas engine --kv-sender process`)."""
+    """Where the KV transport's sender runs: on the engine's event loop (a vLLM connector's
+    own loop thread) or in a process of its own (`process`: `prfaas engine --kv-sender
+    process`, the vLLM connector's `sender_process`)."""
     vllm_args: tuple[str, ...] = ()
     """vLLM engines: more `vllm serve` flags (e.g. `--enable-auto-tool-choice`,
     `--tool-call-parser hermes`: the client's `tools` are the engine's to answer)."""
@@ -302,8 +303,6 @@ class LaunchConfig:
         check(self.dtype in (None, *DTYPES), "dtype", self.dtype, f"must be one of {DTYPES}")
         check(self.kv_sender in ("loop", "process"), "kv_sender", self.kv_sender,
               "must be loop or process")  # fmt: skip
-        check(self.kv_sender == "loop" or self.engine == "reference", "kv_sender",
-              self.kv_sender, "is for reference engines only")  # fmt: skip
         check(self.dtype is None or self.engine == "reference", "dtype", self.dtype,
               "is for reference engines only")  # fmt: skip
         check(not self.vllm_args or self.engine == "vllm", "vllm_args", list(self.vllm_args),

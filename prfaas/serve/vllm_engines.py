@@ -65,6 +65,8 @@ def vllm_server(
         connector["egress_rate_mbps"] = launch.egress_rate_mbps
     if launch.egress_delay_ms > 0:
         connector["egress_delay_ms"] = launch.egress_delay_ms
+    if launch.kv_sender == "process":
+        connector["sender_process"] = True
     return VLLMServer(
         python=Path(launch.python),
         model=Path(launch.model),

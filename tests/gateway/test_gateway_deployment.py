@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,9 @@ from prfaas.cli.engine import transport_tls
 from prfaas.cli.main import build_parser
 from prfaas.common.toml_tables import ConfigError
 from prfaas.engines.transport import TlsConfig
+from prfaas.engines.vllm.config import ConnectorConfig
 from prfaas.gateway.deployment import load_deployment
+from prfaas.serve.vllm_engines import vllm_server
 
 GOOD = """
 [model]
@@ -176,8 +179,9 @@ def test_launch_device(tmp_path: Path) -> None:
 
 
 def test_launch_kv_sender(tmp_path: Path) -> None:
-    """`kv_sender = "process"` runs a launched reference engine's KV sender in a process of
-    its own (a flag its parser takes); another value, or on a vLLM engine, is refused."""
+    """`kv_sender = "process"` runs a launched engine's KV sender in a process of its own: a
+    flag a reference engine's parser takes, a vLLM engine's connector setting; another
+    value is refused."""
     base = '[[launch]]\nid = "pd-0"\ncluster = "pd"\nrole = "both"\n'
     launched = load_deployment(_write(tmp_path, base + 'kv_sender = "process"\n')).launch[0]
     parser = argparse.ArgumentParser()
@@ -185,9 +189,11 @@ def test_launch_kv_sender(tmp_path: Path) -> None:
     assert parser.parse_args(list(launched.engine_args())).kv_sender == "process"
     with pytest.raises(ConfigError, match=r"launch\[0\]\.kv_sender: must be loop or process"):
         load_deployment(_write(tmp_path, base + 'kv_sender = "thread"\n'))
-    vllm = base + 'engine = "vllm"\nkv_sender = "process"\n'
-    with pytest.raises(ConfigError, match=r"launch\[0\]\.kv_sender: is for reference engines"):
-        load_deployment(_write(tmp_path, vllm))
+    vllm = f'engine = "vllm"\nkv_sender = "process"\npython = "{sys.executable}"\n'
+    config = load_deployment(_write(tmp_path, base + vllm))
+    server = vllm_server(config.launch[0], config.model, 9000, "ipc:///tmp/none")
+    assert server.connector is not None  # a vLLM engine's: its connector's setting
+    assert ConnectorConfig.from_extra(server.connector).sender_process
 
 
 def test_engine_kind_per_instance_defaults_to_reference(tmp_path: Path) -> None:

@@ -35,7 +35,7 @@ from prfaas.engines.sglang.loop_thread import LoopThread
 from prfaas.engines.sglang.messages import Endpoint, Metadata, Register
 from prfaas.engines.sglang.settings import BackendSettings
 from prfaas.engines.sglang.shipping import PrefillRoom
-from prfaas.engines.transport import KVSender, SenderConfig
+from prfaas.engines.transport import KVSender, ProcessSender, SenderConfig
 
 logger = logging.getLogger(__name__)
 
@@ -63,15 +63,14 @@ class PrefillPlane:
         self.loop = loop
         self.layerwise = settings.layerwise
         host = settings.bind_host or mgr.local_ip
-        self.sender = KVSender(
-            SenderConfig(
-                host=host,
-                connections=settings.connections,
-                transfer_timeout_s=settings.transfer_timeout_s,
-                register_timeout_s=settings.transfer_timeout_s,
-                rate_bytes_per_s=settings.rate_bytes_per_s or None,
-            )
+        config = SenderConfig(
+            host=host,
+            connections=settings.connections,
+            transfer_timeout_s=settings.transfer_timeout_s,
+            register_timeout_s=settings.transfer_timeout_s,
+            rate_bytes_per_s=settings.rate_bytes_per_s or None,
         )
+        self.sender = ProcessSender(config) if settings.sender_process else KVSender(config)
         loop.run(self.sender.start())
         self.endpoint = (host, self.sender.bootstrap_port)
         self.layout = pool.layout(aux.item_lens)

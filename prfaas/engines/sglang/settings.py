@@ -55,6 +55,9 @@ class BackendSettings:
     """Prefill: send each layer's pages (and, in the last chunk, its Mamba state) from the
     forward as soon as that layer ran (`..._LAYERWISE`); false: send everything after the
     last chunk's forward (the send-after baseline layer-wise sending is measured against)."""
+    sender_process: bool = False
+    """Prefill: run the KV sender in a process of its own (`ProcessSender`), so that its
+    socket work never takes the GIL from SGLang's forward (`..._SENDER_PROCESS`)."""
     send_budget_bytes: int = DEFAULT_SEND_BUDGET_BYTES
     """Prefill: host memory that copied pages may hold while they wait for the link
     (`..._SEND_BUDGET_BYTES`); a spent budget holds the forward back."""
@@ -91,6 +94,7 @@ class BackendSettings:
             ("rate_bytes_per_s", float),
             ("layerwise", bool),
             ("send_budget_bytes", int),
+            ("sender_process", bool),
         ):
             raw = env.get(f"{ENV_PREFIX}{name.upper()}")
             if raw is None:

@@ -48,6 +48,9 @@ class ConnectorConfig:
     `KVCacheLayout` name, or "auto" (vLLM's choice). The CPU backend reads only HND, which
     the connector then asks for. A prefill and a decode must end up with the same one: the
     decode checks it before placing a byte."""
+    sender_process: bool = False
+    """Run the KV sender in a process of its own (`ProcessSender`), fed through a shared
+    ring, so that its socket work never takes the GIL from vLLM's forward pass."""
     send_budget_mb: float = 1024.0
     """Host memory that pages copied out of the KV cache may hold while they wait for the
     link (pinned on a GPU); a link slower than the prefill holds the forward back at this

@@ -9,20 +9,29 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from prfaas.engines.transport import KVReceiver, KVSender, ReceiverConfig, SenderConfig
+from prfaas.engines.transport import (
+    KVReceiver,
+    KVSender,
+    ProcessSender,
+    ReceiverConfig,
+    SenderConfig,
+)
 
 _T = TypeVar("_T")
 
 
 class TransportThread:
-    """Owns a loop thread with a started `KVSender` (the bootstrap listener) and a
-    `KVReceiver`; `call`/`submit` run work on that loop from the worker's thread."""
+    """Owns a loop thread with a started `KVSender` (the bootstrap listener; with `process`,
+    a `ProcessSender`) and a `KVReceiver`; `call`/`submit` run work on that loop from the
+    worker's thread."""
 
-    def __init__(self, sender: SenderConfig, receiver: ReceiverConfig) -> None:
+    def __init__(
+        self, sender: SenderConfig, receiver: ReceiverConfig, *, process: bool = False
+    ) -> None:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="prfaas-kv", daemon=True)
         self._thread.start()
-        self.sender = KVSender(sender)
+        self.sender = ProcessSender(sender) if process else KVSender(sender)
         self.receiver = KVReceiver(receiver)
         self.submit(self.sender.start()).result(timeout=30)
 

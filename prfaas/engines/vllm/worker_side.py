@@ -102,7 +102,9 @@ class WorkerSide:
         self.queue = SendQueue()
         key = transport_key()
         self.transport = TransportThread(
-            config.sender(key, tp_rank=self.tp_rank), config.receiver(key)
+            config.sender(key, tp_rank=self.tp_rank),
+            config.receiver(key),
+            process=config.sender_process,
         )
         self.trace = TransferTrace(config.trace_path)
         self._layout = views.signature.to_json()

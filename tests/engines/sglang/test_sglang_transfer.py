@@ -50,6 +50,18 @@ def test_chunks_arrive_bit_exact_and_both_sides_succeed(
 ) -> None:
     """Every token of both full layers (K and V), every Mamba state component and both
     metadata buffers arrive bit-exact after several chunks; nothing else changes."""
+    _round_trip(pair, tokens, chunk_pages, prefix_pages)
+
+
+def test_a_sender_process_prefill_arrives_bit_exact(make_pair: Any) -> None:
+    """`PRFAAS_SGLANG_SENDER_PROCESS=1`: the prefill's KV sender runs in a process of its
+    own, and the same transfer arrives the same."""
+    pair = make_pair(SENDER_PROCESS="1")
+    assert type(pair.prefill_mgr.prefill.sender).__name__ == "ProcessSender"
+    _round_trip(pair, 61, 4, 3)
+
+
+def _round_trip(pair: sh.Pair, tokens: int, chunk_pages: int, prefix_pages: int) -> None:
     rng = np.random.default_rng(tokens)
     prefix = prefix_pages * sh.PAGE
     count = -(-(tokens - prefix) // sh.PAGE)

@@ -91,7 +91,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     def events(name: str) -> str:  # a unix socket: only this user can subscribe
         return f"ipc://{root}/{name}.events"
 
-    paced = trace("prfaas-p0", egress_rate_mbps=100, egress_delay_ms=100)
+    # the PrfaaS prefill's KV sender runs in a process of its own, the PD prefill's on the
+    # connector's loop thread: every test here crosses both
+    paced = trace("prfaas-p0", egress_rate_mbps=100, egress_delay_ms=100, sender_process=True)
     specs = {
         "pd-p0": server("pd-p0", trace("pd-p0"), kv_events=events("pd-p0")),
         "prfaas-p0": server("prfaas-p0", paced, kv_events=events("prfaas-p0")),
