@@ -248,10 +248,13 @@ class ReplyFrames:
         """The replies `data` completes, in order."""
         self._buffer += data
         replies: list[Reply] = []
-        while len(self._buffer) >= _LENGTH.size:
-            (n,) = _LENGTH.unpack_from(self._buffer)
-            if len(self._buffer) < _LENGTH.size + n:
+        at = 0
+        while len(self._buffer) - at >= _LENGTH.size:
+            (n,) = _LENGTH.unpack_from(self._buffer, at)
+            end = at + _LENGTH.size + n
+            if len(self._buffer) < end:
                 break
-            replies.append(pickle.loads(self._buffer[_LENGTH.size : _LENGTH.size + n]))
-            del self._buffer[: _LENGTH.size + n]
+            replies.append(pickle.loads(memoryview(self._buffer)[at + _LENGTH.size : end]))
+            at = end
+        del self._buffer[:at]
         return replies

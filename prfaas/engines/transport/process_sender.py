@@ -20,6 +20,7 @@ and the request is retried or answered with an error), a send waiting for the ri
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -65,10 +66,12 @@ MAX_HELD_BYTES = 1 << 30
 """What the sender process may hold copied out for rooms without a peer before it leaves
 messages in the ring: the ring then fills and the engine's sends wait, as they wait for the
 host budget with the sender in the engine's own process."""
-START_TIMEOUT_S = 60.0
-"""How long the sender process may take to import and bind."""
-STOP_TIMEOUT_S = 10.0
-"""How long `close` waits for the sender process to fail its transfers and exit."""
+START_TIMEOUT_S = 25.0
+"""How long the sender process may take to import and bind (within the 30 s the vLLM and
+SGLang integrations give a start)."""
+STOP_TIMEOUT_S = 5.0
+"""How long `close` waits for the sender process to fail its transfers and exit before it
+kills it (within the time the integrations give a close)."""
 
 
 class _Room(SendHandle):
@@ -154,7 +157,6 @@ class ProcessSender:
         self._ring: SharedRing | None = None
         self._process: asyncio.subprocess.Process | None = None
         self._pidfd: int | None = None
-        self._exit_poll: select.poll | None = None
         self._commands: Connection | None = None
         self._replies: asyncio.ReadTransport | None = None
         self._first: asyncio.Future[Started | StartFailed] | None = None
@@ -196,10 +198,11 @@ class ProcessSender:
         reply_r, reply_w = os.pipe()
         self._commands = Connection(cmd_w, readable=False)
         self._first = self._loop.create_future()
-        self._replies, _ = await self._loop.connect_read_pipe(
-            lambda: _Replies(self._on_reply, self._gone), os.fdopen(reply_r, "rb", buffering=0)
-        )
         try:
+            self._replies, _ = await self._loop.connect_read_pipe(
+                lambda: _Replies(self._on_reply, self._gone),
+                os.fdopen(reply_r, "rb", buffering=0),
+            )
             self._process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "prfaas.engines.transport.sender_process",
                 str(cmd_r), str(reply_w), str(self._ring.fd), str(self._ring_bytes),
@@ -210,8 +213,6 @@ class ProcessSender:
             os.close(cmd_r)
             os.close(reply_w)
         self._pidfd = os.pidfd_open(self._process.pid)
-        self._exit_poll = select.poll()
-        self._exit_poll.register(self._pidfd, select.POLLIN)
         self._alive = True
         self._writer = threading.Thread(
             target=self._write_commands, name="prfaas-kv-commands", daemon=True
@@ -282,18 +283,22 @@ class ProcessSender:
     async def close(self) -> None:
         """Fail open transfers, stop the sender process; idempotent."""
         self._closing = True
-        for handle in list(self._rooms.values()):
+        with self._lock:
+            handles = list(self._rooms.values())
+        for handle in handles:
             handle.fail("sender closed", tell_peer=False)
         self._command(Close())
         self._queue.put(None)  # the writer stops after it
         process = self._process
         if process is not None and process.returncode is None:
             if self._writer is None:  # it was never told to start
-                process.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()
             try:  # replies are still read meanwhile: the child never waits on its pipe
                 await asyncio.wait_for(process.wait(), STOP_TIMEOUT_S)
             except TimeoutError:
-                process.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()
                 await process.wait()
         self._alive = False  # a send waiting for the ring returns, then the ring can go
         if self._writer is not None:
@@ -311,7 +316,7 @@ class ProcessSender:
                 ring.close()
             if self._pidfd is not None:
                 os.close(self._pidfd)
-                self._pidfd = self._exit_poll = None
+                self._pidfd = None
         self._gone()  # whatever is still open (opened meanwhile, or its end never came)
 
     # -- the engine's threads -> the sender process ------------------------------------------
@@ -341,6 +346,9 @@ class ProcessSender:
                     offset += size  # commands under `_write`: in ring order
             except RingClosed:
                 return
+            except BaseException:  # a message stopped part-way: its transfer cannot complete
+                self._command(Abort(handle.room, handle.serial, "a message was not sent whole"))
+                raise
 
     def _command(self, command: Command) -> None:
         """Queue one command for the writer thread (never blocks: the loop calls this)."""
@@ -359,10 +367,12 @@ class ProcessSender:
     def _is_alive(self) -> bool:
         """Whether the child runs, read on any thread (the loop's own flags may be late: a
         send waiting for the ring on the loop's thread would never see them change)."""
-        poll = self._exit_poll
-        if not self._alive or poll is None:
+        pidfd = self._pidfd
+        if not self._alive or pidfd is None:
             return False
+        poll = select.poll()  # one per call: a poll object refuses concurrent calls
         try:
+            poll.register(pidfd, select.POLLIN)
             return not poll.poll(0)  # the pidfd reads ready once the process has exited
         except (OSError, ValueError):
             return False
@@ -393,9 +403,11 @@ class ProcessSender:
         self._telemetry = None
         if self._first is not None and not self._first.done():
             self._first.set_result(StartFailed("the sender process exited at start", False))
+        with self._lock:
+            handles = list(self._rooms.values())
         if not self._closing:
-            logger.error("the KV sender process exited; %d open transfers fail", len(self._rooms))
-        for handle in list(self._rooms.values()):
+            logger.error("the KV sender process exited; %d open transfers fail", len(handles))
+        for handle in handles:
             handle.fail("the KV sender process exited", tell_peer=False)
 
     def _closed(self, handle: SendHandle, reason: str | None) -> None:

@@ -144,6 +144,7 @@ class SenderProcess:
             opened = self._rooms.get(command.room)
             if opened is not None and opened[0] == command.serial:
                 opened[1].fail(f"aborted by prefill: {command.reason}")
+            self._drop_assembling(command.room, command.serial)
         elif isinstance(command, Rate):
             self._sender.set_process_rate(command.bytes_per_s)
         elif isinstance(command, Close):
@@ -170,6 +171,7 @@ class SenderProcess:
         finally:
             if self._rooms.get(handle.room) == (serial, handle):
                 del self._rooms[handle.room]
+            self._drop_assembling(handle.room, serial)
         self._reply(self._snapshot())  # fresh when the engine sees the end
         self._reply(Done(handle.room, serial, reason))
 
@@ -210,10 +212,20 @@ class SenderProcess:
     def _may_take(self, command: Message) -> bool:
         """Whether to take `command` out of the ring now: not while too much is held copied
         out, unless it continues a message whose first part was taken (its buffer is held
-        until the rest comes; the parts of a message come one after the other)."""
+        until the rest comes; the parts of a message come one after the other) or its
+        opening is gone (its room in the ring is given back at once)."""
         if not self._pipelined or self._held < self._max_held:
             return True
-        return (command.room, command.serial, command.msg) in self._assembling
+        if (command.room, command.serial, command.msg) in self._assembling:
+            return True
+        opened = self._rooms.get(command.room)
+        return opened is None or opened[0] != command.serial
+
+    def _drop_assembling(self, room: int, serial: int) -> None:
+        """Let go of the half-assembled messages of an opening that ended (their held bytes
+        go back; a later part finds no buffer and is dropped)."""
+        for key in [k for k in self._assembling if k[:2] == (room, serial)]:
+            del self._assembling[key]
 
     def _bytes(self, command: Message, handle: SendHandle | None) -> memoryview:
         """The message's bytes: inline, in the ring (a connected pipelined room's), or copied

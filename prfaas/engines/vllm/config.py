@@ -70,6 +70,8 @@ class ConnectorConfig:
             raise ValueError(f"pull_timeout_s must be > 0, got {self.pull_timeout_s!r}")
         if not (math.isfinite(self.send_budget_mb) and self.send_budget_mb > 0):
             raise ValueError(f"send_budget_mb must be > 0, got {self.send_budget_mb!r}")
+        if not isinstance(self.sender_process, bool):
+            raise ValueError(f"sender_process must be true or false, got {self.sender_process!r}")
         if self.kv_cache_layout not in LAYOUTS:
             raise ValueError(
                 f"kv_cache_layout must be one of {sorted(LAYOUTS)}, got {self.kv_cache_layout!r}"

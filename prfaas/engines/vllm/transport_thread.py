@@ -33,7 +33,7 @@ class TransportThread:
         self._thread.start()
         self.sender = ProcessSender(sender) if process else KVSender(sender)
         self.receiver = KVReceiver(receiver)
-        self.submit(self.sender.start()).result(timeout=30)
+        self.submit(self.sender.start()).result(timeout=30)  # a sender process's: 25 s
 
     def submit(self, coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
         """Run `coro` on the transport loop."""
@@ -58,8 +58,8 @@ class TransportThread:
             await self.receiver.close()
             await self.sender.close()
 
-        try:
-            self.submit(shut()).result(timeout=10)
+        try:  # a sender process waits 5 s for its child, then kills it
+            self.submit(shut()).result(timeout=15)
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=10)

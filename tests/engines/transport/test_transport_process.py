@@ -16,6 +16,7 @@ import pytest
 from transport_helpers import assert_same, make_pair
 
 from prfaas.engines.transport import Kind, ProcessSender, SenderConfig, TlsConfig, TransferError
+from prfaas.engines.transport.process_channel import Done, ReplyFrames, Started, framed
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -314,3 +315,51 @@ async def test_close_with_many_open_rooms_is_prompt() -> None:
     for handle in handles:
         with pytest.raises(TransferError, match="sender closed"):
             await handle.wait()
+
+
+async def test_opening_rooms_while_a_send_waits_for_the_ring() -> None:
+    """The loop opens rooms (each open reads whether the process lives) while a forward
+    thread waits for the ring (reading the same, over and over): neither raises, and the
+    waiting transfer completes once the decode side fetches it."""
+    pair = await make_pair()
+    await pair.sender.close()
+    pair.sender = sender = ProcessSender(SenderConfig(), ring_bytes=MIB, max_held_bytes=MIB)
+    await sender.start()
+    layers = [np.full(MIB // 2, i, np.uint8) for i in range(8)]
+    errors: list[BaseException] = []
+    try:
+        handle = sender.open(1)
+
+        def forward() -> None:
+            try:
+                for layer, data in enumerate(layers):
+                    handle.send_layer(layer, Kind.FULL_KV, {"kv": data})
+                handle.finish()
+            except BaseException as exc:  # reported by the test below
+                errors.append(exc)
+
+        thread = threading.Thread(target=forward)
+        thread.start()
+        for room in range(1000, 1300):  # about a second of opens beside the waiting send
+            sender.open(room).abort("not needed")
+            await asyncio.sleep(0.003)
+        transfer = await pair.receiver.fetch("127.0.0.1", pair.port, 1, timeout_s=20)
+        result = await asyncio.wait_for(transfer.complete(), 20)
+        await asyncio.to_thread(thread.join)
+        assert not errors
+        for item, data in zip(result.layers, layers, strict=True):
+            assert_same({"kv": data}, item.arrays)
+    finally:
+        await pair.receiver.close()
+        await sender.close()
+
+
+def test_reply_frames_survive_any_split() -> None:
+    """Replies framed for the pipe come back whole and in order however the reads split
+    their bytes (one byte at a time, or everything at once)."""
+    replies = [Done(1, 2, None), Done(3, 4, "failed: x" * 50), Started(8998)]
+    data = b"".join(framed(r) for r in replies)
+    for size in (1, 3, 7, 64, len(data)):
+        frames = ReplyFrames()
+        got = [r for i in range(0, len(data), size) for r in frames.feed(data[i : i + size])]
+        assert got == replies
