@@ -267,6 +267,12 @@ class ProcessSender:
             self._command(Open(room, handle.serial))  # before any message of it: in order
         return handle
 
+    @property
+    def alive(self) -> bool:
+        """Whether the sender process runs (the engine's `/health` fails once it is gone:
+        no KV hand-off can succeed until the engine restarts)."""
+        return self._is_alive()
+
     def telemetry(self) -> TransportTelemetry:
         """The sender process's latest snapshot: at most `SNAPSHOT_S` old, and taken after the
         last transfer the engine saw end; empty once the process is gone."""

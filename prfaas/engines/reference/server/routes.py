@@ -90,8 +90,13 @@ def _add_final(acc: Collected, event: Any) -> None:
 async def health(request: web.Request) -> web.Response:
     """`GET /health`, open to anyone (load balancers): the engine's own report of its role,
     whether a role switch is draining it, its start id (a new one after a restart), and that
-    it can export and pull cached prefixes."""
+    it can export and pull cached prefixes. A 503 once its KV sender process has exited:
+    every hand-off would fail, so the gateway ejects it and a supervisor restarts it."""
     service = request.app[SERVICE]
+    transport = _transport(service)
+    if isinstance(transport, ProcessSender) and not transport.alive:
+        raise APIError(503, "the engine's KV sender process exited: KV hand-offs fail until "
+                       "the engine restarts", code="kv_sender_gone")  # fmt: skip
     body = {
         "status": "ok",
         "role": service.core.role,

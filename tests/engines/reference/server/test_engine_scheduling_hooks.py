@@ -11,6 +11,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+import pytest
 from aiohttp import web
 from engine_harness import engine_server
 from engine_helpers import random_prompt
@@ -65,12 +66,15 @@ async def test_switch_waits_for_a_decode_still_fetching_its_kv(tiny_runner: Mode
 
 
 @contextlib.asynccontextmanager
-async def _paced_engine(runner: ModelRunner, rate: float) -> AsyncIterator[str]:
-    """A prefill engine whose KV transport paces its whole egress at `rate` bytes/s."""
+async def _paced_engine(
+    runner: ModelRunner, rate: float, *, process: bool = False
+) -> AsyncIterator[tuple[str, EngineService]]:
+    """A prefill engine whose KV transport paces its whole egress at `rate` bytes/s (with
+    `process`, from a sender process); its URL and its service."""
     core = EngineCore(runner, EngineConfig(block_size=16, kv_capacity_tokens=4096,
                                            role="prefill"), ByteTokenizer().decode)  # fmt: skip
     config = SenderConfig(host="127.0.0.1", port=0, process_rate_bytes_per_s=rate)
-    service = EngineService(core, TransportSender(config), TransportReceiver())
+    service = EngineService(core, TransportSender(config, process=process), TransportReceiver())
     shape = runner.shape
     info = ModelInfo("tiny", "-", shape.model_type, shape.layer_types, shape.vocab_size, "byte")
     app_runner = web.AppRunner(create_app(service, ByteTokenizer(), info), access_log=None)
@@ -78,18 +82,22 @@ async def _paced_engine(runner: ModelRunner, rate: float) -> AsyncIterator[str]:
     site = web.TCPSite(app_runner, "127.0.0.1", 0)
     await site.start()
     try:
-        yield f"http://127.0.0.1:{app_runner.addresses[0][1]}"
+        yield f"http://127.0.0.1:{app_runner.addresses[0][1]}", service
     finally:
         await app_runner.cleanup()
 
 
-async def test_admin_egress_repaces_the_transport(tiny_runner: ModelRunner) -> None:
+@pytest.mark.parametrize("process", [False, True], ids=["loop", "sender-process"])
+async def test_admin_egress_repaces_the_transport(tiny_runner: ModelRunner, process: bool) -> None:
     """10 Mbit/s at start; `POST /admin/egress {"rate_mbps": 2}` makes the pacing rate and
-    the telemetry's capacity 2 Mbit/s; bad bodies are 400s naming the expected body."""
-    async with _paced_engine(tiny_runner, 10e6 / 8) as url, aiohttp.ClientSession() as s:
+    the telemetry's capacity 2 Mbit/s; bad bodies are 400s naming the expected body. So too
+    with the sender in a process of its own (its telemetry a snapshot: read after one)."""
+    paced = _paced_engine(tiny_runner, 10e6 / 8, process=process)
+    async with paced as (url, _), aiohttp.ClientSession() as s:
         async with s.get(f"{url}/transfer_stats") as resp:
             before = await resp.json()
         status, answer = await _post(s, f"{url}/admin/egress", {"rate_mbps": 2})
+        await asyncio.sleep(0.6 if process else 0)  # the sender process's next snapshot
         async with s.get(f"{url}/transfer_stats") as resp:
             after = await resp.json()
         bad = [await _post(s, f"{url}/admin/egress", b) for b in
@@ -100,6 +108,24 @@ async def test_admin_egress_repaces_the_transport(tiny_runner: ModelRunner) -> N
     assert [code for code, _ in bad] == [400, 400, 400, 400]
     assert "rate" in bad[0][1]["error"]["message"]
     assert bad[1][1]["error"]["message"] == 'the body must be {"rate_mbps": <number > 0>}'
+
+
+async def test_health_fails_once_the_sender_process_is_gone(tiny_runner: ModelRunner) -> None:
+    """A prefill whose KV sender process died answers `/health` with a 503 naming it (the
+    gateway ejects it, a supervisor restarts it): no hand-off of it could succeed."""
+    paced = _paced_engine(tiny_runner, 10e6 / 8, process=True)
+    async with paced as (url, service), aiohttp.ClientSession() as s:
+        async with s.get(f"{url}/health") as resp:
+            assert resp.status == 200
+        sender = service.sender
+        assert isinstance(sender, TransportSender)
+        child = sender.transport._process  # type: ignore[union-attr]
+        assert child is not None
+        child.kill()
+        await child.wait()
+        async with s.get(f"{url}/health") as resp:
+            assert resp.status == 503
+            assert (await resp.json())["error"]["code"] == "kv_sender_gone"
 
 
 async def test_admin_egress_without_a_transport_is_404(tiny_runner: ModelRunner) -> None:
