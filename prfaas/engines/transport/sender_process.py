@@ -11,11 +11,11 @@ so one stalled peer holds the ring for every room until its transfer fails. Any 
 message would wait in the ring for a peer or for the transfer's end, which could hold the
 ring full while the engine waits to write the message that ends it: it is copied out, its
 room given back at once; so is a message that crossed the ring in parts, assembled here.
-Pipelined, what it holds copied out is bounded
-(`Start.max_held_bytes`): past it, messages stay in the ring, unread, until some of it is
-let go, and the engine's writer waits as it waits for its host budget with the sender in
-its own process; other commands are still read. Send-after (not pipelined) holds every
-message until its transfer ends, unbounded, as the in-process sender does.
+Pipelined, what it holds copied out is bounded (`Start.max_held_bytes`): past it, messages
+stay in the ring, unread, until some of it is let go, and the engine's writer waits as it
+waits for its host budget with the sender in its own process; other commands are still
+read. Send-after (not pipelined) holds every message until its transfer ends, unbounded,
+as the in-process sender does.
 
 Replies never block its loop: they are buffered, and a periodic snapshot is skipped while
 earlier replies wait. It exits on `Close`, or when the engine's end of the command pipe
