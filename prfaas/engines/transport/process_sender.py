@@ -52,7 +52,7 @@ from prfaas.engines.transport.process_channel import (
     Started,
     StartFailed,
 )
-from prfaas.engines.transport.sender_room import MAX_ROOM, Outgoing, SendHandle
+from prfaas.engines.transport.sender_room import Outgoing, SendHandle, check_room
 from prfaas.engines.transport.telemetry import TransportTelemetry
 
 __all__ = ["ProcessSender"]
@@ -239,7 +239,7 @@ class ProcessSender:
             raise ValueError("this sender's egress is not paced (no process rate at start)")
         if not rate_bytes_per_s > 0:
             raise ValueError(f"rate must be > 0, got {rate_bytes_per_s}")
-        if not self._is_alive():
+        if not self.is_alive():
             raise RuntimeError("the KV sender process is gone")
         self._command(Rate(rate_bytes_per_s))
         self.config = dataclasses.replace(
@@ -255,10 +255,9 @@ class ProcessSender:
         """
         if self._loop is None or self._port is None:
             raise RuntimeError("ProcessSender.start() has not been awaited")
-        if self._closing or not self._is_alive():
+        if self._closing or not self.is_alive():
             raise RuntimeError("ProcessSender is closed or its process is gone")
-        if not isinstance(room, int) or not 0 <= room <= MAX_ROOM:
-            raise ValueError(f"room must be an integer in 0..2**64-1, got {room!r}")
+        check_room(room)
         with self._lock:
             if room in self._rooms:
                 raise ValueError(f"room {room} is already open")
@@ -266,12 +265,6 @@ class ProcessSender:
             self._rooms[room] = handle
             self._command(Open(room, handle.serial))  # before any message of it: in order
         return handle
-
-    @property
-    def alive(self) -> bool:
-        """Whether the sender process runs (the engine's `/health` fails once it is gone:
-        no KV hand-off can succeed until the engine restarts)."""
-        return self._is_alive()
 
     def telemetry(self) -> TransportTelemetry:
         """The sender process's latest snapshot: at most `SNAPSHOT_S` old, and taken after the
@@ -334,7 +327,7 @@ class ProcessSender:
         fields = (handle.room, handle.serial, message.kind, message.msg, message.layer)
         with self._write:
             ring = self._ring
-            if ring is None or self._closing or not self._is_alive():
+            if ring is None or self._closing or not self.is_alive():
                 return  # the room fails on the loop (closed, or the process's end seen)
             if nbytes <= INLINE_BYTES:
                 self._command(Message(*fields, 0, nbytes, b"".join(message.pieces)))
@@ -346,7 +339,7 @@ class ProcessSender:
                     [list(message.pieces)] if whole else _parts(message.pieces, ring.part_bytes)
                 ):
                     size = sum(memoryview(p).nbytes for p in part)
-                    start = ring.write(part, size, self._is_alive)
+                    start = ring.write(part, size, self.is_alive)
                     total = -1 if whole else nbytes
                     self._command(Message(*fields, start, size, None, offset, total))
                     offset += size  # commands under `_write`: in ring order
@@ -370,9 +363,10 @@ class ProcessSender:
             except OSError:  # the process is gone: the loop's reader sees it
                 self._alive = False
 
-    def _is_alive(self) -> bool:
-        """Whether the child runs, read on any thread (the loop's own flags may be late: a
-        send waiting for the ring on the loop's thread would never see them change)."""
+    def is_alive(self) -> bool:
+        """Whether the sender process runs, read on any thread (the loop's own flags may be
+        late: a send waiting for the ring on the loop's thread would never see them change).
+        The engine's `/health` fails once it is gone: no hand-off can succeed."""
         pidfd = self._pidfd
         if not self._alive or pidfd is None:
             return False

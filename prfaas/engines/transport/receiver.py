@@ -7,7 +7,7 @@ import math
 from prfaas.engines.transport.config import ReceiverConfig
 from prfaas.engines.transport.receiver_link import ReceiverLink
 from prfaas.engines.transport.receiver_transfer import LayerItem, Transfer, TransferResult
-from prfaas.engines.transport.sender_room import MAX_ROOM
+from prfaas.engines.transport.sender_room import check_room
 
 __all__ = ["KVReceiver", "LayerItem", "Transfer", "TransferResult"]
 
@@ -34,8 +34,7 @@ class KVReceiver:
         Raises:
             ValueError: bad address, room or timeout, or the room is already being fetched.
         """
-        if not isinstance(room, int) or not 0 <= room <= MAX_ROOM:
-            raise ValueError(f"room must be an integer in 0..2**64-1, got {room!r}")
+        check_room(room)
         if not (math.isfinite(timeout_s) and timeout_s > 0):
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
         if not 0 < bootstrap_port <= 65535:

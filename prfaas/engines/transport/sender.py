@@ -29,7 +29,7 @@ from prfaas.engines.transport.handshake import (
 )
 from prfaas.engines.transport.pacing import TokenBucket
 from prfaas.engines.transport.sender_peer import SenderPeer
-from prfaas.engines.transport.sender_room import MAX_ROOM, SendHandle
+from prfaas.engines.transport.sender_room import SendHandle, check_room
 from prfaas.engines.transport.telemetry import EgressMeter, TransportTelemetry
 from prfaas.engines.transport.wire import read_frame, reason_frame, write_frame
 
@@ -121,8 +121,7 @@ class KVSender:
             raise RuntimeError("KVSender.start() has not been awaited")
         if self._closing:
             raise RuntimeError("KVSender is closed")
-        if not isinstance(room, int) or not 0 <= room <= MAX_ROOM:
-            raise ValueError(f"room must be an integer in 0..2**64-1, got {room!r}")
+        check_room(room)
         handle = SendHandle(
             room, self._loop, self.config.chunk_bytes, self.config.pipelined, self._closed
         )

@@ -194,16 +194,13 @@ class SenderProcess:
         buffer = self._assembling.get(key)
         if buffer is None and handle is not None:
             buffer = self._assembling[key] = self._held_buffer(part.total)
-        if part.inline is not None:
-            piece: np.ndarray = np.frombuffer(part.inline, dtype=np.uint8)
-        else:
-            span = [part.start + part.nbytes, 0]
-            self._spans.append(span)
-            piece = self._ring.view(part.start, part.nbytes)
+        span = [part.start + part.nbytes, 0]  # parts are never inline: they are large
+        self._spans.append(span)
         if buffer is not None:
-            buffer[part.offset : part.offset + part.nbytes] = piece
-        if part.inline is None:
-            self._free(span)
+            buffer[part.offset : part.offset + part.nbytes] = self._ring.view(
+                part.start, part.nbytes
+            )
+        self._free(span)
         if part.offset + part.nbytes < part.total:
             return None
         buffer = self._assembling.pop(key, None)

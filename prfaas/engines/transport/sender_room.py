@@ -24,6 +24,12 @@ MAX_ROOM = 2**64 - 1
 MAX_LAYER = NO_LAYER - 1
 
 
+def check_room(room: object) -> None:
+    """Raises ValueError unless `room` is a transfer's room number (a u64)."""
+    if not isinstance(room, int) or not 0 <= room <= MAX_ROOM:
+        raise ValueError(f"room must be an integer in 0..2**64-1, got {room!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class Outgoing:
     """One numbered message of a room, encoded."""

@@ -94,7 +94,7 @@ async def health(request: web.Request) -> web.Response:
     every hand-off would fail, so the gateway ejects it and a supervisor restarts it."""
     service = request.app[SERVICE]
     transport = _transport(service)
-    if isinstance(transport, ProcessSender) and not transport.alive:
+    if isinstance(transport, ProcessSender) and not transport.is_alive():
         raise APIError(503, "the engine's KV sender process exited: KV hand-offs fail until "
                        "the engine restarts", code="kv_sender_gone")  # fmt: skip
     body = {
