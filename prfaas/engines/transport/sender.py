@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
+import socket
 import threading
 from collections import OrderedDict
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from prfaas.engines.transport.config import SenderConfig
@@ -44,7 +46,7 @@ class KVSender:
 
     def __init__(self, config: SenderConfig | None = None) -> None:
         self.config = config or SenderConfig()
-        self._server: asyncio.Server | None = None
+        self._servers: list[asyncio.Server] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
         self._rooms: dict[int, SendHandle] = {}
@@ -61,8 +63,10 @@ class KVSender:
         self.handshake_failures = 0
         self.parked_refused = 0
 
-    async def start(self) -> None:
-        """Bind the bootstrap listener (config.host, config.port), with TLS if configured.
+    async def start(self, listeners: Sequence[socket.socket] = ()) -> None:
+        """Bind the bootstrap listener (config.host, config.port), or serve on `listeners`,
+        sockets already bound and listening (a sender process's: its engine binds them, so
+        that a restarted process keeps the port), with TLS if configured.
 
         Raises:
             ValueError: a TLS certificate, key or CA file that does not load (named).
@@ -75,14 +79,17 @@ class KVSender:
         # with TLS, the TLS handshake runs before `_on_connection`, within its own
         # handshake_timeout_s; a close waits as long for the peer's close_notify
         tls, timeout = self.config.tls, self.config.handshake_timeout_s
-        self._server = await asyncio.start_server(
+        serve = functools.partial(
+            asyncio.start_server,
             self._on_connection,
-            self.config.host,
-            self.config.port,
             ssl=tls.server_context() if tls is not None else None,
             ssl_handshake_timeout=timeout if tls is not None else None,
             ssl_shutdown_timeout=timeout if tls is not None else None,
         )
+        if listeners:
+            self._servers = [await serve(sock=sock) for sock in listeners]
+        else:
+            self._servers = [await serve(self.config.host, self.config.port)]
         self._arm_sweeper()
 
     def set_process_rate(self, rate_bytes_per_s: float) -> None:
@@ -103,9 +110,9 @@ class KVSender:
     @property
     def bootstrap_port(self) -> int:
         """The listening port (after `start`)."""
-        if self._server is None:
+        if not self._servers:
             raise RuntimeError("KVSender.start() has not been awaited")
-        port: int = self._server.sockets[0].getsockname()[1]
+        port: int = self._servers[0].sockets[0].getsockname()[1]
         return port
 
     # -- rooms -------------------------------------------------------------------------
@@ -117,7 +124,7 @@ class KVSender:
             ValueError: room out of range or already open.
             RuntimeError: the sender is not started.
         """
-        if self._loop is None or self._server is None:
+        if self._loop is None or not self._servers:
             raise RuntimeError("KVSender.start() has not been awaited")
         if self._closing:
             raise RuntimeError("KVSender is closed")
@@ -345,8 +352,8 @@ class KVSender:
         for _, timer in self._parked.values():
             timer.cancel()
         self._parked.clear()
-        if self._server is not None:
-            self._server.close()
+        for server in self._servers:
+            server.close()
         for writer in list(self._greeting):
             writer.transport.abort()
         for peer in list(self._peers.values()):
@@ -355,6 +362,6 @@ class KVSender:
         for task in list(self._handshakes):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        if self._server is not None:
+        for server in self._servers:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+                await asyncio.wait_for(server.wait_closed(), 1.0)
