@@ -7,14 +7,19 @@ beside a forward pass that launches kernels the transport slows to a fraction of
 and slows the forward too (`benchmarks/transport_gil.py`, the README's "On one GPU"). Here
 the engine's side validates, numbers and encodes each message as `SendHandle` does (it is
 one), copies its bytes into a shared ring and queues one small command for a writer thread;
-the sender process (`sender_process.py`) does every socket, checksum, pacing and
-retransmission. The API is `KVSender`'s: `start`, `bootstrap_port`, `open`, `telemetry`,
-`set_process_rate`, `close`. Nothing on the event loop waits for the child: commands are
-queued, replies read as they come; only a send waits, for room in the ring.
+the sender process (`sender_process.py`, run by `process_child.SenderChild`) does every
+socket, checksum, pacing and retransmission. The API is `KVSender`'s: `start`,
+`bootstrap_port`, `open`, `telemetry`, `set_process_rate`, `close`. Nothing on the event
+loop waits for the child: commands are queued, replies read as they come; only a send
+waits, for room in the ring.
 
-If the sender process dies, every open transfer fails (the decode side sees its fetch fail
-and the request is retried or answered with an error), a send waiting for the ring returns
-(its message dropped, as after an abort) and `open` raises; it is not restarted.
+The engine binds the bootstrap listener and passes it to the process. If the process dies,
+every open transfer fails (the decode side sees its fetch fail and the request is retried
+or answered with an error), a send waiting for the ring returns (its message dropped, as
+after an abort), and so does every transfer opened before a new process serves on the same
+listener (the port the decode side was told stays right; meanwhile its connections wait in
+the listener's backlog). A process that dies soon after it started is restarted later each
+time (`restart_delay`), as a crash-looping container is.
 """
 
 from __future__ import annotations
@@ -22,40 +27,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
-import os
-import queue
-import select
-import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from multiprocessing.connection import Connection
-from pathlib import Path
+from collections import deque
+from collections.abc import Iterator, Sequence
 
 from prfaas.engines.transport.config import MIB, SenderConfig
 from prfaas.engines.transport.process_channel import (
     INLINE_BYTES,
     Abort,
-    Close,
-    Command,
     Done,
     Message,
     Open,
     Rate,
     Reply,
-    ReplyFrames,
     RingClosed,
-    SharedRing,
     Snapshot,
-    Start,
-    Started,
     StartFailed,
 )
+from prfaas.engines.transport.process_child import SenderChild
+from prfaas.engines.transport.sender import TOMBSTONES
 from prfaas.engines.transport.sender_room import Outgoing, SendHandle, check_room
 from prfaas.engines.transport.telemetry import TransportTelemetry
 
-__all__ = ["ProcessSender"]
+__all__ = ["ProcessSender", "restart_delay"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,22 +63,33 @@ MAX_HELD_BYTES = 1 << 30
 """What the sender process may hold copied out for rooms without a peer before it leaves
 messages in the ring: the ring then fills and the engine's sends wait, as they wait for the
 host budget with the sender in the engine's own process."""
-START_TIMEOUT_S = 25.0
-"""How long the sender process may take to import and bind (within the 30 s the vLLM and
-SGLang integrations give a start)."""
-STOP_TIMEOUT_S = 5.0
-"""How long `close` waits for the sender process to fail its transfers and exit before it
-kills it (within the time the integrations give a close)."""
+_GONE = "the KV sender process exited"
+RESTART_FIRST_S = 0.5
+"""The wait before restarting a sender process that died (doubled for each that died again
+soon after it started, up to `RESTART_MAX_S`)."""
+RESTART_MAX_S = 30.0
+RESTART_RESET_S = 60.0
+"""A process that ran this long before it died counts as healthy: the next wait is the
+first again."""
+
+
+def restart_delay(quick_deaths: int) -> float:
+    """The wait before starting a sender process again after `quick_deaths` (>= 1) in a row
+    died or failed to start soon after starting: exponential, capped, so a crash loop costs
+    little and one crash costs half a second."""
+    return min(RESTART_MAX_S, RESTART_FIRST_S * 2.0 ** (max(quick_deaths, 1) - 1))
 
 
 class _Room(SendHandle):
-    """A room whose messages go to the sender process (numbered and validated here)."""
+    """A room whose messages go to the sender process it was opened with (numbered and
+    validated here)."""
 
-    def __init__(self, room: int, owner: ProcessSender, serial: int) -> None:
+    def __init__(self, room: int, owner: ProcessSender, child: SenderChild, serial: int) -> None:
         assert owner._loop is not None
         cfg = owner.config
         super().__init__(room, owner._loop, cfg.chunk_bytes, cfg.pipelined, owner._closed)
         self._owner = owner
+        self.child = child
         self.serial = serial
         """This opening of the room (see `process_channel.Open`)."""
 
@@ -90,25 +98,8 @@ class _Room(SendHandle):
 
     def abort(self, reason: str) -> None:
         # queued before the room can end on the loop, so a retry's Open comes after it
-        self._owner._command(Abort(self.room, self.serial, reason))
+        self.child.command(Abort(self.room, self.serial, reason))
         super().abort(reason)
-
-
-class _Replies(asyncio.Protocol):
-    """The reply pipe's reader on the engine's loop: whole replies to `on_reply`, the pipe's
-    end to `on_end` (the child exited)."""
-
-    def __init__(self, on_reply: Callable[[Reply], None], on_end: Callable[[], None]) -> None:
-        self._frames = ReplyFrames()
-        self._on_reply = on_reply
-        self._on_end = on_end
-
-    def data_received(self, data: bytes) -> None:
-        for reply in self._frames.feed(data):
-            self._on_reply(reply)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._on_end()
 
 
 def _parts(pieces: Sequence[bytes | memoryview], size: int) -> Iterator[list[memoryview]]:
@@ -129,14 +120,6 @@ def _parts(pieces: Sequence[bytes | memoryview], size: int) -> Iterator[list[mem
         yield run
 
 
-def _child_env() -> dict[str, str]:
-    """This environment, with the folder this `prfaas` was imported from first on
-    PYTHONPATH: the child imports the same code whether or not it is installed."""
-    root = str(Path(__file__).resolve().parents[3])
-    path = os.environ.get("PYTHONPATH")
-    return {**os.environ, "PYTHONPATH": root if not path else os.pathsep.join((root, path))}
-
-
 class ProcessSender:
     """`KVSender`'s API, its work in a child process (see the module docstring)."""
 
@@ -154,26 +137,26 @@ class ProcessSender:
         """What the sender process held copied out and undelivered at its latest snapshot."""
         self.copied_bytes = 0
         """What it had copied out of the ring by then (the rest it sent from the ring)."""
-        self._ring: SharedRing | None = None
-        self._process: asyncio.subprocess.Process | None = None
-        self._pidfd: int | None = None
-        self._commands: Connection | None = None
-        self._replies: asyncio.ReadTransport | None = None
-        self._first: asyncio.Future[Started | StartFailed] | None = None
-        self._queue: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
-        self._writer: threading.Thread | None = None
+        self.restarts = 0
+        """Sender processes started after the first one died."""
+        self._listener: asyncio.Server | None = None  # bound here, never serving here
+        self._child: SenderChild | None = None  # the current process, alive or not
+        self._restarting: asyncio.Task[None] | None = None
+        self._unsent: deque[tuple[int, int]] = deque(maxlen=TOMBSTONES)
+        """(room, serial) of the latest transfers failed because no process ran (or it
+        died): every process started later answers their decode sides' REGISTER with ABORT
+        (not a wait for its timeout), even one started after another that died at once."""
+        self._quick_deaths = 0
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._write = threading.Lock()  # the ring's writer, until its message is queued
         self._lock = threading.Lock()  # `_rooms`
         self._rooms: dict[int, _Room] = {}
         self._serials = itertools.count()
         self._port: int | None = None
         self._telemetry: TransportTelemetry | None = None
-        self._alive = False
         self._closing = False
 
     async def start(self) -> None:
-        """Start the sender process and bind its bootstrap listener.
+        """Bind the bootstrap listener and start the sender process on it.
 
         Raises:
             ValueError: a configuration the sender refuses (a TLS file that does not load).
@@ -181,94 +164,105 @@ class ProcessSender:
         """
         self._loop = asyncio.get_running_loop()
         try:
-            reply = await self._spawn()
+            self._listener = await self._loop.create_server(
+                asyncio.Protocol, self.config.host, self.config.port, start_serving=False
+            )  # asyncio's binding (every address the host names); the process accepts
+            self._port = self._listener.sockets[0].getsockname()[1]
+            self._child = await self._spawn()
         except BaseException:
             await self.close()
             raise
-        if isinstance(reply, StartFailed):
-            await self.close()
-            raise (ValueError if reply.value_error else OSError)(reply.error)
-        self._port = reply.port
 
-    async def _spawn(self) -> Started | StartFailed:
-        """The child started with its channel, and its first reply."""
-        assert self._loop is not None
-        self._ring = SharedRing.create(self._ring_bytes)
-        cmd_r, cmd_w = os.pipe()
-        reply_r, reply_w = os.pipe()
-        self._commands = Connection(cmd_w, readable=False)
-        self._first = self._loop.create_future()
+    async def _spawn(self) -> SenderChild:
+        """A sender process on the listener, once it answered that it serves.
+
+        Raises:
+            ValueError, OSError: as `start` (the process is gone then).
+        """
+        assert self._listener is not None
+        child = await SenderChild.spawn(
+            self.config,
+            ring_bytes=self._ring_bytes,
+            max_held_bytes=self._max_held_bytes,
+            listeners=[sock.fileno() for sock in self._listener.sockets],
+            on_reply=self._on_reply,
+            on_end=self._ended_process,
+        )
         try:
-            self._replies, _ = await self._loop.connect_read_pipe(
-                lambda: _Replies(self._on_reply, self._gone),
-                os.fdopen(reply_r, "rb", buffering=0),
-            )
-            self._process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "prfaas.engines.transport.sender_process",
-                str(cmd_r), str(reply_w), str(self._ring.fd), str(self._ring_bytes),
-                pass_fds=(cmd_r, reply_w, self._ring.fd), env=_child_env(),
-                start_new_session=True,  # a terminal's Ctrl-C stops the engine, which stops it
-            )  # fmt: skip
-        finally:
-            os.close(cmd_r)
-            os.close(reply_w)
-        self._pidfd = os.pidfd_open(self._process.pid)
-        self._alive = True
-        self._writer = threading.Thread(
-            target=self._write_commands, name="prfaas-kv-commands", daemon=True
-        )  # a daemon: an engine that exits without `close` is not held by it
-        self._writer.start()
-        self._command(Start(self.config, self._max_held_bytes))
-        return await asyncio.wait_for(asyncio.shield(self._first), START_TIMEOUT_S)
+            reply = await child.started()
+            if isinstance(reply, StartFailed):
+                raise (ValueError if reply.value_error else OSError)(reply.error)
+        except BaseException:
+            await child.stop()
+            raise
+        return child
 
     @property
     def bootstrap_port(self) -> int:
-        """The listening port (after `start`)."""
+        """The listening port (after `start`; the same for every sender process)."""
         if self._port is None:
             raise RuntimeError("ProcessSender.start() has not been awaited")
         return self._port
 
     def set_process_rate(self, rate_bytes_per_s: float) -> None:
-        """Re-pace the sender process's egress from now on (as `KVSender.set_process_rate`).
+        """Re-pace the sender process's egress from now on (as `KVSender.set_process_rate`;
+        a process started later starts at this rate).
 
         Raises:
             ValueError: a rate <= 0, or an egress that was started unpaced.
-            RuntimeError: the sender process is gone.
+            RuntimeError: the sender is closed.
         """
         if self.config.process_rate_bytes_per_s is None:
             raise ValueError("this sender's egress is not paced (no process rate at start)")
         if not rate_bytes_per_s > 0:
             raise ValueError(f"rate must be > 0, got {rate_bytes_per_s}")
-        if not self.is_alive():
-            raise RuntimeError("the KV sender process is gone")
-        self._command(Rate(rate_bytes_per_s))
+        if self._closing:
+            raise RuntimeError("ProcessSender is closed")
         self.config = dataclasses.replace(
             self.config, process_rate_bytes_per_s=rate_bytes_per_s, capacity_bytes_per_s=None
         )
+        if self._child is not None:
+            self._child.command(Rate(rate_bytes_per_s))
 
     def open(self, room: int) -> SendHandle:
-        """Start a transfer for `room` (as `KVSender.open`); thread-safe.
+        """Start a transfer for `room` (as `KVSender.open`); thread-safe. While no sender
+        process runs (one died, the next has not started) the transfer fails at once: the
+        request fails, not the engine that asked.
 
         Raises:
             ValueError: room out of range or already open.
-            RuntimeError: not started, closed, or the sender process is gone.
+            RuntimeError: not started, or closed.
         """
         if self._loop is None or self._port is None:
             raise RuntimeError("ProcessSender.start() has not been awaited")
-        if self._closing or not self.is_alive():
-            raise RuntimeError("ProcessSender is closed or its process is gone")
+        if self._closing:
+            raise RuntimeError("ProcessSender is closed")
         check_room(room)
         with self._lock:
             if room in self._rooms:
                 raise ValueError(f"room {room} is already open")
-            handle = _Room(room, self, next(self._serials))
+            child = self._child
+            assert child is not None  # started
+            handle = _Room(room, self, child, next(self._serials))
+            if not child.is_alive():
+                self._unsent.append((room, handle.serial))
+                self._loop.call_soon_threadsafe(
+                    functools.partial(handle.fail, _GONE, tell_peer=False)
+                )
+                return handle
             self._rooms[room] = handle
-            self._command(Open(room, handle.serial))  # before any message of it: in order
+            child.command(Open(room, handle.serial))  # before any message of it: in order
         return handle
+
+    def is_alive(self) -> bool:
+        """Whether a sender process runs, read on any thread. The engine's `/health` fails
+        while none does: no hand-off can succeed."""
+        child = self._child
+        return child is not None and child.is_alive()
 
     def telemetry(self) -> TransportTelemetry:
         """The sender process's latest snapshot: at most `SNAPSHOT_S` old, and taken after the
-        last transfer the engine saw end; empty once the process is gone."""
+        last transfer the engine saw end; empty while no process runs."""
         if self._telemetry is not None:
             return self._telemetry
         return TransportTelemetry(
@@ -280,57 +274,33 @@ class ProcessSender:
         )  # fmt: skip
 
     async def close(self) -> None:
-        """Fail open transfers, stop the sender process; idempotent."""
+        """Fail open transfers, stop the sender process, close the listener; idempotent."""
         self._closing = True
-        with self._lock:
-            handles = list(self._rooms.values())
-        for handle in handles:
-            handle.fail("sender closed", tell_peer=False)
-        self._command(Close())
-        self._queue.put(None)  # the writer stops after it
-        process = self._process
-        if process is not None and process.returncode is None:
-            if self._writer is None:  # it was never told to start
-                with contextlib.suppress(ProcessLookupError):
-                    process.kill()
-            try:  # replies are still read meanwhile: the child never waits on its pipe
-                await asyncio.wait_for(process.wait(), STOP_TIMEOUT_S)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    process.kill()
-                await process.wait()
-        self._alive = False  # a send waiting for the ring returns, then the ring can go
-        if self._writer is not None:
-            await asyncio.to_thread(self._writer.join)
-            self._writer = None
-        if self._replies is not None:
-            self._replies.close()
-            self._replies = None
-        if self._commands is not None:
-            self._commands.close()
-            self._commands = None
-        with self._write:  # no send is inside the ring or polling the pidfd
-            ring, self._ring = self._ring, None
-            if ring is not None:
-                ring.close()
-            if self._pidfd is not None:
-                os.close(self._pidfd)
-                self._pidfd = None
-        self._gone()  # whatever is still open (opened meanwhile, or its end never came)
+        if self._restarting is not None:
+            self._restarting.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._restarting
+        self._fail_rooms("sender closed")
+        if self._child is not None:
+            await self._child.stop()
+        if self._listener is not None:
+            self._listener.close()
+        self._fail_rooms("sender closed")  # opened meanwhile, or their end never came
 
     # -- the engine's threads -> the sender process ------------------------------------------
 
     def _forward(self, handle: _Room, message: Outgoing) -> None:
-        """Put one numbered message in the ring (in parts if it is large; inline if small)
-        and queue its commands."""
+        """Put one numbered message in its process's ring (in parts if it is large; inline if
+        small) and queue its commands."""
         nbytes = sum(memoryview(p).nbytes for p in message.pieces)
         fields = (handle.room, handle.serial, message.kind, message.msg, message.layer)
-        with self._write:
-            ring = self._ring
-            if ring is None or self._closing or not self.is_alive():
+        child = handle.child
+        with child.lock:
+            ring = child.ring
+            if ring is None or self._closing or not child.is_alive():
                 return  # the room fails on the loop (closed, or the process's end seen)
             if nbytes <= INLINE_BYTES:
-                self._command(Message(*fields, 0, nbytes, b"".join(message.pieces)))
+                child.command(Message(*fields, 0, nbytes, b"".join(message.pieces)))
                 return
             whole = nbytes <= ring.part_bytes
             offset = 0
@@ -339,54 +309,24 @@ class ProcessSender:
                     [list(message.pieces)] if whole else _parts(message.pieces, ring.part_bytes)
                 ):
                     size = sum(memoryview(p).nbytes for p in part)
-                    start = ring.write(part, size, self.is_alive)
+                    start = ring.write(part, size, child.is_alive)
                     total = -1 if whole else nbytes
-                    self._command(Message(*fields, start, size, None, offset, total))
-                    offset += size  # commands under `_write`: in ring order
+                    child.command(Message(*fields, start, size, None, offset, total))
+                    offset += size  # commands under the ring's lock: in ring order
             except RingClosed:
                 return
             except BaseException:  # a message stopped part-way: its transfer cannot complete
-                self._command(Abort(handle.room, handle.serial, "a message was not sent whole"))
+                child.command(Abort(handle.room, handle.serial, "a message was not sent whole"))
                 raise
-
-    def _command(self, command: Command) -> None:
-        """Queue one command for the writer thread (never blocks: the loop calls this)."""
-        self._queue.put(command)
-
-    def _write_commands(self) -> None:
-        """The writer thread: the queued commands down the pipe, in order, until None."""
-        while (command := self._queue.get()) is not None:
-            if self._commands is None or not self._alive:
-                continue
-            try:
-                self._commands.send(command)
-            except OSError:  # the process is gone: the loop's reader sees it
-                self._alive = False
-
-    def is_alive(self) -> bool:
-        """Whether the sender process runs, read on any thread (the loop's own flags may be
-        late: a send waiting for the ring on the loop's thread would never see them change).
-        The engine's `/health` fails once it is gone: no hand-off can succeed."""
-        pidfd = self._pidfd
-        if not self._alive or pidfd is None:
-            return False
-        poll = select.poll()  # one per call: a poll object refuses concurrent calls
-        try:
-            poll.register(pidfd, select.POLLIN)
-            return not poll.poll(0)  # the pidfd reads ready once the process has exited
-        except (OSError, ValueError):
-            return False
 
     # -- the sender process -> the engine's loop ---------------------------------------------
 
-    def _on_reply(self, reply: Reply) -> None:
+    def _on_reply(self, child: SenderChild, reply: Reply) -> None:
         if isinstance(reply, Done):
-            self._ended(reply)
-        elif isinstance(reply, Snapshot):
+            self._ended(reply)  # (serials name openings across processes)
+        elif isinstance(reply, Snapshot) and child is self._child:
             self._telemetry = reply.telemetry
             self.held_bytes, self.copied_bytes = reply.held_bytes, reply.copied_bytes
-        elif self._first is not None and not self._first.done():
-            self._first.set_result(reply)
 
     def _ended(self, done: Done) -> None:
         handle = self._rooms.get(done.room)
@@ -397,18 +337,69 @@ class ProcessSender:
         else:
             handle.fail(done.reason, tell_peer=False)
 
-    def _gone(self) -> None:
-        """The sender process exited: every open transfer fails."""
-        self._alive = False
+    def _ended_process(self, child: SenderChild) -> None:
+        """A sender process exited: if it was the current one, every open transfer fails and
+        (unless closing) another is started."""
+        if child is not self._child:
+            return  # one that failed to start, or an earlier one
         self._telemetry = None
-        if self._first is not None and not self._first.done():
-            self._first.set_result(StartFailed("the sender process exited at start", False))
+        self.held_bytes = self.copied_bytes = 0
+        if self._closing:
+            return
+        logger.error(
+            "the KV sender process exited after %.1f s; %d open transfers fail",
+            child.lived_s(), len(self._rooms),
+        )  # fmt: skip
+        with self._lock:
+            self._unsent.extend((room, h.serial) for room, h in self._rooms.items())
+        self._fail_rooms(_GONE)
+        if self._restarting is None or self._restarting.done():
+            assert self._loop is not None
+            self._restarting = self._loop.create_task(self._restart(child))
+
+    async def _restart(self, dead: SenderChild) -> None:
+        """Start sender processes on the listener until one serves (see `restart_delay`)."""
+        quick = dead.lived_s() < RESTART_RESET_S
+        self._quick_deaths = self._quick_deaths + 1 if quick else 1
+        while True:
+            try:
+                await dead.stop()  # (it has exited: its channel is let go)
+                delay = restart_delay(self._quick_deaths)
+                await asyncio.sleep(delay)
+                child = await self._spawn()
+            except (OSError, ValueError) as exc:  # (TimeoutError is an OSError)
+                logger.warning("the KV sender process did not restart: %s", exc)
+            except Exception:  # never give up on an engine's sender for a bug here
+                logger.exception("the KV sender process did not restart")
+            else:
+                if self._serve_with(child, delay):
+                    return
+                dead = child  # it exited before it became the current one
+            self._quick_deaths += 1
+
+    def _serve_with(self, child: SenderChild, delay: float) -> bool:
+        """Make a started process the current one: it fails the transfers no process could
+        send (a decode side that asks for one is told at once), and paces at the rate set
+        meanwhile. False if it has exited already."""
+        if child.ended:  # its end was not the current process's then
+            return False
+        with self._lock:  # an `open` either saw the process before or sees this one
+            self._child = child
+            for room, serial in self._unsent:
+                child.command(Open(room, serial))
+                child.command(Abort(room, serial, _GONE))
+        rate = self.config.process_rate_bytes_per_s
+        if rate is not None:
+            child.command(Rate(rate))
+        self.restarts += 1
+        logger.warning("the KV sender process restarted after %.1f s (port %d)", delay, self._port)
+        return True
+
+    def _fail_rooms(self, reason: str) -> None:
         with self._lock:
             handles = list(self._rooms.values())
-        if not self._closing:
-            logger.error("the KV sender process exited; %d open transfers fail", len(handles))
         for handle in handles:
-            handle.fail("the KV sender process exited", tell_peer=False)
+            handle.fail(reason, tell_peer=False)
 
     def _closed(self, handle: SendHandle, reason: str | None) -> None:
         with self._lock:

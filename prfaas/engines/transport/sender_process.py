@@ -1,21 +1,23 @@
 """The sender process's main: a `KVSender` on an event loop of its own, fed by an engine's
 `ProcessSender` through the channel in `process_channel.py`.
 
-    python -m prfaas.engines.transport.sender_process CMD_FD REPLY_FD RING_FD RING_BYTES
+    python -m prfaas.engines.transport.sender_process CMD_FD REPLY_FD RING_FD RING_BYTES \
+        LISTEN_FD[,LISTEN_FD...]
 
-It reads commands as they come and hands each message to its opening's `SendHandle`,
-numbered as the engine numbered it. A message for a room whose decode peer is connected and
-that sends as it goes (pipelined) is sent from the ring itself; its room in the ring goes
-back once every frame of it has been let go (delivered, or the transfer failed), in order,
-so one stalled peer holds the ring for every room until its transfer fails. Any other
-message would wait in the ring for a peer or for the transfer's end, which could hold the
-ring full while the engine waits to write the message that ends it: it is copied out, its
-room given back at once; so is a message that crossed the ring in parts, assembled here.
-Pipelined, what it holds copied out is bounded (`Start.max_held_bytes`): past it, messages
-stay in the ring, unread, until some of it is let go, and the engine's writer waits as it
-waits for its host budget with the sender in its own process; other commands are still
-read. Send-after (not pipelined) holds every message until its transfer ends, unbounded,
-as the in-process sender does.
+It serves the bootstrap listener its engine bound (so that a process started after one died
+keeps the port). It reads commands as they come and hands each message to its opening's
+`SendHandle`, numbered as the engine numbered it. A message for a room whose decode peer is
+connected and that sends as it goes (pipelined) is sent from the ring itself; its room in
+the ring goes back once every frame of it has been let go (delivered, or the transfer
+failed), in order, so one stalled peer holds the ring for every room until its transfer
+fails. Any other message would wait in the ring for a peer or for the transfer's end, which
+could hold the ring full while the engine waits to write the message that ends it: it is
+copied out, its room given back at once; so is a message that crossed the ring in parts,
+assembled here. Pipelined, what it holds copied out is bounded (`Start.max_held_bytes`):
+past it, messages stay in the ring, unread, until some of it is let go, and the engine's
+writer waits as it waits for its host budget with the sender in its own process; other
+commands are still read. Send-after (not pipelined) holds every message until its transfer
+ends, unbounded, as the in-process sender does.
 
 Replies never block its loop: they are buffered, and a periodic snapshot is skipped while
 earlier replies wait. It exits on `Close`, or when the engine's end of the command pipe
@@ -28,9 +30,11 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import sys
 import weakref
 from collections import deque
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 
 import numpy as np
@@ -66,8 +70,15 @@ READ_BATCH = 64
 class SenderProcess:
     """Serves one engine's commands until `Close` or the engine's end of the pipe closes."""
 
-    def __init__(self, commands: Connection, reply_fd: int, ring: SharedRing) -> None:
+    def __init__(
+        self,
+        commands: Connection,
+        reply_fd: int,
+        ring: SharedRing,
+        listeners: Sequence[socket.socket],
+    ) -> None:
         self._commands = commands
+        self._listeners = listeners
         self._reply_fd = reply_fd
         self._replies: asyncio.WriteTransport | None = None
         self._ring = ring
@@ -99,7 +110,7 @@ class SenderProcess:
         self._max_held = first.max_held_bytes
         self._pipelined = first.config.pipelined
         try:
-            await self._sender.start()
+            await self._sender.start(self._listeners)
         except (OSError, ValueError) as exc:
             self._reply(StartFailed(f"{type(exc).__name__}: {exc}", isinstance(exc, ValueError)))
             await self._flushed()
@@ -297,11 +308,12 @@ class SenderProcess:
 
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
-    cmd_fd, reply_fd, ring_fd, ring_bytes = (int(a) for a in argv)
+    cmd_fd, reply_fd, ring_fd, ring_bytes = (int(a) for a in argv[:4])
+    listeners = [socket.socket(fileno=int(fd)) for fd in argv[4].split(",")]
     commands = Connection(cmd_fd, writable=False)
     ring = SharedRing(ring_fd, ring_bytes)
     try:
-        asyncio.run(SenderProcess(commands, reply_fd, ring).run())
+        asyncio.run(SenderProcess(commands, reply_fd, ring, listeners).run())
     except (EOFError, KeyboardInterrupt):  # the engine went before `Start`
         return 1
     finally:

@@ -6,6 +6,9 @@ start failures, re-pacing and its telemetry."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 import socket
 import threading
 import time
@@ -13,14 +16,37 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from transport_helpers import assert_same, make_pair
+from transport_helpers import assert_same, eventually, make_pair
 
 from prfaas.engines.transport import Kind, ProcessSender, SenderConfig, TlsConfig, TransferError
 from prfaas.engines.transport.process_channel import Done, ReplyFrames, Started, framed
+from prfaas.engines.transport.process_sender import restart_delay
 
 pytestmark = pytest.mark.timeout(60)
 
 MIB = 1 << 20
+
+
+def _child_pid(sender: ProcessSender) -> int:
+    assert sender._child is not None and sender._child.process is not None
+    return sender._child.process.pid
+
+
+def _reply_fd(pid: int) -> int:
+    """The reply pipe's write end in a sender process (python -m MODULE CMD_FD REPLY_FD ...)."""
+    return int(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[4])
+
+
+def _sender_processes() -> list[int]:
+    """This process's children that run a sender process."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+            if int(fields[1]) == os.getpid() and b"sender_process" in cmdline:
+                found.append(int(stat.parent.name))
+    return found
 
 
 async def test_a_full_ring_holds_the_sender_until_the_decode_side_takes_the_bytes() -> None:
@@ -122,34 +148,120 @@ async def test_a_message_larger_than_the_ring_crosses_it_in_parts() -> None:
         await sender.close()
 
 
-async def test_the_sender_process_dying_fails_open_transfers() -> None:
-    """Killed mid-transfer: the open transfer's wait raises, the decode side's fetch fails
-    (by its timeout, as when a prefill engine dies), and the sender refuses new rooms
-    (nothing hangs, nothing is lost silently)."""
-    pair = await make_pair(SenderConfig(peer_timeout_s=1), process=True)
+async def test_the_sender_process_dying_fails_open_transfers_and_another_takes_over() -> None:
+    """Killed mid-transfer: the open transfer's wait raises, and so does the decode side's
+    fetch; a room opened before another process serves fails at once (the request fails,
+    not the engine), and its decode side is told so by the next process, not left to its
+    timeout. That process serves the same port: a transfer through it arrives bit-exact,
+    paced at the rate set while no process ran (nothing hangs, nothing is lost silently)."""
+    pair = await make_pair(
+        SenderConfig(peer_timeout_s=1, process_rate_bytes_per_s=50e6, register_timeout_s=60),
+        process=True,
+    )
     sender = pair.sender
     assert isinstance(sender, ProcessSender)
     try:
         handle = sender.open(3)
         transfer = await pair.receiver.fetch("127.0.0.1", pair.port, 3, timeout_s=4)
         handle.send_layer(0, Kind.FULL_KV, {"k": np.ones(1000)})
-        assert sender._process is not None
-        sender._process.kill()
+        first = _child_pid(sender)
+        os.kill(first, signal.SIGKILL)
         with pytest.raises(TransferError, match="sender process exited"):
             await asyncio.wait_for(handle.wait(), 10)
+        assert not sender.is_alive()  # the next process starts half a second later at the soonest
+        missed = sender.open(4)
+        missed.send_layer(0, Kind.FULL_KV, {"k": np.ones(10)})  # dropped, not raised
+        with pytest.raises(TransferError, match="sender process exited"):
+            await asyncio.wait_for(missed.wait(), 1)
+        sender.set_process_rate(20e6)
+        handle.send_layer(1, Kind.FULL_KV, {"k": np.ones(10)})  # dropped, not raised
         with pytest.raises(TransferError):
             await asyncio.wait_for(transfer.complete(), 10)
-        with pytest.raises(RuntimeError, match="process is gone"):
-            sender.open(4)
-        handle.send_layer(1, Kind.FULL_KV, {"k": np.ones(10)})  # dropped, not raised
+
+        await eventually(sender.is_alive, timeout_s=30)
+        assert sender.restarts == 1 and _child_pid(sender) != first
+        assert sender.bootstrap_port == pair.port
+        told = await pair.receiver.fetch("127.0.0.1", pair.port, 4, timeout_s=50)
+        with pytest.raises(TransferError, match="sender process exited"):
+            await asyncio.wait_for(told.complete(), 10)  # not its 50 s, nor the sender's 60
+        again = sender.open(5)
+        fetch = await pair.receiver.fetch("127.0.0.1", pair.port, 5, timeout_s=10)
+        layers = [{"k": np.arange(i, i + 5000)} for i in range(4)]
+        for layer, arrays in enumerate(layers):
+            again.send_layer(layer, Kind.FULL_KV, arrays)
+        again.finish()
+        result = await asyncio.wait_for(fetch.complete(), 20)
+        await asyncio.wait_for(again.wait(), 10)
+        for item, arrays in zip(result.layers, layers, strict=True):
+            assert_same(arrays, item.arrays)
+        await eventually(lambda: sender.telemetry().capacity_bytes_per_s == 20e6)
     finally:
         await pair.receiver.close()
         await sender.close()
 
 
+async def test_a_process_that_dies_again_soon_is_restarted_later() -> None:
+    """A second death soon after a restart waits `restart_delay(2)` (a second) before the
+    next process, where the first waited half that: a crash loop backs off."""
+    sender = ProcessSender(SenderConfig())
+    await sender.start()
+    try:
+        for deaths in (1, 2):
+            os.kill(_child_pid(sender), signal.SIGKILL)
+            killed = time.monotonic()
+            await eventually(lambda: not sender.is_alive())
+            await eventually(sender.is_alive, timeout_s=30)
+            assert time.monotonic() - killed >= restart_delay(deaths)
+            assert sender.restarts == deaths
+    finally:
+        await sender.close()
+
+
+async def test_a_death_is_seen_while_another_process_holds_the_reply_pipe() -> None:
+    """A process the engine forked while starting its sender process may hold the reply
+    pipe's write end (here: this test opens it), so that pipe never ends: the death is read
+    from the process's pidfd, the open transfer fails and another process takes over."""
+    sender = ProcessSender(SenderConfig())
+    await sender.start()
+    try:
+        pid = _child_pid(sender)
+        held = os.open(f"/proc/{pid}/fd/{_reply_fd(pid)}", os.O_WRONLY)
+        try:
+            handle = sender.open(1)
+            os.kill(pid, signal.SIGKILL)
+            with pytest.raises(TransferError, match="sender process exited"):
+                await asyncio.wait_for(handle.wait(), 10)
+            await eventually(sender.is_alive, timeout_s=30)
+            assert sender.restarts == 1
+        finally:
+            os.close(held)
+    finally:
+        await sender.close()
+
+
+def test_restart_delays_double_up_to_a_cap() -> None:
+    assert [restart_delay(n) for n in (0, 1, 2, 3, 4)] == [0.5, 0.5, 1.0, 2.0, 4.0]
+    assert restart_delay(100) == 30.0
+
+
+async def test_close_while_waiting_to_restart_is_prompt_and_starts_nothing() -> None:
+    sender = ProcessSender(SenderConfig())
+    await sender.start()
+    try:
+        os.kill(_child_pid(sender), signal.SIGKILL)
+        await eventually(lambda: sender._restarting is not None)
+        began = time.monotonic()
+        await sender.close()
+        assert time.monotonic() - began < 2
+        assert sender.restarts == 0 and not sender.is_alive()
+        assert _sender_processes() == []
+    finally:
+        await sender.close()
+
+
 async def test_start_failures_are_the_senders_errors(tmp_path: Path) -> None:
     """A bound port is an OSError and a TLS file that does not load a ValueError, as with
-    the in-process sender; the process is gone after either."""
+    the in-process sender; no sender process is left after either."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -162,8 +274,8 @@ async def test_start_failures_are_the_senders_errors(tmp_path: Path) -> None:
     bad = ProcessSender(SenderConfig(tls=tls))
     with pytest.raises(ValueError):
         await bad.start()
-    for sender in (busy, bad):
-        assert sender._process is not None and sender._process.returncode is not None
+    assert not busy.is_alive() and not bad.is_alive()
+    assert _sender_processes() == []
 
 
 async def test_repacing_reaches_the_sender_process() -> None:
@@ -245,8 +357,8 @@ async def test_a_send_waiting_for_the_ring_returns_when_the_process_dies() -> No
         thread.start()
         await asyncio.sleep(0.5)
         assert thread.is_alive()  # waiting for the ring
-        assert sender._process is not None
-        sender._process.kill()
+        assert sender._child.process is not None
+        sender._child.process.kill()
         await asyncio.wait_for(asyncio.to_thread(thread.join), 10)
         with pytest.raises(TransferError, match="sender process exited"):
             await asyncio.wait_for(handle.wait(), 10)
@@ -262,8 +374,8 @@ async def test_a_send_on_the_loop_waiting_for_the_ring_returns_when_the_process_
     await sender.start()
     try:
         handle = sender.open(10)
-        assert sender._process is not None
-        killer = threading.Timer(1.0, sender._process.kill)
+        assert sender._child.process is not None
+        killer = threading.Timer(1.0, sender._child.process.kill)
         killer.start()
         began = time.monotonic()
         for layer in range(16):  # blocks this thread (the loop's) once the ring is full
@@ -311,7 +423,7 @@ async def test_close_with_many_open_rooms_is_prompt() -> None:
     began = asyncio.get_running_loop().time()
     await sender.close()
     assert asyncio.get_running_loop().time() - began < 5
-    assert sender._process is not None and sender._process.returncode == 0
+    assert sender._child.process is not None and sender._child.process.returncode == 0
     for handle in handles:
         with pytest.raises(TransferError, match="sender closed"):
             await handle.wait()

@@ -90,13 +90,14 @@ def _add_final(acc: Collected, event: Any) -> None:
 async def health(request: web.Request) -> web.Response:
     """`GET /health`, open to anyone (load balancers): the engine's own report of its role,
     whether a role switch is draining it, its start id (a new one after a restart), and that
-    it can export and pull cached prefixes. A 503 once its KV sender process has exited:
-    every hand-off would fail, so the gateway ejects it and a supervisor restarts it."""
+    it can export and pull cached prefixes. A 503 while no KV sender process runs (one
+    exited, and the next has not started yet): every hand-off would fail meanwhile, so the
+    gateway ejects it until the next one serves."""
     service = request.app[SERVICE]
     transport = _transport(service)
     if isinstance(transport, ProcessSender) and not transport.is_alive():
         raise APIError(503, "the engine's KV sender process exited: KV hand-offs fail until "
-                       "the engine restarts", code="kv_sender_gone")  # fmt: skip
+                       "the next one starts", code="kv_sender_gone")  # fmt: skip
     body = {
         "status": "ok",
         "role": service.core.role,

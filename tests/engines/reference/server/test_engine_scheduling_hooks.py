@@ -25,7 +25,7 @@ from prfaas.engines.reference.server.app_keys import ModelInfo
 from prfaas.engines.reference.server.routes import create_app
 from prfaas.engines.reference.server.service import EngineService
 from prfaas.engines.reference.step.core import EngineCore
-from prfaas.engines.transport import SenderConfig
+from prfaas.engines.transport import ProcessSender, SenderConfig
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
@@ -110,22 +110,31 @@ async def test_admin_egress_repaces_the_transport(tiny_runner: ModelRunner, proc
     assert bad[1][1]["error"]["message"] == 'the body must be {"rate_mbps": <number > 0>}'
 
 
-async def test_health_fails_once_the_sender_process_is_gone(tiny_runner: ModelRunner) -> None:
+async def test_health_fails_while_no_sender_process_runs(tiny_runner: ModelRunner) -> None:
     """A prefill whose KV sender process died answers `/health` with a 503 naming it (the
-    gateway ejects it, a supervisor restarts it): no hand-off of it could succeed."""
+    gateway ejects it: no hand-off of it could succeed) until the next process serves, and
+    200 again then."""
     paced = _paced_engine(tiny_runner, 10e6 / 8, process=True)
     async with paced as (url, service), aiohttp.ClientSession() as s:
         async with s.get(f"{url}/health") as resp:
             assert resp.status == 200
         sender = service.sender
         assert isinstance(sender, TransportSender)
-        child = sender.transport._process  # type: ignore[union-attr]
+        transport = sender.transport
+        assert isinstance(transport, ProcessSender) and transport._child is not None
+        child = transport._child.process
         assert child is not None
         child.kill()
         await child.wait()
-        async with s.get(f"{url}/health") as resp:
+        async with s.get(f"{url}/health") as resp:  # the next starts 0.5 s later at the soonest
             assert resp.status == 503
             assert (await resp.json())["error"]["code"] == "kv_sender_gone"
+        for _ in range(300):
+            async with s.get(f"{url}/health") as resp:
+                if resp.status == 200:
+                    break
+            await asyncio.sleep(0.1)
+        assert resp.status == 200 and transport.restarts == 1
 
 
 async def test_admin_egress_without_a_transport_is_404(tiny_runner: ModelRunner) -> None:
