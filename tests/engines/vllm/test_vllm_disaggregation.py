@@ -8,8 +8,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import random
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -337,6 +339,46 @@ def test_a_decode_waiting_for_its_kv_does_not_spin(cluster: Cluster) -> None:
     wait_until(lambda: gauge(decode.url, "vllm:num_requests_waiting") == 0, 30, "the abort")
     wait_until(lambda: gauge(decode.url, "vllm:kv_cache_usage_perc") <= baseline, 30,
                "decode KV usage back to baseline")  # fmt: skip
+
+
+async def test_a_killed_sender_process_is_replaced_and_vllm_keeps_serving(
+    cluster: Cluster,
+) -> None:
+    """The PrfaaS prefill's KV sender process (a child of vLLM's worker) killed: vLLM stays
+    up, the connector starts another on the same bootstrap port, and a long prompt through
+    the Router over the paced link again equals the aggregated run."""
+    prefill = cluster.engines["prfaas-p0"]
+    first = _sender_process_of(prefill)
+    assert first is not None
+    os.kill(first, signal.SIGKILL)
+    wait_until(lambda: "the KV sender process restarted" in prefill.log.read_text(errors="replace"),
+               60, "another sender process serving")  # fmt: skip
+    assert _sender_process_of(prefill) not in (None, first)
+    assert prefill.healthy()
+    ids = [random.Random(21).randrange(256) for _ in range(2000)]
+    async with gateway(cluster) as gw:
+        got, route = await generate(gw, ids)
+    assert route == "prfaas-p0"
+    assert got == aggregated(cluster.engines["pd-p0"].url, ids).ids
+
+
+def _sender_process_of(engine: VLLMProcess) -> int | None:
+    """The KV sender process under `engine`'s process tree (None while there is none)."""
+    parents: dict[int, int] = {}
+    senders = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            pid = int(stat.parent.name)
+            parents[pid] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            if b"transport.sender_process" in (stat.parent / "cmdline").read_bytes():
+                senders.append(pid)
+    for pid in senders:
+        ancestor = pid
+        while ancestor > 1:
+            ancestor = parents.get(ancestor, 0)
+            if ancestor == engine.process.pid:
+                return pid
+    return None
 
 
 def test_prefill_killed_mid_transfer_fails_the_decode_and_frees_its_blocks(
