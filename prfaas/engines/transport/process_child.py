@@ -146,7 +146,8 @@ class SenderChild:
             )
             fds = (cmd_r, reply_w, self.ring.fd, *listeners)
             self._process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "prfaas.engines.transport.sender_process",
+                # -P: not the working folder's `prfaas` first, the one PYTHONPATH names
+                sys.executable, "-P", "-m", "prfaas.engines.transport.sender_process",
                 str(cmd_r), str(reply_w), str(self.ring.fd), str(ring_bytes),
                 ",".join(map(str, listeners)),
                 pass_fds=fds, env=_child_env(),

@@ -33,8 +33,8 @@ def _child_pid(sender: ProcessSender) -> int:
 
 
 def _reply_fd(pid: int) -> int:
-    """The reply pipe's write end in a sender process (python -m MODULE CMD_FD REPLY_FD ...)."""
-    return int(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[4])
+    """The reply pipe's write end in a sender process (python -P -m MODULE CMD_FD REPLY_FD)."""
+    return int(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[5])
 
 
 def _sender_processes() -> list[int]:
