@@ -245,9 +245,11 @@ def test_restart_delays_double_up_to_a_cap() -> None:
 
 
 async def test_close_while_waiting_to_restart_is_prompt_and_starts_nothing() -> None:
+    """A close does not wait out the wait before a restart (here 30 s: a crash loop's)."""
     sender = ProcessSender(SenderConfig())
     await sender.start()
     try:
+        sender._quick_deaths = 10
         os.kill(_child_pid(sender), signal.SIGKILL)
         await eventually(lambda: sender._restarting is not None)
         began = time.monotonic()
