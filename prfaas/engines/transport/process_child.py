@@ -10,6 +10,7 @@ import contextlib
 import os
 import queue
 import select
+import socket
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -96,6 +97,7 @@ class SenderChild:
         self._process: asyncio.subprocess.Process | None = None
         self._pidfd: int | None = None
         self._commands: Connection | None = None
+        self._command_socket: socket.socket | None = None
         self._replies: asyncio.ReadTransport | None = None
         self._queue: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
         self._writer: threading.Thread | None = None
@@ -132,8 +134,11 @@ class SenderChild:
         self, config: SenderConfig, ring_bytes: int, max_held_bytes: int, listeners: Sequence[int]
     ) -> None:
         assert self.ring is not None
-        cmd_r, cmd_w = os.pipe()
-        self._commands = Connection(cmd_w, readable=False)  # closed by `release`
+        # a socket pair, not a pipe: `release` shuts the engine's end down, which wakes a
+        # write blocked on it even where a process forked meanwhile holds the other end
+        self._command_socket, theirs = socket.socketpair()
+        self._commands = Connection(os.dup(self._command_socket.fileno()), readable=False)
+        cmd_r = theirs.detach()
         try:
             reply_r, reply_w = os.pipe()
         except BaseException:
@@ -197,20 +202,25 @@ class SenderChild:
 
     async def stop(self) -> None:
         """Tell the process to fail what is open and exit, kill it if it has not within
-        `STOP_TIMEOUT_S`, then `release`; idempotent."""
+        `STOP_TIMEOUT_S` (or the stop is cancelled), then `release`; idempotent."""
         process = self._process
-        if process is not None and process.returncode is None:
-            self.command(Close())
-            if self._writer is None:  # it was never told to start
+        try:
+            if process is not None and process.returncode is None:
+                self.command(Close())
+                if self._writer is None:  # it was never told to start
+                    with contextlib.suppress(ProcessLookupError):
+                        process.kill()
+                try:  # replies are still read meanwhile: the child never waits on its pipe
+                    await asyncio.wait_for(process.wait(), STOP_TIMEOUT_S)
+                except TimeoutError:
+                    with contextlib.suppress(ProcessLookupError):
+                        process.kill()
+                    await process.wait()
+        finally:
+            if process is not None and process.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
-                    process.kill()
-            try:  # replies are still read meanwhile: the child never waits on its pipe
-                await asyncio.wait_for(process.wait(), STOP_TIMEOUT_S)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    process.kill()
-                await process.wait()
-        await self.release()
+                    process.kill()  # (cancelled while waiting)
+            await self.release()
 
     async def release(self) -> None:
         """Let go of an exited process's channel: the writer thread, the pipes, then (once no
@@ -223,6 +233,10 @@ class SenderChild:
     async def _release(self) -> None:
         self._alive = False  # a send waiting for the ring returns, then the ring can go
         self._queue.put(None)  # the writer stops after what is queued
+        if self._command_socket is not None:
+            with contextlib.suppress(OSError):  # (never connected to a process)
+                self._command_socket.shutdown(socket.SHUT_RDWR)
+            self._command_socket.close()
         if self._writer is not None:
             await asyncio.to_thread(self._writer.join)
         if self._replies is not None:

@@ -25,12 +25,12 @@ time (`restart_delay`), as a crash-looping container is.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import itertools
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 
@@ -142,10 +142,11 @@ class ProcessSender:
         self._listener: asyncio.Server | None = None  # bound here, never serving here
         self._child: SenderChild | None = None  # the current process, alive or not
         self._restarting: asyncio.Task[None] | None = None
-        self._unsent: deque[tuple[int, int]] = deque(maxlen=TOMBSTONES)
-        """(room, serial) of the latest transfers failed because no process ran (or it
-        died): every process started later answers their decode sides' REGISTER with ABORT
-        (not a wait for its timeout), even one started after another that died at once."""
+        self._unsent: deque[tuple[int, int, float]] = deque(maxlen=TOMBSTONES)
+        """(room, serial, when) of the latest transfers failed because no process ran (or
+        it died): every process started within `register_timeout_s` answers their decode
+        sides' REGISTER with ABORT (not a wait for that timeout), even one started after
+        another that died at once."""
         self._quick_deaths = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()  # `_rooms`
@@ -245,7 +246,7 @@ class ProcessSender:
             assert child is not None  # started
             handle = _Room(room, self, child, next(self._serials))
             if not child.is_alive():
-                self._unsent.append((room, handle.serial))
+                self._unsent.append((room, handle.serial, time.monotonic()))
                 self._loop.call_soon_threadsafe(
                     functools.partial(handle.fail, _GONE, tell_peer=False)
                 )
@@ -278,8 +279,7 @@ class ProcessSender:
         self._closing = True
         if self._restarting is not None:
             self._restarting.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._restarting
+            await asyncio.wait({self._restarting})  # (its own error is logged by asyncio)
         self._fail_rooms("sender closed")
         if self._child is not None:
             await self._child.stop()
@@ -351,7 +351,8 @@ class ProcessSender:
             child.lived_s(), len(self._rooms),
         )  # fmt: skip
         with self._lock:
-            self._unsent.extend((room, h.serial) for room, h in self._rooms.items())
+            now = time.monotonic()
+            self._unsent.extend((room, h.serial, now) for room, h in self._rooms.items())
         self._fail_rooms(_GONE)
         if self._restarting is None or self._restarting.done():
             assert self._loop is not None
@@ -362,10 +363,10 @@ class ProcessSender:
         quick = dead.lived_s() < RESTART_RESET_S
         self._quick_deaths = self._quick_deaths + 1 if quick else 1
         while True:
+            await self._let_go(dead)
+            delay = restart_delay(self._quick_deaths)
+            await asyncio.sleep(delay)
             try:
-                await dead.stop()  # (it has exited: its channel is let go)
-                delay = restart_delay(self._quick_deaths)
-                await asyncio.sleep(delay)
                 child = await self._spawn()
             except (OSError, ValueError) as exc:  # (TimeoutError is an OSError)
                 logger.warning("the KV sender process did not restart: %s", exc)
@@ -374,18 +375,30 @@ class ProcessSender:
             else:
                 if self._serve_with(child, delay):
                     return
-                dead = child  # it exited before it became the current one
+                dead = child
             self._quick_deaths += 1
 
+    @staticmethod
+    async def _let_go(child: SenderChild) -> None:
+        """Stop an exited (or unwanted) process and let go of its channel; a failure to is
+        logged, and the restart goes on."""
+        try:
+            await child.stop()
+        except Exception:
+            logger.exception("letting go of a KV sender process failed")
+
     def _serve_with(self, child: SenderChild, delay: float) -> bool:
-        """Make a started process the current one: it fails the transfers no process could
-        send (a decode side that asks for one is told at once), and paces at the rate set
-        meanwhile. False if it has exited already."""
-        if child.ended:  # its end was not the current process's then
+        """Make a started process the current one: it fails the recent transfers no process
+        could send (a decode side that asks for one is told at once), and paces at the rate
+        set meanwhile. False if it has exited already or the sender is closing."""
+        if child.ended or self._closing:  # (its end, if seen, was not the current one's)
             return False
+        horizon = time.monotonic() - self.config.register_timeout_s
         with self._lock:  # an `open` either saw the process before or sees this one
             self._child = child
-            for room, serial in self._unsent:
+            while self._unsent and self._unsent[0][2] < horizon:
+                self._unsent.popleft()  # its decode side has given up on a REGISTER by now
+            for room, serial, _ in self._unsent:
                 child.command(Open(room, serial))
                 child.command(Abort(room, serial, _GONE))
         rate = self.config.process_rate_bytes_per_s

@@ -239,6 +239,20 @@ async def test_a_death_is_seen_while_another_process_holds_the_reply_pipe() -> N
         await sender.close()
 
 
+async def test_a_cancelled_close_leaves_no_sender_process() -> None:
+    """A close cancelled while it waits for the process to exit (here: stopped, so it
+    never reads `Close`) kills it: nothing keeps serving the engine's port."""
+    sender = ProcessSender(SenderConfig())
+    await sender.start()
+    os.kill(_child_pid(sender), signal.SIGSTOP)
+    closing = asyncio.create_task(sender.close())
+    await asyncio.sleep(0.3)
+    closing.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await closing
+    await eventually(lambda: _sender_processes() == [], timeout_s=10)
+
+
 def test_restart_delays_double_up_to_a_cap() -> None:
     assert [restart_delay(n) for n in (0, 1, 2, 3, 4)] == [0.5, 0.5, 1.0, 2.0, 4.0]
     assert restart_delay(100) == 30.0
