@@ -1,5 +1,5 @@
 """`SenderChild`: one sender process and the engine's end of its channel (the shared ring,
-the command pipe and the thread that writes it, the reply pipe read on the engine's loop,
+the command channel and the thread that writes it, the reply pipe read on the engine's loop,
 the process's exit read from its pidfd). `ProcessSender` runs one at a time, and starts
 another when one dies."""
 
@@ -71,8 +71,8 @@ class SenderChild:
 
     Its replies other than the first go to `on_reply`, on the loop; `on_end` is called once,
     on the loop, when it exited: when its reply pipe ends (after the replies it wrote), or
-    `END_GRACE_S` after its pidfd says so, whichever comes first (a process the engine forked
-    meanwhile may hold the pipe's end open)."""
+    `END_GRACE_S` after its pidfd says so, whichever comes first (a process the engine
+    forked meanwhile may hold the pipe's end open)."""
 
     def __init__(
         self,
@@ -87,7 +87,7 @@ class SenderChild:
         """The ring's writer: held from a message's first byte until its commands are
         queued, and by `release` before the ring goes."""
         self.ended = False
-        """The reply pipe ended: the process has exited (or is about to)."""
+        """Its end was seen (see the class docstring): the process has exited."""
         self._started_at = loop.time()
         self._ended_at: float | None = None
         self._loop = loop
@@ -119,7 +119,7 @@ class SenderChild:
         descriptors, bound by the engine) and tell it to start; `started` awaits its answer.
 
         Raises:
-            OSError: the ring, the pipes or the process cannot be made (nothing is left).
+            OSError: the ring, the channel or the process cannot be made (nothing is left).
         """
         loop = asyncio.get_running_loop()
         child = cls(loop, SharedRing.create(ring_bytes), on_reply, on_end)
@@ -223,9 +223,9 @@ class SenderChild:
             await self.release()
 
     async def release(self) -> None:
-        """Let go of an exited process's channel: the writer thread, the pipes, then (once no
-        send is inside it) the ring; idempotent, and a caller cancelled meanwhile does not
-        stop it half-way."""
+        """Let go of an exited process's channel: the writer thread, the command socket and
+        the reply pipe, then (once no send is inside it) the ring; idempotent, and a caller
+        cancelled meanwhile does not stop it half-way."""
         if self._releasing is None:
             self._releasing = asyncio.ensure_future(self._release())
         await asyncio.shield(self._releasing)
@@ -254,7 +254,7 @@ class SenderChild:
         self._end()  # if the pipe's end was never read (the process never ran)
 
     def _write_commands(self) -> None:
-        """The writer thread: the queued commands down the pipe, in order, until None."""
+        """The writer thread: the queued commands down the channel, in order, until None."""
         while (command := self._queue.get()) is not None:
             if self._commands is None or not self._alive:
                 continue

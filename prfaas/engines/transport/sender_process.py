@@ -20,7 +20,7 @@ commands are still read. Send-after (not pipelined) holds every message until it
 ends, unbounded, as the in-process sender does.
 
 Replies never block its loop: they are buffered, and a periodic snapshot is skipped while
-earlier replies wait. It exits on `Close`, or when the engine's end of the command pipe
+earlier replies wait. It exits on `Close`, or when the engine's end of the command channel
 closes (the engine is gone).
 """
 
@@ -68,7 +68,8 @@ READ_BATCH = 64
 
 
 class SenderProcess:
-    """Serves one engine's commands until `Close` or the engine's end of the pipe closes."""
+    """Serves one engine's commands until `Close`, or until the engine's end of the
+    channel closes."""
 
     def __init__(
         self,
