@@ -183,6 +183,11 @@ class SenderChild:
         """The process (None if it never started)."""
         return self._process
 
+    @property
+    def pid(self) -> int | None:
+        """The process's id (None if it never started)."""
+        return None if self._process is None else self._process.pid
+
     def command(self, command: Command) -> None:
         """Queue one command for the writer thread (never blocks: the loop calls this)."""
         self._queue.put(command)

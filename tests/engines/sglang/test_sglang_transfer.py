@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ from sglang.srt.disaggregation.common.conn import KVTransferError
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from prfaas.common.ports import free_port
+from prfaas.engines.transport import ProcessSender
 
 PAGES = 32  # pages of each pool (128 tokens)
 
@@ -58,6 +60,28 @@ def test_a_sender_process_prefill_arrives_bit_exact(make_pair: Any) -> None:
     own, and the same transfer arrives the same."""
     pair = make_pair(SENDER_PROCESS="1")
     assert type(pair.prefill_mgr.prefill.sender).__name__ == "ProcessSender"
+    _round_trip(pair, 61, 4, 3)
+
+
+def test_a_killed_sender_process_fails_its_rooms_and_is_replaced(make_pair: Any) -> None:
+    """The sender process killed: a room bootstrapped before the next one serves ends
+    Failed on both sides, the decode's told by the next process (not left to its
+    timeout), and once it serves the same transfer arrives as before."""
+    pair = make_pair(SENDER_PROCESS="1")
+    process_sender = pair.prefill_mgr.prefill.sender
+    assert isinstance(process_sender, ProcessSender) and process_sender._child is not None
+    first = process_sender._child.pid
+    assert first is not None
+    os.kill(first, signal.SIGKILL)
+    assert sh.wait_for(process_sender.is_alive, False) is False
+    sender, receiver = pair.sender(31), pair.receiver(31)  # opened while no process runs
+    receiver.send_metadata(np.arange(4, dtype=np.int32), 2, [np.array([3], dtype=np.int32)])
+    assert sh.wait_for(sender.poll, KVPoll.Failed) == KVPoll.Failed
+    assert sh.wait_for(receiver.poll, KVPoll.Failed, timeout_s=20) == KVPoll.Failed
+    for side in (sender, receiver):
+        assert "sender process exited" in _failure(side)
+    assert sh.wait_for(process_sender.is_alive, True) is True
+    assert process_sender.restarts == 1 and process_sender._child.pid != first
     _round_trip(pair, 61, 4, 3)
 
 

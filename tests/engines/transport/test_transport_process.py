@@ -28,8 +28,8 @@ MIB = 1 << 20
 
 
 def _child_pid(sender: ProcessSender) -> int:
-    assert sender._child is not None and sender._child.process is not None
-    return sender._child.process.pid
+    assert sender._child is not None and sender._child.pid is not None
+    return sender._child.pid
 
 
 def _reply_fd(pid: int) -> int:
