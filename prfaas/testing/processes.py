@@ -18,6 +18,14 @@ def _stats() -> Iterator[tuple[int, list[str]]]:
         yield int(stat.parent.name), fields
 
 
+def argv(pid: int) -> list[str] | None:
+    """A process's command line (None once it ended)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+    except OSError:
+        return None
+
+
 def child_pids(pid: int) -> list[int]:
     """The ids of `pid`'s direct children."""
     return [child for child, fields in _stats() if int(fields[1]) == pid]
@@ -34,11 +42,10 @@ def engine_pid(child: int) -> int | None:
     or, for an engine run under `prfaas.serve.reaper` (a vLLM server), the server it started
     (None while it has none). A fault meant for the engine (SIGKILL, SIGSTOP) goes there;
     `os.killpg(child, ...)` reaches its whole tree."""
-    try:
-        argv = Path(f"/proc/{child}/cmdline").read_text().split("\0")
-    except OSError:
+    command = argv(child)
+    if command is None:
         return None
-    if "prfaas.serve.reaper" not in argv[:3]:
+    if "prfaas.serve.reaper" not in command[:3]:
         return child
     children = child_pids(child)
     return children[0] if children else None
@@ -51,11 +58,10 @@ def waiting_standby(child: int) -> bool:
     server = engine_pid(child)
     if server is None:
         return False
-    try:
-        argv = Path(f"/proc/{server}/cmdline").read_text().split("\0")
-    except OSError:
-        return False
-    return "prfaas.engines.vllm.standby" in argv and not child_pids(server)
+    command = argv(server)
+    return (
+        command is not None and "prfaas.engines.vllm.standby" in command and not child_pids(server)
+    )
 
 
 def alive(pid: int) -> bool:

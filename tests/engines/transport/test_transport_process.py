@@ -21,10 +21,12 @@ from transport_helpers import assert_same, eventually, make_pair
 from prfaas.engines.transport import Kind, ProcessSender, SenderConfig, TlsConfig, TransferError
 from prfaas.engines.transport.process_channel import Done, ReplyFrames, Started, framed
 from prfaas.engines.transport.process_sender import restart_delay
+from prfaas.testing.processes import argv, child_pids
 
 pytestmark = pytest.mark.timeout(60)
 
 MIB = 1 << 20
+SENDER_MODULE = "prfaas.engines.transport.sender_process"
 
 
 def _child_pid(sender: ProcessSender) -> int:
@@ -34,19 +36,14 @@ def _child_pid(sender: ProcessSender) -> int:
 
 def _reply_fd(pid: int) -> int:
     """The reply pipe's write end in a sender process (python -P -m MODULE CMD_FD REPLY_FD)."""
-    return int(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[5])
+    command = argv(pid)
+    assert command is not None
+    return int(command[5])
 
 
 def _sender_processes() -> list[int]:
     """This process's children that run a sender process."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            cmdline = (stat.parent / "cmdline").read_bytes()
-            if int(fields[1]) == os.getpid() and b"sender_process" in cmdline:
-                found.append(int(stat.parent.name))
-    return found
+    return [p for p in child_pids(os.getpid()) if SENDER_MODULE in (argv(p) or ())]
 
 
 async def test_a_full_ring_holds_the_sender_until_the_decode_side_takes_the_bytes() -> None:

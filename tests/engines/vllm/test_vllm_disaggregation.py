@@ -48,7 +48,8 @@ from prfaas.engines.vllm.launch import VLLMProcess
 from prfaas.gateway.api.assembly import Gateway, build_gateway
 from prfaas.gateway.deployment import DeploymentConfig, GatewayConfig, InstanceConfig, ModelConfig
 from prfaas.protocol.generate import SamplingParams
-from prfaas.testing.processes import group_cpu_seconds
+from prfaas.serve.reaper import descendants
+from prfaas.testing.processes import argv, group_cpu_seconds
 from prfaas.testing.tiny_checkpoint import TINY_BLOCK_SIZE
 
 pytestmark = pytest.mark.timeout(900)
@@ -364,21 +365,8 @@ async def test_a_killed_sender_process_is_replaced_and_vllm_keeps_serving(
 
 def _sender_process_of(engine: VLLMProcess) -> int | None:
     """The KV sender process under `engine`'s process tree (None while there is none)."""
-    parents: dict[int, int] = {}
-    senders = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):
-            pid = int(stat.parent.name)
-            parents[pid] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            if b"transport.sender_process" in (stat.parent / "cmdline").read_bytes():
-                senders.append(pid)
-    for pid in senders:
-        ancestor = pid
-        while ancestor > 1:
-            ancestor = parents.get(ancestor, 0)
-            if ancestor == engine.process.pid:
-                return pid
-    return None
+    module = "prfaas.engines.transport.sender_process"
+    return next((p for p in descendants(engine.process.pid) if module in (argv(p) or ())), None)
 
 
 def test_prefill_killed_mid_transfer_fails_the_decode_and_frees_its_blocks(
